@@ -1,0 +1,463 @@
+//! One real Kubernetes control plane on loopback.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, PostParams};
+
+use crate::pki::{self, Ca, CertKey};
+use crate::process::Service;
+use crate::{Binaries, Error, Etcd, Result, free_port, io_err};
+
+/// How to start a [`TestCluster`].
+#[derive(Clone, Debug)]
+pub struct ClusterOptions {
+    /// Cluster name: etcd key prefix, file and log names.
+    pub name: String,
+    /// Directory for the cluster's files (PKI, kubeconfigs) and process logs.
+    pub dir: PathBuf,
+    pub scheduler: bool,
+    pub controller_manager: bool,
+    /// kube-controller-manager `--node-monitor-grace-period` (a node without heartbeat for
+    /// this long becomes Unknown).
+    pub node_monitor_grace: Duration,
+    /// kube-controller-manager `--node-monitor-period`.
+    pub node_monitor_period: Duration,
+    /// How long start-up may take before it fails with the failing process's log tail.
+    pub ready_timeout: Duration,
+}
+
+impl ClusterOptions {
+    /// Options for a cluster named `name` of test `test`, with scheduler and
+    /// controller-manager; files and logs under `target/e2e-logs/<test>/<name>/`.
+    pub fn new(test: &str, name: &str) -> Self {
+        Self {
+            name: name.to_owned(),
+            dir: crate::target_dir().join("e2e-logs").join(test).join(name),
+            scheduler: true,
+            controller_manager: true,
+            node_monitor_grace: Duration::from_secs(20),
+            node_monitor_period: Duration::from_secs(2),
+            ready_timeout: Duration::from_secs(90),
+        }
+    }
+
+    /// Only etcd and the apiserver.
+    pub fn apiserver_only(mut self) -> Self {
+        self.scheduler = false;
+        self.controller_manager = false;
+        self
+    }
+}
+
+/// A running cluster. Dropping it kills its processes (etcd is shared and stays).
+pub struct TestCluster {
+    name: String,
+    dir: PathBuf,
+    port: u16,
+    kubeconfig: PathBuf,
+    kubelet_client_ca_pem: String,
+    kubelet_client_ca: PathBuf,
+    apiserver: Mutex<Service>,
+    others: Mutex<Vec<Service>>,
+    ready_timeout: Duration,
+    binaries: &'static Binaries,
+    _etcd: Arc<Etcd>,
+}
+
+impl std::fmt::Debug for TestCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestCluster")
+            .field("name", &self.name)
+            .field("port", &self.port)
+            .finish()
+    }
+}
+
+impl TestCluster {
+    /// Starts a cluster on the process-wide etcd.
+    pub async fn start(options: ClusterOptions) -> Result<TestCluster> {
+        let etcd = tokio::task::spawn_blocking(Etcd::shared)
+            .await
+            .map_err(|e| Error::Etcd(e.to_string()))??;
+        Self::start_on(options, etcd).await
+    }
+
+    /// Starts a cluster on the given etcd.
+    pub async fn start_on(options: ClusterOptions, etcd: Arc<Etcd>) -> Result<TestCluster> {
+        let binaries = tokio::task::spawn_blocking(Binaries::get)
+            .await
+            .map_err(|e| Error::Etcd(e.to_string()))??;
+        let started = Instant::now();
+        let dir = options.dir.clone();
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(io_err(&dir))?;
+        }
+        let pki_dir = dir.join("pki");
+        std::fs::create_dir_all(&pki_dir).map_err(io_err(&pki_dir))?;
+        let files = Pki::generate(&pki_dir)?;
+        let port = free_port()?;
+        let kubeconfig = dir.join(format!("{}.kubeconfig", options.name));
+        write(&kubeconfig, &files.kubeconfig(&options.name, port))?;
+        let kubelet_client_ca = dir.join(format!("{}.kubelet-client-ca.crt", options.name));
+        write(&kubelet_client_ca, &files.kubelet_client_ca)?;
+
+        // Clusters of one process may share a name (two tests each with an "upper").
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let prefix = format!("/{}-{seq}", options.name);
+        let p = |f: &str| pki_dir.join(f).display().to_string();
+        let apiserver_args = vec![
+            format!("--etcd-servers={}", etcd.url()),
+            format!("--etcd-prefix={prefix}"),
+            "--bind-address=127.0.0.1".into(),
+            "--advertise-address=127.0.0.1".into(),
+            format!("--secure-port={port}"),
+            "--endpoint-reconciler-type=none".into(),
+            format!("--tls-cert-file={}", p("apiserver.crt")),
+            format!("--tls-private-key-file={}", p("apiserver.key")),
+            format!("--client-ca-file={}", p("ca.crt")),
+            "--authorization-mode=Node,RBAC".into(),
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
+            format!("--service-account-key-file={}", p("sa.pub")),
+            format!("--service-account-signing-key-file={}", p("sa.key")),
+            "--service-cluster-ip-range=10.0.0.0/24".into(),
+            "--allow-privileged=true".into(),
+            format!("--cert-dir={}", pki_dir.display()),
+            "--profiling=false".into(),
+            format!("--kubelet-client-certificate={}", p("kubelet-client.crt")),
+            format!("--kubelet-client-key={}", p("kubelet-client.key")),
+            "--kubelet-preferred-address-types=InternalIP".into(),
+        ];
+        let apiserver = Service::start(
+            "kube-apiserver",
+            &binaries.apiserver,
+            &apiserver_args,
+            &dir.join("kube-apiserver.log"),
+        )?;
+        let cluster = TestCluster {
+            name: options.name.clone(),
+            dir: dir.clone(),
+            port,
+            kubeconfig: kubeconfig.clone(),
+            kubelet_client_ca_pem: files.kubelet_client_ca.clone(),
+            kubelet_client_ca,
+            apiserver: Mutex::new(apiserver),
+            others: Mutex::new(Vec::new()),
+            ready_timeout: options.ready_timeout,
+            binaries,
+            _etcd: etcd,
+        };
+        cluster.wait_apiserver_ready().await?;
+
+        let kc = kubeconfig.display().to_string();
+        let mut others = Vec::new();
+        if options.scheduler {
+            let mut args = vec![
+                format!("--kubeconfig={kc}"),
+                "--bind-address=127.0.0.1".into(),
+                format!("--secure-port={}", free_port()?),
+                "--leader-elect=false".into(),
+            ];
+            // v1.22 and older also open an insecure port unless told not to; later
+            // releases reject the flag.
+            if binaries.minor < 23 {
+                args.push("--port=0".into());
+            }
+            others.push(Service::start(
+                "kube-scheduler",
+                &binaries.scheduler,
+                &args,
+                &dir.join("kube-scheduler.log"),
+            )?);
+        }
+        if options.controller_manager {
+            let flex = dir.join("flexvolume");
+            std::fs::create_dir_all(&flex).map_err(io_err(&flex))?;
+            let mut args = vec![
+                format!("--kubeconfig={kc}"),
+                "--bind-address=127.0.0.1".into(),
+                format!("--secure-port={}", free_port()?),
+                "--leader-elect=false".into(),
+                format!("--service-account-private-key-file={}", p("sa.key")),
+                format!("--root-ca-file={}", p("ca.crt")),
+                format!("--flex-volume-plugin-dir={}", flex.display()),
+                format!("--node-monitor-period={}s", options.node_monitor_period.as_secs().max(1)),
+                format!(
+                    "--node-monitor-grace-period={}s",
+                    options.node_monitor_grace.as_secs().max(1)
+                ),
+                "--controllers=*,-csrsigning,-csrapproving,-csrcleaner,-bootstrapsigner,-tokencleaner".into(),
+            ];
+            if binaries.minor < 24 {
+                args.push("--port=0".into());
+            }
+            others.push(Service::start(
+                "kube-controller-manager",
+                &binaries.controller_manager,
+                &args,
+                &dir.join("kube-controller-manager.log"),
+            )?);
+        }
+        *cluster.others.lock().map_err(|_| cluster.err("lock poisoned"))? = others;
+        if options.controller_manager {
+            cluster.wait_pods_admitted("default").await?;
+        }
+        tracing::info!(cluster = %cluster.name, secs = started.elapsed().as_secs_f64(), "cluster ready");
+        Ok(cluster)
+    }
+
+    fn err(&self, message: impl Into<String>) -> Error {
+        Error::Cluster {
+            cluster: self.name.clone(),
+            message: message.into(),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Directory holding the cluster's files and logs.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Admin kubeconfig (system:masters).
+    pub fn kubeconfig(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    /// The apiserver's URL.
+    pub fn url(&self) -> String {
+        format!("https://127.0.0.1:{}", self.port)
+    }
+
+    /// PEM of the CA that signed the certificate the apiserver presents to kubelets.
+    pub fn kubelet_client_ca_pem(&self) -> &str {
+        &self.kubelet_client_ca_pem
+    }
+
+    /// File holding [`TestCluster::kubelet_client_ca_pem`].
+    pub fn kubelet_client_ca_path(&self) -> &Path {
+        &self.kubelet_client_ca
+    }
+
+    /// The Kubernetes version of the binaries (`v1.20.2`).
+    pub fn version(&self) -> &str {
+        &self.binaries.version
+    }
+
+    /// A new admin client bound to the calling runtime.
+    pub async fn client(&self) -> Result<kube::Client> {
+        Ok(tensile_common::kubeconfig::client_from_file(&self.kubeconfig, &Default::default()).await?)
+    }
+
+    /// Runs real kubectl with this cluster's kubeconfig.
+    pub async fn kubectl(&self, args: &[&str]) -> crate::kubectl::Output {
+        crate::kubectl::run(&self.kubeconfig, args).await
+    }
+
+    /// PIDs of the cluster's own processes (not the shared etcd).
+    pub fn pids(&self) -> Vec<u32> {
+        let mut pids: Vec<u32> = self.apiserver.lock().ok().and_then(|s| s.pid()).into_iter().collect();
+        if let Ok(others) = self.others.lock() {
+            pids.extend(others.iter().filter_map(Service::pid));
+        }
+        pids
+    }
+
+    /// Kills the apiserver; etcd keeps the data (outage tests).
+    pub fn stop_apiserver(&self) {
+        if let Ok(mut s) = self.apiserver.lock() {
+            s.stop();
+        }
+    }
+
+    /// Starts the apiserver again on the same port and waits until it is ready.
+    pub async fn start_apiserver(&self) -> Result<()> {
+        self.apiserver
+            .lock()
+            .map_err(|_| self.err("lock poisoned"))?
+            .restart()?;
+        self.wait_apiserver_ready().await
+    }
+
+    fn apiserver_failure(&self) -> Option<String> {
+        let mut s = self.apiserver.lock().ok()?;
+        s.exited()
+            .map(|status| format!("kube-apiserver exited ({status}); log tail:\n{}", s.log_tail(4000)))
+    }
+
+    fn log_tails(&self) -> String {
+        let mut out = String::new();
+        if let Ok(s) = self.apiserver.lock() {
+            out.push_str(&format!("--- kube-apiserver ---\n{}\n", s.log_tail(3000)));
+        }
+        if let Ok(others) = self.others.lock() {
+            for s in others.iter() {
+                out.push_str(&format!("--- {} ---\n{}\n", s.name(), s.log_tail(2000)));
+            }
+        }
+        out
+    }
+
+    async fn wait_apiserver_ready(&self) -> Result<()> {
+        let deadline = Instant::now() + self.ready_timeout;
+        loop {
+            if let Some(failure) = self.apiserver_failure() {
+                return Err(self.err(failure));
+            }
+            let last = match self.readyz().await {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            if Instant::now() > deadline {
+                return Err(self.err(format!(
+                    "apiserver not ready after {} s (last: {last}); log tails:\n{}",
+                    self.ready_timeout.as_secs(),
+                    self.log_tails()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    async fn readyz(&self) -> Result<(), String> {
+        let client = self.client().await.map_err(|e| e.to_string())?;
+        let req = http::Request::get("/readyz")
+            .body(Vec::new())
+            .map_err(|e| e.to_string())?;
+        let body = client.request_text(req).await.map_err(|e| e.to_string())?;
+        if body.trim() == "ok" { Ok(()) } else { Err(body) }
+    }
+
+    /// Waits until a pod in `namespace` would be admitted (the namespace and its default
+    /// ServiceAccount, with its token on older releases, exist): a server-side dry run.
+    pub async fn wait_pods_admitted(&self, namespace: &str) -> Result<()> {
+        let client = self.client().await?;
+        let pods: Api<Pod> = Api::namespaced(client, namespace);
+        let probe: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "tensile-admission-probe"},
+            "spec": {"containers": [{"name": "c", "image": "probe"}]}
+        }))
+        .map_err(|e| self.err(e.to_string()))?;
+        let params = PostParams {
+            dry_run: true,
+            ..Default::default()
+        };
+        let deadline = Instant::now() + self.ready_timeout;
+        loop {
+            match pods.create(&params, &probe).await {
+                Ok(_) => return Ok(()),
+                Err(e) if Instant::now() > deadline => {
+                    return Err(self.err(format!(
+                        "pods in {namespace} not admitted after {} s: {e}; log tails:\n{}",
+                        self.ready_timeout.as_secs(),
+                        self.log_tails()
+                    )));
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+    }
+
+    /// Creates namespace `name` and waits until pods in it are admitted.
+    pub async fn create_namespace(&self, name: &str) -> Result<()> {
+        let client = self.client().await?;
+        let api: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client);
+        let ns = serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))
+            .map_err(|e| self.err(e.to_string()))?;
+        match api.create(&PostParams::default(), &ns).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 => {}
+            Err(e) => return Err(e.into()),
+        }
+        self.wait_pods_admitted(name).await
+    }
+}
+
+impl Drop for TestCluster {
+    fn drop(&mut self) {
+        if let Ok(mut others) = self.others.lock() {
+            others.clear();
+        }
+        self.stop_apiserver();
+    }
+}
+
+struct Pki {
+    ca: String,
+    admin: CertKey,
+    kubelet_client_ca: String,
+}
+
+impl Pki {
+    fn generate(dir: &Path) -> Result<Pki> {
+        let ca = Ca::new("tensile-test-ca")?;
+        let serving = ca.server(
+            "kube-apiserver",
+            &[
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+            ],
+        )?;
+        let admin = ca.client("tensile-admin", Some("system:masters"))?;
+        let kubelet_ca = Ca::new("tensile-kubelet-client-ca")?;
+        let kubelet_client = kubelet_ca.client("kube-apiserver-kubelet-client", Some("system:masters"))?;
+        let (sa_key, sa_pub) = pki::service_account_keys()?;
+        for (file, content) in [
+            ("ca.crt", ca.cert_pem()),
+            ("apiserver.crt", serving.cert_pem.clone()),
+            ("apiserver.key", serving.key_pem.clone()),
+            ("kubelet-client.crt", kubelet_client.cert_pem.clone()),
+            ("kubelet-client.key", kubelet_client.key_pem.clone()),
+            ("sa.key", sa_key),
+            ("sa.pub", sa_pub),
+        ] {
+            write(&dir.join(file), &content)?;
+        }
+        Ok(Pki {
+            ca: ca.cert_pem(),
+            admin,
+            kubelet_client_ca: kubelet_ca.cert_pem(),
+        })
+    }
+
+    fn kubeconfig(&self, name: &str, port: u16) -> String {
+        let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+        format!(
+            "apiVersion: v1
+kind: Config
+clusters:
+- name: {name}
+  cluster:
+    server: https://127.0.0.1:{port}
+    certificate-authority-data: {ca}
+users:
+- name: {name}-admin
+  user:
+    client-certificate-data: {cert}
+    client-key-data: {key}
+contexts:
+- name: {name}
+  context:
+    cluster: {name}
+    user: {name}-admin
+current-context: {name}
+",
+            ca = b64(&self.ca),
+            cert = b64(&self.admin.cert_pem),
+            key = b64(&self.admin.key_pem),
+        )
+    }
+}
+
+fn write(path: &Path, content: &str) -> Result<()> {
+    std::fs::write(path, content).map_err(io_err(path))
+}

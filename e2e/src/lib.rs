@@ -1,0 +1,91 @@
+//! The local test bed: real Kubernetes control planes on loopback and simulated kubelets.
+//!
+//! A [`TestCluster`] is etcd (shared per process, one key prefix per cluster), a real
+//! kube-apiserver and, when asked, kube-scheduler and kube-controller-manager, all on
+//! 127.0.0.1 with certificates made in process. A [`NodeSimulator`] plays the kubelets:
+//! it registers Nodes, keeps their Leases and status, runs the pods bound to them through
+//! believable lifecycles and serves the kubelet API (`kubectl logs`) over TLS.
+//!
+//! Every child process is killed when its owner is dropped and, through PDEATHSIG, when the
+//! test process dies. Logs land under `target/e2e-logs/<test>/<cluster>/`.
+
+pub mod bins;
+pub mod cluster;
+pub mod etcd;
+pub mod kubectl;
+pub mod pki;
+pub mod process;
+pub mod shared;
+pub mod simulator;
+pub mod tls;
+pub mod wait;
+
+use std::path::PathBuf;
+
+pub use bins::Binaries;
+pub use cluster::{ClusterOptions, TestCluster};
+pub use etcd::Etcd;
+pub use simulator::{Behavior, NodeConfig, NodeSimulator, SimulatorOptions};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Binaries(#[from] bins::Error),
+    #[error(transparent)]
+    Process(#[from] process::Error),
+    #[error(transparent)]
+    Pki(#[from] pki::Error),
+    #[error(transparent)]
+    Tls(#[from] tls::Error),
+    #[error("etcd: {0}")]
+    Etcd(String),
+    #[error("cluster {cluster}: {message}")]
+    Cluster { cluster: String, message: String },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Kubeconfig(#[from] tensile_common::kubeconfig::Error),
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("timed out after {secs} s waiting for {what}")]
+    Timeout { what: String, secs: u64 },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+pub(crate) fn io_err(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Error {
+    let path = path.into();
+    move |source| Error::Io { path, source }
+}
+
+/// The workspace's target directory (`CARGO_TARGET_DIR` when set).
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"))
+}
+
+/// The running executable's name without cargo's hash suffix (`testbed-1a2b…` → `testbed`).
+pub fn binary_name() -> String {
+    let exe = std::env::current_exe().ok();
+    let stem = exe
+        .as_ref()
+        .and_then(|p| p.file_stem())
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "e2e".into());
+    match stem.rsplit_once('-') {
+        Some((base, hash)) if hash.len() == 16 && hash.chars().all(|c| c.is_ascii_hexdigit()) => base.to_owned(),
+        _ => stem,
+    }
+}
+
+/// A port that was free on 127.0.0.1 a moment ago.
+pub fn free_port() -> Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io_err("127.0.0.1:0"))?;
+    let port = listener.local_addr().map_err(io_err("127.0.0.1:0"))?.port();
+    Ok(port)
+}

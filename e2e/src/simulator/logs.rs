@@ -1,0 +1,226 @@
+//! The simulated container log: deterministic lines a test can predict.
+//!
+//! A container writes line `i` at `startedAt + i` seconds, reading
+//! `<namespace>/<pod> <container> line <i>`, until it terminates. The kubelet's log options
+//! select from that sequence exactly as they would from a real log file.
+
+use jiff::{SignedDuration, Timestamp};
+
+/// One container run's log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LogSource {
+    pub namespace: String,
+    pub pod: String,
+    pub container: String,
+    pub started: Timestamp,
+    /// When the run ended; `None` while it runs.
+    pub finished: Option<Timestamp>,
+}
+
+/// The kubelet's `containerLogs` query options.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LogOptions {
+    pub follow: bool,
+    pub previous: bool,
+    pub timestamps: bool,
+    pub tail_lines: Option<u64>,
+    pub limit_bytes: Option<u64>,
+    pub since_seconds: Option<u64>,
+    pub since_time: Option<Timestamp>,
+}
+
+impl LogOptions {
+    /// Parses a query string the way the kubelet does; errors name the parameter.
+    pub fn from_query(query: &str) -> Result<Self, String> {
+        let mut o = LogOptions::default();
+        for (key, value) in form_urlencoded::parse(query.as_bytes()) {
+            let flag = || match value.as_ref() {
+                "" | "true" | "1" => Ok(true),
+                "false" | "0" => Ok(false),
+                v => Err(format!("{key}={v:?}: not a boolean")),
+            };
+            let count = || {
+                value
+                    .parse::<i64>()
+                    .map_err(|_| format!("{key}={value:?}: not an integer"))
+                    .and_then(|n| u64::try_from(n).map_err(|_| format!("{key}={n}: must not be negative")))
+            };
+            match key.as_ref() {
+                "follow" => o.follow = flag()?,
+                "previous" => o.previous = flag()?,
+                "timestamps" => o.timestamps = flag()?,
+                "tailLines" => o.tail_lines = Some(count()?),
+                "limitBytes" => {
+                    let n = count()?;
+                    if n == 0 {
+                        return Err("limitBytes=0: must be positive".into());
+                    }
+                    o.limit_bytes = Some(n)
+                }
+                "sinceSeconds" => {
+                    let n = count()?;
+                    if n == 0 {
+                        return Err("sinceSeconds=0: must be positive".into());
+                    }
+                    o.since_seconds = Some(n)
+                }
+                "sinceTime" => {
+                    o.since_time = Some(
+                        value
+                            .parse::<Timestamp>()
+                            .map_err(|e| format!("sinceTime={value:?}: not RFC 3339: {e}"))?,
+                    )
+                }
+                _ => {}
+            }
+        }
+        if o.since_seconds.is_some() && o.since_time.is_some() {
+            return Err("sinceSeconds and sinceTime are mutually exclusive".into());
+        }
+        Ok(o)
+    }
+
+    /// Earliest timestamp a line may have, if the options bound it.
+    pub fn since(&self, now: Timestamp) -> Option<Timestamp> {
+        match (self.since_seconds, self.since_time) {
+            (Some(s), _) => now.checked_sub(SignedDuration::from_secs(s as i64)).ok(),
+            (None, t) => t,
+        }
+    }
+}
+
+impl LogSource {
+    /// Time of line `i`.
+    pub fn time_of(&self, i: u64) -> Timestamp {
+        self.started
+            .checked_add(SignedDuration::from_secs(i as i64))
+            .unwrap_or(self.started)
+    }
+
+    /// Text of line `i`, newline included.
+    pub fn render(&self, i: u64, timestamps: bool) -> String {
+        let text = format!("{}/{} {} line {i}", self.namespace, self.pod, self.container);
+        if timestamps {
+            format!("{} {text}\n", self.time_of(i))
+        } else {
+            format!("{text}\n")
+        }
+    }
+
+    /// Number of lines written by `now` (line 0 is written at start).
+    pub fn written_by(&self, now: Timestamp) -> u64 {
+        let end = match self.finished {
+            Some(f) if f < now => f,
+            _ => now,
+        };
+        let secs = end.duration_since(self.started).as_secs();
+        if secs < 0 { 0 } else { secs as u64 + 1 }
+    }
+
+    /// The first line to send for `options` at `now`, and the end (exclusive) of what is
+    /// written so far.
+    pub fn window(&self, options: &LogOptions, now: Timestamp) -> (u64, u64) {
+        let end = self.written_by(now);
+        let mut first = 0;
+        if let Some(since) = options.since(now) {
+            let offset = since.duration_since(self.started).as_secs();
+            // Line i is at started+i: the first line at or after `since`.
+            first = if offset <= 0 { 0 } else { offset as u64 };
+            let has_fraction = since.duration_since(self.started).subsec_nanos() > 0;
+            if offset >= 0 && has_fraction {
+                first += 1;
+            }
+        }
+        if let Some(tail) = options.tail_lines {
+            first = first.max(end.saturating_sub(tail));
+        }
+        (first.min(end), end)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn src(finished: Option<i64>) -> LogSource {
+        LogSource {
+            namespace: "ns".into(),
+            pod: "p".into(),
+            container: "c".into(),
+            started: Timestamp::from_second(1_000).unwrap(),
+            finished: finished.map(|s| Timestamp::from_second(s).unwrap()),
+        }
+    }
+
+    fn at(s: i64) -> Timestamp {
+        Timestamp::from_second(s).unwrap()
+    }
+
+    #[test]
+    fn lines_are_deterministic() {
+        let s = src(None);
+        assert_eq!(s.render(3, false), "ns/p c line 3\n");
+        assert_eq!(s.render(0, true), "1970-01-01T00:16:40Z ns/p c line 0\n");
+        assert_eq!(s.written_by(at(999)), 0);
+        assert_eq!(s.written_by(at(1_000)), 1);
+        assert_eq!(s.written_by(at(1_009)), 10);
+        assert_eq!(src(Some(1_004)).written_by(at(2_000)), 5);
+    }
+
+    #[test]
+    fn tail_and_since_select_like_the_kubelet() {
+        let s = src(None);
+        let now = at(1_009); // lines 0..=9 written
+        let all = LogOptions::default();
+        assert_eq!(s.window(&all, now), (0, 10));
+        let tail = LogOptions {
+            tail_lines: Some(3),
+            ..Default::default()
+        };
+        assert_eq!(s.window(&tail, now), (7, 10));
+        let since = LogOptions {
+            since_seconds: Some(4),
+            ..Default::default()
+        };
+        assert_eq!(s.window(&since, now), (5, 10));
+        let since_time = LogOptions {
+            since_time: Some(at(1_002)),
+            tail_lines: Some(100),
+            ..Default::default()
+        };
+        assert_eq!(s.window(&since_time, now), (2, 10));
+        let before_start = LogOptions {
+            since_time: Some(at(10)),
+            ..Default::default()
+        };
+        assert_eq!(s.window(&before_start, now), (0, 10));
+        let zero_tail = LogOptions {
+            tail_lines: Some(0),
+            ..Default::default()
+        };
+        assert_eq!(s.window(&zero_tail, now), (10, 10));
+    }
+
+    #[test]
+    fn queries_parse_and_bad_ones_are_named() {
+        let o = LogOptions::from_query(
+            "follow=true&tailLines=5&timestamps=1&limitBytes=100&sinceTime=2026-01-02T03%3A04%3A05Z",
+        )
+        .unwrap();
+        assert!(o.follow && o.timestamps && !o.previous);
+        assert_eq!(o.tail_lines, Some(5));
+        assert_eq!(o.limit_bytes, Some(100));
+        assert_eq!(o.since_time, Some("2026-01-02T03:04:05Z".parse().unwrap()));
+        for (q, needle) in [
+            ("tailLines=x", "tailLines"),
+            ("tailLines=-1", "negative"),
+            ("limitBytes=0", "limitBytes"),
+            ("sinceTime=yesterday", "sinceTime"),
+            ("sinceSeconds=5&sinceTime=2026-01-02T03:04:05Z", "mutually exclusive"),
+            ("follow=maybe", "follow"),
+        ] {
+            let err = LogOptions::from_query(q).unwrap_err();
+            assert!(err.contains(needle), "{q}: {err}");
+        }
+    }
+}
