@@ -134,6 +134,7 @@ mod tests {
             .build()
             .unwrap();
         let leaf = crate::tls::certs_from_pem(&server.cert_pem).unwrap();
+        use rustls::client::danger::ServerCertVerifier as _;
         let now = rustls::pki_types::UnixTime::now();
         let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
         verifier.verify_server_cert(&leaf[0], &[], &name, &[], now).unwrap();

@@ -1,0 +1,44 @@
+# tensile: a multi-cluster suite (one upper cluster, lower clusters as virtual nodes).
+SHELL := /bin/bash
+CARGO ?= cargo
+TESTBED_DIR ?= target/testbed
+
+.PHONY: all build test lint fmt deps kube-bins testbed bench
+
+all: build
+
+build:
+	$(CARGO) build --workspace --all-targets
+
+# Format check, lints, then every test (end-to-end ones against real control planes).
+test: deps lint
+	$(CARGO) test --workspace --all-targets
+
+lint:
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+# Everything a fresh machine lacks: rustfmt/clippy, etcd, the control-plane binaries.
+deps: kube-bins
+	@rustup component list --installed 2>/dev/null | grep -q rustfmt || rustup component add rustfmt
+	@rustup component list --installed 2>/dev/null | grep -q clippy || rustup component add clippy
+	@command -v kubectl >/dev/null || { echo "kubectl is required on PATH (tests drive the clusters with it)"; exit 1; }
+	@command -v curl >/dev/null && command -v setpriv >/dev/null || { \
+	  echo "installing curl/util-linux (apt)"; apt-get update -qq && apt-get install -y -qq curl util-linux; }
+
+# kube-apiserver, kube-scheduler, kube-controller-manager v1.20.2 from Debian's source
+# package, cached under ~/.cache/tensile (first run: several minutes); etcd from Debian.
+kube-bins:
+	@bash scripts/kube-bins.sh >/dev/null
+
+# An upper cluster and two lower clusters with 3 simulated nodes each, until Ctrl-C.
+testbed: kube-bins
+	$(CARGO) run -p tensile-e2e --bin testbed -- up --dir $(TESTBED_DIR) \
+	  --cluster upper --cluster lower-a:nodes=3 --cluster lower-b:nodes=3
+
+# Benchmarks; figures are written as JSON under target/bench/.
+bench: kube-bins
+	$(CARGO) run --release -p tensile-e2e --bin bench -- --out target/bench

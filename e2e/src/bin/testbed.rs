@@ -1,0 +1,86 @@
+//! `testbed up --dir DIR --cluster NAME[:nodes=N,cpu=C,memory=M,pods=P] ...`
+//!
+//! Starts the named clusters (scheduler and controller-manager included) on one etcd, with
+//! N simulated nodes each when asked; writes `DIR/NAME.kubeconfig` and
+//! `DIR/NAME.kubelet-client-ca.crt`; prints one line when everything is ready; tears it all
+//! down on SIGINT or SIGTERM.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use tensile_common::telemetry::LogArgs;
+use tensile_e2e::testbed::{ClusterSpec, Testbed};
+
+#[derive(Parser, Debug)]
+#[command(name = "testbed", about = "Real Kubernetes control planes on loopback with simulated nodes")]
+struct Cli {
+    #[command(flatten)]
+    log: LogArgs,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Start clusters and keep them running until interrupted.
+    Up {
+        /// Directory for kubeconfigs, certificates and logs.
+        #[arg(long, env = "TESTBED_DIR")]
+        dir: PathBuf,
+        /// A cluster: `NAME`, or `NAME:nodes=N[,cpu=C][,memory=M][,pods=P]`. Repeatable.
+        #[arg(long = "cluster", required = true, value_parser = ClusterSpec::parse)]
+        clusters: Vec<ClusterSpec>,
+    },
+}
+
+fn main() -> ExitCode {
+    let mut cli = Cli::parse();
+    // Readiness polling fails by design until the apiservers answer; kube's client logs each
+    // such failure as an error, which would drown the test bed's own messages.
+    if std::env::var_os("TENSILE_LOG").is_none() && cli.log.level == "info" {
+        cli.log.level = "info,kube_client=off".into();
+    }
+    if let Err(e) = tensile_common::telemetry::init(&cli.log) {
+        eprintln!("testbed: {e}");
+        return ExitCode::from(2);
+    }
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("testbed: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli.command)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("testbed: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Up { dir, clusters } => {
+            let bed = Testbed::up(&dir, &clusters).await.context("starting the test bed")?;
+            println!("{}", bed.ready_line());
+            wait_for_signal().await?;
+            eprintln!("testbed: stopping");
+            drop(bed);
+            Ok(())
+        }
+    }
+}
+
+async fn wait_for_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.context("waiting for SIGINT")?,
+        _ = term.recv() => {}
+    }
+    Ok(())
+}
