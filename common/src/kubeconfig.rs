@@ -77,7 +77,9 @@ mod tests {
     async fn a_missing_kubeconfig_names_the_path() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nope.kubeconfig");
-        let err = client_from_file(&path, &ClientOptions::default()).await.unwrap_err();
+        let err = client_from_file(&path, &ClientOptions::default())
+            .await
+            .unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("nope.kubeconfig"), "{msg}");
         assert!(msg.contains("cannot read"), "{msg}");
@@ -88,7 +90,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("bad.kubeconfig");
         std::fs::write(&path, "clusters: [this is not: a kubeconfig").unwrap();
-        let err = client_from_file(&path, &ClientOptions::default()).await.unwrap_err();
+        let err = client_from_file(&path, &ClientOptions::default())
+            .await
+            .unwrap_err();
         assert!(err.to_string().contains("bad.kubeconfig"), "{err}");
     }
 
@@ -97,8 +101,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("empty.kubeconfig");
         std::fs::write(&path, "apiVersion: v1\nkind: Config\nclusters: []\n").unwrap();
-        let err = client_from_file(&path, &ClientOptions::default()).await.unwrap_err();
+        let err = client_from_file(&path, &ClientOptions::default())
+            .await
+            .unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains("empty.kubeconfig") && msg.contains("not usable"), "{msg}");
+        assert!(
+            msg.contains("empty.kubeconfig") && msg.contains("not usable"),
+            "{msg}"
+        );
     }
 }

@@ -31,8 +31,11 @@ pub enum Error {
 
 /// Installs the global subscriber; logs go to standard error.
 pub fn init(args: &LogArgs) -> Result<(), Error> {
-    let filter = EnvFilter::try_new(&args.level).map_err(|e| Error::Filter(args.level.clone(), e.to_string()))?;
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let filter =
+        EnvFilter::try_new(&args.level).map_err(|e| Error::Filter(args.level.clone(), e.to_string()))?;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     let result = match args.format {
         LogFormat::Plain => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),

@@ -46,9 +46,10 @@ impl Binaries {
             Some(p) => PathBuf::from(p),
             None => which("etcd").ok_or_else(|| Error::Binary {
                 what: "etcd".into(),
-                detail: "not on PATH and ETCD_BIN is unset; run `make kube-bins` (installs Debian's etcd-server) \
+                detail:
+                    "not on PATH and ETCD_BIN is unset; run `make kube-bins` (installs Debian's etcd-server) \
                          or set ETCD_BIN"
-                    .into(),
+                        .into(),
             })?,
         };
         let apiserver = dir.join("kube-apiserver");
@@ -108,10 +109,13 @@ fn build() -> Result<PathBuf, Error> {
 
 /// Runs `binary --version` and parses `Kubernetes v1.MINOR.PATCH`.
 fn version_of(binary: &Path) -> Result<(String, u32), Error> {
-    let out = Command::new(binary).arg("--version").output().map_err(|e| Error::Binary {
-        what: binary.display().to_string(),
-        detail: format!("cannot run it: {e}"),
-    })?;
+    let out = Command::new(binary)
+        .arg("--version")
+        .output()
+        .map_err(|e| Error::Binary {
+            what: binary.display().to_string(),
+            detail: format!("cannot run it: {e}"),
+        })?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     parse_version(&text).ok_or_else(|| Error::Binary {
         what: binary.display().to_string(),
@@ -131,8 +135,14 @@ mod tests {
 
     #[test]
     fn versions_parse() {
-        assert_eq!(parse_version("Kubernetes v1.20.2\n"), Some(("v1.20.2".into(), 20)));
-        assert_eq!(parse_version("Kubernetes v1.28.0-dirty"), Some(("v1.28.0-dirty".into(), 28)));
+        assert_eq!(
+            parse_version("Kubernetes v1.20.2\n"),
+            Some(("v1.20.2".into(), 20))
+        );
+        assert_eq!(
+            parse_version("Kubernetes v1.28.0-dirty"),
+            Some(("v1.28.0-dirty".into(), 28))
+        );
         assert_eq!(parse_version("etcd Version: 3.4"), None);
     }
 }

@@ -185,7 +185,10 @@ impl TestCluster {
                 format!("--service-account-private-key-file={}", p("sa.key")),
                 format!("--root-ca-file={}", p("ca.crt")),
                 format!("--flex-volume-plugin-dir={}", flex.display()),
-                format!("--node-monitor-period={}s", options.node_monitor_period.as_secs().max(1)),
+                format!(
+                    "--node-monitor-period={}s",
+                    options.node_monitor_period.as_secs().max(1)
+                ),
                 format!(
                     "--node-monitor-grace-period={}s",
                     options.node_monitor_grace.as_secs().max(1)
@@ -263,7 +266,13 @@ impl TestCluster {
 
     /// PIDs of the cluster's own processes (not the shared etcd).
     pub fn pids(&self) -> Vec<u32> {
-        let mut pids: Vec<u32> = self.apiserver.lock().ok().and_then(|s| s.pid()).into_iter().collect();
+        let mut pids: Vec<u32> = self
+            .apiserver
+            .lock()
+            .ok()
+            .and_then(|s| s.pid())
+            .into_iter()
+            .collect();
         if let Ok(others) = self.others.lock() {
             pids.extend(others.iter().filter_map(Service::pid));
         }
@@ -288,8 +297,12 @@ impl TestCluster {
 
     fn apiserver_failure(&self) -> Option<String> {
         let mut s = self.apiserver.lock().ok()?;
-        s.exited()
-            .map(|status| format!("kube-apiserver exited ({status}); log tail:\n{}", s.log_tail(4000)))
+        s.exited().map(|status| {
+            format!(
+                "kube-apiserver exited ({status}); log tail:\n{}",
+                s.log_tail(4000)
+            )
+        })
     }
 
     fn log_tails(&self) -> String {

@@ -74,7 +74,9 @@ impl Etcd {
                 Err(tail) => last = tail,
             }
         }
-        Err(Error::Etcd(format!("etcd did not become healthy; log tail:\n{last}")))
+        Err(Error::Etcd(format!(
+            "etcd did not become healthy; log tail:\n{last}"
+        )))
     }
 
     pub fn url(&self) -> &str {
@@ -90,7 +92,10 @@ impl Etcd {
             {
                 return Ok(());
             }
-            let mut service = self.service.lock().map_err(|_| "etcd lock poisoned".to_string())?;
+            let mut service = self
+                .service
+                .lock()
+                .map_err(|_| "etcd lock poisoned".to_string())?;
             if service.exited().is_some() || Instant::now() > deadline {
                 return Err(service.log_tail(4000));
             }
@@ -127,10 +132,14 @@ fn unique() -> u64 {
 /// Removes data directories of etcds whose owning process no longer exists.
 fn sweep_stale_data() {
     for root in [PathBuf::from("/dev/shm"), std::env::temp_dir()] {
-        let Ok(entries) = std::fs::read_dir(&root) else { continue };
+        let Ok(entries) = std::fs::read_dir(&root) else {
+            continue;
+        };
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            let Some(rest) = name.strip_prefix(DATA_PREFIX) else { continue };
+            let Some(rest) = name.strip_prefix(DATA_PREFIX) else {
+                continue;
+            };
             let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
                 continue;
             };

@@ -79,7 +79,9 @@ pub fn binary_name() -> String {
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "e2e".into());
     match stem.rsplit_once('-') {
-        Some((base, hash)) if hash.len() == 16 && hash.chars().all(|c| c.is_ascii_hexdigit()) => base.to_owned(),
+        Some((base, hash)) if hash.len() == 16 && hash.chars().all(|c| c.is_ascii_hexdigit()) => {
+            base.to_owned()
+        }
         _ => stem,
     }
 }

@@ -7,8 +7,8 @@
 use std::net::{IpAddr, Ipv4Addr};
 
 use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType,
-    ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, SanType,
+    BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType, ExtendedKeyUsagePurpose,
+    IsCa, KeyPair, KeyUsagePurpose, SanType,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -67,7 +67,10 @@ impl Ca {
             .push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1))));
         params.distinguished_name = name(common_name, None);
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
         self.leaf(params)
     }
 
@@ -76,13 +79,18 @@ impl Ca {
         let mut params = CertificateParams::new(Vec::<String>::new()).map_err(ctx::<()>("client params"))?;
         params.distinguished_name = name(common_name, group);
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
         self.leaf(params)
     }
 
     fn leaf(&self, params: CertificateParams) -> Result<CertKey, Error> {
         let key = KeyPair::generate().map_err(ctx::<()>("leaf key"))?;
-        let cert = params.signed_by(&key, &self.issuer).map_err(ctx::<()>("leaf certificate"))?;
+        let cert = params
+            .signed_by(&key, &self.issuer)
+            .map_err(ctx::<()>("leaf certificate"))?;
         Ok(CertKey {
             cert_pem: cert.pem(),
             key_pem: key.serialize_pem(),
@@ -137,6 +145,8 @@ mod tests {
         use rustls::client::danger::ServerCertVerifier as _;
         let now = rustls::pki_types::UnixTime::now();
         let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
-        verifier.verify_server_cert(&leaf[0], &[], &name, &[], now).unwrap();
+        verifier
+            .verify_server_cert(&leaf[0], &[], &name, &[], now)
+            .unwrap();
     }
 }

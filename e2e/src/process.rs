@@ -88,7 +88,11 @@ impl Service {
         if let Some(dir) = self.log.parent() {
             std::fs::create_dir_all(dir).map_err(log_err)?;
         }
-        let out = File::options().create(true).append(true).open(&self.log).map_err(log_err)?;
+        let out = File::options()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .map_err(log_err)?;
         let err = out.try_clone().map_err(log_err)?;
         let mut cmd = Command::new("setpriv");
         cmd.arg("--pdeathsig")
@@ -105,10 +109,13 @@ impl Service {
             .map_err(|_| Error::SpawnerGone)?
             .send((cmd, tx))
             .map_err(|_| Error::SpawnerGone)?;
-        let child = rx.recv().map_err(|_| Error::SpawnerGone)?.map_err(|source| Error::Spawn {
-            program: self.program.display().to_string(),
-            source,
-        })?;
+        let child = rx
+            .recv()
+            .map_err(|_| Error::SpawnerGone)?
+            .map_err(|source| Error::Spawn {
+                program: self.program.display().to_string(),
+                source,
+            })?;
         self.child = Some(child);
         Ok(())
     }
@@ -208,6 +215,10 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(20));
         };
         assert!(!status.success());
-        assert!(svc.log_tail(500).contains("/nonexistent/binary"), "{}", svc.log_tail(500));
+        assert!(
+            svc.log_tail(500).contains("/nonexistent/binary"),
+            "{}",
+            svc.log_tail(500)
+        );
     }
 }

@@ -14,7 +14,9 @@ pub struct Shared<T: 'static> {
 
 impl<T: Send + Sync + 'static> Shared<T> {
     pub const fn new() -> Self {
-        Self { cell: OnceLock::new() }
+        Self {
+            cell: OnceLock::new(),
+        }
     }
 
     /// The shared value, built by `init` on first use. A failed start is reported to every
@@ -45,7 +47,10 @@ impl<T: Send + Sync + 'static> Shared<T> {
     /// Runs `fut` on the fixture's runtime (for work that must outlive one test, such as
     /// starting more simulated nodes).
     pub fn handle(&'static self) -> Option<tokio::runtime::Handle> {
-        self.cell.get().and_then(|r| r.as_ref().ok()).map(|(rt, _)| rt.handle().clone())
+        self.cell
+            .get()
+            .and_then(|r| r.as_ref().ok())
+            .map(|(rt, _)| rt.handle().clone())
     }
 }
 

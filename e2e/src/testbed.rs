@@ -21,7 +21,9 @@ impl ClusterSpec {
         let (name, rest) = s.split_once(':').unwrap_or((s, ""));
         let valid = !name.is_empty()
             && name.len() <= 40
-            && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            && name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
             && !name.starts_with('-')
             && !name.ends_with('-');
         if !valid {
@@ -44,7 +46,12 @@ impl ClusterSpec {
                 "nodes" => spec.nodes = v.parse().map_err(|_| format!("nodes={v:?} is not a count"))?,
                 "cpu" => spec.cpu = quantity(k, v)?,
                 "memory" => spec.memory = quantity(k, v)?,
-                "pods" => spec.pods = v.parse::<u32>().map(|n| n.to_string()).map_err(|_| format!("pods={v:?} is not a count"))?,
+                "pods" => {
+                    spec.pods = v
+                        .parse::<u32>()
+                        .map(|n| n.to_string())
+                        .map_err(|_| format!("pods={v:?} is not a count"))?
+                }
                 _ => return Err(format!("unknown key {k:?} in {s:?} (nodes, cpu, memory, pods)")),
             }
         }
@@ -71,7 +78,9 @@ fn quantity(key: &str, v: &str) -> Result<String, String> {
     if !digits.is_empty() && digits.parse::<f64>().is_ok() && ok_suffix {
         Ok(v.to_owned())
     } else {
-        Err(format!("{key}={v:?} is not a Kubernetes quantity (e.g. 4, 500m, 8Gi)"))
+        Err(format!(
+            "{key}={v:?} is not a Kubernetes quantity (e.g. 4, 500m, 8Gi)"
+        ))
     }
 }
 
@@ -172,7 +181,10 @@ mod tests {
     #[test]
     fn cluster_specs_parse() {
         let s = ClusterSpec::parse("lower-a:nodes=3,cpu=8,memory=16Gi").unwrap();
-        assert_eq!((s.name.as_str(), s.nodes, s.cpu.as_str(), s.memory.as_str()), ("lower-a", 3, "8", "16Gi"));
+        assert_eq!(
+            (s.name.as_str(), s.nodes, s.cpu.as_str(), s.memory.as_str()),
+            ("lower-a", 3, "8", "16Gi")
+        );
         assert_eq!(s.node_configs()[2].name, "lower-a-node-2");
         assert_eq!(ClusterSpec::parse("upper").unwrap().nodes, 0);
         for (bad, needle) in [

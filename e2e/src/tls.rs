@@ -45,16 +45,18 @@ pub fn server_config(
     client_ca_pem: Option<&str>,
 ) -> Result<Arc<rustls::ServerConfig>, Error> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let builder = rustls::ServerConfig::builder_with_provider(provider.clone()).with_safe_default_protocol_versions()?;
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()?;
     let builder = match client_ca_pem {
         Some(ca) => {
             let mut roots = rustls::RootCertStore::empty();
             for cert in certs_from_pem(ca)? {
                 roots.add(cert)?;
             }
-            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider)
-                .build()
-                .map_err(|e| Error::Verifier(e.to_string()))?;
+            let verifier =
+                rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider)
+                    .build()
+                    .map_err(|e| Error::Verifier(e.to_string()))?;
             builder.with_client_cert_verifier(verifier)
         }
         None => builder.with_no_client_auth(),

@@ -6,7 +6,12 @@ use std::time::{Duration, Instant};
 
 /// Polls `probe` every `every` until it returns `Some`, or fails after `timeout` with the
 /// last observation (`probe`'s `Err`) in the message.
-pub async fn until<T, F, Fut>(what: &str, timeout: Duration, every: Duration, mut probe: F) -> crate::Result<T>
+pub async fn until<T, F, Fut>(
+    what: &str,
+    timeout: Duration,
+    every: Duration,
+    mut probe: F,
+) -> crate::Result<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, String>>,

@@ -41,11 +41,20 @@ async fn apply(cluster: &TestCluster, manifest: &str) {
 
 /// Waits until `kubectl ARGS` prints exactly `want` (trimmed).
 async fn eventually(cluster: &TestCluster, what: &str, secs: u64, args: &[&str], want: &str) {
-    until(what, Duration::from_secs(secs), Duration::from_millis(300), || async {
-        let out = cluster.kubectl(args).await;
-        let got = out.stdout.trim().to_owned();
-        if out.ok && got == want { Ok(()) } else { Err(format!("{got:?} {}", out.stderr.trim())) }
-    })
+    until(
+        what,
+        Duration::from_secs(secs),
+        Duration::from_millis(300),
+        || async {
+            let out = cluster.kubectl(args).await;
+            let got = out.stdout.trim().to_owned();
+            if out.ok && got == want {
+                Ok(())
+            } else {
+                Err(format!("{got:?} {}", out.stderr.trim()))
+            }
+        },
+    )
     .await
     .unwrap();
 }
@@ -91,7 +100,16 @@ spec:
         c,
         "3 web pods Running",
         90,
-        &["-n", "deploy", "get", "pods", "-l", "app=web", "-o", "jsonpath={range .items[*]}{.status.phase} {end}"],
+        &[
+            "-n",
+            "deploy",
+            "get",
+            "pods",
+            "-l",
+            "app=web",
+            "-o",
+            "jsonpath={range .items[*]}{.status.phase} {end}",
+        ],
         "Running Running Running",
     )
     .await;
@@ -101,7 +119,10 @@ spec:
     let mut ips = std::collections::HashSet::new();
     for row in &rows {
         let f: Vec<&str> = row.split(',').collect();
-        assert!(f[1].starts_with("node-"), "bound by the real scheduler to a simulated node: {row}");
+        assert!(
+            f[1].starts_with("node-"),
+            "bound by the real scheduler to a simulated node: {row}"
+        );
         assert!(f[2].starts_with("10.244."), "pod IP from the node's range: {row}");
         assert_eq!(f[3], "true", "{row}");
         assert!(ips.insert(f[2].to_owned()), "pod IPs are unique: {wide}");
@@ -110,7 +131,10 @@ spec:
 
     // Plain logs: deterministic lines naming the pod and container.
     let logs = kubectl(c, &["-n", "deploy", "logs", pod]).await;
-    assert!(logs.starts_with(&format!("deploy/{pod} server line 0\n")), "{logs}");
+    assert!(
+        logs.starts_with(&format!("deploy/{pod} server line 0\n")),
+        "{logs}"
+    );
     // --tail and --timestamps.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let tail = kubectl(c, &["-n", "deploy", "logs", pod, "--tail=2", "--timestamps"]).await;
@@ -126,12 +150,26 @@ spec:
     assert_eq!(limited, "deplo");
     // -f keeps streaming new lines.
     let out = tokio::process::Command::new("timeout")
-        .args(["3.5", "kubectl", "--kubeconfig", c.kubeconfig().to_str().unwrap(), "-n", "deploy", "logs", "-f", "--tail=1", pod])
+        .args([
+            "3.5",
+            "kubectl",
+            "--kubeconfig",
+            c.kubeconfig().to_str().unwrap(),
+            "-n",
+            "deploy",
+            "logs",
+            "-f",
+            "--tail=1",
+            pod,
+        ])
         .output()
         .await
         .unwrap();
     let followed = String::from_utf8_lossy(&out.stdout);
-    assert!(followed.lines().count() >= 3, "follow streams lines as they are written: {followed:?}");
+    assert!(
+        followed.lines().count() >= 3,
+        "follow streams lines as they are written: {followed:?}"
+    );
     // An unknown container is a clear client error.
     let bad = c.kubectl(&["-n", "deploy", "logs", pod, "-c", "nope"]).await;
     assert!(!bad.ok && bad.stderr.contains("nope"), "{}", bad.stderr);
@@ -160,7 +198,19 @@ spec:
         "False/Unschedulable",
     )
     .await;
-    let msg = kubectl(c, &["-n", "big", "get", "pod", "huge", "-o", r#"jsonpath={.status.conditions[?(@.type=="PodScheduled")].message}"#]).await;
+    let msg = kubectl(
+        c,
+        &[
+            "-n",
+            "big",
+            "get",
+            "pod",
+            "huge",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="PodScheduled")].message}"#,
+        ],
+    )
+    .await;
     assert!(msg.contains("Insufficient cpu"), "{msg}");
 }
 
@@ -169,17 +219,81 @@ async fn a_job_completes_and_a_failing_pod_shows_its_exit_code() {
     let c = &bed().cluster;
     c.create_namespace("jobs").await.unwrap();
     kubectl(c, &["-n", "jobs", "create", "job", "once", "--image=busybox"]).await;
-    let waited = kubectl(c, &["-n", "jobs", "wait", "--for=condition=complete", "job/once", "--timeout=60s"]).await;
+    let waited = kubectl(
+        c,
+        &[
+            "-n",
+            "jobs",
+            "wait",
+            "--for=condition=complete",
+            "job/once",
+            "--timeout=60s",
+        ],
+    )
+    .await;
     assert!(waited.contains("condition met"), "{waited}");
-    eventually(c, "job succeeded count", 10, &["-n", "jobs", "get", "job", "once", "-o", "jsonpath={.status.succeeded}"], "1").await;
+    eventually(
+        c,
+        "job succeeded count",
+        10,
+        &[
+            "-n",
+            "jobs",
+            "get",
+            "job",
+            "once",
+            "-o",
+            "jsonpath={.status.succeeded}",
+        ],
+        "1",
+    )
+    .await;
 
-    kubectl(c, &["-n", "jobs", "run", "crash", "--image=x", "--restart=Never", "--annotations=tensile.io/sim=run=300ms,exit=7,reason=Error"]).await;
-    eventually(c, "pod Failed", 60, &["-n", "jobs", "get", "pod", "crash", "-o", "jsonpath={.status.phase}"], "Failed").await;
+    kubectl(
+        c,
+        &[
+            "-n",
+            "jobs",
+            "run",
+            "crash",
+            "--image=x",
+            "--restart=Never",
+            "--annotations=tensile.io/sim=run=300ms,exit=7,reason=Error",
+        ],
+    )
+    .await;
+    eventually(
+        c,
+        "pod Failed",
+        60,
+        &[
+            "-n",
+            "jobs",
+            "get",
+            "pod",
+            "crash",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+        "Failed",
+    )
+    .await;
     let term = kubectl(c, &["-n", "jobs", "get", "pod", "crash", "-o", "jsonpath={.status.containerStatuses[0].state.terminated.exitCode}/{.status.containerStatuses[0].state.terminated.reason}"]).await;
     assert_eq!(term, "7/Error");
 
     // restartPolicy Always with a limited restart budget: restarts, then CrashLoopBackOff.
-    kubectl(c, &["-n", "jobs", "run", "flaky", "--image=x", "--annotations=tensile.io/sim=run=300ms,exit=1,restarts=2,backoff=100ms"]).await;
+    kubectl(
+        c,
+        &[
+            "-n",
+            "jobs",
+            "run",
+            "flaky",
+            "--image=x",
+            "--annotations=tensile.io/sim=run=300ms,exit=1,restarts=2,backoff=100ms",
+        ],
+    )
+    .await;
     eventually(
         c,
         "two restarts then CrashLoopBackOff",
@@ -190,9 +304,47 @@ async fn a_job_completes_and_a_failing_pod_shows_its_exit_code() {
     .await;
 
     // A typo in the annotation fails the pod with a message naming it.
-    kubectl(c, &["-n", "jobs", "run", "typo", "--image=x", "--annotations=tensile.io/sim=colour=red"]).await;
-    eventually(c, "invalid simulation reported", 60, &["-n", "jobs", "get", "pod", "typo", "-o", "jsonpath={.status.reason}"], "InvalidSimulation").await;
-    let msg = kubectl(c, &["-n", "jobs", "get", "pod", "typo", "-o", "jsonpath={.status.message}"]).await;
+    kubectl(
+        c,
+        &[
+            "-n",
+            "jobs",
+            "run",
+            "typo",
+            "--image=x",
+            "--annotations=tensile.io/sim=colour=red",
+        ],
+    )
+    .await;
+    eventually(
+        c,
+        "invalid simulation reported",
+        60,
+        &[
+            "-n",
+            "jobs",
+            "get",
+            "pod",
+            "typo",
+            "-o",
+            "jsonpath={.status.reason}",
+        ],
+        "InvalidSimulation",
+    )
+    .await;
+    let msg = kubectl(
+        c,
+        &[
+            "-n",
+            "jobs",
+            "get",
+            "pod",
+            "typo",
+            "-o",
+            "jsonpath={.status.message}",
+        ],
+    )
+    .await;
     assert!(msg.contains("colour"), "{msg}");
 }
 
@@ -200,42 +352,112 @@ async fn a_job_completes_and_a_failing_pod_shows_its_exit_code() {
 async fn graceful_deletion_leaves_nothing_terminating() {
     let c = &bed().cluster;
     c.create_namespace("deletion").await.unwrap();
-    kubectl(c, &["-n", "deletion", "create", "deployment", "gone", "--image=x", "--replicas=4"]).await;
-    kubectl(c, &["-n", "deletion", "run", "slow", "--image=x", "--annotations=tensile.io/sim=stop=2s"]).await;
+    kubectl(
+        c,
+        &[
+            "-n",
+            "deletion",
+            "create",
+            "deployment",
+            "gone",
+            "--image=x",
+            "--replicas=4",
+        ],
+    )
+    .await;
+    kubectl(
+        c,
+        &[
+            "-n",
+            "deletion",
+            "run",
+            "slow",
+            "--image=x",
+            "--annotations=tensile.io/sim=stop=2s",
+        ],
+    )
+    .await;
     eventually(
         c,
         "5 pods Running",
         90,
-        &["-n", "deletion", "get", "pods", "-o", "jsonpath={range .items[*]}{.status.phase} {end}"],
+        &[
+            "-n",
+            "deletion",
+            "get",
+            "pods",
+            "-o",
+            "jsonpath={range .items[*]}{.status.phase} {end}",
+        ],
         "Running Running Running Running Running",
     )
     .await;
     let started = std::time::Instant::now();
     // kubectl delete waits until the objects are really gone, like a user would.
-    kubectl(c, &["-n", "deletion", "delete", "pod", "slow", "--grace-period=30"]).await;
+    kubectl(
+        c,
+        &["-n", "deletion", "delete", "pod", "slow", "--grace-period=30"],
+    )
+    .await;
     let took = started.elapsed();
-    assert!(took >= Duration::from_millis(1500), "the container takes its 2 s to stop: {took:?}");
-    assert!(took < Duration::from_secs(20), "deletion ends well within the grace period: {took:?}");
+    assert!(
+        took >= Duration::from_millis(1500),
+        "the container takes its 2 s to stop: {took:?}"
+    );
+    assert!(
+        took < Duration::from_secs(20),
+        "deletion ends well within the grace period: {took:?}"
+    );
     kubectl(c, &["-n", "deletion", "delete", "deployment", "gone"]).await;
-    eventually(c, "no pods left", 60, &["-n", "deletion", "get", "pods", "-o", "name"], "").await;
+    eventually(
+        c,
+        "no pods left",
+        60,
+        &["-n", "deletion", "get", "pods", "-o", "name"],
+        "",
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn a_node_without_heartbeat_becomes_unreachable_and_recovers() {
-    let c = TestCluster::start(ClusterOptions::new("heartbeat", "hb")).await.unwrap();
-    let mut options = SimulatorOptions::new("hb", Some(c.kubelet_client_ca_pem()));
-    options.lease_renew = Duration::from_secs(2);
-    let sim = NodeSimulator::start(c.client().await.unwrap(), options, vec![NodeConfig::new("steady"), NodeConfig::new("silent")])
+    let c = TestCluster::start(ClusterOptions::new("heartbeat", "hb"))
         .await
         .unwrap();
+    let mut options = SimulatorOptions::new("hb", Some(c.kubelet_client_ca_pem()));
+    options.lease_renew = Duration::from_secs(2);
+    let sim = NodeSimulator::start(
+        c.client().await.unwrap(),
+        options,
+        vec![NodeConfig::new("steady"), NodeConfig::new("silent")],
+    )
+    .await
+    .unwrap();
     let ready = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#;
-    eventually(&c, "silent Ready", 30, &["get", "node", "silent", "-o", ready], "True").await;
+    eventually(
+        &c,
+        "silent Ready",
+        30,
+        &["get", "node", "silent", "-o", ready],
+        "True",
+    )
+    .await;
     sim.stop_heartbeat("silent").unwrap();
     let started = std::time::Instant::now();
     // Grace 20 s, monitor period 2 s: Unknown after ~21 s.
-    eventually(&c, "silent Unknown", 45, &["get", "node", "silent", "-o", ready], "Unknown").await;
+    eventually(
+        &c,
+        "silent Unknown",
+        45,
+        &["get", "node", "silent", "-o", ready],
+        "Unknown",
+    )
+    .await;
     let took = started.elapsed();
-    assert!(took >= Duration::from_secs(15), "not before the grace period: {took:?}");
+    assert!(
+        took >= Duration::from_secs(15),
+        "not before the grace period: {took:?}"
+    );
     eventually(
         &c,
         "unreachable taint",
@@ -248,27 +470,52 @@ async fn a_node_without_heartbeat_becomes_unreachable_and_recovers() {
     assert_eq!(steady, "True", "the other node keeps its heartbeat");
 
     sim.resume_heartbeat("silent").unwrap();
-    eventually(&c, "silent Ready again", 30, &["get", "node", "silent", "-o", ready], "True").await;
-    eventually(&c, "taints removed", 30, &["get", "node", "silent", "-o", "jsonpath={.spec.taints}"], "").await;
+    eventually(
+        &c,
+        "silent Ready again",
+        30,
+        &["get", "node", "silent", "-o", ready],
+        "True",
+    )
+    .await;
+    eventually(
+        &c,
+        "taints removed",
+        30,
+        &["get", "node", "silent", "-o", "jsonpath={.spec.taints}"],
+        "",
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn dropping_a_cluster_leaves_no_process_and_the_apiserver_restarts_with_its_data() {
-    let c = TestCluster::start(ClusterOptions::new("drop", "ephemeral")).await.unwrap();
+    let c = TestCluster::start(ClusterOptions::new("drop", "ephemeral"))
+        .await
+        .unwrap();
     kubectl(&c, &["create", "configmap", "kept", "--from-literal=k=v"]).await;
     c.stop_apiserver();
-    let down = c.kubectl(&["get", "configmap", "kept", "--request-timeout=3s"]).await;
+    let down = c
+        .kubectl(&["get", "configmap", "kept", "--request-timeout=3s"])
+        .await;
     assert!(!down.ok, "the apiserver is down");
     c.start_apiserver().await.unwrap();
     let back = kubectl(&c, &["get", "configmap", "kept", "-o", "jsonpath={.data.k}"]).await;
     assert_eq!(back, "v", "data survives an apiserver restart");
 
     let pids = c.pids();
-    assert_eq!(pids.len(), 3, "apiserver, scheduler, controller-manager: {pids:?}");
+    assert_eq!(
+        pids.len(),
+        3,
+        "apiserver, scheduler, controller-manager: {pids:?}"
+    );
     assert!(pids.iter().all(|p| tensile_e2e::process::pid_alive(*p)));
     drop(c);
     for pid in pids {
-        assert!(!tensile_e2e::process::pid_alive(pid), "process {pid} outlived its cluster");
+        assert!(
+            !tensile_e2e::process::pid_alive(pid),
+            "process {pid} outlived its cluster"
+        );
     }
 }
 
@@ -277,20 +524,48 @@ async fn the_kubelet_endpoint_admits_only_the_apiservers_client_certificate() {
     let bed = bed();
     let url = format!("https://127.0.0.1:{}/healthz", bed.sim.kubelet_port());
     let pki = bed.cluster.dir().join("pki");
-    let anonymous = tokio::process::Command::new("curl").args(["-sk", "--max-time", "5", &url]).output().await.unwrap();
-    assert!(!anonymous.status.success(), "a caller without a certificate is refused");
-    let admin_cert = bed.cluster.dir().join("pki/apiserver.crt");
-    let admin_key = bed.cluster.dir().join("pki/apiserver.key");
-    let wrong_ca = tokio::process::Command::new("curl")
-        .args(["-sk", "--max-time", "5", "--cert", admin_cert.to_str().unwrap(), "--key", admin_key.to_str().unwrap(), &url])
+    let anonymous = tokio::process::Command::new("curl")
+        .args(["-sk", "--max-time", "5", &url])
         .output()
         .await
         .unwrap();
-    assert!(!wrong_ca.status.success(), "a certificate from another CA is refused");
+    assert!(
+        !anonymous.status.success(),
+        "a caller without a certificate is refused"
+    );
+    let admin_cert = bed.cluster.dir().join("pki/apiserver.crt");
+    let admin_key = bed.cluster.dir().join("pki/apiserver.key");
+    let wrong_ca = tokio::process::Command::new("curl")
+        .args([
+            "-sk",
+            "--max-time",
+            "5",
+            "--cert",
+            admin_cert.to_str().unwrap(),
+            "--key",
+            admin_key.to_str().unwrap(),
+            &url,
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        !wrong_ca.status.success(),
+        "a certificate from another CA is refused"
+    );
     let cert = pki.join("kubelet-client.crt");
     let key = pki.join("kubelet-client.key");
     let ok = tokio::process::Command::new("curl")
-        .args(["-sk", "--max-time", "5", "--cert", cert.to_str().unwrap(), "--key", key.to_str().unwrap(), &url])
+        .args([
+            "-sk",
+            "--max-time",
+            "5",
+            "--cert",
+            cert.to_str().unwrap(),
+            "--key",
+            key.to_str().unwrap(),
+            &url,
+        ])
         .output()
         .await
         .unwrap();
@@ -302,30 +577,78 @@ async fn the_testbed_binary_starts_clusters_and_tears_them_down() {
     use tokio::io::AsyncBufReadExt;
     let dir = tempfile::tempdir().unwrap();
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_testbed"))
-        .args(["up", "--dir", dir.path().to_str().unwrap(), "--cluster", "up", "--cluster", "low:nodes=2,cpu=2"])
+        .args([
+            "up",
+            "--dir",
+            dir.path().to_str().unwrap(),
+            "--cluster",
+            "up",
+            "--cluster",
+            "low:nodes=2,cpu=2",
+        ])
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
     let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = tokio::time::timeout(Duration::from_secs(120), lines.next_line()).await.unwrap().unwrap().unwrap();
+    let line = tokio::time::timeout(Duration::from_secs(120), lines.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
     assert!(line.starts_with("testbed ready: up="), "{line}");
     let low = dir.path().join("low.kubeconfig");
     assert!(dir.path().join("low.kubelet-client-ca.crt").is_file());
-    let nodes = tensile_e2e::kubectl::run(&low, &["get", "nodes", "-o", "jsonpath={range .items[*]}{.metadata.name}={.status.capacity.cpu} {end}"]).await;
-    assert_eq!(nodes.stdout.trim(), "low-node-0=2 low-node-1=2", "{}", nodes.stderr);
-    let ns = tensile_e2e::kubectl::run(&dir.path().join("up.kubeconfig"), &["get", "ns", "default", "-o", "name"]).await;
+    let nodes = tensile_e2e::kubectl::run(
+        &low,
+        &[
+            "get",
+            "nodes",
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.name}={.status.capacity.cpu} {end}",
+        ],
+    )
+    .await;
+    assert_eq!(
+        nodes.stdout.trim(),
+        "low-node-0=2 low-node-1=2",
+        "{}",
+        nodes.stderr
+    );
+    let ns = tensile_e2e::kubectl::run(
+        &dir.path().join("up.kubeconfig"),
+        &["get", "ns", "default", "-o", "name"],
+    )
+    .await;
     assert_eq!(ns.stdout.trim(), "namespace/default", "{}", ns.stderr);
 
     let pid = child.id().unwrap();
-    let children = std::process::Command::new("pgrep").args(["-P", &pid.to_string()]).output().unwrap();
-    let children: Vec<u32> = String::from_utf8_lossy(&children.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect();
-    assert!(children.len() >= 7, "etcd + 2 x (apiserver, scheduler, controller-manager): {children:?}");
-    std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
-    let status = tokio::time::timeout(Duration::from_secs(30), child.wait()).await.unwrap().unwrap();
+    let children = std::process::Command::new("pgrep")
+        .args(["-P", &pid.to_string()])
+        .output()
+        .unwrap();
+    let children: Vec<u32> = String::from_utf8_lossy(&children.stdout)
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect();
+    assert!(
+        children.len() >= 7,
+        "etcd + 2 x (apiserver, scheduler, controller-manager): {children:?}"
+    );
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .unwrap()
+        .unwrap();
     assert!(status.success(), "clean exit on SIGTERM: {status}");
     tokio::time::sleep(Duration::from_millis(200)).await;
     for p in children {
-        assert!(!tensile_e2e::process::pid_alive(p), "process {p} outlived the testbed");
+        assert!(
+            !tensile_e2e::process::pid_alive(p),
+            "process {p} outlived the testbed"
+        );
     }
 }

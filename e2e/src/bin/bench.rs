@@ -41,7 +41,8 @@ fn main() -> anyhow::Result<()> {
         std::fs::create_dir_all(&cli.out).with_context(|| format!("creating {}", cli.out.display()))?;
         let figures = simulator(cli.sim_pods, cli.sim_nodes).await?;
         let path = cli.out.join("simulator.json");
-        std::fs::write(&path, serde_json::to_string_pretty(&figures)?).with_context(|| path.display().to_string())?;
+        std::fs::write(&path, serde_json::to_string_pretty(&figures)?)
+            .with_context(|| path.display().to_string())?;
         println!("{}", serde_json::to_string_pretty(&figures)?);
         println!("written to {}", path.display());
         Ok(())
@@ -74,7 +75,9 @@ async fn simulator(pods: usize, nodes: usize) -> anyhow::Result<serde_json::Valu
     let running: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
     let watch = {
         let running = running.clone();
-        let stream = watcher(api.clone(), watcher::Config::default()).default_backoff().applied_objects();
+        let stream = watcher(api.clone(), watcher::Config::default())
+            .default_backoff()
+            .applied_objects();
         tokio::spawn(async move {
             let mut stream = stream.boxed();
             while let Some(Ok(pod)) = stream.next().await {
@@ -127,7 +130,11 @@ async fn simulator(pods: usize, nodes: usize) -> anyhow::Result<serde_json::Valu
     );
     let mut latencies: Vec<f64> = created
         .iter()
-        .filter_map(|(name, t0)| running.get(name).map(|t1| t1.saturating_duration_since(*t0).as_secs_f64() * 1000.0))
+        .filter_map(|(name, t0)| {
+            running
+                .get(name)
+                .map(|t1| t1.saturating_duration_since(*t0).as_secs_f64() * 1000.0)
+        })
         .collect();
     latencies.sort_by(|a, b| a.total_cmp(b));
     Ok(serde_json::json!({

@@ -14,7 +14,10 @@ use tensile_common::telemetry::LogArgs;
 use tensile_e2e::testbed::{ClusterSpec, Testbed};
 
 #[derive(Parser, Debug)]
-#[command(name = "testbed", about = "Real Kubernetes control planes on loopback with simulated nodes")]
+#[command(
+    name = "testbed",
+    about = "Real Kubernetes control planes on loopback with simulated nodes"
+)]
 struct Cli {
     #[command(flatten)]
     log: LogArgs,
@@ -65,7 +68,9 @@ fn main() -> ExitCode {
 async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Up { dir, clusters } => {
-            let bed = Testbed::up(&dir, &clusters).await.context("starting the test bed")?;
+            let bed = Testbed::up(&dir, &clusters)
+                .await
+                .context("starting the test bed")?;
             println!("{}", bed.ready_line());
             wait_for_signal().await?;
             eprintln!("testbed: stopping");

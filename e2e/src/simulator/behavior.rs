@@ -165,8 +165,8 @@ mod tests {
 
     #[test]
     fn every_key_parses() {
-        let b =
-            Behavior::parse("start=2s, run=1.5s,exit=3,reason=OOMKilled,restarts=2,backoff=10ms,stop=1m").unwrap();
+        let b = Behavior::parse("start=2s, run=1.5s,exit=3,reason=OOMKilled,restarts=2,backoff=10ms,stop=1m")
+            .unwrap();
         assert_eq!(b.start, Duration::from_secs(2));
         assert_eq!(b.run, Some(Duration::from_millis(1500)));
         assert_eq!(b.exit, 3);
@@ -195,14 +195,29 @@ mod tests {
     #[test]
     fn exits_follow_the_kubelet_rules() {
         let b = Behavior::default();
-        assert_eq!(b.after_exit(RestartPolicy::Never, 0, 0), AfterExit::Terminal { succeeded: true });
-        assert_eq!(b.after_exit(RestartPolicy::Never, 3, 0), AfterExit::Terminal { succeeded: false });
-        assert_eq!(b.after_exit(RestartPolicy::OnFailure, 0, 5), AfterExit::Terminal { succeeded: true });
+        assert_eq!(
+            b.after_exit(RestartPolicy::Never, 0, 0),
+            AfterExit::Terminal { succeeded: true }
+        );
+        assert_eq!(
+            b.after_exit(RestartPolicy::Never, 3, 0),
+            AfterExit::Terminal { succeeded: false }
+        );
+        assert_eq!(
+            b.after_exit(RestartPolicy::OnFailure, 0, 5),
+            AfterExit::Terminal { succeeded: true }
+        );
         assert_eq!(b.after_exit(RestartPolicy::OnFailure, 1, 5), AfterExit::Restart);
         assert_eq!(b.after_exit(RestartPolicy::Always, 0, 100), AfterExit::Restart);
         let limited = Behavior::parse("restarts=2").unwrap();
-        assert_eq!(limited.after_exit(RestartPolicy::Always, 1, 1), AfterExit::Restart);
-        assert_eq!(limited.after_exit(RestartPolicy::Always, 1, 2), AfterExit::CrashLoop);
+        assert_eq!(
+            limited.after_exit(RestartPolicy::Always, 1, 1),
+            AfterExit::Restart
+        );
+        assert_eq!(
+            limited.after_exit(RestartPolicy::Always, 1, 2),
+            AfterExit::CrashLoop
+        );
         assert_eq!(b.reason_for(0), "Completed");
         assert_eq!(b.reason_for(2), "Error");
     }

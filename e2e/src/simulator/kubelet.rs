@@ -24,7 +24,9 @@ use crate::{Result, io_err};
 type Body = BoxBody<Bytes, Infallible>;
 
 pub(super) async fn bind(client_ca_pem: Option<&str>) -> Result<(TcpListener, Arc<rustls::ServerConfig>)> {
-    let listener = TcpListener::bind("127.0.0.1:0").await.map_err(io_err("127.0.0.1:0"))?;
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(io_err("127.0.0.1:0"))?;
     let cert = crate::pki::self_signed_server("tensile-simulated-kubelet")?;
     let config = crate::tls::server_config(&cert.cert_pem, &cert.key_pem, client_ca_pem)?;
     Ok((listener, config))
@@ -69,8 +71,10 @@ pub(super) async fn serve(listener: TcpListener, config: Arc<rustls::ServerConfi
 fn text(status: StatusCode, body: impl Into<String>) -> Response<Body> {
     let mut resp = Response::new(Full::new(Bytes::from(body.into())).boxed());
     *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/plain"));
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain"),
+    );
     resp
 }
 
@@ -91,13 +95,20 @@ fn route(inner: &Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
         }
         _ => text(
             StatusCode::NOT_FOUND,
-            format!("{path}: not served by the simulated kubelet (it serves /containerLogs/{{namespace}}/{{pod}}/{{container}})"),
+            format!(
+                "{path}: not served by the simulated kubelet (it serves /containerLogs/{{namespace}}/{{pod}}/{{container}})"
+            ),
         ),
     }
 }
 
 fn lookup(inner: &Inner, ns: &str, pod: &str) -> Option<Pod> {
-    inner.pods.read().ok()?.get(&(ns.to_owned(), pod.to_owned())).cloned()
+    inner
+        .pods
+        .read()
+        .ok()?
+        .get(&(ns.to_owned(), pod.to_owned()))
+        .cloned()
 }
 
 fn container_status<'a>(pod: &'a Pod, container: &str) -> Option<&'a ContainerStatus> {
@@ -111,7 +122,13 @@ fn container_status<'a>(pod: &'a Pod, container: &str) -> Option<&'a ContainerSt
 }
 
 /// The log source of the current (or, with `previous`, the last terminated) run.
-fn source(pod: &Pod, ns: &str, name: &str, container: &str, previous: bool) -> Result<LogSource, (StatusCode, String)> {
+fn source(
+    pod: &Pod,
+    ns: &str,
+    name: &str,
+    container: &str,
+    previous: bool,
+) -> Result<LogSource, (StatusCode, String)> {
     let known = pod
         .spec
         .iter()
@@ -176,9 +193,18 @@ fn source(pod: &Pod, ns: &str, name: &str, container: &str, previous: bool) -> R
     }
 }
 
-fn container_logs(inner: &Arc<Inner>, ns: &str, name: &str, container: &str, options: LogOptions) -> Response<Body> {
+fn container_logs(
+    inner: &Arc<Inner>,
+    ns: &str,
+    name: &str,
+    container: &str,
+    options: LogOptions,
+) -> Response<Body> {
     let Some(pod) = lookup(inner, ns, name) else {
-        return text(StatusCode::NOT_FOUND, format!("pod \"{ns}/{name}\" not found on a simulated node"));
+        return text(
+            StatusCode::NOT_FOUND,
+            format!("pod \"{ns}/{name}\" not found on a simulated node"),
+        );
     };
     let src = match source(&pod, ns, name, container, options.previous) {
         Ok(s) => s,
@@ -240,8 +266,10 @@ fn container_logs(inner: &Arc<Inner>, ns: &str, name: &str, container: &str, opt
         rx.recv().await.map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
     });
     let mut resp = Response::new(StreamBody::new(stream).boxed());
-    resp.headers_mut()
-        .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/plain"));
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain"),
+    );
     resp
 }
 

@@ -47,10 +47,15 @@ pub struct NodeConfig {
 impl NodeConfig {
     /// A node with 4 CPUs, 8 GiB of memory, 100 GiB of ephemeral storage and 110 pods.
     pub fn new(name: &str) -> Self {
-        let capacity = [("cpu", "4"), ("memory", "8Gi"), ("pods", "110"), ("ephemeral-storage", "100Gi")]
-            .into_iter()
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect();
+        let capacity = [
+            ("cpu", "4"),
+            ("memory", "8Gi"),
+            ("pods", "110"),
+            ("ephemeral-storage", "100Gi"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
         Self {
             name: name.to_owned(),
             capacity,
@@ -79,7 +84,8 @@ impl NodeConfig {
     }
 
     pub fn taint(mut self, key: &str, value: &str, effect: &str) -> Self {
-        self.taints.push(json!({"key": key, "value": value, "effect": effect}));
+        self.taints
+            .push(json!({"key": key, "value": value, "effect": effect}));
         self
     }
 }
@@ -140,9 +146,16 @@ pub struct NodeSimulator {
 
 impl NodeSimulator {
     /// Starts the kubelet endpoint and the pod watch, then registers `nodes`.
-    pub async fn start(client: kube::Client, options: SimulatorOptions, nodes: Vec<NodeConfig>) -> Result<Self> {
+    pub async fn start(
+        client: kube::Client,
+        options: SimulatorOptions,
+        nodes: Vec<NodeConfig>,
+    ) -> Result<Self> {
         let (listener, server_config) = kubelet::bind(options.kubelet_client_ca_pem.as_deref()).await?;
-        let kubelet_port = listener.local_addr().map_err(crate::io_err("kubelet listener"))?.port();
+        let kubelet_port = listener
+            .local_addr()
+            .map_err(crate::io_err("kubelet listener"))?
+            .port();
         let kubelet_version = client
             .apiserver_version()
             .await
@@ -159,7 +172,11 @@ impl NodeSimulator {
             ips: Mutex::new(HashMap::new()),
             tasks: Mutex::new(Vec::new()),
         });
-        inner.track(tokio::spawn(kubelet::serve(listener, server_config, inner.clone())));
+        inner.track(tokio::spawn(kubelet::serve(
+            listener,
+            server_config,
+            inner.clone(),
+        )));
         let watch = pods::watch(inner.clone());
         inner.track(tokio::spawn(watch));
         let sim = NodeSimulator { inner };
@@ -266,7 +283,9 @@ pub(crate) fn now_time() -> String {
 
 /// RFC 3339 with microseconds (`metav1.MicroTime`).
 fn now_micro() -> String {
-    jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%S%.6fZ").to_string()
+    jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%S%.6fZ")
+        .to_string()
 }
 
 impl Inner {
@@ -335,7 +354,10 @@ impl Inner {
             }
             c
         };
-        let allocatable = config.allocatable.clone().unwrap_or_else(|| config.capacity.clone());
+        let allocatable = config
+            .allocatable
+            .clone()
+            .unwrap_or_else(|| config.capacity.clone());
         let status = json!({"status": {
             "capacity": config.capacity,
             "allocatable": allocatable,
@@ -364,7 +386,10 @@ impl Inner {
     async fn renew_lease(&self, node: &str) -> Result<()> {
         let leases: Api<Lease> = Api::namespaced(self.client.clone(), "kube-node-lease");
         let renew = json!({"spec": {"renewTime": now_micro(), "holderIdentity": node}});
-        match leases.patch(node, &PatchParams::default(), &Patch::Merge(&renew)).await {
+        match leases
+            .patch(node, &PatchParams::default(), &Patch::Merge(&renew))
+            .await
+        {
             Ok(_) => return Ok(()),
             Err(kube::Error::Api(s)) if s.code == 404 => {}
             Err(e) => return Err(e.into()),

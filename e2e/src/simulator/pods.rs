@@ -73,7 +73,11 @@ fn node_of(pod: &Pod) -> Option<&str> {
 fn forget(inner: &Inner, pod: &Pod) {
     if let Ok(mut pods) = inner.pods.write() {
         let k = key(pod);
-        if pods.get(&k).map(|p| p.metadata.uid == pod.metadata.uid).unwrap_or(false) {
+        if pods
+            .get(&k)
+            .map(|p| p.metadata.uid == pod.metadata.uid)
+            .unwrap_or(false)
+        {
             pods.remove(&k);
         }
     }
@@ -84,7 +88,9 @@ fn apply(inner: &Arc<Inner>, actors: &mut HashMap<String, watch::Sender<Pod>>, p
     if !inner.is_simulated(node) {
         return;
     }
-    let Some(uid) = pod.metadata.uid.clone() else { return };
+    let Some(uid) = pod.metadata.uid.clone() else {
+        return;
+    };
     if let Ok(mut pods) = inner.pods.write() {
         pods.insert(key(&pod), pod.clone());
     }
@@ -96,7 +102,9 @@ fn apply(inner: &Arc<Inner>, actors: &mut HashMap<String, watch::Sender<Pod>>, p
             let (tx, rx) = watch::channel(pod);
             actors.insert(uid, tx);
             let task_inner = inner.clone();
-            inner.track(tokio::spawn(async move { PodActor::new(task_inner, rx).run().await }));
+            inner.track(tokio::spawn(
+                async move { PodActor::new(task_inner, rx).run().await },
+            ));
         }
     }
 }
@@ -121,9 +129,18 @@ struct PodActor {
 /// One container's simulated state.
 #[derive(Clone, Debug)]
 enum State {
-    Waiting { reason: &'static str },
-    Running { started: String },
-    Terminated { exit: i32, reason: String, started: String, finished: String },
+    Waiting {
+        reason: &'static str,
+    },
+    Running {
+        started: String,
+    },
+    Terminated {
+        exit: i32,
+        reason: String,
+        started: String,
+        finished: String,
+    },
 }
 
 impl PodActor {
@@ -199,7 +216,10 @@ impl PodActor {
                 .and_then(|c| c.first())
                 .map(|c| c.restart_count.max(0) as u32)
                 .unwrap_or(0);
-            start_time = status.start_time.map(|t| t.0.to_string()).unwrap_or_else(now_time);
+            start_time = status
+                .start_time
+                .map(|t| t.0.to_string())
+                .unwrap_or_else(now_time);
             if let Some(s) = status
                 .container_statuses
                 .as_ref()
@@ -423,7 +443,11 @@ impl PodActor {
             .map(|c| container_status(&c.name, c.image.as_deref(), &self.uid, &done, None, 0))
             .collect();
         let terminal = phase == "Succeeded" || phase == "Failed";
-        let ready_reason = if terminal { "PodCompleted" } else { "ContainersNotReady" };
+        let ready_reason = if terminal {
+            "PodCompleted"
+        } else {
+            "ContainersNotReady"
+        };
         let cond = |kind: &str, ok: bool, reason: &str| {
             let mut c = json!({"type": kind, "status": if ok { "True" } else { "False" },
                                "lastProbeTime": null, "lastTransitionTime": now});
