@@ -19,7 +19,7 @@ pub struct Error {
     source: rcgen::Error,
 }
 
-fn ctx<T>(what: &'static str) -> impl FnOnce(rcgen::Error) -> Error {
+fn ctx(what: &'static str) -> impl FnOnce(rcgen::Error) -> Error {
     move |source| Error { what, source }
 }
 
@@ -37,8 +37,8 @@ pub struct Ca {
 
 impl Ca {
     pub fn new(common_name: &str) -> Result<Self, Error> {
-        let key = KeyPair::generate().map_err(ctx::<()>("CA key"))?;
-        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(ctx::<()>("CA params"))?;
+        let key = KeyPair::generate().map_err(ctx("CA key"))?;
+        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(ctx("CA params"))?;
         params.distinguished_name = name(common_name, None);
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params.key_usages = vec![
@@ -46,7 +46,7 @@ impl Ca {
             KeyUsagePurpose::CrlSign,
             KeyUsagePurpose::DigitalSignature,
         ];
-        let issuer = CertifiedIssuer::self_signed(params, key).map_err(ctx::<()>("CA certificate"))?;
+        let issuer = CertifiedIssuer::self_signed(params, key).map_err(ctx("CA certificate"))?;
         Ok(Self { issuer })
     }
 
@@ -58,7 +58,7 @@ impl Ca {
     pub fn server(&self, common_name: &str, extra: &[&str]) -> Result<CertKey, Error> {
         let mut dns: Vec<String> = vec!["localhost".into()];
         dns.extend(extra.iter().map(|s| s.to_string()));
-        let mut params = CertificateParams::new(dns).map_err(ctx::<()>("server params"))?;
+        let mut params = CertificateParams::new(dns).map_err(ctx("server params"))?;
         params
             .subject_alt_names
             .push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
@@ -76,7 +76,7 @@ impl Ca {
 
     /// A client certificate for user `common_name` in group `group`.
     pub fn client(&self, common_name: &str, group: Option<&str>) -> Result<CertKey, Error> {
-        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(ctx::<()>("client params"))?;
+        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(ctx("client params"))?;
         params.distinguished_name = name(common_name, group);
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
         params.key_usages = vec![
@@ -87,10 +87,10 @@ impl Ca {
     }
 
     fn leaf(&self, params: CertificateParams) -> Result<CertKey, Error> {
-        let key = KeyPair::generate().map_err(ctx::<()>("leaf key"))?;
+        let key = KeyPair::generate().map_err(ctx("leaf key"))?;
         let cert = params
             .signed_by(&key, &self.issuer)
-            .map_err(ctx::<()>("leaf certificate"))?;
+            .map_err(ctx("leaf certificate"))?;
         Ok(CertKey {
             cert_pem: cert.pem(),
             key_pem: key.serialize_pem(),
@@ -107,7 +107,7 @@ pub fn self_signed_server(common_name: &str) -> Result<CertKey, Error> {
 
 /// The service-account signing key pair, as PEM (private PKCS#8, public SPKI).
 pub fn service_account_keys() -> Result<(String, String), Error> {
-    let key = KeyPair::generate().map_err(ctx::<()>("service-account key"))?;
+    let key = KeyPair::generate().map_err(ctx("service-account key"))?;
     Ok((key.serialize_pem(), key.public_key_pem()))
 }
 

@@ -1,4 +1,5 @@
 //! The test bed is real: each test asserts what kubectl shows against real control planes.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
 
 use std::time::Duration;
 
