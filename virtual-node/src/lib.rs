@@ -1,4 +1,369 @@
-//! virtual-node: registers one lower cluster as one Node of the upper cluster and runs the
-//! pods bound to that node in the lower cluster, reflecting their status back.
+//! virtual-node: one lower cluster as one honest Node of the upper cluster.
 //!
-//! Not built yet: this crate has no behaviour and ships no binary until it does.
+//! The model: every upper pod bound to the node (`spec.nodeName`) has at most one lower pod
+//! of the same namespace and name, carrying marks that name the upper cluster, this node and
+//! the upper pod's UID. A level-triggered controller ([`pods`]) drives each pair toward
+//! agreement: create below, follow mutable fields, bring status up, delete down then up.
+//! The node loop ([`node`]) keeps the Node, its Lease and its status true to the lower
+//! cluster: capacity from watched lower nodes and pods ([`capacity`]), Ready from a timed
+//! probe. The kubelet endpoint ([`kubelet`]) forwards `kubectl logs` to the lower cluster.
+//! Nothing without our marks is ever modified or deleted.
+
+pub mod capacity;
+pub mod kubelet;
+pub mod metrics;
+pub mod node;
+pub mod pods;
+pub mod ratelimit;
+pub mod translate;
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use kube::api::Api;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::{self, ObjectRef, reflector};
+use kube::runtime::{Controller, WatchStreamExt, controller, watcher};
+use tensile_common::admin::{self, AdminArgs, Readiness};
+use tensile_common::kubeconfig::{ClientOptions, client_from_file};
+use tensile_common::telemetry::LogArgs;
+
+use crate::kubelet::{ClientAuth, KubeletState, ServingCert};
+use crate::node::{NodeLoop, NodeSettings};
+use crate::translate::{Identity, Translation};
+
+/// Command-line flags (each also read from the environment).
+#[derive(Clone, Debug, clap::Parser)]
+#[command(name = "virtual-node", about = "Registers a lower cluster as one node of the upper cluster")]
+pub struct Args {
+    /// Kubeconfig of the upper cluster.
+    #[arg(long, env = "TENSILE_KUBECONFIG")]
+    pub kubeconfig: PathBuf,
+    /// Kubeconfig of the lower cluster.
+    #[arg(long = "client-kubeconfig", env = "TENSILE_CLIENT_KUBECONFIG")]
+    pub client_kubeconfig: PathBuf,
+    /// Name of the virtual node in the upper cluster.
+    #[arg(long, env = "TENSILE_NODENAME", value_parser = parse_node_name)]
+    pub nodename: String,
+    /// Do not taint the node with virtual-kubelet.io/provider=tensile:NoSchedule.
+    #[arg(long = "disable-taint", env = "TENSILE_DISABLE_TAINT")]
+    pub disable_taint: bool,
+    /// Pod labels kept in the upper cluster only (comma-separated keys).
+    #[arg(long = "ignore-labels", env = "TENSILE_IGNORE_LABELS", value_delimiter = ',')]
+    pub ignore_labels: Vec<String>,
+    /// Sustained writes per second to the lower cluster (0: unlimited).
+    #[arg(long = "client-qps", env = "TENSILE_CLIENT_QPS", default_value_t = 500)]
+    pub client_qps: u32,
+    /// Burst of writes to the lower cluster.
+    #[arg(long = "client-burst", env = "TENSILE_CLIENT_BURST", default_value_t = 1000)]
+    pub client_burst: u32,
+    /// Sustained writes per second to the upper cluster (0: unlimited).
+    #[arg(long = "upper-qps", env = "TENSILE_UPPER_QPS", default_value_t = 500)]
+    pub upper_qps: u32,
+    /// Burst of writes to the upper cluster.
+    #[arg(long = "upper-burst", env = "TENSILE_UPPER_BURST", default_value_t = 1000)]
+    pub upper_burst: u32,
+    /// Pods reconciled at once.
+    #[arg(long = "pod-sync-workers", env = "TENSILE_POD_SYNC_WORKERS", default_value_t = 32,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pub pod_sync_workers: u16,
+    /// Port of the kubelet API (published in the node's daemonEndpoints).
+    #[arg(long = "kubelet-port", env = "TENSILE_KUBELET_PORT", default_value_t = 10250)]
+    pub kubelet_port: u16,
+    /// The node's InternalIP: the upper apiserver must reach the kubelet port there.
+    #[arg(long = "node-ip", env = "TENSILE_NODE_IP")]
+    pub node_ip: IpAddr,
+    #[command(flatten)]
+    pub admin: AdminArgs,
+    /// Id of the upper cluster in lower ownership marks (default: the upper kube-system
+    /// namespace UID).
+    #[arg(long = "cluster-id", env = "TENSILE_CLUSTER_ID")]
+    pub cluster_id: Option<String>,
+    /// Extra node labels, `key=value,...`.
+    #[arg(long = "node-labels", env = "TENSILE_NODE_LABELS", value_delimiter = ',', value_parser = parse_label)]
+    pub node_labels: Vec<(String, String)>,
+    /// Serving certificate of the kubelet API (PEM); self-signed when absent.
+    #[arg(long = "tls-cert-file", env = "TENSILE_TLS_CERT_FILE", requires = "tls_private_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// Private key of --tls-cert-file (PEM).
+    #[arg(long = "tls-private-key-file", env = "TENSILE_TLS_PRIVATE_KEY_FILE", requires = "tls_cert_file")]
+    pub tls_private_key_file: Option<PathBuf>,
+    /// CA of the client certificates the upper apiserver presents to kubelets.
+    #[arg(long = "client-verify-ca", env = "TENSILE_CLIENT_VERIFY_CA", conflicts_with = "no_verify_clients")]
+    pub client_verify_ca: Option<PathBuf>,
+    /// Serve the kubelet API without authenticating callers.
+    #[arg(long = "no-verify-clients", env = "TENSILE_NO_VERIFY_CLIENTS")]
+    pub no_verify_clients: bool,
+    /// Run DaemonSet pods bound to the virtual node in the lower cluster.
+    #[arg(long = "run-daemonset-pods", env = "TENSILE_RUN_DAEMONSET_PODS")]
+    pub run_daemonset_pods: bool,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+fn parse_node_name(s: &str) -> Result<String, String> {
+    let ok = !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|part| {
+            !part.is_empty()
+                && part.len() <= 63
+                && part.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+                && !part.starts_with('-')
+                && !part.ends_with('-')
+        });
+    if ok {
+        Ok(s.to_owned())
+    } else {
+        Err(format!("{s:?} is not a valid node name (a lowercase DNS subdomain)"))
+    }
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("{s:?} is not key=value")),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    Kubeconfig(#[from] tensile_common::kubeconfig::Error),
+    #[error("{0}")]
+    Kubelet(#[from] kubelet::Error),
+    #[error("{0}")]
+    Admin(#[from] admin::Error),
+    #[error(
+        "the kubelet API needs a way to authenticate callers: give --client-verify-ca (the upper apiserver's kubelet client CA) or, to serve without authentication, --no-verify-clients"
+    )]
+    NoClientAuth,
+    #[error("reading the upper cluster id (kube-system namespace UID; or pass --cluster-id): {0}")]
+    ClusterId(String),
+    #[error("{0} stopped unexpectedly")]
+    Stopped(&'static str),
+}
+
+/// Runs the virtual node until the future is dropped or a component fails.
+pub async fn run(args: Args) -> Result<(), Error> {
+    let upper = client_from_file(&args.kubeconfig, &ClientOptions::default()).await?;
+    let lower = client_from_file(&args.client_kubeconfig, &ClientOptions::default()).await?;
+    let auth = match (&args.client_verify_ca, args.no_verify_clients) {
+        (Some(ca), _) => ClientAuth::Ca(ca.clone()),
+        (None, true) => ClientAuth::None,
+        (None, false) => return Err(Error::NoClientAuth),
+    };
+    let serving = match (&args.tls_cert_file, &args.tls_private_key_file) {
+        (Some(cert), Some(key)) => ServingCert::Files {
+            cert: cert.clone(),
+            key: key.clone(),
+        },
+        _ => ServingCert::SelfSigned(vec![args.node_ip.to_string(), args.nodename.clone()]),
+    };
+    let tls = kubelet::tls_config(&serving, &auth)?;
+    let kubelet_listener = kubelet::bind(SocketAddr::new(args.node_ip, args.kubelet_port)).await?;
+    let admin_listener = admin::bind(args.admin.admin_addr).await?;
+
+    let cluster_id = match &args.cluster_id {
+        Some(id) => id.clone(),
+        None => Api::<Namespace>::all(upper.clone())
+            .get("kube-system")
+            .await
+            .map_err(|e| Error::ClusterId(e.to_string()))?
+            .metadata
+            .uid
+            .ok_or_else(|| Error::ClusterId("kube-system has no uid".into()))?,
+    };
+    let identity = Identity {
+        cluster_id,
+        node: args.nodename.clone(),
+    };
+    let lower_name = args
+        .client_kubeconfig
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "lower".into());
+    tracing::info!(node = %identity.node, cluster_id = %identity.cluster_id, "starting");
+
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Arc::new(metrics::Metrics::new(&mut registry));
+    let readiness = Readiness::default();
+
+    // Lower caches: nodes and every running pod (capacity), and our own pods (controller).
+    let changed = Arc::new(tokio::sync::Notify::new());
+    let (lower_nodes, nodes_writer) = reflector::store::<Node>();
+    let lower_nodes_watch = {
+        let changed = changed.clone();
+        reflector(nodes_writer, watcher(Api::<Node>::all(lower.clone()), watcher::Config::default()))
+            .default_backoff()
+            .for_each(move |_| {
+                changed.notify_one();
+                futures::future::ready(())
+            })
+    };
+    let (lower_all_pods, all_writer) = reflector::store::<Pod>();
+    let lower_all_watch = {
+        let changed = changed.clone();
+        let wc = watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed");
+        reflector(all_writer, watcher(Api::<Pod>::all(lower.clone()), wc))
+            .default_backoff()
+            .for_each(move |_| {
+                changed.notify_one();
+                futures::future::ready(())
+            })
+    };
+    let (lower_pods, ours_writer) = reflector::store::<Pod>();
+    let lower_ours = reflector(
+        ours_writer,
+        watcher(Api::<Pod>::all(lower.clone()), watcher::Config::default().labels(&identity.selector())),
+    )
+    .default_backoff()
+    .touched_objects();
+
+    let upper_wc = watcher::Config::default().fields(&format!("spec.nodeName={}", identity.node));
+    let resync = futures::stream::unfold((), |()| async {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        Some(((), ()))
+    });
+    let controller = Controller::new(Api::<Pod>::all(upper.clone()), upper_wc)
+        .with_config(controller::Config::default().concurrency(args.pod_sync_workers))
+        .watches_stream(lower_ours, |lower: Pod| {
+            let ns = lower.metadata.namespace.clone().unwrap_or_default();
+            lower.metadata.name.clone().map(|n| ObjectRef::new(&n).within(&ns))
+        })
+        .reconcile_all_on(resync);
+    let upper_pods = controller.store();
+
+    let recorder = Recorder::new(
+        upper.clone(),
+        Reporter {
+            controller: "tensile-virtual-node".into(),
+            instance: Some(identity.node.clone()),
+        },
+    );
+    let ctx = Arc::new(pods::Context {
+        upper: upper.clone(),
+        lower: lower.clone(),
+        translation: Translation {
+            identity: identity.clone(),
+            ignore_labels: args.ignore_labels.clone(),
+        },
+        lower_pods: lower_pods.clone(),
+        upper_pods: upper_pods.clone(),
+        host_ip: args.node_ip.to_string(),
+        recorder,
+        metrics: metrics.clone(),
+        run_daemonset_pods: args.run_daemonset_pods,
+        upper_limit: ratelimit::TokenBucket::new(args.upper_qps, args.upper_burst),
+        lower_limit: ratelimit::TokenBucket::new(args.client_qps, args.client_burst),
+        started: Instant::now(),
+        lost_grace: Duration::from_secs(10),
+        cluster_name: lower_name,
+    });
+    let controller_run = {
+        let metrics = metrics.clone();
+        let store = upper_pods.clone();
+        controller
+            .run(pods::reconcile, pods::error_policy, ctx.clone())
+            .for_each(move |_| {
+                metrics.pods_managed.set(store.len() as i64);
+                futures::future::ready(())
+            })
+    };
+
+    let mut settings = NodeSettings::new(identity.clone(), args.node_ip.to_string(), args.kubelet_port);
+    settings.taint = !args.disable_taint;
+    settings.extra_labels = args.node_labels.iter().cloned().collect::<BTreeMap<_, _>>();
+    let registered = Arc::new(tokio::sync::Notify::new());
+    let node_loop = NodeLoop {
+        upper: upper.clone(),
+        lower: lower.clone(),
+        settings,
+        lower_nodes,
+        lower_pods: lower_all_pods.clone(),
+        changed,
+        metrics: metrics.clone(),
+        registered: registered.clone(),
+    };
+    // The node is registered only once the pod watches have synced (a node without a
+    // working pod path would attract pods it cannot run).
+    let node_run = {
+        let upper_pods = upper_pods.clone();
+        let lower_pods = lower_pods.clone();
+        let lower_all = lower_all_pods.clone();
+        let readiness = readiness.clone();
+        async move {
+            let _ = upper_pods.wait_until_ready().await;
+            let _ = lower_pods.wait_until_ready().await;
+            let _ = lower_all.wait_until_ready().await;
+            readiness.set(true);
+            node_loop.run().await
+        }
+    };
+    let gc = {
+        let ctx = ctx.clone();
+        async move {
+            let _ = ctx.upper_pods.wait_until_ready().await;
+            let _ = ctx.lower_pods.wait_until_ready().await;
+            loop {
+                pods::collect_orphans(&ctx).await;
+                tokio::time::sleep(Duration::from_secs(30)).await;
+            }
+        }
+    };
+    let kubelet_state = Arc::new(KubeletState {
+        node: identity.node.clone(),
+        upper_pods,
+        lower: lower.clone(),
+        require_client_cert: matches!(auth, ClientAuth::Ca(_)),
+    });
+
+    tokio::select! {
+        _ = controller_run => Err(Error::Stopped("the pod controller")),
+        _ = node_run => Err(Error::Stopped("the node loop")),
+        _ = lower_nodes_watch => Err(Error::Stopped("the lower node watch")),
+        _ = lower_all_watch => Err(Error::Stopped("the lower pod watch")),
+        _ = gc => Err(Error::Stopped("orphan collection")),
+        _ = kubelet::serve(kubelet_listener, tls, kubelet_state) => Err(Error::Stopped("the kubelet API")),
+        _ = admin::serve(admin_listener, Arc::new(registry), readiness) => Err(Error::Stopped("the admin endpoint")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn flags_parse_and_bad_ones_are_named() {
+        let args = Args::try_parse_from([
+            "virtual-node",
+            "--kubeconfig=/u",
+            "--client-kubeconfig=/l",
+            "--nodename=vn-a",
+            "--node-ip=127.0.0.1",
+            "--node-labels=zone=a,tier=x",
+            "--ignore-labels=team,env",
+            "--no-verify-clients",
+        ])
+        .unwrap();
+        assert_eq!(args.nodename, "vn-a");
+        assert_eq!(args.node_labels, vec![("zone".into(), "a".into()), ("tier".into(), "x".into())]);
+        assert_eq!(args.ignore_labels, vec!["team", "env"]);
+        for (bad, needle) in [
+            (vec!["--nodename=Bad_Name"], "not a valid node name"),
+            (vec!["--nodename=ok", "--node-ip=nope"], "nope"),
+            (vec!["--nodename=ok", "--node-ip=127.0.0.1", "--node-labels=x"], "not key=value"),
+            (vec!["--nodename=ok", "--node-ip=127.0.0.1", "--pod-sync-workers=0"], "pod-sync-workers"),
+        ] {
+            let mut argv = vec!["virtual-node", "--kubeconfig=/u", "--client-kubeconfig=/l"];
+            argv.extend(bad);
+            let err = Args::try_parse_from(argv).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err}");
+        }
+    }
+}

@@ -5,6 +5,7 @@
 //! select from that sequence exactly as they would from a real log file.
 
 use jiff::{SignedDuration, Timestamp};
+pub use tensile_common::kubelet::LogOptions;
 
 /// One container run's log.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -15,78 +16,6 @@ pub struct LogSource {
     pub started: Timestamp,
     /// When the run ended; `None` while it runs.
     pub finished: Option<Timestamp>,
-}
-
-/// The kubelet's `containerLogs` query options.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct LogOptions {
-    pub follow: bool,
-    pub previous: bool,
-    pub timestamps: bool,
-    pub tail_lines: Option<u64>,
-    pub limit_bytes: Option<u64>,
-    pub since_seconds: Option<u64>,
-    pub since_time: Option<Timestamp>,
-}
-
-impl LogOptions {
-    /// Parses a query string the way the kubelet does; errors name the parameter.
-    pub fn from_query(query: &str) -> Result<Self, String> {
-        let mut o = LogOptions::default();
-        for (key, value) in form_urlencoded::parse(query.as_bytes()) {
-            let flag = || match value.as_ref() {
-                "" | "true" | "1" => Ok(true),
-                "false" | "0" => Ok(false),
-                v => Err(format!("{key}={v:?}: not a boolean")),
-            };
-            let count = || {
-                value
-                    .parse::<i64>()
-                    .map_err(|_| format!("{key}={value:?}: not an integer"))
-                    .and_then(|n| u64::try_from(n).map_err(|_| format!("{key}={n}: must not be negative")))
-            };
-            match key.as_ref() {
-                "follow" => o.follow = flag()?,
-                "previous" => o.previous = flag()?,
-                "timestamps" => o.timestamps = flag()?,
-                "tailLines" => o.tail_lines = Some(count()?),
-                "limitBytes" => {
-                    let n = count()?;
-                    if n == 0 {
-                        return Err("limitBytes=0: must be positive".into());
-                    }
-                    o.limit_bytes = Some(n)
-                }
-                "sinceSeconds" => {
-                    let n = count()?;
-                    if n == 0 {
-                        return Err("sinceSeconds=0: must be positive".into());
-                    }
-                    o.since_seconds = Some(n)
-                }
-                "sinceTime" => {
-                    o.since_time = Some(
-                        value
-                            .parse::<Timestamp>()
-                            .map_err(|e| format!("sinceTime={value:?}: not RFC 3339: {e}"))?,
-                    )
-                }
-                _ => {}
-            }
-        }
-        if o.since_seconds.is_some() && o.since_time.is_some() {
-            return Err("sinceSeconds and sinceTime are mutually exclusive".into());
-        }
-        Ok(o)
-    }
-
-    /// Earliest timestamp a line may have, if the options bound it.
-    pub fn since(&self, now: Timestamp) -> Option<Timestamp> {
-        match (self.since_seconds, self.since_time) {
-            (Some(s), _) => now.checked_sub(SignedDuration::from_secs(s as i64)).ok(),
-            (None, t) => t,
-        }
-    }
 }
 
 impl LogSource {
@@ -199,31 +128,5 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(s.window(&zero_tail, now), (10, 10));
-    }
-
-    #[test]
-    fn queries_parse_and_bad_ones_are_named() {
-        let o = LogOptions::from_query(
-            "follow=true&tailLines=5&timestamps=1&limitBytes=100&sinceTime=2026-01-02T03%3A04%3A05Z",
-        )
-        .unwrap();
-        assert!(o.follow && o.timestamps && !o.previous);
-        assert_eq!(o.tail_lines, Some(5));
-        assert_eq!(o.limit_bytes, Some(100));
-        assert_eq!(o.since_time, Some("2026-01-02T03:04:05Z".parse().unwrap()));
-        for (q, needle) in [
-            ("tailLines=x", "tailLines"),
-            ("tailLines=-1", "negative"),
-            ("limitBytes=0", "limitBytes"),
-            ("sinceTime=yesterday", "sinceTime"),
-            (
-                "sinceSeconds=5&sinceTime=2026-01-02T03:04:05Z",
-                "mutually exclusive",
-            ),
-            ("follow=maybe", "follow"),
-        ] {
-            let err = LogOptions::from_query(q).unwrap_err();
-            assert!(err.contains(needle), "{q}: {err}");
-        }
     }
 }

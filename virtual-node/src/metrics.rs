@@ -1,0 +1,73 @@
+//! Prometheus metrics of one virtual node.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ApiLabels {
+    pub cluster: String,
+    pub verb: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: String,
+}
+
+pub struct Metrics {
+    pub pods_managed: Gauge,
+    pub lower_pods_created: Counter,
+    pub reconcile_seconds: Family<OutcomeLabels, Histogram>,
+    pub in_flight: Gauge,
+    pub api_errors: Family<ApiLabels, Counter>,
+    pub lower_ready: Gauge,
+}
+
+impl Metrics {
+    pub fn new(registry: &mut Registry) -> Self {
+        let m = Metrics {
+            pods_managed: Gauge::default(),
+            lower_pods_created: Counter::default(),
+            reconcile_seconds: Family::new_with_constructor(|| {
+                Histogram::new([0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0])
+            }),
+            in_flight: Gauge::default(),
+            api_errors: Family::default(),
+            lower_ready: Gauge::default(),
+        };
+        let r = registry.sub_registry_with_prefix("tensile_virtual_node");
+        r.register("pods_managed", "Upper pods bound to this virtual node", m.pods_managed.clone());
+        r.register("lower_pods_created", "Lower pods created", m.lower_pods_created.clone());
+        r.register("reconcile_seconds", "Duration of one pod reconcile", m.reconcile_seconds.clone());
+        r.register("reconciles_in_flight", "Pod reconciles running now (queue depth)", m.in_flight.clone());
+        r.register("api_errors", "API errors by cluster and verb", m.api_errors.clone());
+        r.register("lower_cluster_ready", "1 when the lower cluster answers and has a usable node", m.lower_ready.clone());
+        m
+    }
+
+    pub fn observe_reconcile(&self, took: Duration, ok: bool) {
+        let outcome = if ok { "ok" } else { "error" };
+        self.reconcile_seconds
+            .get_or_create(&OutcomeLabels { outcome: outcome.into() })
+            .observe(took.as_secs_f64());
+    }
+
+    pub fn api_error(&self, cluster: &str, verb: &str) {
+        self.api_errors
+            .get_or_create(&ApiLabels {
+                cluster: cluster.into(),
+                verb: verb.into(),
+            })
+            .inc();
+    }
+
+    pub fn created(&self) {
+        self.lower_pods_created.inc();
+    }
+}

@@ -1,0 +1,291 @@
+//! The virtual Node: registration, Lease, and a status that tells the truth about the lower
+//! cluster (capacity from watched state, Ready from a real probe).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::reflector::Store;
+use serde_json::{Value, json};
+use tensile_common::names;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::capacity::{self, Capacity};
+use crate::metrics::Metrics;
+use crate::translate::Identity;
+
+/// Settings of the node loop.
+#[derive(Clone, Debug)]
+pub struct NodeSettings {
+    pub identity: Identity,
+    pub node_ip: String,
+    pub kubelet_port: u16,
+    pub taint: bool,
+    pub extra_labels: BTreeMap<String, String>,
+    /// How often the lower cluster is probed (and the loop runs without changes).
+    pub probe_period: Duration,
+    /// A probe that takes longer failed.
+    pub probe_timeout: Duration,
+    /// Status is patched at least this often.
+    pub status_period: Duration,
+    pub lease_period: Duration,
+}
+
+impl NodeSettings {
+    pub fn new(identity: Identity, node_ip: String, kubelet_port: u16) -> Self {
+        Self {
+            identity,
+            node_ip,
+            kubelet_port,
+            taint: true,
+            extra_labels: BTreeMap::new(),
+            probe_period: Duration::from_secs(5),
+            probe_timeout: Duration::from_secs(4),
+            status_period: Duration::from_secs(60),
+            lease_period: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Readiness of the lower cluster as the Ready condition shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Health {
+    ready: bool,
+    reason: &'static str,
+    message: String,
+}
+
+pub struct NodeLoop {
+    pub upper: kube::Client,
+    pub lower: kube::Client,
+    pub settings: NodeSettings,
+    pub lower_nodes: Store<Node>,
+    pub lower_pods: Store<Pod>,
+    /// Woken when lower nodes or pods change.
+    pub changed: Arc<Notify>,
+    pub metrics: Arc<Metrics>,
+    pub registered: Arc<Notify>,
+}
+
+fn now() -> String {
+    jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
+}
+
+impl NodeLoop {
+    fn name(&self) -> &str {
+        &self.settings.identity.node
+    }
+
+    async fn probe(&self) -> Result<String, String> {
+        let req = http::Request::get("/readyz").body(Vec::new()).map_err(|e| e.to_string())?;
+        match tokio::time::timeout(self.settings.probe_timeout, self.lower.request_text(req)).await {
+            Err(_) => Err(format!("no answer within {} s", self.settings.probe_timeout.as_secs())),
+            Ok(Err(e)) => Err(e.to_string()),
+            Ok(Ok(body)) if body.trim() == "ok" => {
+                let version = tokio::time::timeout(self.settings.probe_timeout, self.lower.apiserver_version())
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .map(|v| v.git_version)
+                    .unwrap_or_default();
+                Ok(version)
+            }
+            Ok(Ok(body)) => Err(format!("readyz says {}", body.trim())),
+        }
+    }
+
+    fn capacity(&self) -> Capacity {
+        let nodes = self.lower_nodes.state();
+        let pods = self.lower_pods.state();
+        capacity::compute(nodes.iter().map(|n| n.as_ref()), pods.iter().map(|p| p.as_ref()), &self.settings.identity)
+    }
+
+    fn labels(&self, cap: &Capacity) -> BTreeMap<String, String> {
+        let mut labels = BTreeMap::from([
+            (names::VIRTUAL_NODE_TYPE_LABEL.to_owned(), names::VIRTUAL_NODE_TYPE_VALUE.to_owned()),
+            ("kubernetes.io/role".to_owned(), names::VIRTUAL_NODE_ROLE.to_owned()),
+            ("kubernetes.io/hostname".to_owned(), self.name().to_owned()),
+            ("kubernetes.io/os".to_owned(), cap.os.clone().unwrap_or_else(|| "linux".into())),
+            ("kubernetes.io/arch".to_owned(), cap.arch.clone().unwrap_or_else(|| "amd64".into())),
+        ]);
+        labels.extend(self.settings.extra_labels.clone());
+        labels
+    }
+
+    async fn create_node(&self, cap: &Capacity) -> Result<(), kube::Error> {
+        let taints: Vec<Value> = if self.settings.taint {
+            vec![json!({"key": names::VIRTUAL_NODE_TAINT, "value": names::VIRTUAL_NODE_TAINT_VALUE, "effect": "NoSchedule"})]
+        } else {
+            vec![]
+        };
+        let node: Node = serde_json::from_value(json!({
+            "metadata": {"name": self.name(), "labels": self.labels(cap)},
+            "spec": {"taints": taints},
+        }))
+        .map_err(kube::Error::SerdeError)?;
+        let api: Api<Node> = Api::all(self.upper.clone());
+        match api.create(&PostParams::default(), &node).await {
+            Ok(_) => {
+                tracing::info!(node = self.name(), "registered the virtual node");
+                Ok(())
+            }
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn status_body(&self, cap: &Capacity, health: &Health, ready_since: &str, started: &str, version: &str) -> Value {
+        let now = now();
+        let cond = |kind: &str, status: &str, reason: &str, message: &str, since: &str| {
+            json!({"type": kind, "status": status, "reason": reason, "message": message,
+                   "lastHeartbeatTime": now, "lastTransitionTime": since})
+        };
+        json!({"status": {
+            "capacity": cap.capacity.to_strings(),
+            "allocatable": cap.allocatable.to_strings(),
+            "conditions": [
+                cond("Ready", if health.ready { "True" } else { "False" }, health.reason, &health.message, ready_since),
+                cond("MemoryPressure", "False", "LowerClusterHasNoPressure", "memory pressure is handled by the lower cluster", started),
+                cond("DiskPressure", "False", "LowerClusterHasNoPressure", "disk pressure is handled by the lower cluster", started),
+                cond("PIDPressure", "False", "LowerClusterHasNoPressure", "PID pressure is handled by the lower cluster", started),
+            ],
+            "addresses": [{"type": "InternalIP", "address": self.settings.node_ip}],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.settings.kubelet_port}},
+            "nodeInfo": {
+                "machineID": self.settings.identity.cluster_id, "systemUUID": self.name(), "bootID": started,
+                "kernelVersion": "", "osImage": "tensile virtual node",
+                "containerRuntimeVersion": "tensile://lower-cluster", "kubeletVersion": version,
+                "kubeProxyVersion": version,
+                "operatingSystem": cap.os.clone().unwrap_or_else(|| "linux".into()),
+                "architecture": cap.arch.clone().unwrap_or_else(|| "amd64".into()),
+            },
+        }})
+    }
+
+    async fn renew_lease(&self) -> Result<(), kube::Error> {
+        let leases: Api<Lease> = Api::namespaced(self.upper.clone(), "kube-node-lease");
+        let micro = jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%S%.6fZ").to_string();
+        let renew = json!({"spec": {"renewTime": micro, "holderIdentity": self.name(), "leaseDurationSeconds": 40}});
+        match leases.patch(self.name(), &PatchParams::default(), &Patch::Merge(&renew)).await {
+            Ok(_) => return Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(e),
+        }
+        let node = Api::<Node>::all(self.upper.clone()).get(self.name()).await?;
+        let lease: Lease = serde_json::from_value(json!({
+            "metadata": {"name": self.name(), "namespace": "kube-node-lease",
+                         "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": self.name(),
+                                              "uid": node.metadata.uid.unwrap_or_default()}]},
+            "spec": {"holderIdentity": self.name(), "leaseDurationSeconds": 40, "renewTime": micro},
+        }))
+        .map_err(kube::Error::SerdeError)?;
+        match leases.create(&PostParams::default(), &lease).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Runs forever: probe, recompute, patch status on change or when due, renew the lease,
+    /// and recreate the Node if someone deleted it.
+    pub async fn run(self) {
+        let nodes: Api<Node> = Api::all(self.upper.clone());
+        let started = now();
+        let mut ready_since = started.clone();
+        let mut last_health: Option<Health> = None;
+        let mut last_sent: Option<(Capacity, Health)> = None;
+        let mut last_status = Instant::now();
+        let mut last_lease: Option<Instant> = None;
+        let mut version = String::new();
+        let mut failures = 0u32;
+        let mut registered = false;
+        loop {
+            let health = match self.probe().await {
+                Ok(v) => {
+                    failures = 0;
+                    if !v.is_empty() {
+                        version = v;
+                    }
+                    let cap = self.capacity();
+                    if cap.usable_nodes == 0 {
+                        Health {
+                            ready: false,
+                            reason: "NoUsableLowerNodes",
+                            message: "the lower cluster has no Ready schedulable node".into(),
+                        }
+                    } else {
+                        Health {
+                            ready: true,
+                            reason: "LowerClusterReady",
+                            message: format!("the lower cluster answers and has {} usable node(s)", cap.usable_nodes),
+                        }
+                    }
+                }
+                Err(e) => {
+                    failures += 1;
+                    Health {
+                        // One failed probe may be a blip; two in a row are an outage.
+                        ready: failures < 2 && last_health.as_ref().is_some_and(|h| h.ready),
+                        reason: "LowerClusterUnreachable",
+                        message: format!("the lower cluster's apiserver does not answer: {e}"),
+                    }
+                }
+            };
+            self.metrics.lower_ready.set(i64::from(health.ready));
+            if last_health.as_ref().map(|h| h.ready) != Some(health.ready) {
+                ready_since = now();
+                tracing::info!(node = self.name(), ready = health.ready, reason = health.reason, "{}", health.message);
+            }
+            last_health = Some(health.clone());
+            let cap = self.capacity();
+            if !registered {
+                match self.create_node(&cap).await {
+                    Ok(()) => {
+                        registered = true;
+                        self.registered.notify_waiters();
+                    }
+                    Err(e) => tracing::warn!(node = self.name(), "registering the node failed: {e}"),
+                }
+            }
+            let due = last_status.elapsed() >= self.settings.status_period;
+            let changed = last_sent.as_ref() != Some(&(cap.clone(), health.clone()));
+            if registered && (due || changed) {
+                let body = self.status_body(&cap, &health, &ready_since, &started, &version);
+                match nodes.patch_status(self.name(), &PatchParams::default(), &Patch::Strategic(&body)).await {
+                    Ok(_) => {
+                        last_status = Instant::now();
+                        last_sent = Some((cap.clone(), health.clone()));
+                        let shape = serde_json::to_string(&cap.shape).unwrap_or_default();
+                        let meta = json!({"metadata": {"annotations": {names::NODE_CAPACITY_SHAPE: shape}}});
+                        if let Err(e) = nodes.patch(self.name(), &PatchParams::default(), &Patch::Merge(&meta)).await {
+                            tracing::warn!(node = self.name(), "capacity shape annotation: {e}");
+                        }
+                    }
+                    Err(kube::Error::Api(s)) if s.code == 404 => {
+                        tracing::warn!(node = self.name(), "the Node object was deleted; registering it again");
+                        registered = false;
+                        last_sent = None;
+                        last_lease = None;
+                        continue;
+                    }
+                    Err(e) => tracing::warn!(node = self.name(), "node status: {e}"),
+                }
+            }
+            if registered && last_lease.is_none_or(|t| t.elapsed() >= self.settings.lease_period) {
+                match self.renew_lease().await {
+                    Ok(()) => last_lease = Some(Instant::now()),
+                    Err(e) => tracing::warn!(node = self.name(), "lease: {e}"),
+                }
+            }
+            // Wake on lower changes (debounced) or after the probe period.
+            tokio::select! {
+                _ = tokio::time::sleep(self.settings.probe_period) => {}
+                _ = self.changed.notified() => tokio::time::sleep(Duration::from_millis(300)).await,
+            }
+        }
+    }
+}

@@ -1,0 +1,414 @@
+//! The pod controller: every upper pod bound to the virtual node is reconciled against its
+//! lower pod, level-triggered, one key at a time.
+//!
+//! kube-runtime's controller serializes work per pod key and re-runs a key that changed
+//! while it was being worked on; every run reads the latest upper and lower objects from
+//! the watch caches, so a retry never acts on stale desired state.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+use tensile_common::names;
+
+use crate::metrics::Metrics;
+use crate::ratelimit::TokenBucket;
+use crate::translate::{self, Translation};
+
+/// What one reconcile needs.
+pub struct Context {
+    pub upper: kube::Client,
+    pub lower: kube::Client,
+    pub translation: Translation,
+    /// Lower pods carrying this node's marks.
+    pub lower_pods: Store<Pod>,
+    pub upper_pods: Store<Pod>,
+    pub host_ip: String,
+    pub recorder: Recorder,
+    pub metrics: Arc<Metrics>,
+    pub run_daemonset_pods: bool,
+    pub upper_limit: TokenBucket,
+    pub lower_limit: TokenBucket,
+    /// Pods missing below are only judged lost after this instant (caches warm up).
+    pub started: Instant,
+    pub lost_grace: Duration,
+    pub cluster_name: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{cluster} {verb} {what}: {source}")]
+    Api {
+        cluster: &'static str,
+        verb: &'static str,
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+impl Error {
+    fn api(cluster: &'static str, verb: &'static str, what: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
+        let what = what.into();
+        move |source| Error::Api {
+            cluster,
+            verb,
+            what,
+            source,
+        }
+    }
+}
+
+fn key(pod: &Pod) -> String {
+    format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any())
+}
+
+fn api_status(e: &kube::Error) -> Option<u16> {
+    match e {
+        kube::Error::Api(s) => Some(s.code),
+        _ => None,
+    }
+}
+
+/// The message of a lower API error, as the lower cluster phrased it.
+fn lower_message(e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(s) => s.message.clone(),
+        other => other.to_string(),
+    }
+}
+
+pub async fn reconcile(upper: Arc<Pod>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let started = Instant::now();
+    ctx.metrics.in_flight.inc();
+    let result = reconcile_inner(&upper, &ctx).await;
+    ctx.metrics.in_flight.dec();
+    ctx.metrics.observe_reconcile(started.elapsed(), result.is_ok());
+    if let Err(e) = &result {
+        tracing::warn!(pod = %key(&upper), "reconcile failed: {e}");
+    }
+    result
+}
+
+pub fn error_policy(_pod: Arc<Pod>, err: &Error, ctx: Arc<Context>) -> Action {
+    let Error::Api { cluster, verb, .. } = err;
+    ctx.metrics.api_error(cluster, verb);
+    Action::requeue(Duration::from_secs(2))
+}
+
+async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
+    ctx.lower_pods.wait_until_ready().await.ok();
+    let ns = upper.namespace().unwrap_or_default();
+    let name = upper.name_any();
+    let upper_uid = upper.uid().unwrap_or_default();
+    let lower = ctx
+        .lower_pods
+        .get(&ObjectRef::new(&name).within(&ns))
+        .filter(|l| ctx.translation.identity.owns(&l.metadata));
+    let lower_pods: Api<Pod> = Api::namespaced(ctx.lower.clone(), &ns);
+
+    // A lower pod of ours made for an earlier upper pod of the same name: it is stale.
+    if let Some(l) = &lower
+        && translate::upper_uid(l) != Some(upper_uid.as_str())
+    {
+        delete_lower(ctx, &lower_pods, l, None).await?;
+        return Ok(Action::requeue(Duration::from_secs(1)));
+    }
+
+    // Deletion flows down, then up: the lower pod stops with the same grace; once it is
+    // gone, the upper pod is released with grace 0 and a UID precondition.
+    if upper.metadata.deletion_timestamp.is_some() {
+        if let Some(l) = &lower {
+            if l.metadata.deletion_timestamp.is_none() {
+                let grace = upper.metadata.deletion_grace_period_seconds;
+                delete_lower(ctx, &lower_pods, l, grace).await?;
+            }
+            return Ok(Action::requeue(Duration::from_secs(2)));
+        }
+        release_upper(ctx, upper).await?;
+        return Ok(Action::await_change());
+    }
+
+    if translate::is_terminal(upper) {
+        // Never re-run a finished pod; its lower pod stays for logs until the upper goes.
+        return Ok(Action::await_change());
+    }
+
+    if translate::is_daemonset_pod(upper) && !ctx.run_daemonset_pods {
+        let msg = "DaemonSet pods are not run in the lower cluster (see --run-daemonset-pods)";
+        set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", "DaemonSetPod", msg).await?;
+        return Ok(Action::await_change());
+    }
+
+    let Some(lower) = lower else {
+        return create_lower(ctx, upper, &lower_pods).await;
+    };
+
+    // Mutable fields follow the upper pod.
+    let desired = match ctx.translation.lower_pod(upper) {
+        Ok(d) => d,
+        Err(e) => {
+            set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", "InvalidPod", &e.to_string()).await?;
+            return Ok(Action::await_change());
+        }
+    };
+    if let Some(patch) = ctx.translation.update_patch(&desired, &lower) {
+        ctx.lower_limit.acquire().await;
+        let params = PatchParams::apply(names::FIELD_MANAGER);
+        let params = PatchParams {
+            force: false,
+            ..params
+        };
+        if let Err(e) = lower_pods.patch(&name, &params, &Patch::Strategic(&patch)).await {
+            // An update failure never regresses a running pod: report and go on with status.
+            let msg = lower_message(&e);
+            event(ctx, upper, EventType::Warning, "LowerUpdateFailed", &msg).await;
+        }
+    }
+
+    write_status(ctx, upper, &lower).await?;
+    Ok(Action::requeue(Duration::from_secs(300)))
+}
+
+async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Result<Action, Error> {
+    let name = upper.name_any();
+    let ns = upper.namespace().unwrap_or_default();
+    let had_run = upper
+        .status
+        .as_ref()
+        .is_some_and(|s| s.container_statuses.as_ref().is_some_and(|c| !c.is_empty()));
+    if had_run {
+        // The lower pod is gone though the upper one lives: the lower cluster (or someone
+        // there) removed it. Judge it only once caches have warmed up.
+        if ctx.started.elapsed() < ctx.lost_grace {
+            return Ok(Action::requeue(ctx.lost_grace));
+        }
+        let policy = upper.spec.as_ref().and_then(|s| s.restart_policy.as_deref()).unwrap_or("Always");
+        if policy == "Never" {
+            let msg = format!("the pod disappeared from lower cluster {} and restartPolicy is Never", ctx.cluster_name);
+            fail_upper(ctx, upper, "LowerPodLost", &msg).await?;
+            event(ctx, upper, EventType::Warning, "LowerPodLost", &msg).await;
+            return Ok(Action::await_change());
+        }
+        let msg = format!("the pod disappeared from lower cluster {}; starting it again", ctx.cluster_name);
+        event(ctx, upper, EventType::Warning, "LowerPodLost", &msg).await;
+    }
+    let desired = match ctx.translation.lower_pod(upper) {
+        Ok(d) => d,
+        Err(e) => {
+            set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", "InvalidPod", &e.to_string()).await?;
+            event(ctx, upper, EventType::Warning, "InvalidPod", &e.to_string()).await;
+            return Ok(Action::await_change());
+        }
+    };
+    ensure_namespace(ctx, &ns).await?;
+    ctx.lower_limit.acquire().await;
+    match lower_pods.create(&PostParams::default(), &desired).await {
+        Ok(_) => {
+            ctx.metrics.created();
+            event(ctx, upper, EventType::Normal, "LowerPodCreated", &format!("created in lower cluster {}", ctx.cluster_name)).await;
+            set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "True", "Created", "").await?;
+            Ok(Action::requeue(Duration::from_secs(300)))
+        }
+        Err(e) if api_status(&e) == Some(409) => {
+            // A same-named lower pod exists. Ours (the cache is behind) or someone else's.
+            let existing = lower_pods
+                .get_opt(&name)
+                .await
+                .map_err(Error::api("lower", "get", format!("pod {ns}/{name}")))?;
+            match existing {
+                Some(p) if ctx.translation.identity.owns(&p.metadata) => Ok(Action::requeue(Duration::from_secs(1))),
+                Some(_) => {
+                    let msg = format!(
+                        "lower cluster {} already has a pod {ns}/{name} not created by this virtual node; it is left untouched",
+                        ctx.cluster_name
+                    );
+                    set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", "Conflict", &msg).await?;
+                    event(ctx, upper, EventType::Warning, "LowerPodConflict", &msg).await;
+                    Ok(Action::requeue(Duration::from_secs(30)))
+                }
+                None => Ok(Action::requeue(Duration::from_secs(1))),
+            }
+        }
+        Err(e) => {
+            let msg = format!("lower cluster {} rejected the pod: {}", ctx.cluster_name, lower_message(&e));
+            set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", "CreateFailed", &msg).await?;
+            event(ctx, upper, EventType::Warning, "LowerCreateFailed", &msg).await;
+            let verb_err = Error::api("lower", "create", format!("pod {ns}/{name}"))(e);
+            Err(verb_err)
+        }
+    }
+}
+
+async fn ensure_namespace(ctx: &Context, ns: &str) -> Result<(), Error> {
+    let api: Api<Namespace> = Api::all(ctx.lower.clone());
+    if api
+        .get_opt(ns)
+        .await
+        .map_err(Error::api("lower", "get", format!("namespace {ns}")))?
+        .is_some()
+    {
+        return Ok(());
+    }
+    let namespace: Namespace = Namespace {
+        metadata: kube::api::ObjectMeta {
+            name: Some(ns.to_owned()),
+            labels: Some(ctx.translation.identity.marks()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    ctx.lower_limit.acquire().await;
+    match api.create(&PostParams::default(), &namespace).await {
+        Ok(_) => Ok(()),
+        Err(e) if api_status(&e) == Some(409) => Ok(()),
+        Err(e) => Err(Error::api("lower", "create", format!("namespace {ns}"))(e)),
+    }
+}
+
+/// Deletes a lower pod we own, with a UID precondition so a newer pod is never hit.
+async fn delete_lower(ctx: &Context, api: &Api<Pod>, lower: &Pod, grace: Option<i64>) -> Result<(), Error> {
+    if !ctx.translation.identity.owns(&lower.metadata) {
+        return Ok(());
+    }
+    let params = DeleteParams {
+        grace_period_seconds: grace.map(|g| g.max(0) as u32),
+        preconditions: Some(Preconditions {
+            uid: lower.uid(),
+            resource_version: None,
+        }),
+        ..Default::default()
+    };
+    ctx.lower_limit.acquire().await;
+    match api.delete(&lower.name_any(), &params).await {
+        Ok(_) => Ok(()),
+        Err(e) if matches!(api_status(&e), Some(404) | Some(409)) => Ok(()),
+        Err(e) => Err(Error::api("lower", "delete", format!("pod {}", key(lower)))(e)),
+    }
+}
+
+/// Confirms the upper deletion as a kubelet does: grace 0, UID precondition (a mismatch means
+/// the pod was recreated: the new one is left alone).
+async fn release_upper(ctx: &Context, upper: &Pod) -> Result<(), Error> {
+    let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
+    let params = DeleteParams {
+        grace_period_seconds: Some(0),
+        preconditions: Some(Preconditions {
+            uid: upper.uid(),
+            resource_version: None,
+        }),
+        ..Default::default()
+    };
+    ctx.upper_limit.acquire().await;
+    match api.delete(&upper.name_any(), &params).await {
+        Ok(_) => Ok(()),
+        Err(e) if matches!(api_status(&e), Some(404) | Some(409)) => Ok(()),
+        Err(e) => Err(Error::api("upper", "delete", format!("pod {}", key(upper)))(e)),
+    }
+}
+
+async fn patch_upper_status(ctx: &Context, upper: &Pod, status: serde_json::Value) -> Result<(), Error> {
+    let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
+    // The uid in the body makes the write conditional on the pod being the one we read.
+    let patch = json!({"metadata": {"uid": upper.uid()}, "status": status});
+    ctx.upper_limit.acquire().await;
+    match api
+        .patch_status(&upper.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) if matches!(api_status(&e), Some(404) | Some(409)) => Ok(()),
+        Err(e) => Err(Error::api("upper", "patch-status", format!("pod {}", key(upper)))(e)),
+    }
+}
+
+async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(), Error> {
+    let (mut status, differs) = translate::upper_status(upper, lower, &ctx.host_ip);
+    if !differs {
+        return Ok(());
+    }
+    // The lower pod exists and is ours: the sync condition says so.
+    if let Some(conds) = status.get_mut("conditions").and_then(|c| c.as_array_mut()) {
+        let synced_ok = conds
+            .iter()
+            .any(|c| c["type"] == names::CONDITION_LOWER_SYNCED && c["status"] == "True");
+        if !synced_ok {
+            conds.retain(|c| c["type"] != names::CONDITION_LOWER_SYNCED);
+            conds.push(json!({"type": names::CONDITION_LOWER_SYNCED, "status": "True", "reason": "Created",
+                              "lastTransitionTime": jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()}));
+        }
+    }
+    patch_upper_status(ctx, upper, status).await
+}
+
+async fn set_condition(ctx: &Context, upper: &Pod, kind: &str, status: &str, reason: &str, message: &str) -> Result<(), Error> {
+    let unchanged = upper
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|c| c.iter().find(|c| c.type_ == kind))
+        .is_some_and(|c| c.status == status && c.reason.as_deref() == Some(reason) && c.message.as_deref().unwrap_or("") == message);
+    if unchanged {
+        return Ok(());
+    }
+    let now = jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string();
+    let conditions = translate::with_condition(upper, kind, status, reason, message, &now);
+    patch_upper_status(ctx, upper, json!({"conditions": conditions})).await
+}
+
+async fn fail_upper(ctx: &Context, upper: &Pod, reason: &str, message: &str) -> Result<(), Error> {
+    let now = jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string();
+    let conditions = translate::with_condition(upper, names::CONDITION_LOWER_SYNCED, "False", reason, message, &now);
+    patch_upper_status(
+        ctx,
+        upper,
+        json!({"phase": "Failed", "reason": reason, "message": message, "conditions": conditions}),
+    )
+    .await
+}
+
+async fn event(ctx: &Context, upper: &Pod, type_: EventType, reason: &str, note: &str) {
+    let ev = Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note.chars().take(1000).collect()),
+        action: "Sync".into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&ev, &upper.object_ref(&())).await {
+        tracing::debug!(pod = %key(upper), "event not recorded: {e}");
+    }
+}
+
+/// Deletes lower pods of ours whose upper pod (by UID) no longer exists. Runs after both
+/// caches are warm, so a pod is never judged orphaned on an empty cache.
+pub async fn collect_orphans(ctx: &Context) -> usize {
+    let mut deleted = 0;
+    for lower in ctx.lower_pods.state() {
+        if !ctx.translation.identity.owns(&lower.metadata) || lower.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let Some(uid) = translate::upper_uid(&lower) else { continue };
+        let upper = ctx
+            .upper_pods
+            .get(&ObjectRef::new(&lower.name_any()).within(&lower.namespace().unwrap_or_default()));
+        if upper.as_ref().and_then(|u| u.uid()).as_deref() == Some(uid) {
+            continue;
+        }
+        let api: Api<Pod> = Api::namespaced(ctx.lower.clone(), &lower.namespace().unwrap_or_default());
+        match delete_lower(ctx, &api, &lower, None).await {
+            Ok(()) => {
+                tracing::info!(pod = %key(&lower), "deleted a lower pod whose upper pod is gone");
+                deleted += 1;
+            }
+            Err(e) => tracing::warn!("orphan collection: {e}"),
+        }
+    }
+    deleted
+}

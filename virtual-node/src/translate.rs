@@ -1,0 +1,554 @@
+//! Pure translation between an upper pod and its lower pod: the pod that goes down, the
+//! ownership marks, which updates may follow it, and the status that comes back up.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Affinity, Pod, PodSpec, Volume};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde_json::{Value, json};
+use tensile_common::names;
+use tensile_common::stash::Stash;
+
+/// Who we are: every lower object we create carries these marks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    /// Id of the upper cluster (by default its kube-system namespace UID).
+    pub cluster_id: String,
+    /// The virtual node's name.
+    pub node: String,
+}
+
+impl Identity {
+    /// Label selector matching exactly the lower objects of this virtual node.
+    pub fn selector(&self) -> String {
+        format!("{}={},{}={}", names::MARK_CLUSTER, self.cluster_id, names::MARK_NODE, self.node)
+    }
+
+    /// True when `meta` carries our cluster and node marks.
+    pub fn owns(&self, meta: &ObjectMeta) -> bool {
+        let labels = meta.labels.as_ref();
+        let get = |k: &str| labels.and_then(|l| l.get(k)).map(String::as_str);
+        get(names::MARK_CLUSTER) == Some(self.cluster_id.as_str()) && get(names::MARK_NODE) == Some(self.node.as_str())
+    }
+
+    /// Our marks as labels.
+    pub fn marks(&self) -> BTreeMap<String, String> {
+        BTreeMap::from([
+            (names::MARK_CLUSTER.to_owned(), self.cluster_id.clone()),
+            (names::MARK_NODE.to_owned(), self.node.clone()),
+        ])
+    }
+}
+
+/// The upper pod UID a lower pod of ours was made for.
+pub fn upper_uid(lower: &Pod) -> Option<&str> {
+    lower
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(names::MARK_UPPER_UID))
+        .map(String::as_str)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("annotation clusterSelector: {0}")]
+    Stash(#[from] tensile_common::stash::Error),
+    #[error("pod has no uid")]
+    NoUid,
+}
+
+/// Translation settings.
+#[derive(Clone, Debug)]
+pub struct Translation {
+    pub identity: Identity,
+    /// Labels kept upstream only: stripped on the way down, never compared.
+    pub ignore_labels: Vec<String>,
+}
+
+/// A volume the upper cluster's service-account admission added: a secret-based
+/// `<sa>-token-*` volume or a projected `kube-api-access-*` one.
+fn is_upper_token_volume(v: &Volume, service_account: &str) -> bool {
+    if let Some(secret) = &v.secret {
+        let prefix = format!("{service_account}-token-");
+        return secret.secret_name.as_deref().is_some_and(|n| n.starts_with(&prefix));
+    }
+    if let Some(projected) = &v.projected {
+        let has_token = projected
+            .sources
+            .iter()
+            .flatten()
+            .any(|s| s.service_account_token.is_some());
+        return has_token || v.name.starts_with("kube-api-access-");
+    }
+    false
+}
+
+impl Translation {
+    fn keep_label(&self, key: &str) -> bool {
+        !self.ignore_labels.iter().any(|l| l == key) && !key.starts_with(names::PREFIX)
+    }
+
+    /// Labels of the lower pod: the upper ones minus ignored, plus our marks.
+    fn lower_labels(&self, upper: &Pod, uid: &str) -> BTreeMap<String, String> {
+        let mut labels: BTreeMap<String, String> = upper
+            .metadata
+            .labels
+            .iter()
+            .flatten()
+            .filter(|(k, _)| self.keep_label(k))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        labels.extend(self.identity.marks());
+        labels.insert(names::MARK_UPPER_UID.to_owned(), uid.to_owned());
+        labels
+    }
+
+    /// Annotations of the lower pod: the upper ones minus the stash (it is applied) and
+    /// kubectl's last-applied copy (it describes the upper object).
+    fn lower_annotations(upper: &Pod) -> BTreeMap<String, String> {
+        upper
+            .metadata
+            .annotations
+            .iter()
+            .flatten()
+            .filter(|(k, _)| {
+                k.as_str() != names::CLUSTER_SELECTOR
+                    && k.as_str() != "kubectl.kubernetes.io/last-applied-configuration"
+                    && !k.starts_with(names::PREFIX)
+            })
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    /// The pod to create below for `upper`.
+    pub fn lower_pod(&self, upper: &Pod) -> Result<Pod, Error> {
+        let uid = upper.metadata.uid.as_deref().ok_or(Error::NoUid)?;
+        let stash = Stash::from_annotations(upper.metadata.annotations.as_ref())?.unwrap_or_default();
+        let mut spec: PodSpec = upper.spec.clone().unwrap_or_default();
+        let service_account = spec
+            .service_account_name
+            .clone()
+            .or_else(|| spec.service_account.clone())
+            .unwrap_or_else(|| "default".into());
+
+        // Placement below: the stashed constraints, or none (the upper scheduler already
+        // matched the others against the virtual node; lower nodes carry other labels).
+        spec.node_name = None;
+        spec.node_selector = (!stash.node_selector.is_empty()).then(|| stash.node_selector.clone());
+        let pod_affinity = spec.affinity.as_ref().and_then(|a| a.pod_affinity.clone());
+        let pod_anti_affinity = spec.affinity.as_ref().and_then(|a| a.pod_anti_affinity.clone());
+        let node_affinity = stash.node_affinity().cloned();
+        spec.affinity = (pod_affinity.is_some() || pod_anti_affinity.is_some() || node_affinity.is_some()).then(|| {
+            Affinity {
+                node_affinity,
+                pod_affinity,
+                pod_anti_affinity,
+            }
+        });
+        spec.tolerations = (!stash.tolerations.is_empty()).then(|| stash.tolerations.clone());
+        // Upper-only fields: the scheduler name, priority value and readiness gates mean
+        // nothing below; the upper service-account token must not travel.
+        spec.scheduler_name = None;
+        spec.priority = None;
+        spec.readiness_gates = None;
+        spec.ephemeral_containers = None;
+        spec.service_account_name = None;
+        spec.service_account = None;
+        spec.automount_service_account_token = Some(false);
+        let dropped: Vec<String> = spec
+            .volumes
+            .iter()
+            .flatten()
+            .filter(|v| is_upper_token_volume(v, &service_account))
+            .map(|v| v.name.clone())
+            .collect();
+        if let Some(volumes) = &mut spec.volumes {
+            volumes.retain(|v| !dropped.contains(&v.name));
+            if volumes.is_empty() {
+                spec.volumes = None;
+            }
+        }
+        let strip = |c: &mut k8s_openapi::api::core::v1::Container| {
+            if let Some(mounts) = &mut c.volume_mounts {
+                mounts.retain(|m| !dropped.contains(&m.name));
+                if mounts.is_empty() {
+                    c.volume_mounts = None;
+                }
+            }
+        };
+        spec.containers.iter_mut().for_each(strip);
+        spec.init_containers.iter_mut().flatten().for_each(strip);
+
+        Ok(Pod {
+            metadata: ObjectMeta {
+                name: upper.metadata.name.clone(),
+                namespace: upper.metadata.namespace.clone(),
+                labels: Some(self.lower_labels(upper, uid)),
+                annotations: Some(Self::lower_annotations(upper)).filter(|a| !a.is_empty()),
+                ..Default::default()
+            },
+            spec: Some(spec),
+            status: None,
+        })
+    }
+
+    /// A strategic-merge patch bringing the mutable fields of `actual` (labels, annotations,
+    /// images, activeDeadlineSeconds, added tolerations) to `desired`; `None` when they agree.
+    pub fn update_patch(&self, desired: &Pod, actual: &Pod) -> Option<Value> {
+        let mut patch = json!({});
+        let mut changed = false;
+        let empty = BTreeMap::new();
+        for (field, keep) in [("labels", true), ("annotations", false)] {
+            let (want, have) = if keep {
+                (desired.metadata.labels.as_ref(), actual.metadata.labels.as_ref())
+            } else {
+                (desired.metadata.annotations.as_ref(), actual.metadata.annotations.as_ref())
+            };
+            let (want, have) = (want.unwrap_or(&empty), have.unwrap_or(&empty));
+            let mut diff = serde_json::Map::new();
+            for (k, v) in want {
+                if have.get(k) != Some(v) {
+                    diff.insert(k.clone(), json!(v));
+                }
+            }
+            for k in have.keys() {
+                // Ignored labels and other systems' keys below are not ours to remove.
+                let ours = if keep {
+                    self.keep_label(k)
+                } else {
+                    !k.starts_with(names::PREFIX)
+                };
+                if ours && !want.contains_key(k) {
+                    diff.insert(k.clone(), Value::Null);
+                }
+            }
+            if !diff.is_empty() {
+                patch["metadata"][field] = Value::Object(diff);
+                changed = true;
+            }
+        }
+        let (Some(ds), Some(as_)) = (&desired.spec, &actual.spec) else {
+            return changed.then_some(patch);
+        };
+        let images = |spec: &PodSpec, init: bool| -> Vec<(String, Option<String>)> {
+            let list = if init {
+                spec.init_containers.clone().unwrap_or_default()
+            } else {
+                spec.containers.clone()
+            };
+            list.into_iter().map(|c| (c.name, c.image)).collect()
+        };
+        for (field, init) in [("containers", false), ("initContainers", true)] {
+            let have = images(as_, init);
+            let diff: Vec<Value> = images(ds, init)
+                .into_iter()
+                .filter(|(n, img)| have.iter().any(|(hn, himg)| hn == n && himg != img))
+                .map(|(n, img)| json!({"name": n, "image": img}))
+                .collect();
+            if !diff.is_empty() {
+                patch["spec"][field] = json!(diff);
+                changed = true;
+            }
+        }
+        if ds.active_deadline_seconds != as_.active_deadline_seconds && ds.active_deadline_seconds.is_some() {
+            patch["spec"]["activeDeadlineSeconds"] = json!(ds.active_deadline_seconds);
+            changed = true;
+        }
+        // Kubernetes only allows adding tolerations to a running pod.
+        let want = ds.tolerations.clone().unwrap_or_default();
+        let have = as_.tolerations.clone().unwrap_or_default();
+        if want.len() > have.len() && have.iter().all(|t| want.contains(t)) {
+            patch["spec"]["tolerations"] = json!(want);
+            changed = true;
+        }
+        changed.then_some(patch)
+    }
+}
+
+/// True for pods a DaemonSet owns.
+pub fn is_daemonset_pod(pod: &Pod) -> bool {
+    pod.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.kind == "DaemonSet" && o.controller == Some(true))
+}
+
+pub fn phase(pod: &Pod) -> &str {
+    pod.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("Pending")
+}
+
+pub fn is_terminal(pod: &Pod) -> bool {
+    matches!(phase(pod), "Succeeded" | "Failed")
+}
+
+fn condition(pod: &Pod, kind: &str) -> Option<Value> {
+    pod.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == kind)
+        .and_then(|c| serde_json::to_value(c).ok())
+}
+
+/// Conditions of the upper pod, as JSON, with `kind` set to `status/reason/message`: the
+/// transition time moves only when the status does.
+pub fn with_condition(upper: &Pod, kind: &str, status: &str, reason: &str, message: &str, now: &str) -> Vec<Value> {
+    let mut out: Vec<Value> = upper
+        .status
+        .iter()
+        .flat_map(|s| s.conditions.iter().flatten())
+        .filter(|c| c.type_ != kind)
+        .filter_map(|c| serde_json::to_value(c).ok())
+        .collect();
+    let since = condition(upper, kind)
+        .filter(|c| c["status"] == status)
+        .and_then(|c| c.get("lastTransitionTime").cloned())
+        .unwrap_or_else(|| json!(now));
+    out.push(json!({"type": kind, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}));
+    out
+}
+
+/// The status fields the upper pod should show for `lower`, as a merge-patch body, and
+/// whether they differ from what the upper pod shows now.
+pub fn upper_status(upper: &Pod, lower: &Pod, host_ip: &str) -> (Value, bool) {
+    let ls = lower.status.clone().unwrap_or_default();
+    let lower_json = serde_json::to_value(&ls).unwrap_or_else(|_| json!({}));
+    let upper_json = upper
+        .status
+        .as_ref()
+        .and_then(|s| serde_json::to_value(s).ok())
+        .unwrap_or_else(|| json!({}));
+
+    // Conditions: the upper scheduler's PodScheduled stays; the lower pod's own conditions
+    // come up; the lower scheduler's verdict becomes our LowerPodScheduled; conditions of
+    // other writers upstream are kept.
+    let lower_types: Vec<String> = ls.conditions.iter().flatten().map(|c| c.type_.clone()).collect();
+    let mut conditions: Vec<Value> = Vec::new();
+    for c in upper.status.iter().flat_map(|s| s.conditions.iter().flatten()) {
+        let keep = c.type_ == "PodScheduled"
+            || c.type_ == names::CONDITION_LOWER_SYNCED
+            || (!lower_types.contains(&c.type_) && c.type_ != names::CONDITION_LOWER_SCHEDULED);
+        if keep && let Ok(v) = serde_json::to_value(c) {
+            conditions.push(v);
+        }
+    }
+    if !conditions.iter().any(|c| c["type"] == "PodScheduled") {
+        conditions.push(json!({"type": "PodScheduled", "status": "True"}));
+    }
+    for c in ls.conditions.iter().flatten() {
+        let Ok(mut v) = serde_json::to_value(c) else { continue };
+        if c.type_ == "PodScheduled" {
+            v["type"] = json!(names::CONDITION_LOWER_SCHEDULED);
+        }
+        conditions.push(v);
+    }
+    conditions.sort_by(|a, b| a["type"].as_str().cmp(&b["type"].as_str()));
+
+    let mut status = serde_json::Map::new();
+    for field in [
+        "phase",
+        "reason",
+        "message",
+        "podIP",
+        "podIPs",
+        "startTime",
+        "containerStatuses",
+        "initContainerStatuses",
+    ] {
+        status.insert(field.into(), lower_json.get(field).cloned().unwrap_or(Value::Null));
+    }
+    status.insert("hostIP".into(), json!(host_ip));
+    status.insert("conditions".into(), Value::Array(conditions));
+
+    let mut current: Vec<Value> = upper_json
+        .get("conditions")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    current.sort_by(|a, b| a["type"].as_str().cmp(&b["type"].as_str()));
+    let differs = status.iter().any(|(k, v)| {
+        let have = if k == "conditions" {
+            Value::Array(current.clone())
+        } else {
+            upper_json.get(k).cloned().unwrap_or(Value::Null)
+        };
+        // Absent and empty mean the same to a reader.
+        let empty = |x: &Value| x.is_null() || x.as_array().is_some_and(Vec::is_empty) || x.as_str() == Some("");
+        !(have == *v || (empty(&have) && empty(v)))
+    });
+    (Value::Object(status), differs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn translation() -> Translation {
+        Translation {
+            identity: Identity {
+                cluster_id: "c1".into(),
+                node: "vn".into(),
+            },
+            ignore_labels: vec!["team".into()],
+        }
+    }
+
+    fn upper() -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {
+                "name": "web-1", "namespace": "shop", "uid": "u-1", "resourceVersion": "9",
+                "labels": {"app": "web", "team": "blue"},
+                "annotations": {"clusterSelector": r#"{"nodeSelector":{"disk":"ssd"},"tolerations":[{"key":"gpu","operator":"Exists"}]}"#, "note": "x"},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web", "uid": "rs", "controller": true}],
+                "finalizers": ["f"],
+            },
+            "spec": {
+                "nodeName": "vn", "schedulerName": "multi", "priority": 5, "serviceAccountName": "builder",
+                "nodeSelector": {"type": "virtual-kubelet"},
+                "tolerations": [{"key": "virtual-kubelet.io/provider", "operator": "Exists"}],
+                "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                    {"weight": 1, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname"}}]}},
+                "containers": [{"name": "app", "image": "nginx:1", "env": [{"name": "PASS", "valueFrom": {"secretKeyRef": {"name": "db", "key": "p"}}}],
+                                 "volumeMounts": [{"name": "builder-token-abcde", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"},
+                                                  {"name": "kube-api-access-xyz", "mountPath": "/x"},
+                                                  {"name": "data", "mountPath": "/data"}]}],
+                "volumes": [
+                    {"name": "builder-token-abcde", "secret": {"secretName": "builder-token-abcde"}},
+                    {"name": "kube-api-access-xyz", "projected": {"sources": [{"serviceAccountToken": {"path": "token"}}]}},
+                    {"name": "data", "secret": {"secretName": "app-data"}},
+                ],
+            },
+            "status": {"phase": "Pending"},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_lower_pod_carries_marks_the_stash_and_nothing_upper_only() {
+        let lower = translation().lower_pod(&upper()).unwrap();
+        let v = serde_json::to_value(&lower).unwrap();
+        let m = &v["metadata"];
+        assert_eq!(m["name"], "web-1");
+        assert_eq!(m["namespace"], "shop");
+        assert_eq!(m["labels"]["app"], "web");
+        assert!(m["labels"].get("team").is_none(), "ignored labels stay upstream");
+        assert_eq!(m["labels"][names::MARK_CLUSTER], "c1");
+        assert_eq!(m["labels"][names::MARK_NODE], "vn");
+        assert_eq!(m["labels"][names::MARK_UPPER_UID], "u-1");
+        assert_eq!(m["annotations"]["note"], "x");
+        assert!(m["annotations"].get("clusterSelector").is_none());
+        for gone in ["uid", "resourceVersion", "ownerReferences", "finalizers", "managedFields"] {
+            assert!(m.get(gone).is_none(), "{gone} cleared");
+        }
+        let s = &v["spec"];
+        assert!(s.get("nodeName").is_none());
+        assert_eq!(s["nodeSelector"], json!({"disk": "ssd"}), "stash replaces the upper selector");
+        assert_eq!(s["tolerations"], json!([{"key": "gpu", "operator": "Exists"}]));
+        assert!(s["affinity"].get("podAntiAffinity").is_some(), "pod anti-affinity kept");
+        assert!(s.get("schedulerName").is_none() && s.get("priority").is_none());
+        assert!(s.get("serviceAccountName").is_none());
+        assert_eq!(s["automountServiceAccountToken"], false);
+        assert_eq!(s["volumes"], json!([{"name": "data", "secret": {"secretName": "app-data"}}]));
+        assert_eq!(s["containers"][0]["volumeMounts"], json!([{"name": "data", "mountPath": "/data"}]));
+        assert_eq!(
+            s["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"]["name"], "db",
+            "env references stay references"
+        );
+        assert!(v.get("status").is_none());
+        let id = &translation().identity;
+        assert!(id.owns(&lower.metadata));
+        assert_eq!(upper_uid(&lower), Some("u-1"));
+    }
+
+    #[test]
+    fn without_a_stash_upper_placement_is_dropped() {
+        let mut p = upper();
+        p.metadata.annotations = None;
+        let lower = translation().lower_pod(&p).unwrap();
+        let s = lower.spec.unwrap();
+        assert!(s.node_selector.is_none() && s.tolerations.is_none());
+        assert!(s.affinity.unwrap().node_affinity.is_none());
+    }
+
+    #[test]
+    fn a_broken_stash_is_an_error_naming_the_annotation() {
+        let mut p = upper();
+        p.metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert("clusterSelector".into(), "{not json".into());
+        let err = translation().lower_pod(&p).unwrap_err();
+        assert!(err.to_string().contains("clusterSelector"), "{err}");
+    }
+
+    #[test]
+    fn foreign_objects_are_not_ours() {
+        let id = &translation().identity;
+        let mut meta = ObjectMeta::default();
+        assert!(!id.owns(&meta));
+        meta.labels = Some(BTreeMap::from([
+            (names::MARK_CLUSTER.to_owned(), "c1".to_owned()),
+            (names::MARK_NODE.to_owned(), "other".to_owned()),
+        ]));
+        assert!(!id.owns(&meta), "another virtual node's pod");
+    }
+
+    #[test]
+    fn only_mutable_fields_are_patched() {
+        let t = translation();
+        let lower = t.lower_pod(&upper()).unwrap();
+        assert_eq!(t.update_patch(&lower, &lower), None);
+        let mut changed = upper();
+        changed.metadata.labels.as_mut().unwrap().insert("version".into(), "2".into());
+        changed.metadata.labels.as_mut().unwrap().insert("team".into(), "red".into());
+        changed.spec.as_mut().unwrap().containers[0].image = Some("nginx:2".into());
+        changed.spec.as_mut().unwrap().active_deadline_seconds = Some(60);
+        let desired = t.lower_pod(&changed).unwrap();
+        let mut actual = lower.clone();
+        actual.metadata.labels.as_mut().unwrap().insert("stale".into(), "x".into());
+        let patch = t.update_patch(&desired, &actual).unwrap();
+        assert_eq!(patch["metadata"]["labels"], json!({"version": "2", "stale": null}));
+        assert_eq!(patch["spec"]["containers"], json!([{"name": "app", "image": "nginx:2"}]));
+        assert_eq!(patch["spec"]["activeDeadlineSeconds"], 60);
+        assert!(patch["spec"].get("tolerations").is_none());
+    }
+
+    #[test]
+    fn status_comes_up_with_the_lower_verdict_as_our_condition() {
+        let mut up = upper();
+        up.status = Some(
+            serde_json::from_value(json!({"phase": "Pending", "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "example.com/gate", "status": "True"}]}))
+            .unwrap(),
+        );
+        let lower: Pod = serde_json::from_value(json!({"status": {
+            "phase": "Pending",
+            "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                            "message": "0/3 nodes are available: 3 Insufficient cpu."}]}}))
+        .unwrap();
+        let (status, differs) = upper_status(&up, &lower, "10.1.1.1");
+        assert!(differs);
+        let conds = status["conditions"].as_array().unwrap();
+        let get = |t: &str| conds.iter().find(|c| c["type"] == t).cloned();
+        assert_eq!(get("PodScheduled").unwrap()["status"], "True", "bound upstream stays bound");
+        let lower_sched = get(names::CONDITION_LOWER_SCHEDULED).unwrap();
+        assert_eq!(lower_sched["reason"], "Unschedulable");
+        assert!(lower_sched["message"].as_str().unwrap().contains("Insufficient cpu"));
+        assert!(get("example.com/gate").is_some(), "other writers' conditions kept");
+        assert_eq!(status["hostIP"], "10.1.1.1");
+
+        // Applying the status makes the next comparison equal.
+        let mut applied = serde_json::to_value(&up).unwrap();
+        for (k, v) in status.as_object().unwrap() {
+            applied["status"][k] = v.clone();
+        }
+        let applied: Pod = serde_json::from_value(applied).unwrap();
+        let (_, again) = upper_status(&applied, &lower, "10.1.1.1");
+        assert!(!again, "no write when nothing changed");
+    }
+}
