@@ -79,7 +79,8 @@ mod tests {
         let path = dir.path().join("nope.kubeconfig");
         let err = client_from_file(&path, &ClientOptions::default())
             .await
-            .unwrap_err();
+            .err()
+            .expect("the kubeconfig is rejected");
         let msg = err.to_string();
         assert!(msg.contains("nope.kubeconfig"), "{msg}");
         assert!(msg.contains("cannot read"), "{msg}");
@@ -92,7 +93,8 @@ mod tests {
         std::fs::write(&path, "clusters: [this is not: a kubeconfig").unwrap();
         let err = client_from_file(&path, &ClientOptions::default())
             .await
-            .unwrap_err();
+            .err()
+            .expect("the kubeconfig is rejected");
         assert!(err.to_string().contains("bad.kubeconfig"), "{err}");
     }
 
@@ -103,7 +105,8 @@ mod tests {
         std::fs::write(&path, "apiVersion: v1\nkind: Config\nclusters: []\n").unwrap();
         let err = client_from_file(&path, &ClientOptions::default())
             .await
-            .unwrap_err();
+            .err()
+            .expect("the kubeconfig is rejected");
         let msg = err.to_string();
         assert!(
             msg.contains("empty.kubeconfig") && msg.contains("not usable"),

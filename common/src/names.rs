@@ -15,13 +15,67 @@ pub const SIM_BEHAVIOR: &str = "tensile.io/sim";
 /// so several simulators can share one cluster without touching each other's nodes.
 pub const SIM_MANAGED_BY: &str = "tensile.io/simulated-by";
 
+// --- webhook and stash ---
+// tensile-kube's user-facing names, kept so workloads and lower clusters migrate unchanged.
+
+/// Label a pod carries, with value [`VIRTUAL_POD_VALUE`], to opt in to the webhook.
+pub const VIRTUAL_POD_LABEL: &str = "virtual-pod";
+/// The opt-in label's value.
+pub const VIRTUAL_POD_VALUE: &str = "true";
+/// Pod annotation holding the stashed lower-cluster constraints (see `crate::stash`).
+pub const CLUSTER_SELECTOR: &str = "clusterSelector";
+/// Node label every virtual node carries, with value [`VIRTUAL_NODE_TYPE_VALUE`].
+pub const VIRTUAL_NODE_TYPE_LABEL: &str = "type";
+/// The virtual node label's value.
+pub const VIRTUAL_NODE_TYPE_VALUE: &str = "virtual-kubelet";
+/// NoSchedule taint on every virtual node (any value), so only pods that tolerate it land there.
+pub const VIRTUAL_NODE_TAINT: &str = "virtual-kubelet.io/provider";
+/// Taint the node controller puts on a node whose Ready condition is False.
+pub const TAINT_NODE_NOT_READY: &str = "node.kubernetes.io/not-ready";
+/// Taint the node controller puts on a node whose Ready condition is Unknown.
+pub const TAINT_NODE_UNREACHABLE: &str = "node.kubernetes.io/unreachable";
+/// PVC annotation naming the node the scheduler chose for a delayed-binding volume.
+pub const PVC_SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
+
+// --- virtual node ---
+
+/// Node label value of `kubernetes.io/role` on virtual nodes.
+pub const VIRTUAL_NODE_ROLE: &str = "agent";
+/// Value of the virtual node taint.
+pub const VIRTUAL_NODE_TAINT_VALUE: &str = "tensile";
+/// Ownership marks on every object virtual-node creates in a lower cluster (labels): the
+/// upper cluster's id, the virtual node's name, and for pods the upper pod's UID. Nothing
+/// without all of them is ever modified or deleted.
+pub const MARK_CLUSTER: &str = "tensile.io/upper-cluster";
+pub const MARK_NODE: &str = "tensile.io/virtual-node";
+pub const MARK_UPPER_UID: &str = "tensile.io/upper-uid";
+/// Upper pod condition: whether the lower scheduler placed the pod (reason `Unschedulable`
+/// with the lower scheduler's message when it could not). The descheduler acts on it.
+pub const CONDITION_LOWER_SCHEDULED: &str = "tensile.io/LowerPodScheduled";
+/// Upper pod condition: whether the lower pod exists and matches (reasons `Conflict`,
+/// `CreateFailed`, `DaemonSetPod`, `LowerPodLost`).
+pub const CONDITION_LOWER_SYNCED: &str = "tensile.io/LowerPodSynced";
+/// Node annotation: JSON list of the free resources of the largest lower nodes.
+pub const NODE_CAPACITY_SHAPE: &str = "tensile.io/capacity-shape";
+/// Field manager of every write virtual-node makes.
+pub const FIELD_MANAGER: &str = "tensile-virtual-node";
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn suite_names_share_the_prefix() {
-        for name in [SIM_BEHAVIOR, SIM_MANAGED_BY] {
+        for name in [
+            SIM_BEHAVIOR,
+            SIM_MANAGED_BY,
+            MARK_CLUSTER,
+            MARK_NODE,
+            MARK_UPPER_UID,
+            CONDITION_LOWER_SCHEDULED,
+            CONDITION_LOWER_SYNCED,
+            NODE_CAPACITY_SHAPE,
+        ] {
             assert!(name.starts_with(PREFIX), "{name} is outside {PREFIX}");
         }
     }
