@@ -55,6 +55,11 @@ pub const CONDITION_LOWER_SCHEDULED: &str = "tensile.io/LowerPodScheduled";
 /// Upper pod condition: whether the lower pod exists and matches (reasons `Conflict`,
 /// `CreateFailed`, `DaemonSetPod`, `LowerPodLost`).
 pub const CONDITION_LOWER_SYNCED: &str = "tensile.io/LowerPodSynced";
+/// Lower pod annotations listing the label and annotation keys copied from the upper pod,
+/// so an update removes only keys that came from upstream, never ones the lower cluster
+/// added (its admission webhooks, for example).
+pub const COPIED_LABELS: &str = "tensile.io/copied-labels";
+pub const COPIED_ANNOTATIONS: &str = "tensile.io/copied-annotations";
 /// Node annotation: JSON list of the free resources of the largest lower nodes.
 pub const NODE_CAPACITY_SHAPE: &str = "tensile.io/capacity-shape";
 /// Field manager of every write virtual-node makes.

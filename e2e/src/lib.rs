@@ -10,6 +10,7 @@
 //! test process dies. Logs land under `target/e2e-logs/<test>/<cluster>/`.
 
 pub mod bins;
+pub mod check;
 pub mod cluster;
 pub mod etcd;
 pub mod kubectl;

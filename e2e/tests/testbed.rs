@@ -4,7 +4,6 @@
 use std::time::Duration;
 
 use tensile_e2e::shared::Shared;
-use tensile_e2e::wait::until;
 use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
 
 struct Bed {
@@ -26,38 +25,16 @@ fn bed() -> &'static Bed {
     .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
-/// Runs kubectl and returns stdout, failing the test with kubectl's stderr.
 async fn kubectl(cluster: &TestCluster, args: &[&str]) -> String {
-    let out = cluster.kubectl(args).await;
-    assert!(out.ok, "kubectl {args:?} failed: {}", out.stderr);
-    out.stdout
+    tensile_e2e::check::kubectl(cluster.kubeconfig(), args).await
 }
 
 async fn apply(cluster: &TestCluster, manifest: &str) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("m.yaml");
-    std::fs::write(&path, manifest).unwrap();
-    kubectl(cluster, &["apply", "-f", path.to_str().unwrap()]).await;
+    tensile_e2e::check::apply(cluster.kubeconfig(), manifest).await
 }
 
-/// Waits until `kubectl ARGS` prints exactly `want` (trimmed).
 async fn eventually(cluster: &TestCluster, what: &str, secs: u64, args: &[&str], want: &str) {
-    until(
-        what,
-        Duration::from_secs(secs),
-        Duration::from_millis(300),
-        || async {
-            let out = cluster.kubectl(args).await;
-            let got = out.stdout.trim().to_owned();
-            if out.ok && got == want {
-                Ok(())
-            } else {
-                Err(format!("{got:?} {}", out.stderr.trim()))
-            }
-        },
-    )
-    .await
-    .unwrap();
+    tensile_e2e::check::eventually(cluster.kubeconfig(), what, secs, args, want).await
 }
 
 #[tokio::test]

@@ -102,7 +102,11 @@ pub fn compute<'a>(
         })
         .collect();
     free.sort_by(|a, b| (b.get("cpu"), b.get("memory")).cmp(&(a.get("cpu"), a.get("memory"))));
-    out.shape = free.iter().take(SHAPE_NODES).map(ResourceMap::to_strings).collect();
+    out.shape = free
+        .iter()
+        .take(SHAPE_NODES)
+        .map(ResourceMap::to_strings)
+        .collect();
     out
 }
 
@@ -163,9 +167,21 @@ mod tests {
         ];
         let c = compute(&nodes, &pods, &id());
         assert_eq!(c.usable_nodes, 2);
-        assert_eq!(c.capacity.get("cpu"), 12_000, "allocatable, not capacity, of usable nodes");
-        assert_eq!(c.capacity.get("example.com/gpu"), 4_000, "extended resources carried");
-        assert_eq!(c.allocatable.get("cpu"), 11_000, "foreign running pod subtracted, ours not");
+        assert_eq!(
+            c.capacity.get("cpu"),
+            12_000,
+            "allocatable, not capacity, of usable nodes"
+        );
+        assert_eq!(
+            c.capacity.get("example.com/gpu"),
+            4_000,
+            "extended resources carried"
+        );
+        assert_eq!(
+            c.allocatable.get("cpu"),
+            11_000,
+            "foreign running pod subtracted, ours not"
+        );
         assert_eq!(c.allocatable.get("pods"), 219_000);
         assert_eq!(c.os.as_deref(), Some("linux"));
         // Shape: per-node free resources, ours included, largest first.

@@ -38,7 +38,10 @@ pub enum ClientAuth {
 /// Where the serving certificate comes from.
 #[derive(Clone, Debug)]
 pub enum ServingCert {
-    Files { cert: PathBuf, key: PathBuf },
+    Files {
+        cert: PathBuf,
+        key: PathBuf,
+    },
     /// Generated at start for these names/addresses.
     SelfSigned(Vec<String>),
 }
@@ -97,8 +100,10 @@ pub fn tls_config(cert: &ServingCert, auth: &ClientAuth) -> Result<Arc<rustls::S
             (chain, key)
         }
         ServingCert::SelfSigned(names) => {
-            let generated = rcgen::generate_simple_self_signed(names.clone()).map_err(|e| Error::Tls(e.to_string()))?;
-            let key = PrivateKeyDer::try_from(generated.signing_key.serialize_der()).map_err(|e| Error::Tls(e.to_string()))?;
+            let generated =
+                rcgen::generate_simple_self_signed(names.clone()).map_err(|e| Error::Tls(e.to_string()))?;
+            let key = PrivateKeyDer::try_from(generated.signing_key.serialize_der())
+                .map_err(|e| Error::Tls(e.to_string()))?;
             (vec![generated.cert.der().clone()], key)
         }
     };
@@ -117,21 +122,26 @@ pub fn tls_config(cert: &ServingCert, auth: &ClientAuth) -> Result<Arc<rustls::S
             }
             // Unauthenticated handshakes are allowed so the caller gets an HTTP 401 that
             // says why, instead of a bare TLS alert.
-            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider)
-                .allow_unauthenticated()
-                .build()
-                .map_err(|e| Error::Tls(e.to_string()))?;
+            let verifier =
+                rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider)
+                    .allow_unauthenticated()
+                    .build()
+                    .map_err(|e| Error::Tls(e.to_string()))?;
             builder.with_client_cert_verifier(verifier)
         }
         ClientAuth::None => builder.with_no_client_auth(),
     };
-    let mut config = builder.with_single_cert(chain, key).map_err(|e| Error::Tls(e.to_string()))?;
+    let mut config = builder
+        .with_single_cert(chain, key)
+        .map_err(|e| Error::Tls(e.to_string()))?;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }
 
 pub async fn bind(addr: std::net::SocketAddr) -> Result<TcpListener, Error> {
-    TcpListener::bind(addr).await.map_err(|source| Error::Bind { addr, source })
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Bind { addr, source })
 }
 
 /// What a request handler needs.
@@ -165,7 +175,10 @@ pub async fn serve(listener: TcpListener, config: Arc<rustls::ServerConfig>, sta
                 async move { Ok::<_, Infallible>(route(&state, authenticated, req).await) }
             });
             let io = hyper_util::rt::TokioIo::new(tls);
-            if let Err(e) = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await {
+            if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .serve_connection(io, service)
+                .await
+            {
                 tracing::debug!(%peer, "kubelet API connection: {e}");
             }
         });
@@ -175,8 +188,10 @@ pub async fn serve(listener: TcpListener, config: Arc<rustls::ServerConfig>, sta
 fn text(status: StatusCode, body: impl Into<String>) -> Response<Body> {
     let mut resp = Response::new(Full::new(Bytes::from(body.into())).boxed());
     *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/plain; charset=utf-8"));
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
     resp
 }
 
@@ -201,7 +216,10 @@ async fn route(state: &KubeletState, authenticated: bool, req: Request<Incoming>
             StatusCode::BAD_REQUEST,
             format!("{path}: expected GET /containerLogs/{{namespace}}/{{pod}}/{{container}}"),
         ),
-        _ => text(StatusCode::NOT_FOUND, format!("{path}: not served by this virtual node")),
+        _ => text(
+            StatusCode::NOT_FOUND,
+            format!("{path}: not served by this virtual node"),
+        ),
     }
 }
 
@@ -211,7 +229,10 @@ async fn logs(state: &KubeletState, ns: &str, pod: &str, container: &str, o: Log
         .get(&ObjectRef::new(pod).within(ns))
         .is_some_and(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(state.node.as_str()));
     if !bound_here {
-        return text(StatusCode::NOT_FOUND, format!("pod {ns}/{pod} is not on node {}", state.node));
+        return text(
+            StatusCode::NOT_FOUND,
+            format!("pod {ns}/{pod} is not on node {}", state.node),
+        );
     }
     let params = LogParams {
         container: Some(container.to_owned()),
@@ -252,7 +273,9 @@ async fn logs(state: &KubeletState, ns: &str, pod: &str, container: &str, o: Log
         rx.recv().await.map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
     });
     let mut resp = Response::new(StreamBody::new(stream).boxed());
-    resp.headers_mut()
-        .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/plain; charset=utf-8"));
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
     resp
 }

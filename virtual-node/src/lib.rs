@@ -39,7 +39,10 @@ use crate::translate::{Identity, Translation};
 
 /// Command-line flags (each also read from the environment).
 #[derive(Clone, Debug, clap::Parser)]
-#[command(name = "virtual-node", about = "Registers a lower cluster as one node of the upper cluster")]
+#[command(
+    name = "virtual-node",
+    about = "Registers a lower cluster as one node of the upper cluster"
+)]
 pub struct Args {
     /// Kubeconfig of the upper cluster.
     #[arg(long, env = "TENSILE_KUBECONFIG")]
@@ -88,13 +91,25 @@ pub struct Args {
     #[arg(long = "node-labels", env = "TENSILE_NODE_LABELS", value_delimiter = ',', value_parser = parse_label)]
     pub node_labels: Vec<(String, String)>,
     /// Serving certificate of the kubelet API (PEM); self-signed when absent.
-    #[arg(long = "tls-cert-file", env = "TENSILE_TLS_CERT_FILE", requires = "tls_private_key_file")]
+    #[arg(
+        long = "tls-cert-file",
+        env = "TENSILE_TLS_CERT_FILE",
+        requires = "tls_private_key_file"
+    )]
     pub tls_cert_file: Option<PathBuf>,
     /// Private key of --tls-cert-file (PEM).
-    #[arg(long = "tls-private-key-file", env = "TENSILE_TLS_PRIVATE_KEY_FILE", requires = "tls_cert_file")]
+    #[arg(
+        long = "tls-private-key-file",
+        env = "TENSILE_TLS_PRIVATE_KEY_FILE",
+        requires = "tls_cert_file"
+    )]
     pub tls_private_key_file: Option<PathBuf>,
     /// CA of the client certificates the upper apiserver presents to kubelets.
-    #[arg(long = "client-verify-ca", env = "TENSILE_CLIENT_VERIFY_CA", conflicts_with = "no_verify_clients")]
+    #[arg(
+        long = "client-verify-ca",
+        env = "TENSILE_CLIENT_VERIFY_CA",
+        conflicts_with = "no_verify_clients"
+    )]
     pub client_verify_ca: Option<PathBuf>,
     /// Serve the kubelet API without authenticating callers.
     #[arg(long = "no-verify-clients", env = "TENSILE_NO_VERIFY_CLIENTS")]
@@ -112,14 +127,18 @@ fn parse_node_name(s: &str) -> Result<String, String> {
         && s.split('.').all(|part| {
             !part.is_empty()
                 && part.len() <= 63
-                && part.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+                && part
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
                 && !part.starts_with('-')
                 && !part.ends_with('-')
         });
     if ok {
         Ok(s.to_owned())
     } else {
-        Err(format!("{s:?} is not a valid node name (a lowercase DNS subdomain)"))
+        Err(format!(
+            "{s:?} is not a valid node name (a lowercase DNS subdomain)"
+        ))
     }
 }
 
@@ -198,12 +217,15 @@ pub async fn run(args: Args) -> Result<(), Error> {
     let (lower_nodes, nodes_writer) = reflector::store::<Node>();
     let lower_nodes_watch = {
         let changed = changed.clone();
-        reflector(nodes_writer, watcher(Api::<Node>::all(lower.clone()), watcher::Config::default()))
-            .default_backoff()
-            .for_each(move |_| {
-                changed.notify_one();
-                futures::future::ready(())
-            })
+        reflector(
+            nodes_writer,
+            watcher(Api::<Node>::all(lower.clone()), watcher::Config::default()),
+        )
+        .default_backoff()
+        .for_each(move |_| {
+            changed.notify_one();
+            futures::future::ready(())
+        })
     };
     let (lower_all_pods, all_writer) = reflector::store::<Pod>();
     let lower_all_watch = {
@@ -219,7 +241,10 @@ pub async fn run(args: Args) -> Result<(), Error> {
     let (lower_pods, ours_writer) = reflector::store::<Pod>();
     let lower_ours = reflector(
         ours_writer,
-        watcher(Api::<Pod>::all(lower.clone()), watcher::Config::default().labels(&identity.selector())),
+        watcher(
+            Api::<Pod>::all(lower.clone()),
+            watcher::Config::default().labels(&identity.selector()),
+        ),
     )
     .default_backoff()
     .touched_objects();
@@ -233,7 +258,11 @@ pub async fn run(args: Args) -> Result<(), Error> {
         .with_config(controller::Config::default().concurrency(args.pod_sync_workers))
         .watches_stream(lower_ours, |lower: Pod| {
             let ns = lower.metadata.namespace.clone().unwrap_or_default();
-            lower.metadata.name.clone().map(|n| ObjectRef::new(&n).within(&ns))
+            lower
+                .metadata
+                .name
+                .clone()
+                .map(|n| ObjectRef::new(&n).within(&ns))
         })
         .reconcile_all_on(resync);
     let upper_pods = controller.store();
@@ -352,13 +381,22 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(args.nodename, "vn-a");
-        assert_eq!(args.node_labels, vec![("zone".into(), "a".into()), ("tier".into(), "x".into())]);
+        assert_eq!(
+            args.node_labels,
+            vec![("zone".into(), "a".into()), ("tier".into(), "x".into())]
+        );
         assert_eq!(args.ignore_labels, vec!["team", "env"]);
         for (bad, needle) in [
             (vec!["--nodename=Bad_Name"], "not a valid node name"),
             (vec!["--nodename=ok", "--node-ip=nope"], "nope"),
-            (vec!["--nodename=ok", "--node-ip=127.0.0.1", "--node-labels=x"], "not key=value"),
-            (vec!["--nodename=ok", "--node-ip=127.0.0.1", "--pod-sync-workers=0"], "pod-sync-workers"),
+            (
+                vec!["--nodename=ok", "--node-ip=127.0.0.1", "--node-labels=x"],
+                "not key=value",
+            ),
+            (
+                vec!["--nodename=ok", "--node-ip=127.0.0.1", "--pod-sync-workers=0"],
+                "pod-sync-workers",
+            ),
         ] {
             let mut argv = vec!["virtual-node", "--kubeconfig=/u", "--client-kubeconfig=/l"];
             argv.extend(bad);

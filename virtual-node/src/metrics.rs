@@ -42,19 +42,45 @@ impl Metrics {
             lower_ready: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("tensile_virtual_node");
-        r.register("pods_managed", "Upper pods bound to this virtual node", m.pods_managed.clone());
-        r.register("lower_pods_created", "Lower pods created", m.lower_pods_created.clone());
-        r.register("reconcile_seconds", "Duration of one pod reconcile", m.reconcile_seconds.clone());
-        r.register("reconciles_in_flight", "Pod reconciles running now (queue depth)", m.in_flight.clone());
-        r.register("api_errors", "API errors by cluster and verb", m.api_errors.clone());
-        r.register("lower_cluster_ready", "1 when the lower cluster answers and has a usable node", m.lower_ready.clone());
+        r.register(
+            "pods_managed",
+            "Upper pods bound to this virtual node",
+            m.pods_managed.clone(),
+        );
+        r.register(
+            "lower_pods_created",
+            "Lower pods created",
+            m.lower_pods_created.clone(),
+        );
+        r.register(
+            "reconcile_seconds",
+            "Duration of one pod reconcile",
+            m.reconcile_seconds.clone(),
+        );
+        r.register(
+            "reconciles_in_flight",
+            "Pod reconciles running now (queue depth)",
+            m.in_flight.clone(),
+        );
+        r.register(
+            "api_errors",
+            "API errors by cluster and verb",
+            m.api_errors.clone(),
+        );
+        r.register(
+            "lower_cluster_ready",
+            "1 when the lower cluster answers and has a usable node",
+            m.lower_ready.clone(),
+        );
         m
     }
 
     pub fn observe_reconcile(&self, took: Duration, ok: bool) {
         let outcome = if ok { "ok" } else { "error" };
         self.reconcile_seconds
-            .get_or_create(&OutcomeLabels { outcome: outcome.into() })
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.into(),
+            })
             .observe(took.as_secs_f64());
     }
 

@@ -81,17 +81,23 @@ impl NodeLoop {
     }
 
     async fn probe(&self) -> Result<String, String> {
-        let req = http::Request::get("/readyz").body(Vec::new()).map_err(|e| e.to_string())?;
+        let req = http::Request::get("/readyz")
+            .body(Vec::new())
+            .map_err(|e| e.to_string())?;
         match tokio::time::timeout(self.settings.probe_timeout, self.lower.request_text(req)).await {
-            Err(_) => Err(format!("no answer within {} s", self.settings.probe_timeout.as_secs())),
+            Err(_) => Err(format!(
+                "no answer within {} s",
+                self.settings.probe_timeout.as_secs()
+            )),
             Ok(Err(e)) => Err(e.to_string()),
             Ok(Ok(body)) if body.trim() == "ok" => {
-                let version = tokio::time::timeout(self.settings.probe_timeout, self.lower.apiserver_version())
-                    .await
-                    .ok()
-                    .and_then(Result::ok)
-                    .map(|v| v.git_version)
-                    .unwrap_or_default();
+                let version =
+                    tokio::time::timeout(self.settings.probe_timeout, self.lower.apiserver_version())
+                        .await
+                        .ok()
+                        .and_then(Result::ok)
+                        .map(|v| v.git_version)
+                        .unwrap_or_default();
                 Ok(version)
             }
             Ok(Ok(body)) => Err(format!("readyz says {}", body.trim())),
@@ -101,16 +107,32 @@ impl NodeLoop {
     fn capacity(&self) -> Capacity {
         let nodes = self.lower_nodes.state();
         let pods = self.lower_pods.state();
-        capacity::compute(nodes.iter().map(|n| n.as_ref()), pods.iter().map(|p| p.as_ref()), &self.settings.identity)
+        capacity::compute(
+            nodes.iter().map(|n| n.as_ref()),
+            pods.iter().map(|p| p.as_ref()),
+            &self.settings.identity,
+        )
     }
 
     fn labels(&self, cap: &Capacity) -> BTreeMap<String, String> {
         let mut labels = BTreeMap::from([
-            (names::VIRTUAL_NODE_TYPE_LABEL.to_owned(), names::VIRTUAL_NODE_TYPE_VALUE.to_owned()),
-            ("kubernetes.io/role".to_owned(), names::VIRTUAL_NODE_ROLE.to_owned()),
+            (
+                names::VIRTUAL_NODE_TYPE_LABEL.to_owned(),
+                names::VIRTUAL_NODE_TYPE_VALUE.to_owned(),
+            ),
+            (
+                "kubernetes.io/role".to_owned(),
+                names::VIRTUAL_NODE_ROLE.to_owned(),
+            ),
             ("kubernetes.io/hostname".to_owned(), self.name().to_owned()),
-            ("kubernetes.io/os".to_owned(), cap.os.clone().unwrap_or_else(|| "linux".into())),
-            ("kubernetes.io/arch".to_owned(), cap.arch.clone().unwrap_or_else(|| "amd64".into())),
+            (
+                "kubernetes.io/os".to_owned(),
+                cap.os.clone().unwrap_or_else(|| "linux".into()),
+            ),
+            (
+                "kubernetes.io/arch".to_owned(),
+                cap.arch.clone().unwrap_or_else(|| "amd64".into()),
+            ),
         ]);
         labels.extend(self.settings.extra_labels.clone());
         labels
@@ -118,7 +140,9 @@ impl NodeLoop {
 
     async fn create_node(&self, cap: &Capacity) -> Result<(), kube::Error> {
         let taints: Vec<Value> = if self.settings.taint {
-            vec![json!({"key": names::VIRTUAL_NODE_TAINT, "value": names::VIRTUAL_NODE_TAINT_VALUE, "effect": "NoSchedule"})]
+            vec![
+                json!({"key": names::VIRTUAL_NODE_TAINT, "value": names::VIRTUAL_NODE_TAINT_VALUE, "effect": "NoSchedule"}),
+            ]
         } else {
             vec![]
         };
@@ -138,7 +162,14 @@ impl NodeLoop {
         }
     }
 
-    fn status_body(&self, cap: &Capacity, health: &Health, ready_since: &str, started: &str, version: &str) -> Value {
+    fn status_body(
+        &self,
+        cap: &Capacity,
+        health: &Health,
+        ready_since: &str,
+        started: &str,
+        version: &str,
+    ) -> Value {
         let now = now();
         let cond = |kind: &str, status: &str, reason: &str, message: &str, since: &str| {
             json!({"type": kind, "status": status, "reason": reason, "message": message,
@@ -168,9 +199,15 @@ impl NodeLoop {
 
     async fn renew_lease(&self) -> Result<(), kube::Error> {
         let leases: Api<Lease> = Api::namespaced(self.upper.clone(), "kube-node-lease");
-        let micro = jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%S%.6fZ").to_string();
-        let renew = json!({"spec": {"renewTime": micro, "holderIdentity": self.name(), "leaseDurationSeconds": 40}});
-        match leases.patch(self.name(), &PatchParams::default(), &Patch::Merge(&renew)).await {
+        let micro = jiff::Timestamp::now()
+            .strftime("%Y-%m-%dT%H:%M:%S%.6fZ")
+            .to_string();
+        let renew =
+            json!({"spec": {"renewTime": micro, "holderIdentity": self.name(), "leaseDurationSeconds": 40}});
+        match leases
+            .patch(self.name(), &PatchParams::default(), &Patch::Merge(&renew))
+            .await
+        {
             Ok(_) => return Ok(()),
             Err(kube::Error::Api(s)) if s.code == 404 => {}
             Err(e) => return Err(e),
@@ -221,7 +258,10 @@ impl NodeLoop {
                         Health {
                             ready: true,
                             reason: "LowerClusterReady",
-                            message: format!("the lower cluster answers and has {} usable node(s)", cap.usable_nodes),
+                            message: format!(
+                                "the lower cluster answers and has {} usable node(s)",
+                                cap.usable_nodes
+                            ),
                         }
                     }
                 }
@@ -238,7 +278,13 @@ impl NodeLoop {
             self.metrics.lower_ready.set(i64::from(health.ready));
             if last_health.as_ref().map(|h| h.ready) != Some(health.ready) {
                 ready_since = now();
-                tracing::info!(node = self.name(), ready = health.ready, reason = health.reason, "{}", health.message);
+                tracing::info!(
+                    node = self.name(),
+                    ready = health.ready,
+                    reason = health.reason,
+                    "{}",
+                    health.message
+                );
             }
             last_health = Some(health.clone());
             let cap = self.capacity();
@@ -255,18 +301,27 @@ impl NodeLoop {
             let changed = last_sent.as_ref() != Some(&(cap.clone(), health.clone()));
             if registered && (due || changed) {
                 let body = self.status_body(&cap, &health, &ready_since, &started, &version);
-                match nodes.patch_status(self.name(), &PatchParams::default(), &Patch::Strategic(&body)).await {
+                match nodes
+                    .patch_status(self.name(), &PatchParams::default(), &Patch::Strategic(&body))
+                    .await
+                {
                     Ok(_) => {
                         last_status = Instant::now();
                         last_sent = Some((cap.clone(), health.clone()));
                         let shape = serde_json::to_string(&cap.shape).unwrap_or_default();
                         let meta = json!({"metadata": {"annotations": {names::NODE_CAPACITY_SHAPE: shape}}});
-                        if let Err(e) = nodes.patch(self.name(), &PatchParams::default(), &Patch::Merge(&meta)).await {
+                        if let Err(e) = nodes
+                            .patch(self.name(), &PatchParams::default(), &Patch::Merge(&meta))
+                            .await
+                        {
                             tracing::warn!(node = self.name(), "capacity shape annotation: {e}");
                         }
                     }
                     Err(kube::Error::Api(s)) if s.code == 404 => {
-                        tracing::warn!(node = self.name(), "the Node object was deleted; registering it again");
+                        tracing::warn!(
+                            node = self.name(),
+                            "the Node object was deleted; registering it again"
+                        );
                         registered = false;
                         last_sent = None;
                         last_lease = None;

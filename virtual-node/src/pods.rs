@@ -54,7 +54,11 @@ pub enum Error {
 }
 
 impl Error {
-    fn api(cluster: &'static str, verb: &'static str, what: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
+    fn api(
+        cluster: &'static str,
+        verb: &'static str,
+        what: impl Into<String>,
+    ) -> impl FnOnce(kube::Error) -> Error {
         let what = what.into();
         move |source| Error::Api {
             cluster,
@@ -142,7 +146,15 @@ async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
 
     if translate::is_daemonset_pod(upper) && !ctx.run_daemonset_pods {
         let msg = "DaemonSet pods are not run in the lower cluster (see --run-daemonset-pods)";
-        set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", "DaemonSetPod", msg).await?;
+        set_condition(
+            ctx,
+            upper,
+            names::CONDITION_LOWER_SYNCED,
+            "False",
+            "DaemonSetPod",
+            msg,
+        )
+        .await?;
         return Ok(Action::await_change());
     }
 
@@ -154,7 +166,15 @@ async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
     let desired = match ctx.translation.lower_pod(upper) {
         Ok(d) => d,
         Err(e) => {
-            set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", "InvalidPod", &e.to_string()).await?;
+            set_condition(
+                ctx,
+                upper,
+                names::CONDITION_LOWER_SYNCED,
+                "False",
+                "InvalidPod",
+                &e.to_string(),
+            )
+            .await?;
             return Ok(Action::await_change());
         }
     };
@@ -189,20 +209,38 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
         if ctx.started.elapsed() < ctx.lost_grace {
             return Ok(Action::requeue(ctx.lost_grace));
         }
-        let policy = upper.spec.as_ref().and_then(|s| s.restart_policy.as_deref()).unwrap_or("Always");
+        let policy = upper
+            .spec
+            .as_ref()
+            .and_then(|s| s.restart_policy.as_deref())
+            .unwrap_or("Always");
         if policy == "Never" {
-            let msg = format!("the pod disappeared from lower cluster {} and restartPolicy is Never", ctx.cluster_name);
+            let msg = format!(
+                "the pod disappeared from lower cluster {} and restartPolicy is Never",
+                ctx.cluster_name
+            );
             fail_upper(ctx, upper, "LowerPodLost", &msg).await?;
             event(ctx, upper, EventType::Warning, "LowerPodLost", &msg).await;
             return Ok(Action::await_change());
         }
-        let msg = format!("the pod disappeared from lower cluster {}; starting it again", ctx.cluster_name);
+        let msg = format!(
+            "the pod disappeared from lower cluster {}; starting it again",
+            ctx.cluster_name
+        );
         event(ctx, upper, EventType::Warning, "LowerPodLost", &msg).await;
     }
     let desired = match ctx.translation.lower_pod(upper) {
         Ok(d) => d,
         Err(e) => {
-            set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", "InvalidPod", &e.to_string()).await?;
+            set_condition(
+                ctx,
+                upper,
+                names::CONDITION_LOWER_SYNCED,
+                "False",
+                "InvalidPod",
+                &e.to_string(),
+            )
+            .await?;
             event(ctx, upper, EventType::Warning, "InvalidPod", &e.to_string()).await;
             return Ok(Action::await_change());
         }
@@ -212,24 +250,42 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
     match lower_pods.create(&PostParams::default(), &desired).await {
         Ok(_) => {
             ctx.metrics.created();
-            event(ctx, upper, EventType::Normal, "LowerPodCreated", &format!("created in lower cluster {}", ctx.cluster_name)).await;
+            event(
+                ctx,
+                upper,
+                EventType::Normal,
+                "LowerPodCreated",
+                &format!("created in lower cluster {}", ctx.cluster_name),
+            )
+            .await;
             set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "True", "Created", "").await?;
             Ok(Action::requeue(Duration::from_secs(300)))
         }
         Err(e) if api_status(&e) == Some(409) => {
             // A same-named lower pod exists. Ours (the cache is behind) or someone else's.
-            let existing = lower_pods
-                .get_opt(&name)
-                .await
-                .map_err(Error::api("lower", "get", format!("pod {ns}/{name}")))?;
+            let existing = lower_pods.get_opt(&name).await.map_err(Error::api(
+                "lower",
+                "get",
+                format!("pod {ns}/{name}"),
+            ))?;
             match existing {
-                Some(p) if ctx.translation.identity.owns(&p.metadata) => Ok(Action::requeue(Duration::from_secs(1))),
+                Some(p) if ctx.translation.identity.owns(&p.metadata) => {
+                    Ok(Action::requeue(Duration::from_secs(1)))
+                }
                 Some(_) => {
                     let msg = format!(
                         "lower cluster {} already has a pod {ns}/{name} not created by this virtual node; it is left untouched",
                         ctx.cluster_name
                     );
-                    set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", "Conflict", &msg).await?;
+                    set_condition(
+                        ctx,
+                        upper,
+                        names::CONDITION_LOWER_SYNCED,
+                        "False",
+                        "Conflict",
+                        &msg,
+                    )
+                    .await?;
                     event(ctx, upper, EventType::Warning, "LowerPodConflict", &msg).await;
                     Ok(Action::requeue(Duration::from_secs(30)))
                 }
@@ -237,8 +293,20 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
             }
         }
         Err(e) => {
-            let msg = format!("lower cluster {} rejected the pod: {}", ctx.cluster_name, lower_message(&e));
-            set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", "CreateFailed", &msg).await?;
+            let msg = format!(
+                "lower cluster {} rejected the pod: {}",
+                ctx.cluster_name,
+                lower_message(&e)
+            );
+            set_condition(
+                ctx,
+                upper,
+                names::CONDITION_LOWER_SYNCED,
+                "False",
+                "CreateFailed",
+                &msg,
+            )
+            .await?;
             event(ctx, upper, EventType::Warning, "LowerCreateFailed", &msg).await;
             let verb_err = Error::api("lower", "create", format!("pod {ns}/{name}"))(e);
             Err(verb_err)
@@ -347,13 +415,24 @@ async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(), Err
     patch_upper_status(ctx, upper, status).await
 }
 
-async fn set_condition(ctx: &Context, upper: &Pod, kind: &str, status: &str, reason: &str, message: &str) -> Result<(), Error> {
+async fn set_condition(
+    ctx: &Context,
+    upper: &Pod,
+    kind: &str,
+    status: &str,
+    reason: &str,
+    message: &str,
+) -> Result<(), Error> {
     let unchanged = upper
         .status
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
         .and_then(|c| c.iter().find(|c| c.type_ == kind))
-        .is_some_and(|c| c.status == status && c.reason.as_deref() == Some(reason) && c.message.as_deref().unwrap_or("") == message);
+        .is_some_and(|c| {
+            c.status == status
+                && c.reason.as_deref() == Some(reason)
+                && c.message.as_deref().unwrap_or("") == message
+        });
     if unchanged {
         return Ok(());
     }
@@ -364,7 +443,14 @@ async fn set_condition(ctx: &Context, upper: &Pod, kind: &str, status: &str, rea
 
 async fn fail_upper(ctx: &Context, upper: &Pod, reason: &str, message: &str) -> Result<(), Error> {
     let now = jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string();
-    let conditions = translate::with_condition(upper, names::CONDITION_LOWER_SYNCED, "False", reason, message, &now);
+    let conditions = translate::with_condition(
+        upper,
+        names::CONDITION_LOWER_SYNCED,
+        "False",
+        reason,
+        message,
+        &now,
+    );
     patch_upper_status(
         ctx,
         upper,
@@ -394,7 +480,9 @@ pub async fn collect_orphans(ctx: &Context) -> usize {
         if !ctx.translation.identity.owns(&lower.metadata) || lower.metadata.deletion_timestamp.is_some() {
             continue;
         }
-        let Some(uid) = translate::upper_uid(&lower) else { continue };
+        let Some(uid) = translate::upper_uid(&lower) else {
+            continue;
+        };
         let upper = ctx
             .upper_pods
             .get(&ObjectRef::new(&lower.name_any()).within(&lower.namespace().unwrap_or_default()));

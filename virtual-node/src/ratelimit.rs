@@ -75,7 +75,10 @@ mod tests {
             bucket.acquire().await;
         }
         let took = start.elapsed();
-        assert!(took >= Duration::from_millis(990) && took < Duration::from_millis(1100), "{took:?}");
+        assert!(
+            took >= Duration::from_millis(990) && took < Duration::from_millis(1100),
+            "{took:?}"
+        );
         let unlimited = TokenBucket::new(0, 0);
         for _ in 0..1000 {
             unlimited.acquire().await;

@@ -21,14 +21,21 @@ pub struct Identity {
 impl Identity {
     /// Label selector matching exactly the lower objects of this virtual node.
     pub fn selector(&self) -> String {
-        format!("{}={},{}={}", names::MARK_CLUSTER, self.cluster_id, names::MARK_NODE, self.node)
+        format!(
+            "{}={},{}={}",
+            names::MARK_CLUSTER,
+            self.cluster_id,
+            names::MARK_NODE,
+            self.node
+        )
     }
 
     /// True when `meta` carries our cluster and node marks.
     pub fn owns(&self, meta: &ObjectMeta) -> bool {
         let labels = meta.labels.as_ref();
         let get = |k: &str| labels.and_then(|l| l.get(k)).map(String::as_str);
-        get(names::MARK_CLUSTER) == Some(self.cluster_id.as_str()) && get(names::MARK_NODE) == Some(self.node.as_str())
+        get(names::MARK_CLUSTER) == Some(self.cluster_id.as_str())
+            && get(names::MARK_NODE) == Some(self.node.as_str())
     }
 
     /// Our marks as labels.
@@ -71,7 +78,10 @@ pub struct Translation {
 fn is_upper_token_volume(v: &Volume, service_account: &str) -> bool {
     if let Some(secret) = &v.secret {
         let prefix = format!("{service_account}-token-");
-        return secret.secret_name.as_deref().is_some_and(|n| n.starts_with(&prefix));
+        return secret
+            .secret_name
+            .as_deref()
+            .is_some_and(|n| n.starts_with(&prefix));
     }
     if let Some(projected) = &v.projected {
         let has_token = projected
@@ -86,7 +96,8 @@ fn is_upper_token_volume(v: &Volume, service_account: &str) -> bool {
 
 impl Translation {
     fn keep_label(&self, key: &str) -> bool {
-        !self.ignore_labels.iter().any(|l| l == key) && !key.starts_with(names::PREFIX)
+        !self.ignore_labels.iter().any(|l| l == key)
+            && ![names::MARK_CLUSTER, names::MARK_NODE, names::MARK_UPPER_UID].contains(&key)
     }
 
     /// Labels of the lower pod: the upper ones minus ignored, plus our marks.
@@ -113,9 +124,13 @@ impl Translation {
             .iter()
             .flatten()
             .filter(|(k, _)| {
-                k.as_str() != names::CLUSTER_SELECTOR
-                    && k.as_str() != "kubectl.kubernetes.io/last-applied-configuration"
-                    && !k.starts_with(names::PREFIX)
+                ![
+                    names::CLUSTER_SELECTOR,
+                    "kubectl.kubernetes.io/last-applied-configuration",
+                    names::COPIED_LABELS,
+                    names::COPIED_ANNOTATIONS,
+                ]
+                .contains(&k.as_str())
             })
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect()
@@ -139,13 +154,12 @@ impl Translation {
         let pod_affinity = spec.affinity.as_ref().and_then(|a| a.pod_affinity.clone());
         let pod_anti_affinity = spec.affinity.as_ref().and_then(|a| a.pod_anti_affinity.clone());
         let node_affinity = stash.node_affinity().cloned();
-        spec.affinity = (pod_affinity.is_some() || pod_anti_affinity.is_some() || node_affinity.is_some()).then(|| {
-            Affinity {
+        spec.affinity = (pod_affinity.is_some() || pod_anti_affinity.is_some() || node_affinity.is_some())
+            .then(|| Affinity {
                 node_affinity,
                 pod_affinity,
                 pod_anti_affinity,
-            }
-        });
+            });
         spec.tolerations = (!stash.tolerations.is_empty()).then(|| stash.tolerations.clone());
         // Upper-only fields: the scheduler name, priority value and readiness gates mean
         // nothing below; the upper service-account token must not travel.
@@ -180,12 +194,22 @@ impl Translation {
         spec.containers.iter_mut().for_each(strip);
         spec.init_containers.iter_mut().flatten().for_each(strip);
 
+        let labels = self.lower_labels(upper, uid);
+        let mut annotations = Self::lower_annotations(upper);
+        let copied_labels: Vec<&str> = labels
+            .keys()
+            .map(String::as_str)
+            .filter(|k| self.keep_label(k))
+            .collect();
+        let copied_annotations = annotations.keys().cloned().collect::<Vec<_>>().join(",");
+        annotations.insert(names::COPIED_LABELS.to_owned(), copied_labels.join(","));
+        annotations.insert(names::COPIED_ANNOTATIONS.to_owned(), copied_annotations);
         Ok(Pod {
             metadata: ObjectMeta {
                 name: upper.metadata.name.clone(),
                 namespace: upper.metadata.namespace.clone(),
-                labels: Some(self.lower_labels(upper, uid)),
-                annotations: Some(Self::lower_annotations(upper)).filter(|a| !a.is_empty()),
+                labels: Some(labels),
+                annotations: Some(annotations),
                 ..Default::default()
             },
             spec: Some(spec),
@@ -199,11 +223,35 @@ impl Translation {
         let mut patch = json!({});
         let mut changed = false;
         let empty = BTreeMap::new();
-        for (field, keep) in [("labels", true), ("annotations", false)] {
-            let (want, have) = if keep {
-                (desired.metadata.labels.as_ref(), actual.metadata.labels.as_ref())
+        // Keys copied from upstream earlier, as the lower pod records them: only those may
+        // be removed (the lower cluster's own keys are not ours).
+        let copied = |tracker: &str| -> Vec<String> {
+            actual
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(tracker))
+                .map(|list| {
+                    list.split(',')
+                        .filter(|k| !k.is_empty())
+                        .map(str::to_owned)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        for (field, is_labels) in [("labels", true), ("annotations", false)] {
+            let (want, have, copied) = if is_labels {
+                (
+                    desired.metadata.labels.as_ref(),
+                    actual.metadata.labels.as_ref(),
+                    copied(names::COPIED_LABELS),
+                )
             } else {
-                (desired.metadata.annotations.as_ref(), actual.metadata.annotations.as_ref())
+                (
+                    desired.metadata.annotations.as_ref(),
+                    actual.metadata.annotations.as_ref(),
+                    copied(names::COPIED_ANNOTATIONS),
+                )
             };
             let (want, have) = (want.unwrap_or(&empty), have.unwrap_or(&empty));
             let mut diff = serde_json::Map::new();
@@ -213,13 +261,7 @@ impl Translation {
                 }
             }
             for k in have.keys() {
-                // Ignored labels and other systems' keys below are not ours to remove.
-                let ours = if keep {
-                    self.keep_label(k)
-                } else {
-                    !k.starts_with(names::PREFIX)
-                };
-                if ours && !want.contains_key(k) {
+                if copied.contains(k) && !want.contains_key(k) {
                     diff.insert(k.clone(), Value::Null);
                 }
             }
@@ -276,7 +318,10 @@ pub fn is_daemonset_pod(pod: &Pod) -> bool {
 }
 
 pub fn phase(pod: &Pod) -> &str {
-    pod.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("Pending")
+    pod.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("Pending")
 }
 
 pub fn is_terminal(pod: &Pod) -> bool {
@@ -295,7 +340,14 @@ fn condition(pod: &Pod, kind: &str) -> Option<Value> {
 
 /// Conditions of the upper pod, as JSON, with `kind` set to `status/reason/message`: the
 /// transition time moves only when the status does.
-pub fn with_condition(upper: &Pod, kind: &str, status: &str, reason: &str, message: &str, now: &str) -> Vec<Value> {
+pub fn with_condition(
+    upper: &Pod,
+    kind: &str,
+    status: &str,
+    reason: &str,
+    message: &str,
+    now: &str,
+) -> Vec<Value> {
     let mut out: Vec<Value> = upper
         .status
         .iter()
@@ -339,7 +391,9 @@ pub fn upper_status(upper: &Pod, lower: &Pod, host_ip: &str) -> (Value, bool) {
         conditions.push(json!({"type": "PodScheduled", "status": "True"}));
     }
     for c in ls.conditions.iter().flatten() {
-        let Ok(mut v) = serde_json::to_value(c) else { continue };
+        let Ok(mut v) = serde_json::to_value(c) else {
+            continue;
+        };
         if c.type_ == "PodScheduled" {
             v["type"] = json!(names::CONDITION_LOWER_SCHEDULED);
         }
@@ -358,7 +412,10 @@ pub fn upper_status(upper: &Pod, lower: &Pod, host_ip: &str) -> (Value, bool) {
         "containerStatuses",
         "initContainerStatuses",
     ] {
-        status.insert(field.into(), lower_json.get(field).cloned().unwrap_or(Value::Null));
+        status.insert(
+            field.into(),
+            lower_json.get(field).cloned().unwrap_or(Value::Null),
+        );
     }
     status.insert("hostIP".into(), json!(host_ip));
     status.insert("conditions".into(), Value::Array(conditions));
@@ -376,7 +433,8 @@ pub fn upper_status(upper: &Pod, lower: &Pod, host_ip: &str) -> (Value, bool) {
             upper_json.get(k).cloned().unwrap_or(Value::Null)
         };
         // Absent and empty mean the same to a reader.
-        let empty = |x: &Value| x.is_null() || x.as_array().is_some_and(Vec::is_empty) || x.as_str() == Some("");
+        let empty =
+            |x: &Value| x.is_null() || x.as_array().is_some_and(Vec::is_empty) || x.as_str() == Some("");
         !(have == *v || (empty(&have) && empty(v)))
     });
     (Value::Object(status), differs)
@@ -439,20 +497,41 @@ mod tests {
         assert_eq!(m["labels"][names::MARK_NODE], "vn");
         assert_eq!(m["labels"][names::MARK_UPPER_UID], "u-1");
         assert_eq!(m["annotations"]["note"], "x");
+        assert_eq!(m["annotations"][names::COPIED_LABELS], "app");
+        assert_eq!(m["annotations"][names::COPIED_ANNOTATIONS], "note");
         assert!(m["annotations"].get("clusterSelector").is_none());
-        for gone in ["uid", "resourceVersion", "ownerReferences", "finalizers", "managedFields"] {
+        for gone in [
+            "uid",
+            "resourceVersion",
+            "ownerReferences",
+            "finalizers",
+            "managedFields",
+        ] {
             assert!(m.get(gone).is_none(), "{gone} cleared");
         }
         let s = &v["spec"];
         assert!(s.get("nodeName").is_none());
-        assert_eq!(s["nodeSelector"], json!({"disk": "ssd"}), "stash replaces the upper selector");
+        assert_eq!(
+            s["nodeSelector"],
+            json!({"disk": "ssd"}),
+            "stash replaces the upper selector"
+        );
         assert_eq!(s["tolerations"], json!([{"key": "gpu", "operator": "Exists"}]));
-        assert!(s["affinity"].get("podAntiAffinity").is_some(), "pod anti-affinity kept");
+        assert!(
+            s["affinity"].get("podAntiAffinity").is_some(),
+            "pod anti-affinity kept"
+        );
         assert!(s.get("schedulerName").is_none() && s.get("priority").is_none());
         assert!(s.get("serviceAccountName").is_none());
         assert_eq!(s["automountServiceAccountToken"], false);
-        assert_eq!(s["volumes"], json!([{"name": "data", "secret": {"secretName": "app-data"}}]));
-        assert_eq!(s["containers"][0]["volumeMounts"], json!([{"name": "data", "mountPath": "/data"}]));
+        assert_eq!(
+            s["volumes"],
+            json!([{"name": "data", "secret": {"secretName": "app-data"}}])
+        );
+        assert_eq!(
+            s["containers"][0]["volumeMounts"],
+            json!([{"name": "data", "mountPath": "/data"}])
+        );
         assert_eq!(
             s["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"]["name"], "db",
             "env references stay references"
@@ -503,16 +582,55 @@ mod tests {
         let lower = t.lower_pod(&upper()).unwrap();
         assert_eq!(t.update_patch(&lower, &lower), None);
         let mut changed = upper();
-        changed.metadata.labels.as_mut().unwrap().insert("version".into(), "2".into());
-        changed.metadata.labels.as_mut().unwrap().insert("team".into(), "red".into());
+        changed
+            .metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .insert("version".into(), "2".into());
+        changed
+            .metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .insert("team".into(), "red".into());
         changed.spec.as_mut().unwrap().containers[0].image = Some("nginx:2".into());
         changed.spec.as_mut().unwrap().active_deadline_seconds = Some(60);
         let desired = t.lower_pod(&changed).unwrap();
         let mut actual = lower.clone();
-        actual.metadata.labels.as_mut().unwrap().insert("stale".into(), "x".into());
+        // A label that came from upstream and is gone there now, and one the lower
+        // cluster added itself.
+        actual
+            .metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .insert("stale".into(), "x".into());
+        actual
+            .metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .insert("lower-own".into(), "y".into());
+        actual
+            .metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert(names::COPIED_LABELS.into(), "app,stale".into());
         let patch = t.update_patch(&desired, &actual).unwrap();
-        assert_eq!(patch["metadata"]["labels"], json!({"version": "2", "stale": null}));
-        assert_eq!(patch["spec"]["containers"], json!([{"name": "app", "image": "nginx:2"}]));
+        assert_eq!(
+            patch["metadata"]["labels"],
+            json!({"version": "2", "stale": null})
+        );
+        assert_eq!(
+            patch["metadata"]["annotations"][names::COPIED_LABELS],
+            "app,version"
+        );
+        assert_eq!(
+            patch["spec"]["containers"],
+            json!([{"name": "app", "image": "nginx:2"}])
+        );
         assert_eq!(patch["spec"]["activeDeadlineSeconds"], 60);
         assert!(patch["spec"].get("tolerations").is_none());
     }
@@ -535,11 +653,23 @@ mod tests {
         assert!(differs);
         let conds = status["conditions"].as_array().unwrap();
         let get = |t: &str| conds.iter().find(|c| c["type"] == t).cloned();
-        assert_eq!(get("PodScheduled").unwrap()["status"], "True", "bound upstream stays bound");
+        assert_eq!(
+            get("PodScheduled").unwrap()["status"],
+            "True",
+            "bound upstream stays bound"
+        );
         let lower_sched = get(names::CONDITION_LOWER_SCHEDULED).unwrap();
         assert_eq!(lower_sched["reason"], "Unschedulable");
-        assert!(lower_sched["message"].as_str().unwrap().contains("Insufficient cpu"));
-        assert!(get("example.com/gate").is_some(), "other writers' conditions kept");
+        assert!(
+            lower_sched["message"]
+                .as_str()
+                .unwrap()
+                .contains("Insufficient cpu")
+        );
+        assert!(
+            get("example.com/gate").is_some(),
+            "other writers' conditions kept"
+        );
         assert_eq!(status["hostIP"], "10.1.1.1");
 
         // Applying the status makes the next comparison equal.

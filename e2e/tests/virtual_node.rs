@@ -1,0 +1,858 @@
+//! virtual-node end to end: an upper cluster, two lower clusters with simulated nodes, and
+//! virtual nodes run in process. Every assertion is what kubectl shows.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use tensile_e2e::check::{apply, eventually, kubectl};
+use tensile_e2e::shared::Shared;
+use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+
+struct Bed {
+    upper: TestCluster,
+    lower_a: TestCluster,
+    lower_b: TestCluster,
+    _sim_a: NodeSimulator,
+    sim_b: NodeSimulator,
+}
+
+static BED: Shared<Bed> = Shared::new();
+
+fn bed() -> &'static Bed {
+    BED.get(|| async {
+        let (upper, lower_a, lower_b) = tokio::join!(
+            TestCluster::start(ClusterOptions::new("virtual_node", "upper")),
+            TestCluster::start(ClusterOptions::new("virtual_node", "lower-a")),
+            TestCluster::start(ClusterOptions::new("virtual_node", "lower-b")),
+        );
+        let (upper, lower_a, lower_b) = (upper?, lower_a?, lower_b?);
+        let nodes = |prefix: &str| {
+            (0..3)
+                .map(|i| NodeConfig::new(&format!("{prefix}-{i}")))
+                .collect()
+        };
+        let sim_a = NodeSimulator::start(
+            lower_a.client().await?,
+            SimulatorOptions::new("lower-a", Some(lower_a.kubelet_client_ca_pem())),
+            nodes("a"),
+        )
+        .await?;
+        let sim_b = NodeSimulator::start(
+            lower_b.client().await?,
+            SimulatorOptions::new("lower-b", Some(lower_b.kubelet_client_ca_pem())),
+            nodes("b"),
+        )
+        .await?;
+        Ok(Bed {
+            upper,
+            lower_a,
+            lower_b,
+            _sim_a: sim_a,
+            sim_b: sim_b,
+        })
+    })
+    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
+}
+
+/// A virtual node running in process; dropping it is a crash (no clean-up runs).
+struct VirtualNode {
+    kubelet_port: u16,
+    task: tokio::task::JoinHandle<Result<(), tensile_virtual_node::Error>>,
+}
+
+impl VirtualNode {
+    fn start(name: &str, lower: &TestCluster, extra: &[&str]) -> Self {
+        Self::start_on_port(name, lower, extra, free_port().unwrap())
+    }
+
+    fn start_on_port(name: &str, lower: &TestCluster, extra: &[&str], kubelet_port: u16) -> Self {
+        let upper = &bed().upper;
+        let mut argv: Vec<String> = vec![
+            "virtual-node".into(),
+            format!("--kubeconfig={}", upper.kubeconfig().display()),
+            format!("--client-kubeconfig={}", lower.kubeconfig().display()),
+            format!("--nodename={name}"),
+            "--node-ip=127.0.0.1".into(),
+            format!("--kubelet-port={kubelet_port}"),
+            format!("--admin-addr=127.0.0.1:{}", free_port().unwrap()),
+            format!("--client-verify-ca={}", upper.kubelet_client_ca_path().display()),
+        ];
+        argv.extend(extra.iter().map(|s| s.to_string()));
+        let args = tensile_virtual_node::Args::try_parse_from(argv).unwrap();
+        VirtualNode {
+            kubelet_port,
+            task: tokio::spawn(tensile_virtual_node::run(args)),
+        }
+    }
+}
+
+impl Drop for VirtualNode {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn up() -> &'static Path {
+    bed().upper.kubeconfig()
+}
+
+async fn wait_ready(node: &str) {
+    eventually(
+        up(),
+        &format!("{node} Ready"),
+        60,
+        &["get", "node", node, "-o", READY],
+        "True",
+    )
+    .await;
+}
+
+const READY: &str = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#;
+
+/// A Deployment pinned to one virtual node, with an optional stash.
+fn deployment(
+    ns: &str,
+    name: &str,
+    node: &str,
+    replicas: u32,
+    stash: Option<&str>,
+    pod_annotations: &str,
+) -> String {
+    let stash = stash
+        .map(|s| format!("clusterSelector: '{s}'"))
+        .unwrap_or_default();
+    format!(
+        r#"
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  replicas: {replicas}
+  selector: {{matchLabels: {{app: {name}}}}}
+  template:
+    metadata:
+      labels: {{app: {name}}}
+      annotations: {{{stash}{sep}{pod_annotations}}}
+    spec:
+      nodeSelector: {{kubernetes.io/hostname: {node}}}
+      tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+      terminationGracePeriodSeconds: 5
+      containers: [{{name: app, image: nginx}}]
+"#,
+        sep = if !stash.is_empty() && !pod_annotations.is_empty() {
+            ", "
+        } else {
+            ""
+        },
+    )
+}
+
+fn pod(ns: &str, name: &str, node: &str, restart: &str, annotations: &str, cpu: &str) -> String {
+    format!(
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {ns}, annotations: {{{annotations}}}}}
+spec:
+  restartPolicy: {restart}
+  nodeSelector: {{kubernetes.io/hostname: {node}}}
+  tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+  containers: [{{name: app, image: busybox, resources: {{requests: {{cpu: "{cpu}"}}}}}}]
+"#
+    )
+}
+
+async fn namespace(ns: &str) {
+    bed().upper.create_namespace(ns).await.unwrap();
+}
+
+async fn capacity_cpu(node: &str) -> i64 {
+    let cpu = kubectl(
+        up(),
+        &["get", "node", node, "-o", "jsonpath={.status.capacity.cpu}"],
+    )
+    .await;
+    cpu.trim().parse().unwrap()
+}
+
+#[tokio::test]
+async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower_cluster() {
+    let bed = bed();
+    let _vn = VirtualNode::start("vn-node", &bed.lower_b, &["--node-labels=region=b"]);
+    wait_ready("vn-node").await;
+    let labels = kubectl(
+        up(),
+        &["get", "node", "vn-node", "-o", "jsonpath={.metadata.labels}"],
+    )
+    .await;
+    for want in [
+        r#""type":"virtual-kubelet""#,
+        r#""kubernetes.io/role":"agent""#,
+        r#""kubernetes.io/hostname":"vn-node""#,
+        r#""kubernetes.io/os":"linux""#,
+        r#""region":"b""#,
+    ] {
+        assert!(labels.contains(want), "{want} in {labels}");
+    }
+    let taints = kubectl(
+        up(),
+        &[
+            "get",
+            "node",
+            "vn-node",
+            "-o",
+            "jsonpath={.spec.taints[0].key}={.spec.taints[0].value}:{.spec.taints[0].effect}",
+        ],
+    )
+    .await;
+    assert_eq!(taints, "virtual-kubelet.io/provider=tensile:NoSchedule");
+    let ip = kubectl(up(), &["get", "node", "vn-node", "-o", r#"jsonpath={.status.addresses[*].type}={.status.addresses[*].address} {.status.nodeInfo.kubeletVersion}"#]).await;
+    assert_eq!(ip, format!("InternalIP=127.0.0.1 {}", bed.lower_b.version()));
+    let shape = kubectl(
+        up(),
+        &[
+            "get",
+            "node",
+            "vn-node",
+            "-o",
+            r#"jsonpath={.metadata.annotations.tensile\.io/capacity-shape}"#,
+        ],
+    )
+    .await;
+    let shape: Vec<serde_json::Value> = serde_json::from_str(&shape).unwrap();
+    assert_eq!(shape.len(), 3, "one entry per lower node: {shape:?}");
+
+    // Capacity is the sum of the lower nodes' allocatable: 3 x 4 CPUs (lower-b is used by no
+    // other pods at this point, and capacity never subtracts pods anyway).
+    let before = capacity_cpu("vn-node").await;
+    assert_eq!(before, 12);
+    let handle = BED.handle().unwrap();
+    let started = Instant::now();
+    handle
+        .spawn(async move { bed.add_lower_b_node().await })
+        .await
+        .unwrap();
+    eventually(
+        up(),
+        "capacity raised by the new lower node",
+        10,
+        &["get", "node", "vn-node", "-o", "jsonpath={.status.capacity.cpu}"],
+        "14",
+    )
+    .await;
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(8),
+        "capacity followed within 5 s of the node turning Ready: {took:?}"
+    );
+}
+
+impl Bed {
+    /// Adds a 2-CPU node to lower-b (on the fixture's runtime, so it outlives the test).
+    async fn add_lower_b_node(&self) {
+        self.sim_b
+            .add_node(NodeConfig::new("b-extra").resource("cpu", "2"))
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_deployment_runs_below_with_marks_and_stash_and_scales_down_cleanly() {
+    let bed = bed();
+    let _vn = VirtualNode::start("vn-deploy", &bed.lower_a, &[]);
+    wait_ready("vn-deploy").await;
+    namespace("deploy").await;
+    apply(
+        up(),
+        &deployment(
+            "deploy",
+            "web",
+            "vn-deploy",
+            3,
+            Some(r#"{"nodeSelector":{"kubernetes.io/hostname":"a-1"}}"#),
+            "",
+        ),
+    )
+    .await;
+    let running = "Running Running Running";
+    let phases = [
+        "-n",
+        "deploy",
+        "get",
+        "pods",
+        "-l",
+        "app=web",
+        "-o",
+        "jsonpath={range .items[*]}{.status.phase} {end}",
+    ];
+    eventually(up(), "3 Running upstream", 60, &phases, running).await;
+    eventually(bed.lower_a.kubeconfig(), "3 Running below", 10, &phases, running).await;
+
+    let upper_rows = kubectl(up(), &["-n", "deploy", "get", "pods", "-l", "app=web", "-o", "jsonpath={range .items[*]}{.metadata.name},{.metadata.uid},{.status.podIP},{.spec.nodeName};{end}"]).await;
+    let lower_rows = kubectl(bed.lower_a.kubeconfig(), &["-n", "deploy", "get", "pods", "-l", "app=web", "-o", r#"jsonpath={range .items[*]}{.metadata.name},{.metadata.labels.tensile\.io/upper-uid},{.status.podIP},{.spec.nodeName},{.metadata.labels.tensile\.io/virtual-node};{end}"#]).await;
+    let mut upper: Vec<&str> = upper_rows.split(';').filter(|s| !s.is_empty()).collect();
+    let mut lower: Vec<&str> = lower_rows.split(';').filter(|s| !s.is_empty()).collect();
+    upper.sort();
+    lower.sort();
+    assert_eq!(upper.len(), 3);
+    for (u, l) in upper.iter().zip(&lower) {
+        let u: Vec<&str> = u.split(',').collect();
+        let l: Vec<&str> = l.split(',').collect();
+        assert_eq!(u[0], l[0], "same name below");
+        assert_eq!(u[1], l[1], "marked with the upper UID");
+        assert_eq!(u[2], l[2], "the lower pod IP shows upstream");
+        assert!(!u[2].is_empty());
+        assert_eq!(u[3], "vn-deploy");
+        assert_eq!(l[3], "a-1", "the stashed nodeSelector applies below");
+        assert_eq!(l[4], "vn-deploy");
+    }
+
+    kubectl(
+        up(),
+        &["-n", "deploy", "scale", "deployment", "web", "--replicas=1"],
+    )
+    .await;
+    eventually(
+        bed.lower_a.kubeconfig(),
+        "1 pod below",
+        30,
+        &[
+            "-n",
+            "deploy",
+            "get",
+            "pods",
+            "-o",
+            "jsonpath={.items[*].status.phase}",
+        ],
+        "Running",
+    )
+    .await;
+    eventually(
+        up(),
+        "1 pod upstream, nothing Terminating",
+        30,
+        &[
+            "-n",
+            "deploy",
+            "get",
+            "pods",
+            "-o",
+            "jsonpath={range .items[*]}{.status.phase}{.metadata.deletionTimestamp}{end}",
+        ],
+        "Running",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn jobs_complete_and_failures_show_the_lower_exit_code() {
+    let bed = bed();
+    let _vn = VirtualNode::start("vn-jobs", &bed.lower_a, &[]);
+    wait_ready("vn-jobs").await;
+    namespace("jobs").await;
+    apply(
+        up(),
+        r#"
+apiVersion: batch/v1
+kind: Job
+metadata: {name: once, namespace: jobs}
+spec:
+  template:
+    spec:
+      restartPolicy: Never
+      nodeSelector: {kubernetes.io/hostname: vn-jobs}
+      tolerations: [{key: virtual-kubelet.io/provider, operator: Exists}]
+      containers: [{name: app, image: busybox}]
+"#,
+    )
+    .await;
+    let waited = kubectl(
+        up(),
+        &[
+            "-n",
+            "jobs",
+            "wait",
+            "--for=condition=complete",
+            "job/once",
+            "--timeout=60s",
+        ],
+    )
+    .await;
+    assert!(waited.contains("condition met"), "{waited}");
+
+    apply(
+        up(),
+        &pod(
+            "jobs",
+            "crash",
+            "vn-jobs",
+            "Never",
+            r#"tensile.io/sim: "run=500ms,exit=3,reason=OOMKilled""#,
+            "10m",
+        ),
+    )
+    .await;
+    eventually(
+        up(),
+        "Failed upstream",
+        60,
+        &[
+            "-n",
+            "jobs",
+            "get",
+            "pod",
+            "crash",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+        "Failed",
+    )
+    .await;
+    let term = kubectl(up(), &["-n", "jobs", "get", "pod", "crash", "-o", "jsonpath={.status.containerStatuses[0].state.terminated.exitCode}/{.status.containerStatuses[0].state.terminated.reason}"]).await;
+    assert_eq!(term, "3/OOMKilled");
+}
+
+#[tokio::test]
+async fn kubectl_logs_reach_the_lower_pod_and_callers_are_authenticated() {
+    let bed = bed();
+    let vn = VirtualNode::start("vn-logs", &bed.lower_a, &[]);
+    wait_ready("vn-logs").await;
+    namespace("logs").await;
+    apply(up(), &pod("logs", "talker", "vn-logs", "Always", "", "10m")).await;
+    eventually(
+        up(),
+        "Running",
+        60,
+        &[
+            "-n",
+            "logs",
+            "get",
+            "pod",
+            "talker",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+        "Running",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let plain = kubectl(up(), &["-n", "logs", "logs", "talker"]).await;
+    assert!(
+        plain.starts_with("logs/talker app line 0\nlogs/talker app line 1\n"),
+        "{plain}"
+    );
+    let tail = kubectl(up(), &["-n", "logs", "logs", "talker", "--tail=2"]).await;
+    assert_eq!(tail.lines().count(), 2, "{tail}");
+    assert!(
+        tail.lines().all(|l| l.starts_with("logs/talker app line ")),
+        "{tail}"
+    );
+    let since = kubectl(
+        up(),
+        &["-n", "logs", "logs", "talker", "--since=2s", "--timestamps"],
+    )
+    .await;
+    let n = since.lines().count();
+    assert!(
+        (1..=3).contains(&n),
+        "--since=2s keeps the last lines only: {since}"
+    );
+    let out = tokio::process::Command::new("timeout")
+        .args([
+            "3.5",
+            "kubectl",
+            "--kubeconfig",
+            up().to_str().unwrap(),
+            "-n",
+            "logs",
+            "logs",
+            "-f",
+            "--tail=1",
+            "talker",
+        ])
+        .output()
+        .await
+        .unwrap();
+    let followed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        followed.lines().count() >= 3,
+        "-f streams new lines: {followed:?}"
+    );
+    let bad = bed
+        .upper
+        .kubectl(&["-n", "logs", "logs", "talker", "-c", "nope"])
+        .await;
+    assert!(!bad.ok && bad.stderr.contains("nope"), "{}", bad.stderr);
+
+    // Without the apiserver's client certificate the kubelet API answers 401.
+    let url = format!(
+        "https://127.0.0.1:{}/containerLogs/logs/talker/app",
+        vn.kubelet_port
+    );
+    let anon = tokio::process::Command::new("curl")
+        .args(["-sk", "-o", "/dev/null", "-w", "%{http_code}", &url])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&anon.stdout), "401");
+}
+
+#[tokio::test]
+async fn a_pod_the_lower_cluster_cannot_place_shows_unschedulable_upstream() {
+    let bed = bed();
+    let _vn = VirtualNode::start("vn-sched", &bed.lower_a, &[]);
+    wait_ready("vn-sched").await;
+    namespace("sched").await;
+    // 6 CPUs fit the virtual node's aggregate (12) but no single 4-CPU lower node.
+    apply(up(), &pod("sched", "wide", "vn-sched", "Always", "", "6")).await;
+    let cond = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodScheduled")].status}/{.status.conditions[?(@.type=="tensile.io/LowerPodScheduled")].reason}"#;
+    eventually(
+        up(),
+        "LowerPodScheduled=False/Unschedulable",
+        60,
+        &["-n", "sched", "get", "pod", "wide", "-o", cond],
+        "False/Unschedulable",
+    )
+    .await;
+    let msg = kubectl(
+        up(),
+        &[
+            "-n",
+            "sched",
+            "get",
+            "pod",
+            "wide",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodScheduled")].message}"#,
+        ],
+    )
+    .await;
+    assert!(
+        msg.contains("Insufficient cpu"),
+        "the lower scheduler's message: {msg}"
+    );
+    let scheduled = kubectl(
+        up(),
+        &[
+            "-n",
+            "sched",
+            "get",
+            "pod",
+            "wide",
+            "-o",
+            r#"jsonpath={.spec.nodeName} {.status.conditions[?(@.type=="PodScheduled")].status}"#,
+        ],
+    )
+    .await;
+    assert_eq!(scheduled, "vn-sched True", "still bound upstream");
+}
+
+#[tokio::test]
+async fn a_foreign_lower_pod_of_the_same_name_is_a_reported_conflict() {
+    let bed = bed();
+    let _vn = VirtualNode::start("vn-conflict", &bed.lower_a, &[]);
+    wait_ready("vn-conflict").await;
+    namespace("conflict").await;
+    bed.lower_a.create_namespace("conflict").await.unwrap();
+    kubectl(
+        bed.lower_a.kubeconfig(),
+        &[
+            "-n",
+            "conflict",
+            "run",
+            "clash",
+            "--image=theirs",
+            "--labels=owner=someone-else",
+        ],
+    )
+    .await;
+    let before = kubectl(
+        bed.lower_a.kubeconfig(),
+        &[
+            "-n",
+            "conflict",
+            "get",
+            "pod",
+            "clash",
+            "-o",
+            "jsonpath={.metadata.uid} {.spec.containers[0].image}",
+        ],
+    )
+    .await;
+
+    apply(
+        up(),
+        &pod("conflict", "clash", "vn-conflict", "Always", "", "10m"),
+    )
+    .await;
+    let cond = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#;
+    eventually(
+        up(),
+        "Conflict condition",
+        60,
+        &["-n", "conflict", "get", "pod", "clash", "-o", cond],
+        "Conflict",
+    )
+    .await;
+    let events = kubectl(
+        up(),
+        &[
+            "-n",
+            "conflict",
+            "get",
+            "events",
+            "-o",
+            "jsonpath={range .items[*]}{.reason} {end}",
+        ],
+    )
+    .await;
+    assert!(events.contains("LowerPodConflict"), "a Warning event: {events}");
+    let after = kubectl(
+        bed.lower_a.kubeconfig(),
+        &[
+            "-n",
+            "conflict",
+            "get",
+            "pod",
+            "clash",
+            "-o",
+            "jsonpath={.metadata.uid} {.spec.containers[0].image}",
+        ],
+    )
+    .await;
+    assert_eq!(before, after, "the foreign pod is left untouched");
+    let phase = kubectl(
+        up(),
+        &[
+            "-n",
+            "conflict",
+            "get",
+            "pod",
+            "clash",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+    )
+    .await;
+    assert_eq!(phase, "Pending", "never shown Running with someone else's pod");
+}
+
+#[tokio::test]
+async fn a_restart_mid_rollout_converges_without_duplicates_or_losses() {
+    let bed = bed();
+    let port = free_port().unwrap();
+    let vn = VirtualNode::start_on_port("vn-restart", &bed.lower_a, &[], port);
+    wait_ready("vn-restart").await;
+    namespace("restart").await;
+    apply(up(), &deployment("restart", "roll", "vn-restart", 6, None, "")).await;
+    // Crash while the pods are being created below.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    drop(vn);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let _vn = VirtualNode::start_on_port("vn-restart", &bed.lower_a, &[], port);
+    let six = "Running Running Running Running Running Running";
+    let phases = [
+        "-n",
+        "restart",
+        "get",
+        "pods",
+        "-o",
+        "jsonpath={range .items[*]}{.status.phase} {end}",
+    ];
+    eventually(up(), "6 Running upstream", 90, &phases, six).await;
+    eventually(
+        bed.lower_a.kubeconfig(),
+        "exactly 6 Running below",
+        30,
+        &phases,
+        six,
+    )
+    .await;
+    let upper_uids = kubectl(
+        up(),
+        &[
+            "-n",
+            "restart",
+            "get",
+            "pods",
+            "-o",
+            "jsonpath={.items[*].metadata.uid}",
+        ],
+    )
+    .await;
+    let lower_uids = kubectl(
+        bed.lower_a.kubeconfig(),
+        &[
+            "-n",
+            "restart",
+            "get",
+            "pods",
+            "-o",
+            r#"jsonpath={.items[*].metadata.labels.tensile\.io/upper-uid}"#,
+        ],
+    )
+    .await;
+    let mut u: Vec<&str> = upper_uids.split_whitespace().collect();
+    let mut l: Vec<&str> = lower_uids.split_whitespace().collect();
+    u.sort();
+    l.sort();
+    assert_eq!(u, l, "one lower pod per upper pod");
+}
+
+#[tokio::test]
+async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resumes_status() {
+    let bed = bed();
+    let _vn = VirtualNode::start("vn-outage", &bed.lower_b, &[]);
+    wait_ready("vn-outage").await;
+    namespace("outage").await;
+    apply(up(), &pod("outage", "survivor", "vn-outage", "Always", "", "10m")).await;
+    eventually(
+        up(),
+        "Running",
+        60,
+        &[
+            "-n",
+            "outage",
+            "get",
+            "pod",
+            "survivor",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+        "Running",
+    )
+    .await;
+
+    bed.lower_b.stop_apiserver();
+    let started = Instant::now();
+    eventually(
+        up(),
+        "Ready=False",
+        30,
+        &["get", "node", "vn-outage", "-o", READY],
+        "False",
+    )
+    .await;
+    let took = started.elapsed();
+    let reason = kubectl(
+        up(),
+        &[
+            "get",
+            "node",
+            "vn-outage",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="Ready")].reason}"#,
+        ],
+    )
+    .await;
+    assert_eq!(reason, "LowerClusterUnreachable");
+    eprintln!("Ready=False {took:?} after the lower apiserver stopped");
+
+    bed.lower_b.start_apiserver().await.unwrap();
+    wait_ready("vn-outage").await;
+    // Statuses resume: a new pod runs and an existing one keeps reporting.
+    apply(up(), &pod("outage", "newcomer", "vn-outage", "Always", "", "10m")).await;
+    eventually(
+        up(),
+        "new pod Running after recovery",
+        60,
+        &[
+            "-n",
+            "outage",
+            "get",
+            "pod",
+            "newcomer",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+        "Running",
+    )
+    .await;
+    kubectl(
+        up(),
+        &["-n", "outage", "delete", "pod", "survivor", "--wait=true"],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn two_virtual_nodes_on_one_lower_cluster_keep_to_their_own_pods() {
+    let bed = bed();
+    let _one = VirtualNode::start("vn-one", &bed.lower_a, &[]);
+    let _two = VirtualNode::start("vn-two", &bed.lower_a, &[]);
+    wait_ready("vn-one").await;
+    wait_ready("vn-two").await;
+    namespace("pair").await;
+    apply(up(), &deployment("pair", "one", "vn-one", 2, None, "")).await;
+    apply(up(), &deployment("pair", "two", "vn-two", 2, None, "")).await;
+    let phases = [
+        "-n",
+        "pair",
+        "get",
+        "pods",
+        "-o",
+        "jsonpath={range .items[*]}{.status.phase} {end}",
+    ];
+    eventually(
+        up(),
+        "4 Running upstream",
+        60,
+        &phases,
+        "Running Running Running Running",
+    )
+    .await;
+    let owners = |app: &'static str| async move {
+        kubectl(
+            bed.lower_a.kubeconfig(),
+            &[
+                "-n",
+                "pair",
+                "get",
+                "pods",
+                "-l",
+                &format!("app={app}"),
+                "-o",
+                r#"jsonpath={.items[*].metadata.labels.tensile\.io/virtual-node}"#,
+            ],
+        )
+        .await
+    };
+    assert_eq!(owners("one").await, "vn-one vn-one");
+    assert_eq!(owners("two").await, "vn-two vn-two");
+    // Deleting one node's workload leaves the other's pods alone, through GC rounds too.
+    kubectl(up(), &["-n", "pair", "delete", "deployment", "one"]).await;
+    eventually(
+        bed.lower_a.kubeconfig(),
+        "only vn-two pods below",
+        60,
+        &[
+            "-n",
+            "pair",
+            "get",
+            "pods",
+            "-o",
+            r#"jsonpath={.items[*].metadata.labels.tensile\.io/virtual-node}"#,
+        ],
+        "vn-two vn-two",
+    )
+    .await;
+    let two = kubectl(
+        up(),
+        &[
+            "-n",
+            "pair",
+            "get",
+            "pods",
+            "-l",
+            "app=two",
+            "-o",
+            "jsonpath={range .items[*]}{.status.phase} {end}",
+        ],
+    )
+    .await;
+    assert_eq!(two.trim(), "Running Running");
+}
