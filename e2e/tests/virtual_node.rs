@@ -59,6 +59,7 @@ fn bed() -> &'static Bed {
 /// A virtual node running in process; dropping it is a crash (no clean-up runs).
 struct VirtualNode {
     kubelet_port: u16,
+    admin_addr: String,
     task: tokio::task::JoinHandle<Result<(), tensile_virtual_node::Error>>,
 }
 
@@ -69,6 +70,7 @@ impl VirtualNode {
 
     fn start_on_port(name: &str, lower: &TestCluster, extra: &[&str], kubelet_port: u16) -> Self {
         let upper = &bed().upper;
+        let admin_addr = format!("127.0.0.1:{}", free_port().unwrap());
         let mut argv: Vec<String> = vec![
             "virtual-node".into(),
             format!("--kubeconfig={}", upper.kubeconfig().display()),
@@ -76,13 +78,14 @@ impl VirtualNode {
             format!("--nodename={name}"),
             "--node-ip=127.0.0.1".into(),
             format!("--kubelet-port={kubelet_port}"),
-            format!("--admin-addr=127.0.0.1:{}", free_port().unwrap()),
+            format!("--admin-addr={admin_addr}"),
             format!("--client-verify-ca={}", upper.kubelet_client_ca_path().display()),
         ];
         argv.extend(extra.iter().map(|s| s.to_string()));
         let args = tensile_virtual_node::Args::try_parse_from(argv).unwrap();
         VirtualNode {
             kubelet_port,
+            admin_addr,
             task: tokio::spawn(tensile_virtual_node::run(args)),
         }
     }
@@ -180,7 +183,7 @@ async fn capacity_cpu(node: &str) -> i64 {
 #[tokio::test]
 async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower_cluster() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-node", &bed.lower_b, &["--node-labels=region=b"]);
+    let vn = VirtualNode::start("vn-node", &bed.lower_b, &["--node-labels=region=b"]);
     wait_ready("vn-node").await;
     let labels = kubectl(
         up(),
@@ -247,6 +250,26 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
         took < Duration::from_secs(8),
         "capacity followed within 5 s of the node turning Ready: {took:?}"
     );
+
+    // Someone deletes the Node object: it comes back.
+    let uid = kubectl(up(), &["get", "node", "vn-node", "-o", "jsonpath={.metadata.uid}"]).await;
+    kubectl(up(), &["delete", "node", "vn-node"]).await;
+    wait_ready("vn-node").await;
+    let new_uid = kubectl(up(), &["get", "node", "vn-node", "-o", "jsonpath={.metadata.uid}"]).await;
+    assert_ne!(uid, new_uid, "a new Node object was registered");
+
+    // The admin endpoint reports readiness and metrics.
+    let admin = |path: &'static str| {
+        let url = format!("http://{}{path}", vn.admin_addr);
+        async move {
+            let out = tokio::process::Command::new("curl").args(["-s", &url]).output().await.unwrap();
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        }
+    };
+    assert_eq!(admin("/readyz").await, "ok");
+    assert_eq!(admin("/healthz").await, "ok");
+    let metrics = admin("/metrics").await;
+    assert!(metrics.contains("tensile_virtual_node_lower_cluster_ready 1"), "{metrics}");
 }
 
 impl Bed {
@@ -309,6 +332,12 @@ async fn a_deployment_runs_below_with_marks_and_stash_and_scales_down_cleanly() 
         assert_eq!(l[3], "a-1", "the stashed nodeSelector applies below");
         assert_eq!(l[4], "vn-deploy");
     }
+
+    // Mutable fields follow: a label added upstream appears below.
+    let first = upper[0].split(',').next().unwrap().to_owned();
+    kubectl(up(), &["-n", "deploy", "label", "pod", &first, "tier=gold"]).await;
+    let tier = ["-n", "deploy", "get", "pod", &first, "-o", "jsonpath={.metadata.labels.tier}"];
+    eventually(bed.lower_a.kubeconfig(), "label below", 15, &tier, "gold").await;
 
     kubectl(
         up(),
@@ -855,4 +884,67 @@ async fn two_virtual_nodes_on_one_lower_cluster_keep_to_their_own_pods() {
     )
     .await;
     assert_eq!(two.trim(), "Running Running");
+}
+
+#[tokio::test]
+async fn lower_pods_lost_below_are_restarted_or_failed_and_orphans_are_collected() {
+    let bed = bed();
+    let _vn = VirtualNode::start("vn-lost", &bed.lower_a, &[]);
+    wait_ready("vn-lost").await;
+    namespace("lost").await;
+    let low = bed.lower_a.kubeconfig();
+    apply(up(), &pod("lost", "always", "vn-lost", "Always", "", "10m")).await;
+    apply(up(), &pod("lost", "never", "vn-lost", "Never", r#"tensile.io/sim: "run=10m""#, "10m")).await;
+    apply(up(), &pod("lost", "orphan", "vn-lost", "Always", "", "10m")).await;
+    let phases = ["-n", "lost", "get", "pods", "-o", "jsonpath={range .items[*]}{.status.phase} {end}"];
+    eventually(up(), "3 Running", 60, &phases, "Running Running Running").await;
+    eventually(low, "3 Running below", 30, &phases, "Running Running Running").await;
+
+    // Someone deletes lower pods behind our back.
+    let uid_of = ["-n", "lost", "get", "pod", "always", "-o", "jsonpath={.metadata.uid}"];
+    let old_uid = kubectl(low, &uid_of).await;
+    kubectl(low, &["-n", "lost", "delete", "pod", "always", "never"]).await;
+    // restartPolicy Always: it runs again below; Never: the upper pod fails and says why.
+    let always = ["-n", "lost", "get", "pod", "always", "-o", "jsonpath={.status.phase}"];
+    eventually(low, "always recreated below", 60, &always, "Running").await;
+    assert_ne!(old_uid, kubectl(low, &uid_of).await);
+    let never = ["-n", "lost", "get", "pod", "never", "-o", "jsonpath={.status.phase}/{.status.reason}"];
+    eventually(up(), "never Failed", 60, &never, "Failed/LowerPodLost").await;
+    assert_eq!(kubectl(up(), &always).await, "Running");
+
+    // The upper pod vanishes without a graceful delete: its lower pod is collected.
+    kubectl(up(), &["-n", "lost", "delete", "pod", "orphan", "--grace-period=0", "--force"]).await;
+    let orphan = ["-n", "lost", "get", "pod", "orphan", "--ignore-not-found", "-o", "name"];
+    eventually(low, "orphan collected below", 60, &orphan, "").await;
+}
+
+#[tokio::test]
+async fn daemonset_pods_are_not_run_below_by_default_and_say_so() {
+    let bed = bed();
+    let _vn = VirtualNode::start("vn-ds", &bed.lower_a, &[]);
+    wait_ready("vn-ds").await;
+    namespace("ds").await;
+    apply(
+        up(),
+        r#"
+apiVersion: apps/v1
+kind: DaemonSet
+metadata: {name: agent, namespace: ds}
+spec:
+  selector: {matchLabels: {app: agent}}
+  template:
+    metadata: {labels: {app: agent}}
+    spec:
+      nodeSelector: {kubernetes.io/hostname: vn-ds}
+      tolerations: [{key: virtual-kubelet.io/provider, operator: Exists}]
+      containers: [{name: app, image: agent}]
+"#,
+    )
+    .await;
+    let cond = r#"jsonpath={.items[0].status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#;
+    eventually(up(), "DaemonSetPod condition", 60, &["-n", "ds", "get", "pods", "-o", cond], "DaemonSetPod").await;
+    let below = kubectl(bed.lower_a.kubeconfig(), &["-n", "ds", "get", "pods", "--ignore-not-found", "-o", "name"]).await;
+    assert_eq!(below, "", "nothing runs below");
+    let events = kubectl(up(), &["-n", "ds", "get", "events", "-o", "jsonpath={range .items[*]}{.reason} {end}"]).await;
+    assert!(events.contains("DaemonSetPodNotRun"), "{events}");
 }

@@ -146,6 +146,18 @@ async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
 
     if translate::is_daemonset_pod(upper) && !ctx.run_daemonset_pods {
         let msg = "DaemonSet pods are not run in the lower cluster (see --run-daemonset-pods)";
+        let already = upper
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| {
+                c.iter().any(|c| {
+                    c.type_ == names::CONDITION_LOWER_SYNCED && c.reason.as_deref() == Some("DaemonSetPod")
+                })
+            });
+        if !already {
+            event(ctx, upper, EventType::Warning, "DaemonSetPodNotRun", msg).await;
+        }
         set_condition(
             ctx,
             upper,
