@@ -267,13 +267,13 @@ pub async fn run(args: Args) -> Result<(), Error> {
         .reconcile_all_on(resync);
     let upper_pods = controller.store();
 
-    let recorder = Recorder::new(
+    let recorder = Arc::new(Recorder::new(
         upper.clone(),
         Reporter {
             controller: "tensile-virtual-node".into(),
             instance: Some(identity.node.clone()),
         },
-    );
+    ));
     let ctx = Arc::new(pods::Context {
         upper: upper.clone(),
         lower: lower.clone(),
@@ -292,6 +292,7 @@ pub async fn run(args: Args) -> Result<(), Error> {
         started: Instant::now(),
         lost_grace: Duration::from_secs(10),
         cluster_name: lower_name,
+        known_namespaces: Default::default(),
     });
     let controller_run = {
         let metrics = metrics.clone();

@@ -30,7 +30,7 @@ pub struct Context {
     pub lower_pods: Store<Pod>,
     pub upper_pods: Store<Pod>,
     pub host_ip: String,
-    pub recorder: Recorder,
+    pub recorder: Arc<Recorder>,
     pub metrics: Arc<Metrics>,
     pub run_daemonset_pods: bool,
     pub upper_limit: TokenBucket,
@@ -39,6 +39,8 @@ pub struct Context {
     pub started: Instant,
     pub lost_grace: Duration,
     pub cluster_name: String,
+    /// Lower namespaces known to exist.
+    pub known_namespaces: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -270,7 +272,7 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
                 &format!("created in lower cluster {}", ctx.cluster_name),
             )
             .await;
-            set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "True", "Created", "").await?;
+            // The first status write sets LowerPodSynced=True (one write, not two).
             Ok(Action::requeue(Duration::from_secs(300)))
         }
         Err(e) if api_status(&e) == Some(409) => {
@@ -327,6 +329,20 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
 }
 
 async fn ensure_namespace(ctx: &Context, ns: &str) -> Result<(), Error> {
+    // Namespaces are not deleted by this node, so one that was there stays known.
+    if ctx.known_namespaces.lock().is_ok_and(|k| k.contains(ns)) {
+        return Ok(());
+    }
+    let result = ensure_namespace_below(ctx, ns).await;
+    if result.is_ok()
+        && let Ok(mut known) = ctx.known_namespaces.lock()
+    {
+        known.insert(ns.to_owned());
+    }
+    result
+}
+
+async fn ensure_namespace_below(ctx: &Context, ns: &str) -> Result<(), Error> {
     let api: Api<Namespace> = Api::all(ctx.lower.clone());
     if api
         .get_opt(ns)
@@ -479,9 +495,15 @@ async fn event(ctx: &Context, upper: &Pod, type_: EventType, reason: &str, note:
         action: "Sync".into(),
         secondary: None,
     };
-    if let Err(e) = ctx.recorder.publish(&ev, &upper.object_ref(&())).await {
-        tracing::debug!(pod = %key(upper), "event not recorded: {e}");
-    }
+    // Events are best effort and off the reconcile's critical path.
+    let recorder = ctx.recorder.clone();
+    let reference = upper.object_ref(&());
+    let pod = key(upper);
+    tokio::spawn(async move {
+        if let Err(e) = recorder.publish(&ev, &reference).await {
+            tracing::debug!(%pod, "event not recorded: {e}");
+        }
+    });
 }
 
 /// Deletes lower pods of ours whose upper pod (by UID) no longer exists. Runs after both

@@ -1,0 +1,257 @@
+//! Benchmarks that need more than one cluster, shared by the `bench` binary.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Parser as _;
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use serde_json::json;
+
+use crate::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+
+#[derive(Default)]
+struct Seen {
+    created: HashMap<String, Instant>,
+    bound: HashMap<String, Instant>,
+    running: HashMap<String, Instant>,
+}
+
+/// Figures of one burst: create `pods` pods, watch them get bound and Running.
+async fn burst(
+    api: Api<Pod>,
+    pods: usize,
+    template: impl Fn(usize) -> serde_json::Value,
+) -> anyhow::Result<serde_json::Value> {
+    burst_into(api, pods, Arc::default(), template).await
+}
+
+/// Percentiles of the time from `from` to `to`, per pod.
+fn between(from: &HashMap<String, Instant>, to: &HashMap<String, Instant>) -> serde_json::Value {
+    let mut ms: Vec<f64> = from
+        .iter()
+        .filter_map(|(n, a)| {
+            to.get(n)
+                .map(|b| b.saturating_duration_since(*a).as_secs_f64() * 1000.0)
+        })
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    let pct = |p: f64| {
+        ms.get(((ms.len() as f64 - 1.0) * p).round() as usize)
+            .copied()
+            .unwrap_or(f64::NAN)
+    };
+    json!({"p50": pct(0.5), "p99": pct(0.99), "max": ms.last().copied().unwrap_or(f64::NAN)})
+}
+
+async fn burst_into(
+    api: Api<Pod>,
+    pods: usize,
+    seen: Arc<Mutex<Seen>>,
+    template: impl Fn(usize) -> serde_json::Value,
+) -> anyhow::Result<serde_json::Value> {
+    let watch = {
+        let seen = seen.clone();
+        let stream = watcher(api.clone(), watcher::Config::default())
+            .default_backoff()
+            .applied_objects();
+        tokio::spawn(async move {
+            let mut stream = stream.boxed();
+            while let Some(Ok(pod)) = stream.next().await {
+                let now = Instant::now();
+                let Some(name) = pod.metadata.name.clone() else {
+                    continue;
+                };
+                let Ok(mut s) = seen.lock() else { return };
+                if pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some() {
+                    s.bound.entry(name.clone()).or_insert(now);
+                }
+                if pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running") {
+                    s.running.entry(name).or_insert(now);
+                }
+            }
+        })
+    };
+    let start = Instant::now();
+    futures::stream::iter(0..pods)
+        .map(|i| {
+            let api = api.clone();
+            let seen = seen.clone();
+            let pod: Result<Pod, _> = serde_json::from_value(template(i));
+            async move {
+                let pod = pod?;
+                let t = Instant::now();
+                api.create(&PostParams::default(), &pod).await?;
+                if let (Some(name), Ok(mut s)) = (pod.metadata.name, seen.lock()) {
+                    s.created.insert(name, t);
+                }
+                Ok::<_, anyhow::Error>(())
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<()>()
+        .await?;
+    let created_secs = start.elapsed().as_secs_f64();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while seen.lock().map(|s| s.running.len()).unwrap_or(0) < pods && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let burst_secs = start.elapsed().as_secs_f64();
+    watch.abort();
+    let s = seen.lock().map_err(|_| anyhow::anyhow!("lock poisoned"))?;
+    Ok(json!({
+        "pods": pods,
+        "running": s.running.len(),
+        "create_secs": created_secs,
+        "burst_secs": burst_secs,
+        "created_to_bound_ms": between(&s.created, &s.bound),
+        "bound_to_running_ms": between(&s.bound, &s.running),
+        "created_to_running_ms": between(&s.created, &s.running),
+    }))
+}
+
+/// `pods` pods through a virtual node versus the same pods created directly in the lower
+/// cluster (the baseline), in one run on one machine.
+pub async fn virtual_node(pods: usize) -> anyhow::Result<serde_json::Value> {
+    let (upper, lower) = tokio::join!(
+        TestCluster::start(ClusterOptions::new("bench", "upper")),
+        TestCluster::start(ClusterOptions::new("bench", "lower")),
+    );
+    let (upper, lower) = (upper?, lower?);
+    // Room for both bursts: the baseline's pods stay and count against the virtual node's
+    // allocatable (they are foreign to it), exactly as in production.
+    let nodes = (2 * pods).div_ceil(100).max(1);
+    let configs = (0..nodes)
+        .map(|i| NodeConfig::new(&format!("lower-{i}")))
+        .collect();
+    let _sim = NodeSimulator::start(
+        lower.client().await?,
+        SimulatorOptions::new("bench", Some(lower.kubelet_client_ca_pem())),
+        configs,
+    )
+    .await?;
+
+    // Baseline: straight into the lower cluster, placed by its scheduler.
+    lower.create_namespace("baseline").await?;
+    let baseline = burst(Api::namespaced(lower.client().await?, "baseline"), pods, |i| {
+        json!({"metadata": {"name": format!("direct-{i}")}, "spec": {"containers": [{"name": "c", "image": "x"}]}})
+    })
+    .await?;
+
+    let argv = [
+        "virtual-node".to_string(),
+        format!("--kubeconfig={}", upper.kubeconfig().display()),
+        format!("--client-kubeconfig={}", lower.kubeconfig().display()),
+        "--nodename=vn-bench".into(),
+        "--node-ip=127.0.0.1".into(),
+        format!("--kubelet-port={}", free_port()?),
+        format!("--admin-addr=127.0.0.1:{}", free_port()?),
+        format!("--client-verify-ca={}", upper.kubelet_client_ca_path().display()),
+    ];
+    let args = tensile_virtual_node::Args::try_parse_from(argv)?;
+    let vn = tokio::spawn(tensile_virtual_node::run(args));
+    crate::wait::until(
+        "vn-bench Ready",
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async {
+            let out = crate::kubectl::run(
+                upper.kubeconfig(),
+                &[
+                    "get",
+                    "node",
+                    "vn-bench",
+                    "-o",
+                    r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
+                ],
+            )
+            .await;
+            if out.stdout.trim() == "True" {
+                Ok(())
+            } else {
+                Err(out.stderr)
+            }
+        },
+    )
+    .await?;
+    upper.create_namespace("virtual").await?;
+    // The lower side of the same pods, to split the time into virtual-node's own legs.
+    let lower_seen: Arc<Mutex<Seen>> = Arc::default();
+    let lower_watch = {
+        let seen = lower_seen.clone();
+        let api: Api<Pod> = Api::namespaced(lower.client().await?, "virtual");
+        let stream = watcher(api, watcher::Config::default())
+            .default_backoff()
+            .applied_objects();
+        tokio::spawn(async move {
+            let mut stream = stream.boxed();
+            while let Some(Ok(pod)) = stream.next().await {
+                let now = Instant::now();
+                let Some(name) = pod.metadata.name.clone() else {
+                    continue;
+                };
+                let Ok(mut s) = seen.lock() else { return };
+                s.created.entry(name.clone()).or_insert(now);
+                if pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some() {
+                    s.bound.entry(name.clone()).or_insert(now);
+                }
+                if pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running") {
+                    s.running.entry(name).or_insert(now);
+                }
+            }
+        })
+    };
+    let upper_seen: Arc<Mutex<Seen>> = Arc::default();
+    let through = burst_into(
+        Api::namespaced(upper.client().await?, "virtual"),
+        pods,
+        upper_seen.clone(),
+        |i| {
+            json!({"metadata": {"name": format!("virtual-{i}")}, "spec": {
+            "nodeSelector": {"type": "virtual-kubelet"},
+            "tolerations": [{"key": "virtual-kubelet.io/provider", "operator": "Exists"}],
+            "containers": [{"name": "c", "image": "x"}]}})
+        },
+    )
+    .await?;
+    vn.abort();
+    lower_watch.abort();
+    let legs = {
+        let (u, l) = (
+            upper_seen.lock().map_err(|_| anyhow::anyhow!("lock poisoned"))?,
+            lower_seen.lock().map_err(|_| anyhow::anyhow!("lock poisoned"))?,
+        );
+        json!({
+            "upper_bound_to_lower_created_ms": between(&u.bound, &l.created),
+            "lower_created_to_lower_bound_ms": between(&l.created, &l.bound),
+            "lower_bound_to_lower_running_ms": between(&l.bound, &l.running),
+            "lower_running_to_upper_running_ms": between(&l.running, &u.running),
+        })
+    };
+
+    let ratio = through["burst_secs"].as_f64().unwrap_or(f64::NAN)
+        / baseline["burst_secs"].as_f64().unwrap_or(f64::NAN);
+    // Like for like: the baseline's clock starts when a pod enters the lower cluster
+    // (created there), the virtual node's when the pod is handed to it (bound upstream).
+    // Both then include one pass of the lower scheduler and kubelet.
+    let ms = |v: &serde_json::Value, path: &str, p: &str| v[path][p].as_f64().unwrap_or(f64::NAN);
+    let overhead_p50 =
+        ms(&through, "bound_to_running_ms", "p50") - ms(&baseline, "created_to_running_ms", "p50");
+    let overhead_p99 =
+        ms(&through, "bound_to_running_ms", "p99") - ms(&baseline, "created_to_running_ms", "p99");
+    Ok(json!({
+        "benchmark": "virtual-node: bound -> Running upstream vs. directly in the lower cluster",
+        "kubernetes": upper.version(),
+        "lower_nodes": nodes,
+        "baseline_direct_in_lower": baseline,
+        "through_virtual_node": through,
+        "through_virtual_node_legs": legs,
+        "burst_time_ratio": ratio,
+        "p50_overhead_ms": overhead_p50,
+        "p99_overhead_ms": overhead_p99,
+        "targets": {"p99_overhead_ms_below": 1000, "burst_time_ratio_below": 1.5},
+    }))
+}
