@@ -101,7 +101,7 @@ pub fn compute<'a>(
             alloc
         })
         .collect();
-    free.sort_by(|a, b| (b.get("cpu"), b.get("memory")).cmp(&(a.get("cpu"), a.get("memory"))));
+    free.sort_by_key(|f| std::cmp::Reverse((f.get("cpu"), f.get("memory"))));
     out.shape = free
         .iter()
         .take(SHAPE_NODES)

@@ -73,16 +73,16 @@ fn read(path: &PathBuf) -> Result<Vec<u8>, Error> {
     })
 }
 
-fn certs(pem: &[u8], path: &PathBuf) -> Result<Vec<CertificateDer<'static>>, Error> {
+fn certs(pem: &[u8], path: &std::path::Path) -> Result<Vec<CertificateDer<'static>>, Error> {
     let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(pem).collect();
     match certs {
         Ok(c) if !c.is_empty() => Ok(c),
         Ok(_) => Err(Error::Pem {
-            path: path.clone(),
+            path: path.to_owned(),
             detail: "no CERTIFICATE block".into(),
         }),
         Err(e) => Err(Error::Pem {
-            path: path.clone(),
+            path: path.to_owned(),
             detail: e.to_string(),
         }),
     }

@@ -155,7 +155,7 @@ impl Translation {
         let pod_anti_affinity = spec.affinity.as_ref().and_then(|a| a.pod_anti_affinity.clone());
         let node_affinity = stash.node_affinity().cloned();
         spec.affinity = (pod_affinity.is_some() || pod_anti_affinity.is_some() || node_affinity.is_some())
-            .then(|| Affinity {
+            .then_some(Affinity {
                 node_affinity,
                 pod_affinity,
                 pod_anti_affinity,
