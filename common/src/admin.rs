@@ -16,7 +16,11 @@ use tokio::net::TcpListener;
 #[derive(Clone, Debug, clap::Args)]
 pub struct AdminArgs {
     /// Address of the plain-HTTP admin endpoint (`/metrics`, `/healthz`, `/readyz`).
-    #[arg(long = "admin-addr", env = "TENSILE_ADMIN_ADDR", default_value = "127.0.0.1:9090")]
+    #[arg(
+        long = "admin-addr",
+        env = "TENSILE_ADMIN_ADDR",
+        default_value = "127.0.0.1:9090"
+    )]
     pub admin_addr: SocketAddr,
 }
 
@@ -43,7 +47,9 @@ pub struct Error {
 
 /// Binds the admin address (so a taken port fails start-up with a clear message).
 pub async fn bind(addr: SocketAddr) -> Result<TcpListener, Error> {
-    TcpListener::bind(addr).await.map_err(|source| Error { addr, source })
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error { addr, source })
 }
 
 /// Serves until the future is dropped.
@@ -72,7 +78,11 @@ fn respond(path: &str, registry: &Registry, ready: &Readiness) -> Response<Full<
     let (code, ctype, body) = match path {
         "/healthz" => (StatusCode::OK, "text/plain", "ok".to_string()),
         "/readyz" if ready.get() => (StatusCode::OK, "text/plain", "ok".to_string()),
-        "/readyz" => (StatusCode::SERVICE_UNAVAILABLE, "text/plain", "not ready".to_string()),
+        "/readyz" => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "text/plain",
+            "not ready".to_string(),
+        ),
         "/metrics" => {
             let mut out = String::new();
             match prometheus_client::encoding::text::encode(&mut out, registry) {
@@ -110,11 +120,17 @@ mod tests {
         counter.inc();
         let ready = Readiness::default();
         assert_eq!(respond("/healthz", &registry, &ready).status(), StatusCode::OK);
-        assert_eq!(respond("/readyz", &registry, &ready).status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            respond("/readyz", &registry, &ready).status(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
         ready.set(true);
         assert_eq!(respond("/readyz", &registry, &ready).status(), StatusCode::OK);
         let metrics = respond("/metrics", &registry, &ready);
         assert_eq!(metrics.status(), StatusCode::OK);
-        assert_eq!(respond("/nope", &registry, &ready).status(), StatusCode::NOT_FOUND);
+        assert_eq!(
+            respond("/nope", &registry, &ready).status(),
+            StatusCode::NOT_FOUND
+        );
     }
 }

@@ -91,7 +91,10 @@ mod tests {
             ("tailLines=-1", "negative"),
             ("limitBytes=0", "limitBytes"),
             ("sinceTime=yesterday", "sinceTime"),
-            ("sinceSeconds=5&sinceTime=2026-01-02T03:04:05Z", "mutually exclusive"),
+            (
+                "sinceSeconds=5&sinceTime=2026-01-02T03:04:05Z",
+                "mutually exclusive",
+            ),
             ("follow=maybe", "follow"),
         ] {
             let err = LogOptions::from_query(q).unwrap_err();

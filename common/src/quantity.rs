@@ -58,10 +58,16 @@ pub fn parse_milli(s: &str) -> Result<i128, Error> {
         "Ei" => (1 << 60, 0),
         _ => return Err(bad()),
     };
-    let mut value = digits.checked_mul(mul).ok_or_else(bad)?.checked_mul(1000).ok_or_else(bad)?;
+    let mut value = digits
+        .checked_mul(mul)
+        .ok_or_else(bad)?
+        .checked_mul(1000)
+        .ok_or_else(bad)?;
     let shift = exp10 - frac_part.len() as i32 - div10;
     if shift >= 0 {
-        value = value.checked_mul(10i128.checked_pow(shift as u32).ok_or_else(bad)?).ok_or_else(bad)?;
+        value = value
+            .checked_mul(10i128.checked_pow(shift as u32).ok_or_else(bad)?)
+            .ok_or_else(bad)?;
     } else {
         let d = 10i128.checked_pow((-shift) as u32).ok_or_else(bad)?;
         // Kubernetes rounds fractions of a milli-unit up.
@@ -72,7 +78,11 @@ pub fn parse_milli(s: &str) -> Result<i128, Error> {
 
 /// Formats milli-units as a quantity: whole units when exact, milli-units otherwise.
 pub fn format_milli(v: i128) -> String {
-    if v % 1000 == 0 { format!("{}", v / 1000) } else { format!("{v}m") }
+    if v % 1000 == 0 {
+        format!("{}", v / 1000)
+    } else {
+        format!("{v}m")
+    }
 }
 
 /// A set of named resources (cpu, memory, pods, extended resources…) in milli-units.
@@ -123,7 +133,10 @@ impl ResourceMap {
 
     /// As a Kubernetes resource list of quantity strings.
     pub fn to_strings(&self) -> BTreeMap<String, String> {
-        self.0.iter().map(|(k, v)| (k.clone(), format_milli(*v))).collect()
+        self.0
+            .iter()
+            .map(|(k, v)| (k.clone(), format_milli(*v)))
+            .collect()
     }
 }
 
@@ -166,7 +179,10 @@ mod tests {
     #[test]
     fn maps_add_and_subtract_without_going_negative() {
         let list = |pairs: &[(&str, &str)]| {
-            let owned: BTreeMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            let owned: BTreeMap<String, String> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
             ResourceMap::parse(&owned).0
         };
         let mut a = list(&[("cpu", "4"), ("memory", "8Gi"), ("pods", "110")]);

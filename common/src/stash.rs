@@ -120,8 +120,8 @@ mod tests {
         let text = stash.encode().unwrap();
         let json: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(json["nodeSelector"]["disk"], "ssd");
-        let term = &json["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-            ["nodeSelectorTerms"][0];
+        let term = &json["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+            [0];
         assert_eq!(term["matchExpressions"][0]["key"], "zone");
         assert_eq!(term["matchFields"][0]["key"], "metadata.name");
         assert_eq!(json["tolerations"][0]["key"], "gpu");

@@ -9,6 +9,7 @@
 //! Every child process is killed when its owner is dropped and, through PDEATHSIG, when the
 //! test process dies. Logs land under `target/e2e-logs/<test>/<cluster>/`.
 
+pub mod benches;
 pub mod bins;
 pub mod check;
 pub mod cluster;

@@ -50,7 +50,7 @@ fn bed() -> &'static Bed {
             lower_a,
             lower_b,
             _sim_a: sim_a,
-            sim_b: sim_b,
+            sim_b,
         })
     })
     .unwrap_or_else(|e| panic!("shared test bed: {e}"))
@@ -252,24 +252,39 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
     );
 
     // Someone deletes the Node object: it comes back.
-    let uid = kubectl(up(), &["get", "node", "vn-node", "-o", "jsonpath={.metadata.uid}"]).await;
+    let uid = kubectl(
+        up(),
+        &["get", "node", "vn-node", "-o", "jsonpath={.metadata.uid}"],
+    )
+    .await;
     kubectl(up(), &["delete", "node", "vn-node"]).await;
     wait_ready("vn-node").await;
-    let new_uid = kubectl(up(), &["get", "node", "vn-node", "-o", "jsonpath={.metadata.uid}"]).await;
+    let new_uid = kubectl(
+        up(),
+        &["get", "node", "vn-node", "-o", "jsonpath={.metadata.uid}"],
+    )
+    .await;
     assert_ne!(uid, new_uid, "a new Node object was registered");
 
     // The admin endpoint reports readiness and metrics.
     let admin = |path: &'static str| {
         let url = format!("http://{}{path}", vn.admin_addr);
         async move {
-            let out = tokio::process::Command::new("curl").args(["-s", &url]).output().await.unwrap();
+            let out = tokio::process::Command::new("curl")
+                .args(["-s", &url])
+                .output()
+                .await
+                .unwrap();
             String::from_utf8_lossy(&out.stdout).into_owned()
         }
     };
     assert_eq!(admin("/readyz").await, "ok");
     assert_eq!(admin("/healthz").await, "ok");
     let metrics = admin("/metrics").await;
-    assert!(metrics.contains("tensile_virtual_node_lower_cluster_ready 1"), "{metrics}");
+    assert!(
+        metrics.contains("tensile_virtual_node_lower_cluster_ready 1"),
+        "{metrics}"
+    );
 }
 
 impl Bed {
@@ -336,7 +351,15 @@ async fn a_deployment_runs_below_with_marks_and_stash_and_scales_down_cleanly() 
     // Mutable fields follow: a label added upstream appears below.
     let first = upper[0].split(',').next().unwrap().to_owned();
     kubectl(up(), &["-n", "deploy", "label", "pod", &first, "tier=gold"]).await;
-    let tier = ["-n", "deploy", "get", "pod", &first, "-o", "jsonpath={.metadata.labels.tier}"];
+    let tier = [
+        "-n",
+        "deploy",
+        "get",
+        "pod",
+        &first,
+        "-o",
+        "jsonpath={.metadata.labels.tier}",
+    ];
     eventually(bed.lower_a.kubeconfig(), "label below", 15, &tier, "gold").await;
 
     kubectl(
@@ -894,27 +917,90 @@ async fn lower_pods_lost_below_are_restarted_or_failed_and_orphans_are_collected
     namespace("lost").await;
     let low = bed.lower_a.kubeconfig();
     apply(up(), &pod("lost", "always", "vn-lost", "Always", "", "10m")).await;
-    apply(up(), &pod("lost", "never", "vn-lost", "Never", r#"tensile.io/sim: "run=10m""#, "10m")).await;
+    apply(
+        up(),
+        &pod(
+            "lost",
+            "never",
+            "vn-lost",
+            "Never",
+            r#"tensile.io/sim: "run=10m""#,
+            "10m",
+        ),
+    )
+    .await;
     apply(up(), &pod("lost", "orphan", "vn-lost", "Always", "", "10m")).await;
-    let phases = ["-n", "lost", "get", "pods", "-o", "jsonpath={range .items[*]}{.status.phase} {end}"];
+    let phases = [
+        "-n",
+        "lost",
+        "get",
+        "pods",
+        "-o",
+        "jsonpath={range .items[*]}{.status.phase} {end}",
+    ];
     eventually(up(), "3 Running", 60, &phases, "Running Running Running").await;
     eventually(low, "3 Running below", 30, &phases, "Running Running Running").await;
 
     // Someone deletes lower pods behind our back.
-    let uid_of = ["-n", "lost", "get", "pod", "always", "-o", "jsonpath={.metadata.uid}"];
+    let uid_of = [
+        "-n",
+        "lost",
+        "get",
+        "pod",
+        "always",
+        "-o",
+        "jsonpath={.metadata.uid}",
+    ];
     let old_uid = kubectl(low, &uid_of).await;
     kubectl(low, &["-n", "lost", "delete", "pod", "always", "never"]).await;
     // restartPolicy Always: it runs again below; Never: the upper pod fails and says why.
-    let always = ["-n", "lost", "get", "pod", "always", "-o", "jsonpath={.status.phase}"];
+    let always = [
+        "-n",
+        "lost",
+        "get",
+        "pod",
+        "always",
+        "-o",
+        "jsonpath={.status.phase}",
+    ];
     eventually(low, "always recreated below", 60, &always, "Running").await;
     assert_ne!(old_uid, kubectl(low, &uid_of).await);
-    let never = ["-n", "lost", "get", "pod", "never", "-o", "jsonpath={.status.phase}/{.status.reason}"];
+    let never = [
+        "-n",
+        "lost",
+        "get",
+        "pod",
+        "never",
+        "-o",
+        "jsonpath={.status.phase}/{.status.reason}",
+    ];
     eventually(up(), "never Failed", 60, &never, "Failed/LowerPodLost").await;
     assert_eq!(kubectl(up(), &always).await, "Running");
 
     // The upper pod vanishes without a graceful delete: its lower pod is collected.
-    kubectl(up(), &["-n", "lost", "delete", "pod", "orphan", "--grace-period=0", "--force"]).await;
-    let orphan = ["-n", "lost", "get", "pod", "orphan", "--ignore-not-found", "-o", "name"];
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "lost",
+            "delete",
+            "pod",
+            "orphan",
+            "--grace-period=0",
+            "--force",
+        ],
+    )
+    .await;
+    let orphan = [
+        "-n",
+        "lost",
+        "get",
+        "pod",
+        "orphan",
+        "--ignore-not-found",
+        "-o",
+        "name",
+    ];
     eventually(low, "orphan collected below", 60, &orphan, "").await;
 }
 
@@ -942,9 +1028,31 @@ spec:
     )
     .await;
     let cond = r#"jsonpath={.items[0].status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#;
-    eventually(up(), "DaemonSetPod condition", 60, &["-n", "ds", "get", "pods", "-o", cond], "DaemonSetPod").await;
-    let below = kubectl(bed.lower_a.kubeconfig(), &["-n", "ds", "get", "pods", "--ignore-not-found", "-o", "name"]).await;
+    eventually(
+        up(),
+        "DaemonSetPod condition",
+        60,
+        &["-n", "ds", "get", "pods", "-o", cond],
+        "DaemonSetPod",
+    )
+    .await;
+    let below = kubectl(
+        bed.lower_a.kubeconfig(),
+        &["-n", "ds", "get", "pods", "--ignore-not-found", "-o", "name"],
+    )
+    .await;
     assert_eq!(below, "", "nothing runs below");
-    let events = kubectl(up(), &["-n", "ds", "get", "events", "-o", "jsonpath={range .items[*]}{.reason} {end}"]).await;
+    let events = kubectl(
+        up(),
+        &[
+            "-n",
+            "ds",
+            "get",
+            "events",
+            "-o",
+            "jsonpath={range .items[*]}{.reason} {end}",
+        ],
+    )
+    .await;
     assert!(events.contains("DaemonSetPodNotRun"), "{events}");
 }

@@ -1,4 +1,412 @@
-//! webhook: the mutating admission webhook that moves an opted-in pod's nodeSelector,
-//! node affinity and tolerations into the `clusterSelector` stash for the lower cluster.
+//! webhook: the mutating admission webhook that keeps lower-cluster constraints for the
+//! lower cluster.
 //!
-//! Not built yet: this crate has no behaviour and ships no binary until it does.
+//! Model: a pod that opts in (label `virtual-pod=true`) describes, through its nodeSelector,
+//! required node affinity and tolerations, nodes of a lower cluster that the upper scheduler
+//! cannot see. On CREATE the webhook moves those into the `clusterSelector` stash annotation
+//! ([`tensile_common::stash`]), keeps the keys named in `--ignore-selector-keys` upstream
+//! (they choose the cluster), and gives the upper pod what it needs to land on a virtual
+//! node: a toleration for the virtual node taint, a requirement for the virtual node label,
+//! finite not-ready/unreachable tolerations so it fails over when a lower cluster is lost,
+//! and a pin to the virtual node its bound PVC selected. virtual-node restores the stash
+//! below.
+//!
+//! [`mutate::mutate`] is pure (review in, response out); [`server`] adds HTTPS, limits and
+//! metrics; [`tls`] and [`ca_bundle`] handle the certificate. Every other pod, and every
+//! pod already stashed, passes unchanged.
+
+pub mod ca_bundle;
+pub mod metrics;
+pub mod mutate;
+pub mod policy;
+pub mod review;
+pub mod server;
+pub mod tls;
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use mutate::{ClaimNodes, NoClaims, Outcome, Verdict, mutate};
+pub use policy::{Label, Policy, VirtualNodeConstraint};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Tls(#[from] tls::Error),
+    #[error(transparent)]
+    Admin(#[from] tensile_common::admin::Error),
+    #[error(transparent)]
+    Kubeconfig(#[from] tensile_common::kubeconfig::Error),
+    #[error("no Kubernetes client: {0}")]
+    Client(String),
+    #[error("invalid flags: {0}")]
+    Flags(String),
+    #[error("waiting for a shutdown signal: {0}")]
+    Signal(#[source] std::io::Error),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Command-line flags (tensile-kube's `--address`/`--port`/`--tls-*` spellings kept).
+#[derive(Clone, Debug, clap::Parser)]
+#[command(
+    name = "webhook",
+    about = "Mutating admission webhook that stashes lower-cluster constraints"
+)]
+pub struct Args {
+    /// Address to serve HTTPS on.
+    #[arg(long, env = "WEBHOOK_ADDRESS", default_value = "0.0.0.0")]
+    pub address: IpAddr,
+    /// Port to serve HTTPS on (`/mutate`, `/healthz`, `/readyz`).
+    #[arg(long, env = "WEBHOOK_PORT", default_value_t = 8443)]
+    pub port: u16,
+    #[command(flatten)]
+    pub admin: tensile_common::admin::AdminArgs,
+    /// Serving certificate (PEM); reloaded when it changes. Without it a certificate is
+    /// generated at start.
+    #[arg(long, env = "WEBHOOK_TLS_CERT_FILE", requires = "tls_private_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// Private key of `--tls-cert-file` (PEM).
+    #[arg(long, env = "WEBHOOK_TLS_PRIVATE_KEY_FILE", requires = "tls_cert_file")]
+    pub tls_private_key_file: Option<PathBuf>,
+    /// How often the certificate files are checked for a change, in seconds.
+    #[arg(long, env = "WEBHOOK_TLS_RELOAD_SECONDS", default_value_t = 5)]
+    pub tls_reload_seconds: u64,
+    /// DNS names and IPs of the generated certificate (used without `--tls-cert-file`).
+    #[arg(
+        long,
+        env = "WEBHOOK_SELF_SIGNED_NAMES",
+        value_delimiter = ',',
+        default_value = "localhost,127.0.0.1"
+    )]
+    pub self_signed_names: Vec<String>,
+    /// MutatingWebhookConfiguration whose webhooks get the generated CA as `caBundle`.
+    #[arg(long, env = "WEBHOOK_CONFIG_NAME")]
+    pub webhook_config_name: Option<String>,
+    /// Kubeconfig for reading PVCs and writing the caBundle; in-cluster config without it.
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Label (`key=value`) that opts a pod in.
+    #[arg(long, env = "WEBHOOK_POD_LABEL", default_value = "virtual-pod=true")]
+    pub pod_label: Label,
+    /// Namespaces whose pods are never mutated.
+    #[arg(
+        long,
+        env = "WEBHOOK_EXCLUDE_NAMESPACES",
+        value_delimiter = ',',
+        default_value = "kube-system"
+    )]
+    pub exclude_namespaces: Vec<String>,
+    /// nodeSelector / node-affinity keys that stay on the upper pod to steer the choice of
+    /// cluster (for example a label every virtual node of one region carries).
+    #[arg(long, env = "WEBHOOK_IGNORE_SELECTOR_KEYS", value_delimiter = ',')]
+    pub ignore_selector_keys: Vec<String>,
+    /// The label (`key=value`) of virtual nodes, required of the upper pod.
+    #[arg(
+        long,
+        env = "WEBHOOK_VIRTUAL_NODE_LABEL",
+        default_value = "type=virtual-kubelet"
+    )]
+    pub virtual_node_label: Label,
+    /// How the upper pod is kept on virtual nodes.
+    #[arg(long, env = "WEBHOOK_VIRTUAL_NODE_CONSTRAINT", value_enum, default_value_t = VirtualNodeConstraint::Affinity)]
+    pub virtual_node_constraint: VirtualNodeConstraint,
+    /// `tolerationSeconds` for `node.kubernetes.io/not-ready` on the upper pod.
+    #[arg(long, env = "WEBHOOK_NOT_READY_TOLERATION_SECONDS", default_value_t = 300)]
+    pub not_ready_toleration_seconds: i64,
+    /// `tolerationSeconds` for `node.kubernetes.io/unreachable` on the upper pod.
+    #[arg(long, env = "WEBHOOK_UNREACHABLE_TOLERATION_SECONDS", default_value_t = 300)]
+    pub unreachable_toleration_seconds: i64,
+    /// Largest request body accepted at `/mutate`.
+    #[arg(long, env = "WEBHOOK_MAX_BODY_BYTES", default_value_t = 6 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// How long a PVC read may take before the pod is admitted without a volume pin, in ms.
+    #[arg(long, env = "WEBHOOK_PVC_TIMEOUT_MS", default_value_t = 2000)]
+    pub pvc_timeout_ms: u64,
+    #[command(flatten)]
+    pub log: tensile_common::telemetry::LogArgs,
+}
+
+impl Args {
+    pub fn policy(&self) -> Result<Policy> {
+        for (flag, secs) in [
+            (
+                "--not-ready-toleration-seconds",
+                self.not_ready_toleration_seconds,
+            ),
+            (
+                "--unreachable-toleration-seconds",
+                self.unreachable_toleration_seconds,
+            ),
+        ] {
+            if secs < 0 {
+                return Err(Error::Flags(format!("{flag} must not be negative, got {secs}")));
+            }
+        }
+        let set = |v: &[String]| -> BTreeSet<String> {
+            v.iter()
+                .map(|s| s.trim())
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .collect()
+        };
+        Ok(Policy {
+            opt_in: self.pod_label.clone(),
+            excluded_namespaces: set(&self.exclude_namespaces),
+            ignore_selector_keys: set(&self.ignore_selector_keys),
+            virtual_node_label: self.virtual_node_label.clone(),
+            virtual_node_constraint: self.virtual_node_constraint,
+            not_ready_seconds: self.not_ready_toleration_seconds,
+            unreachable_seconds: self.unreachable_toleration_seconds,
+        })
+    }
+}
+
+/// Where the serving certificate comes from.
+#[derive(Clone, Debug)]
+pub enum Certificates {
+    /// PEM files, reloaded when they change.
+    Files {
+        cert: PathBuf,
+        key: PathBuf,
+        reload_every: Duration,
+    },
+    /// Generated at start for these names; its CA goes into the registration's caBundle.
+    SelfSigned { names: Vec<String> },
+}
+
+/// Everything a running webhook needs (the library form of [`Args`]).
+#[derive(Clone)]
+pub struct Options {
+    pub address: SocketAddr,
+    /// `None`: no admin port.
+    pub admin_address: Option<SocketAddr>,
+    pub policy: Policy,
+    pub certificates: Certificates,
+    /// Registration to keep the generated CA in (self-signed certificates only).
+    pub webhook_config_name: Option<String>,
+    /// For PVC reads and the caBundle; `None` disables both.
+    pub client: Option<kube::Client>,
+    pub max_body_bytes: usize,
+    pub pvc_timeout: Duration,
+}
+
+impl Options {
+    /// Defaults for serving on `address` with the given certificates and no client.
+    pub fn new(address: SocketAddr, certificates: Certificates) -> Self {
+        Self {
+            address,
+            admin_address: None,
+            policy: Policy::default(),
+            certificates,
+            webhook_config_name: None,
+            client: None,
+            max_body_bytes: 6 * 1024 * 1024,
+            pvc_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// A started webhook; dropping it does not stop it, [`Running::stop`] does.
+pub struct Running {
+    /// The HTTPS address actually bound (port 0 resolved).
+    pub address: SocketAddr,
+    pub admin_address: Option<SocketAddr>,
+    /// The generated CA (PEM) in self-signed mode.
+    pub ca_pem: Option<String>,
+    pub state: Arc<server::State>,
+    stop: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Running {
+    /// Stops accepting, closes open connections gracefully and waits for the tasks.
+    pub async fn stop(self) {
+        self.stop.cancel();
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+async fn bind(addr: SocketAddr) -> Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Bind { addr, source })
+}
+
+/// Binds the ports and starts serving.
+pub async fn start(options: Options) -> Result<Running> {
+    let stop = CancellationToken::new();
+    let mut tasks = Vec::new();
+    let (resolver, ca_pem) = match &options.certificates {
+        Certificates::Files {
+            cert,
+            key,
+            reload_every,
+        } => {
+            let resolver = tls::CertResolver::new(tls::load(cert, key)?);
+            tasks.push(tokio::spawn(tls::reload(
+                resolver.clone(),
+                cert.clone(),
+                key.clone(),
+                *reload_every,
+                stop.clone(),
+            )));
+            (resolver, None)
+        }
+        Certificates::SelfSigned { names } => {
+            let generated = tls::self_signed(names)?;
+            (tls::CertResolver::new(generated.key), Some(generated.ca_pem))
+        }
+    };
+    let tls_config = tls::server_config(resolver)?;
+    // Ready at once unless the apiserver must first learn our CA.
+    let must_write_bundle = ca_pem.is_some() && options.webhook_config_name.is_some();
+    if must_write_bundle && options.client.is_none() {
+        return Err(Error::Client(
+            "writing the caBundle of the webhook registration needs a Kubernetes client".into(),
+        ));
+    }
+    let ready = tensile_common::admin::Readiness::default();
+    ready.set(!must_write_bundle);
+    let state = Arc::new(server::State {
+        policy: options.policy,
+        max_body_bytes: options.max_body_bytes,
+        metrics: metrics::Metrics::default(),
+        client: options.client.clone(),
+        pvc_timeout: options.pvc_timeout,
+        ready,
+    });
+    let listener = bind(options.address).await?;
+    let address = listener.local_addr().map_err(|source| Error::Bind {
+        addr: options.address,
+        source,
+    })?;
+    let admin = match options.admin_address {
+        Some(addr) => Some(tensile_common::admin::bind(addr).await?),
+        None => None,
+    };
+    let admin_address = match &admin {
+        Some(l) => Some(l.local_addr().map_err(|source| Error::Bind {
+            addr: options.admin_address.unwrap_or(address),
+            source,
+        })?),
+        None => None,
+    };
+    tasks.push(tokio::spawn(server::serve_https(
+        listener,
+        tls_config,
+        state.clone(),
+        stop.clone(),
+    )));
+    if let Some(admin) = admin {
+        let (registry, ready, stop) = (state.metrics.registry(), state.ready.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = tensile_common::admin::serve(admin, registry, ready) => {}
+            }
+        }));
+    }
+    if let (true, Some(client), Some(name), Some(ca)) = (
+        must_write_bundle,
+        options.client,
+        options.webhook_config_name,
+        ca_pem.clone(),
+    ) {
+        let ready_state = state.clone();
+        tasks.push(tokio::spawn(ca_bundle::keep(
+            client,
+            name,
+            ca,
+            Duration::from_secs(30),
+            stop.clone(),
+            move || ready_state.ready.set(true),
+        )));
+    }
+    tracing::info!(%address, admin = ?admin_address, "webhook serving");
+    Ok(Running {
+        address,
+        admin_address,
+        ca_pem,
+        state,
+        stop,
+        tasks,
+    })
+}
+
+async fn client(args: &Args) -> Result<Option<kube::Client>> {
+    if let Some(path) = &args.kubeconfig {
+        let options = tensile_common::kubeconfig::ClientOptions::default();
+        return Ok(Some(
+            tensile_common::kubeconfig::client_from_file(path, &options).await?,
+        ));
+    }
+    match kube::Config::incluster() {
+        Ok(config) => kube::Client::try_from(config)
+            .map(Some)
+            .map_err(|e| Error::Client(e.to_string())),
+        Err(e) => {
+            if args.tls_cert_file.is_none() && args.webhook_config_name.is_some() {
+                return Err(Error::Client(format!(
+                    "no --kubeconfig and not in a cluster ({e}); one is needed to write the caBundle"
+                )));
+            }
+            tracing::warn!(error = %e, "no --kubeconfig and not in a cluster: pods are not pinned to their PVC's node");
+            Ok(None)
+        }
+    }
+}
+
+/// Runs the webhook until SIGINT or SIGTERM.
+pub async fn run(args: Args) -> Result<()> {
+    let policy = args.policy()?;
+    let certificates = match (&args.tls_cert_file, &args.tls_private_key_file) {
+        (Some(cert), Some(key)) => Certificates::Files {
+            cert: cert.clone(),
+            key: key.clone(),
+            reload_every: Duration::from_secs(args.tls_reload_seconds.max(1)),
+        },
+        _ => Certificates::SelfSigned {
+            names: args.self_signed_names.clone(),
+        },
+    };
+    let options = Options {
+        address: SocketAddr::new(args.address, args.port),
+        admin_address: Some(args.admin.admin_addr),
+        policy,
+        certificates,
+        webhook_config_name: args.webhook_config_name.clone(),
+        client: client(&args).await?,
+        max_body_bytes: args.max_body_bytes,
+        pvc_timeout: Duration::from_millis(args.pvc_timeout_ms),
+    };
+    let running = start(options).await?;
+    shutdown_signal().await?;
+    tracing::info!("shutting down");
+    running.stop().await;
+    Ok(())
+}
+
+async fn shutdown_signal() -> Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).map_err(Error::Signal)?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.map_err(Error::Signal),
+        _ = term.recv() => Ok(()),
+    }
+}

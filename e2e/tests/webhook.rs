@@ -1,0 +1,552 @@
+//! The webhook against a real kube-apiserver: the apiserver calls it over HTTPS for every
+//! opted-in pod, and each test asserts with kubectl what the apiserver stored.
+//!
+//! Each test registers its own MutatingWebhookConfiguration scoped to its own namespace
+//! (plus the production objectSelector `virtual-pod=true`), so tests sharing the cluster do
+//! not see each other's webhook.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use serde_json::{Value, json};
+use tensile_common::stash::Stash;
+use tensile_e2e::pki::Ca;
+use tensile_e2e::shared::Shared;
+use tensile_e2e::wait::until;
+use tensile_e2e::{ClusterOptions, TestCluster, free_port};
+use tensile_webhook::{Certificates, Options, Policy, Running};
+
+static UPPER: Shared<TestCluster> = Shared::new();
+
+/// The upper cluster, shared by the tests of this binary (no scheduler: nothing is placed).
+fn upper() -> &'static TestCluster {
+    UPPER
+        .get(|| async {
+            let mut options = ClusterOptions::new("webhook", "upper");
+            options.scheduler = false;
+            TestCluster::start(options).await
+        })
+        .unwrap_or_else(|e| panic!("upper cluster: {e}"))
+}
+
+fn init() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+async fn kubectl(cluster: &TestCluster, args: &[&str]) -> String {
+    let out = cluster.kubectl(args).await;
+    assert!(out.ok, "kubectl {args:?} failed: {}", out.stderr);
+    out.stdout
+}
+
+/// `kubectl apply` of `manifest`; returns kubectl's output (stdout and stderr).
+async fn apply(cluster: &TestCluster, manifest: &str) -> tensile_e2e::kubectl::Output {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.yaml");
+    std::fs::write(&path, manifest).unwrap();
+    cluster.kubectl(&["apply", "-f", path.to_str().unwrap()]).await
+}
+
+async fn namespace(cluster: &TestCluster, name: &str) {
+    cluster.create_namespace(name).await.unwrap();
+    kubectl(
+        cluster,
+        &[
+            "label",
+            "namespace",
+            name,
+            &format!("tensile-e2e={name}"),
+            "--overwrite",
+        ],
+    )
+    .await;
+}
+
+/// The registration the operator would write: opted-in pods only, `failurePolicy: Fail`.
+fn registration(name: &str, port: u16, namespace: &str, ca_pem: Option<&str>) -> String {
+    let ca = ca_pem
+        .map(|pem| {
+            format!(
+                ", caBundle: {}",
+                base64::engine::general_purpose::STANDARD.encode(pem)
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        r#"
+apiVersion: admissionregistration.k8s.io/v1
+kind: MutatingWebhookConfiguration
+metadata: {{name: {name}}}
+webhooks:
+- name: pods.tensile.io
+  admissionReviewVersions: [v1]
+  sideEffects: None
+  failurePolicy: Fail
+  reinvocationPolicy: Never
+  timeoutSeconds: 5
+  clientConfig: {{url: "https://127.0.0.1:{port}/mutate"{ca}}}
+  rules: [{{operations: [CREATE], apiGroups: [""], apiVersions: [v1], resources: [pods], scope: Namespaced}}]
+  objectSelector: {{matchLabels: {{virtual-pod: "true"}}}}
+  namespaceSelector:
+    matchExpressions:
+    - {{key: tensile-e2e, operator: In, values: [{namespace}]}}
+"#
+    )
+}
+
+fn pod_json(cluster_out: &str) -> Value {
+    serde_json::from_str(cluster_out).unwrap_or_else(|e| panic!("pod JSON: {e}: {cluster_out}"))
+}
+
+async fn get_pod(cluster: &TestCluster, ns: &str, name: &str) -> Value {
+    pod_json(&kubectl(cluster, &["-n", ns, "get", "pod", name, "-o", "json"]).await)
+}
+
+fn stash_of(pod: &Value) -> Stash {
+    let text = pod["metadata"]["annotations"]["clusterSelector"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no clusterSelector annotation: {pod}"));
+    Stash::decode(text).unwrap()
+}
+
+async fn start_webhook(options: Options) -> Running {
+    tensile_webhook::start(options).await.unwrap()
+}
+
+fn options(port: u16, certificates: Certificates) -> Options {
+    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    Options::new(addr, certificates)
+}
+
+/// An opted-in pod is stored with its lower constraints in the stash and the upper
+/// constraints added; a pod without the label is stored as written. The webhook makes its
+/// own certificate and writes the CA into the registration with a server-side apply.
+#[tokio::test]
+async fn an_opted_in_pod_is_stored_with_its_stash_and_others_unchanged() {
+    init();
+    let c = upper();
+    let ns = "wh-mutate";
+    namespace(c, ns).await;
+    let port = free_port().unwrap();
+    let config = "tensile-webhook-mutate";
+    let out = apply(c, &registration(config, port, ns, None)).await;
+    assert!(out.ok, "{}", out.stderr);
+
+    let mut opts = options(
+        port,
+        Certificates::SelfSigned {
+            names: vec!["127.0.0.1".into()],
+        },
+    );
+    opts.client = Some(c.client().await.unwrap());
+    opts.webhook_config_name = Some(config.into());
+    opts.policy = Policy {
+        ignore_selector_keys: ["cluster".to_owned()].into(),
+        not_ready_seconds: 30,
+        unreachable_seconds: 40,
+        ..Policy::default()
+    };
+    let running = start_webhook(opts).await;
+    let ca = running.ca_pem.clone().unwrap();
+    until(
+        "the caBundle written by server-side apply",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || async {
+            let out = c
+                .kubectl(&[
+                    "get",
+                    "mutatingwebhookconfiguration",
+                    config,
+                    "-o",
+                    "json",
+                    "--show-managed-fields",
+                ])
+                .await;
+            let v: Value = serde_json::from_str(&out.stdout).unwrap_or(Value::Null);
+            let bundle = v["webhooks"][0]["clientConfig"]["caBundle"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            let managers: Vec<String> = v["metadata"]["managedFields"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| Some(format!("{}/{}", m["manager"].as_str()?, m["operation"].as_str()?)))
+                .collect();
+            let decoded = base64::engine::general_purpose::STANDARD
+                .decode(&bundle)
+                .unwrap_or_default();
+            if decoded == ca.as_bytes() && managers.iter().any(|m| m == "tensile-webhook/Apply") {
+                Ok(())
+            } else {
+                Err(format!("caBundle {} bytes, managers {managers:?}", decoded.len()))
+            }
+        },
+    )
+    .await
+    .unwrap();
+    assert!(running.state.ready.get());
+
+    // A PVC the upper scheduler already bound for virtual node vnode-1.
+    let out = apply(
+        c,
+        &format!(
+            r#"
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: data
+  namespace: {ns}
+  annotations: {{volume.kubernetes.io/selected-node: vnode-1}}
+spec:
+  accessModes: [ReadWriteOnce]
+  resources: {{requests: {{storage: 1Gi}}}}
+"#
+        ),
+    )
+    .await;
+    assert!(out.ok, "{}", out.stderr);
+
+    let out = apply(
+        c,
+        &format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata:
+  name: opted-in
+  namespace: {ns}
+  labels: {{virtual-pod: "true", app: web}}
+spec:
+  containers: [{{name: c, image: nginx}}]
+  nodeSelector: {{disk: ssd, cluster: a}}
+  affinity:
+    nodeAffinity:
+      requiredDuringSchedulingIgnoredDuringExecution:
+        nodeSelectorTerms:
+        - matchExpressions: [{{key: zone, operator: In, values: [z1]}}]
+          matchFields: [{{key: metadata.name, operator: In, values: [lower-node-1]}}]
+      preferredDuringSchedulingIgnoredDuringExecution:
+      - weight: 10
+        preference: {{matchExpressions: [{{key: fast, operator: Exists}}]}}
+    podAntiAffinity:
+      preferredDuringSchedulingIgnoredDuringExecution:
+      - weight: 1
+        podAffinityTerm: {{labelSelector: {{matchLabels: {{app: web}}}}, topologyKey: zone}}
+  tolerations: [{{key: gpu, operator: Exists, effect: NoSchedule}}]
+  volumes: [{{name: data, persistentVolumeClaim: {{claimName: data}}}}]
+"#
+        ),
+    )
+    .await;
+    assert!(out.ok, "{}", out.stderr);
+
+    let pod = get_pod(c, ns, "opted-in").await;
+    let spec = &pod["spec"];
+    // Stored upstream: only the cluster key, the virtual-node requirement and the PVC's node.
+    assert_eq!(spec["nodeSelector"], json!({"cluster": "a"}), "{pod}");
+    assert_eq!(
+        spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"],
+        json!({"nodeSelectorTerms": [{
+            "matchExpressions": [{"key": "type", "operator": "In", "values": ["virtual-kubelet"]}],
+            "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["vnode-1"]}],
+        }]}),
+        "{pod}"
+    );
+    assert_eq!(
+        spec["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["weight"], 10,
+        "preferred node affinity stays: {pod}"
+    );
+    assert_eq!(
+        spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["weight"],
+        1
+    );
+    assert_eq!(
+        spec["tolerations"],
+        json!([
+            {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30},
+            {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 40},
+        ]),
+        "{pod}"
+    );
+    // The stash holds what the lower cluster needs, in tensile-kube's format.
+    let stash = stash_of(&pod);
+    assert_eq!(
+        stash.node_selector,
+        [("disk".to_owned(), "ssd".to_owned())].into()
+    );
+    let lower = serde_json::to_value(stash.node_affinity().unwrap()).unwrap();
+    assert_eq!(
+        lower,
+        json!({"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
+            "matchExpressions": [{"key": "zone", "operator": "In", "values": ["z1"]}],
+            "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["lower-node-1"]}],
+        }]}})
+    );
+    let keys: Vec<&str> = stash
+        .tolerations
+        .iter()
+        .filter_map(|t| t.key.as_deref())
+        .collect();
+    // The apiserver's DefaultTolerationSeconds ran before us: its tolerations go down too.
+    assert_eq!(
+        keys,
+        [
+            "gpu",
+            "node.kubernetes.io/not-ready",
+            "node.kubernetes.io/unreachable"
+        ],
+        "{stash:?}"
+    );
+
+    // Mixed terms lose their pairing: kubectl shows the webhook's warning.
+    let out = apply(
+        c,
+        &format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: mixed, namespace: {ns}, labels: {{virtual-pod: "true"}}}}
+spec:
+  containers: [{{name: c, image: nginx}}]
+  affinity:
+    nodeAffinity:
+      requiredDuringSchedulingIgnoredDuringExecution:
+        nodeSelectorTerms:
+        - matchExpressions: [{{key: cluster, operator: In, values: [a]}}, {{key: zone, operator: In, values: [z1]}}]
+        - matchExpressions: [{{key: cluster, operator: In, values: [b]}}, {{key: zone, operator: In, values: [z2]}}]
+"#
+        ),
+    )
+    .await;
+    assert!(out.ok, "{}", out.stderr);
+    assert!(out.stderr.contains("Warning: tensile webhook"), "{}", out.stderr);
+
+    // A pod without the label is stored exactly as written.
+    let out = apply(
+        c,
+        &format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: plain, namespace: {ns}, labels: {{app: web}}}}
+spec:
+  containers: [{{name: c, image: nginx}}]
+  nodeSelector: {{disk: ssd}}
+  tolerations: [{{key: gpu, operator: Exists, effect: NoSchedule}}]
+"#
+        ),
+    )
+    .await;
+    assert!(out.ok, "{}", out.stderr);
+    let plain = get_pod(c, ns, "plain").await;
+    assert!(
+        plain["metadata"]["annotations"].get("clusterSelector").is_none(),
+        "{plain}"
+    );
+    assert_eq!(plain["spec"]["nodeSelector"], json!({"disk": "ssd"}));
+    assert!(plain["spec"].get("affinity").is_none(), "{plain}");
+    assert_eq!(plain["spec"]["tolerations"][0]["key"], "gpu");
+    assert_eq!(
+        plain["spec"]["tolerations"][1]["tolerationSeconds"], 300,
+        "the apiserver's default, not ours"
+    );
+
+    // Two passes through the webhook: the stash is never written twice.
+    assert_eq!(running.state.metrics.mutations.get(), 2);
+    running.stop().await;
+    let _ = c
+        .kubectl(&["delete", "mutatingwebhookconfiguration", config])
+        .await;
+}
+
+/// With the webhook down, an opted-in pod is refused with a message naming the webhook,
+/// while every other pod is created as usual (the registration only matches opted-in pods).
+#[tokio::test]
+async fn with_the_webhook_stopped_only_opted_in_pods_are_refused() {
+    init();
+    let c = upper();
+    let ns = "wh-down";
+    namespace(c, ns).await;
+    let port = free_port().unwrap();
+    let running = start_webhook(options(
+        port,
+        Certificates::SelfSigned {
+            names: vec!["127.0.0.1".into()],
+        },
+    ))
+    .await;
+    let config = "tensile-webhook-down";
+    let out = apply(c, &registration(config, port, ns, running.ca_pem.as_deref())).await;
+    assert!(out.ok, "{}", out.stderr);
+
+    let create = |name: &'static str, labels: &'static str| async move {
+        c.kubectl(&[
+            "-n",
+            ns,
+            "run",
+            name,
+            "--image=nginx",
+            "--restart=Never",
+            &format!("--labels={labels}"),
+        ])
+        .await
+    };
+    let out = create("up", "virtual-pod=true").await;
+    assert!(out.ok, "{}", out.stderr);
+    assert!(stash_of(&get_pod(c, ns, "up").await).tolerations.len() >= 2);
+
+    running.stop().await;
+    let refused = create("down", "virtual-pod=true").await;
+    assert!(!refused.ok, "created without its webhook: {}", refused.stdout);
+    assert!(
+        refused
+            .stderr
+            .contains("failed calling webhook \"pods.tensile.io\"")
+            && refused.stderr.contains("127.0.0.1"),
+        "the message names the webhook and where it was called: {}",
+        refused.stderr
+    );
+    let absent = c.kubectl(&["-n", ns, "get", "pod", "down"]).await;
+    assert!(
+        !absent.ok && absent.stderr.contains("NotFound"),
+        "{}",
+        absent.stderr
+    );
+
+    for (name, labels) in [("other", "app=web"), ("not-true", "virtual-pod=false")] {
+        let out = create(name, labels).await;
+        assert!(out.ok, "{name} must not depend on the webhook: {}", out.stderr);
+        let pod = get_pod(c, ns, name).await;
+        assert!(
+            pod["metadata"]["annotations"].get("clusterSelector").is_none(),
+            "{pod}"
+        );
+    }
+    let _ = c
+        .kubectl(&["delete", "mutatingwebhookconfiguration", config])
+        .await;
+}
+
+fn write_pair(dir: &Path, ca: &Ca) {
+    let pair = ca.server("tensile-webhook", &[]).unwrap();
+    // Key first, then certificate: the server sees a mismatched pair for a moment and must
+    // keep the old one until both agree.
+    std::fs::write(dir.join("tls.key"), pair.key_pem).unwrap();
+    std::fs::write(dir.join("tls.crt"), pair.cert_pem).unwrap();
+}
+
+/// Whether a TLS handshake with the webhook succeeds when trusting only `ca`.
+async fn trusted_by(addr: SocketAddr, ca: &Ca) -> bool {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in tensile_e2e::tls::certs_from_pem(&ca.cert_pem()).unwrap() {
+        roots.add(cert).unwrap();
+    }
+    let config = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let Ok(tcp) = tokio::net::TcpStream::connect(addr).await else {
+        return false;
+    };
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .is_ok()
+}
+
+/// A certificate rotated on disk is served without a restart, and the apiserver, told the
+/// new CA, keeps admitting opted-in pods through the same running webhook.
+#[tokio::test]
+async fn a_certificate_rotated_on_disk_is_picked_up_without_restart() {
+    init();
+    let c = upper();
+    let ns = "wh-rotate";
+    namespace(c, ns).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (old_ca, new_ca) = (Ca::new("old-ca").unwrap(), Ca::new("new-ca").unwrap());
+    write_pair(dir.path(), &old_ca);
+    let port = free_port().unwrap();
+    let running = start_webhook(options(
+        port,
+        Certificates::Files {
+            cert: dir.path().join("tls.crt"),
+            key: dir.path().join("tls.key"),
+            reload_every: Duration::from_millis(500),
+        },
+    ))
+    .await;
+    let config = "tensile-webhook-rotate";
+    let out = apply(c, &registration(config, port, ns, Some(&old_ca.cert_pem()))).await;
+    assert!(out.ok, "{}", out.stderr);
+    let run = |name: String| async move {
+        c.kubectl(&[
+            "-n",
+            ns,
+            "run",
+            &name,
+            "--image=nginx",
+            "--restart=Never",
+            "--labels=virtual-pod=true",
+        ])
+        .await
+    };
+    let out = run("before".into()).await;
+    assert!(out.ok, "{}", out.stderr);
+    assert!(trusted_by(running.address, &old_ca).await && !trusted_by(running.address, &new_ca).await);
+
+    write_pair(dir.path(), &new_ca);
+    until(
+        "the new certificate served",
+        Duration::from_secs(20),
+        Duration::from_millis(200),
+        || async {
+            if trusted_by(running.address, &new_ca).await {
+                Ok(())
+            } else {
+                Err("still the old certificate".into())
+            }
+        },
+    )
+    .await
+    .unwrap();
+    assert!(!trusted_by(running.address, &old_ca).await);
+
+    // The apiserver now trusts only the new CA.
+    let out = apply(c, &registration(config, port, ns, Some(&new_ca.cert_pem()))).await;
+    assert!(out.ok, "{}", out.stderr);
+    let mut attempt = 0;
+    let name = until(
+        "an opted-in pod admitted through the rotated certificate",
+        Duration::from_secs(30),
+        Duration::from_millis(500),
+        || {
+            attempt += 1;
+            let name = format!("after-{attempt}");
+            async move {
+                let out = run(name.clone()).await;
+                if out.ok { Ok(name) } else { Err(out.stderr) }
+            }
+        },
+    )
+    .await
+    .unwrap();
+    let pod = get_pod(c, ns, &name).await;
+    assert_eq!(
+        pod["spec"]["tolerations"][0]["key"], "virtual-kubelet.io/provider",
+        "{pod}"
+    );
+    assert!(stash_of(&pod).node_selector.is_empty());
+    // Same process, same counters: no restart happened.
+    assert_eq!(running.state.metrics.mutations.get(), 2);
+    running.stop().await;
+    let _ = c
+        .kubectl(&["delete", "mutatingwebhookconfiguration", config])
+        .await;
+}

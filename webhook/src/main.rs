@@ -1,0 +1,11 @@
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = tensile_webhook::Args::parse();
+    // One crypto provider for every TLS user in the process (kube's client included).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    tensile_common::telemetry::init(&args.log)?;
+    tensile_webhook::run(args).await?;
+    Ok(())
+}

@@ -1,0 +1,445 @@
+use serde_json::{Value, json};
+
+use super::*;
+use crate::review;
+
+fn review_of(object: Value, namespace: &str, operation: &str, kind: &str) -> Review {
+    let body = json!({
+        "apiVersion": review::API_VERSION,
+        "kind": review::KIND,
+        "request": {
+            "uid": "uid-7",
+            "kind": {"group": "", "version": "v1", "kind": kind},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": namespace,
+            "operation": operation,
+            "userInfo": {"username": "tester"},
+            "object": object,
+        }
+    });
+    review::parse(&serde_json::to_vec(&body).unwrap()).unwrap()
+}
+
+fn pod(labels: Value, spec: Value) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p", "namespace": "team", "labels": labels},
+        "spec": spec,
+    })
+}
+
+fn opted_in(spec: Value) -> Value {
+    pod(json!({"virtual-pod": "true", "app": "x"}), spec)
+}
+
+fn containers() -> Value {
+    json!([{"name": "c", "image": "busybox"}])
+}
+
+/// Applies the outcome's patch to `object`.
+fn applied(object: &Value, outcome: &Outcome) -> Value {
+    let mut doc = object.clone();
+    if let Some(bytes) = &outcome.response.patch {
+        let patch: json_patch::Patch = serde_json::from_slice(bytes).unwrap();
+        json_patch::patch(&mut doc, &patch).unwrap();
+    }
+    doc
+}
+
+fn run(object: Value, policy: &Policy) -> (Outcome, Value) {
+    let outcome = mutate(
+        &review_of(object.clone(), "team", "CREATE", "Pod"),
+        policy,
+        &NoClaims,
+    );
+    let after = applied(&object, &outcome);
+    (outcome, after)
+}
+
+fn stash_of(pod: &Value) -> Stash {
+    Stash::decode(
+        pod["metadata"]["annotations"][names::CLUSTER_SELECTOR]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap()
+}
+
+fn ops(outcome: &Outcome) -> Vec<(String, String)> {
+    let patch: Value = serde_json::from_slice(outcome.response.patch.as_deref().unwrap_or(b"[]")).unwrap();
+    patch
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|op| {
+            (
+                op["op"].as_str().unwrap().to_owned(),
+                op["path"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+fn full_spec() -> Value {
+    json!({
+        "containers": containers(),
+        "nodeSelector": {"disk": "ssd", "region": "eu"},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+                ]},
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {"weight": 5, "preference": {"matchExpressions": [{"key": "fast", "operator": "Exists"}]}},
+                ],
+            },
+            "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": {"matchLabels": {"app": "x"}}, "topologyKey": "kubernetes.io/hostname"},
+            ]},
+        },
+        "tolerations": [
+            {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+        ],
+    })
+}
+
+#[test]
+fn a_pod_without_the_label_passes_unchanged() {
+    let (outcome, _) = run(pod(json!({"app": "x"}), full_spec()), &Policy::default());
+    assert_eq!(outcome.verdict, Verdict::Unchanged);
+    assert!(outcome.response.allowed && outcome.response.patch.is_none());
+    assert_eq!(outcome.response.uid, "uid-7");
+    let (outcome, _) = run(
+        pod(json!({"virtual-pod": "false"}), full_spec()),
+        &Policy::default(),
+    );
+    assert_eq!(outcome.verdict, Verdict::Unchanged);
+    let no_labels =
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": full_spec()});
+    assert_eq!(run(no_labels, &Policy::default()).0.verdict, Verdict::Unchanged);
+}
+
+#[test]
+fn an_opted_in_pod_moves_its_lower_constraints_into_the_stash() {
+    let original = opted_in(full_spec());
+    let (outcome, after) = run(original.clone(), &Policy::default());
+    assert_eq!(outcome.verdict, Verdict::Mutated);
+    assert!(outcome.response.allowed);
+    assert_eq!(outcome.response.uid, "uid-7");
+
+    let stash = stash_of(&after);
+    assert_eq!(
+        stash.node_selector,
+        BTreeMap::from([("disk".into(), "ssd".into()), ("region".into(), "eu".into())])
+    );
+    let lower = serde_json::to_value(stash.node_affinity().unwrap()).unwrap();
+    assert_eq!(
+        lower,
+        json!({"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+        ]}}),
+        "only the required part goes down"
+    );
+    assert_eq!(
+        serde_json::to_value(&stash.tolerations).unwrap(),
+        original["spec"]["tolerations"]
+    );
+
+    let spec = &after["spec"];
+    assert!(spec.get("nodeSelector").is_none(), "{spec}");
+    assert_eq!(
+        spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"],
+        json!({"nodeSelectorTerms": [{"matchExpressions": [{"key": "type", "operator": "In", "values": ["virtual-kubelet"]}]}]})
+    );
+    assert_eq!(
+        spec["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"],
+        original["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"],
+        "preferred node affinity stays upstream"
+    );
+    assert_eq!(
+        spec["affinity"]["podAntiAffinity"],
+        original["spec"]["affinity"]["podAntiAffinity"]
+    );
+    assert_eq!(
+        spec["tolerations"],
+        json!([
+            {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+            {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+        ])
+    );
+    assert_eq!(after["spec"]["containers"], original["spec"]["containers"]);
+    assert_eq!(after["metadata"]["labels"], original["metadata"]["labels"]);
+    assert!(serde_json::from_value::<Pod>(after).is_ok());
+}
+
+#[test]
+fn the_patch_touches_only_the_changed_fields() {
+    let (outcome, _) = run(opted_in(full_spec()), &Policy::default());
+    assert_eq!(
+        ops(&outcome),
+        vec![
+            ("add".into(), "/metadata/annotations".into()),
+            ("remove".into(), "/spec/nodeSelector".into()),
+            ("add".into(), "/spec/affinity/nodeAffinity".into()),
+            ("add".into(), "/spec/tolerations".into()),
+        ]
+    );
+    let mut bare = opted_in(json!({"containers": containers()}));
+    bare["metadata"]["annotations"] = json!({"note": "keep me"});
+    let (outcome, after) = run(bare, &Policy::default());
+    assert_eq!(
+        ops(&outcome),
+        vec![
+            ("add".into(), "/metadata/annotations/clusterSelector".into()),
+            ("add".into(), "/spec/affinity".into()),
+            ("add".into(), "/spec/tolerations".into()),
+        ]
+    );
+    assert_eq!(after["metadata"]["annotations"]["note"], "keep me");
+    assert!(stash_of(&after).is_empty());
+}
+
+#[test]
+fn ignored_keys_stay_upstream_to_steer_the_cluster_choice() {
+    let policy = Policy {
+        ignore_selector_keys: BTreeSet::from(["region".to_owned(), "cluster".to_owned()]),
+        ..Policy::default()
+    };
+    let mut spec = full_spec();
+    spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] = json!([
+        {"matchExpressions": [
+            {"key": "cluster", "operator": "In", "values": ["a", "b"]},
+            {"key": "zone", "operator": "In", "values": ["z1"]},
+        ]},
+    ]);
+    let (outcome, after) = run(opted_in(spec), &policy);
+    assert_eq!(outcome.verdict, Verdict::Mutated);
+    assert_eq!(after["spec"]["nodeSelector"], json!({"region": "eu"}));
+    assert_eq!(
+        after["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"],
+        json!([{"matchExpressions": [
+            {"key": "cluster", "operator": "In", "values": ["a", "b"]},
+            {"key": "type", "operator": "In", "values": ["virtual-kubelet"]},
+        ]}])
+    );
+    let stash = stash_of(&after);
+    assert_eq!(
+        stash.node_selector,
+        BTreeMap::from([("disk".into(), "ssd".into())])
+    );
+    let terms = &stash
+        .node_affinity()
+        .unwrap()
+        .required_during_scheduling_ignored_during_execution
+        .as_ref()
+        .unwrap()
+        .node_selector_terms;
+    assert_eq!(terms.len(), 1);
+    assert_eq!(terms[0].match_expressions.as_ref().unwrap()[0].key, "zone");
+    assert!(outcome.response.warnings.is_none(), "one term: nothing is lost");
+}
+
+#[test]
+fn match_fields_go_down_with_their_term() {
+    let spec = json!({
+        "containers": containers(),
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["lower-node-1"]}]},
+            {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}],
+             "matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["lower-node-2"]}]},
+        ]}}},
+    });
+    let original = opted_in(spec);
+    let (_, after) = run(original.clone(), &Policy::default());
+    let stash = stash_of(&after);
+    assert_eq!(
+        serde_json::to_value(stash.node_affinity().unwrap()).unwrap()["requiredDuringSchedulingIgnoredDuringExecution"],
+        original["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"],
+        "both terms, fields included, reach the lower cluster intact"
+    );
+    let upper = &after["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        ["nodeSelectorTerms"];
+    assert_eq!(
+        *upper,
+        json!([{"matchExpressions": [{"key": "type", "operator": "In", "values": ["virtual-kubelet"]}]}]),
+        "no lower node name is left upstream"
+    );
+}
+
+#[test]
+fn a_term_left_empty_on_one_side_leaves_that_side_unconstrained() {
+    let policy = Policy {
+        ignore_selector_keys: BTreeSet::from(["cluster".to_owned()]),
+        ..Policy::default()
+    };
+    let spec = json!({
+        "containers": containers(),
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "cluster", "operator": "In", "values": ["a"]}, {"key": "zone", "operator": "In", "values": ["z"]}]},
+            {"matchExpressions": [{"key": "cluster", "operator": "In", "values": ["b"]}]},
+        ]}}},
+    });
+    let (outcome, after) = run(opted_in(spec), &policy);
+    // Term 2 puts no constraint below, so below nothing is required (an empty term would
+    // match no node at all).
+    assert!(stash_of(&after).node_affinity().is_none());
+    let upper = &after["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        ["nodeSelectorTerms"];
+    assert_eq!(upper.as_array().unwrap().len(), 2);
+    for term in upper.as_array().unwrap() {
+        assert_eq!(
+            term["matchExpressions"].as_array().unwrap().last().unwrap()["key"],
+            "type"
+        );
+    }
+    let warnings = outcome.response.warnings.unwrap();
+    assert!(warnings[0].contains("lost"), "{warnings:?}");
+}
+
+#[test]
+fn toleration_seconds_and_the_virtual_node_constraint_are_configurable() {
+    let policy = Policy {
+        not_ready_seconds: 30,
+        unreachable_seconds: 45,
+        virtual_node_constraint: VirtualNodeConstraint::NodeSelector,
+        virtual_node_label: crate::Label::new("kind", "virtual"),
+        ..Policy::default()
+    };
+    let (_, after) = run(opted_in(full_spec()), &policy);
+    assert_eq!(after["spec"]["nodeSelector"], json!({"kind": "virtual"}));
+    assert!(
+        after["spec"]["affinity"]["nodeAffinity"]
+            .get("requiredDuringSchedulingIgnoredDuringExecution")
+            .is_none(),
+        "{after}"
+    );
+    let tolerations = after["spec"]["tolerations"].as_array().unwrap();
+    assert_eq!(tolerations[1]["tolerationSeconds"], 30);
+    assert_eq!(tolerations[2]["tolerationSeconds"], 45);
+
+    let none = Policy {
+        virtual_node_constraint: VirtualNodeConstraint::None,
+        ..Policy::default()
+    };
+    let (_, after) = run(
+        opted_in(json!({"containers": containers(), "nodeSelector": {"a": "b"}})),
+        &none,
+    );
+    assert!(after["spec"].get("nodeSelector").is_none());
+    assert!(after["spec"].get("affinity").is_none());
+}
+
+#[test]
+fn a_bound_pvc_pins_the_pod_to_its_virtual_node() {
+    let mut spec = full_spec();
+    spec["volumes"] = json!([
+        {"name": "data", "persistentVolumeClaim": {"claimName": "data"}},
+        {"name": "cache", "persistentVolumeClaim": {"claimName": "cache"}},
+        {"name": "cfg", "configMap": {"name": "cfg"}},
+    ]);
+    let object = opted_in(spec);
+    let review = review_of(object.clone(), "team", "CREATE", "Pod");
+    assert_eq!(
+        claims_to_look_up(&review, &Policy::default()),
+        vec!["cache".to_owned(), "data".to_owned()]
+    );
+    let claims = BTreeMap::from([("data".to_owned(), "vnode-a".to_owned())]);
+    let outcome = mutate(&review, &Policy::default(), &claims);
+    let after = applied(&object, &outcome);
+    assert_eq!(
+        after["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"],
+        json!([{
+            "matchExpressions": [{"key": "type", "operator": "In", "values": ["virtual-kubelet"]}],
+            "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["vnode-a"]}],
+        }])
+    );
+
+    let split = BTreeMap::from([
+        ("data".to_owned(), "vnode-a".to_owned()),
+        ("cache".to_owned(), "vnode-b".to_owned()),
+    ]);
+    let outcome = mutate(&review, &Policy::default(), &split);
+    assert_eq!(outcome.verdict, Verdict::Denied);
+    let message = &outcome.response.result.message;
+    assert!(
+        message.contains("vnode-a") && message.contains("vnode-b"),
+        "{message}"
+    );
+}
+
+#[test]
+fn reviews_that_are_not_ours_pass_unchanged() {
+    let object = opted_in(full_spec());
+    for review in [
+        review_of(object.clone(), "kube-system", "CREATE", "Pod"),
+        review_of(object.clone(), "team", "UPDATE", "Pod"),
+        review_of(object.clone(), "team", "DELETE", "Pod"),
+    ] {
+        assert!(claims_to_look_up(&review, &Policy::default()).is_empty());
+        let outcome = mutate(&review, &Policy::default(), &NoClaims);
+        assert_eq!(outcome.verdict, Verdict::Unchanged);
+        assert!(outcome.response.allowed && outcome.response.patch.is_none());
+    }
+    let outcome = mutate(
+        &review_of(object, "team", "CREATE", "Deployment"),
+        &Policy::default(),
+        &NoClaims,
+    );
+    assert_eq!(outcome.verdict, Verdict::Unchanged);
+    assert!(outcome.response.warnings.unwrap()[0].contains("not a pod"));
+}
+
+#[test]
+fn a_stashed_pod_is_not_stashed_again_and_a_broken_stash_is_refused() {
+    let (first, after) = run(opted_in(full_spec()), &Policy::default());
+    assert_eq!(first.verdict, Verdict::Mutated);
+    let (second, again) = run(after.clone(), &Policy::default());
+    assert_eq!(second.verdict, Verdict::Unchanged);
+    assert!(second.response.patch.is_none());
+    assert_eq!(again, after);
+
+    let mut broken = opted_in(full_spec());
+    broken["metadata"]["annotations"] = json!({"clusterSelector": "{nope"});
+    let (outcome, _) = run(broken.clone(), &Policy::default());
+    assert_eq!(outcome.verdict, Verdict::Denied);
+    assert!(!outcome.response.allowed);
+    assert!(
+        outcome.response.result.message.contains("clusterSelector"),
+        "{}",
+        outcome.response.result.message
+    );
+    broken["metadata"]["annotations"] = json!({"clusterSelector": 5});
+    assert_eq!(run(broken, &Policy::default()).0.verdict, Verdict::Denied);
+}
+
+#[test]
+fn a_pod_that_does_not_decode_is_refused_with_the_reason() {
+    let (outcome, _) = run(opted_in(json!({"containers": "not a list"})), &Policy::default());
+    assert_eq!(outcome.verdict, Verdict::Denied);
+    assert_eq!(outcome.response.uid, "uid-7");
+    assert!(
+        outcome.response.result.message.contains("does not decode"),
+        "{}",
+        outcome.response.result.message
+    );
+    let no_spec = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"labels": {"virtual-pod": "true"}}});
+    let (outcome, _) = run(no_spec, &Policy::default());
+    assert_eq!(outcome.verdict, Verdict::Denied);
+    assert!(outcome.response.result.message.contains("no spec"));
+    let (outcome, _) = run(Value::Null, &Policy::default());
+    assert_eq!(outcome.verdict, Verdict::Denied);
+    assert!(outcome.response.result.message.contains("carries no pod"));
+}
+
+#[test]
+fn a_label_key_with_a_slash_is_found() {
+    let policy = Policy {
+        opt_in: crate::Label::new("tensile.io/virtual", "yes"),
+        ..Policy::default()
+    };
+    let (outcome, _) = run(pod(json!({"tensile.io/virtual": "yes"}), full_spec()), &policy);
+    assert_eq!(outcome.verdict, Verdict::Mutated);
+}

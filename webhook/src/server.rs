@@ -1,0 +1,323 @@
+//! HTTPS serving of `/mutate`, `/healthz` and `/readyz`.
+//!
+//! Every bad request gets a precise HTTP status and a one-line text body; only a well-formed
+//! review reaches [`crate::mutate`], which answers in the review itself.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+use kube::api::Api;
+use tensile_common::names;
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
+
+use crate::metrics::{Metrics, ResultLabels};
+use crate::mutate::{self, Verdict};
+use crate::policy::Policy;
+use crate::review;
+
+/// What every request handler shares.
+pub struct State {
+    pub policy: Policy,
+    pub max_body_bytes: usize,
+    pub metrics: Metrics,
+    /// Reads PVCs for volume pinning; `None` disables it.
+    pub client: Option<kube::Client>,
+    pub pvc_timeout: Duration,
+    /// False until the serving certificate is trusted (its caBundle written, when we make it).
+    pub ready: tensile_common::admin::Readiness,
+}
+
+type Body = Full<Bytes>;
+
+fn text(status: StatusCode, body: impl Into<String>) -> Response<Body> {
+    let mut response = Response::new(Full::new(Bytes::from(body.into())));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
+fn health(state: &State, path: &str) -> Option<Response<Body>> {
+    match path {
+        "/healthz" | "/livez" => Some(text(StatusCode::OK, "ok\n")),
+        "/readyz" if state.ready.get() => Some(text(StatusCode::OK, "ok\n")),
+        "/readyz" => Some(text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: the caBundle is not written yet\n",
+        )),
+        _ => None,
+    }
+}
+
+/// Routes one request of the HTTPS port.
+pub async fn handle(state: Arc<State>, request: Request<Incoming>) -> Response<Body> {
+    let path = request.uri().path().to_owned();
+    if path == "/mutate" {
+        let started = Instant::now();
+        let response = if request.method() == Method::POST {
+            admit(&state, request).await
+        } else {
+            state.metrics.error("method");
+            let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "only POST is served at /mutate\n");
+            r.headers_mut()
+                .insert(header::ALLOW, header::HeaderValue::from_static("POST"));
+            r
+        };
+        state.metrics.latency.observe(started.elapsed().as_secs_f64());
+        return response;
+    }
+    if request.method() == Method::GET
+        && let Some(r) = health(&state, &path)
+    {
+        return r;
+    }
+    text(StatusCode::NOT_FOUND, format!("no such path: {path}\n"))
+}
+
+fn is_json(value: Option<&header::HeaderValue>) -> bool {
+    let Some(v) = value.and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let essence = v.split(';').next().unwrap_or_default().trim();
+    essence.eq_ignore_ascii_case("application/json")
+}
+
+async fn admit(state: &State, request: Request<Incoming>) -> Response<Body> {
+    let metrics = &state.metrics;
+    let content_type = request.headers().get(header::CONTENT_TYPE);
+    let limit = state.max_body_bytes;
+    if !is_json(content_type) {
+        metrics.error("content_type");
+        let got = content_type
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("none")
+            .to_owned();
+        // Read the body anyway (within the limit) so the keep-alive connection stays usable.
+        let _ = Limited::new(request.into_body(), limit).collect().await;
+        return text(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!("content type must be application/json, got {got}\n"),
+        );
+    }
+    // The rest of an oversized body is never read, so the connection cannot be reused.
+    let too_large = || {
+        let mut r = text(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("body exceeds the limit of {limit} bytes\n"),
+        );
+        r.headers_mut()
+            .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+        r
+    };
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        metrics.error("too_large");
+        return too_large();
+    }
+    let body = match Limited::new(request.into_body(), limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            metrics.error("too_large");
+            return too_large();
+        }
+        Err(e) => {
+            metrics.error("body");
+            return text(StatusCode::BAD_REQUEST, format!("cannot read the body: {e}\n"));
+        }
+    };
+    let review = match review::parse(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            metrics.error("bad_request");
+            return text(StatusCode::BAD_REQUEST, format!("{e}\n"));
+        }
+    };
+    let req = &review.request;
+    let pod = match (&req.namespace, req.name.as_str()) {
+        (Some(ns), "") => format!("{ns}/<generated>"),
+        (Some(ns), name) => format!("{ns}/{name}"),
+        (None, name) => name.to_owned(),
+    };
+    let span = tracing::debug_span!("review", uid = %req.uid, pod = %pod);
+    async {
+        let claims = mutate::claims_to_look_up(&review, &state.policy);
+        let (nodes, mut warnings) = match (&state.client, req.namespace.as_deref()) {
+            (Some(client), Some(ns)) if !claims.is_empty() => {
+                selected_nodes(client.clone(), ns, &claims, state.pvc_timeout).await
+            }
+            _ => (BTreeMap::new(), Vec::new()),
+        };
+        let mut outcome = mutate::mutate(&review, &state.policy, &nodes);
+        if outcome.verdict != Verdict::Mutated {
+            warnings.clear();
+        }
+        if !warnings.is_empty() {
+            outcome.response.warnings.get_or_insert_default().extend(warnings);
+        }
+        metrics
+            .reviews
+            .get_or_create(&ResultLabels {
+                result: outcome.verdict.as_str(),
+            })
+            .inc();
+        match outcome.verdict {
+            Verdict::Mutated => {
+                metrics.mutations.inc();
+                tracing::debug!("stashed the pod's lower-cluster constraints");
+            }
+            Verdict::Denied => tracing::info!(reason = %outcome.response.result.message, "denied"),
+            Verdict::Unchanged => {}
+        }
+        match review::encode(outcome.response) {
+            Ok(bytes) => {
+                let mut r = Response::new(Full::new(Bytes::from(bytes)));
+                r.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    header::HeaderValue::from_static("application/json"),
+                );
+                r
+            }
+            Err(e) => {
+                metrics.error("encode");
+                text(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("cannot encode the response: {e}\n"),
+                )
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// The selected node of each of `claims` that has one; failures become warnings (the pod is
+/// admitted without the pin rather than refused for a read error).
+async fn selected_nodes(
+    client: kube::Client,
+    namespace: &str,
+    claims: &[String],
+    timeout: Duration,
+) -> (BTreeMap<String, String>, Vec<String>) {
+    let api: Api<PersistentVolumeClaim> = Api::namespaced(client, namespace);
+    let reads = claims.iter().map(|claim| {
+        let api = api.clone();
+        async move {
+            (
+                claim,
+                tokio::time::timeout(timeout, api.get_metadata_opt(claim)).await,
+            )
+        }
+    });
+    let mut nodes = BTreeMap::new();
+    let mut warnings = Vec::new();
+    for (claim, result) in futures::future::join_all(reads).await {
+        let problem = match result {
+            Ok(Ok(Some(pvc))) => {
+                if let Some(node) = pvc
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(names::PVC_SELECTED_NODE))
+                {
+                    nodes.insert(claim.clone(), node.clone());
+                }
+                continue;
+            }
+            Ok(Ok(None)) => continue,
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {} ms", timeout.as_millis()),
+        };
+        tracing::warn!(pvc = %claim, error = %problem, "cannot read the PVC");
+        warnings.push(format!(
+            "tensile webhook: cannot read PVC {claim} ({problem}); the pod is not pinned to its volume's node"
+        ));
+    }
+    (nodes, warnings)
+}
+
+/// Serves HTTPS on `listener` until `stop`; open connections are closed gracefully.
+pub async fn serve_https(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    state: Arc<State>,
+    stop: CancellationToken,
+) {
+    let acceptor = TlsAcceptor::from(tls);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            _ = stop.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = tcp.set_nodelay(true);
+        let (acceptor, state, stop) = (acceptor.clone(), state.clone(), stop.clone());
+        tokio::spawn(async move {
+            let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => return,
+            };
+            let service = service_fn(move |req| {
+                let state = state.clone();
+                async move { Ok::<_, std::convert::Infallible>(handle(state, req).await) }
+            });
+            serve_connection(TokioIo::new(tls), service, stop, peer).await;
+        });
+    }
+}
+
+async fn serve_connection<I, S>(io: I, service: S, stop: CancellationToken, peer: SocketAddr)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    S: hyper::service::Service<
+            Request<Incoming>,
+            Response = Response<Body>,
+            Error = std::convert::Infallible,
+        > + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let builder = auto::Builder::new(TokioExecutor::new());
+    let conn = builder.serve_connection(io, service);
+    tokio::pin!(conn);
+    tokio::select! {
+        result = conn.as_mut() => {
+            if let Err(e) = result {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        }
+        _ = stop.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
+        }
+    }
+}
