@@ -45,3 +45,39 @@ pub async fn eventually(kubeconfig: &Path, what: &str, secs: u64, args: &[&str],
         panic!("{e}");
     }
 }
+
+/// The MutatingWebhookConfiguration an operator would write for the webhook on
+/// `127.0.0.1:port`: opted-in pods only, `failurePolicy: Fail`, limited to namespaces
+/// labelled `tensile-e2e=<namespace>` so tests sharing a cluster do not meet each other's
+/// webhooks. Without `ca_pem` the webhook is expected to fill in the `caBundle` itself.
+pub fn webhook_registration(name: &str, port: u16, namespace: &str, ca_pem: Option<&str>) -> String {
+    use base64::Engine as _;
+    let ca = ca_pem
+        .map(|pem| {
+            format!(
+                ", caBundle: {}",
+                base64::engine::general_purpose::STANDARD.encode(pem)
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        r#"
+apiVersion: admissionregistration.k8s.io/v1
+kind: MutatingWebhookConfiguration
+metadata: {{name: {name}}}
+webhooks:
+- name: pods.tensile.io
+  admissionReviewVersions: [v1]
+  sideEffects: None
+  failurePolicy: Fail
+  reinvocationPolicy: Never
+  timeoutSeconds: 5
+  clientConfig: {{url: "https://127.0.0.1:{port}/mutate"{ca}}}
+  rules: [{{operations: [CREATE], apiGroups: [""], apiVersions: [v1], resources: [pods], scope: Namespaced}}]
+  objectSelector: {{matchLabels: {{virtual-pod: "true"}}}}
+  namespaceSelector:
+    matchExpressions:
+    - {{key: tensile-e2e, operator: In, values: [{namespace}]}}
+"#
+    )
+}

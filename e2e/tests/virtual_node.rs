@@ -1056,3 +1056,149 @@ spec:
     .await;
     assert!(events.contains("DaemonSetPodNotRun"), "{events}");
 }
+
+/// The webhook and a virtual node together: constraints written for the lower cluster are
+/// stashed upstream by the webhook and applied to the lower pod by the virtual node.
+#[tokio::test]
+async fn the_webhook_stash_is_applied_below_by_the_virtual_node() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let bed = bed();
+    let _vn = VirtualNode::start("vn-webhook", &bed.lower_a, &[]);
+    wait_ready("vn-webhook").await;
+    let ns = "stash";
+    namespace(ns).await;
+    kubectl(
+        up(),
+        &[
+            "label",
+            "namespace",
+            ns,
+            &format!("tensile-e2e={ns}"),
+            "--overwrite",
+        ],
+    )
+    .await;
+    let port = free_port().unwrap();
+    let config = "tensile-webhook-stash";
+    apply(
+        up(),
+        &tensile_e2e::check::webhook_registration(config, port, ns, None),
+    )
+    .await;
+    let mut options = tensile_webhook::Options::new(
+        ([127, 0, 0, 1], port).into(),
+        tensile_webhook::Certificates::SelfSigned {
+            names: vec!["127.0.0.1".into()],
+        },
+    );
+    options.client = Some(bed.upper.client().await.unwrap());
+    options.webhook_config_name = Some(config.into());
+    // The virtual node's hostname steers the upper scheduler; everything else is for below.
+    options.policy = tensile_webhook::Policy {
+        ignore_selector_keys: ["kubernetes.io/hostname".to_owned()].into(),
+        ..tensile_webhook::Policy::default()
+    };
+    let _webhook = tensile_webhook::start(options).await.unwrap();
+    let bundle = [
+        "get",
+        "mutatingwebhookconfiguration",
+        config,
+        "-o",
+        "jsonpath={.webhooks[0].clientConfig.caBundle}",
+    ];
+    tensile_e2e::wait::until(
+        "caBundle written",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || async {
+            let out = bed.upper.kubectl(&bundle).await;
+            if out.stdout.trim().is_empty() {
+                Err(out.stderr)
+            } else {
+                Ok(())
+            }
+        },
+    )
+    .await
+    .unwrap();
+
+    // Written as if for one cluster: lower node a-2 by name, and a lower taint tolerated.
+    apply(
+        up(),
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: placed, namespace: stash, labels: {virtual-pod: "true"}}
+spec:
+  nodeSelector: {kubernetes.io/hostname: vn-webhook}
+  affinity:
+    nodeAffinity:
+      requiredDuringSchedulingIgnoredDuringExecution:
+        nodeSelectorTerms: [{matchFields: [{key: metadata.name, operator: In, values: [a-2]}]}]
+  tolerations: [{key: dedicated, operator: Equal, value: batch, effect: NoSchedule}]
+  containers: [{name: app, image: busybox}]
+"#,
+    )
+    .await;
+    let stash = kubectl(
+        up(),
+        &[
+            "-n",
+            ns,
+            "get",
+            "pod",
+            "placed",
+            "-o",
+            "jsonpath={.metadata.annotations.clusterSelector}",
+        ],
+    )
+    .await;
+    assert!(
+        stash.contains("a-2") && stash.contains("dedicated"),
+        "stashed by the webhook: {stash}"
+    );
+    eventually(
+        up(),
+        "Running upstream",
+        60,
+        &[
+            "-n",
+            ns,
+            "get",
+            "pod",
+            "placed",
+            "-o",
+            "jsonpath={.spec.nodeName}/{.status.phase}",
+        ],
+        "vn-webhook/Running",
+    )
+    .await;
+    let low = bed.lower_a.kubeconfig();
+    let below = kubectl(
+        low,
+        &[
+            "-n",
+            ns,
+            "get",
+            "pod",
+            "placed",
+            "-o",
+            "jsonpath={.spec.nodeName}|{.spec.tolerations[*].key}|{.spec.nodeSelector}",
+        ],
+    )
+    .await;
+    let parts: Vec<&str> = below.split('|').collect();
+    assert_eq!(
+        parts[0], "a-2",
+        "the stashed matchFields placed it below: {below}"
+    );
+    assert!(
+        parts[1].split(' ').any(|k| k == "dedicated"),
+        "stashed toleration below: {below}"
+    );
+    assert!(
+        !parts[1].contains("virtual-kubelet.io/provider"),
+        "upper-only toleration stays up: {below}"
+    );
+    assert_eq!(parts[2], "", "no upper selector went down: {below}");
+}

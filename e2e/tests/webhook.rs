@@ -66,36 +66,8 @@ async fn namespace(cluster: &TestCluster, name: &str) {
     .await;
 }
 
-/// The registration the operator would write: opted-in pods only, `failurePolicy: Fail`.
 fn registration(name: &str, port: u16, namespace: &str, ca_pem: Option<&str>) -> String {
-    let ca = ca_pem
-        .map(|pem| {
-            format!(
-                ", caBundle: {}",
-                base64::engine::general_purpose::STANDARD.encode(pem)
-            )
-        })
-        .unwrap_or_default();
-    format!(
-        r#"
-apiVersion: admissionregistration.k8s.io/v1
-kind: MutatingWebhookConfiguration
-metadata: {{name: {name}}}
-webhooks:
-- name: pods.tensile.io
-  admissionReviewVersions: [v1]
-  sideEffects: None
-  failurePolicy: Fail
-  reinvocationPolicy: Never
-  timeoutSeconds: 5
-  clientConfig: {{url: "https://127.0.0.1:{port}/mutate"{ca}}}
-  rules: [{{operations: [CREATE], apiGroups: [""], apiVersions: [v1], resources: [pods], scope: Namespaced}}]
-  objectSelector: {{matchLabels: {{virtual-pod: "true"}}}}
-  namespaceSelector:
-    matchExpressions:
-    - {{key: tensile-e2e, operator: In, values: [{namespace}]}}
-"#
-    )
+    tensile_e2e::check::webhook_registration(name, port, namespace, ca_pem)
 }
 
 fn pod_json(cluster_out: &str) -> Value {

@@ -5,26 +5,20 @@
 //! apiserver's kubelet-client CA); a caller without one gets 401. Serving without
 //! authentication takes an explicit `--no-verify-clients`.
 
-use std::convert::Infallible;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use futures::AsyncReadExt;
 use http::{Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
-use hyper::body::{Frame, Incoming};
+use hyper::body::Incoming;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, LogParams};
 use kube::runtime::reflector::{ObjectRef, Store};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use tensile_common::kubelet::LogOptions;
+use tensile_common::kubelet::{Body, LogOptions, streamed, text};
 use tokio::net::TcpListener;
-use tokio_rustls::TlsAcceptor;
-
-type Body = BoxBody<Bytes, Infallible>;
 
 /// How callers are authenticated.
 #[derive(Clone, Debug)]
@@ -153,46 +147,11 @@ pub struct KubeletState {
 }
 
 pub async fn serve(listener: TcpListener, config: Arc<rustls::ServerConfig>, state: Arc<KubeletState>) {
-    let acceptor = TlsAcceptor::from(config);
-    loop {
-        let Ok((tcp, peer)) = listener.accept().await else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
-        let acceptor = acceptor.clone();
+    tensile_common::kubelet::serve_tls(listener, config, move |req, authenticated| {
         let state = state.clone();
-        tokio::spawn(async move {
-            let tls = match acceptor.accept(tcp).await {
-                Ok(t) => t,
-                Err(e) => {
-                    tracing::debug!(%peer, "kubelet API handshake: {e}");
-                    return;
-                }
-            };
-            let authenticated = tls.get_ref().1.peer_certificates().is_some_and(|c| !c.is_empty());
-            let service = hyper::service::service_fn(move |req| {
-                let state = state.clone();
-                async move { Ok::<_, Infallible>(route(&state, authenticated, req).await) }
-            });
-            let io = hyper_util::rt::TokioIo::new(tls);
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(io, service)
-                .await
-            {
-                tracing::debug!(%peer, "kubelet API connection: {e}");
-            }
-        });
-    }
-}
-
-fn text(status: StatusCode, body: impl Into<String>) -> Response<Body> {
-    let mut resp = Response::new(Full::new(Bytes::from(body.into())).boxed());
-    *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    resp
+        async move { route(&state, authenticated, req).await }
+    })
+    .await
 }
 
 async fn route(state: &KubeletState, authenticated: bool, req: Request<Incoming>) -> Response<Body> {
@@ -269,13 +228,5 @@ async fn logs(state: &KubeletState, ns: &str, pod: &str, container: &str, o: Log
             }
         }
     });
-    let stream = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
-    });
-    let mut resp = Response::new(StreamBody::new(stream).boxed());
-    resp.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    resp
+    streamed(rx)
 }

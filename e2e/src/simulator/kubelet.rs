@@ -4,24 +4,20 @@
 //! kubelet certificates unless told to) and, when given the apiserver's kubelet-client CA,
 //! admits only clients presenting a certificate from it.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
-use hyper::body::{Frame, Incoming};
+use hyper::body::Incoming;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use tokio::net::TcpListener;
-use tokio_rustls::TlsAcceptor;
 
 use super::Inner;
 use super::logs::{LogOptions, LogSource};
 use crate::{Result, io_err};
-
-type Body = BoxBody<Bytes, Infallible>;
+use tensile_common::kubelet::{Body, streamed, text};
 
 pub(super) async fn bind(client_ca_pem: Option<&str>) -> Result<(TcpListener, Arc<rustls::ServerConfig>)> {
     let listener = TcpListener::bind("127.0.0.1:0")
@@ -33,49 +29,12 @@ pub(super) async fn bind(client_ca_pem: Option<&str>) -> Result<(TcpListener, Ar
 }
 
 pub(super) async fn serve(listener: TcpListener, config: Arc<rustls::ServerConfig>, inner: Arc<Inner>) {
-    let acceptor = TlsAcceptor::from(config);
-    loop {
-        let (tcp, peer) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!("kubelet accept: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let acceptor = acceptor.clone();
+    // The TLS configuration already refused callers without the apiserver's certificate.
+    tensile_common::kubelet::serve_tls(listener, config, move |req, _authenticated| {
         let inner = inner.clone();
-        tokio::spawn(async move {
-            let tls = match acceptor.accept(tcp).await {
-                Ok(t) => t,
-                Err(e) => {
-                    tracing::debug!(%peer, "kubelet TLS handshake refused: {e}");
-                    return;
-                }
-            };
-            let service = hyper::service::service_fn(move |req| {
-                let inner = inner.clone();
-                async move { Ok::<_, Infallible>(route(&inner, req)) }
-            });
-            let io = hyper_util::rt::TokioIo::new(tls);
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(io, service)
-                .await
-            {
-                tracing::debug!(%peer, "kubelet connection: {e}");
-            }
-        });
-    }
-}
-
-fn text(status: StatusCode, body: impl Into<String>) -> Response<Body> {
-    let mut resp = Response::new(Full::new(Bytes::from(body.into())).boxed());
-    *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("text/plain"),
-    );
-    resp
+        async move { route(&inner, req) }
+    })
+    .await
 }
 
 fn route(inner: &Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
@@ -262,15 +221,7 @@ fn container_logs(
             }
         }
     });
-    let stream = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
-    });
-    let mut resp = Response::new(StreamBody::new(stream).boxed());
-    resp.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("text/plain"),
-    );
-    resp
+    streamed(rx)
 }
 
 /// Appends `line` within the byte budget; false once the budget is spent.
