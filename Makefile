@@ -41,4 +41,4 @@ testbed: kube-bins
 
 # Benchmarks; figures are written as JSON under target/bench/.
 bench: kube-bins
-	$(CARGO) run --release -p tensile-e2e --bin bench -- --out target/bench
+	$(CARGO) run --release -p tensile-e2e --bin bench -- --bench all --out target/bench

@@ -141,6 +141,7 @@ pub async fn virtual_node(pods: usize) -> anyhow::Result<serde_json::Value> {
     })
     .await?;
 
+    // BENCH_VN_ARGS adds virtual-node flags (for example `--pod-sync-workers 128`).
     let argv = [
         "virtual-node".to_string(),
         format!("--kubeconfig={}", upper.kubeconfig().display()),
@@ -150,7 +151,14 @@ pub async fn virtual_node(pods: usize) -> anyhow::Result<serde_json::Value> {
         format!("--kubelet-port={}", free_port()?),
         format!("--admin-addr=127.0.0.1:{}", free_port()?),
         format!("--client-verify-ca={}", upper.kubelet_client_ca_path().display()),
-    ];
+    ]
+    .into_iter()
+    .chain(
+        std::env::var("BENCH_VN_ARGS")
+            .ok()
+            .into_iter()
+            .flat_map(|a| a.split_whitespace().map(str::to_owned).collect::<Vec<_>>()),
+    );
     let args = tensile_virtual_node::Args::try_parse_from(argv)?;
     let vn = tokio::spawn(tensile_virtual_node::run(args));
     crate::wait::until(
@@ -242,6 +250,10 @@ pub async fn virtual_node(pods: usize) -> anyhow::Result<serde_json::Value> {
         ms(&through, "bound_to_running_ms", "p50") - ms(&baseline, "created_to_running_ms", "p50");
     let overhead_p99 =
         ms(&through, "bound_to_running_ms", "p99") - ms(&baseline, "created_to_running_ms", "p99");
+    // The literal reading, bound → Running on both sides: the baseline then skips its
+    // scheduler's queue while the virtual node's figure includes the lower one.
+    let literal_p99 =
+        ms(&through, "bound_to_running_ms", "p99") - ms(&baseline, "bound_to_running_ms", "p99");
     Ok(json!({
         "benchmark": "virtual-node: bound -> Running upstream vs. directly in the lower cluster",
         "kubernetes": upper.version(),
@@ -252,6 +264,7 @@ pub async fn virtual_node(pods: usize) -> anyhow::Result<serde_json::Value> {
         "burst_time_ratio": ratio,
         "p50_overhead_ms": overhead_p50,
         "p99_overhead_ms": overhead_p99,
+        "p99_overhead_vs_baseline_bound_to_running_ms": literal_p99,
         "targets": {"p99_overhead_ms_below": 1000, "burst_time_ratio_below": 1.5},
     }))
 }
