@@ -177,20 +177,8 @@ async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
     };
 
     // Mutable fields follow the upper pod.
-    let desired = match ctx.translation.lower_pod(upper) {
-        Ok(d) => d,
-        Err(e) => {
-            set_condition(
-                ctx,
-                upper,
-                names::CONDITION_LOWER_SYNCED,
-                "False",
-                "InvalidPod",
-                &e.to_string(),
-            )
-            .await?;
-            return Ok(Action::await_change());
-        }
+    let Some(desired) = desired_lower(ctx, upper).await? else {
+        return Ok(Action::await_change());
     };
     if let Some(patch) = ctx.translation.update_patch(&desired, &lower) {
         ctx.lower_limit.acquire().await;
@@ -208,6 +196,28 @@ async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
 
     write_status(ctx, upper, &lower).await?;
     Ok(Action::requeue(Duration::from_secs(300)))
+}
+
+/// The lower pod for `upper`; a pod that cannot be translated (a broken stash) is reported
+/// on the upper pod and yields `None`.
+async fn desired_lower(ctx: &Context, upper: &Pod) -> Result<Option<Pod>, Error> {
+    match ctx.translation.lower_pod(upper) {
+        Ok(d) => Ok(Some(d)),
+        Err(e) => {
+            let msg = e.to_string();
+            set_condition(
+                ctx,
+                upper,
+                names::CONDITION_LOWER_SYNCED,
+                "False",
+                "InvalidPod",
+                &msg,
+            )
+            .await?;
+            event(ctx, upper, EventType::Warning, "InvalidPod", &msg).await;
+            Ok(None)
+        }
+    }
 }
 
 async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Result<Action, Error> {
@@ -243,21 +253,8 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
         );
         event(ctx, upper, EventType::Warning, "LowerPodLost", &msg).await;
     }
-    let desired = match ctx.translation.lower_pod(upper) {
-        Ok(d) => d,
-        Err(e) => {
-            set_condition(
-                ctx,
-                upper,
-                names::CONDITION_LOWER_SYNCED,
-                "False",
-                "InvalidPod",
-                &e.to_string(),
-            )
-            .await?;
-            event(ctx, upper, EventType::Warning, "InvalidPod", &e.to_string()).await;
-            return Ok(Action::await_change());
-        }
+    let Some(desired) = desired_lower(ctx, upper).await? else {
+        return Ok(Action::await_change());
     };
     ensure_namespace(ctx, &ns).await?;
     ctx.lower_limit.acquire().await;
