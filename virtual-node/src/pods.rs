@@ -365,45 +365,44 @@ async fn ensure_namespace_below(ctx: &Context, ns: &str) -> Result<(), Error> {
     }
 }
 
-/// Deletes a lower pod we own, with a UID precondition so a newer pod is never hit.
+/// Deletes exactly `pod` (UID precondition) in `cluster`. Already gone (404) or replaced by
+/// a newer pod of the same name (409) both mean there is nothing of ours left to delete.
+async fn delete_exact(
+    api: &Api<Pod>,
+    limit: &TokenBucket,
+    cluster: &'static str,
+    pod: &Pod,
+    grace: Option<i64>,
+) -> Result<(), Error> {
+    let params = DeleteParams {
+        grace_period_seconds: grace.map(|g| g.max(0) as u32),
+        preconditions: Some(Preconditions {
+            uid: pod.uid(),
+            resource_version: None,
+        }),
+        ..Default::default()
+    };
+    limit.acquire().await;
+    match api.delete(&pod.name_any(), &params).await {
+        Ok(_) => Ok(()),
+        Err(e) if matches!(api_status(&e), Some(404) | Some(409)) => Ok(()),
+        Err(e) => Err(Error::api(cluster, "delete", format!("pod {}", key(pod)))(e)),
+    }
+}
+
+/// Deletes a lower pod we own, with the given grace; a pod without our marks is never touched.
 async fn delete_lower(ctx: &Context, api: &Api<Pod>, lower: &Pod, grace: Option<i64>) -> Result<(), Error> {
     if !ctx.translation.identity.owns(&lower.metadata) {
         return Ok(());
     }
-    let params = DeleteParams {
-        grace_period_seconds: grace.map(|g| g.max(0) as u32),
-        preconditions: Some(Preconditions {
-            uid: lower.uid(),
-            resource_version: None,
-        }),
-        ..Default::default()
-    };
-    ctx.lower_limit.acquire().await;
-    match api.delete(&lower.name_any(), &params).await {
-        Ok(_) => Ok(()),
-        Err(e) if matches!(api_status(&e), Some(404) | Some(409)) => Ok(()),
-        Err(e) => Err(Error::api("lower", "delete", format!("pod {}", key(lower)))(e)),
-    }
+    delete_exact(api, &ctx.lower_limit, "lower", lower, grace).await
 }
 
-/// Confirms the upper deletion as a kubelet does: grace 0, UID precondition (a mismatch means
+/// Confirms the upper deletion as a kubelet does: grace 0 and the pod's UID (a mismatch means
 /// the pod was recreated: the new one is left alone).
 async fn release_upper(ctx: &Context, upper: &Pod) -> Result<(), Error> {
     let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
-    let params = DeleteParams {
-        grace_period_seconds: Some(0),
-        preconditions: Some(Preconditions {
-            uid: upper.uid(),
-            resource_version: None,
-        }),
-        ..Default::default()
-    };
-    ctx.upper_limit.acquire().await;
-    match api.delete(&upper.name_any(), &params).await {
-        Ok(_) => Ok(()),
-        Err(e) if matches!(api_status(&e), Some(404) | Some(409)) => Ok(()),
-        Err(e) => Err(Error::api("upper", "delete", format!("pod {}", key(upper)))(e)),
-    }
+    delete_exact(&api, &ctx.upper_limit, "upper", upper, Some(0)).await
 }
 
 async fn patch_upper_status(ctx: &Context, upper: &Pod, status: serde_json::Value) -> Result<(), Error> {
