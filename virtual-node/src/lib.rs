@@ -311,6 +311,17 @@ pub async fn run(args: Args) -> Result<(), Error> {
     settings.taint = !args.disable_taint;
     settings.extra_labels = args.node_labels.iter().cloned().collect::<BTreeMap<_, _>>();
     let registered = Arc::new(tokio::sync::Notify::new());
+    let (upper_node, node_writer) = reflector::store::<Node>();
+    let upper_node_watch = {
+        let changed = changed.clone();
+        let wc = watcher::Config::default().fields(&format!("metadata.name={}", identity.node));
+        reflector(node_writer, watcher(Api::<Node>::all(upper.clone()), wc))
+            .default_backoff()
+            .for_each(move |_| {
+                changed.notify_one();
+                futures::future::ready(())
+            })
+    };
     let node_loop = NodeLoop {
         upper: upper.clone(),
         lower: lower.clone(),
@@ -320,6 +331,7 @@ pub async fn run(args: Args) -> Result<(), Error> {
         changed,
         metrics: metrics.clone(),
         registered: registered.clone(),
+        upper_node,
     };
     // The node is registered only once the pod watches have synced (a node without a
     // working pod path would attract pods it cannot run).
@@ -358,6 +370,7 @@ pub async fn run(args: Args) -> Result<(), Error> {
         _ = controller_run => Err(Error::Stopped("the pod controller")),
         _ = node_run => Err(Error::Stopped("the node loop")),
         _ = lower_nodes_watch => Err(Error::Stopped("the lower node watch")),
+        _ = upper_node_watch => Err(Error::Stopped("the upper node watch")),
         _ = lower_all_watch => Err(Error::Stopped("the lower pod watch")),
         _ = gc => Err(Error::Stopped("orphan collection")),
         _ = kubelet::serve(kubelet_listener, tls, kubelet_state) => Err(Error::Stopped("the kubelet API")),

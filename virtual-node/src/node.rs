@@ -69,6 +69,8 @@ pub struct NodeLoop {
     pub changed: Arc<Notify>,
     pub metrics: Arc<Metrics>,
     pub registered: Arc<Notify>,
+    /// Watch of our own upper Node: when it vanishes, the node is registered again at once.
+    pub upper_node: Store<Node>,
 }
 
 fn now() -> String {
@@ -240,6 +242,8 @@ impl NodeLoop {
         let mut version = String::new();
         let mut failures = 0u32;
         let mut registered = false;
+        // Set once our Node shows in the watch; its absence afterwards means it was deleted.
+        let mut seen_in_watch = false;
         loop {
             let health = match self.probe().await {
                 Ok(v) => {
@@ -287,6 +291,23 @@ impl NodeLoop {
                 );
             }
             last_health = Some(health.clone());
+            // Someone deleted the Node: register it again now, not at the next status write.
+            let present = self
+                .upper_node
+                .get(&kube::runtime::reflector::ObjectRef::new(self.name()))
+                .is_some();
+            if present {
+                seen_in_watch = true;
+            } else if registered && seen_in_watch {
+                seen_in_watch = false;
+                tracing::warn!(
+                    node = self.name(),
+                    "the Node object was deleted; registering it again"
+                );
+                registered = false;
+                last_sent = None;
+                last_lease = None;
+            }
             let cap = self.capacity();
             if !registered {
                 match self.create_node(&cap).await {
