@@ -5,8 +5,8 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use clap::Parser;
 use tensile_e2e::check::{apply, eventually, kubectl};
+use tensile_e2e::in_process;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
 
@@ -56,44 +56,16 @@ fn bed() -> &'static Bed {
     .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
-/// A virtual node running in process; dropping it is a crash (no clean-up runs).
-struct VirtualNode {
-    kubelet_port: u16,
-    admin_addr: String,
-    task: tokio::task::JoinHandle<Result<(), tensile_virtual_node::Error>>,
-}
+/// A virtual node over `lower` in this test process.
+struct VirtualNode;
 
 impl VirtualNode {
-    fn start(name: &str, lower: &TestCluster, extra: &[&str]) -> Self {
-        Self::start_on_port(name, lower, extra, free_port().unwrap())
+    fn start(name: &str, lower: &TestCluster, extra: &[&str]) -> in_process::VirtualNode {
+        in_process::VirtualNode::start(&bed().upper, name, lower, extra).unwrap()
     }
 
-    fn start_on_port(name: &str, lower: &TestCluster, extra: &[&str], kubelet_port: u16) -> Self {
-        let upper = &bed().upper;
-        let admin_addr = format!("127.0.0.1:{}", free_port().unwrap());
-        let mut argv: Vec<String> = vec![
-            "virtual-node".into(),
-            format!("--kubeconfig={}", upper.kubeconfig().display()),
-            format!("--client-kubeconfig={}", lower.kubeconfig().display()),
-            format!("--nodename={name}"),
-            "--node-ip=127.0.0.1".into(),
-            format!("--kubelet-port={kubelet_port}"),
-            format!("--admin-addr={admin_addr}"),
-            format!("--client-verify-ca={}", upper.kubelet_client_ca_path().display()),
-        ];
-        argv.extend(extra.iter().map(|s| s.to_string()));
-        let args = tensile_virtual_node::Args::try_parse_from(argv).unwrap();
-        VirtualNode {
-            kubelet_port,
-            admin_addr,
-            task: tokio::spawn(tensile_virtual_node::run(args)),
-        }
-    }
-}
-
-impl Drop for VirtualNode {
-    fn drop(&mut self) {
-        self.task.abort();
+    fn start_on_port(name: &str, lower: &TestCluster, extra: &[&str], port: u16) -> in_process::VirtualNode {
+        in_process::VirtualNode::start_on_port(&bed().upper, name, lower, extra, port).unwrap()
     }
 }
 

@@ -10,6 +10,7 @@
 //! Nothing without our marks is ever modified or deleted.
 
 pub mod capacity;
+pub mod copies;
 pub mod kubelet;
 pub mod metrics;
 pub mod node;
@@ -24,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod, Secret};
 use kube::api::Api;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, reflector};
@@ -116,6 +117,14 @@ pub struct Args {
     /// Serve the kubelet API without authenticating callers.
     #[arg(long = "no-verify-clients", env = "TENSILE_NO_VERIFY_CLIENTS")]
     pub no_verify_clients: bool,
+    /// Seconds a ConfigMap or Secret copy stays below after the last pod referencing it
+    /// went (absorbs rolling updates).
+    #[arg(
+        long = "copy-collection-delay",
+        env = "TENSILE_COPY_COLLECTION_DELAY",
+        default_value_t = 10
+    )]
+    pub copy_collection_delay: u64,
     /// Run DaemonSet pods bound to the virtual node in the lower cluster.
     #[arg(long = "run-daemonset-pods", env = "TENSILE_RUN_DAEMONSET_PODS")]
     pub run_daemonset_pods: bool,
@@ -167,6 +176,14 @@ pub enum Error {
     ClusterId(String),
     #[error("{0} stopped unexpectedly")]
     Stopped(&'static str),
+}
+
+/// A watch-stream sink that wakes `changed` on every event.
+fn notify_on<T>(changed: Arc<tokio::sync::Notify>) -> impl FnMut(T) -> futures::future::Ready<()> {
+    move |_| {
+        changed.notify_one();
+        futures::future::ready(())
+    }
 }
 
 /// Runs the virtual node until the future is dropped or a component fails.
@@ -251,6 +268,53 @@ pub async fn run(args: Args) -> Result<(), Error> {
     .default_backoff()
     .touched_objects();
 
+    // ConfigMaps and Secrets: every upper one that may travel (never service-account
+    // tokens), and the copies of this upper cluster below.
+    let copies_changed = Arc::new(tokio::sync::Notify::new());
+    let copy_marks = format!("{}={}", tensile_common::names::MARK_CLUSTER, identity.cluster_id);
+    let (upper_config_maps, w) = reflector::store::<ConfigMap>();
+    let upper_config_maps_watch = reflector(w, watcher(Api::all(upper.clone()), watcher::Config::default()))
+        .default_backoff()
+        .for_each(notify_on(copies_changed.clone()));
+    let (upper_secrets, w) = reflector::store::<Secret>();
+    let upper_secrets_watch = reflector(
+        w,
+        watcher(
+            Api::all(upper.clone()),
+            watcher::Config::default().fields("type!=kubernetes.io/service-account-token"),
+        ),
+    )
+    .default_backoff()
+    .for_each(notify_on(copies_changed.clone()));
+    let (lower_config_maps, w) = reflector::store::<ConfigMap>();
+    let lower_config_maps_watch = reflector(
+        w,
+        watcher(
+            Api::all(lower.clone()),
+            watcher::Config::default().labels(&copy_marks),
+        ),
+    )
+    .default_backoff()
+    .for_each(notify_on(copies_changed.clone()));
+    let (lower_secrets, w) = reflector::store::<Secret>();
+    let lower_secrets_watch = reflector(
+        w,
+        watcher(
+            Api::all(lower.clone()),
+            watcher::Config::default().labels(&copy_marks),
+        ),
+    )
+    .default_backoff()
+    .for_each(notify_on(copies_changed.clone()));
+    let copies_watches = async move {
+        tokio::join!(
+            upper_config_maps_watch,
+            upper_secrets_watch,
+            lower_config_maps_watch,
+            lower_secrets_watch
+        )
+    };
+
     let upper_wc = watcher::Config::default().fields(&format!("spec.nodeName={}", identity.node));
     let resync = futures::stream::unfold((), |()| async {
         tokio::time::sleep(Duration::from_secs(60)).await;
@@ -276,6 +340,22 @@ pub async fn run(args: Args) -> Result<(), Error> {
             instance: Some(identity.node.clone()),
         },
     ));
+    let lower_limit = ratelimit::TokenBucket::new(args.client_qps, args.client_burst);
+    let copies = Arc::new(copies::Copies {
+        lower: lower.clone(),
+        cluster_id: identity.cluster_id.clone(),
+        cluster_name: lower_name.clone(),
+        upper_config_maps,
+        upper_secrets,
+        lower_config_maps,
+        lower_secrets,
+        upper_pods: upper_pods.clone(),
+        lower_pods: lower_all_pods.clone(),
+        limit: lower_limit.clone(),
+        metrics: metrics.clone(),
+        gc_delay: Duration::from_secs(args.copy_collection_delay),
+        unreferenced_since: Default::default(),
+    });
     let ctx = Arc::new(pods::Context {
         upper: upper.clone(),
         lower: lower.clone(),
@@ -290,7 +370,8 @@ pub async fn run(args: Args) -> Result<(), Error> {
         metrics: metrics.clone(),
         run_daemonset_pods: args.run_daemonset_pods,
         upper_limit: ratelimit::TokenBucket::new(args.upper_qps, args.upper_burst),
-        lower_limit: ratelimit::TokenBucket::new(args.client_qps, args.client_burst),
+        lower_limit,
+        copies: copies.clone(),
         started: Instant::now(),
         lost_grace: Duration::from_secs(10),
         cluster_name: lower_name,
@@ -373,6 +454,8 @@ pub async fn run(args: Args) -> Result<(), Error> {
         _ = upper_node_watch => Err(Error::Stopped("the upper node watch")),
         _ = lower_all_watch => Err(Error::Stopped("the lower pod watch")),
         _ = gc => Err(Error::Stopped("orphan collection")),
+        _ = copies_watches => Err(Error::Stopped("the ConfigMap and Secret watches")),
+        _ = copies.run(copies_changed) => Err(Error::Stopped("the copy resync")),
         _ = kubelet::serve(kubelet_listener, tls, kubelet_state) => Err(Error::Stopped("the kubelet API")),
         _ = admin::serve(admin_listener, Arc::new(registry), readiness) => Err(Error::Stopped("the admin endpoint")),
     }

@@ -27,6 +27,7 @@ pub struct Metrics {
     pub in_flight: Gauge,
     pub api_errors: Family<ApiLabels, Counter>,
     pub lower_ready: Gauge,
+    pub copies: Gauge,
 }
 
 impl Metrics {
@@ -40,6 +41,7 @@ impl Metrics {
             in_flight: Gauge::default(),
             api_errors: Family::default(),
             lower_ready: Gauge::default(),
+            copies: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("tensile_virtual_node");
         r.register(
@@ -71,6 +73,11 @@ impl Metrics {
             "lower_cluster_ready",
             "1 when the lower cluster answers and has a usable node",
             m.lower_ready.clone(),
+        );
+        r.register(
+            "copies",
+            "ConfigMaps and Secrets of this upper cluster in the lower cluster",
+            m.copies.clone(),
         );
         m
     }

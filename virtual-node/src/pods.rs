@@ -17,6 +17,7 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 use tensile_common::names;
 
+use crate::copies::{self, Blocked, Copies};
 use crate::metrics::Metrics;
 use crate::ratelimit::TokenBucket;
 use crate::translate::{self, Translation};
@@ -35,6 +36,8 @@ pub struct Context {
     pub run_daemonset_pods: bool,
     pub upper_limit: TokenBucket,
     pub lower_limit: TokenBucket,
+    /// ConfigMaps and Secrets the pods reference.
+    pub copies: Arc<Copies>,
     /// Pods missing below are only judged lost after this instant (caches warm up).
     pub started: Instant,
     pub lost_grace: Duration,
@@ -45,6 +48,8 @@ pub struct Context {
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    #[error("{0}")]
+    Copy(#[from] copies::Error),
     #[error("{cluster} {verb} {what}: {source}")]
     Api {
         cluster: &'static str,
@@ -103,8 +108,10 @@ pub async fn reconcile(upper: Arc<Pod>, ctx: Arc<Context>) -> Result<Action, Err
 }
 
 pub fn error_policy(_pod: Arc<Pod>, err: &Error, ctx: Arc<Context>) -> Action {
-    let Error::Api { cluster, verb, .. } = err;
-    ctx.metrics.api_error(cluster, verb);
+    match err {
+        Error::Api { cluster, verb, .. } => ctx.metrics.api_error(cluster, verb),
+        Error::Copy(_) => ctx.metrics.api_error("lower", "copy"),
+    }
     Action::requeue(Duration::from_secs(2))
 }
 
@@ -257,6 +264,27 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
         return Ok(Action::await_change());
     };
     ensure_namespace(ctx, &ns).await?;
+    // What the pod references is below before the pod is.
+    if let Err(blocked) = ctx.copies.prepare(upper).await? {
+        let (reason, event_reason, msg) = match blocked {
+            Blocked::Missing(msg) => ("ReferenceMissing", "ReferenceMissing", msg),
+            Blocked::Conflict(msg) => ("Conflict", "LowerCopyConflict", msg),
+        };
+        let already = upper
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| {
+                c.iter().any(|c| {
+                    c.type_ == names::CONDITION_LOWER_SYNCED && c.message.as_deref() == Some(msg.as_str())
+                })
+            });
+        if !already {
+            event(ctx, upper, EventType::Warning, event_reason, &msg).await;
+        }
+        set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", reason, &msg).await?;
+        return Ok(Action::requeue(Duration::from_secs(5)));
+    }
     ctx.lower_limit.acquire().await;
     match lower_pods.create(&PostParams::default(), &desired).await {
         Ok(_) => {

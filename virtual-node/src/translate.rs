@@ -73,9 +73,17 @@ pub struct Translation {
     pub ignore_labels: Vec<String>,
 }
 
+/// The service account a pod runs as upstream.
+pub fn service_account(spec: &PodSpec) -> String {
+    spec.service_account_name
+        .clone()
+        .or_else(|| spec.service_account.clone())
+        .unwrap_or_else(|| "default".into())
+}
+
 /// A volume the upper cluster's service-account admission added: a secret-based
 /// `<sa>-token-*` volume or a projected `kube-api-access-*` one.
-fn is_upper_token_volume(v: &Volume, service_account: &str) -> bool {
+pub fn is_upper_token_volume(v: &Volume, service_account: &str) -> bool {
     if let Some(secret) = &v.secret {
         let prefix = format!("{service_account}-token-");
         return secret
@@ -141,11 +149,7 @@ impl Translation {
         let uid = upper.metadata.uid.as_deref().ok_or(Error::NoUid)?;
         let stash = Stash::from_annotations(upper.metadata.annotations.as_ref())?.unwrap_or_default();
         let mut spec: PodSpec = upper.spec.clone().unwrap_or_default();
-        let service_account = spec
-            .service_account_name
-            .clone()
-            .or_else(|| spec.service_account.clone())
-            .unwrap_or_else(|| "default".into());
+        let service_account = service_account(&spec);
 
         // Placement below: the stashed constraints, or none (the upper scheduler already
         // matched the others against the virtual node; lower nodes carry other labels).

@@ -1,0 +1,672 @@
+//! What travels with a pod: ConfigMaps and Secrets copied into the lower cluster, end to end
+//! on an upper cluster and a lower cluster with simulated nodes. Every assertion is what
+//! kubectl shows in one of the clusters.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use tensile_e2e::check::{apply, eventually, kubectl};
+use tensile_e2e::in_process::VirtualNode;
+use tensile_e2e::shared::Shared;
+use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+
+struct Bed {
+    upper: TestCluster,
+    lower: TestCluster,
+    _sim: NodeSimulator,
+}
+
+static BED: Shared<Bed> = Shared::new();
+
+fn bed() -> &'static Bed {
+    BED.get(|| async {
+        let (upper, lower) = tokio::join!(
+            TestCluster::start(ClusterOptions::new("copies", "upper")),
+            TestCluster::start(ClusterOptions::new("copies", "lower")),
+        );
+        let (upper, lower) = (upper?, lower?);
+        let sim = NodeSimulator::start(
+            lower.client().await?,
+            SimulatorOptions::new("lower", Some(lower.kubelet_client_ca_pem())),
+            (0..2).map(|i| NodeConfig::new(&format!("n-{i}"))).collect(),
+        )
+        .await?;
+        Ok(Bed {
+            upper,
+            lower,
+            _sim: sim,
+        })
+    })
+    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
+}
+
+fn up() -> &'static Path {
+    bed().upper.kubeconfig()
+}
+
+fn low() -> &'static Path {
+    bed().lower.kubeconfig()
+}
+
+/// A virtual node over the lower cluster, Ready upstream, whose copies go 2 s after their
+/// last pod.
+async fn virtual_node(name: &str) -> VirtualNode {
+    virtual_node_on_port(name, free_port().unwrap()).await
+}
+
+async fn virtual_node_on_port(name: &str, port: u16) -> VirtualNode {
+    let bed = bed();
+    let vn = VirtualNode::start_on_port(&bed.upper, name, &bed.lower, &["--copy-collection-delay=2"], port)
+        .unwrap();
+    eventually(
+        up(),
+        &format!("{name} Ready"),
+        60,
+        &[
+            "get",
+            "node",
+            name,
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
+        ],
+        "True",
+    )
+    .await;
+    vn
+}
+
+/// A pod placed on `node` whose spec ends with `extra` (YAML at the spec's indentation).
+fn pod(ns: &str, name: &str, node: &str, extra: &str) -> String {
+    format!(
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  nodeSelector: {{kubernetes.io/hostname: {node}}}
+  tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+  terminationGracePeriodSeconds: 1
+{extra}
+"#
+    )
+}
+
+async fn running_below(ns: &str, name: &str) {
+    eventually(
+        low(),
+        &format!("{ns}/{name} Running below"),
+        60,
+        &["-n", ns, "get", "pod", name, "-o", "jsonpath={.status.phase}"],
+        "Running",
+    )
+    .await;
+}
+
+/// `kubectl get` in the lower cluster: the output, or `None` when the object is not there.
+async fn below(args: &[&str]) -> Option<String> {
+    let out = tensile_e2e::kubectl::run(low(), args).await;
+    if out.ok {
+        Some(out.stdout)
+    } else {
+        assert!(
+            out.stderr.contains("NotFound"),
+            "kubectl {args:?}: {}",
+            out.stderr
+        );
+        None
+    }
+}
+
+async fn gone_below(ns: &str, kind: &str, name: &str, secs: u64) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while below(&["-n", ns, "get", kind, name]).await.is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "{kind} {ns}/{name} still below after {secs} s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+const SYNCED: &str = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#;
+
+async fn events(ns: &str) -> String {
+    kubectl(
+        up(),
+        &[
+            "-n",
+            ns,
+            "get",
+            "events",
+            "-o",
+            "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}",
+        ],
+    )
+    .await
+}
+
+#[tokio::test]
+async fn every_referenced_object_is_below_before_the_pod_and_no_other_secret_is() {
+    let bed = bed();
+    let _vn = virtual_node("vn-refs").await;
+    bed.upper.create_namespace("refs").await.unwrap();
+    apply(
+        up(),
+        r#"
+apiVersion: v1
+kind: List
+items:
+- {apiVersion: v1, kind: ConfigMap, metadata: {name: cfg, namespace: refs, labels: {app: web}}, data: {a.conf: "one"}}
+- {apiVersion: v1, kind: ConfigMap, metadata: {name: proj-cm, namespace: refs}, data: {p: "1"}}
+- {apiVersion: v1, kind: Secret, metadata: {name: env-secret, namespace: refs}, stringData: {password: s3cret}}
+- {apiVersion: v1, kind: Secret, metadata: {name: from-secret, namespace: refs}, stringData: {USER: admin}}
+- {apiVersion: v1, kind: Secret, metadata: {name: proj-secret, namespace: refs}, stringData: {k: v}}
+- {apiVersion: v1, kind: Secret, metadata: {name: pull, namespace: refs}, type: kubernetes.io/dockerconfigjson,
+   stringData: {.dockerconfigjson: '{"auths":{}}'}}
+- {apiVersion: v1, kind: Secret, metadata: {name: unused, namespace: refs}, stringData: {never: below}}
+"#,
+    )
+    .await;
+    apply(
+        up(),
+        &pod(
+            "refs",
+            "app",
+            "vn-refs",
+            r#"  imagePullSecrets: [{name: pull}]
+  volumes:
+  - {name: config, configMap: {name: cfg}}
+  - {name: proj, projected: {sources: [{configMap: {name: proj-cm}}, {secret: {name: proj-secret}}]}}
+  - {name: maybe, configMap: {name: not-there, optional: true}}
+  containers:
+  - name: app
+    image: web
+    env: [{name: PASSWORD, valueFrom: {secretKeyRef: {name: env-secret, key: password}}}]
+    envFrom: [{secretRef: {name: from-secret}}]
+    volumeMounts: [{name: config, mountPath: /etc/app}, {name: proj, mountPath: /etc/proj}]"#,
+        ),
+    )
+    .await;
+    running_below("refs", "app").await;
+    eventually(
+        up(),
+        "app Running upstream",
+        30,
+        &[
+            "-n",
+            "refs",
+            "get",
+            "pod",
+            "app",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+        "Running",
+    )
+    .await;
+
+    let pod_created = kubectl(
+        low(),
+        &[
+            "-n",
+            "refs",
+            "get",
+            "pod",
+            "app",
+            "-o",
+            "jsonpath={.metadata.creationTimestamp}",
+        ],
+    )
+    .await;
+    for (kind, name) in [
+        ("configmap", "cfg"),
+        ("configmap", "proj-cm"),
+        ("secret", "env-secret"),
+        ("secret", "from-secret"),
+        ("secret", "proj-secret"),
+        ("secret", "pull"),
+    ] {
+        let fields = r#"jsonpath={.metadata.creationTimestamp} {.metadata.labels.tensile\.io/upper-cluster} {.type} {.data}"#;
+        let copy = below(&["-n", "refs", "get", kind, name, "-o", fields])
+            .await
+            .unwrap_or_else(|| panic!("{kind} {name} is not below"));
+        let upper = kubectl(
+            up(),
+            &["-n", "refs", "get", kind, name, "-o", "jsonpath={.type} {.data}"],
+        )
+        .await;
+        let (created, rest) = copy.split_once(' ').unwrap();
+        let (mark, content) = rest.split_once(' ').unwrap();
+        assert!(!mark.is_empty(), "{kind} {name} carries the upper cluster's mark");
+        assert_eq!(
+            content.trim(),
+            upper.trim(),
+            "{kind} {name} has the upper content"
+        );
+        assert!(
+            created <= pod_created.as_str(),
+            "{kind} {name} was below before the pod"
+        );
+    }
+    let labels = kubectl(
+        low(),
+        &[
+            "-n",
+            "refs",
+            "get",
+            "configmap",
+            "cfg",
+            "-o",
+            "jsonpath={.metadata.labels.app}",
+        ],
+    )
+    .await;
+    assert_eq!(labels, "web", "labels travel with the copy");
+    assert_eq!(
+        below(&["-n", "refs", "get", "secret", "unused"]).await,
+        None,
+        "a Secret no pod references never reaches the lower cluster"
+    );
+    let copied = kubectl(
+        low(),
+        &[
+            "-n",
+            "refs",
+            "get",
+            "secrets",
+            "-l",
+            "tensile.io/upper-cluster",
+            "-o",
+            "jsonpath={.items[*].metadata.name}",
+        ],
+    )
+    .await;
+    let mut copied: Vec<&str> = copied.split_whitespace().collect();
+    copied.sort();
+    assert_eq!(
+        copied,
+        ["env-secret", "from-secret", "proj-secret", "pull"],
+        "exactly the referenced Secrets, never the upper service-account token"
+    );
+
+    // A required reference missing upstream keeps the pod from starting below, and says so.
+    apply(
+        up(),
+        &pod(
+            "refs",
+            "late",
+            "vn-refs",
+            r#"  volumes: [{name: config, configMap: {name: later}}]
+  containers: [{name: app, image: web, volumeMounts: [{name: config, mountPath: /etc/app}]}]"#,
+        ),
+    )
+    .await;
+    eventually(
+        up(),
+        "ReferenceMissing condition",
+        30,
+        &["-n", "refs", "get", "pod", "late", "-o", SYNCED],
+        "ReferenceMissing",
+    )
+    .await;
+    let message = kubectl(
+        up(),
+        &[
+            "-n",
+            "refs",
+            "get",
+            "pod",
+            "late",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
+        ],
+    )
+    .await;
+    assert!(
+        message.contains("ConfigMap refs/later (volume \"config\") does not exist in the upper cluster"),
+        "{message}"
+    );
+    assert!(
+        events("refs")
+            .await
+            .contains("ReferenceMissing: ConfigMap refs/later")
+    );
+    assert_eq!(below(&["-n", "refs", "get", "pod", "late"]).await, None);
+    kubectl(
+        up(),
+        &["-n", "refs", "create", "configmap", "later", "--from-literal=x=y"],
+    )
+    .await;
+    running_below("refs", "late").await;
+}
+
+#[tokio::test]
+async fn upper_edits_reach_the_copy_within_2s_and_copies_go_with_their_last_pod() {
+    let bed = bed();
+    let _vn = virtual_node("vn-edit").await;
+    bed.upper.create_namespace("edit").await.unwrap();
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "edit",
+            "create",
+            "configmap",
+            "shared",
+            "--from-literal=v=one",
+        ],
+    )
+    .await;
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "edit",
+            "create",
+            "configmap",
+            "solo",
+            "--from-literal=v=solo",
+        ],
+    )
+    .await;
+    let uses = |cm: &str| {
+        format!(r#"  containers: [{{name: app, image: web, envFrom: [{{configMapRef: {{name: {cm}}}}}]}}]"#)
+    };
+    for (name, cm) in [("p1", "shared"), ("p2", "shared"), ("p3", "solo")] {
+        apply(up(), &pod("edit", name, "vn-edit", &uses(cm))).await;
+    }
+    for name in ["p1", "p2", "p3"] {
+        running_below("edit", name).await;
+    }
+
+    // An upstream edit reaches the copy within 2 s.
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "edit",
+            "patch",
+            "configmap",
+            "shared",
+            "-p",
+            r#"{"data":{"v":"two"}}"#,
+        ],
+    )
+    .await;
+    let edited = Instant::now();
+    loop {
+        let v = below(&[
+            "-n",
+            "edit",
+            "get",
+            "configmap",
+            "shared",
+            "-o",
+            "jsonpath={.data.v}",
+        ])
+        .await;
+        if v.as_deref() == Some("two") {
+            break;
+        }
+        assert!(
+            edited.elapsed() < Duration::from_secs(2),
+            "the copy still shows {v:?} 2 s after the upstream edit"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("upstream edit visible below after {:?}", edited.elapsed());
+
+    // Two pods share the copy: it stays while either runs, and goes after the last.
+    kubectl(up(), &["-n", "edit", "delete", "pod", "p1", "--wait=true"]).await;
+    gone_below("edit", "pod", "p1", 30).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        below(&["-n", "edit", "get", "configmap", "shared"])
+            .await
+            .is_some(),
+        "p2 still uses the copy"
+    );
+    kubectl(up(), &["-n", "edit", "delete", "pod", "p2", "--wait=true"]).await;
+    gone_below("edit", "configmap", "shared", 20).await;
+
+    // Deleting the upstream object deletes the copy, even while a pod uses it.
+    kubectl(up(), &["-n", "edit", "delete", "configmap", "solo"]).await;
+    gone_below("edit", "configmap", "solo", 5).await;
+    assert_eq!(
+        below(&["-n", "edit", "get", "pod", "p3", "-o", "jsonpath={.status.phase}"])
+            .await
+            .as_deref(),
+        Some("Running")
+    );
+}
+
+#[tokio::test]
+async fn a_foreign_same_named_config_map_below_is_reported_and_left_untouched() {
+    let bed = bed();
+    let _vn = virtual_node("vn-clash").await;
+    bed.upper.create_namespace("clash").await.unwrap();
+    bed.lower.create_namespace("clash").await.unwrap();
+    kubectl(
+        low(),
+        &[
+            "-n",
+            "clash",
+            "create",
+            "configmap",
+            "theirs",
+            "--from-literal=owner=them",
+        ],
+    )
+    .await;
+    let fields = "jsonpath={.metadata.uid} {.metadata.resourceVersion} {.data.owner} {.metadata.labels}";
+    let before = kubectl(
+        low(),
+        &["-n", "clash", "get", "configmap", "theirs", "-o", fields],
+    )
+    .await;
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "clash",
+            "create",
+            "configmap",
+            "theirs",
+            "--from-literal=owner=us",
+        ],
+    )
+    .await;
+    apply(
+        up(),
+        &pod(
+            "clash",
+            "app",
+            "vn-clash",
+            r#"  volumes: [{name: config, configMap: {name: theirs}}]
+  containers: [{name: app, image: web, volumeMounts: [{name: config, mountPath: /etc/app}]}]"#,
+        ),
+    )
+    .await;
+    eventually(
+        up(),
+        "Conflict condition",
+        30,
+        &["-n", "clash", "get", "pod", "app", "-o", SYNCED],
+        "Conflict",
+    )
+    .await;
+    assert!(
+        events("clash").await.contains("LowerCopyConflict"),
+        "a Warning event names the conflict"
+    );
+    // Give the resync several passes to (wrongly) touch it.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = kubectl(
+        low(),
+        &["-n", "clash", "get", "configmap", "theirs", "-o", fields],
+    )
+    .await;
+    assert_eq!(before, after, "the foreign ConfigMap is left untouched");
+    assert_eq!(
+        below(&["-n", "clash", "get", "pod", "app"]).await,
+        None,
+        "the pod is not started with someone else's data"
+    );
+    let phase = kubectl(
+        up(),
+        &[
+            "-n",
+            "clash",
+            "get",
+            "pod",
+            "app",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+    )
+    .await;
+    assert_eq!(phase, "Pending");
+}
+
+#[tokio::test]
+async fn copies_edited_or_deleted_below_are_repaired_and_a_restart_changes_nothing() {
+    let bed = bed();
+    let port = free_port().unwrap();
+    let vn = virtual_node_on_port("vn-repair", port).await;
+    bed.upper.create_namespace("repair").await.unwrap();
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "repair",
+            "create",
+            "configmap",
+            "cfg",
+            "--from-literal=v=upper",
+        ],
+    )
+    .await;
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "repair",
+            "create",
+            "secret",
+            "generic",
+            "sec",
+            "--from-literal=token=upper",
+        ],
+    )
+    .await;
+    apply(
+        up(),
+        &pod(
+            "repair",
+            "app",
+            "vn-repair",
+            r#"  volumes: [{name: config, configMap: {name: cfg}}]
+  containers:
+  - name: app
+    image: web
+    env: [{name: TOKEN, valueFrom: {secretKeyRef: {name: sec, key: token}}}]
+    volumeMounts: [{name: config, mountPath: /etc/app}]"#,
+        ),
+    )
+    .await;
+    running_below("repair", "app").await;
+
+    kubectl(low(), &["-n", "repair", "delete", "configmap", "cfg"]).await;
+    eventually(
+        low(),
+        "deleted copy repaired",
+        10,
+        &[
+            "-n",
+            "repair",
+            "get",
+            "configmap",
+            "cfg",
+            "-o",
+            "jsonpath={.data.v}",
+        ],
+        "upper",
+    )
+    .await;
+    kubectl(
+        low(),
+        &[
+            "-n",
+            "repair",
+            "patch",
+            "secret",
+            "sec",
+            "-p",
+            r#"{"data":{"token":"ZWRpdGVk"}}"#,
+        ],
+    )
+    .await;
+    eventually(
+        low(),
+        "edited copy repaired",
+        10,
+        &[
+            "-n",
+            "repair",
+            "get",
+            "secret",
+            "sec",
+            "-o",
+            "jsonpath={.data.token}",
+        ],
+        "dXBwZXI=",
+    )
+    .await;
+
+    // A crash and a restart leave every object below as it was.
+    let snapshot = || async {
+        kubectl(
+            low(),
+            &[
+                "-n",
+                "repair",
+                "get",
+                "configmaps,secrets,pods",
+                "-l",
+                "tensile.io/upper-cluster",
+                "-o",
+                r#"jsonpath={range .items[*]}{.kind}/{.metadata.name} {.metadata.uid}{"\n"}{end}"#,
+            ],
+        )
+        .await
+    };
+    let versions = || async {
+        kubectl(
+            low(),
+            &[
+                "-n",
+                "repair",
+                "get",
+                "configmaps,secrets",
+                "-l",
+                "tensile.io/upper-cluster",
+                "-o",
+                r#"jsonpath={range .items[*]}{.metadata.name}={.metadata.resourceVersion} {end}"#,
+            ],
+        )
+        .await
+    };
+    let (objects, rvs) = (snapshot().await, versions().await);
+    assert_eq!(objects.lines().count(), 3, "{objects}");
+    drop(vn);
+    let _vn = virtual_node_on_port("vn-repair", port).await;
+    // Longer than the collection delay and several resync passes.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(
+        snapshot().await,
+        objects,
+        "no object below was replaced or removed"
+    );
+    assert_eq!(versions().await, rvs, "no copy was written");
+}
