@@ -60,6 +60,9 @@ pub const CONDITION_LOWER_SYNCED: &str = "tensile.io/LowerPodSynced";
 /// added (its admission webhooks, for example).
 pub const COPIED_LABELS: &str = "tensile.io/copied-labels";
 pub const COPIED_ANNOTATIONS: &str = "tensile.io/copied-annotations";
+/// Annotation on a Service copied into a lower cluster: the upper Service's selector (JSON).
+/// The copy itself has none; its endpoints are the upper ones, reflected.
+pub const SERVICE_SELECTOR: &str = "tensile.io/service-selector";
 /// Node annotation: JSON list of the free resources of the largest lower nodes.
 pub const NODE_CAPACITY_SHAPE: &str = "tensile.io/capacity-shape";
 /// Field manager of every write virtual-node makes.
@@ -80,6 +83,7 @@ mod tests {
             CONDITION_LOWER_SCHEDULED,
             CONDITION_LOWER_SYNCED,
             NODE_CAPACITY_SHAPE,
+            SERVICE_SELECTOR,
         ] {
             assert!(name.starts_with(PREFIX), "{name} is outside {PREFIX}");
         }

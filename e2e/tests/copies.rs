@@ -670,3 +670,158 @@ async fn copies_edited_or_deleted_below_are_repaired_and_a_restart_changes_nothi
     );
     assert_eq!(versions().await, rvs, "no copy was written");
 }
+
+#[tokio::test]
+async fn services_and_their_endpoints_follow_the_upper_cluster_when_enabled() {
+    let bed = bed();
+    let vn = VirtualNode::start(
+        &bed.upper,
+        "vn-svc",
+        &bed.lower,
+        &[
+            "--enable-controllers=ServiceControllers",
+            "--copy-collection-delay=2",
+        ],
+    )
+    .unwrap();
+    eventually(
+        up(),
+        "vn-svc Ready",
+        60,
+        &[
+            "get",
+            "node",
+            "vn-svc",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
+        ],
+        "True",
+    )
+    .await;
+    bed.upper.create_namespace("svc").await.unwrap();
+    apply(
+        up(),
+        r#"
+apiVersion: v1
+kind: List
+items:
+- apiVersion: apps/v1
+  kind: Deployment
+  metadata: {name: web, namespace: svc}
+  spec:
+    replicas: 2
+    selector: {matchLabels: {app: web}}
+    template:
+      metadata: {labels: {app: web}}
+      spec:
+        nodeSelector: {kubernetes.io/hostname: vn-svc}
+        tolerations: [{key: virtual-kubelet.io/provider, operator: Exists}]
+        terminationGracePeriodSeconds: 1
+        containers: [{name: web, image: web}]
+- apiVersion: v1
+  kind: Service
+  metadata: {name: web, namespace: svc, labels: {tier: front}}
+  spec:
+    selector: {app: web}
+    ports: [{name: http, port: 80, targetPort: 8080}]
+- apiVersion: v1
+  kind: Service
+  metadata: {name: web-headless, namespace: svc}
+  spec:
+    clusterIP: None
+    selector: {app: web}
+    ports: [{name: http, port: 80}]
+"#,
+    )
+    .await;
+    let addresses = |kubeconfig: &'static Path| async move {
+        let ips = kubectl(
+            kubeconfig,
+            &[
+                "-n",
+                "svc",
+                "get",
+                "endpoints",
+                "web",
+                "-o",
+                "jsonpath={.subsets[*].addresses[*].ip}",
+            ],
+        )
+        .await;
+        let mut ips: Vec<String> = ips.split_whitespace().map(str::to_owned).collect();
+        ips.sort();
+        ips
+    };
+    let wait_addresses = |kubeconfig: &'static Path, n: usize| async move {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let out = tensile_e2e::kubectl::run(
+                kubeconfig,
+                &[
+                    "-n",
+                    "svc",
+                    "get",
+                    "endpoints",
+                    "web",
+                    "-o",
+                    "jsonpath={.subsets[*].addresses[*].ip}",
+                ],
+            )
+            .await;
+            if out.ok && out.stdout.split_whitespace().count() == n {
+                return Instant::now();
+            }
+            assert!(Instant::now() < deadline, "{n} endpoint addresses: {out:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    wait_addresses(up(), 2).await;
+    wait_addresses(low(), 2).await;
+    assert_eq!(
+        addresses(low()).await,
+        addresses(up()).await,
+        "the lower endpoints are the upper ones"
+    );
+
+    let fields = r#"jsonpath={.spec.selector} {.spec.clusterIP} {.metadata.annotations.tensile\.io/service-selector} {.metadata.labels.tier} {.spec.ports[0].port}/{.spec.ports[0].targetPort}"#;
+    let svc = kubectl(low(), &["-n", "svc", "get", "service", "web", "-o", fields]).await;
+    let parts: Vec<&str> = svc.split(' ').collect();
+    assert_eq!(parts[0], "", "the copy has no selector: {svc}");
+    assert!(
+        parts[1].contains('.'),
+        "the lower cluster gave it a cluster IP: {svc}"
+    );
+    assert_eq!(parts[2], r#"{"app":"web"}"#, "{svc}");
+    assert_eq!(&parts[3..], ["front", "80/8080"], "{svc}");
+    let headless = kubectl(
+        low(),
+        &[
+            "-n",
+            "svc",
+            "get",
+            "service",
+            "web-headless",
+            "-o",
+            "jsonpath={.spec.clusterIP}",
+        ],
+    )
+    .await;
+    assert_eq!(headless, "None", "a headless Service stays headless");
+
+    // Scaling upstream changes the lower endpoints within 2 s of the upper ones.
+    kubectl(up(), &["-n", "svc", "scale", "deployment", "web", "--replicas=3"]).await;
+    let upper_changed = wait_addresses(up(), 3).await;
+    let lower_changed = wait_addresses(low(), 3).await;
+    let lag = lower_changed.saturating_duration_since(upper_changed);
+    eprintln!("endpoints change reached the lower cluster after {lag:?}");
+    assert!(
+        lag < Duration::from_secs(2),
+        "the lower endpoints followed after {lag:?}"
+    );
+    assert_eq!(addresses(low()).await, addresses(up()).await);
+
+    kubectl(up(), &["-n", "svc", "delete", "service", "web"]).await;
+    gone_below("svc", "service", "web", 10).await;
+    gone_below("svc", "endpoints", "web", 10).await;
+    drop(vn);
+}

@@ -23,9 +23,14 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::NamespaceResourceScope;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, PodSpec, Secret, Volume};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, EndpointAddress, EndpointPort, EndpointSubset, Endpoints, Pod, PodSpec, Secret, Service,
+    ServicePort, ServiceSpec, Volume,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
@@ -41,6 +46,8 @@ use crate::translate;
 pub enum Kind {
     ConfigMap,
     Secret,
+    Service,
+    Endpoints,
 }
 
 impl fmt::Display for Kind {
@@ -48,6 +55,8 @@ impl fmt::Display for Kind {
         f.write_str(match self {
             Kind::ConfigMap => "ConfigMap",
             Kind::Secret => "Secret",
+            Kind::Service => "Service",
+            Kind::Endpoints => "Endpoints",
         })
     }
 }
@@ -173,10 +182,13 @@ pub trait Reflected:
     + fmt::Debug
 {
     const KIND: Kind;
-    /// The copy's content: the payload of `upper` (metadata is set by the caller).
+    /// The copy's content: the payload of `upper`, plus any annotations of its own (the rest
+    /// of the metadata is set by the caller).
     fn payload(upper: &Self) -> Self;
     /// Same payload (data, type, immutability).
     fn same_payload(&self, other: &Self) -> bool;
+    /// Fields the lower cluster assigned that an update must keep (a Service's cluster IP).
+    fn carry_over(&mut self, _actual: &Self) {}
 }
 
 fn empty_as_none<T: PartialEq + Default>(v: &Option<T>) -> Option<&T> {
@@ -218,6 +230,130 @@ impl Reflected for Secret {
     }
 }
 
+/// A Service below: the upper ports and kind, no selector (its endpoints are the upper
+/// ones, reflected), the upper selector kept in an annotation, the cluster IP left to the
+/// lower cluster (a headless Service stays headless).
+impl Reflected for Service {
+    const KIND: Kind = Kind::Service;
+    fn payload(upper: &Self) -> Self {
+        let spec = upper.spec.clone().unwrap_or_default();
+        let headless = spec.cluster_ip.as_deref() == Some("None");
+        let external = spec.type_.as_deref() == Some("ExternalName");
+        let ports = spec.ports.map(|ports| {
+            ports
+                .into_iter()
+                .map(|p| ServicePort { node_port: None, ..p })
+                .collect()
+        });
+        let selector = spec
+            .selector
+            .as_ref()
+            .and_then(|s| serde_json::to_string(s).ok())
+            .map(|s| BTreeMap::from([(names::SERVICE_SELECTOR.to_owned(), s)]));
+        Service {
+            metadata: ObjectMeta {
+                annotations: selector,
+                ..Default::default()
+            },
+            spec: Some(ServiceSpec {
+                type_: Some(if external { "ExternalName" } else { "ClusterIP" }.into()),
+                external_name: spec.external_name,
+                cluster_ip: headless.then(|| "None".into()),
+                ports,
+                publish_not_ready_addresses: spec.publish_not_ready_addresses,
+                session_affinity: spec.session_affinity,
+                session_affinity_config: spec.session_affinity_config,
+                ..Default::default()
+            }),
+            status: None,
+        }
+    }
+    fn same_payload(&self, other: &Self) -> bool {
+        let key = |s: &Service| {
+            let spec = s.spec.clone().unwrap_or_default();
+            let ports: Vec<_> = spec
+                .ports
+                .unwrap_or_default()
+                .into_iter()
+                .map(|p| {
+                    let target = p.target_port.unwrap_or(IntOrString::Int(p.port));
+                    (
+                        p.name.unwrap_or_default(),
+                        p.port,
+                        p.protocol.unwrap_or_else(|| "TCP".into()),
+                        target,
+                        p.app_protocol,
+                    )
+                })
+                .collect();
+            (
+                spec.type_.unwrap_or_else(|| "ClusterIP".into()),
+                spec.cluster_ip.as_deref() == Some("None"),
+                spec.external_name,
+                ports,
+                spec.publish_not_ready_addresses.unwrap_or(false),
+                spec.session_affinity.unwrap_or_else(|| "None".into()),
+                spec.selector.unwrap_or_default(),
+            )
+        };
+        key(self) == key(other)
+    }
+    fn carry_over(&mut self, actual: &Self) {
+        if let (Some(desired), Some(actual)) = (self.spec.as_mut(), actual.spec.as_ref())
+            && desired.cluster_ip.as_deref() != Some("None")
+        {
+            desired.cluster_ip = actual.cluster_ip.clone();
+            desired.cluster_ips = actual.cluster_ips.clone();
+            desired.ip_families = actual.ip_families.clone();
+            desired.ip_family_policy = actual.ip_family_policy.clone();
+        }
+    }
+}
+
+/// Endpoints below: the upper addresses and ports, without references to upper pods and
+/// nodes (they mean nothing below).
+impl Reflected for Endpoints {
+    const KIND: Kind = Kind::Endpoints;
+    fn payload(upper: &Self) -> Self {
+        let strip = |addresses: Option<Vec<EndpointAddress>>| {
+            addresses.map(|a| {
+                a.into_iter()
+                    .map(|a| EndpointAddress {
+                        node_name: None,
+                        target_ref: None,
+                        ..a
+                    })
+                    .collect()
+            })
+        };
+        let subsets = upper.subsets.clone().map(|subsets| {
+            subsets
+                .into_iter()
+                .map(|s| EndpointSubset {
+                    addresses: strip(s.addresses),
+                    not_ready_addresses: strip(s.not_ready_addresses),
+                    ports: s.ports.map(|ports| {
+                        ports
+                            .into_iter()
+                            .map(|p| EndpointPort {
+                                protocol: Some(p.protocol.unwrap_or_else(|| "TCP".into())),
+                                ..p
+                            })
+                            .collect()
+                    }),
+                })
+                .collect()
+        });
+        Endpoints {
+            metadata: ObjectMeta::default(),
+            subsets,
+        }
+    }
+    fn same_payload(&self, other: &Self) -> bool {
+        empty_as_none(&Self::payload(self).subsets) == empty_as_none(&Self::payload(other).subsets)
+    }
+}
+
 /// Upper annotations that describe the upper object itself and are not copied.
 const UPPER_ONLY_ANNOTATIONS: [&str; 1] = ["kubectl.kubernetes.io/last-applied-configuration"];
 
@@ -248,7 +384,7 @@ enum Ensured {
     Conflict,
 }
 
-/// The reflection of ConfigMaps and Secrets for one virtual node.
+/// The reflection of ConfigMaps, Secrets, Services and Endpoints for one virtual node.
 pub struct Copies {
     pub lower: kube::Client,
     pub cluster_id: String,
@@ -267,7 +403,24 @@ pub struct Copies {
     pub metrics: Arc<Metrics>,
     /// How long a copy stays after its last reference went.
     pub gc_delay: Duration,
-    pub unreferenced_since: Mutex<HashMap<(Kind, String, String), Instant>>,
+    pub unreferenced_since: Mutex<HashMap<Key, Instant>>,
+    /// Copies a foreign lower object blocks, and since when.
+    pub conflicts: Mutex<HashMap<Key, Instant>>,
+    /// Services and their Endpoints, when their reflection is enabled.
+    pub services: Option<ServiceStores>,
+    /// Reports conflicts found by the resync on the upper object.
+    pub recorder: Option<Arc<Recorder>>,
+}
+
+/// The watch caches of Service reflection.
+pub struct ServiceStores {
+    pub upper_services: Store<Service>,
+    pub upper_endpoints: Store<Endpoints>,
+    /// Lower Services and Endpoints carrying this upper cluster's mark.
+    pub lower_services: Store<Service>,
+    pub lower_endpoints: Store<Endpoints>,
+    /// Also reflect kube-system's Services and `default/kubernetes`.
+    pub include_system: bool,
 }
 
 type Key = (Kind, String, String);
@@ -298,7 +451,7 @@ impl Copies {
             .collect();
         labels.insert(names::MARK_CLUSTER.to_owned(), self.cluster_id.clone());
         meta.labels = Some(labels);
-        let annotations: BTreeMap<String, String> = upper
+        let mut annotations: BTreeMap<String, String> = upper
             .meta()
             .annotations
             .iter()
@@ -306,6 +459,7 @@ impl Copies {
             .filter(|(k, _)| !UPPER_ONLY_ANNOTATIONS.contains(&k.as_str()))
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
+        annotations.extend(meta.annotations.take().unwrap_or_default());
         meta.annotations = (!annotations.is_empty()).then_some(annotations);
         copy
     }
@@ -402,6 +556,8 @@ impl Copies {
                 continue;
             }
             let outcome = match r.kind {
+                // Pods never name these; they follow namespaces, see `needs`.
+                Kind::Service | Kind::Endpoints => continue,
                 Kind::ConfigMap => {
                     let at = ObjectRef::new(&r.name).within(&ns);
                     let _ = self.upper_config_maps.wait_until_ready().await;
@@ -453,6 +609,12 @@ impl Copies {
         let _ = self.lower_secrets.wait_until_ready().await;
         let _ = self.upper_pods.wait_until_ready().await;
         let _ = self.lower_pods.wait_until_ready().await;
+        if let Some(s) = &self.services {
+            let _ = s.upper_services.wait_until_ready().await;
+            let _ = s.upper_endpoints.wait_until_ready().await;
+            let _ = s.lower_services.wait_until_ready().await;
+            let _ = s.lower_endpoints.wait_until_ready().await;
+        }
         loop {
             self.sync().await;
             tokio::select! {
@@ -462,10 +624,13 @@ impl Copies {
         }
     }
 
-    /// One resync pass.
-    pub async fn sync(&self) {
-        // Needed here: by an upper pod of this node, or by a lower pod of this upper cluster.
+    /// What the pods of this upper cluster need below: `(needed, used_below)`. A copy is
+    /// needed while an upper pod of this node or a lower pod of the cluster references it,
+    /// a Service (and its Endpoints) while such pods run in its namespace; `used_below` is
+    /// the part running lower pods account for.
+    fn needs(&self) -> (BTreeSet<Key>, BTreeSet<Key>) {
         let mut needed: BTreeSet<Key> = BTreeSet::new();
+        let mut namespaces: BTreeSet<String> = BTreeSet::new();
         for pod in self.upper_pods.state() {
             if translate::is_terminal(&pod) {
                 continue;
@@ -476,6 +641,7 @@ impl Copies {
                     .into_iter()
                     .map(|r| (r.kind, ns.clone(), r.name)),
             );
+            namespaces.insert(ns);
         }
         let mut used_below: BTreeSet<Key> = BTreeSet::new();
         for pod in self.lower_pods.state() {
@@ -488,33 +654,87 @@ impl Copies {
                     .into_iter()
                     .map(|r| (r.kind, ns.clone(), r.name)),
             );
+            namespaces.insert(ns);
+        }
+        if let Some(s) = &self.services {
+            for svc in s.upper_services.state() {
+                let (ns, name) = (svc.namespace().unwrap_or_default(), svc.name_any());
+                let system = ns == "kube-system" || (ns == "default" && name == "kubernetes");
+                if namespaces.contains(&ns) && (s.include_system || !system) {
+                    needed.insert((Kind::Service, ns.clone(), name.clone()));
+                    needed.insert((Kind::Endpoints, ns, name));
+                }
+            }
         }
         needed.extend(used_below.iter().cloned());
+        (needed, used_below)
+    }
 
-        let mut work = Vec::new();
+    /// One resync pass.
+    pub async fn sync(&self) {
+        let (needed, used_below) = self.needs();
+        let mut work: Vec<Write<'_>> = Vec::new();
         {
             let now = Instant::now();
             let mut since = match self.unreferenced_since.lock() {
                 Ok(s) => s,
                 Err(poisoned) => poisoned.into_inner(),
             };
-            for plan in [Self::plan::<ConfigMap>, Self::plan::<Secret>] {
-                plan(self, &needed, &used_below, now, &mut since, &mut work);
+            let mut conflicts = match self.conflicts.lock() {
+                Ok(c) => c,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+            // Conflicts are retried every 30 s, not on every pass.
+            conflicts.retain(|_, at| now.duration_since(*at) < Duration::from_secs(30));
+            let plan = Plan {
+                needed: &needed,
+                used_below: &used_below,
+                now,
+                conflicts: &conflicts,
+            };
+            self.plan(
+                self.upper_config_maps.clone(),
+                self.lower_config_maps.clone(),
+                false,
+                &plan,
+                &mut since,
+                &mut work,
+            );
+            self.plan(
+                self.upper_secrets.clone(),
+                self.lower_secrets.clone(),
+                false,
+                &plan,
+                &mut since,
+                &mut work,
+            );
+            if let Some(s) = &self.services {
+                self.plan(
+                    s.upper_services.clone(),
+                    s.lower_services.clone(),
+                    true,
+                    &plan,
+                    &mut since,
+                    &mut work,
+                );
+                self.plan(
+                    s.upper_endpoints.clone(),
+                    s.lower_endpoints.clone(),
+                    true,
+                    &plan,
+                    &mut since,
+                    &mut work,
+                );
             }
         }
-        self.metrics.copies.set(
-            (self.lower_config_maps.len() + self.lower_secrets.len())
-                .try_into()
-                .unwrap_or(i64::MAX),
-        );
+        let mut copies = self.lower_config_maps.len() + self.lower_secrets.len();
+        if let Some(s) = &self.services {
+            copies += s.lower_services.len() + s.lower_endpoints.len();
+        }
+        self.metrics.copies.set(copies.try_into().unwrap_or(i64::MAX));
         futures::stream::iter(work)
-            .for_each_concurrent(16, |step| async move {
-                let result = match &step {
-                    Step::ConfigMap(upper, cached) => self.ensure(&**upper, cached.clone()).await.map(|_| ()),
-                    Step::Secret(upper, cached) => self.ensure(&**upper, cached.clone()).await.map(|_| ()),
-                    Step::Delete(kind, ns, name, uid, why) => self.delete(*kind, ns, name, uid, why).await,
-                };
-                if let Err(e) = result {
+            .for_each_concurrent(16, |write| async move {
+                if let Err(e) = write.await {
                     self.metrics.api_error("lower", "copy");
                     tracing::warn!("copy resync: {e}");
                 }
@@ -522,55 +742,66 @@ impl Copies {
             .await;
     }
 
-    /// The steps that bring the copies of one kind to the model.
-    fn plan<K: Reflected>(
-        &self,
-        needed: &BTreeSet<Key>,
-        used_below: &BTreeSet<Key>,
-        now: Instant,
+    /// The writes that bring the copies of one kind to the model. `create_needed`: the
+    /// resync creates every needed copy (Services); otherwise it only repairs copies that
+    /// running lower pods use (the pod path creates the others and reports conflicts).
+    fn plan<'a, K: Reflected>(
+        &'a self,
+        upper: Store<K>,
+        lower: Store<K>,
+        create_needed: bool,
+        plan: &Plan<'_>,
         since: &mut HashMap<Key, Instant>,
-        work: &mut Vec<Step>,
-    ) where
-        Step: From<(Arc<K>, Option<Arc<K>>)>,
-        Self: Stores<K>,
-    {
-        let (upper, lower) = self.stores();
+        work: &mut Vec<Write<'a>>,
+    ) {
         for copy in lower.state() {
             if !self.owns(copy.meta()) || copy.meta().deletion_timestamp.is_some() {
                 continue;
             }
             let (ns, name) = (copy.namespace().unwrap_or_default(), copy.name_any());
             let key = (K::KIND, ns.clone(), name.clone());
-            let delete = |why: &'static str| Step::Delete(K::KIND, ns.clone(), name.clone(), copy.uid(), why);
             let Some(source) = upper.get(&ObjectRef::new(&name).within(&ns)) else {
-                work.push(delete("its upper object is gone"));
+                work.push(Box::pin(self.delete::<K>(
+                    ns,
+                    name,
+                    copy.uid(),
+                    "its upper object is gone",
+                )));
                 since.remove(&key);
                 continue;
             };
-            if needed.contains(&key) {
+            if plan.needed.contains(&key) {
                 since.remove(&key);
                 if !Self::current(&self.desired(&*source), &copy) {
-                    work.push(Step::from((source, Some(copy.clone()))));
+                    work.push(Box::pin(self.ensure_quietly(source, Some(copy.clone()))));
                 }
                 continue;
             }
-            let first = *since.entry(key.clone()).or_insert(now);
-            if now.duration_since(first) >= self.gc_delay {
-                work.push(delete("no pod references it"));
+            let first = *since.entry(key.clone()).or_insert(plan.now);
+            if plan.now.duration_since(first) >= self.gc_delay {
+                work.push(Box::pin(self.delete::<K>(
+                    ns,
+                    name,
+                    copy.uid(),
+                    "no pod needs it",
+                )));
                 since.remove(&key);
             }
         }
-        // Copies a running lower pod references but that are missing below: repaired.
-        // (Copies for pods not yet below are made by `prepare`, which reports conflicts.)
-        for (kind, ns, name) in used_below {
-            if *kind != K::KIND {
+        let missing = if create_needed {
+            plan.needed
+        } else {
+            plan.used_below
+        };
+        for key @ (kind, ns, name) in missing {
+            if *kind != K::KIND || plan.conflicts.contains_key(key) {
                 continue;
             }
             let at = ObjectRef::new(name).within(ns);
             if lower.get(&at).is_none()
                 && let Some(source) = upper.get(&at)
             {
-                work.push(Step::from((source, None)));
+                work.push(Box::pin(self.ensure_quietly(source, None)));
             }
         }
         since.retain(|(kind, ns, name), _| {
@@ -578,41 +809,64 @@ impl Copies {
         });
     }
 
-    async fn delete(
+    /// [`Copies::ensure`] for the resync: a conflict is remembered (retried in 30 s) and
+    /// reported once as a Warning event on the upper object.
+    async fn ensure_quietly<K: Reflected>(&self, upper: Arc<K>, cached: Option<Arc<K>>) -> Result<(), Error> {
+        if let Ensured::Conflict = self.ensure(&*upper, cached).await? {
+            let key = (K::KIND, upper.namespace().unwrap_or_default(), upper.name_any());
+            let first = match self.conflicts.lock() {
+                Ok(mut c) => c.insert(key.clone(), Instant::now()).is_none(),
+                Err(_) => false,
+            };
+            let message = format!(
+                "lower cluster {} already has a {} {}/{} not created by this upper cluster; it is left untouched",
+                self.cluster_name, key.0, key.1, key.2
+            );
+            tracing::warn!("{message}");
+            if first && let Some(recorder) = &self.recorder {
+                let event = Event {
+                    type_: EventType::Warning,
+                    reason: "LowerCopyConflict".into(),
+                    note: Some(message),
+                    action: "Sync".into(),
+                    secondary: None,
+                };
+                if let Err(e) = recorder.publish(&event, &upper.object_ref(&())).await {
+                    tracing::debug!("event not recorded: {e}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes exactly the copy with `uid` (a newer object of the same name is left alone).
+    async fn delete<K: Reflected>(
         &self,
-        kind: Kind,
-        ns: &str,
-        name: &str,
-        uid: &Option<String>,
+        ns: String,
+        name: String,
+        uid: Option<String>,
         why: &str,
     ) -> Result<(), Error> {
         let params = DeleteParams {
             preconditions: Some(Preconditions {
-                uid: uid.clone(),
+                uid,
                 resource_version: None,
             }),
             ..Default::default()
         };
         self.limit.acquire().await;
-        let result = match kind {
-            Kind::ConfigMap => Api::<ConfigMap>::namespaced(self.lower.clone(), ns)
-                .delete(name, &params)
-                .await
-                .map(|_| ()),
-            Kind::Secret => Api::<Secret>::namespaced(self.lower.clone(), ns)
-                .delete(name, &params)
-                .await
-                .map(|_| ()),
-        };
-        match result {
-            Ok(()) => {
-                tracing::info!(%kind, copy = %format!("{ns}/{name}"), "deleted below: {why}");
+        match Api::<K>::namespaced(self.lower.clone(), &ns)
+            .delete(&name, &params)
+            .await
+        {
+            Ok(_) => {
+                tracing::info!(kind = %K::KIND, copy = %format!("{ns}/{name}"), "deleted below: {why}");
                 Ok(())
             }
             Err(kube::Error::Api(s)) if matches!(s.code, 404 | 409) => Ok(()),
             Err(source) => Err(Error::Api {
                 verb: "delete",
-                kind,
+                kind: K::KIND,
                 key: format!("{ns}/{name}"),
                 source,
             }),
@@ -620,41 +874,16 @@ impl Copies {
     }
 }
 
-/// The upper objects and lower copies of one kind.
-pub trait Stores<K: Reflected> {
-    fn stores(&self) -> (&Store<K>, &Store<K>);
-}
-
-impl Stores<ConfigMap> for Copies {
-    fn stores(&self) -> (&Store<ConfigMap>, &Store<ConfigMap>) {
-        (&self.upper_config_maps, &self.lower_config_maps)
-    }
-}
-
-impl Stores<Secret> for Copies {
-    fn stores(&self) -> (&Store<Secret>, &Store<Secret>) {
-        (&self.upper_secrets, &self.lower_secrets)
-    }
+/// What one resync pass plans from.
+struct Plan<'a> {
+    needed: &'a BTreeSet<Key>,
+    used_below: &'a BTreeSet<Key>,
+    now: Instant,
+    conflicts: &'a HashMap<Key, Instant>,
 }
 
 /// One write of a resync pass.
-pub enum Step {
-    ConfigMap(Arc<ConfigMap>, Option<Arc<ConfigMap>>),
-    Secret(Arc<Secret>, Option<Arc<Secret>>),
-    Delete(Kind, String, String, Option<String>, &'static str),
-}
-
-impl From<(Arc<ConfigMap>, Option<Arc<ConfigMap>>)> for Step {
-    fn from((upper, cached): (Arc<ConfigMap>, Option<Arc<ConfigMap>>)) -> Self {
-        Step::ConfigMap(upper, cached)
-    }
-}
-
-impl From<(Arc<Secret>, Option<Arc<Secret>>)> for Step {
-    fn from((upper, cached): (Arc<Secret>, Option<Arc<Secret>>)) -> Self {
-        Step::Secret(upper, cached)
-    }
-}
+type Write<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send + 'a>>;
 
 #[cfg(test)]
 mod tests {

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod, Secret};
+use k8s_openapi::api::core::v1::{ConfigMap, Endpoints, Namespace, Node, Pod, Secret, Service};
 use kube::api::Api;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, reflector};
@@ -125,11 +125,30 @@ pub struct Args {
         default_value_t = 10
     )]
     pub copy_collection_delay: u64,
+    /// Optional reflections, comma-separated: `ServiceControllers` copies the Services (and
+    /// their Endpoints) of namespaces where this node runs pods into the lower cluster.
+    #[arg(
+        long = "enable-controllers",
+        env = "TENSILE_ENABLE_CONTROLLERS",
+        value_delimiter = ','
+    )]
+    pub enable_controllers: Vec<Controllers>,
+    /// With ServiceControllers: also reflect kube-system's Services and `default/kubernetes`.
+    #[arg(long = "reflect-system-services", env = "TENSILE_REFLECT_SYSTEM_SERVICES")]
+    pub reflect_system_services: bool,
     /// Run DaemonSet pods bound to the virtual node in the lower cluster.
     #[arg(long = "run-daemonset-pods", env = "TENSILE_RUN_DAEMONSET_PODS")]
     pub run_daemonset_pods: bool,
     #[command(flatten)]
     pub log: LogArgs,
+}
+
+/// Optional reflections (tensile-kube's names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Controllers {
+    /// Services and their Endpoints.
+    #[value(name = "ServiceControllers")]
+    Services,
 }
 
 fn parse_node_name(s: &str) -> Result<String, String> {
@@ -306,12 +325,65 @@ pub async fn run(args: Args) -> Result<(), Error> {
     )
     .default_backoff()
     .for_each(notify_on(copies_changed.clone()));
+    let (services, services_watches) = if args.enable_controllers.contains(&Controllers::Services) {
+        let (upper_services, w) = reflector::store::<Service>();
+        let upper_services_watch = reflector(w, watcher(Api::all(upper.clone()), watcher::Config::default()))
+            .default_backoff()
+            .for_each(notify_on(copies_changed.clone()));
+        let (upper_endpoints, w) = reflector::store::<Endpoints>();
+        let upper_endpoints_watch =
+            reflector(w, watcher(Api::all(upper.clone()), watcher::Config::default()))
+                .default_backoff()
+                .for_each(notify_on(copies_changed.clone()));
+        let (lower_services, w) = reflector::store::<Service>();
+        let lower_services_watch = reflector(
+            w,
+            watcher(
+                Api::all(lower.clone()),
+                watcher::Config::default().labels(&copy_marks),
+            ),
+        )
+        .default_backoff()
+        .for_each(notify_on(copies_changed.clone()));
+        let (lower_endpoints, w) = reflector::store::<Endpoints>();
+        let lower_endpoints_watch = reflector(
+            w,
+            watcher(
+                Api::all(lower.clone()),
+                watcher::Config::default().labels(&copy_marks),
+            ),
+        )
+        .default_backoff()
+        .for_each(notify_on(copies_changed.clone()));
+        let stores = copies::ServiceStores {
+            upper_services,
+            upper_endpoints,
+            lower_services,
+            lower_endpoints,
+            include_system: args.reflect_system_services,
+        };
+        let watches = async move {
+            tokio::join!(
+                upper_services_watch,
+                upper_endpoints_watch,
+                lower_services_watch,
+                lower_endpoints_watch
+            );
+        };
+        (Some(stores), futures::future::Either::Left(watches))
+    } else {
+        (
+            None,
+            futures::future::Either::Right(futures::future::pending::<()>()),
+        )
+    };
     let copies_watches = async move {
         tokio::join!(
             upper_config_maps_watch,
             upper_secrets_watch,
             lower_config_maps_watch,
-            lower_secrets_watch
+            lower_secrets_watch,
+            services_watches
         )
     };
 
@@ -355,6 +427,9 @@ pub async fn run(args: Args) -> Result<(), Error> {
         metrics: metrics.clone(),
         gc_delay: Duration::from_secs(args.copy_collection_delay),
         unreferenced_since: Default::default(),
+        conflicts: Default::default(),
+        services,
+        recorder: Some(recorder.clone()),
     });
     let ctx = Arc::new(pods::Context {
         upper: upper.clone(),
