@@ -825,3 +825,92 @@ items:
     gone_below("svc", "endpoints", "web", 10).await;
     drop(vn);
 }
+
+#[tokio::test]
+async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_foreign_objects_stays() {
+    let bed = bed();
+    let _vn = VirtualNode::start(
+        &bed.upper,
+        "vn-ns",
+        &bed.lower,
+        &["--gc-namespaces", "--copy-collection-delay=2"],
+    )
+    .unwrap();
+    for ns in ["gc-a", "gc-b"] {
+        bed.upper.create_namespace(ns).await.unwrap();
+        kubectl(
+            up(),
+            &["-n", ns, "create", "configmap", "cfg", "--from-literal=k=v"],
+        )
+        .await;
+        apply(
+            up(),
+            &pod(
+                ns,
+                "app",
+                "vn-ns",
+                "  containers: [{name: app, image: web, envFrom: [{configMapRef: {name: cfg}}]}]",
+            ),
+        )
+        .await;
+    }
+    for ns in ["gc-a", "gc-b"] {
+        running_below(ns, "app").await;
+        let marks = kubectl(
+            low(),
+            &[
+                "get",
+                "namespace",
+                ns,
+                "-o",
+                r#"jsonpath={.metadata.labels.tensile\.io/virtual-node}"#,
+            ],
+        )
+        .await;
+        assert_eq!(marks, "vn-ns", "a namespace created below is marked");
+    }
+    kubectl(
+        low(),
+        &[
+            "-n",
+            "gc-b",
+            "create",
+            "configmap",
+            "theirs",
+            "--from-literal=k=v",
+        ],
+    )
+    .await;
+    for ns in ["gc-a", "gc-b"] {
+        kubectl(up(), &["-n", ns, "delete", "pod", "app", "--wait=true"]).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        let phase = below(&["get", "namespace", "gc-a", "-o", "jsonpath={.status.phase}"]).await;
+        if phase.as_deref() != Some("Active") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "gc-a is still Active below");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let kept = kubectl(
+        low(),
+        &[
+            "-n",
+            "gc-b",
+            "get",
+            "configmap",
+            "theirs",
+            "-o",
+            "jsonpath={.data.k}",
+        ],
+    )
+    .await;
+    assert_eq!(kept, "v", "a namespace holding someone else's object is kept");
+    let phase = kubectl(
+        low(),
+        &["get", "namespace", "gc-b", "-o", "jsonpath={.status.phase}"],
+    )
+    .await;
+    assert_eq!(phase, "Active");
+}

@@ -136,6 +136,9 @@ pub struct Args {
     /// With ServiceControllers: also reflect kube-system's Services and `default/kubernetes`.
     #[arg(long = "reflect-system-services", env = "TENSILE_REFLECT_SYSTEM_SERVICES")]
     pub reflect_system_services: bool,
+    /// Delete lower namespaces this node created once nothing is left in them.
+    #[arg(long = "gc-namespaces", env = "TENSILE_GC_NAMESPACES")]
+    pub gc_namespaces: bool,
     /// Run DaemonSet pods bound to the virtual node in the lower cluster.
     #[arg(long = "run-daemonset-pods", env = "TENSILE_RUN_DAEMONSET_PODS")]
     pub run_daemonset_pods: bool,
@@ -506,12 +509,20 @@ pub async fn run(args: Args) -> Result<(), Error> {
     };
     let gc = {
         let ctx = ctx.clone();
+        let gc_namespaces = args.gc_namespaces;
+        // Namespaces are judged empty on two passes in a row: at least one collection delay
+        // apart, at most 30 s.
+        let namespace_pass = Duration::from_secs(args.copy_collection_delay.clamp(1, 30));
         async move {
             let _ = ctx.upper_pods.wait_until_ready().await;
             let _ = ctx.lower_pods.wait_until_ready().await;
+            let mut empty_before = Default::default();
             loop {
                 pods::collect_orphans(&ctx).await;
-                tokio::time::sleep(Duration::from_secs(30)).await;
+                if gc_namespaces {
+                    pods::collect_namespaces(&ctx, &mut empty_before).await;
+                }
+                tokio::time::sleep(namespace_pass).await;
             }
         }
     };

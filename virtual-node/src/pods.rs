@@ -354,7 +354,7 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
 }
 
 async fn ensure_namespace(ctx: &Context, ns: &str) -> Result<(), Error> {
-    // Namespaces are not deleted by this node, so one that was there stays known.
+    // A namespace seen once stays known until this node collects it (`--gc-namespaces`).
     if ctx.known_namespaces.lock().is_ok_and(|k| k.contains(ns)) {
         return Ok(());
     }
@@ -557,4 +557,94 @@ pub async fn collect_orphans(ctx: &Context) -> usize {
         }
     }
     deleted
+}
+
+/// True when nothing but what the lower cluster puts in every namespace (the root CA
+/// ConfigMap, service accounts and their tokens) is left in `ns`.
+async fn namespace_is_empty(ctx: &Context, ns: &str) -> Result<bool, kube::Error> {
+    use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Secret, Service};
+    let lp = kube::api::ListParams::default().limit(5);
+    let pods = Api::<Pod>::namespaced(ctx.lower.clone(), ns)
+        .list_metadata(&lp)
+        .await?;
+    let claims = Api::<PersistentVolumeClaim>::namespaced(ctx.lower.clone(), ns)
+        .list_metadata(&lp)
+        .await?;
+    let services = Api::<Service>::namespaced(ctx.lower.clone(), ns)
+        .list_metadata(&lp)
+        .await?;
+    let config_maps = Api::<ConfigMap>::namespaced(ctx.lower.clone(), ns)
+        .list_metadata(&lp)
+        .await?;
+    let secrets = Api::<Secret>::namespaced(ctx.lower.clone(), ns)
+        .list(&kube::api::ListParams::default().fields("type!=kubernetes.io/service-account-token"))
+        .await?;
+    Ok(pods.items.is_empty()
+        && claims.items.is_empty()
+        && services.items.is_empty()
+        && config_maps
+            .items
+            .iter()
+            .all(|c| c.metadata.name.as_deref() == Some("kube-root-ca.crt"))
+        && secrets.items.is_empty())
+}
+
+/// With `--gc-namespaces`: deletes lower namespaces this node created once they have been
+/// empty (see [`namespace_is_empty`]) on two passes in a row and no upper pod of this node
+/// lives in them. `empty_before` carries the previous pass's verdicts.
+pub async fn collect_namespaces(ctx: &Context, empty_before: &mut std::collections::HashSet<String>) {
+    let api: Api<Namespace> = Api::all(ctx.lower.clone());
+    let ours = match api
+        .list_metadata(&kube::api::ListParams::default().labels(&ctx.translation.identity.selector()))
+        .await
+    {
+        Ok(list) => list.items,
+        Err(e) => {
+            tracing::warn!("namespace collection: listing lower namespaces: {e}");
+            return;
+        }
+    };
+    let mut empty_now = std::collections::HashSet::new();
+    for ns in ours {
+        let name = ns.metadata.name.clone().unwrap_or_default();
+        if ns.metadata.deletion_timestamp.is_some()
+            || !ctx.translation.identity.owns(&ns.metadata)
+            || ctx
+                .upper_pods
+                .state()
+                .iter()
+                .any(|p| p.namespace().as_deref() == Some(name.as_str()))
+        {
+            continue;
+        }
+        match namespace_is_empty(ctx, &name).await {
+            Ok(true) => {}
+            Ok(false) => continue,
+            Err(e) => {
+                tracing::warn!(namespace = %name, "namespace collection: {e}");
+                continue;
+            }
+        }
+        if !empty_before.contains(&name) {
+            empty_now.insert(name);
+            continue;
+        }
+        if let Ok(mut known) = ctx.known_namespaces.lock() {
+            known.remove(&name);
+        }
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: ns.metadata.uid.clone(),
+                resource_version: None,
+            }),
+            ..Default::default()
+        };
+        ctx.lower_limit.acquire().await;
+        match api.delete(&name, &params).await {
+            Ok(_) => tracing::info!(namespace = %name, "deleted an empty lower namespace this node created"),
+            Err(e) if matches!(api_status(&e), Some(404) | Some(409)) => {}
+            Err(e) => tracing::warn!(namespace = %name, "namespace collection: {e}"),
+        }
+    }
+    *empty_before = empty_now;
 }
