@@ -914,3 +914,162 @@ async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_fore
     .await;
     assert_eq!(phase, "Active");
 }
+
+#[tokio::test]
+async fn a_claim_is_made_below_its_volume_shows_upstream_and_keeps_later_pods_on_the_node() {
+    let bed = bed();
+    let _vn = virtual_node("vn-pv").await;
+    let _other = virtual_node("vn-pv-2").await;
+    bed.upper.create_namespace("pv").await.unwrap();
+    bed.lower.create_namespace("pv").await.unwrap();
+    apply(
+        low(),
+        r#"
+apiVersion: v1
+kind: List
+items:
+- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: standard},
+   provisioner: kubernetes.io/no-provisioner, volumeBindingMode: Immediate}
+- apiVersion: v1
+  kind: PersistentVolume
+  metadata: {name: lower-disk}
+  spec:
+    capacity: {storage: 1Gi}
+    accessModes: [ReadWriteOnce]
+    storageClassName: standard
+    hostPath: {path: /tmp/lower-disk}
+"#,
+    )
+    .await;
+    apply(
+        up(),
+        r#"
+apiVersion: v1
+kind: List
+items:
+- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: standard},
+   provisioner: virtual-node.tensile.io, volumeBindingMode: WaitForFirstConsumer}
+- apiVersion: v1
+  kind: PersistentVolumeClaim
+  metadata: {name: data, namespace: pv}
+  spec:
+    accessModes: [ReadWriteOnce]
+    storageClassName: standard
+    resources: {requests: {storage: 500Mi}}
+"#,
+    )
+    .await;
+    let uses_data = r#"  volumes: [{name: data, persistentVolumeClaim: {claimName: data}}]
+  containers: [{name: app, image: db, volumeMounts: [{name: data, mountPath: /data}]}]"#;
+    apply(up(), &pod("pv", "writer", "vn-pv", uses_data)).await;
+    running_below("pv", "writer").await;
+
+    let lower_claim = kubectl(
+        low(),
+        &[
+            "-n",
+            "pv",
+            "get",
+            "pvc",
+            "data",
+            "-o",
+            r#"jsonpath={.status.phase} {.spec.volumeName} {.metadata.labels.tensile\.io/virtual-node} {.spec.resources.requests.storage}"#,
+        ],
+    )
+    .await;
+    assert_eq!(
+        lower_claim, "Bound lower-disk vn-pv 500Mi",
+        "the claim below, bound there"
+    );
+    eventually(
+        up(),
+        "the upper claim shows what the lower cluster granted",
+        30,
+        &[
+            "-n",
+            "pv",
+            "get",
+            "pvc",
+            "data",
+            "-o",
+            "jsonpath={.status.phase} {.status.capacity.storage}",
+        ],
+        "Bound 1Gi",
+    )
+    .await;
+    let volume = kubectl(
+        up(),
+        &[
+            "-n",
+            "pv",
+            "get",
+            "pvc",
+            "data",
+            "-o",
+            "jsonpath={.spec.volumeName}",
+        ],
+    )
+    .await;
+    let affinity = kubectl(
+        up(),
+        &[
+            "get",
+            "pv",
+            &volume,
+            "-o",
+            "jsonpath={.spec.nodeAffinity.required.nodeSelectorTerms[0].matchExpressions[0].values[0]}",
+        ],
+    )
+    .await;
+    assert_eq!(
+        affinity, "vn-pv",
+        "the upper volume is pinned to the virtual node"
+    );
+
+    // A later pod of the claim, free to land on any virtual node, lands on this one.
+    apply(
+        up(),
+        &format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: reader, namespace: pv}}
+spec:
+  nodeSelector: {{type: virtual-kubelet}}
+  tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+  terminationGracePeriodSeconds: 1
+{uses_data}
+"#
+        ),
+    )
+    .await;
+    running_below("pv", "reader").await;
+    let node = kubectl(
+        up(),
+        &[
+            "-n",
+            "pv",
+            "get",
+            "pod",
+            "reader",
+            "-o",
+            "jsonpath={.spec.nodeName}",
+        ],
+    )
+    .await;
+    assert_eq!(node, "vn-pv");
+
+    // The claim goes upstream: the lower claim and the upper volume follow once unused.
+    kubectl(
+        up(),
+        &["-n", "pv", "delete", "pod", "writer", "reader", "--wait=true"],
+    )
+    .await;
+    kubectl(up(), &["-n", "pv", "delete", "pvc", "data", "--wait=true"]).await;
+    gone_below("pv", "pvc", "data", 30).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while tensile_e2e::kubectl::run(up(), &["get", "pv", &volume]).await.ok {
+        assert!(Instant::now() < deadline, "upper volume {volume} is still there");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}

@@ -560,7 +560,7 @@ impl Copies {
                 Kind::Service | Kind::Endpoints => continue,
                 Kind::ConfigMap => {
                     let at = ObjectRef::new(&r.name).within(&ns);
-                    let _ = self.upper_config_maps.wait_until_ready().await;
+                    crate::synced(&self.upper_config_maps).await;
                     match self.upper_config_maps.get(&at) {
                         Some(upper) => Some(self.ensure(&*upper, self.lower_config_maps.get(&at)).await?),
                         None => None,
@@ -568,7 +568,7 @@ impl Copies {
                 }
                 Kind::Secret => {
                     let at = ObjectRef::new(&r.name).within(&ns);
-                    let _ = self.upper_secrets.wait_until_ready().await;
+                    crate::synced(&self.upper_secrets).await;
                     match self.upper_secrets.get(&at) {
                         Some(upper) => Some(self.ensure(&*upper, self.lower_secrets.get(&at)).await?),
                         None => None,
@@ -603,17 +603,17 @@ impl Copies {
     /// Resyncs every copy from the watch caches: on each `changed` notification and at least
     /// every second, until dropped.
     pub async fn run(self: Arc<Self>, changed: Arc<tokio::sync::Notify>) {
-        let _ = self.upper_config_maps.wait_until_ready().await;
-        let _ = self.upper_secrets.wait_until_ready().await;
-        let _ = self.lower_config_maps.wait_until_ready().await;
-        let _ = self.lower_secrets.wait_until_ready().await;
-        let _ = self.upper_pods.wait_until_ready().await;
-        let _ = self.lower_pods.wait_until_ready().await;
+        crate::synced(&self.upper_config_maps).await;
+        crate::synced(&self.upper_secrets).await;
+        crate::synced(&self.lower_config_maps).await;
+        crate::synced(&self.lower_secrets).await;
+        crate::synced(&self.upper_pods).await;
+        crate::synced(&self.lower_pods).await;
         if let Some(s) = &self.services {
-            let _ = s.upper_services.wait_until_ready().await;
-            let _ = s.upper_endpoints.wait_until_ready().await;
-            let _ = s.lower_services.wait_until_ready().await;
-            let _ = s.lower_endpoints.wait_until_ready().await;
+            crate::synced(&s.upper_services).await;
+            crate::synced(&s.upper_endpoints).await;
+            crate::synced(&s.lower_services).await;
+            crate::synced(&s.lower_endpoints).await;
         }
         loop {
             self.sync().await;

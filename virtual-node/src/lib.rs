@@ -17,6 +17,7 @@ pub mod node;
 pub mod pods;
 pub mod ratelimit;
 pub mod translate;
+pub mod volumes;
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -25,7 +26,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{ConfigMap, Endpoints, Namespace, Node, Pod, Secret, Service};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Endpoints, Namespace, Node, PersistentVolume, PersistentVolumeClaim, Pod, Secret, Service,
+};
 use kube::api::Api;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, reflector};
@@ -198,6 +201,19 @@ pub enum Error {
     ClusterId(String),
     #[error("{0} stopped unexpectedly")]
     Stopped(&'static str),
+}
+
+/// Waits until `store` has its first full list. A store's readiness wakes only the task
+/// that polled it last, and several tasks wait on the same stores, so each waiter re-polls.
+pub(crate) async fn synced<K>(store: &kube::runtime::reflector::Store<K>)
+where
+    K: kube::Resource + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    while tokio::time::timeout(Duration::from_millis(100), store.wait_until_ready())
+        .await
+        .is_err()
+    {}
 }
 
 /// A watch-stream sink that wakes `changed` on every event.
@@ -390,6 +406,35 @@ pub async fn run(args: Args) -> Result<(), Error> {
         )
     };
 
+    // Claims upstream, and the claims and volumes this node made.
+    let volumes_changed = Arc::new(tokio::sync::Notify::new());
+    let (upper_claims, w) = reflector::store::<PersistentVolumeClaim>();
+    let upper_claims_watch = reflector(w, watcher(Api::all(upper.clone()), watcher::Config::default()))
+        .default_backoff()
+        .for_each(notify_on(volumes_changed.clone()));
+    let (upper_volumes, w) = reflector::store::<PersistentVolume>();
+    let upper_volumes_watch = reflector(
+        w,
+        watcher(
+            Api::all(upper.clone()),
+            watcher::Config::default().labels(&identity.selector()),
+        ),
+    )
+    .default_backoff()
+    .for_each(notify_on(volumes_changed.clone()));
+    let (lower_claims, w) = reflector::store::<PersistentVolumeClaim>();
+    let lower_claims_watch = reflector(
+        w,
+        watcher(
+            Api::all(lower.clone()),
+            watcher::Config::default().labels(&identity.selector()),
+        ),
+    )
+    .default_backoff()
+    .for_each(notify_on(volumes_changed.clone()));
+    let volumes_watches =
+        async move { tokio::join!(upper_claims_watch, upper_volumes_watch, lower_claims_watch) };
+
     let upper_wc = watcher::Config::default().fields(&format!("spec.nodeName={}", identity.node));
     let resync = futures::stream::unfold((), |()| async {
         tokio::time::sleep(Duration::from_secs(60)).await;
@@ -416,6 +461,7 @@ pub async fn run(args: Args) -> Result<(), Error> {
         },
     ));
     let lower_limit = ratelimit::TokenBucket::new(args.client_qps, args.client_burst);
+    let upper_limit = ratelimit::TokenBucket::new(args.upper_qps, args.upper_burst);
     let copies = Arc::new(copies::Copies {
         lower: lower.clone(),
         cluster_id: identity.cluster_id.clone(),
@@ -434,6 +480,20 @@ pub async fn run(args: Args) -> Result<(), Error> {
         services,
         recorder: Some(recorder.clone()),
     });
+    let volumes = Arc::new(volumes::Volumes {
+        upper: upper.clone(),
+        lower: lower.clone(),
+        identity: identity.clone(),
+        cluster_name: lower_name.clone(),
+        upper_claims,
+        upper_volumes,
+        lower_claims,
+        upper_pods: upper_pods.clone(),
+        lower_pods: lower_all_pods.clone(),
+        upper_limit: upper_limit.clone(),
+        lower_limit: lower_limit.clone(),
+        metrics: metrics.clone(),
+    });
     let ctx = Arc::new(pods::Context {
         upper: upper.clone(),
         lower: lower.clone(),
@@ -447,9 +507,10 @@ pub async fn run(args: Args) -> Result<(), Error> {
         recorder,
         metrics: metrics.clone(),
         run_daemonset_pods: args.run_daemonset_pods,
-        upper_limit: ratelimit::TokenBucket::new(args.upper_qps, args.upper_burst),
+        upper_limit,
         lower_limit,
         copies: copies.clone(),
+        volumes: volumes.clone(),
         started: Instant::now(),
         lost_grace: Duration::from_secs(10),
         cluster_name: lower_name,
@@ -500,9 +561,9 @@ pub async fn run(args: Args) -> Result<(), Error> {
         let lower_all = lower_all_pods.clone();
         let readiness = readiness.clone();
         async move {
-            let _ = upper_pods.wait_until_ready().await;
-            let _ = lower_pods.wait_until_ready().await;
-            let _ = lower_all.wait_until_ready().await;
+            crate::synced(&upper_pods).await;
+            crate::synced(&lower_pods).await;
+            crate::synced(&lower_all).await;
             readiness.set(true);
             node_loop.run().await
         }
@@ -514,8 +575,8 @@ pub async fn run(args: Args) -> Result<(), Error> {
         // apart, at most 30 s.
         let namespace_pass = Duration::from_secs(args.copy_collection_delay.clamp(1, 30));
         async move {
-            let _ = ctx.upper_pods.wait_until_ready().await;
-            let _ = ctx.lower_pods.wait_until_ready().await;
+            crate::synced(&ctx.upper_pods).await;
+            crate::synced(&ctx.lower_pods).await;
             let mut empty_before = Default::default();
             loop {
                 pods::collect_orphans(&ctx).await;
@@ -533,17 +594,55 @@ pub async fn run(args: Args) -> Result<(), Error> {
         require_client_cert: matches!(auth, ClientAuth::Ca(_)),
     });
 
-    tokio::select! {
-        _ = controller_run => Err(Error::Stopped("the pod controller")),
-        _ = node_run => Err(Error::Stopped("the node loop")),
-        _ = lower_nodes_watch => Err(Error::Stopped("the lower node watch")),
-        _ = upper_node_watch => Err(Error::Stopped("the upper node watch")),
-        _ = lower_all_watch => Err(Error::Stopped("the lower pod watch")),
-        _ = gc => Err(Error::Stopped("orphan collection")),
-        _ = copies_watches => Err(Error::Stopped("the ConfigMap and Secret watches")),
-        _ = copies.run(copies_changed) => Err(Error::Stopped("the copy resync")),
-        _ = kubelet::serve(kubelet_listener, tls, kubelet_state) => Err(Error::Stopped("the kubelet API")),
-        _ = admin::serve(admin_listener, Arc::new(registry), readiness) => Err(Error::Stopped("the admin endpoint")),
+    // Each component is its own task: a watch decoding a large object then runs on a
+    // shallow stack, and a component that stops is named.
+    let mut tasks = Tasks::default();
+    tasks.spawn("the pod controller", controller_run);
+    tasks.spawn("the node loop", node_run);
+    tasks.spawn("the lower node watch", lower_nodes_watch);
+    tasks.spawn("the upper node watch", upper_node_watch);
+    tasks.spawn("the lower pod watch", lower_all_watch);
+    tasks.spawn("orphan collection", gc);
+    tasks.spawn("the ConfigMap, Secret and Service watches", copies_watches);
+    tasks.spawn("the copy resync", copies.run(copies_changed));
+    tasks.spawn("the claim and volume watches", volumes_watches);
+    tasks.spawn("the volume resync", volumes.run(volumes_changed));
+    tasks.spawn("the kubelet API", kubelet::serve(kubelet_listener, tls, kubelet_state));
+    tasks.spawn("the admin endpoint", admin::serve(admin_listener, Arc::new(registry), readiness));
+    Err(Error::Stopped(tasks.first_to_stop().await))
+}
+
+/// The tasks of one running virtual node; dropping it stops them all.
+#[derive(Default)]
+struct Tasks(Vec<(&'static str, tokio::task::JoinHandle<()>)>);
+
+impl Tasks {
+    fn spawn<F>(&mut self, name: &'static str, task: F)
+    where
+        F: std::future::Future + Send + 'static,
+    {
+        self.0.push((
+            name,
+            tokio::spawn(async move {
+                task.await;
+            }),
+        ));
+    }
+
+    /// Waits until one task ends (none should) and names it.
+    async fn first_to_stop(&mut self) -> &'static str {
+        let names: Vec<&'static str> = self.0.iter().map(|(n, _)| *n).collect();
+        let handles = self.0.iter_mut().map(|(_, h)| h);
+        let (_, index, _) = futures::future::select_all(handles).await;
+        names.get(index).copied().unwrap_or("a component")
+    }
+}
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        for (_, handle) in &self.0 {
+            handle.abort();
+        }
     }
 }
 

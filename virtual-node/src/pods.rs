@@ -38,6 +38,8 @@ pub struct Context {
     pub lower_limit: TokenBucket,
     /// ConfigMaps and Secrets the pods reference.
     pub copies: Arc<Copies>,
+    /// Claims the pods mount.
+    pub volumes: Arc<crate::volumes::Volumes>,
     /// Pods missing below are only judged lost after this instant (caches warm up).
     pub started: Instant,
     pub lost_grace: Duration,
@@ -50,6 +52,8 @@ pub struct Context {
 pub enum Error {
     #[error("{0}")]
     Copy(#[from] copies::Error),
+    #[error("{0}")]
+    Volume(#[from] crate::volumes::Error),
     #[error("{cluster} {verb} {what}: {source}")]
     Api {
         cluster: &'static str,
@@ -111,12 +115,13 @@ pub fn error_policy(_pod: Arc<Pod>, err: &Error, ctx: Arc<Context>) -> Action {
     match err {
         Error::Api { cluster, verb, .. } => ctx.metrics.api_error(cluster, verb),
         Error::Copy(_) => ctx.metrics.api_error("lower", "copy"),
+        Error::Volume(_) => ctx.metrics.api_error("lower", "volume"),
     }
     Action::requeue(Duration::from_secs(2))
 }
 
 async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
-    ctx.lower_pods.wait_until_ready().await.ok();
+    crate::synced(&ctx.lower_pods).await;
     let ns = upper.namespace().unwrap_or_default();
     let name = upper.name_any();
     let upper_uid = upper.uid().unwrap_or_default();
@@ -265,7 +270,14 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
     };
     ensure_namespace(ctx, &ns).await?;
     // What the pod references is below before the pod is.
-    if let Err(blocked) = ctx.copies.prepare(upper).await? {
+    let mut blocked = ctx.copies.prepare(upper).await?;
+    for claim in crate::volumes::claims(upper) {
+        if blocked.is_err() {
+            break;
+        }
+        blocked = ctx.volumes.prepare(&ns, &claim).await?;
+    }
+    if let Err(blocked) = blocked {
         let (reason, event_reason, msg) = match blocked {
             Blocked::Missing(msg) => ("ReferenceMissing", "ReferenceMissing", msg),
             Blocked::Conflict(msg) => ("Conflict", "LowerCopyConflict", msg),
