@@ -52,13 +52,14 @@ fn low() -> &'static Path {
 /// A virtual node over the lower cluster, Ready upstream, whose copies go 2 s after their
 /// last pod.
 async fn virtual_node(name: &str) -> VirtualNode {
-    virtual_node_on_port(name, free_port().unwrap()).await
+    virtual_node_on_port(name, free_port().unwrap(), &[]).await
 }
 
-async fn virtual_node_on_port(name: &str, port: u16) -> VirtualNode {
+async fn virtual_node_on_port(name: &str, port: u16, extra: &[&str]) -> VirtualNode {
     let bed = bed();
-    let vn = VirtualNode::start_on_port(&bed.upper, name, &bed.lower, &["--copy-collection-delay=2"], port)
-        .unwrap();
+    let mut flags = vec!["--copy-collection-delay=2"];
+    flags.extend(extra);
+    let vn = VirtualNode::start_on_port(&bed.upper, name, &bed.lower, &flags, port).unwrap();
     eventually(
         up(),
         &format!("{name} Ready"),
@@ -533,8 +534,46 @@ async fn a_foreign_same_named_config_map_below_is_reported_and_left_untouched() 
 async fn copies_edited_or_deleted_below_are_repaired_and_a_restart_changes_nothing() {
     let bed = bed();
     let port = free_port().unwrap();
-    let vn = virtual_node_on_port("vn-repair", port).await;
+    let services = ["--enable-controllers=ServiceControllers"];
+    let vn = virtual_node_on_port("vn-repair", port, &services).await;
     bed.upper.create_namespace("repair").await.unwrap();
+    bed.lower.create_namespace("repair").await.unwrap();
+    // A Service and a claim too, so the restart below meets every kind of object.
+    apply(
+        low(),
+        r#"
+apiVersion: v1
+kind: List
+items:
+- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: repair-class},
+   provisioner: kubernetes.io/no-provisioner, volumeBindingMode: Immediate}
+- apiVersion: v1
+  kind: PersistentVolume
+  metadata: {name: repair-disk}
+  spec: {capacity: {storage: 1Gi}, accessModes: [ReadWriteOnce], storageClassName: repair-class,
+         hostPath: {path: /tmp/repair-disk}}
+"#,
+    )
+    .await;
+    apply(
+        up(),
+        r#"
+apiVersion: v1
+kind: List
+items:
+- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: repair-class},
+   provisioner: virtual-node.tensile.io, volumeBindingMode: WaitForFirstConsumer}
+- apiVersion: v1
+  kind: PersistentVolumeClaim
+  metadata: {name: vol, namespace: repair}
+  spec: {accessModes: [ReadWriteOnce], storageClassName: repair-class, resources: {requests: {storage: 1Gi}}}
+- apiVersion: v1
+  kind: Service
+  metadata: {name: api, namespace: repair}
+  spec: {selector: {app: repair}, ports: [{port: 80}]}
+"#,
+    )
+    .await;
     kubectl(
         up(),
         &[
@@ -566,12 +605,12 @@ async fn copies_edited_or_deleted_below_are_repaired_and_a_restart_changes_nothi
             "repair",
             "app",
             "vn-repair",
-            r#"  volumes: [{name: config, configMap: {name: cfg}}]
+            r#"  volumes: [{name: config, configMap: {name: cfg}}, {name: vol, persistentVolumeClaim: {claimName: vol}}]
   containers:
   - name: app
     image: web
     env: [{name: TOKEN, valueFrom: {secretKeyRef: {name: sec, key: token}}}]
-    volumeMounts: [{name: config, mountPath: /etc/app}]"#,
+    volumeMounts: [{name: config, mountPath: /etc/app}, {name: vol, mountPath: /data}]"#,
         ),
     )
     .await;
@@ -632,7 +671,7 @@ async fn copies_edited_or_deleted_below_are_repaired_and_a_restart_changes_nothi
                 "-n",
                 "repair",
                 "get",
-                "configmaps,secrets,pods",
+                "configmaps,secrets,services,endpoints,persistentvolumeclaims,pods",
                 "-l",
                 "tensile.io/upper-cluster",
                 "-o",
@@ -648,7 +687,7 @@ async fn copies_edited_or_deleted_below_are_repaired_and_a_restart_changes_nothi
                 "-n",
                 "repair",
                 "get",
-                "configmaps,secrets",
+                "configmaps,secrets,services,endpoints,persistentvolumeclaims",
                 "-l",
                 "tensile.io/upper-cluster",
                 "-o",
@@ -658,9 +697,18 @@ async fn copies_edited_or_deleted_below_are_repaired_and_a_restart_changes_nothi
         .await
     };
     let (objects, rvs) = (snapshot().await, versions().await);
-    assert_eq!(objects.lines().count(), 3, "{objects}");
+    assert_eq!(objects.lines().count(), 6, "{objects}");
+    let upper_volume = || async {
+        kubectl(
+            up(),
+            &["get", "pv", "-l", "tensile.io/virtual-node=vn-repair", "-o", r#"jsonpath={range .items[*]}{.metadata.name} {.metadata.uid} {.metadata.resourceVersion}{end}"#],
+        )
+        .await
+    };
+    let volume = upper_volume().await;
+    assert!(volume.starts_with("pvc-"), "{volume}");
     drop(vn);
-    let _vn = virtual_node_on_port("vn-repair", port).await;
+    let _vn = virtual_node_on_port("vn-repair", port, &services).await;
     // Longer than the collection delay and several resync passes.
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(
@@ -669,6 +717,7 @@ async fn copies_edited_or_deleted_below_are_repaired_and_a_restart_changes_nothi
         "no object below was replaced or removed"
     );
     assert_eq!(versions().await, rvs, "no copy was written");
+    assert_eq!(upper_volume().await, volume, "the upper volume was not touched");
 }
 
 #[tokio::test]

@@ -607,8 +607,14 @@ pub async fn run(args: Args) -> Result<(), Error> {
     tasks.spawn("the copy resync", copies.run(copies_changed));
     tasks.spawn("the claim and volume watches", volumes_watches);
     tasks.spawn("the volume resync", volumes.run(volumes_changed));
-    tasks.spawn("the kubelet API", kubelet::serve(kubelet_listener, tls, kubelet_state));
-    tasks.spawn("the admin endpoint", admin::serve(admin_listener, Arc::new(registry), readiness));
+    tasks.spawn(
+        "the kubelet API",
+        kubelet::serve(kubelet_listener, tls, kubelet_state),
+    );
+    tasks.spawn(
+        "the admin endpoint",
+        admin::serve(admin_listener, Arc::new(registry), readiness),
+    );
     Err(Error::Stopped(tasks.first_to_stop().await))
 }
 

@@ -198,8 +198,8 @@ impl Volumes {
     /// The upper volume standing for the lower claim `lower` of `upper`.
     fn upper_volume(&self, upper: &PersistentVolumeClaim, lower: &PersistentVolumeClaim) -> PersistentVolume {
         use k8s_openapi::api::core::v1::{
-            CSIPersistentVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectReference,
-            PersistentVolumeSpec, VolumeNodeAffinity,
+            CSIPersistentVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
+            ObjectReference, PersistentVolumeSpec, VolumeNodeAffinity,
         };
         let spec = upper.spec.clone().unwrap_or_default();
         let status = lower.status.clone().unwrap_or_default();
@@ -209,7 +209,8 @@ impl Volumes {
         } else {
             spec.resources.as_ref().and_then(|r| r.requests.clone())
         };
-        let access_modes = if bound { status.access_modes.clone() } else { None }.or(spec.access_modes.clone());
+        let access_modes =
+            if bound { status.access_modes.clone() } else { None }.or(spec.access_modes.clone());
         let (ns, name) = (upper.namespace().unwrap_or_default(), upper.name_any());
         PersistentVolume {
             metadata: kube::api::ObjectMeta {
@@ -237,7 +238,11 @@ impl Volumes {
                 }),
                 csi: Some(CSIPersistentVolumeSource {
                     driver: PROVISIONER.into(),
-                    volume_handle: format!("{}/{ns}/{name}/{}", self.identity.node, lower.uid().unwrap_or_default()),
+                    volume_handle: format!(
+                        "{}/{ns}/{name}/{}",
+                        self.identity.node,
+                        lower.uid().unwrap_or_default()
+                    ),
                     ..Default::default()
                 }),
                 node_affinity: Some(VolumeNodeAffinity {
