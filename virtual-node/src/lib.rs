@@ -216,6 +216,32 @@ where
     {}
 }
 
+/// A watch cache of `api` (narrowed by `config`) whose every event wakes `changed`: the
+/// store, and the future that keeps it current.
+fn watched<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    changed: &Arc<tokio::sync::Notify>,
+) -> (
+    reflector::Store<K>,
+    impl std::future::Future<Output = ()> + Send + 'static,
+)
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store::<K>();
+    let feed = reflector(writer, watcher(api, config))
+        .default_backoff()
+        .for_each(notify_on(changed.clone()));
+    (store, feed)
+}
+
 /// A watch-stream sink that wakes `changed` on every event.
 fn notify_on<T>(changed: Arc<tokio::sync::Notify>) -> impl FnMut(T) -> futures::future::Ready<()> {
     move |_| {
@@ -271,30 +297,13 @@ pub async fn run(args: Args) -> Result<(), Error> {
 
     // Lower caches: nodes and every running pod (capacity), and our own pods (controller).
     let changed = Arc::new(tokio::sync::Notify::new());
-    let (lower_nodes, nodes_writer) = reflector::store::<Node>();
-    let lower_nodes_watch = {
-        let changed = changed.clone();
-        reflector(
-            nodes_writer,
-            watcher(Api::<Node>::all(lower.clone()), watcher::Config::default()),
-        )
-        .default_backoff()
-        .for_each(move |_| {
-            changed.notify_one();
-            futures::future::ready(())
-        })
-    };
-    let (lower_all_pods, all_writer) = reflector::store::<Pod>();
-    let lower_all_watch = {
-        let changed = changed.clone();
-        let wc = watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed");
-        reflector(all_writer, watcher(Api::<Pod>::all(lower.clone()), wc))
-            .default_backoff()
-            .for_each(move |_| {
-                changed.notify_one();
-                futures::future::ready(())
-            })
-    };
+    let (lower_nodes, lower_nodes_watch) =
+        watched(Api::all(lower.clone()), watcher::Config::default(), &changed);
+    let (lower_all_pods, lower_all_watch) = watched(
+        Api::all(lower.clone()),
+        watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
+        &changed,
+    );
     let (lower_pods, ours_writer) = reflector::store::<Pod>();
     let lower_ours = reflector(
         ours_writer,
@@ -310,70 +319,36 @@ pub async fn run(args: Args) -> Result<(), Error> {
     // tokens), and the copies of this upper cluster below.
     let copies_changed = Arc::new(tokio::sync::Notify::new());
     let copy_marks = format!("{}={}", tensile_common::names::MARK_CLUSTER, identity.cluster_id);
-    let (upper_config_maps, w) = reflector::store::<ConfigMap>();
-    let upper_config_maps_watch = reflector(w, watcher(Api::all(upper.clone()), watcher::Config::default()))
-        .default_backoff()
-        .for_each(notify_on(copies_changed.clone()));
-    let (upper_secrets, w) = reflector::store::<Secret>();
-    let upper_secrets_watch = reflector(
-        w,
-        watcher(
-            Api::all(upper.clone()),
-            watcher::Config::default().fields("type!=kubernetes.io/service-account-token"),
-        ),
-    )
-    .default_backoff()
-    .for_each(notify_on(copies_changed.clone()));
-    let (lower_config_maps, w) = reflector::store::<ConfigMap>();
-    let lower_config_maps_watch = reflector(
-        w,
-        watcher(
-            Api::all(lower.clone()),
-            watcher::Config::default().labels(&copy_marks),
-        ),
-    )
-    .default_backoff()
-    .for_each(notify_on(copies_changed.clone()));
-    let (lower_secrets, w) = reflector::store::<Secret>();
-    let lower_secrets_watch = reflector(
-        w,
-        watcher(
-            Api::all(lower.clone()),
-            watcher::Config::default().labels(&copy_marks),
-        ),
-    )
-    .default_backoff()
-    .for_each(notify_on(copies_changed.clone()));
+    let (upper_config_maps, upper_config_maps_watch) = watched::<ConfigMap>(
+        Api::all(upper.clone()),
+        watcher::Config::default(),
+        &copies_changed,
+    );
+    let (upper_secrets, upper_secrets_watch) = watched::<Secret>(
+        Api::all(upper.clone()),
+        watcher::Config::default().fields("type!=kubernetes.io/service-account-token"),
+        &copies_changed,
+    );
+    let ours_below = || watcher::Config::default().labels(&copy_marks);
+    let (lower_config_maps, lower_config_maps_watch) =
+        watched::<ConfigMap>(Api::all(lower.clone()), ours_below(), &copies_changed);
+    let (lower_secrets, lower_secrets_watch) =
+        watched::<Secret>(Api::all(lower.clone()), ours_below(), &copies_changed);
     let (services, services_watches) = if args.enable_controllers.contains(&Controllers::Services) {
-        let (upper_services, w) = reflector::store::<Service>();
-        let upper_services_watch = reflector(w, watcher(Api::all(upper.clone()), watcher::Config::default()))
-            .default_backoff()
-            .for_each(notify_on(copies_changed.clone()));
-        let (upper_endpoints, w) = reflector::store::<Endpoints>();
-        let upper_endpoints_watch =
-            reflector(w, watcher(Api::all(upper.clone()), watcher::Config::default()))
-                .default_backoff()
-                .for_each(notify_on(copies_changed.clone()));
-        let (lower_services, w) = reflector::store::<Service>();
-        let lower_services_watch = reflector(
-            w,
-            watcher(
-                Api::all(lower.clone()),
-                watcher::Config::default().labels(&copy_marks),
-            ),
-        )
-        .default_backoff()
-        .for_each(notify_on(copies_changed.clone()));
-        let (lower_endpoints, w) = reflector::store::<Endpoints>();
-        let lower_endpoints_watch = reflector(
-            w,
-            watcher(
-                Api::all(lower.clone()),
-                watcher::Config::default().labels(&copy_marks),
-            ),
-        )
-        .default_backoff()
-        .for_each(notify_on(copies_changed.clone()));
+        let (upper_services, upper_services_watch) = watched::<Service>(
+            Api::all(upper.clone()),
+            watcher::Config::default(),
+            &copies_changed,
+        );
+        let (upper_endpoints, upper_endpoints_watch) = watched::<Endpoints>(
+            Api::all(upper.clone()),
+            watcher::Config::default(),
+            &copies_changed,
+        );
+        let (lower_services, lower_services_watch) =
+            watched::<Service>(Api::all(lower.clone()), ours_below(), &copies_changed);
+        let (lower_endpoints, lower_endpoints_watch) =
+            watched::<Endpoints>(Api::all(lower.clone()), ours_below(), &copies_changed);
         let stores = copies::ServiceStores {
             upper_services,
             upper_endpoints,
@@ -408,30 +383,16 @@ pub async fn run(args: Args) -> Result<(), Error> {
 
     // Claims upstream, and the claims and volumes this node made.
     let volumes_changed = Arc::new(tokio::sync::Notify::new());
-    let (upper_claims, w) = reflector::store::<PersistentVolumeClaim>();
-    let upper_claims_watch = reflector(w, watcher(Api::all(upper.clone()), watcher::Config::default()))
-        .default_backoff()
-        .for_each(notify_on(volumes_changed.clone()));
-    let (upper_volumes, w) = reflector::store::<PersistentVolume>();
-    let upper_volumes_watch = reflector(
-        w,
-        watcher(
-            Api::all(upper.clone()),
-            watcher::Config::default().labels(&identity.selector()),
-        ),
-    )
-    .default_backoff()
-    .for_each(notify_on(volumes_changed.clone()));
-    let (lower_claims, w) = reflector::store::<PersistentVolumeClaim>();
-    let lower_claims_watch = reflector(
-        w,
-        watcher(
-            Api::all(lower.clone()),
-            watcher::Config::default().labels(&identity.selector()),
-        ),
-    )
-    .default_backoff()
-    .for_each(notify_on(volumes_changed.clone()));
+    let (upper_claims, upper_claims_watch) = watched::<PersistentVolumeClaim>(
+        Api::all(upper.clone()),
+        watcher::Config::default(),
+        &volumes_changed,
+    );
+    let node_marks = || watcher::Config::default().labels(&identity.selector());
+    let (upper_volumes, upper_volumes_watch) =
+        watched::<PersistentVolume>(Api::all(upper.clone()), node_marks(), &volumes_changed);
+    let (lower_claims, lower_claims_watch) =
+        watched::<PersistentVolumeClaim>(Api::all(lower.clone()), node_marks(), &volumes_changed);
     let volumes_watches =
         async move { tokio::join!(upper_claims_watch, upper_volumes_watch, lower_claims_watch) };
 
@@ -531,17 +492,11 @@ pub async fn run(args: Args) -> Result<(), Error> {
     settings.taint = !args.disable_taint;
     settings.extra_labels = args.node_labels.iter().cloned().collect::<BTreeMap<_, _>>();
     let registered = Arc::new(tokio::sync::Notify::new());
-    let (upper_node, node_writer) = reflector::store::<Node>();
-    let upper_node_watch = {
-        let changed = changed.clone();
-        let wc = watcher::Config::default().fields(&format!("metadata.name={}", identity.node));
-        reflector(node_writer, watcher(Api::<Node>::all(upper.clone()), wc))
-            .default_backoff()
-            .for_each(move |_| {
-                changed.notify_one();
-                futures::future::ready(())
-            })
-    };
+    let (upper_node, upper_node_watch) = watched::<Node>(
+        Api::all(upper.clone()),
+        watcher::Config::default().fields(&format!("metadata.name={}", identity.node)),
+        &changed,
+    );
     let node_loop = NodeLoop {
         upper: upper.clone(),
         lower: lower.clone(),

@@ -52,8 +52,6 @@ pub struct Context {
 pub enum Error {
     #[error("{0}")]
     Copy(#[from] copies::Error),
-    #[error("{0}")]
-    Volume(#[from] crate::volumes::Error),
     #[error("{cluster} {verb} {what}: {source}")]
     Api {
         cluster: &'static str,
@@ -65,7 +63,7 @@ pub enum Error {
 }
 
 impl Error {
-    fn api(
+    pub(crate) fn api(
         cluster: &'static str,
         verb: &'static str,
         what: impl Into<String>,
@@ -115,7 +113,6 @@ pub fn error_policy(_pod: Arc<Pod>, err: &Error, ctx: Arc<Context>) -> Action {
     match err {
         Error::Api { cluster, verb, .. } => ctx.metrics.api_error(cluster, verb),
         Error::Copy(_) => ctx.metrics.api_error("lower", "copy"),
-        Error::Volume(_) => ctx.metrics.api_error("lower", "volume"),
     }
     Action::requeue(Duration::from_secs(2))
 }
@@ -575,30 +572,28 @@ pub async fn collect_orphans(ctx: &Context) -> usize {
 /// ConfigMap, service accounts and their tokens) is left in `ns`.
 async fn namespace_is_empty(ctx: &Context, ns: &str) -> Result<bool, kube::Error> {
     use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Secret, Service};
-    let lp = kube::api::ListParams::default().limit(5);
-    let pods = Api::<Pod>::namespaced(ctx.lower.clone(), ns)
-        .list_metadata(&lp)
-        .await?;
-    let claims = Api::<PersistentVolumeClaim>::namespaced(ctx.lower.clone(), ns)
-        .list_metadata(&lp)
-        .await?;
-    let services = Api::<Service>::namespaced(ctx.lower.clone(), ns)
-        .list_metadata(&lp)
-        .await?;
-    let config_maps = Api::<ConfigMap>::namespaced(ctx.lower.clone(), ns)
-        .list_metadata(&lp)
-        .await?;
-    let secrets = Api::<Secret>::namespaced(ctx.lower.clone(), ns)
-        .list(&kube::api::ListParams::default().fields("type!=kubernetes.io/service-account-token"))
-        .await?;
-    Ok(pods.items.is_empty()
-        && claims.items.is_empty()
-        && services.items.is_empty()
-        && config_maps
-            .items
-            .iter()
-            .all(|c| c.metadata.name.as_deref() == Some("kube-root-ca.crt"))
-        && secrets.items.is_empty())
+    async fn names<K>(ctx: &Context, ns: &str, fields: &str) -> Result<Vec<String>, kube::Error>
+    where
+        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + std::fmt::Debug,
+    {
+        let params = kube::api::ListParams::default().fields(fields).limit(5);
+        let list = Api::<K>::namespaced(ctx.lower.clone(), ns)
+            .list_metadata(&params)
+            .await?;
+        Ok(list.items.into_iter().filter_map(|o| o.metadata.name).collect())
+    }
+    Ok(names::<Pod>(ctx, ns, "").await?.is_empty()
+        && names::<PersistentVolumeClaim>(ctx, ns, "").await?.is_empty()
+        && names::<Service>(ctx, ns, "").await?.is_empty()
+        && names::<ConfigMap>(ctx, ns, "metadata.name!=kube-root-ca.crt")
+            .await?
+            .is_empty()
+        && names::<Secret>(ctx, ns, "type!=kubernetes.io/service-account-token")
+            .await?
+            .is_empty())
 }
 
 /// With `--gc-namespaces`: deletes lower namespaces this node created once they have been

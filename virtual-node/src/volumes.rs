@@ -35,32 +35,12 @@ use tensile_common::names;
 
 use crate::copies::Blocked;
 use crate::metrics::Metrics;
+use crate::pods::Error;
 use crate::ratelimit::TokenBucket;
 use crate::translate::{self, Identity};
 
 /// The provisioner name of upper StorageClasses whose claims virtual nodes provision.
 pub const PROVISIONER: &str = "virtual-node.tensile.io";
-
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("{cluster} {verb} {what}: {source}")]
-    Api {
-        cluster: &'static str,
-        verb: &'static str,
-        what: String,
-        #[source]
-        source: kube::Error,
-    },
-}
-
-fn api_err(cluster: &'static str, verb: &'static str, what: String) -> impl FnOnce(kube::Error) -> Error {
-    move |source| Error::Api {
-        cluster,
-        verb,
-        what,
-        source,
-    }
-}
 
 fn code(e: &kube::Error) -> Option<u16> {
     match e {
@@ -167,9 +147,9 @@ impl Volumes {
             Err(e) if code(&e) == Some(409) => {
                 api.get_opt(&name)
                     .await
-                    .map_err(api_err("lower", "get", format!("claim {ns}/{name}")))?
+                    .map_err(Error::api("lower", "get", format!("claim {ns}/{name}")))?
             }
-            Err(e) => return Err(api_err("lower", "create", format!("claim {ns}/{name}"))(e)),
+            Err(e) => return Err(Error::api("lower", "create", format!("claim {ns}/{name}"))(e)),
         };
         match existing {
             Some(l) if !self.identity.owns(&l.metadata) => Ok(Err(Blocked::Conflict(format!(
@@ -379,7 +359,7 @@ impl Volumes {
             Api::<PersistentVolumeClaim>::namespaced(self.upper.clone(), &ns)
                 .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
-                .map_err(api_err("upper", "patch", format!("claim {ns}/{name}")))?;
+                .map_err(Error::api("upper", "patch", format!("claim {ns}/{name}")))?;
         }
         let volume_name = Self::volume_name(&upper);
         let existing = self.upper_volumes.get(&ObjectRef::new(&volume_name));
@@ -397,7 +377,7 @@ impl Volumes {
                         Ok(())
                     }
                     Err(e) if code(&e) == Some(409) => Ok(()),
-                    Err(e) => Err(api_err("upper", "create", format!("volume {volume_name}"))(e)),
+                    Err(e) => Err(Error::api("upper", "create", format!("volume {volume_name}"))(e)),
                 }
             }
             Some(volume) => {
@@ -416,7 +396,7 @@ impl Volumes {
                 api.patch(&volume_name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
                     .map(|_| ())
-                    .map_err(api_err("upper", "patch", format!("volume {volume_name}")))
+                    .map_err(Error::api("upper", "patch", format!("volume {volume_name}")))
             }
         }
     }
@@ -440,7 +420,7 @@ impl Volumes {
                 Ok(())
             }
             Err(e) if matches!(code(&e), Some(404) | Some(409)) => Ok(()),
-            Err(e) => Err(api_err("lower", "delete", format!("claim {ns}/{name}"))(e)),
+            Err(e) => Err(Error::api("lower", "delete", format!("claim {ns}/{name}"))(e)),
         }
     }
 
@@ -463,7 +443,7 @@ impl Volumes {
                 Ok(())
             }
             Err(e) if matches!(code(&e), Some(404) | Some(409)) => Ok(()),
-            Err(e) => Err(api_err("upper", "delete", format!("volume {name}"))(e)),
+            Err(e) => Err(Error::api("upper", "delete", format!("volume {name}"))(e)),
         }
     }
 }
