@@ -157,16 +157,7 @@ async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
 
     if translate::is_daemonset_pod(upper) && !ctx.run_daemonset_pods {
         let msg = "DaemonSet pods are not run in the lower cluster (see --run-daemonset-pods)";
-        let already = upper
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| {
-                c.iter().any(|c| {
-                    c.type_ == names::CONDITION_LOWER_SYNCED && c.reason.as_deref() == Some("DaemonSetPod")
-                })
-            });
-        if !already {
+        if !synced_says(upper, |c| c.reason.as_deref() == Some("DaemonSetPod")) {
             event(ctx, upper, EventType::Warning, "DaemonSetPodNotRun", msg).await;
         }
         set_condition(
@@ -205,6 +196,19 @@ async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
 
     write_status(ctx, upper, &lower).await?;
     Ok(Action::requeue(Duration::from_secs(300)))
+}
+
+/// Whether the upper pod's `LowerPodSynced` condition already says what `says` checks (an
+/// event for it was then sent before).
+fn synced_says(upper: &Pod, says: impl Fn(&k8s_openapi::api::core::v1::PodCondition) -> bool) -> bool {
+    upper
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| {
+            c.iter()
+                .any(|c| c.type_ == names::CONDITION_LOWER_SYNCED && says(c))
+        })
 }
 
 /// The lower pod for `upper`; a pod that cannot be translated (a broken stash) is reported
@@ -279,16 +283,7 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
             Blocked::Missing(msg) => ("ReferenceMissing", "ReferenceMissing", msg),
             Blocked::Conflict(msg) => ("Conflict", "LowerCopyConflict", msg),
         };
-        let already = upper
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| {
-                c.iter().any(|c| {
-                    c.type_ == names::CONDITION_LOWER_SYNCED && c.message.as_deref() == Some(msg.as_str())
-                })
-            });
-        if !already {
+        if !synced_says(upper, |c| c.message.as_deref() == Some(msg.as_str())) {
             event(ctx, upper, EventType::Warning, event_reason, &msg).await;
         }
         set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", reason, &msg).await?;
