@@ -356,8 +356,8 @@ impl Demo {
             ),
             (
                 format!(
-                    "Stop {first}'s apiserver and watch its node go NotReady (about 15 s); after {secs} s its pods \
-                     are replaced on {others}. Then start it again"
+                    "Stop {first}'s apiserver: its node goes NotReady (about 15 s), {secs} s later its pods move \
+                     to {others}; then start it again"
                 ),
                 vec![
                     format!("{ctl} stop {first}"),
@@ -477,13 +477,15 @@ impl Demo {
             cluster.stop_apiserver();
             Ok(format!(
                 "{name}: kube-apiserver stopped. The virtual node {name} turns NotReady within about 15 s; \
-                 {} s later its pods are evicted and replaced on another virtual node.",
+                 {} s later its pods are evicted and replaced on another virtual node. The evicted pods stay \
+                 Terminating until {name} is back: nothing can confirm that they stopped there.",
                 self.options.toleration_seconds
             ))
         } else {
             cluster.start_apiserver().await?;
             Ok(format!(
-                "{name}: kube-apiserver running again. The virtual node {name} turns Ready within about 10 s."
+                "{name}: kube-apiserver running again. The virtual node {name} turns Ready within about 10 s; \
+                 pods evicted meanwhile are deleted below, then upstream, within a minute or two."
             ))
         }
     }
