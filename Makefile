@@ -2,8 +2,9 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 TESTBED_DIR ?= target/testbed
+DEMO_DIR ?= target/demo
 
-.PHONY: all build test lint fmt deps kube-bins testbed bench
+.PHONY: all build test lint fmt deps tools kube-bins testbed bench demo
 
 all: build
 
@@ -22,9 +23,12 @@ fmt:
 	$(CARGO) fmt --all
 
 # Everything a fresh machine lacks: rustfmt/clippy, etcd, the control-plane binaries.
-deps: kube-bins
+deps: kube-bins tools
 	@rustup component list --installed 2>/dev/null | grep -q rustfmt || rustup component add rustfmt
 	@rustup component list --installed 2>/dev/null | grep -q clippy || rustup component add clippy
+
+# The commands the test bed runs: kubectl, curl, setpriv.
+tools:
 	@command -v kubectl >/dev/null || { echo "kubectl is required on PATH (tests drive the clusters with it)"; exit 1; }
 	@command -v curl >/dev/null && command -v setpriv >/dev/null || { \
 	  echo "installing curl/util-linux (apt)"; apt-get update -qq && apt-get install -y -qq curl util-linux; }
@@ -42,3 +46,12 @@ testbed: kube-bins
 # Benchmarks; figures are written as JSON under target/bench/.
 bench: kube-bins
 	$(CARGO) run --release -p tensile-e2e --bin bench -- --bench all --out target/bench
+
+# The whole suite on this machine with a sample workload, until Ctrl-C: an upper cluster,
+# two lower clusters with simulated nodes, the webhook and a virtual-node per lower cluster.
+demo: tools
+	@echo "demo: building virtual-node, webhook and demo (the first build compiles about 200 crates: about 10 minutes on 2 cores)"
+	$(CARGO) build -p tensile-virtual-node -p tensile-webhook -p tensile-e2e --bins
+	@bash scripts/kube-bins.sh --check || echo "demo: the first run builds the Kubernetes control plane from source: about 7 minutes on 2 cores"
+	@bash scripts/kube-bins.sh >/dev/null
+	$(CARGO) run -q -p tensile-e2e --bin demo -- --dir $(DEMO_DIR) up

@@ -6,6 +6,9 @@
 #
 #   TENSILE_CACHE_DIR   cache root (default: ${XDG_CACHE_HOME:-$HOME/.cache}/tensile)
 #   KUBE_BIN_DIR        if set and complete, nothing is built; it is printed as is
+#
+# `kube-bins.sh --check` changes nothing: it exits 0 when everything is in place, 1 when a
+# run would build or install something.
 set -euo pipefail
 
 VERSION=v1.20.2
@@ -22,6 +25,13 @@ complete() {
   local d=$1
   for b in "${BINS[@]}"; do [ -x "$d/$b" ] || return 1; done
 }
+
+if [ "${1:-}" = --check ]; then
+  complete "${KUBE_BIN_DIR:-$OUT}" || exit 1
+  if [ -n "${ETCD_BIN:-}" ]; then [ -x "$ETCD_BIN" ] && exit 0; exit 1; fi
+  command -v etcd >/dev/null && exit 0
+  exit 1
+fi
 
 if [ -n "${KUBE_BIN_DIR:-}" ]; then
   complete "$KUBE_BIN_DIR" || die "KUBE_BIN_DIR=$KUBE_BIN_DIR lacks one of ${BINS[*]}" \

@@ -1,8 +1,11 @@
-//! Where the control-plane binaries come from.
+//! Where the binaries come from.
 //!
-//! `KUBE_BIN_DIR` (kube-apiserver, kube-scheduler, kube-controller-manager) and `ETCD_BIN`
-//! select any set of binaries; without them, `scripts/kube-bins.sh` builds v1.20.2 from
-//! Debian's source package once into the user's cache and reports where.
+//! Control plane: `KUBE_BIN_DIR` (kube-apiserver, kube-scheduler, kube-controller-manager)
+//! and `ETCD_BIN` select any set of binaries; without them, `scripts/kube-bins.sh` builds
+//! v1.20.2 from Debian's source package once into the user's cache and reports where.
+//!
+//! The suite's own daemons (`virtual-node`, `webhook`): `TENSILE_BIN_DIR`, or the cargo
+//! profile directory the running executable was built into ([`suite_binary`]).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -105,6 +108,40 @@ fn build() -> Result<PathBuf, Error> {
     }
     let dir = String::from_utf8_lossy(&out.stdout).trim().to_owned();
     Ok(PathBuf::from(dir))
+}
+
+/// The suite's binary `name` (`virtual-node`, `webhook`) as cargo built it: in
+/// `TENSILE_BIN_DIR` when set, else in the profile directory of the running executable
+/// (`target/debug/` for the `demo` binary and for tests, which run from `target/debug/deps/`).
+pub fn suite_binary(name: &str) -> Result<PathBuf, Error> {
+    let dirs: Vec<PathBuf> = match std::env::var_os("TENSILE_BIN_DIR") {
+        Some(dir) => vec![PathBuf::from(dir)],
+        None => {
+            let exe_dir = std::env::current_exe()
+                .ok()
+                .and_then(|exe| exe.parent().map(Path::to_path_buf));
+            let mut dirs: Vec<PathBuf> = exe_dir.iter().cloned().collect();
+            if let Some(dir) = exe_dir.filter(|d| d.file_name().is_some_and(|n| n == "deps")) {
+                dirs.extend(dir.parent().map(Path::to_path_buf));
+            }
+            dirs
+        }
+    };
+    let package = format!("tensile-{name}");
+    dirs.iter()
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .ok_or_else(|| Error::Binary {
+            what: name.to_owned(),
+            detail: format!(
+                "not found in {}; build it with `cargo build -p {package} --bin {name}` \
+                 (same profile and target directory) or set TENSILE_BIN_DIR",
+                dirs.iter()
+                    .map(|d| d.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(" or ")
+            ),
+        })
 }
 
 /// Runs `binary --version` and parses `Kubernetes v1.MINOR.PATCH`.

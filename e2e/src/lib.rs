@@ -13,6 +13,7 @@ pub mod benches;
 pub mod bins;
 pub mod check;
 pub mod cluster;
+pub mod demo;
 pub mod etcd;
 pub mod in_process;
 pub mod kubectl;
@@ -55,6 +56,8 @@ pub enum Error {
     Kubeconfig(#[from] tensile_common::kubeconfig::Error),
     #[error("kubernetes API: {0}")]
     Kube(#[from] kube::Error),
+    #[error("{0}")]
+    Demo(String),
     #[error("timed out after {secs} s waiting for {what}")]
     Timeout { what: String, secs: u64 },
 }

@@ -418,6 +418,8 @@ impl Inner {
     async fn heartbeat(self: Arc<Self>, node: String, on: Arc<AtomicBool>, wake: Arc<tokio::sync::Notify>) {
         let mut last_status = tokio::time::Instant::now();
         let mut was_on = true;
+        // A lost apiserver is reported once, not at every beat of every node.
+        let mut failing = false;
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(self.options.lease_renew) => {}
@@ -437,14 +439,28 @@ impl Inner {
             }
             let resumed = !was_on;
             was_on = true;
-            if let Err(e) = self.renew_lease(&node).await {
-                tracing::warn!(%node, "lease renewal failed: {e}");
-            }
+            let lease = self
+                .renew_lease(&node)
+                .await
+                .err()
+                .map(|e| format!("lease renewal failed: {e}"));
+            let mut status = None;
             if resumed || last_status.elapsed() >= self.options.status_period {
                 match self.patch_node_status(&config, resumed).await {
                     Ok(()) => last_status = tokio::time::Instant::now(),
-                    Err(e) => tracing::warn!(%node, "status patch failed: {e}"),
+                    Err(e) => status = Some(format!("status patch failed: {e}")),
                 }
+            }
+            match lease.or(status) {
+                Some(problem) if !failing => {
+                    tracing::warn!(%node, "{problem} (not repeated until the heartbeat works again)");
+                    failing = true;
+                }
+                None if failing => {
+                    tracing::info!(%node, "heartbeat works again");
+                    failing = false;
+                }
+                _ => {}
             }
         }
     }

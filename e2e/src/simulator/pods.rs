@@ -11,7 +11,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
@@ -22,7 +22,11 @@ use super::{Inner, now_time};
 pub(super) async fn watch(inner: Arc<Inner>) {
     let api: Api<Pod> = Api::all(inner.client.clone());
     let config = watcher::Config::default().fields("spec.nodeName!=");
-    let mut stream = watcher(api, config).default_backoff().boxed();
+    // Retried every second, not with kube's growing backoff: on loopback a retry is cheap,
+    // and after an apiserver restart the simulated kubelets must act at once (a pod deleted
+    // meanwhile would otherwise stay Terminating for up to a minute).
+    let mut stream = watcher(api, config).boxed();
+    let mut failing = false;
     let mut actors: HashMap<String, watch::Sender<Pod>> = HashMap::new();
     let mut seen_in_relist: HashSet<String> = HashSet::new();
     while let Some(event) = stream.next().await {
@@ -53,7 +57,18 @@ pub(super) async fn watch(inner: Arc<Inner>) {
                 }
                 forget(&inner, &pod);
             }
-            Err(e) => tracing::warn!("pod watch: {e}"),
+            Err(e) => {
+                if !failing {
+                    tracing::warn!("pod watch: {e} (retrying every second)");
+                    failing = true;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        }
+        if failing {
+            tracing::info!("pod watch works again");
+            failing = false;
         }
         actors.retain(|_, tx| !tx.is_closed());
     }

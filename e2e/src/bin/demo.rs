@@ -1,0 +1,150 @@
+//! `demo [--dir DIR] up | stop LOWER | start LOWER`
+//!
+//! `up` (what `make demo` runs) starts the whole suite on this machine: an upper cluster, two
+//! lower clusters with simulated nodes, the webhook and one virtual-node per lower cluster,
+//! then applies the sample workload, waits until it runs, prints what to try, and keeps
+//! everything running until SIGINT or SIGTERM. `stop` and `start`, from another terminal,
+//! stop and restart a lower cluster's apiserver in the running demo.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use tensile_common::telemetry::LogArgs;
+use tensile_e2e::demo::{Demo, DemoOptions, send_command, shown};
+
+const DEFAULT_DIR: &str = "target/demo";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "demo",
+    about = "The tensile suite on this machine, with a sample workload"
+)]
+struct Cli {
+    /// Directory for kubeconfigs, logs and the control socket.
+    #[arg(long, env = "DEMO_DIR", default_value = DEFAULT_DIR, global = true)]
+    dir: PathBuf,
+    #[command(flatten)]
+    log: LogArgs,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Start everything and keep it running until Ctrl-C (the default).
+    Up {
+        /// The workload to apply to the upper cluster.
+        #[arg(long, env = "DEMO_MANIFEST")]
+        manifest: Option<PathBuf>,
+    },
+    /// Stop a lower cluster's apiserver in the running demo: its virtual node goes NotReady.
+    Stop {
+        /// The lower cluster (lower-a or lower-b).
+        cluster: String,
+    },
+    /// Start a stopped lower cluster's apiserver again.
+    Start {
+        /// The lower cluster (lower-a or lower-b).
+        cluster: String,
+    },
+}
+
+fn main() -> ExitCode {
+    let mut cli = Cli::parse();
+    // The demo's own lines are the output; the simulators' warnings stay, kube's client
+    // retries (which fail by design while apiservers start) do not.
+    if std::env::var_os("TENSILE_LOG").is_none() && cli.log.level == "info" {
+        cli.log.level = "warn,kube_client=off,kube_runtime=off".into();
+    }
+    if let Err(e) = tensile_common::telemetry::init(&cli.log) {
+        eprintln!("demo: {e}");
+        return ExitCode::from(2);
+    }
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("demo: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("demo: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn say(message: &str) {
+    println!("demo: {message}");
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command.unwrap_or(Command::Up { manifest: None }) {
+        Command::Up { manifest } => up(&cli.dir, manifest).await,
+        Command::Stop { cluster } => control(&cli.dir, &format!("stop {cluster}")).await,
+        Command::Start { cluster } => control(&cli.dir, &format!("start {cluster}")).await,
+    }
+}
+
+async fn control(dir: &Path, command: &str) -> anyhow::Result<()> {
+    let reply = send_command(dir, command).await?;
+    println!("{reply}");
+    Ok(())
+}
+
+async fn up(dir: &Path, manifest: Option<PathBuf>) -> anyhow::Result<()> {
+    let mut options = DemoOptions::new(dir);
+    if let Some(m) = manifest {
+        options.manifest = m;
+    }
+    options.control_command = control_command(dir);
+    let demo = tokio::select! {
+        demo = Demo::start(options, &say) => demo.context("starting the demo")?,
+        r = wait_for_signal() => {
+            r?;
+            say("interrupted; stopping what was started");
+            return Ok(());
+        }
+    };
+    println!("{}", demo.summary());
+    tokio::select! {
+        _ = demo.serve_control(&say) => {}
+        r = wait_for_signal() => r?,
+    }
+    say("stopping the virtual nodes, the webhook and the clusters");
+    drop(demo);
+    say("stopped");
+    Ok(())
+}
+
+/// How a user in the current directory reaches this demo: this executable, plus `--dir`
+/// unless it is the default.
+fn control_command(dir: &Path) -> String {
+    let exe = std::env::current_exe()
+        .map(|p| shown(&p))
+        .unwrap_or_else(|_| "demo".into());
+    let exe = if exe.contains('/') {
+        exe
+    } else {
+        format!("./{exe}")
+    };
+    if dir == Path::new(DEFAULT_DIR) {
+        exe
+    } else {
+        format!("{exe} --dir {}", dir.display())
+    }
+}
+
+async fn wait_for_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.context("waiting for SIGINT")?,
+        _ = term.recv() => {}
+    }
+    Ok(())
+}
