@@ -113,6 +113,36 @@ async fn the_demo_runs_its_workload_below_shows_it_above_and_cleans_up() {
                 lower.as_str()
             );
         }
+        // The ConfigMap and Secret the pods use travelled with them, with upstream content.
+        for (kind, name, field) in [
+            ("configmap", "web-config", "{.data.greeting}"),
+            ("secret", "web-secret", "{.data.token}"),
+        ] {
+            let get = |kubeconfig: std::path::PathBuf| async move {
+                let out = tensile_e2e::kubectl::run(
+                    &kubeconfig,
+                    &[
+                        "-n",
+                        "demo",
+                        "get",
+                        kind,
+                        name,
+                        "-o",
+                        &format!("jsonpath={field}"),
+                    ],
+                )
+                .await;
+                assert!(out.ok, "{kind} {name}: {}", out.stderr);
+                out.stdout
+            };
+            let above = get(demo.kubeconfig("upper")).await;
+            assert!(!above.is_empty());
+            assert_eq!(
+                get(demo.kubeconfig(lower)).await,
+                above,
+                "{kind} {name} in {lower}"
+            );
+        }
     }
 
     // Every command the demo prints works (watches aside), the scale included.
