@@ -237,9 +237,31 @@ where
 {
     let (store, writer) = reflector::store::<K>();
     let feed = reflector(writer, watcher(api, config))
-        .default_backoff()
+        .backoff(WatchBackoff::default())
         .for_each(notify_on(changed.clone()));
     (store, feed)
+}
+
+/// Retry delays of a failed watch: 200 ms doubling to 2 s, from the start again after a
+/// success. kube's default grows to 30 s, which leaves a recovered lower cluster unseen for
+/// that long; a virtual node must notice recovery as quickly as it notices loss.
+#[derive(Clone, Debug, Default)]
+pub struct WatchBackoff(u32);
+
+impl Iterator for WatchBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let delay = Duration::from_millis(200 << self.0.min(4)).min(Duration::from_secs(2));
+        self.0 = self.0.saturating_add(1);
+        Some(delay)
+    }
+}
+
+impl kube::runtime::utils::Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        self.0 = 0;
+    }
 }
 
 /// A watch-stream sink that wakes `changed` on every event.
@@ -312,7 +334,7 @@ pub async fn run(args: Args) -> Result<(), Error> {
             watcher::Config::default().labels(&identity.selector()),
         ),
     )
-    .default_backoff()
+    .backoff(WatchBackoff::default())
     .touched_objects();
 
     // ConfigMaps and Secrets: every upper one that may travel (never service-account
@@ -611,6 +633,16 @@ impl Drop for Tasks {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn watch_retries_grow_to_two_seconds_and_start_over_after_a_success() {
+        use kube::runtime::utils::Backoff as _;
+        let mut b = WatchBackoff::default();
+        let ms: Vec<u128> = b.by_ref().take(7).map(|d| d.as_millis()).collect();
+        assert_eq!(ms, [200, 400, 800, 1600, 2000, 2000, 2000]);
+        b.reset();
+        assert_eq!(b.next(), Some(Duration::from_millis(200)));
+    }
 
     #[test]
     fn flags_parse_and_bad_ones_are_named() {
