@@ -590,7 +590,8 @@ fn plan(
             New::Tolerations(&upper_tolerations),
         ));
     }
-    let patch = serde_json::to_vec(&ops).map_err(|e| format!("cannot encode the patch: {e}"))?;
+    let mut patch = Vec::with_capacity(2048);
+    serde_json::to_writer(&mut patch, &ops).map_err(|e| format!("cannot encode the patch: {e}"))?;
     Ok((patch, warnings))
 }
 

@@ -156,7 +156,7 @@ pub fn encode(response: AdmissionResponse) -> Result<Vec<u8>, serde_json::Error>
         allowed: bool,
         status: Status,
         #[serde(skip_serializing_if = "Option::is_none")]
-        patch: Option<String>,
+        patch: Option<Box<RawValue>>,
         #[serde(skip_serializing_if = "Option::is_none")]
         patch_type: Option<&'static str>,
         #[serde(skip_serializing_if = "HashMap::is_empty")]
@@ -181,10 +181,19 @@ pub fn encode(response: AdmissionResponse) -> Result<Vec<u8>, serde_json::Error>
         warnings,
         ..
     } = response;
-    let patch = patch.map(|p| base64::engine::general_purpose::STANDARD.encode(p));
+    // Base64 never needs escaping, so the string goes out as it is written.
+    let patch = patch
+        .map(|p| {
+            let mut text = String::with_capacity(p.len().div_ceil(3) * 4 + 2);
+            text.push('"');
+            base64::engine::general_purpose::STANDARD.encode_string(p, &mut text);
+            text.push('"');
+            RawValue::from_string(text)
+        })
+        .transpose()?;
     // Only `with_patch` sets a patch, and its type is always JSONPatch.
     let patch_type = patch.as_ref().map(|_| "JSONPatch");
-    let size = 256 + patch.as_ref().map_or(0, String::len) + result.message.len();
+    let size = 256 + patch.as_ref().map_or(0, |p| p.get().len()) + result.message.len();
     let mut out = Vec::with_capacity(size);
     serde_json::to_writer(
         &mut out,

@@ -7,7 +7,7 @@
 //! created directly in the lower cluster, bound → Running.
 //!
 //! `webhook` (`--bench webhook`): admission reviews over HTTPS with keep-alive on loopback,
-//! sent to the webhook running in this process on a runtime of its own. A closed loop on
+//! sent from one thread to the webhook running in this process on a runtime of its own. A closed loop on
 //! several connections gives the throughput; an open loop at a fixed rate gives latency
 //! measured from each request's scheduled send time, so a stall is not hidden.
 
@@ -76,24 +76,36 @@ fn main() -> anyhow::Result<()> {
         level: "warn,kube_client=off".into(),
         format: tensile_common::telemetry::LogFormat::Plain,
     })?;
-    let rt = tokio::runtime::Runtime::new().context("async runtime")?;
-    rt.block_on(async {
-        std::fs::create_dir_all(&cli.out).with_context(|| format!("creating {}", cli.out.display()))?;
-        if matches!(cli.bench, Which::Simulator | Which::All) {
-            let figures = simulator(cli.sim_pods, cli.sim_nodes).await?;
-            write_figures(&cli.out, "simulator.json", &figures)?;
-        }
-        if matches!(cli.bench, Which::VirtualNode | Which::All) {
-            let figures = tensile_e2e::benches::virtual_node(cli.vn_pods).await?;
-            write_figures(&cli.out, "virtual-node.json", &figures)?;
-        }
-        if matches!(cli.bench, Which::Webhook | Which::All) {
-            let secs = Duration::from_secs(cli.webhook_secs.max(1));
-            let figures = webhook::run(cli.webhook_connections.max(1), secs, cli.webhook_rate.max(1)).await?;
-            write_figures(&cli.out, "webhook.json", &figures)?;
-        }
-        Ok(())
-    })
+    std::fs::create_dir_all(&cli.out).with_context(|| format!("creating {}", cli.out.display()))?;
+    if matches!(cli.bench, Which::Simulator | Which::VirtualNode | Which::All) {
+        let rt = tokio::runtime::Runtime::new().context("async runtime")?;
+        rt.block_on(async {
+            if matches!(cli.bench, Which::Simulator | Which::All) {
+                let figures = simulator(cli.sim_pods, cli.sim_nodes).await?;
+                write_figures(&cli.out, "simulator.json", &figures)?;
+            }
+            if matches!(cli.bench, Which::VirtualNode | Which::All) {
+                let figures = tensile_e2e::benches::virtual_node(cli.vn_pods).await?;
+                write_figures(&cli.out, "virtual-node.json", &figures)?;
+            }
+            Ok::<_, anyhow::Error>(())
+        })?;
+    }
+    if matches!(cli.bench, Which::Webhook | Which::All) {
+        // The load client runs on this one thread; the webhook gets a runtime of its own.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("async runtime")?;
+        let secs = Duration::from_secs(cli.webhook_secs.max(1));
+        let figures = rt.block_on(webhook::run(
+            cli.webhook_connections.max(1),
+            secs,
+            cli.webhook_rate.max(1),
+        ))?;
+        write_figures(&cli.out, "webhook.json", &figures)?;
+    }
+    Ok(())
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
