@@ -419,7 +419,7 @@ fn plan(
     claims: &dyn ClaimNodes,
 ) -> Result<(Vec<u8>, Vec<String>), String> {
     let Pod { metadata, spec, .. } = *pod;
-    let spec = spec.ok_or("the pod has no spec")?;
+    let mut spec = spec.ok_or("the pod has no spec")?;
     let keep = &policy.ignore_selector_keys;
     let mut warnings = Vec::new();
 
@@ -432,12 +432,10 @@ fn plan(
         .partition(|(k, _)| keep.contains(k));
 
     // Required node affinity, term by term.
-    let node_affinity = spec.affinity.as_ref().and_then(|a| a.node_affinity.clone());
-    let terms: Vec<NodeSelectorTerm> = node_affinity
-        .as_ref()
+    let node_affinity = spec.affinity.as_ref().and_then(|a| a.node_affinity.as_ref());
+    let terms: &[NodeSelectorTerm] = node_affinity
         .and_then(|na| na.required_during_scheduling_ignored_during_execution.as_ref())
-        .map(|r| r.node_selector_terms.clone())
-        .unwrap_or_default();
+        .map_or(&[], |r| &r.node_selector_terms);
     let splits: Vec<Split> = terms.iter().map(|t| split_term(t, keep)).collect();
     if splits.len() > 1
         && splits
@@ -450,16 +448,9 @@ fn plan(
                 .to_owned(),
         );
     }
-    let lower_terms = if splits.is_empty() {
-        None
-    } else {
-        side(splits.iter().map(|s| s.lower.clone()))
-    };
-    let mut upper_terms = if splits.is_empty() {
-        None
-    } else {
-        side(splits.into_iter().map(|s| s.upper))
-    };
+    let (uppers, lowers): (Vec<_>, Vec<_>) = splits.into_iter().map(|s| (s.upper, s.lower)).unzip();
+    let lower_terms = side(lowers.into_iter());
+    let mut upper_terms = side(uppers.into_iter());
 
     // A PVC already bound for a virtual node pins the pod there.
     let mut volumes: Vec<&str> = spec
@@ -529,7 +520,8 @@ fn plan(
                 .collect(),
         );
     }
-    let preferred = node_affinity.and_then(|na| na.preferred_during_scheduling_ignored_during_execution);
+    let preferred =
+        node_affinity.and_then(|na| na.preferred_during_scheduling_ignored_during_execution.clone());
     let upper_affinity = required(upper_terms, preferred);
     let lower_affinity = required(lower_terms, None);
 
@@ -546,10 +538,13 @@ fn plan(
             Some(policy.unreachable_seconds),
         ),
     ];
+    // Judged before the pod's own tolerations move into the stash.
+    let new_tolerations = spec.tolerations.as_ref() != Some(&upper_tolerations)
+        || raw_differs(object, &["spec", "tolerations"], &upper_tolerations)?;
     let stash = Stash::new(
         lower_selector,
         lower_affinity,
-        spec.tolerations.clone().unwrap_or_default(),
+        spec.tolerations.take().unwrap_or_default(),
     );
     let stash_text = stash.encode().map_err(|e| e.to_string())?;
 
@@ -582,9 +577,7 @@ fn plan(
             }
         }
     }
-    if spec.tolerations.as_ref() != Some(&upper_tolerations)
-        || raw_differs(object, &["spec", "tolerations"], &upper_tolerations)?
-    {
+    if new_tolerations {
         ops.push(add(
             &["spec", "tolerations"],
             New::Tolerations(&upper_tolerations),

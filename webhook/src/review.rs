@@ -14,6 +14,7 @@ use std::collections::HashMap;
 use base64::Engine as _;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse};
 use kube::core::{DynamicObject, Status, TypeMeta};
+use serde::de::value::MapDeserializer;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -116,22 +117,32 @@ pub fn parse(body: &[u8]) -> Result<Review, ReviewError> {
         Some(Level::Null) | None => return Err(ReviewError::NoRequest),
         Some(_) => return Err(ReviewError::Request("request is not an object".into())),
     };
-    // The other members are small, so they are decoded from a tree: a malformed request gets
-    // the error decoding the whole review gives. A repeated member counts once, the last time.
-    let mut fields = serde_json::Map::new();
-    let mut object = None;
-    for (key, value) in members {
-        match key.as_ref() {
-            "object" => object = Some(value),
-            "oldObject" => {}
-            _ => {
-                let value: Value = serde_json::from_str(value.get()).map_err(json)?;
-                fields.insert(key.into_owned(), value);
+    // The other members are decoded straight from their text, each once, the last time it
+    // occurs, as in a parsed tree. Should that fail, they are decoded again from a tree, so
+    // that a malformed request gets the very error decoding the whole review gives.
+    let object = members.iter().rev().find(|(k, _)| k == "object").map(|(_, v)| *v);
+    let fields = || {
+        members
+            .iter()
+            .enumerate()
+            .filter(|(i, (k, _))| {
+                k != "object" && k != "oldObject" && !members[i + 1..].iter().any(|(later, _)| later == k)
+            })
+            .map(|(_, (k, v))| (k.clone(), *v))
+    };
+    let direct = AdmissionRequest::<DynamicObject>::deserialize(
+        MapDeserializer::<_, serde_json::Error>::new(fields()),
+    );
+    let mut request = match direct {
+        Ok(request) => request,
+        Err(_) => {
+            let mut tree = serde_json::Map::new();
+            for (key, value) in fields() {
+                tree.insert(key.into_owned(), serde_json::from_str(value.get()).map_err(json)?);
             }
+            serde_json::from_value(Value::Object(tree)).map_err(|e| ReviewError::Request(e.to_string()))?
         }
-    }
-    let mut request: AdmissionRequest<DynamicObject> =
-        serde_json::from_value(Value::Object(fields)).map_err(|e| ReviewError::Request(e.to_string()))?;
+    };
     // An answer in the review is held to its type, as decoding the whole review would.
     if let Some(answer) = envelope.response {
         let answer: Value = serde_json::from_str(answer.get()).map_err(json)?;
@@ -282,11 +293,12 @@ mod tests {
     fn a_repeated_member_counts_the_last_time_as_in_a_parsed_tree() {
         let body = br#"{"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": 5,
             "request": {"uid": "first", "u\u0069d": "u-2", "operation": "CREATE", "userInfo": {},
-                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "kind": {"group": "", "version": "v1", "kind": 1, "kind": "Pod"},
                 "resource": {"group": "", "version": "v1", "resource": "pods"},
                 "object": {"kind": "Pod"}, "object": null, "oldObject": {"never": ["read"]}}}"#;
         let review = parse(body).unwrap();
         assert_eq!(review.request.uid, "u-2");
+        assert_eq!(review.request.kind.kind, "Pod");
         assert!(review.object.is_none());
     }
 
