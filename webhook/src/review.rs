@@ -6,8 +6,8 @@
 //! as raw JSON and judged by [`crate::mutate`].
 //!
 //! The body is read in one pass that keeps the pod as text ([`crate::raw`]): the pod, most
-//! of the body, is then decoded once, by [`crate::mutate`], instead of being parsed into a
-//! tree first. The errors are the ones decoding the whole review as `AdmissionReview` gives.
+//! of the body, is decoded once, by [`crate::mutate`], and never parsed into a tree. The
+//! errors are the ones decoding the whole review as `AdmissionReview` gives.
 
 use std::collections::HashMap;
 
