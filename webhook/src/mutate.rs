@@ -5,10 +5,10 @@
 //! pod to stash, whose PVCs ([`Stashing::claims`]) the caller looks up before
 //! [`Stashing::finish`] writes the patch. [`mutate`] takes both steps at once.
 //!
-//! An opted-in pod is decoded once, whole: a pod that does not decode is refused rather than
-//! patched into one that still does not. Only then are its labels and stash read from the
-//! raw JSON ([`crate::raw`]), to tell a pod that is not ours, or already stashed, from one to
-//! refuse.
+//! The pod is decoded once, whole, before anything is read from it: a pod that does not
+//! decode is refused rather than patched into one that still does not. Only then are its
+//! labels and stash read from the raw JSON ([`crate::raw`]), to tell a pod that is not ours,
+//! or already stashed, from one to refuse.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -275,12 +275,13 @@ fn path(tokens: &[&str]) -> String {
 
 /// A value of the patch, written straight from its typed form.
 enum New<'a> {
-    /// The stash annotation's text, alone or as the only annotation.
+    /// The stash annotation's text.
     Stash(&'a str),
+    /// A new `annotations` holding only the stash.
     Annotations(&'a str),
     NodeSelector(&'a BTreeMap<String, String>),
-    /// Node affinity, alone or as the only member of a new `affinity`.
     NodeAffinity(&'a NodeAffinity),
+    /// A new `affinity` holding only node affinity.
     Affinity(&'a NodeAffinity),
     Tolerations(&'a [Toleration]),
 }
