@@ -19,6 +19,7 @@ pub mod ca_bundle;
 pub mod metrics;
 pub mod mutate;
 pub mod policy;
+pub mod raw;
 pub mod review;
 pub mod server;
 pub mod tls;

@@ -1,23 +1,32 @@
 //! The pure mutation: one review in, one response out, no I/O.
 //!
 //! The only outside knowledge a mutation needs, which node a bound PVC selected, is looked
-//! up beforehand ([`claims_to_look_up`]) and passed in through [`ClaimNodes`].
+//! up between two steps: [`judge`] answers every review it can and hands back an opted-in
+//! pod to stash, whose PVCs ([`Stashing::claims`]) the caller looks up before
+//! [`Stashing::finish`] writes the patch. [`mutate`] takes both steps at once.
+//!
+//! The pod is decoded once, whole, before anything is read from it: a pod that does not
+//! decode is refused rather than patched into one that still does not. Only then are its
+//! labels and stash read from the raw JSON ([`crate::raw`]), to tell a pod that is not ours,
+//! or already stashed, from one to refuse.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use json_patch::jsonptr::PointerBuf;
-use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation};
+use json_patch::Patch;
 use k8s_openapi::api::core::v1::{
     NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod, Toleration,
 };
 use kube::core::admission::{AdmissionResponse, Operation};
-use serde::Deserialize as _;
+use serde::Serialize;
+use serde::ser::{SerializeMap as _, Serializer};
 use serde_json::Value;
+use serde_json::value::RawValue;
 use tensile_common::names;
 use tensile_common::stash::Stash;
 
 use crate::policy::{Policy, VirtualNodeConstraint};
-use crate::review::Review;
+use crate::raw::{self, Level};
+use crate::review::{self, Review};
 
 /// The node a PVC of the pod's namespace was bound for (its selected-node annotation).
 pub trait ClaimNodes {
@@ -64,86 +73,158 @@ pub struct Outcome {
     pub verdict: Verdict,
 }
 
+/// A review after the first step.
+// Made and taken apart once per review: boxing the answer would only add an allocation.
+#[allow(clippy::large_enum_variant)]
+pub enum Judgement<'a> {
+    /// Answered without asking about PVCs.
+    Decided(Outcome),
+    /// An opted-in pod without a stash: to be stashed.
+    Stash(Stashing<'a>),
+}
+
+/// An opted-in pod, decoded, that carries no stash yet.
+pub struct Stashing<'a> {
+    review: &'a Review,
+    object: &'a RawValue,
+    pod: Box<Pod>,
+}
+
+impl Stashing<'_> {
+    /// The PVCs whose selected node [`Stashing::finish`] will ask about.
+    pub fn claims(&self) -> Vec<String> {
+        let volumes = self.pod.spec.iter().flat_map(|s| s.volumes.iter().flatten());
+        let mut claims: Vec<String> = volumes
+            .filter_map(|v| v.persistent_volume_claim.as_ref())
+            .map(|c| c.claim_name.clone())
+            .collect();
+        claims.sort();
+        claims.dedup();
+        claims
+    }
+
+    /// The second step: the patch, given the nodes the pod's PVCs selected.
+    pub fn finish(self, policy: &Policy, claims: &dyn ClaimNodes) -> Outcome {
+        let review = self.review;
+        match plan(self.object, self.pod, policy, claims) {
+            // `with_patch` is the only way to set the patch type; the patch itself is
+            // written by `plan`, straight from the typed values.
+            Ok((patch, warnings)) => match allow(review).with_patch(Patch::default()) {
+                Ok(mut response) => {
+                    response.patch = Some(patch);
+                    if !warnings.is_empty() {
+                        response.warnings = Some(warnings);
+                    }
+                    Outcome {
+                        response,
+                        verdict: Verdict::Mutated,
+                    }
+                }
+                Err(e) => deny(review, format!("cannot encode the patch: {e}")),
+            },
+            Err(message) => deny(review, message),
+        }
+    }
+}
+
 /// The PVCs whose selected node [`mutate`] will ask about: those of a pod it will stash.
 pub fn claims_to_look_up(review: &Review, policy: &Policy) -> Vec<String> {
-    let Ok(Some(object)) = target(review, policy) else {
-        return Vec::new();
-    };
-    if stash_annotation(object).is_some() {
-        return Vec::new();
+    match judge(review, policy) {
+        Judgement::Stash(pod) => pod.claims(),
+        Judgement::Decided(_) => Vec::new(),
     }
-    let volumes = object.pointer("/spec/volumes").and_then(Value::as_array);
-    let mut claims: Vec<String> = volumes
-        .into_iter()
-        .flatten()
-        .filter_map(|v| {
-            v.pointer("/persistentVolumeClaim/claimName")
-                .and_then(Value::as_str)
-        })
-        .map(str::to_owned)
-        .collect();
-    claims.sort();
-    claims.dedup();
-    claims
 }
 
 /// Decides the review.
 pub fn mutate(review: &Review, policy: &Policy, claims: &dyn ClaimNodes) -> Outcome {
-    let allow = || AdmissionResponse::from(&review.request);
+    match judge(review, policy) {
+        Judgement::Decided(outcome) => outcome,
+        Judgement::Stash(pod) => pod.finish(policy, claims),
+    }
+}
+
+/// The first step: everything but the patch.
+pub fn judge<'a>(review: &'a Review, policy: &Policy) -> Judgement<'a> {
+    let unchanged = |response| {
+        Judgement::Decided(Outcome {
+            response,
+            verdict: Verdict::Unchanged,
+        })
+    };
     let object = match target(review, policy) {
         Ok(Some(object)) => object,
-        Ok(None) => {
-            return Outcome {
-                response: allow(),
-                verdict: Verdict::Unchanged,
-            };
-        }
+        Ok(None) => return unchanged(allow(review)),
         Err(Skip::NotAPod(what)) => {
-            let mut response = allow();
+            let mut response = allow(review);
             response.warnings = Some(vec![format!(
                 "tensile webhook: {what} is not a pod and passes unchanged; the webhook registration should send only pods"
             )]);
-            return Outcome {
-                response,
-                verdict: Verdict::Unchanged,
-            };
+            return unchanged(response);
         }
-        Err(Skip::Deny(message)) => return deny(review, message),
+        Err(Skip::Deny(message)) => return Judgement::Decided(deny(review, message)),
     };
-    if let Some(text) = stash_annotation(object) {
-        // Already stashed (a re-invocation, or a pod written with its stash): never stash twice.
-        return match text.map(Stash::decode) {
-            Some(Ok(_)) => Outcome {
-                response: allow(),
-                verdict: Verdict::Unchanged,
-            },
-            Some(Err(e)) => deny(review, e.to_string()),
-            None => deny(
-                review,
-                format!("annotation {} must be a string", names::CLUSTER_SELECTOR),
-            ),
-        };
-    }
-    match plan(object, policy, claims) {
-        Ok((patch, warnings)) => match allow().with_patch(patch) {
-            Ok(mut response) => {
-                if !warnings.is_empty() {
-                    response.warnings = Some(warnings);
-                }
-                Outcome {
-                    response,
-                    verdict: Verdict::Mutated,
-                }
+    let opt_in = &policy.opt_in;
+    match serde_json::from_str::<Box<Pod>>(object.get()) {
+        Ok(pod) => {
+            let label = pod.metadata.labels.as_ref().and_then(|l| l.get(&opt_in.key));
+            if label != Some(&opt_in.value) {
+                return unchanged(allow(review));
             }
-            Err(e) => deny(review, format!("cannot encode the patch: {e}")),
-        },
-        Err(message) => deny(review, message),
+            let annotations = pod.metadata.annotations.as_ref();
+            if let Some(text) = annotations.and_then(|a| a.get(names::CLUSTER_SELECTOR)) {
+                return Judgement::Decided(stashed(review, Some(text)));
+            }
+            Judgement::Stash(Stashing { review, object, pod })
+        }
+        Err(e) => {
+            let metadata = Level::of(object)
+                .step("metadata")
+                .map(Level::of)
+                .unwrap_or_default();
+            let label = metadata
+                .step("labels")
+                .and_then(|labels| Level::of(labels).step(&opt_in.key))
+                .and_then(raw::string);
+            if label.as_deref() != Some(opt_in.value.as_str()) {
+                return unchanged(allow(review));
+            }
+            let stash = metadata
+                .step("annotations")
+                .and_then(|a| Level::of(a).step(names::CLUSTER_SELECTOR));
+            if let Some(text) = stash {
+                return Judgement::Decided(stashed(review, raw::string(text).as_deref()));
+            }
+            Judgement::Decided(deny(
+                review,
+                format!("the pod does not decode: {}", review::message(&e)),
+            ))
+        }
     }
+}
+
+/// The answer for a pod that carries a stash (`None`: one that is not a string): a
+/// re-invocation, or a pod written with its stash. It is never stashed twice.
+fn stashed(review: &Review, text: Option<&str>) -> Outcome {
+    match text.map(Stash::decode) {
+        Some(Ok(_)) => Outcome {
+            response: allow(review),
+            verdict: Verdict::Unchanged,
+        },
+        Some(Err(e)) => deny(review, e.to_string()),
+        None => deny(
+            review,
+            format!("annotation {} must be a string", names::CLUSTER_SELECTOR),
+        ),
+    }
+}
+
+fn allow(review: &Review) -> AdmissionResponse {
+    AdmissionResponse::from(&review.request)
 }
 
 fn deny(review: &Review, message: String) -> Outcome {
     Outcome {
-        response: AdmissionResponse::from(&review.request).deny(format!("tensile webhook: {message}")),
+        response: allow(review).deny(format!("tensile webhook: {message}")),
         verdict: Verdict::Denied,
     }
 }
@@ -153,8 +234,8 @@ enum Skip {
     Deny(String),
 }
 
-/// The pod object this review asks us to mutate; `Ok(None)` when the review is not ours.
-fn target<'a>(review: &'a Review, policy: &Policy) -> Result<Option<&'a Value>, Skip> {
+/// The pod object of a review that may be ours; `Ok(None)` when the review is not.
+fn target<'a>(review: &'a Review, policy: &Policy) -> Result<Option<&'a RawValue>, Skip> {
     let request = &review.request;
     if request.operation != Operation::Create {
         return Ok(None);
@@ -176,49 +257,89 @@ fn target<'a>(review: &'a Review, policy: &Policy) -> Result<Option<&'a Value>, 
     {
         return Ok(None);
     }
-    let Some(object) = &review.object else {
-        return Err(Skip::Deny("the CREATE review carries no pod".into()));
-    };
-    let label = object
-        .pointer(&format!("/metadata/labels/{}", escape(&policy.opt_in.key)))
-        .and_then(Value::as_str);
-    if label != Some(policy.opt_in.value.as_str()) {
-        return Ok(None);
+    match review.object.as_deref() {
+        Some(object) => Ok(Some(object)),
+        None => Err(Skip::Deny("the CREATE review carries no pod".into())),
     }
-    Ok(Some(object))
 }
 
-/// The stash annotation: `None` when absent, `Some(None)` when present but not a string.
-fn stash_annotation(object: &Value) -> Option<Option<&str>> {
-    object
-        .pointer(&format!(
-            "/metadata/annotations/{}",
-            escape(names::CLUSTER_SELECTOR)
-        ))
-        .map(Value::as_str)
+/// A JSON pointer to `tokens`.
+fn path(tokens: &[&str]) -> String {
+    let mut out = String::new();
+    for token in tokens {
+        out.push('/');
+        out.push_str(&token.replace('~', "~0").replace('/', "~1"));
+    }
+    out
 }
 
-fn escape(token: &str) -> String {
-    token.replace('~', "~0").replace('/', "~1")
+/// A value of the patch, written straight from its typed form.
+enum New<'a> {
+    /// The stash annotation's text.
+    Stash(&'a str),
+    /// A new `annotations` holding only the stash.
+    Annotations(&'a str),
+    NodeSelector(&'a BTreeMap<String, String>),
+    NodeAffinity(&'a NodeAffinity),
+    /// A new `affinity` holding only node affinity.
+    Affinity(&'a NodeAffinity),
+    Tolerations(&'a [Toleration]),
 }
 
-fn ptr(tokens: &[&str]) -> PointerBuf {
-    PointerBuf::from_tokens(tokens.iter().copied())
+impl Serialize for New<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            New::Stash(text) => serializer.serialize_str(text),
+            New::Annotations(text) => {
+                let mut map = serializer.serialize_map(Some(1))?;
+                map.serialize_entry(names::CLUSTER_SELECTOR, text)?;
+                map.end()
+            }
+            New::NodeSelector(selector) => selector.serialize(serializer),
+            New::NodeAffinity(na) => na.serialize(serializer),
+            New::Affinity(na) => {
+                let mut map = serializer.serialize_map(Some(1))?;
+                map.serialize_entry("nodeAffinity", na)?;
+                map.end()
+            }
+            New::Tolerations(tolerations) => tolerations.serialize(serializer),
+        }
+    }
 }
 
-fn add(tokens: &[&str], value: Value) -> PatchOperation {
-    PatchOperation::Add(AddOperation {
-        path: ptr(tokens),
-        value,
-    })
+/// One RFC 6902 operation.
+#[derive(Serialize)]
+struct Op<'a> {
+    op: &'static str,
+    path: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    value: Option<New<'a>>,
 }
 
-fn remove(tokens: &[&str]) -> PatchOperation {
-    PatchOperation::Remove(RemoveOperation { path: ptr(tokens) })
+fn add<'a>(tokens: &[&str], value: New<'a>) -> Op<'a> {
+    Op {
+        op: "add",
+        path: path(tokens),
+        value: Some(value),
+    }
 }
 
-fn to_value<T: serde::Serialize>(what: &str, v: &T) -> Result<Value, String> {
-    serde_json::to_value(v).map_err(|e| format!("cannot encode the upper pod's {what}: {e}"))
+fn remove(tokens: &[&str]) -> Op<'static> {
+    Op {
+        op: "remove",
+        path: path(tokens),
+        value: None,
+    }
+}
+
+/// Whether the field at `tokens` of the raw object is other than `new` as JSON (absent
+/// counts as other). Asked only when the decoded field equals `new`: the raw one may still
+/// hold what decoding drops (fields this code does not model, explicit nulls).
+fn raw_differs<T: Serialize>(object: &RawValue, tokens: &[&str], new: &T) -> Result<bool, String> {
+    let new = serde_json::to_value(new)
+        .map_err(|e| format!("cannot encode the upper pod's {}: {e}", tokens.join(".")))?;
+    let old = raw::pointer(object, tokens).and_then(|o| serde_json::from_str::<Value>(o.get()).ok());
+    Ok(old.as_ref() != Some(&new))
 }
 
 /// A node-selector term split by key: what stays upstream and what goes down.
@@ -292,10 +413,14 @@ fn toleration(key: &str, effect: &str, seconds: Option<i64>) -> Toleration {
 }
 
 /// The patch and warnings for a pod that opted in and carries no stash.
-fn plan(object: &Value, policy: &Policy, claims: &dyn ClaimNodes) -> Result<(Patch, Vec<String>), String> {
-    // Decoded from the borrowed tree: no copy of the object.
-    let pod = Pod::deserialize(object).map_err(|e| format!("the pod does not decode: {e}"))?;
-    let spec = pod.spec.ok_or("the pod has no spec")?;
+fn plan(
+    object: &RawValue,
+    pod: Box<Pod>,
+    policy: &Policy,
+    claims: &dyn ClaimNodes,
+) -> Result<(Vec<u8>, Vec<String>), String> {
+    let Pod { metadata, spec, .. } = *pod;
+    let mut spec = spec.ok_or("the pod has no spec")?;
     let keep = &policy.ignore_selector_keys;
     let mut warnings = Vec::new();
 
@@ -308,12 +433,10 @@ fn plan(object: &Value, policy: &Policy, claims: &dyn ClaimNodes) -> Result<(Pat
         .partition(|(k, _)| keep.contains(k));
 
     // Required node affinity, term by term.
-    let node_affinity = spec.affinity.as_ref().and_then(|a| a.node_affinity.clone());
-    let terms: Vec<NodeSelectorTerm> = node_affinity
-        .as_ref()
+    let node_affinity = spec.affinity.as_ref().and_then(|a| a.node_affinity.as_ref());
+    let terms: &[NodeSelectorTerm] = node_affinity
         .and_then(|na| na.required_during_scheduling_ignored_during_execution.as_ref())
-        .map(|r| r.node_selector_terms.clone())
-        .unwrap_or_default();
+        .map_or(&[], |r| &r.node_selector_terms);
     let splits: Vec<Split> = terms.iter().map(|t| split_term(t, keep)).collect();
     if splits.len() > 1
         && splits
@@ -326,16 +449,9 @@ fn plan(object: &Value, policy: &Policy, claims: &dyn ClaimNodes) -> Result<(Pat
                 .to_owned(),
         );
     }
-    let lower_terms = if splits.is_empty() {
-        None
-    } else {
-        side(splits.iter().map(|s| s.lower.clone()))
-    };
-    let mut upper_terms = if splits.is_empty() {
-        None
-    } else {
-        side(splits.into_iter().map(|s| s.upper))
-    };
+    let (uppers, lowers): (Vec<_>, Vec<_>) = splits.into_iter().map(|s| (s.upper, s.lower)).unzip();
+    let lower_terms = side(lowers.into_iter());
+    let mut upper_terms = side(uppers.into_iter());
 
     // A PVC already bound for a virtual node pins the pod there.
     let mut volumes: Vec<&str> = spec
@@ -405,7 +521,8 @@ fn plan(object: &Value, policy: &Policy, claims: &dyn ClaimNodes) -> Result<(Pat
                 .collect(),
         );
     }
-    let preferred = node_affinity.and_then(|na| na.preferred_during_scheduling_ignored_during_execution);
+    let preferred =
+        node_affinity.and_then(|na| na.preferred_during_scheduling_ignored_during_execution.clone());
     let upper_affinity = required(upper_terms, preferred);
     let lower_affinity = required(lower_terms, None);
 
@@ -422,64 +539,54 @@ fn plan(object: &Value, policy: &Policy, claims: &dyn ClaimNodes) -> Result<(Pat
             Some(policy.unreachable_seconds),
         ),
     ];
+    // Judged before the pod's own tolerations move into the stash.
+    let new_tolerations = spec.tolerations.as_ref() != Some(&upper_tolerations)
+        || raw_differs(object, &["spec", "tolerations"], &upper_tolerations)?;
     let stash = Stash::new(
         lower_selector,
         lower_affinity,
-        spec.tolerations.clone().unwrap_or_default(),
+        spec.tolerations.take().unwrap_or_default(),
     );
     let stash_text = stash.encode().map_err(|e| e.to_string())?;
 
-    // The patch touches only the fields that change, judged on the raw object so that fields
-    // this code does not model are never rewritten.
+    // The patch touches only the fields that change. The decoded pod tells when a field
+    // differs; when it reads the same, the raw field decides.
     let mut ops = Vec::new();
-    match object.pointer("/metadata/annotations") {
-        Some(Value::Object(_)) => ops.push(add(
+    match metadata.annotations {
+        Some(_) => ops.push(add(
             &["metadata", "annotations", names::CLUSTER_SELECTOR],
-            Value::String(stash_text),
+            New::Stash(&stash_text),
         )),
-        _ => ops.push(add(
-            &["metadata", "annotations"],
-            serde_json::json!({ names::CLUSTER_SELECTOR: stash_text }),
-        )),
+        None => ops.push(add(&["metadata", "annotations"], New::Annotations(&stash_text))),
     }
-    let raw_spec = object.get("spec");
-    let raw = |key: &str| raw_spec.and_then(|s| s.get(key));
-    let new_selector = to_value("nodeSelector", &upper_selector)?;
-    match raw("nodeSelector") {
-        Some(old) if upper_selector.is_empty() => {
-            if !old.is_null() {
-                ops.push(remove(&["spec", "nodeSelector"]));
-            }
-        }
-        Some(old) if *old == new_selector => {}
+    match &spec.node_selector {
+        Some(_) if upper_selector.is_empty() => ops.push(remove(&["spec", "nodeSelector"])),
+        Some(old) if *old == upper_selector => {}
         _ if upper_selector.is_empty() => {}
-        _ => ops.push(add(&["spec", "nodeSelector"], new_selector)),
+        _ => ops.push(add(&["spec", "nodeSelector"], New::NodeSelector(&upper_selector))),
     }
-    let raw_affinity = raw("affinity").filter(|a| a.is_object());
-    let raw_node_affinity = raw_affinity
-        .and_then(|a| a.get("nodeAffinity"))
-        .filter(|n| !n.is_null());
-    match (upper_affinity, raw_node_affinity) {
+    let old_node_affinity = spec.affinity.as_ref().and_then(|a| a.node_affinity.as_ref());
+    match (&upper_affinity, old_node_affinity) {
         (None, None) => {}
         (None, Some(_)) => ops.push(remove(&["spec", "affinity", "nodeAffinity"])),
         (Some(na), old) => {
-            let new = to_value("node affinity", &na)?;
-            if old != Some(&new) {
-                match raw_affinity {
-                    Some(_) => ops.push(add(&["spec", "affinity", "nodeAffinity"], new)),
-                    None => ops.push(add(
-                        &["spec", "affinity"],
-                        serde_json::json!({ "nodeAffinity": new }),
-                    )),
+            if old != Some(na) || raw_differs(object, &["spec", "affinity", "nodeAffinity"], na)? {
+                match spec.affinity {
+                    Some(_) => ops.push(add(&["spec", "affinity", "nodeAffinity"], New::NodeAffinity(na))),
+                    None => ops.push(add(&["spec", "affinity"], New::Affinity(na))),
                 }
             }
         }
     }
-    let new_tolerations = to_value("tolerations", &upper_tolerations)?;
-    if raw("tolerations") != Some(&new_tolerations) {
-        ops.push(add(&["spec", "tolerations"], new_tolerations));
+    if new_tolerations {
+        ops.push(add(
+            &["spec", "tolerations"],
+            New::Tolerations(&upper_tolerations),
+        ));
     }
-    Ok((Patch(ops), warnings))
+    let mut patch = Vec::with_capacity(2048);
+    serde_json::to_writer(&mut patch, &ops).map_err(|e| format!("cannot encode the patch: {e}"))?;
+    Ok((patch, warnings))
 }
 
 #[cfg(test)]

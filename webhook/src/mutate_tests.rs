@@ -443,3 +443,90 @@ fn a_label_key_with_a_slash_is_found() {
     let (outcome, _) = run(pod(json!({"tensile.io/virtual": "yes"}), full_spec()), &policy);
     assert_eq!(outcome.verdict, Verdict::Mutated);
 }
+
+#[test]
+fn a_field_already_as_wanted_is_left_alone_unless_its_json_differs() {
+    let upper = json!([
+        {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+    ]);
+    let (outcome, after) = run(
+        opted_in(json!({"containers": containers(), "tolerations": upper.clone()})),
+        &Policy::default(),
+    );
+    assert!(!ops(&outcome).contains(&("add".into(), "/spec/tolerations".into())));
+    // The stash still holds them: they were the pod's own.
+    assert_eq!(
+        serde_json::to_value(&stash_of(&after).tolerations).unwrap(),
+        upper
+    );
+
+    // The same tolerations as decoded, but not as written: the field is rewritten.
+    let mut noisy = upper.clone();
+    noisy[0]["value"] = Value::Null;
+    noisy[1]["note"] = json!("dropped by decoding");
+    let (outcome, after) = run(
+        opted_in(json!({"containers": containers(), "tolerations": noisy})),
+        &Policy::default(),
+    );
+    assert!(ops(&outcome).contains(&("add".into(), "/spec/tolerations".into())));
+    assert_eq!(after["spec"]["tolerations"], upper);
+
+    let required = json!({"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "type", "operator": "In", "values": ["virtual-kubelet"]}]}]}});
+    let mut spec = json!({"containers": containers(), "affinity": {"nodeAffinity": required.clone()}});
+    let (outcome, _) = run(opted_in(spec.clone()), &Policy::default());
+    assert!(
+        !ops(&outcome)
+            .iter()
+            .any(|(_, path)| path.starts_with("/spec/affinity"))
+    );
+    spec["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] = Value::Null;
+    let (outcome, after) = run(opted_in(spec), &Policy::default());
+    assert!(ops(&outcome).contains(&("add".into(), "/spec/affinity/nodeAffinity".into())));
+    assert_eq!(after["spec"]["affinity"]["nodeAffinity"], required);
+}
+
+#[test]
+fn a_pod_that_does_not_decode_is_judged_on_its_raw_labels_and_stash() {
+    let broken = json!({"containers": "not a list"});
+    let (outcome, _) = run(pod(json!({"app": "x"}), broken.clone()), &Policy::default());
+    assert_eq!(outcome.verdict, Verdict::Unchanged, "not ours, decoding or not");
+    let mut stashed = opted_in(broken.clone());
+    stashed["metadata"]["annotations"] = json!({"clusterSelector": "{}"});
+    let (outcome, _) = run(stashed.clone(), &Policy::default());
+    assert_eq!(outcome.verdict, Verdict::Unchanged, "already stashed");
+    stashed["metadata"]["annotations"] = json!({"clusterSelector": 5});
+    let (outcome, _) = run(stashed, &Policy::default());
+    assert_eq!(outcome.verdict, Verdict::Denied);
+    assert!(outcome.response.result.message.contains("must be a string"));
+    // Labels that are not a map: the pod does not decode, and the raw lookup does not find
+    // the label either.
+    let (outcome, _) = run(
+        pod(json!(["virtual-pod"]), json!({"containers": containers()})),
+        &Policy::default(),
+    );
+    assert_eq!(outcome.verdict, Verdict::Unchanged);
+}
+
+#[test]
+fn the_two_steps_agree_with_mutate() {
+    let mut spec = full_spec();
+    spec["volumes"] = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
+    let review = review_of(opted_in(spec), "team", "CREATE", "Pod");
+    let claims = BTreeMap::from([("data".to_owned(), "vnode-a".to_owned())]);
+    let Judgement::Stash(stashing) = judge(&review, &Policy::default()) else {
+        panic!("an opted-in pod without a stash is to be stashed");
+    };
+    assert_eq!(stashing.claims(), vec!["data".to_owned()]);
+    let two_steps = stashing.finish(&Policy::default(), &claims);
+    let one_step = mutate(&review, &Policy::default(), &claims);
+    assert_eq!(two_steps.verdict, Verdict::Mutated);
+    assert_eq!(two_steps.response, one_step.response);
+    let not_ours = review_of(pod(json!({"app": "x"}), full_spec()), "team", "CREATE", "Pod");
+    assert!(matches!(
+        judge(&not_ours, &Policy::default()),
+        Judgement::Decided(_)
+    ));
+}

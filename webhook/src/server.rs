@@ -17,6 +17,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::Api;
+use kube::core::DynamicObject;
+use kube::core::admission::AdmissionRequest;
 use tensile_common::names;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
@@ -24,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
 use crate::metrics::{Metrics, ResultLabels};
-use crate::mutate::{self, Verdict};
+use crate::mutate::{self, Judgement, Verdict};
 use crate::policy::Policy;
 use crate::review;
 
@@ -66,8 +68,7 @@ fn health(state: &State, path: &str) -> Option<Response<Body>> {
 
 /// Routes one request of the HTTPS port.
 pub async fn handle(state: Arc<State>, request: Request<Incoming>) -> Response<Body> {
-    let path = request.uri().path().to_owned();
-    if path == "/mutate" {
+    if request.uri().path() == "/mutate" {
         let started = Instant::now();
         let response = if request.method() == Method::POST {
             admit(&state, request).await
@@ -81,8 +82,9 @@ pub async fn handle(state: Arc<State>, request: Request<Incoming>) -> Response<B
         state.metrics.latency.observe(started.elapsed().as_secs_f64());
         return response;
     }
+    let path = request.uri().path();
     if request.method() == Method::GET
-        && let Some(r) = health(&state, &path)
+        && let Some(r) = health(&state, path)
     {
         return r;
     }
@@ -152,27 +154,25 @@ async fn admit(state: &State, request: Request<Incoming>) -> Response<Body> {
         }
     };
     let req = &review.request;
-    let pod = match (&req.namespace, req.name.as_str()) {
-        (Some(ns), "") => format!("{ns}/<generated>"),
-        (Some(ns), name) => format!("{ns}/{name}"),
-        (None, name) => name.to_owned(),
-    };
-    let span = tracing::debug_span!("review", uid = %req.uid, pod = %pod);
+    let span = tracing::debug_span!("review", uid = %req.uid, pod = %PodName(req));
     async {
-        let claims = mutate::claims_to_look_up(&review, &state.policy);
-        let (nodes, mut warnings) = match (&state.client, req.namespace.as_deref()) {
-            (Some(client), Some(ns)) if !claims.is_empty() => {
-                selected_nodes(client.clone(), ns, &claims, state.pvc_timeout).await
+        let outcome = match mutate::judge(&review, &state.policy) {
+            Judgement::Decided(outcome) => outcome,
+            Judgement::Stash(pod) => {
+                let claims = pod.claims();
+                let (nodes, warnings) = match (&state.client, req.namespace.as_deref()) {
+                    (Some(client), Some(ns)) if !claims.is_empty() => {
+                        selected_nodes(client.clone(), ns, &claims, state.pvc_timeout).await
+                    }
+                    _ => (BTreeMap::new(), Vec::new()),
+                };
+                let mut outcome = pod.finish(&state.policy, &nodes);
+                if outcome.verdict == Verdict::Mutated && !warnings.is_empty() {
+                    outcome.response.warnings.get_or_insert_default().extend(warnings);
+                }
+                outcome
             }
-            _ => (BTreeMap::new(), Vec::new()),
         };
-        let mut outcome = mutate::mutate(&review, &state.policy, &nodes);
-        if outcome.verdict != Verdict::Mutated {
-            warnings.clear();
-        }
-        if !warnings.is_empty() {
-            outcome.response.warnings.get_or_insert_default().extend(warnings);
-        }
         metrics
             .reviews
             .get_or_create(&ResultLabels {
@@ -207,6 +207,19 @@ async fn admit(state: &State, request: Request<Incoming>) -> Response<Body> {
     }
     .instrument(span)
     .await
+}
+
+/// `namespace/name` of the pod a review is about, written only when a log line needs it.
+struct PodName<'a>(&'a AdmissionRequest<DynamicObject>);
+
+impl std::fmt::Display for PodName<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (&self.0.namespace, self.0.name.as_str()) {
+            (Some(ns), "") => write!(f, "{ns}/<generated>"),
+            (Some(ns), name) => write!(f, "{ns}/{name}"),
+            (None, name) => f.write_str(name),
+        }
+    }
 }
 
 /// The selected node of each of `claims` that has one; failures become warnings (the pod is

@@ -6,10 +6,12 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use json_patch::Patch;
 use k8s_openapi::api::core::v1::Pod;
+use kube::core::DynamicObject;
+use kube::core::admission::{AdmissionRequest, AdmissionReview};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 use tensile_common::stash::Stash;
-use tensile_webhook::review::{self, Review};
+use tensile_webhook::review::{self, Review, ReviewError};
 use tensile_webhook::{Label, Policy, Verdict, VirtualNodeConstraint, mutate};
 
 const KEYS: &[&str] = &["zone", "disk", "region", "cluster", "tensile.io/x~y", "type"];
@@ -348,6 +350,31 @@ proptest! {
     }
 
     #[test]
+    fn reviews_read_as_decoding_the_whole_review_reads_them(body in review_body()) {
+        let bytes = serde_json::to_vec(&body).unwrap();
+        match (review::parse(&bytes), decoded_whole(&bytes)) {
+            (Ok(review), Ok((request, object))) => {
+                prop_assert_eq!(&review.request.uid, &request.uid);
+                prop_assert_eq!(&review.request.kind, &request.kind);
+                prop_assert_eq!(&review.request.resource, &request.resource);
+                prop_assert_eq!(&review.request.sub_resource, &request.sub_resource);
+                prop_assert_eq!(&review.request.request_kind, &request.request_kind);
+                prop_assert_eq!(&review.request.name, &request.name);
+                prop_assert_eq!(&review.request.namespace, &request.namespace);
+                prop_assert_eq!(&review.request.operation, &request.operation);
+                prop_assert_eq!(&review.request.user_info, &request.user_info);
+                prop_assert_eq!(review.request.dry_run, request.dry_run);
+                prop_assert_eq!(&review.request.options, &request.options);
+                prop_assert_eq!(&review.request.types, &request.types);
+                let raw = review.object.map(|o| serde_json::from_str::<Value>(o.get()).unwrap());
+                prop_assert_eq!(raw, object);
+            }
+            (Err(split), Err(whole)) => prop_assert_eq!(split, whole),
+            (split, whole) => prop_assert!(false, "split: {:?}\nwhole: {:?}", split.err(), whole.err()),
+        }
+    }
+
+    #[test]
     fn arbitrary_bodies_are_answered_or_refused_without_panic(body in prop::collection::vec(any::<u8>(), 0..300)) {
         let _ = review::parse(&body);
     }
@@ -360,6 +387,100 @@ proptest! {
             let _ = mutate(&review, &Policy::default(), &BTreeMap::new());
         }
     }
+}
+
+/// A review read the plain way: the whole body parsed into a tree, the objects set aside,
+/// the rest decoded as `AdmissionReview`. [`review::parse`] reads only what it needs and must
+/// come to the same request, object and errors.
+fn decoded_whole(body: &[u8]) -> Result<(AdmissionRequest<DynamicObject>, Option<Value>), ReviewError> {
+    let mut value: Value = serde_json::from_slice(body).map_err(|e| ReviewError::Json(e.to_string()))?;
+    let Some(envelope) = value.as_object_mut() else {
+        return Err(ReviewError::NotAReview("not a JSON object".into()));
+    };
+    let text = |key| {
+        envelope
+            .get(key)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let (api_version, kind) = (text("apiVersion"), text("kind"));
+    if api_version != review::API_VERSION || kind != review::KIND {
+        return Err(ReviewError::NotAReview(format!(
+            "apiVersion {api_version:?}, kind {kind:?}"
+        )));
+    }
+    let request = match envelope.get_mut("request") {
+        Some(Value::Object(request)) => request,
+        Some(Value::Null) | None => return Err(ReviewError::NoRequest),
+        Some(_) => return Err(ReviewError::Request("request is not an object".into())),
+    };
+    let object = request.remove("object").filter(|o| !o.is_null());
+    request.remove("oldObject");
+    let whole: AdmissionReview<DynamicObject> =
+        serde_json::from_value(value).map_err(|e| ReviewError::Request(e.to_string()))?;
+    let request = whole.try_into().map_err(|_| ReviewError::NoRequest)?;
+    Ok((request, object))
+}
+
+const REQUEST_KEYS: &[&str] = &[
+    "uid",
+    "kind",
+    "resource",
+    "subResource",
+    "requestKind",
+    "name",
+    "namespace",
+    "operation",
+    "userInfo",
+    "object",
+    "oldObject",
+    "dryRun",
+    "options",
+];
+
+/// Reviews around a well-formed one: members of the request replaced by arbitrary JSON or
+/// removed, and the envelope bent now and then.
+fn review_body() -> impl Strategy<Value = Value> {
+    let key = prop::sample::select(REQUEST_KEYS);
+    (
+        prop::collection::btree_map(key.clone(), arb_json(), 0..3),
+        prop::collection::vec(key, 0..3),
+        0..10u8,
+        arb_json(),
+    )
+        .prop_map(|(replaced, removed, shape, other)| {
+            let mut request = json!({
+                "uid": "u", "operation": "CREATE", "namespace": "team", "name": "p",
+                "userInfo": {"username": "someone", "groups": ["a"]},
+                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"},
+                "object": {"metadata": {"labels": {"virtual-pod": "true"}}},
+                "oldObject": null, "dryRun": false,
+                "options": {"kind": "CreateOptions", "apiVersion": "meta.k8s.io/v1"},
+            });
+            if let Some(members) = request.as_object_mut() {
+                for key in removed {
+                    members.remove(key);
+                }
+                for (key, value) in replaced {
+                    members.insert(key.to_owned(), value);
+                }
+            }
+            let mut body =
+                json!({"apiVersion": review::API_VERSION, "kind": review::KIND, "request": request});
+            match shape {
+                0 => body["apiVersion"] = json!("admission.k8s.io/v1beta1"),
+                1 => body["kind"] = other,
+                2 => body["request"] = other,
+                3 => body["response"] = other,
+                4 => body["response"] = json!({"uid": "u", "allowed": true, "status": {}}),
+                5 => body["unrelated"] = other,
+                6 => body = other,
+                _ => {}
+            }
+            body
+        })
 }
 
 /// Arbitrary JSON, biased towards pod-shaped keys so that decoding gets deep.

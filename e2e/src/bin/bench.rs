@@ -7,7 +7,7 @@
 //! created directly in the lower cluster, bound → Running.
 //!
 //! `webhook` (`--bench webhook`): admission reviews over HTTPS with keep-alive on loopback,
-//! sent to the webhook running in this process on a runtime of its own. A closed loop on
+//! sent from one thread to the webhook running in this process on a runtime of its own. A closed loop on
 //! several connections gives the throughput; an open loop at a fixed rate gives latency
 //! measured from each request's scheduled send time, so a stall is not hidden.
 
@@ -76,24 +76,36 @@ fn main() -> anyhow::Result<()> {
         level: "warn,kube_client=off".into(),
         format: tensile_common::telemetry::LogFormat::Plain,
     })?;
-    let rt = tokio::runtime::Runtime::new().context("async runtime")?;
-    rt.block_on(async {
-        std::fs::create_dir_all(&cli.out).with_context(|| format!("creating {}", cli.out.display()))?;
-        if matches!(cli.bench, Which::Simulator | Which::All) {
-            let figures = simulator(cli.sim_pods, cli.sim_nodes).await?;
-            write_figures(&cli.out, "simulator.json", &figures)?;
-        }
-        if matches!(cli.bench, Which::VirtualNode | Which::All) {
-            let figures = tensile_e2e::benches::virtual_node(cli.vn_pods).await?;
-            write_figures(&cli.out, "virtual-node.json", &figures)?;
-        }
-        if matches!(cli.bench, Which::Webhook | Which::All) {
-            let secs = Duration::from_secs(cli.webhook_secs.max(1));
-            let figures = webhook::run(cli.webhook_connections.max(1), secs, cli.webhook_rate.max(1)).await?;
-            write_figures(&cli.out, "webhook.json", &figures)?;
-        }
-        Ok(())
-    })
+    std::fs::create_dir_all(&cli.out).with_context(|| format!("creating {}", cli.out.display()))?;
+    if matches!(cli.bench, Which::Simulator | Which::VirtualNode | Which::All) {
+        let rt = tokio::runtime::Runtime::new().context("async runtime")?;
+        rt.block_on(async {
+            if matches!(cli.bench, Which::Simulator | Which::All) {
+                let figures = simulator(cli.sim_pods, cli.sim_nodes).await?;
+                write_figures(&cli.out, "simulator.json", &figures)?;
+            }
+            if matches!(cli.bench, Which::VirtualNode | Which::All) {
+                let figures = tensile_e2e::benches::virtual_node(cli.vn_pods).await?;
+                write_figures(&cli.out, "virtual-node.json", &figures)?;
+            }
+            Ok::<_, anyhow::Error>(())
+        })?;
+    }
+    if matches!(cli.bench, Which::Webhook | Which::All) {
+        // The load client runs on this one thread; the webhook gets a runtime of its own.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("async runtime")?;
+        let secs = Duration::from_secs(cli.webhook_secs.max(1));
+        let figures = rt.block_on(webhook::run(
+            cli.webhook_connections.max(1),
+            secs,
+            cli.webhook_rate.max(1),
+        ))?;
+        write_figures(&cli.out, "webhook.json", &figures)?;
+    }
+    Ok(())
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -204,25 +216,36 @@ async fn simulator(pods: usize, nodes: usize) -> anyhow::Result<serde_json::Valu
 
 mod webhook {
     //! Load client for the webhook benchmark.
+    //!
+    //! The client shares the cores with the webhook, so it does no more than an honest client
+    //! must: each connection is one task speaking HTTP/1.1 over its TLS stream, writes each
+    //! request (head and body) in one TLS write and reads the answer by its Content-Length.
+    //! Every review carries a uid of its own, and every answer must be status 200 with
+    //! exactly the body the webhook's code gives for that uid. That body is checked once as
+    //! JSON: a v1 review allowing the pod with a JSON Patch that applies and writes the stash.
 
     use std::net::SocketAddr;
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
     use anyhow::Context as _;
-    use bytes::Bytes;
-    use http_body_util::{BodyExt, Full};
-    use hyper_util::rt::TokioIo;
+    use base64::Engine as _;
     use rustls::pki_types::ServerName;
+    use serde_json::Value;
     use tensile_webhook::{Certificates, Options};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::net::TcpStream;
+    use tokio_rustls::client::TlsStream;
 
     use super::percentile;
 
-    type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+    /// The uid of the template review; requests replace its last 12 digits.
+    const UID: &str = "5d2d5a8e-6f1c-4b8e-9a0f-000000000000";
+    const UID_DIGITS: usize = 12;
 
     /// A realistic opted-in pod: selectors, affinity, tolerations, volumes, two containers.
-    fn review_body() -> anyhow::Result<Bytes> {
-        let pod = serde_json::json!({
+    fn pod() -> Value {
+        serde_json::json!({
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": "web-7d4b9c-x2x9p", "namespace": "shop", "generateName": "web-7d4b9c-",
                 "labels": {"virtual-pod": "true", "app": "web", "pod-template-hash": "7d4b9c"},
@@ -254,11 +277,14 @@ mod webhook {
                 "enableServiceLinks": true, "securityContext": {}
             },
             "status": {}
-        });
+        })
+    }
+
+    fn review_body(pod: &Value) -> anyhow::Result<Vec<u8>> {
         let review = serde_json::json!({
             "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
             "request": {
-                "uid": "5d2d5a8e-6f1c-4b8e-9a0f-1b2c3d4e5f60",
+                "uid": UID,
                 "kind": {"group": "", "version": "v1", "kind": "Pod"},
                 "resource": {"group": "", "version": "v1", "resource": "pods"},
                 "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
@@ -270,40 +296,182 @@ mod webhook {
                 "options": {"kind": "CreateOptions", "apiVersion": "meta.k8s.io/v1"}
             }
         });
-        Ok(Bytes::from(serde_json::to_vec(&review)?))
+        Ok(serde_json::to_vec(&review)?)
     }
 
-    async fn connect(addr: SocketAddr, tls: Arc<rustls::ClientConfig>) -> anyhow::Result<Sender> {
-        let tcp = tokio::net::TcpStream::connect(addr).await.context("connecting")?;
-        tcp.set_nodelay(true)?;
-        let name = ServerName::try_from("127.0.0.1")?;
-        let stream = tokio_rustls::TlsConnector::from(tls)
-            .connect(name, tcp)
-            .await
-            .context("TLS handshake")?;
-        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-        tokio::spawn(conn);
-        Ok(sender)
+    /// Where the uid's digits sit in `bytes`, which must hold the template uid exactly once.
+    fn uid_digits(bytes: &[u8]) -> anyhow::Result<usize> {
+        let uid = UID.as_bytes();
+        let mut hits = bytes
+            .windows(uid.len())
+            .enumerate()
+            .filter(|(_, w)| *w == uid)
+            .map(|(i, _)| i);
+        let at = hits.next().context("the template uid is missing")?;
+        anyhow::ensure!(hits.next().is_none(), "the template uid occurs twice");
+        Ok(at + uid.len() - UID_DIGITS)
     }
 
-    /// Sends one review and checks that it came back mutated.
-    async fn review(sender: &mut Sender, body: &Bytes) -> anyhow::Result<()> {
-        let request = http::Request::post("/mutate")
-            .header("host", "127.0.0.1")
-            .header("content-type", "application/json")
-            .body(Full::new(body.clone()))?;
-        let response = sender.send_request(request).await?;
-        anyhow::ensure!(
-            response.status() == http::StatusCode::OK,
-            "status {}",
-            response.status()
-        );
-        let bytes = response.into_body().collect().await?.to_bytes();
-        anyhow::ensure!(
-            bytes.windows(9).any(|w| w == b"JSONPatch"),
-            "review was not mutated"
-        );
-        Ok(())
+    fn write_digits(out: &mut [u8], mut n: u64) {
+        for digit in out.iter_mut().rev() {
+            *digit = b"0123456789abcdef"[(n & 15) as usize];
+            n >>= 4;
+        }
+    }
+
+    /// The answer every review must get, up to its uid.
+    struct Expected {
+        body: Vec<u8>,
+        uid_at: usize,
+    }
+
+    impl Expected {
+        /// The webhook's own answer to `body`, checked as JSON against `pod`.
+        fn new(body: &[u8], pod: &Value) -> anyhow::Result<Self> {
+            let policy = tensile_webhook::Policy::default();
+            let review = tensile_webhook::review::parse(body)?;
+            let outcome = tensile_webhook::mutate(&review, &policy, &std::collections::BTreeMap::new());
+            let answer = tensile_webhook::review::encode(outcome.response)?;
+            let v: Value = serde_json::from_slice(&answer)?;
+            anyhow::ensure!(
+                v["apiVersion"] == "admission.k8s.io/v1" && v["kind"] == "AdmissionReview",
+                "not a v1 review: {v}"
+            );
+            let r = &v["response"];
+            anyhow::ensure!(
+                r["uid"] == UID && r["allowed"] == true && r["patchType"] == "JSONPatch",
+                "not an allowed, patched answer for {UID}: {r}"
+            );
+            let patch = base64::engine::general_purpose::STANDARD
+                .decode(r["patch"].as_str().context("no patch")?)
+                .context("patch is not base64")?;
+            let patch: json_patch::Patch = serde_json::from_slice(&patch).context("not a JSON Patch")?;
+            let mut patched = pod.clone();
+            json_patch::patch(&mut patched, &patch).context("the patch does not apply")?;
+            anyhow::ensure!(
+                patched["metadata"]["annotations"]["clusterSelector"].is_string(),
+                "the patch writes no stash"
+            );
+            Ok(Self {
+                uid_at: uid_digits(&answer)?,
+                body: answer,
+            })
+        }
+
+        fn check(&self, answer: &[u8], digits: &[u8]) -> anyhow::Result<()> {
+            let (at, end) = (self.uid_at, self.uid_at + UID_DIGITS);
+            anyhow::ensure!(
+                answer.len() == self.body.len()
+                    && answer[at..end] == *digits
+                    && answer[..at] == self.body[..at]
+                    && answer[end..] == self.body[end..],
+                "unexpected answer: {}",
+                String::from_utf8_lossy(answer)
+            );
+            Ok(())
+        }
+    }
+
+    /// One keep-alive HTTPS connection to the webhook.
+    struct Connection {
+        tls: TlsStream<TcpStream>,
+        /// The request, head and body, with the uid's digits at `digits_at`.
+        request: Vec<u8>,
+        digits_at: usize,
+        next_uid: u64,
+        answer: Vec<u8>,
+        expected: Arc<Expected>,
+    }
+
+    impl Connection {
+        async fn open(
+            addr: SocketAddr,
+            tls: Arc<rustls::ClientConfig>,
+            body: &[u8],
+            expected: Arc<Expected>,
+            number: u64,
+        ) -> anyhow::Result<Self> {
+            let tcp = TcpStream::connect(addr).await.context("connecting")?;
+            tcp.set_nodelay(true)?;
+            let name = ServerName::try_from("127.0.0.1")?;
+            let tls = tokio_rustls::TlsConnector::from(tls)
+                .connect(name, tcp)
+                .await
+                .context("TLS handshake")?;
+            let mut request = format!(
+                "POST /mutate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                body.len()
+            )
+            .into_bytes();
+            let digits_at = request.len() + uid_digits(body)?;
+            request.extend_from_slice(body);
+            Ok(Self {
+                tls,
+                request,
+                digits_at,
+                // Connection number in the high digits: no two reviews share a uid.
+                next_uid: number << 32,
+                answer: Vec::with_capacity(16 * 1024),
+                expected,
+            })
+        }
+
+        /// Sends one review and checks its answer.
+        async fn review(&mut self) -> anyhow::Result<()> {
+            let digits = self.digits_at..self.digits_at + UID_DIGITS;
+            write_digits(&mut self.request[digits.clone()], self.next_uid);
+            self.next_uid += 1;
+            self.tls.write_all(&self.request).await?;
+            self.tls.flush().await?;
+            self.answer.clear();
+            let (head, length) = loop {
+                anyhow::ensure!(
+                    self.tls.read_buf(&mut self.answer).await? > 0,
+                    "the webhook closed the connection"
+                );
+                let mut headers = [httparse::EMPTY_HEADER; 16];
+                let mut response = httparse::Response::new(&mut headers);
+                if let httparse::Status::Complete(head) = response.parse(&self.answer)? {
+                    anyhow::ensure!(response.code == Some(200), "status {:?}", response.code);
+                    let length = response
+                        .headers
+                        .iter()
+                        .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+                        .and_then(|h| std::str::from_utf8(h.value).ok()?.parse::<usize>().ok())
+                        .context("answer without Content-Length")?;
+                    break (head, length);
+                }
+            };
+            while self.answer.len() < head + length {
+                anyhow::ensure!(
+                    self.tls.read_buf(&mut self.answer).await? > 0,
+                    "the webhook closed the connection mid-answer"
+                );
+            }
+            anyhow::ensure!(self.answer.len() == head + length, "bytes after the answer");
+            self.expected.check(&self.answer[head..], &self.request[digits])
+        }
+    }
+
+    /// CPU time so far of this process's threads: (the webhook's, everything else's).
+    fn cpu_time() -> Option<(Duration, Duration)> {
+        let (mut server, mut client) = (Duration::ZERO, Duration::ZERO);
+        for task in std::fs::read_dir("/proc/self/task").ok()? {
+            let dir = task.ok()?.path();
+            let (Ok(comm), Ok(stat)) = (
+                std::fs::read_to_string(dir.join("comm")),
+                std::fs::read_to_string(dir.join("schedstat")),
+            ) else {
+                continue; // a thread that ended meanwhile
+            };
+            let ns: u64 = stat.split_whitespace().next()?.parse().ok()?;
+            if comm.trim() == "webhook" {
+                server += Duration::from_nanos(ns);
+            } else {
+                client += Duration::from_nanos(ns);
+            }
+        }
+        Some((server, client))
     }
 
     fn millis(sorted: &[f64], p: f64) -> f64 {
@@ -335,7 +503,9 @@ mod webhook {
                 .with_root_certificates(roots)
                 .with_no_client_auth(),
         );
-        let body = review_body()?;
+        let pod = pod();
+        let body = review_body(&pod)?;
+        let expected = Arc::new(Expected::new(&body, &pod)?);
         let addr = running.address;
 
         // The pure work of one review (parse, mutate, encode), without HTTP or TLS.
@@ -359,10 +529,10 @@ mod webhook {
         let warmup = Duration::from_secs(1);
         let start = Instant::now();
         let mut tasks = Vec::new();
-        for _ in 0..connections {
-            let (tls, body) = (tls.clone(), body.clone());
+        for number in 0..connections {
+            let (tls, body, expected) = (tls.clone(), body.clone(), expected.clone());
             tasks.push(tokio::spawn(async move {
-                let mut sender = connect(addr, tls).await?;
+                let mut connection = Connection::open(addr, tls, &body, expected, number as u64).await?;
                 let mut latencies = Vec::new();
                 let end = start + warmup + secs;
                 loop {
@@ -370,7 +540,7 @@ mod webhook {
                     if t >= end {
                         break;
                     }
-                    review(&mut sender, &body).await?;
+                    connection.review().await?;
                     if t >= start + warmup {
                         latencies.push(t.elapsed().as_secs_f64() * 1000.0);
                     }
@@ -378,27 +548,44 @@ mod webhook {
                 Ok::<_, anyhow::Error>(latencies)
             }));
         }
+        tokio::time::sleep_until((start + warmup).into()).await;
+        let cpu_before = cpu_time();
+        tokio::time::sleep_until((start + warmup + secs).into()).await;
+        let cpu_after = cpu_time();
         let mut closed = Vec::new();
         for t in tasks {
             closed.extend(t.await??);
         }
         closed.sort_by(|a, b| a.total_cmp(b));
         let throughput = closed.len() as f64 / secs.as_secs_f64();
+        let per_review_us = |before: Duration, after: Duration| {
+            after.saturating_sub(before).as_secs_f64() * 1e6 / closed.len().max(1) as f64
+        };
+        let cpu = match (cpu_before, cpu_after) {
+            (Some((s0, c0)), Some((s1, c1))) => serde_json::json!({
+                "server_us_per_review": per_review_us(s0, s1),
+                "client_us_per_review": per_review_us(c0, c1),
+                "busy_share": (s1.saturating_sub(s0) + c1.saturating_sub(c0)).as_secs_f64()
+                    / (secs.as_secs_f64() * std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64),
+            }),
+            _ => Value::Null,
+        };
 
         // Open loop at a fixed rate over a few connections; latency from the scheduled time.
         let lanes = 4usize;
         let mut senders = Vec::new();
         let mut workers = Vec::new();
-        for _ in 0..lanes {
+        for lane in 0..lanes {
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Instant>();
             senders.push(tx);
-            let (tls, body) = (tls.clone(), body.clone());
+            let (tls, body, expected) = (tls.clone(), body.clone(), expected.clone());
+            let number = (connections + lane) as u64;
             workers.push(tokio::spawn(async move {
-                let mut sender = connect(addr, tls).await?;
+                let mut connection = Connection::open(addr, tls, &body, expected, number).await?;
                 let mut latencies = Vec::new();
                 while let Some(due) = rx.recv().await {
                     let sent = Instant::now();
-                    review(&mut sender, &body).await?;
+                    connection.review().await?;
                     latencies.push((
                         due.elapsed().as_secs_f64() * 1000.0,
                         sent.elapsed().as_secs_f64() * 1000.0,
@@ -431,6 +618,7 @@ mod webhook {
         Ok(serde_json::json!({
             "benchmark": "webhook: AdmissionReview over HTTPS (TLS 1.3, HTTP/1.1 keep-alive) on loopback",
             "review_bytes": body.len(),
+            "answer_bytes": expected.body.len(),
             "parse_mutate_encode_us": pure_us,
             "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             "throughput": {
@@ -440,6 +628,7 @@ mod webhook {
                 "reviews_per_sec": throughput,
                 "latency_ms_p50": millis(&closed, 0.50),
                 "latency_ms_p99": millis(&closed, 0.99),
+                "cpu": cpu,
             },
             "fixed_rate": {
                 "target_per_sec": rate,
@@ -453,7 +642,7 @@ mod webhook {
                 "from_scheduled_time_ms_p99": millis(&from_due, 0.99),
             },
             "server_mutations": metrics.lines().find(|l| l.starts_with("tensile_webhook_mutations_total")).unwrap_or(""),
-            "note": "client and server share the machine's cores; latency is request written to response read; from_scheduled_time adds the client's timer lag (tokio timers tick in 1 ms)",
+            "note": "client and server share the machine's cores; latency is request written to response read; from_scheduled_time adds the client's timer lag (tokio timers tick in 1 ms); cpu is the threads' scheduled time over the closed loop, the webhook's runtime against the rest of the process",
         }))
     }
 }
