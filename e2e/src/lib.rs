@@ -93,6 +93,42 @@ pub fn binary_name() -> String {
 }
 
 /// A port that was free on 127.0.0.1 a moment ago.
+/// The body of a test-bed binary's `main`: sets up logging (with `quiet` as the filter
+/// unless the user chose one), runs `work` on a runtime, and turns its outcome into an exit
+/// code, with errors printed behind `name:`.
+pub fn main_of<F>(
+    name: &str,
+    log: &mut tensile_common::telemetry::LogArgs,
+    quiet: &str,
+    work: impl FnOnce() -> F,
+) -> std::process::ExitCode
+where
+    F: std::future::Future<Output = anyhow::Result<()>>,
+{
+    use std::process::ExitCode;
+    if std::env::var_os("TENSILE_LOG").is_none() && log.level == "info" {
+        log.level = quiet.into();
+    }
+    if let Err(e) = tensile_common::telemetry::init(log) {
+        eprintln!("{name}: {e}");
+        return ExitCode::from(2);
+    }
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("{name}: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(work()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 pub fn free_port() -> Result<u16> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io_err("127.0.0.1:0"))?;
     let port = listener.local_addr().map_err(io_err("127.0.0.1:0"))?.port();

@@ -52,30 +52,13 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let mut cli = Cli::parse();
+    let cli = Cli::parse();
+    let mut log = cli.log.clone();
     // The demo's own lines are the output; the simulators' warnings stay, kube's client
     // retries (which fail by design while apiservers start) do not.
-    if std::env::var_os("TENSILE_LOG").is_none() && cli.log.level == "info" {
-        cli.log.level = "warn,kube_client=off,kube_runtime=off".into();
-    }
-    if let Err(e) = tensile_common::telemetry::init(&cli.log) {
-        eprintln!("demo: {e}");
-        return ExitCode::from(2);
-    }
-    let runtime = match tokio::runtime::Runtime::new() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("demo: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(run(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("demo: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    tensile_e2e::main_of("demo", &mut log, "warn,kube_client=off,kube_runtime=off", || {
+        run(cli)
+    })
 }
 
 fn say(message: &str) {

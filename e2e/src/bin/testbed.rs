@@ -42,27 +42,9 @@ fn main() -> ExitCode {
     let mut cli = Cli::parse();
     // Readiness polling fails by design until the apiservers answer; kube's client logs each
     // such failure as an error, which would drown the test bed's own messages.
-    if std::env::var_os("TENSILE_LOG").is_none() && cli.log.level == "info" {
-        cli.log.level = "info,kube_client=off".into();
-    }
-    if let Err(e) = tensile_common::telemetry::init(&cli.log) {
-        eprintln!("testbed: {e}");
-        return ExitCode::from(2);
-    }
-    let runtime = match tokio::runtime::Runtime::new() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("testbed: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(run(cli.command)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("testbed: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    tensile_e2e::main_of("testbed", &mut cli.log, "info,kube_client=off", || {
+        run(cli.command)
+    })
 }
 
 async fn run(command: Command) -> anyhow::Result<()> {
