@@ -46,11 +46,26 @@ pub async fn eventually(kubeconfig: &Path, what: &str, secs: u64, args: &[&str],
     }
 }
 
-/// The MutatingWebhookConfiguration an operator would write for the webhook on
-/// `127.0.0.1:port`: opted-in pods only, `failurePolicy: Fail`, limited to namespaces
-/// labelled `tensile-e2e=<namespace>` so tests sharing a cluster do not meet each other's
-/// webhooks. Without `ca_pem` the webhook is expected to fill in the `caBundle` itself.
-pub fn webhook_registration(name: &str, port: u16, namespace: &str, ca_pem: Option<&str>) -> String {
+/// Which namespaces a webhook registration sends pods from.
+#[derive(Clone, Copy, Debug)]
+pub enum Namespaces<'a> {
+    /// Only namespaces labelled `tensile-e2e=<name>`, so tests sharing a cluster do not meet
+    /// each other's webhooks.
+    Labelled(&'a str),
+    /// Every namespace but those labelled `tensile.io/webhook=disabled` (what an operator
+    /// writes).
+    AllButDisabled,
+}
+
+/// The MutatingWebhookConfiguration `name` for the webhook on `127.0.0.1:port`: opted-in
+/// pods only, `failurePolicy: Fail`, from `namespaces`. Without `ca_pem` the webhook is
+/// expected to fill in the `caBundle` itself.
+pub fn webhook_registration(
+    name: &str,
+    port: u16,
+    namespaces: Namespaces<'_>,
+    ca_pem: Option<&str>,
+) -> String {
     use base64::Engine as _;
     let ca = ca_pem
         .map(|pem| {
@@ -60,6 +75,12 @@ pub fn webhook_registration(name: &str, port: u16, namespace: &str, ca_pem: Opti
             )
         })
         .unwrap_or_default();
+    let selector = match namespaces {
+        Namespaces::Labelled(label) => format!("{{key: tensile-e2e, operator: In, values: [{label}]}}"),
+        Namespaces::AllButDisabled => {
+            "{key: tensile.io/webhook, operator: NotIn, values: [disabled]}".to_owned()
+        }
+    };
     format!(
         r#"
 apiVersion: admissionregistration.k8s.io/v1
@@ -77,7 +98,7 @@ webhooks:
   objectSelector: {{matchLabels: {{virtual-pod: "true"}}}}
   namespaceSelector:
     matchExpressions:
-    - {{key: tensile-e2e, operator: In, values: [{namespace}]}}
+    - {selector}
 "#
     )
 }

@@ -542,28 +542,11 @@ async fn bind_control(dir: &Path, control_command: &str) -> Result<UnixListener>
 /// pods, `failurePolicy: Fail`, every namespace but those labelled
 /// `tensile.io/webhook=disabled`. The webhook fills in the `caBundle`.
 pub fn webhook_registration(port: u16) -> String {
-    format!(
-        r#"apiVersion: admissionregistration.k8s.io/v1
-kind: MutatingWebhookConfiguration
-metadata:
-  name: {WEBHOOK_CONFIG}
-webhooks:
-- name: pods.tensile.io
-  admissionReviewVersions: [v1]
-  sideEffects: None
-  failurePolicy: Fail
-  reinvocationPolicy: Never
-  timeoutSeconds: 5
-  clientConfig:
-    url: https://127.0.0.1:{port}/mutate
-  rules:
-  - {{operations: [CREATE], apiGroups: [""], apiVersions: [v1], resources: [pods], scope: Namespaced}}
-  objectSelector:
-    matchLabels: {{virtual-pod: "true"}}
-  namespaceSelector:
-    matchExpressions:
-    - {{key: tensile.io/webhook, operator: NotIn, values: [disabled]}}
-"#
+    crate::check::webhook_registration(
+        WEBHOOK_CONFIG,
+        port,
+        crate::check::Namespaces::AllButDisabled,
+        None,
     )
 }
 

@@ -129,6 +129,18 @@ where
     }
 }
 
+/// Waits for SIGINT (Ctrl-C) or SIGTERM.
+pub async fn wait_for_signal() -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.context("waiting for SIGINT")?,
+        _ = term.recv() => {}
+    }
+    Ok(())
+}
+
 pub fn free_port() -> Result<u16> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io_err("127.0.0.1:0"))?;
     let port = listener.local_addr().map_err(io_err("127.0.0.1:0"))?.port();

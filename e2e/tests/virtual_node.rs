@@ -1054,7 +1054,12 @@ async fn the_webhook_stash_is_applied_below_by_the_virtual_node() {
     let config = "tensile-webhook-stash";
     apply(
         up(),
-        &tensile_e2e::check::webhook_registration(config, port, ns, None),
+        &tensile_e2e::check::webhook_registration(
+            config,
+            port,
+            tensile_e2e::check::Namespaces::Labelled(ns),
+            None,
+        ),
     )
     .await;
     let mut options = tensile_webhook::Options::new(

@@ -67,7 +67,12 @@ async fn namespace(cluster: &TestCluster, name: &str) {
 }
 
 fn registration(name: &str, port: u16, namespace: &str, ca_pem: Option<&str>) -> String {
-    tensile_e2e::check::webhook_registration(name, port, namespace, ca_pem)
+    tensile_e2e::check::webhook_registration(
+        name,
+        port,
+        tensile_e2e::check::Namespaces::Labelled(namespace),
+        ca_pem,
+    )
 }
 
 fn pod_json(cluster_out: &str) -> Value {

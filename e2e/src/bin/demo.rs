@@ -87,7 +87,7 @@ async fn up(dir: &Path, manifest: Option<PathBuf>) -> anyhow::Result<()> {
     options.control_command = control_command(dir);
     let demo = tokio::select! {
         demo = Demo::start(options, &say) => demo.context("starting the demo")?,
-        r = wait_for_signal() => {
+        r = tensile_e2e::wait_for_signal() => {
             r?;
             say("interrupted; stopping what was started");
             return Ok(());
@@ -96,7 +96,7 @@ async fn up(dir: &Path, manifest: Option<PathBuf>) -> anyhow::Result<()> {
     println!("{}", demo.summary());
     tokio::select! {
         _ = demo.serve_control(&say) => {}
-        r = wait_for_signal() => r?,
+        r = tensile_e2e::wait_for_signal() => r?,
     }
     say("stopping the virtual nodes, the webhook and the clusters");
     drop(demo);
@@ -120,14 +120,4 @@ fn control_command(dir: &Path) -> String {
     } else {
         format!("{exe} --dir {}", dir.display())
     }
-}
-
-async fn wait_for_signal() -> anyhow::Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => r.context("waiting for SIGINT")?,
-        _ = term.recv() => {}
-    }
-    Ok(())
 }

@@ -54,20 +54,10 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 .await
                 .context("starting the test bed")?;
             println!("{}", bed.ready_line());
-            wait_for_signal().await?;
+            tensile_e2e::wait_for_signal().await?;
             eprintln!("testbed: stopping");
             drop(bed);
             Ok(())
         }
     }
-}
-
-async fn wait_for_signal() -> anyhow::Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => r.context("waiting for SIGINT")?,
-        _ = term.recv() => {}
-    }
-    Ok(())
 }
