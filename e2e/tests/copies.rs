@@ -130,6 +130,14 @@ async fn gone_below(ns: &str, kind: &str, name: &str, secs: u64) {
     }
 }
 
+/// A pod spec tail mounting ConfigMap `name`.
+fn mounts_config_map(name: &str) -> String {
+    format!(
+        r#"  volumes: [{{name: config, configMap: {{name: {name}}}}}]
+  containers: [{{name: app, image: web, volumeMounts: [{{name: config, mountPath: /etc/app}}]}}]"#
+    )
+}
+
 const SYNCED: &str = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#;
 
 async fn events(ns: &str) -> String {
@@ -292,17 +300,7 @@ items:
     );
 
     // A required reference missing upstream keeps the pod from starting below, and says so.
-    apply(
-        up(),
-        &pod(
-            "refs",
-            "late",
-            "vn-refs",
-            r#"  volumes: [{name: config, configMap: {name: later}}]
-  containers: [{name: app, image: web, volumeMounts: [{name: config, mountPath: /etc/app}]}]"#,
-        ),
-    )
-    .await;
+    apply(up(), &pod("refs", "late", "vn-refs", &mounts_config_map("later"))).await;
     eventually(
         up(),
         "ReferenceMissing condition",
@@ -480,13 +478,7 @@ async fn a_foreign_same_named_config_map_below_is_reported_and_left_untouched() 
     .await;
     apply(
         up(),
-        &pod(
-            "clash",
-            "app",
-            "vn-clash",
-            r#"  volumes: [{name: config, configMap: {name: theirs}}]
-  containers: [{name: app, image: web, volumeMounts: [{name: config, mountPath: /etc/app}]}]"#,
-        ),
+        &pod("clash", "app", "vn-clash", &mounts_config_map("theirs")),
     )
     .await;
     eventually(

@@ -409,7 +409,7 @@ pub struct Copies {
     /// Services and their Endpoints, when their reflection is enabled.
     pub services: Option<ServiceStores>,
     /// Reports conflicts found by the resync on the upper object.
-    pub recorder: Option<Arc<Recorder>>,
+    pub recorder: Arc<Recorder>,
 }
 
 /// The watch caches of Service reflection.
@@ -823,7 +823,7 @@ impl Copies {
                 self.cluster_name, key.0, key.1, key.2
             );
             tracing::warn!("{message}");
-            if first && let Some(recorder) = &self.recorder {
+            if first {
                 let event = Event {
                     type_: EventType::Warning,
                     reason: "LowerCopyConflict".into(),
@@ -831,7 +831,7 @@ impl Copies {
                     action: "Sync".into(),
                     secondary: None,
                 };
-                if let Err(e) = recorder.publish(&event, &upper.object_ref(&())).await {
+                if let Err(e) = self.recorder.publish(&event, &upper.object_ref(&())).await {
                     tracing::debug!("event not recorded: {e}");
                 }
             }

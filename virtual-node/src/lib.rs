@@ -462,7 +462,7 @@ pub async fn run(args: Args) -> Result<(), Error> {
         unreferenced_since: Default::default(),
         conflicts: Default::default(),
         services,
-        recorder: Some(recorder.clone()),
+        recorder: recorder.clone(),
     });
     let volumes = Arc::new(volumes::Volumes {
         upper: upper.clone(),
@@ -477,6 +477,7 @@ pub async fn run(args: Args) -> Result<(), Error> {
         upper_limit: upper_limit.clone(),
         lower_limit: lower_limit.clone(),
         metrics: metrics.clone(),
+        waits_for_consumer: Default::default(),
     });
     let ctx = Arc::new(pods::Context {
         upper: upper.clone(),

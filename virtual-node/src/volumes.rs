@@ -75,6 +75,9 @@ pub struct Volumes {
     pub upper_limit: TokenBucket,
     pub lower_limit: TokenBucket,
     pub metrics: Arc<Metrics>,
+    /// Whether each lower StorageClass binds on first consumer (a class's binding mode is
+    /// immutable, so one read each).
+    pub waits_for_consumer: std::sync::Mutex<std::collections::HashMap<String, bool>>,
 }
 
 impl Volumes {
@@ -169,8 +172,23 @@ impl Volumes {
         let Some(class) = lower.spec.as_ref().and_then(|s| s.storage_class_name.clone()) else {
             return false;
         };
+        if let Some(known) = self
+            .waits_for_consumer
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&class).copied())
+        {
+            return known;
+        }
         match Api::<StorageClass>::all(self.lower.clone()).get_opt(&class).await {
-            Ok(Some(c)) => c.volume_binding_mode.as_deref() == Some("WaitForFirstConsumer"),
+            Ok(Some(c)) => {
+                let waits = c.volume_binding_mode.as_deref() == Some("WaitForFirstConsumer");
+                if let Ok(mut m) = self.waits_for_consumer.lock() {
+                    m.insert(class, waits);
+                }
+                waits
+            }
+            // A class that does not exist (yet) is asked about again on the next pass.
             _ => false,
         }
     }
