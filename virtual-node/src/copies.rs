@@ -30,7 +30,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
@@ -409,7 +409,7 @@ pub struct Copies {
     /// Services and their Endpoints, when their reflection is enabled.
     pub services: Option<ServiceStores>,
     /// Reports conflicts found by the resync on the upper object.
-    pub recorder: Arc<Recorder>,
+    pub events: crate::events::Events,
 }
 
 /// The watch caches of Service reflection.
@@ -831,9 +831,7 @@ impl Copies {
                     action: "Sync".into(),
                     secondary: None,
                 };
-                if let Err(e) = self.recorder.publish(&event, &upper.object_ref(&())).await {
-                    tracing::debug!("event not recorded: {e}");
-                }
+                self.events.publish(event, upper.object_ref(&()));
             }
         }
         Ok(())

@@ -11,6 +11,7 @@
 
 pub mod capacity;
 pub mod copies;
+pub mod events;
 pub mod kubelet;
 pub mod metrics;
 pub mod node;
@@ -437,13 +438,16 @@ pub async fn run(args: Args) -> Result<(), Error> {
         .reconcile_all_on(resync);
     let upper_pods = controller.store();
 
-    let recorder = Arc::new(Recorder::new(
-        upper.clone(),
-        Reporter {
-            controller: "tensile-virtual-node".into(),
-            instance: Some(identity.node.clone()),
-        },
-    ));
+    let (events, events_run) = events::Events::new(
+        Recorder::new(
+            upper.clone(),
+            Reporter {
+                controller: "tensile-virtual-node".into(),
+                instance: Some(identity.node.clone()),
+            },
+        ),
+        metrics.clone(),
+    );
     let lower_limit = ratelimit::TokenBucket::new(args.client_qps, args.client_burst);
     let upper_limit = ratelimit::TokenBucket::new(args.upper_qps, args.upper_burst);
     let copies = Arc::new(copies::Copies {
@@ -462,7 +466,7 @@ pub async fn run(args: Args) -> Result<(), Error> {
         unreferenced_since: Default::default(),
         conflicts: Default::default(),
         services,
-        recorder: recorder.clone(),
+        events: events.clone(),
     });
     let volumes = Arc::new(volumes::Volumes {
         upper: upper.clone(),
@@ -489,7 +493,7 @@ pub async fn run(args: Args) -> Result<(), Error> {
         lower_pods: lower_pods.clone(),
         upper_pods: upper_pods.clone(),
         host_ip: args.node_ip.to_string(),
-        recorder,
+        events,
         metrics: metrics.clone(),
         run_daemonset_pods: args.run_daemonset_pods,
         upper_limit,
@@ -500,6 +504,7 @@ pub async fn run(args: Args) -> Result<(), Error> {
         lost_grace: Duration::from_secs(10),
         cluster_name: lower_name,
         known_namespaces: Default::default(),
+        first_status_held: Default::default(),
     });
     let controller_run = {
         let metrics = metrics.clone();
@@ -559,6 +564,7 @@ pub async fn run(args: Args) -> Result<(), Error> {
             let mut empty_before = Default::default();
             loop {
                 pods::collect_orphans(&ctx).await;
+                pods::forget_stale_holds(&ctx);
                 if gc_namespaces {
                     pods::collect_namespaces(&ctx, &mut empty_before).await;
                 }
@@ -578,6 +584,7 @@ pub async fn run(args: Args) -> Result<(), Error> {
     let mut tasks = Tasks::default();
     tasks.spawn("the pod controller", controller_run);
     tasks.spawn("the node loop", node_run);
+    tasks.spawn("the event publisher", events_run);
     tasks.spawn("the lower node watch", lower_nodes_watch);
     tasks.spawn("the upper node watch", upper_node_watch);
     tasks.spawn("the lower pod watch", lower_all_watch);

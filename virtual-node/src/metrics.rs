@@ -28,6 +28,7 @@ pub struct Metrics {
     pub api_errors: Family<ApiLabels, Counter>,
     pub lower_ready: Gauge,
     pub copies: Gauge,
+    pub events_dropped: Counter,
 }
 
 impl Metrics {
@@ -42,6 +43,7 @@ impl Metrics {
             api_errors: Family::default(),
             lower_ready: Gauge::default(),
             copies: Gauge::default(),
+            events_dropped: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("tensile_virtual_node");
         r.register(
@@ -78,6 +80,11 @@ impl Metrics {
             "copies",
             "ConfigMaps and Secrets of this upper cluster in the lower cluster",
             m.copies.clone(),
+        );
+        r.register(
+            "events_dropped",
+            "Events not sent because the event queue was full",
+            m.events_dropped.clone(),
         );
         m
     }

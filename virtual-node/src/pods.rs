@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
@@ -31,7 +31,7 @@ pub struct Context {
     pub lower_pods: Store<Pod>,
     pub upper_pods: Store<Pod>,
     pub host_ip: String,
-    pub recorder: Arc<Recorder>,
+    pub events: crate::events::Events,
     pub metrics: Arc<Metrics>,
     pub run_daemonset_pods: bool,
     pub upper_limit: TokenBucket,
@@ -44,6 +44,8 @@ pub struct Context {
     pub started: Instant,
     pub lost_grace: Duration,
     pub cluster_name: String,
+    /// Upper pods (by UID) whose first status write is held back, and since when.
+    pub first_status_held: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
     /// Lower namespaces known to exist.
     pub known_namespaces: std::sync::Mutex<std::collections::HashSet<String>>,
 }
@@ -158,7 +160,7 @@ async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
     if translate::is_daemonset_pod(upper) && !ctx.run_daemonset_pods {
         let msg = "DaemonSet pods are not run in the lower cluster (see --run-daemonset-pods)";
         if !synced_says(upper, |c| c.reason.as_deref() == Some("DaemonSetPod")) {
-            event(ctx, upper, EventType::Warning, "DaemonSetPodNotRun", msg).await;
+            event(ctx, upper, EventType::Warning, "DaemonSetPodNotRun", msg);
         }
         set_condition(
             ctx,
@@ -190,12 +192,11 @@ async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
         if let Err(e) = lower_pods.patch(&name, &params, &Patch::Strategic(&patch)).await {
             // An update failure never regresses a running pod: report and go on with status.
             let msg = lower_message(&e);
-            event(ctx, upper, EventType::Warning, "LowerUpdateFailed", &msg).await;
+            event(ctx, upper, EventType::Warning, "LowerUpdateFailed", &msg);
         }
     }
 
-    write_status(ctx, upper, &lower).await?;
-    Ok(Action::requeue(Duration::from_secs(300)))
+    write_status(ctx, upper, &lower).await
 }
 
 /// Whether the upper pod's `LowerPodSynced` condition already says what `says` checks (an
@@ -227,7 +228,7 @@ async fn desired_lower(ctx: &Context, upper: &Pod) -> Result<Option<Pod>, Error>
                 &msg,
             )
             .await?;
-            event(ctx, upper, EventType::Warning, "InvalidPod", &msg).await;
+            event(ctx, upper, EventType::Warning, "InvalidPod", &msg);
             Ok(None)
         }
     }
@@ -257,14 +258,14 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
                 ctx.cluster_name
             );
             fail_upper(ctx, upper, "LowerPodLost", &msg).await?;
-            event(ctx, upper, EventType::Warning, "LowerPodLost", &msg).await;
+            event(ctx, upper, EventType::Warning, "LowerPodLost", &msg);
             return Ok(Action::await_change());
         }
         let msg = format!(
             "the pod disappeared from lower cluster {}; starting it again",
             ctx.cluster_name
         );
-        event(ctx, upper, EventType::Warning, "LowerPodLost", &msg).await;
+        event(ctx, upper, EventType::Warning, "LowerPodLost", &msg);
     }
     let Some(desired) = desired_lower(ctx, upper).await? else {
         return Ok(Action::await_change());
@@ -284,7 +285,7 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
             Blocked::Conflict(msg) => ("Conflict", "LowerCopyConflict", msg),
         };
         if !synced_says(upper, |c| c.message.as_deref() == Some(msg.as_str())) {
-            event(ctx, upper, EventType::Warning, event_reason, &msg).await;
+            event(ctx, upper, EventType::Warning, event_reason, &msg);
         }
         set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", reason, &msg).await?;
         return Ok(Action::requeue(Duration::from_secs(5)));
@@ -299,8 +300,7 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
                 EventType::Normal,
                 "LowerPodCreated",
                 &format!("created in lower cluster {}", ctx.cluster_name),
-            )
-            .await;
+            );
             // The first status write sets LowerPodSynced=True (one write, not two).
             Ok(Action::requeue(Duration::from_secs(300)))
         }
@@ -329,7 +329,7 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
                         &msg,
                     )
                     .await?;
-                    event(ctx, upper, EventType::Warning, "LowerPodConflict", &msg).await;
+                    event(ctx, upper, EventType::Warning, "LowerPodConflict", &msg);
                     Ok(Action::requeue(Duration::from_secs(30)))
                 }
                 None => Ok(Action::requeue(Duration::from_secs(1))),
@@ -350,7 +350,7 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
                 &msg,
             )
             .await?;
-            event(ctx, upper, EventType::Warning, "LowerCreateFailed", &msg).await;
+            event(ctx, upper, EventType::Warning, "LowerCreateFailed", &msg);
             let verb_err = Error::api("lower", "create", format!("pod {ns}/{name}"))(e);
             Err(verb_err)
         }
@@ -452,10 +452,23 @@ async fn patch_upper_status(ctx: &Context, upper: &Pod, status: serde_json::Valu
     }
 }
 
-async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(), Error> {
+/// How long the first status of a new lower pod may wait while the pod is merely pending
+/// (see [`translate::merely_pending`]). Most pods are Running sooner; one write then carries
+/// both that and `LowerPodSynced`, instead of one write per step of the lower pod. During a
+/// burst the upper apiserver's write latency is what status waits on, so every write saved
+/// shortens everyone's wait.
+pub const FIRST_STATUS_DELAY: Duration = Duration::from_secs(2);
+
+/// Writes the upper status the lower pod implies, unless it is the first and may still wait;
+/// says when to look again.
+async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<Action, Error> {
+    let again = Action::requeue(Duration::from_secs(300));
     let (mut status, differs) = translate::upper_status(upper, lower, &ctx.host_ip);
     if !differs {
-        return Ok(());
+        return Ok(again);
+    }
+    if let Some(wait) = first_status_wait(ctx, upper, lower) {
+        return Ok(Action::requeue(wait));
     }
     // The lower pod exists and is ours: the sync condition says so.
     if let Some(conds) = status.get_mut("conditions").and_then(|c| c.as_array_mut()) {
@@ -468,7 +481,37 @@ async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(), Err
                               "lastTransitionTime": jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()}));
         }
     }
-    patch_upper_status(ctx, upper, status).await
+    patch_upper_status(ctx, upper, status).await?;
+    Ok(again)
+}
+
+/// How much longer the first status write for `upper` may wait: only while the lower pod is
+/// merely pending, nothing was written yet (no `LowerPodSynced`), and for at most
+/// [`FIRST_STATUS_DELAY`] from the first time it was held back.
+fn first_status_wait(ctx: &Context, upper: &Pod, lower: &Pod) -> Option<Duration> {
+    let uid = upper.uid().unwrap_or_default();
+    let Ok(mut held) = ctx.first_status_held.lock() else {
+        return None;
+    };
+    if synced_says(upper, |_| true) || !translate::merely_pending(lower) {
+        held.remove(&uid);
+        return None;
+    }
+    let since = *held.entry(uid.clone()).or_insert_with(Instant::now);
+    match FIRST_STATUS_DELAY.checked_sub(since.elapsed()) {
+        Some(wait) if !wait.is_zero() => Some(wait),
+        _ => {
+            held.remove(&uid);
+            None
+        }
+    }
+}
+
+/// Forgets held-back first writes of pods that went away before they were written.
+pub fn forget_stale_holds(ctx: &Context) {
+    if let Ok(mut held) = ctx.first_status_held.lock() {
+        held.retain(|_, since| since.elapsed() < 10 * FIRST_STATUS_DELAY);
+    }
 }
 
 async fn set_condition(
@@ -515,7 +558,7 @@ async fn fail_upper(ctx: &Context, upper: &Pod, reason: &str, message: &str) -> 
     .await
 }
 
-async fn event(ctx: &Context, upper: &Pod, type_: EventType, reason: &str, note: &str) {
+fn event(ctx: &Context, upper: &Pod, type_: EventType, reason: &str, note: &str) {
     let ev = Event {
         type_,
         reason: reason.into(),
@@ -523,15 +566,7 @@ async fn event(ctx: &Context, upper: &Pod, type_: EventType, reason: &str, note:
         action: "Sync".into(),
         secondary: None,
     };
-    // Events are best effort and off the reconcile's critical path.
-    let recorder = ctx.recorder.clone();
-    let reference = upper.object_ref(&());
-    let pod = key(upper);
-    tokio::spawn(async move {
-        if let Err(e) = recorder.publish(&ev, &reference).await {
-            tracing::debug!(%pod, "event not recorded: {e}");
-        }
-    });
+    ctx.events.publish(ev, upper.object_ref(&()));
 }
 
 /// Deletes lower pods of ours whose upper pod (by UID) no longer exists. Runs after both

@@ -332,6 +332,41 @@ pub fn is_terminal(pod: &Pod) -> bool {
     matches!(phase(pod), "Succeeded" | "Failed")
 }
 
+/// Whether `lower` shows nothing yet but that it is on its way: Pending with no reason or
+/// message, not refused by the lower scheduler, and every container at most being created.
+/// A waiting reason such as `ImagePullBackOff`, an `Unschedulable` verdict or a started
+/// container is news a user should see at once.
+pub fn merely_pending(lower: &Pod) -> bool {
+    let Some(status) = &lower.status else {
+        return true;
+    };
+    let quiet_container = |c: &k8s_openapi::api::core::v1::ContainerStatus| {
+        let Some(state) = &c.state else { return true };
+        state.running.is_none()
+            && state.terminated.is_none()
+            && state.waiting.as_ref().is_none_or(|w| {
+                matches!(
+                    w.reason.as_deref(),
+                    None | Some("") | Some("ContainerCreating") | Some("PodInitializing")
+                )
+            })
+    };
+    phase(lower) == "Pending"
+        && status.reason.as_deref().unwrap_or_default().is_empty()
+        && status.message.as_deref().unwrap_or_default().is_empty()
+        && !status
+            .conditions
+            .iter()
+            .flatten()
+            .any(|c| c.type_ == "PodScheduled" && c.status == "False")
+        && status.container_statuses.iter().flatten().all(quiet_container)
+        && status
+            .init_container_statuses
+            .iter()
+            .flatten()
+            .all(quiet_container)
+}
+
 fn condition(pod: &Pod, kind: &str) -> Option<Value> {
     pod.status
         .as_ref()?
@@ -684,5 +719,39 @@ mod tests {
         let applied: Pod = serde_json::from_value(applied).unwrap();
         let (_, again) = upper_status(&applied, &lower, "10.1.1.1");
         assert!(!again, "no write when nothing changed");
+    }
+
+    fn lower_with_status(status: Value) -> Pod {
+        serde_json::from_value(json!({"metadata": {"name": "p"}, "status": status})).unwrap_or_default()
+    }
+
+    #[test]
+    fn merely_pending_holds_only_for_a_quiet_pending_pod() {
+        let quiet = [
+            json!(null),
+            json!({"phase": "Pending"}),
+            json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]}),
+            json!({"phase": "Pending", "containerStatuses": [
+                {"name": "c", "image": "x", "imageID": "", "ready": false, "restartCount": 0,
+                 "state": {"waiting": {"reason": "ContainerCreating"}}}]}),
+        ];
+        for status in quiet {
+            assert!(merely_pending(&lower_with_status(status.clone())), "{status}");
+        }
+        let news = [
+            json!({"phase": "Running"}),
+            json!({"phase": "Failed", "reason": "Evicted"}),
+            json!({"phase": "Pending", "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}),
+            json!({"phase": "Pending", "containerStatuses": [
+                {"name": "c", "image": "x", "imageID": "", "ready": false, "restartCount": 0,
+                 "state": {"waiting": {"reason": "ImagePullBackOff"}}}]}),
+            json!({"phase": "Pending", "initContainerStatuses": [
+                {"name": "i", "image": "x", "imageID": "", "ready": false, "restartCount": 0,
+                 "state": {"running": {}}}]}),
+        ];
+        for status in news {
+            assert!(!merely_pending(&lower_with_status(status.clone())), "{status}");
+        }
     }
 }

@@ -1,0 +1,72 @@
+//! Events on upper objects, sent off the reconcile path.
+//!
+//! Events go into a bounded queue drained by a few publishers. During a burst of thousands of
+//! pods they then wait behind status writes instead of competing with them for the upper
+//! apiserver: a status write is what a user waits for, an event is a record of it. A full
+//! queue drops the event and counts it (`tensile_virtual_node_events_dropped`), as
+//! Kubernetes' own event broadcaster drops events it cannot keep up with.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::runtime::events::{Event, Recorder};
+use tokio::sync::mpsc;
+
+use crate::metrics::Metrics;
+
+/// Events waiting to be published; past this, new ones are dropped.
+const QUEUE: usize = 4096;
+/// Events published at once.
+const PUBLISHERS: usize = 4;
+
+/// The sending side; cheap to clone.
+#[derive(Clone)]
+pub struct Events {
+    queue: mpsc::Sender<(Event, ObjectReference)>,
+    metrics: Arc<Metrics>,
+}
+
+impl Events {
+    /// The handle and the task that publishes what it is given.
+    pub fn new(recorder: Recorder, metrics: Arc<Metrics>) -> (Self, impl Future<Output = ()>) {
+        let (queue, received) = mpsc::channel::<(Event, ObjectReference)>(QUEUE);
+        let publish = async move {
+            tokio_stream_of(received)
+                .for_each_concurrent(PUBLISHERS, |(event, reference)| {
+                    let recorder = &recorder;
+                    async move {
+                        if let Err(e) = recorder.publish(&event, &reference).await {
+                            tracing::debug!(
+                                object = reference.name.as_deref().unwrap_or_default(),
+                                reason = %event.reason,
+                                "event not recorded: {e}"
+                            );
+                        }
+                    }
+                })
+                .await;
+        };
+        (Self { queue, metrics }, publish)
+    }
+
+    /// Queues `event` about `reference`; never waits.
+    pub fn publish(&self, event: Event, reference: ObjectReference) {
+        if let Err(e) = self.queue.try_send((event, reference)) {
+            self.metrics.events_dropped.inc();
+            let (event, reference) = match e {
+                mpsc::error::TrySendError::Full(x) | mpsc::error::TrySendError::Closed(x) => x,
+            };
+            tracing::debug!(
+                object = reference.name.as_deref().unwrap_or_default(),
+                reason = %event.reason,
+                "event dropped: the event queue is full"
+            );
+        }
+    }
+}
+
+fn tokio_stream_of<T>(mut received: mpsc::Receiver<T>) -> impl futures::Stream<Item = T> {
+    futures::stream::poll_fn(move |cx| received.poll_recv(cx))
+}
