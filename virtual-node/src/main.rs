@@ -2,6 +2,9 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+#[global_allocator]
+static ALLOCATOR: tensile_common::Allocator = tensile_common::Allocator;
+
 fn main() -> ExitCode {
     let args = tensile_virtual_node::Args::parse();
     if let Err(e) = tensile_common::telemetry::init(&args.log) {

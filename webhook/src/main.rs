@@ -1,5 +1,8 @@
 use clap::Parser;
 
+#[global_allocator]
+static ALLOCATOR: tensile_common::Allocator = tensile_common::Allocator;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = tensile_webhook::Args::parse();

@@ -265,10 +265,16 @@ fn target<'a>(review: &'a Review, policy: &Policy) -> Result<Option<&'a RawValue
 
 /// A JSON pointer to `tokens`.
 fn path(tokens: &[&str]) -> String {
-    let mut out = String::new();
+    let mut out = String::with_capacity(tokens.iter().map(|t| t.len() + 1).sum::<usize>() + 4);
     for token in tokens {
         out.push('/');
-        out.push_str(&token.replace('~', "~0").replace('/', "~1"));
+        for c in token.chars() {
+            match c {
+                '~' => out.push_str("~0"),
+                '/' => out.push_str("~1"),
+                c => out.push(c),
+            }
+        }
     }
     out
 }

@@ -530,3 +530,12 @@ fn the_two_steps_agree_with_mutate() {
         Judgement::Decided(_)
     ));
 }
+
+#[test]
+fn patch_paths_escape_tilde_and_slash() {
+    assert_eq!(
+        path(&["metadata", "annotations", "a/b~c"]),
+        "/metadata/annotations/a~1b~0c"
+    );
+    assert_eq!(path(&["spec", "nodeSelector"]), "/spec/nodeSelector");
+}

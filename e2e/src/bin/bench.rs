@@ -70,6 +70,9 @@ fn write_figures(out: &std::path::Path, name: &str, figures: &serde_json::Value)
     Ok(())
 }
 
+#[global_allocator]
+static ALLOCATOR: tensile_common::Allocator = tensile_common::Allocator;
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     tensile_common::telemetry::init(&tensile_common::telemetry::LogArgs {

@@ -51,6 +51,9 @@ enum Command {
     },
 }
 
+#[global_allocator]
+static ALLOCATOR: tensile_common::Allocator = tensile_common::Allocator;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let mut log = cli.log.clone();

@@ -38,6 +38,9 @@ enum Command {
     },
 }
 
+#[global_allocator]
+static ALLOCATOR: tensile_common::Allocator = tensile_common::Allocator;
+
 fn main() -> ExitCode {
     let mut cli = Cli::parse();
     // Readiness polling fails by design until the apiservers answer; kube's client logs each
