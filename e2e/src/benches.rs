@@ -64,6 +64,30 @@ fn between(from: &HashMap<String, Instant>, to: &HashMap<String, Instant>) -> se
         })
         .collect();
     ms.sort_by(f64::total_cmp);
+    percentiles(&ms)
+}
+
+/// Percentiles, over the pods seen on both sides, of (upper bound → lower created) +
+/// (lower Running → upper Running).
+fn own_legs(upper: &Seen, lower: &Seen) -> serde_json::Value {
+    let mut ms: Vec<f64> = upper
+        .bound
+        .iter()
+        .filter_map(|(name, bound)| {
+            let down = lower.first_seen.get(name)?.saturating_duration_since(*bound);
+            let up = upper
+                .running
+                .get(name)?
+                .saturating_duration_since(*lower.running.get(name)?);
+            Some((down + up).as_secs_f64() * 1000.0)
+        })
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    percentiles(&ms)
+}
+
+/// p50, p99 and max of sorted milliseconds.
+fn percentiles(ms: &[f64]) -> serde_json::Value {
     let pct = |p: f64| {
         ms.get(((ms.len() as f64 - 1.0) * p).round() as usize)
             .copied()
@@ -232,6 +256,9 @@ pub async fn virtual_node(pods: usize) -> anyhow::Result<serde_json::Value> {
             "lower_created_to_lower_bound_ms": between(&l.first_seen, &l.bound),
             "lower_bound_to_lower_running_ms": between(&l.bound, &l.running),
             "lower_running_to_upper_running_ms": between(&l.running, &u.running),
+            // Per pod, the time spent in the virtual node's two legs together: what it adds
+            // to the lower cluster's own created → Running.
+            "virtual_node_own_ms": own_legs(&u, &l),
         })
     };
 
