@@ -30,7 +30,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
-use kube::runtime::events::{Event, EventType};
+use kube::runtime::events::EventType;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
@@ -824,14 +824,12 @@ impl Copies {
             );
             tracing::warn!("{message}");
             if first {
-                let event = Event {
-                    type_: EventType::Warning,
-                    reason: "LowerCopyConflict".into(),
-                    note: Some(message),
-                    action: "Sync".into(),
-                    secondary: None,
-                };
-                self.events.publish(event, upper.object_ref(&()));
+                self.events.publish(
+                    upper.object_ref(&()),
+                    EventType::Warning,
+                    "LowerCopyConflict",
+                    &message,
+                );
             }
         }
         Ok(())

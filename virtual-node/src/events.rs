@@ -3,7 +3,7 @@
 //! Events go into a bounded queue drained by a few publishers. During a burst of thousands of
 //! pods they then wait behind status writes instead of competing with them for the upper
 //! apiserver: a status write is what a user waits for, an event is a record of it. A full
-//! queue drops the event and counts it (`tensile_virtual_node_events_dropped`), as
+//! queue drops the event and counts it (`tensile_virtual_node_events_dropped_total`), as
 //! Kubernetes' own event broadcaster drops events it cannot keep up with.
 
 use std::future::Future;
@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
-use kube::runtime::events::{Event, Recorder};
+use kube::runtime::events::{Event, EventType, Recorder};
 use tokio::sync::mpsc;
 
 use crate::metrics::Metrics;
@@ -31,9 +31,9 @@ pub struct Events {
 impl Events {
     /// The handle and the task that publishes what it is given.
     pub fn new(recorder: Recorder, metrics: Arc<Metrics>) -> (Self, impl Future<Output = ()>) {
-        let (queue, received) = mpsc::channel::<(Event, ObjectReference)>(QUEUE);
+        let (queue, mut received) = mpsc::channel::<(Event, ObjectReference)>(QUEUE);
         let publish = async move {
-            tokio_stream_of(received)
+            futures::stream::poll_fn(move |cx| received.poll_recv(cx))
                 .for_each_concurrent(PUBLISHERS, |(event, reference)| {
                     let recorder = &recorder;
                     async move {
@@ -51,22 +51,27 @@ impl Events {
         (Self { queue, metrics }, publish)
     }
 
-    /// Queues `event` about `reference`; never waits.
-    pub fn publish(&self, event: Event, reference: ObjectReference) {
+    /// Queues an event about `reference` (action `Sync`, note cut to 1,000 characters);
+    /// never waits.
+    pub fn publish(&self, reference: ObjectReference, type_: EventType, reason: &str, note: &str) {
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note.chars().take(1000).collect()),
+            action: "Sync".into(),
+            secondary: None,
+        };
         if let Err(e) = self.queue.try_send((event, reference)) {
             self.metrics.events_dropped.inc();
-            let (event, reference) = match e {
-                mpsc::error::TrySendError::Full(x) | mpsc::error::TrySendError::Closed(x) => x,
+            let (why, (event, reference)) = match e {
+                mpsc::error::TrySendError::Full(x) => ("the event queue is full", x),
+                mpsc::error::TrySendError::Closed(x) => ("the event publisher has stopped", x),
             };
             tracing::debug!(
                 object = reference.name.as_deref().unwrap_or_default(),
                 reason = %event.reason,
-                "event dropped: the event queue is full"
+                "event dropped: {why}"
             );
         }
     }
-}
-
-fn tokio_stream_of<T>(mut received: mpsc::Receiver<T>) -> impl futures::Stream<Item = T> {
-    futures::stream::poll_fn(move |cx| received.poll_recv(cx))
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType};
+use kube::runtime::events::EventType;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
@@ -457,7 +457,7 @@ async fn patch_upper_status(ctx: &Context, upper: &Pod, status: serde_json::Valu
 /// both that and `LowerPodSynced`, instead of one write per step of the lower pod. During a
 /// burst the upper apiserver's write latency is what status waits on, so every write saved
 /// shortens everyone's wait.
-pub const FIRST_STATUS_DELAY: Duration = Duration::from_secs(2);
+const FIRST_STATUS_DELAY: Duration = Duration::from_secs(2);
 
 /// Writes the upper status the lower pod implies, unless it is the first and may still wait;
 /// says when to look again.
@@ -559,14 +559,7 @@ async fn fail_upper(ctx: &Context, upper: &Pod, reason: &str, message: &str) -> 
 }
 
 fn event(ctx: &Context, upper: &Pod, type_: EventType, reason: &str, note: &str) {
-    let ev = Event {
-        type_,
-        reason: reason.into(),
-        note: Some(note.chars().take(1000).collect()),
-        action: "Sync".into(),
-        secondary: None,
-    };
-    ctx.events.publish(ev, upper.object_ref(&()));
+    ctx.events.publish(upper.object_ref(&()), type_, reason, note);
 }
 
 /// Deletes lower pods of ours whose upper pod (by UID) no longer exists. Runs after both
