@@ -5,20 +5,22 @@
 //! pod to stash, whose PVCs ([`Stashing::claims`]) the caller looks up before
 //! [`Stashing::finish`] writes the patch. [`mutate`] takes both steps at once.
 //!
-//! The pod is decoded once, whole, before anything is read from it: a pod that does not
-//! decode is refused rather than patched into one that still does not. Only then are its
-//! labels and stash read from the raw JSON ([`crate::raw`]), to tell a pod that is not ours,
-//! or already stashed, from one to refuse.
+//! The pod is decoded once, before anything is read from it, into [`PodMembers`]: the
+//! members the webhook reads or rewrites, with their API types. The rest of the pod stays
+//! text: the patch never names it, and the apiserver validates it after admission. A pod
+//! whose members do not decode is refused rather than patched; only then are its labels and
+//! stash read from the raw JSON ([`crate::raw`]), to tell a pod that is not ours, or already
+//! stashed, from one to refuse.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use json_patch::Patch;
 use k8s_openapi::api::core::v1::{
-    NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod, Toleration,
+    NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Toleration,
 };
 use kube::core::admission::{AdmissionResponse, Operation};
-use serde::Serialize;
 use serde::ser::{SerializeMap as _, Serializer};
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use serde_json::value::RawValue;
 use tensile_common::names;
@@ -83,11 +85,79 @@ pub enum Judgement<'a> {
     Stash(Stashing<'a>),
 }
 
+/// The members of a pod that the webhook reads or rewrites, decoded with the types the API
+/// gives them (`Pod`'s own decoding rules: a missing or `null` member is `None`, unknown
+/// members are skipped). Everything else in the pod is left as the text it came in.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PodMembers {
+    api_version: Option<String>,
+    kind: Option<String>,
+    metadata: Option<MetadataMembers>,
+    spec: Option<SpecMembers>,
+}
+
+#[derive(Deserialize)]
+struct MetadataMembers {
+    labels: Option<BTreeMap<String, String>>,
+    annotations: Option<BTreeMap<String, String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SpecMembers {
+    node_selector: Option<BTreeMap<String, String>>,
+    affinity: Option<AffinityMembers>,
+    tolerations: Option<Vec<Toleration>>,
+    volumes: Option<Vec<VolumeMembers>>,
+}
+
+/// Only node affinity is read; pod (anti-)affinity stays on the upper pod untouched.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct AffinityMembers {
+    node_affinity: Option<NodeAffinity>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct VolumeMembers {
+    persistent_volume_claim: Option<ClaimMembers>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ClaimMembers {
+    claim_name: String,
+}
+
+impl PodMembers {
+    /// Decodes `object`, held to being a v1 Pod where it says what it is.
+    fn decode(object: &RawValue) -> Result<Self, String> {
+        let pod: Self = serde_json::from_str(object.get()).map_err(|e| review::message(&e))?;
+        if let Some(v) = pod.api_version.as_deref().filter(|v| *v != "v1") {
+            return Err(format!("apiVersion {v:?}, expected \"v1\""));
+        }
+        if let Some(k) = pod.kind.as_deref().filter(|k| *k != "Pod") {
+            return Err(format!("kind {k:?}, expected \"Pod\""));
+        }
+        Ok(pod)
+    }
+
+    fn label(&self, key: &str) -> Option<&String> {
+        self.metadata.as_ref()?.labels.as_ref()?.get(key)
+    }
+
+    fn annotation(&self, key: &str) -> Option<&String> {
+        self.metadata.as_ref()?.annotations.as_ref()?.get(key)
+    }
+}
+
 /// An opted-in pod, decoded, that carries no stash yet.
 pub struct Stashing<'a> {
     review: &'a Review,
     object: &'a RawValue,
-    pod: Box<Pod>,
+    pod: PodMembers,
 }
 
 impl Stashing<'_> {
@@ -164,19 +234,17 @@ pub fn judge<'a>(review: &'a Review, policy: &Policy) -> Judgement<'a> {
         Err(Skip::Deny(message)) => return Judgement::Decided(deny(review, message)),
     };
     let opt_in = &policy.opt_in;
-    match serde_json::from_str::<Box<Pod>>(object.get()) {
+    match PodMembers::decode(object) {
         Ok(pod) => {
-            let label = pod.metadata.labels.as_ref().and_then(|l| l.get(&opt_in.key));
-            if label != Some(&opt_in.value) {
+            if pod.label(&opt_in.key) != Some(&opt_in.value) {
                 return unchanged(allow(review));
             }
-            let annotations = pod.metadata.annotations.as_ref();
-            if let Some(text) = annotations.and_then(|a| a.get(names::CLUSTER_SELECTOR)) {
+            if let Some(text) = pod.annotation(names::CLUSTER_SELECTOR) {
                 return Judgement::Decided(stashed(review, Some(text)));
             }
             Judgement::Stash(Stashing { review, object, pod })
         }
-        Err(e) => {
+        Err(reason) => {
             let metadata = Level::of(object)
                 .step("metadata")
                 .map(Level::of)
@@ -194,10 +262,7 @@ pub fn judge<'a>(review: &'a Review, policy: &Policy) -> Judgement<'a> {
             if let Some(text) = stash {
                 return Judgement::Decided(stashed(review, raw::string(text).as_deref()));
             }
-            Judgement::Decided(deny(
-                review,
-                format!("the pod does not decode: {}", review::message(&e)),
-            ))
+            Judgement::Decided(deny(review, format!("the pod does not decode: {reason}")))
         }
     }
 }
@@ -421,11 +486,11 @@ fn toleration(key: &str, effect: &str, seconds: Option<i64>) -> Toleration {
 /// The patch and warnings for a pod that opted in and carries no stash.
 fn plan(
     object: &RawValue,
-    pod: Box<Pod>,
+    pod: PodMembers,
     policy: &Policy,
     claims: &dyn ClaimNodes,
 ) -> Result<(Vec<u8>, Vec<String>), String> {
-    let Pod { metadata, spec, .. } = *pod;
+    let PodMembers { metadata, spec, .. } = pod;
     let mut spec = spec.ok_or("the pod has no spec")?;
     let keep = &policy.ignore_selector_keys;
     let mut warnings = Vec::new();
@@ -558,7 +623,7 @@ fn plan(
     // The patch touches only the fields that change. The decoded pod tells when a field
     // differs; when it reads the same, the raw field decides.
     let mut ops = Vec::new();
-    match metadata.annotations {
+    match metadata.and_then(|m| m.annotations) {
         Some(_) => ops.push(add(
             &["metadata", "annotations", names::CLUSTER_SELECTOR],
             New::Stash(&stash_text),

@@ -172,7 +172,7 @@ fn an_opted_in_pod_moves_its_lower_constraints_into_the_stash() {
     );
     assert_eq!(after["spec"]["containers"], original["spec"]["containers"]);
     assert_eq!(after["metadata"]["labels"], original["metadata"]["labels"]);
-    assert!(serde_json::from_value::<Pod>(after).is_ok());
+    assert!(serde_json::from_value::<k8s_openapi::api::core::v1::Pod>(after).is_ok());
 }
 
 #[test]
@@ -416,12 +416,33 @@ fn a_stashed_pod_is_not_stashed_again_and_a_broken_stash_is_refused() {
 }
 
 #[test]
-fn a_pod_that_does_not_decode_is_refused_with_the_reason() {
-    let (outcome, _) = run(opted_in(json!({"containers": "not a list"})), &Policy::default());
+fn a_pod_whose_read_members_do_not_decode_is_refused_with_the_reason() {
+    let broken = [
+        json!({"containers": containers(), "tolerations": "not a list"}),
+        json!({"containers": containers(), "nodeSelector": {"disk": 5}}),
+        json!({"containers": containers(), "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}}}),
+        json!({"containers": containers(), "volumes": [{"name": "v", "persistentVolumeClaim": {}}]}),
+    ];
+    for spec in broken {
+        let (outcome, _) = run(opted_in(spec.clone()), &Policy::default());
+        assert_eq!(outcome.verdict, Verdict::Denied, "{spec}");
+        assert_eq!(outcome.response.uid, "uid-7");
+        assert!(
+            outcome.response.result.message.contains("does not decode"),
+            "{spec}: {}",
+            outcome.response.result.message
+        );
+    }
+    let mut wrong_kind = opted_in(full_spec());
+    wrong_kind["kind"] = json!("Deployment");
+    let (outcome, _) = run(wrong_kind, &Policy::default());
     assert_eq!(outcome.verdict, Verdict::Denied);
-    assert_eq!(outcome.response.uid, "uid-7");
     assert!(
-        outcome.response.result.message.contains("does not decode"),
+        outcome
+            .response
+            .result
+            .message
+            .contains("kind \"Deployment\", expected \"Pod\""),
         "{}",
         outcome.response.result.message
     );
@@ -489,8 +510,28 @@ fn a_field_already_as_wanted_is_left_alone_unless_its_json_differs() {
 }
 
 #[test]
+fn members_the_webhook_does_not_read_are_left_to_the_apiserver() {
+    // Containers that are not a list: the apiserver's validation refuses them after
+    // admission. The webhook stashes the pod and its patch leaves them exactly as they were.
+    let mut spec = full_spec();
+    spec["containers"] = json!("not a list");
+    spec["priority"] = json!({"not": "a number"});
+    let original = opted_in(spec);
+    let (outcome, after) = run(original.clone(), &Policy::default());
+    assert_eq!(outcome.verdict, Verdict::Mutated);
+    assert_eq!(after["spec"]["containers"], "not a list");
+    assert_eq!(after["spec"]["priority"], original["spec"]["priority"]);
+    assert!(
+        ops(&outcome)
+            .iter()
+            .all(|(_, path)| !path.starts_with("/spec/containers") && !path.starts_with("/spec/priority"))
+    );
+    assert_eq!(stash_of(&after).node_selector.len(), 2);
+}
+
+#[test]
 fn a_pod_that_does_not_decode_is_judged_on_its_raw_labels_and_stash() {
-    let broken = json!({"containers": "not a list"});
+    let broken = json!({"containers": containers(), "tolerations": "not a list"});
     let (outcome, _) = run(pod(json!({"app": "x"}), broken.clone()), &Policy::default());
     assert_eq!(outcome.verdict, Verdict::Unchanged, "not ours, decoding or not");
     let mut stashed = opted_in(broken.clone());

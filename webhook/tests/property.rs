@@ -1,11 +1,12 @@
 //! Property tests over generated pods and garbage: the webhook never panics, never returns a
-//! patch that breaks the pod, moves exactly what it should, and is idempotent.
+//! patch that breaks the pod or touches a member it does not own, moves exactly what it
+//! should, and is idempotent.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use json_patch::Patch;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{NodeAffinity, Pod, Toleration};
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionReview};
 use proptest::prelude::*;
@@ -214,6 +215,43 @@ fn apply(object: &Value, bytes: &[u8]) -> Value {
     doc
 }
 
+/// Whether the members a patch may write decode with their API types, the stash included.
+fn written_members_decode(pod: &Value) -> bool {
+    fn decodes<T: serde::de::DeserializeOwned>(pod: &Value, at: &str) -> bool {
+        pod.pointer(at)
+            .is_none_or(|v| serde_json::from_value::<Option<T>>(v.clone()).is_ok())
+    }
+    let stash = pod["metadata"]["annotations"]["clusterSelector"].as_str();
+    decodes::<BTreeMap<String, String>>(pod, "/metadata/annotations")
+        && decodes::<BTreeMap<String, String>>(pod, "/spec/nodeSelector")
+        && decodes::<NodeAffinity>(pod, "/spec/affinity/nodeAffinity")
+        && decodes::<Vec<Toleration>>(pod, "/spec/tolerations")
+        && stash.is_some_and(|text| Stash::decode(text).is_ok())
+}
+
+/// `pod` without the members a patch may write: what must be the same before and after.
+fn unwritten(pod: &Value) -> Value {
+    let mut pod = pod.clone();
+    if let Some(meta) = pod.get_mut("metadata").and_then(Value::as_object_mut) {
+        meta.remove("annotations");
+    }
+    if let Some(spec) = pod.get_mut("spec").and_then(Value::as_object_mut) {
+        spec.remove("nodeSelector");
+        spec.remove("tolerations");
+        if let Some(affinity) = spec.get_mut("affinity").and_then(Value::as_object_mut) {
+            affinity.remove("nodeAffinity");
+        }
+        // A `null` or empty affinity is the absent one that a patch may fill in.
+        if spec
+            .get("affinity")
+            .is_some_and(|a| a.is_null() || a.as_object().is_some_and(serde_json::Map::is_empty))
+        {
+            spec.remove("affinity");
+        }
+    }
+    pod
+}
+
 /// What the lower side of the required terms should be.
 fn expected_lower_terms(object: &Value, keep: &BTreeSet<String>) -> Option<Value> {
     let terms = object.pointer(
@@ -342,10 +380,39 @@ proptest! {
         let outcome = mutate(&review, &Policy::default(), &BTreeMap::new());
         if let Some(bytes) = &outcome.response.patch {
             let after = apply(&object, bytes);
-            prop_assert!(serde_json::from_value::<Pod>(after).is_ok());
+            if serde_json::from_value::<Pod>(object.clone()).is_ok() {
+                prop_assert!(serde_json::from_value::<Pod>(after.clone()).is_ok());
+            }
+            prop_assert!(written_members_decode(&after), "{after}");
+            prop_assert_eq!(unwritten(&after), unwritten(&object));
         }
         if outcome.verdict == Verdict::Denied {
             prop_assert!(!outcome.response.result.message.is_empty());
+        }
+    }
+
+    #[test]
+    fn garbage_in_members_the_webhook_does_not_read_changes_nothing(
+        (object, _) in pod(),
+        policy in policy(),
+        claims in claims(),
+        at in prop::sample::select(&["", "/metadata", "/spec", "/spec/containers/0"][..]),
+        name in prop::sample::select(&["containers", "status", "priority", "ownerReferences", "x"][..]),
+        garbage in arb_json(),
+    ) {
+        let clean = mutate(&review_of(&object), &policy, &claims);
+        let mut dirty = object.clone();
+        if let Some(parent) = dirty.pointer_mut(at).and_then(Value::as_object_mut) {
+            parent.insert(name.to_owned(), garbage.clone());
+        }
+        let outcome = mutate(&review_of(&dirty), &policy, &claims);
+        prop_assert_eq!(outcome.verdict, clean.verdict);
+        prop_assert_eq!(&outcome.response.patch, &clean.response.patch);
+        prop_assert_eq!(&outcome.response.result.message, &clean.response.result.message);
+        if let Some(bytes) = &outcome.response.patch {
+            let after = apply(&dirty, bytes);
+            prop_assert_eq!(after.pointer(at).and_then(|p| p.get(name)), Some(&garbage));
+            prop_assert_eq!(unwritten(&after), unwritten(&dirty));
         }
     }
 

@@ -188,7 +188,7 @@ async fn bad_requests_get_precise_statuses_and_good_ones_a_review() {
     }
 
     // A pod that does not decode is denied in the review, with the uid.
-    let broken = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"labels": {"virtual-pod": "true"}}, "spec": {"containers": 7}});
+    let broken = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"labels": {"virtual-pod": "true"}}, "spec": {"containers": [], "tolerations": 7}});
     let (status, body) = send(&mut c, "POST", "/mutate", json, review(broken)).await;
     assert_eq!(status, StatusCode::OK);
     let answer: Value = serde_json::from_str(&body).unwrap();
