@@ -3,8 +3,8 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -24,16 +24,27 @@ pub struct AdminArgs {
     pub admin_addr: SocketAddr,
 }
 
-/// Readiness shared between a daemon and its admin endpoint.
+/// Readiness shared between a daemon and its admin endpoint, with what `/readyz` says.
 #[derive(Clone, Debug, Default)]
-pub struct Readiness(Arc<AtomicBool>);
+pub struct Readiness(Arc<(AtomicBool, Mutex<String>)>);
 
 impl Readiness {
     pub fn set(&self, ready: bool) {
-        self.0.store(ready, Ordering::SeqCst);
+        self.0.0.store(ready, Ordering::SeqCst);
     }
     pub fn get(&self) -> bool {
-        self.0.load(Ordering::SeqCst)
+        self.0.0.load(Ordering::SeqCst)
+    }
+    /// Sets readiness and the sentence `/readyz` answers with (for example which replica
+    /// leads).
+    pub fn say(&self, ready: bool, why: impl Into<String>) {
+        if let Ok(mut s) = self.0.1.lock() {
+            *s = why.into();
+        }
+        self.set(ready);
+    }
+    fn why(&self) -> String {
+        self.0.1.lock().map(|s| s.clone()).unwrap_or_default()
     }
 }
 
@@ -77,12 +88,23 @@ pub async fn serve(listener: TcpListener, registry: Arc<Registry>, ready: Readin
 fn respond(path: &str, registry: &Registry, ready: &Readiness) -> Response<Full<Bytes>> {
     let (code, ctype, body) = match path {
         "/healthz" => (StatusCode::OK, "text/plain", "ok".to_string()),
-        "/readyz" if ready.get() => (StatusCode::OK, "text/plain", "ok".to_string()),
-        "/readyz" => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "text/plain",
-            "not ready".to_string(),
-        ),
+        "/readyz" => {
+            let why = ready.why();
+            match (ready.get(), why.is_empty()) {
+                (true, true) => (StatusCode::OK, "text/plain", "ok".to_string()),
+                (true, false) => (StatusCode::OK, "text/plain", format!("ok: {why}")),
+                (false, true) => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain",
+                    "not ready".to_string(),
+                ),
+                (false, false) => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain",
+                    format!("not ready: {why}"),
+                ),
+            }
+        }
         "/metrics" => {
             let mut out = String::new();
             match prometheus_client::encoding::text::encode(&mut out, registry) {

@@ -1,11 +1,19 @@
-//! Building a [`kube::Client`] from an explicit kubeconfig file.
+//! Building a [`kube::Client`]: from an explicit kubeconfig file, or from the pod's
+//! service account when no file is named.
 //!
 //! A missing or broken kubeconfig is an error that names the file; there is no silent
-//! fallback to another configuration source.
+//! fallback from a named file to another source. Every client carries a connect timeout and
+//! a per-call deadline ([`crate::deadline`]), and, for a daemon that elects a leader, a fence
+//! that refuses writes while it does not lead ([`crate::leader::Fence`]).
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
+use kube::client::ClientBuilder;
 use kube::config::{KubeConfigOptions, Kubeconfig};
+
+use crate::deadline::DeadlineLayer;
+use crate::leader::{FenceLayer, Leadership};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -27,15 +35,74 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    #[error(
+        "no --kubeconfig given and not running in a pod ({source}): pass --kubeconfig, or run in the cluster with a service account"
+    )]
+    NoInCluster {
+        #[source]
+        source: kube::config::InClusterError,
+    },
+    #[error("in-cluster configuration: cannot build a client: {source}")]
+    InClusterClient {
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// How every API client of a daemon talks to its apiserver, flattened into each daemon.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ClientArgs {
+    /// Seconds a TCP and TLS connection to an apiserver may take.
+    #[arg(long = "connect-timeout", env = "TENSILE_CONNECT_TIMEOUT", default_value_t = 5,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub connect_timeout: u64,
+    /// Seconds an API call (not a watch) may take, answer included; a call past it fails
+    /// and is retried, so a half-open connection never holds a worker.
+    #[arg(long = "request-timeout", env = "TENSILE_REQUEST_TIMEOUT", default_value_t = 15,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub request_timeout: u64,
+}
+
+impl Default for ClientArgs {
+    fn default() -> Self {
+        Self {
+            connect_timeout: 5,
+            request_timeout: 15,
+        }
+    }
 }
 
 /// Client settings applied on top of what the kubeconfig says.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct ClientOptions {
     /// The context to use instead of the kubeconfig's current one.
     pub context: Option<String>,
-    /// Per-request read timeout; `None` keeps kube's default.
-    pub read_timeout: Option<std::time::Duration>,
+    pub connect_timeout: Duration,
+    /// Deadline of every call that is not a watch or a followed stream.
+    pub request_timeout: Duration,
+    /// Writes are refused unless this leadership is held (reads always pass).
+    pub fence: Option<Leadership>,
+    /// Sent as `User-Agent`, so the apiserver's audit log names the process.
+    pub user_agent: Option<String>,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientArgs::default().options()
+    }
+}
+
+impl ClientArgs {
+    /// Options for a client of this daemon (no fence, no user agent).
+    pub fn options(&self) -> ClientOptions {
+        ClientOptions {
+            context: None,
+            connect_timeout: Duration::from_secs(self.connect_timeout),
+            request_timeout: Duration::from_secs(self.request_timeout),
+            fence: None,
+            user_agent: None,
+        }
+    }
 }
 
 /// Loads `path` and returns the [`kube::Config`] it describes.
@@ -54,19 +121,53 @@ pub async fn config_from_file(path: &Path, options: &ClientOptions) -> Result<ku
             path: path.to_owned(),
             source,
         })?;
-    if let Some(timeout) = options.read_timeout {
-        config.read_timeout = Some(timeout);
-    }
+    tune(&mut config, options);
     Ok(config)
+}
+
+fn tune(config: &mut kube::Config, options: &ClientOptions) {
+    config.connect_timeout = Some(options.connect_timeout);
+    config.write_timeout = Some(options.request_timeout);
+    if let Some(agent) = &options.user_agent
+        && let Ok(value) = http::HeaderValue::from_str(agent)
+    {
+        config.headers.push((http::header::USER_AGENT, value));
+    }
+}
+
+fn build(config: kube::Config, options: &ClientOptions) -> Result<kube::Client, kube::Error> {
+    let builder = ClientBuilder::try_from(config)?.with_layer(&DeadlineLayer {
+        deadline: options.request_timeout,
+    });
+    Ok(match &options.fence {
+        Some(leadership) => builder
+            .with_layer(&FenceLayer {
+                leadership: leadership.clone(),
+            })
+            .build(),
+        None => builder.build(),
+    })
 }
 
 /// Loads `path` and builds a client for it.
 pub async fn client_from_file(path: &Path, options: &ClientOptions) -> Result<kube::Client, Error> {
     let config = config_from_file(path, options).await?;
-    kube::Client::try_from(config).map_err(|source| Error::Client {
+    build(config, options).map_err(|source| Error::Client {
         path: path.to_owned(),
         source,
     })
+}
+
+/// A client from `path`, or from the pod's service account when `path` is `None`.
+pub async fn client(path: Option<&Path>, options: &ClientOptions) -> Result<kube::Client, Error> {
+    match path {
+        Some(path) => client_from_file(path, options).await,
+        None => {
+            let mut config = kube::Config::incluster().map_err(|source| Error::NoInCluster { source })?;
+            tune(&mut config, options);
+            build(config, options).map_err(|source| Error::InClusterClient { source })
+        }
+    }
 }
 
 #[cfg(test)]
@@ -112,5 +213,17 @@ mod tests {
             msg.contains("empty.kubeconfig") && msg.contains("not usable"),
             "{msg}"
         );
+    }
+
+    #[tokio::test]
+    async fn without_a_kubeconfig_outside_a_pod_the_error_says_what_to_pass() {
+        if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
+            return;
+        }
+        let err = client(None, &ClientOptions::default())
+            .await
+            .err()
+            .expect("no configuration is found");
+        assert!(err.to_string().contains("pass --kubeconfig"), "{err}");
     }
 }

@@ -1,16 +1,28 @@
-//! Shared pieces of the tensile suite: the admin endpoint ([`admin`]), the one place every label, annotation and taint
-//! name is defined ([`names`]), the codec of the stashed lower-cluster constraints
-//! ([`stash`]), client construction from a kubeconfig with errors that name
-//! the file ([`kubeconfig`]), exact resource arithmetic ([`quantity`], [`resources`]), the
-//! kubelet API's shared parsing ([`kubelet`]), logging set-up shared by every binary ([`telemetry`]),
-//! and the memory allocator every binary uses ([`Allocator`]).
+//! Shared pieces of the tensile suite.
+//!
+//! The daemon runtime every binary is assembled from: clients from a kubeconfig or the
+//! pod's service account, each call under a deadline ([`kubeconfig`], [`deadline`]); watch
+//! caches with a synced signal every waiter sees ([`cache`]); named tasks stopped together
+//! on SIGTERM within a bounded drain ([`runtime`]); leader election on Leases with writes
+//! fenced by the renew deadline ([`leader`]); the admin endpoint ([`admin`]); logging
+//! ([`telemetry`]); one API error shape, the exact delete and timestamps ([`api`]).
+//!
+//! The suite's vocabulary: every label, annotation and taint name ([`names`]), the codec of
+//! the stashed lower-cluster constraints ([`stash`]), exact resource arithmetic
+//! ([`quantity`], [`resources`]), the kubelet API's shared parsing ([`kubelet`]), and the
+//! memory allocator every binary uses ([`Allocator`]).
 
 pub mod admin;
+pub mod api;
+pub mod cache;
+pub mod deadline;
 pub mod kubeconfig;
 pub mod kubelet;
+pub mod leader;
 pub mod names;
 pub mod quantity;
 pub mod resources;
+pub mod runtime;
 pub mod stash;
 pub mod telemetry;
 

@@ -28,6 +28,9 @@ pub struct ClusterOptions {
     pub node_monitor_period: Duration,
     /// How long start-up may take before it fails with the failing process's log tail.
     pub ready_timeout: Duration,
+    /// Record every write (create, update, patch, delete) with its user agent in
+    /// `<dir>/audit.log` (see [`TestCluster::audited_writes`]).
+    pub audit_writes: bool,
 }
 
 impl ClusterOptions {
@@ -42,6 +45,7 @@ impl ClusterOptions {
             node_monitor_grace: Duration::from_secs(20),
             node_monitor_period: Duration::from_secs(2),
             ready_timeout: Duration::from_secs(90),
+            audit_writes: false,
         }
     }
 
@@ -51,6 +55,17 @@ impl ClusterOptions {
         self.controller_manager = false;
         self
     }
+}
+
+/// One write an audited apiserver received.
+#[derive(Clone, Debug)]
+pub struct AuditedWrite {
+    pub user_agent: String,
+    pub verb: String,
+    pub uri: String,
+    pub received: jiff::Timestamp,
+    /// The HTTP status answered.
+    pub code: u16,
 }
 
 /// A running cluster. Dropping it kills its processes (etcd is shared and stays).
@@ -110,7 +125,7 @@ impl TestCluster {
         let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let prefix = format!("/{}-{seq}", options.name);
         let p = |f: &str| pki_dir.join(f).display().to_string();
-        let apiserver_args = vec![
+        let mut apiserver_args = vec![
             format!("--etcd-servers={}", etcd.url()),
             format!("--etcd-prefix={prefix}"),
             "--bind-address=127.0.0.1".into(),
@@ -132,6 +147,17 @@ impl TestCluster {
             format!("--kubelet-client-key={}", p("kubelet-client.key")),
             "--kubelet-preferred-address-types=InternalIP".into(),
         ];
+        if options.audit_writes {
+            let policy = dir.join("audit-policy.yaml");
+            write(
+                &policy,
+                "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n\
+                 - level: Metadata\n  verbs: [create, update, patch, delete, deletecollection]\n\
+                 - level: None\n",
+            )?;
+            apiserver_args.push(format!("--audit-policy-file={}", policy.display()));
+            apiserver_args.push(format!("--audit-log-path={}", dir.join("audit.log").display()));
+        }
         let apiserver = Service::start(
             "kube-apiserver",
             &binaries.apiserver,
@@ -277,6 +303,37 @@ impl TestCluster {
             pids.extend(others.iter().filter_map(Service::pid));
         }
         pids
+    }
+
+    /// Writes the apiserver recorded (with [`ClusterOptions::audit_writes`]): one per line
+    /// of the audit log, as (user agent, verb, URI, when received).
+    pub fn audited_writes(&self) -> Result<Vec<AuditedWrite>> {
+        let path = self.dir.join("audit.log");
+        let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
+        Ok(text
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .filter_map(|e| {
+                Some(AuditedWrite {
+                    user_agent: e["userAgent"].as_str()?.to_owned(),
+                    verb: e["verb"].as_str()?.to_owned(),
+                    uri: e["requestURI"].as_str()?.to_owned(),
+                    received: e["requestReceivedTimestamp"].as_str()?.parse().ok()?,
+                    code: e["responseStatus"]["code"].as_u64().unwrap_or(0) as u16,
+                })
+            })
+            .collect())
+    }
+
+    /// Sends `signal` (for example `SIGSTOP`, `SIGCONT`) to the apiserver.
+    pub fn signal_apiserver(&self, signal: &str) -> Result<()> {
+        let pid = self
+            .apiserver
+            .lock()
+            .ok()
+            .and_then(|s| s.pid())
+            .ok_or_else(|| self.err("the apiserver is not running"))?;
+        crate::process::signal(pid, signal).map_err(|e| self.err(&e))
     }
 
     /// Kills the apiserver; etcd keeps the data (outage tests).

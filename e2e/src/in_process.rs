@@ -1,4 +1,5 @@
-//! A virtual node run inside the test process, so tests can crash and restart it at will.
+//! A virtual node run inside the test process, so tests can crash and restart it at will,
+//! and one run as its own process ([`VirtualNodeProcess`]), for signals.
 
 use clap::Parser as _;
 
@@ -9,6 +10,27 @@ pub struct VirtualNode {
     pub kubelet_port: u16,
     pub admin_addr: String,
     task: tokio::task::JoinHandle<Result<(), tensile_virtual_node::Error>>,
+    stop: tensile_common::runtime::CancellationToken,
+}
+
+/// The flags of a virtual node `name` for `upper` over `lower` in a test bed: loopback node
+/// IP, the given ports, the upper kubelet-client CA.
+pub fn argv_for(
+    upper: &TestCluster,
+    name: &str,
+    lower: &TestCluster,
+    kubelet_port: u16,
+    admin_addr: &str,
+) -> Vec<String> {
+    vec![
+        format!("--kubeconfig={}", upper.kubeconfig().display()),
+        format!("--client-kubeconfig={}", lower.kubeconfig().display()),
+        format!("--nodename={name}"),
+        "--node-ip=127.0.0.1".into(),
+        format!("--kubelet-port={kubelet_port}"),
+        format!("--admin-addr={admin_addr}"),
+        format!("--client-verify-ca={}", upper.kubelet_client_ca_path().display()),
+    ]
 }
 
 impl VirtualNode {
@@ -32,23 +54,28 @@ impl VirtualNode {
         kubelet_port: u16,
     ) -> anyhow::Result<Self> {
         let admin_addr = format!("127.0.0.1:{}", free_port()?);
-        let mut argv: Vec<String> = vec![
-            "virtual-node".into(),
-            format!("--kubeconfig={}", upper.kubeconfig().display()),
-            format!("--client-kubeconfig={}", lower.kubeconfig().display()),
-            format!("--nodename={name}"),
-            "--node-ip=127.0.0.1".into(),
-            format!("--kubelet-port={kubelet_port}"),
-            format!("--admin-addr={admin_addr}"),
-            format!("--client-verify-ca={}", upper.kubelet_client_ca_path().display()),
-        ];
+        let mut argv = vec!["virtual-node".to_owned()];
+        argv.extend(argv_for(upper, name, lower, kubelet_port, &admin_addr));
         argv.extend(extra.iter().map(|s| s.to_string()));
         let args = tensile_virtual_node::Args::try_parse_from(argv)?;
+        let stop = tensile_common::runtime::CancellationToken::new();
         Ok(VirtualNode {
             kubelet_port,
             admin_addr,
-            task: tokio::spawn(tensile_virtual_node::run(args)),
+            task: tokio::spawn(tensile_virtual_node::run_until(args, stop.clone())),
+            stop,
         })
+    }
+
+    /// Stops it as SIGTERM would: work in hand finishes, then it ends.
+    pub async fn stop(mut self) -> Result<(), tensile_virtual_node::Error> {
+        self.stop.cancel();
+        match (&mut self.task).await {
+            Ok(result) => result,
+            Err(e) => Err(tensile_virtual_node::Error::Flags(format!(
+                "the task failed: {e}"
+            ))),
+        }
     }
 }
 
@@ -56,4 +83,95 @@ impl Drop for VirtualNode {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// The `virtual-node` binary as a child process, for tests that send it signals.
+pub struct VirtualNodeProcess {
+    pub service: crate::process::Service,
+    pub admin_addr: String,
+    pub kubelet_port: u16,
+}
+
+impl VirtualNodeProcess {
+    /// Starts `virtual-node` as [`argv_for`] says plus `extra`, logging to
+    /// `<upper dir>/virtual-node-<log_name>.log`.
+    pub fn start(
+        upper: &TestCluster,
+        name: &str,
+        lower: &TestCluster,
+        extra: &[&str],
+        log_name: &str,
+    ) -> anyhow::Result<Self> {
+        let kubelet_port = free_port()?;
+        let admin_addr = format!("127.0.0.1:{}", free_port()?);
+        let mut args = argv_for(upper, name, lower, kubelet_port, &admin_addr);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let program = crate::bins::suite_binary("virtual-node")?;
+        let log = upper.dir().join(format!("virtual-node-{log_name}.log"));
+        let _ = std::fs::remove_file(&log);
+        let service =
+            crate::process::Service::start(&format!("virtual-node {log_name}"), &program, &args, &log)?;
+        Ok(Self {
+            service,
+            admin_addr,
+            kubelet_port,
+        })
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.service.pid()
+    }
+
+    /// Sends `signal` (`TERM`, `KILL`, `STOP`, `CONT`).
+    pub fn signal(&self, signal: &str) -> anyhow::Result<()> {
+        let pid = self.pid().ok_or_else(|| anyhow::anyhow!("not running"))?;
+        crate::process::signal(pid, signal).map_err(anyhow::Error::msg)
+    }
+
+    /// Waits up to `within` for the process to exit.
+    pub async fn exit_within(&mut self, within: std::time::Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            if let Some(status) = self.service.exited() {
+                return Some(status);
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+
+    /// `GET /readyz` on the admin endpoint: status code and body (`None` when it does not
+    /// answer).
+    pub async fn readyz(&self) -> Option<(u16, String)> {
+        admin_get(&self.admin_addr, "/readyz").await
+    }
+
+    pub fn log(&self) -> String {
+        self.service.log_tail(20_000)
+    }
+}
+
+/// A plain-HTTP GET on a daemon's admin endpoint: status code and body.
+pub async fn admin_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let io = async {
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        tcp.write_all(req.as_bytes()).await.ok()?;
+        let mut buf = Vec::new();
+        tcp.read_to_end(&mut buf).await.ok()?;
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        let code = text.split_whitespace().nth(1)?.parse().ok()?;
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        Some((code, body))
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(5), io)
+        .await
+        .ok()
+        .flatten()
 }

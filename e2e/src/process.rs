@@ -168,6 +168,22 @@ pub fn log_tail(path: &Path, max: u64) -> String {
     String::from_utf8_lossy(&buf).into_owned()
 }
 
+/// Sends `signal` (a name `kill -s` takes: `TERM`, `STOP`, `CONT`, `KILL`) to `pid`.
+pub fn signal(pid: u32, signal: &str) -> Result<(), String> {
+    let out = Command::new("kill")
+        .args(["-s", signal.trim_start_matches("SIG"), &pid.to_string()])
+        .output()
+        .map_err(|e| format!("cannot run kill: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "kill -s {signal} {pid}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
 /// True while a process with this PID exists (zombies included).
 pub fn pid_alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()

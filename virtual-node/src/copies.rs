@@ -20,6 +20,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tensile_common::cache::Cache;
 
 use futures::StreamExt;
 use k8s_openapi::NamespaceResourceScope;
@@ -29,12 +30,13 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::api::{Api, PostParams};
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use tensile_common::api::{Deleted, delete_exact};
 use tensile_common::names;
 
 use crate::metrics::Metrics;
@@ -390,15 +392,15 @@ pub struct Copies {
     pub cluster_id: String,
     /// The lower cluster's name, for messages.
     pub cluster_name: String,
-    pub upper_config_maps: Store<ConfigMap>,
-    pub upper_secrets: Store<Secret>,
+    pub upper_config_maps: Cache<ConfigMap>,
+    pub upper_secrets: Cache<Secret>,
     /// Lower ConfigMaps and Secrets carrying this upper cluster's mark.
-    pub lower_config_maps: Store<ConfigMap>,
-    pub lower_secrets: Store<Secret>,
+    pub lower_config_maps: Cache<ConfigMap>,
+    pub lower_secrets: Cache<Secret>,
     /// Upper pods bound to this node.
-    pub upper_pods: Store<Pod>,
+    pub upper_pods: Cache<Pod>,
     /// Lower pods that have not finished (every owner; filtered by mark here).
-    pub lower_pods: Store<Pod>,
+    pub lower_pods: Cache<Pod>,
     pub limit: TokenBucket,
     pub metrics: Arc<Metrics>,
     /// How long a copy stays after its last reference went.
@@ -414,11 +416,11 @@ pub struct Copies {
 
 /// The watch caches of Service reflection.
 pub struct ServiceStores {
-    pub upper_services: Store<Service>,
-    pub upper_endpoints: Store<Endpoints>,
+    pub upper_services: Cache<Service>,
+    pub upper_endpoints: Cache<Endpoints>,
     /// Lower Services and Endpoints carrying this upper cluster's mark.
-    pub lower_services: Store<Service>,
-    pub lower_endpoints: Store<Endpoints>,
+    pub lower_services: Cache<Service>,
+    pub lower_endpoints: Cache<Endpoints>,
     /// Also reflect kube-system's Services and `default/kubernetes`.
     pub include_system: bool,
 }
@@ -525,19 +527,13 @@ impl Copies {
             // Immutable content (an immutable object, a Secret's type) changes by
             // replacement: deleted here, created again by the next pass.
             Err(kube::Error::Api(s)) if s.code == 422 => {
-                let params = DeleteParams {
-                    preconditions: Some(Preconditions {
-                        uid: actual.uid(),
-                        resource_version: None,
-                    }),
-                    ..Default::default()
-                };
-                match api.delete(&name, &params).await {
-                    Ok(_) => {
-                        tracing::info!(kind = %K::KIND, copy = %key, "replacing a copy whose content is immutable");
+                match delete_exact(&api, &name, actual.uid(), None).await {
+                    Ok(deleted) => {
+                        if deleted == Deleted::Accepted {
+                            tracing::info!(kind = %K::KIND, copy = %key, "replacing a copy whose content is immutable");
+                        }
                         Ok(Ensured::Current)
                     }
-                    Err(kube::Error::Api(s)) if matches!(s.code, 404 | 409) => Ok(Ensured::Current),
                     Err(e) => Err(err("delete")(e)),
                 }
             }
@@ -560,7 +556,7 @@ impl Copies {
                 Kind::Service | Kind::Endpoints => continue,
                 Kind::ConfigMap => {
                     let at = ObjectRef::new(&r.name).within(&ns);
-                    crate::synced(&self.upper_config_maps).await;
+                    self.upper_config_maps.synced().await;
                     match self.upper_config_maps.get(&at) {
                         Some(upper) => Some(self.ensure(&*upper, self.lower_config_maps.get(&at)).await?),
                         None => None,
@@ -568,7 +564,7 @@ impl Copies {
                 }
                 Kind::Secret => {
                     let at = ObjectRef::new(&r.name).within(&ns);
-                    crate::synced(&self.upper_secrets).await;
+                    self.upper_secrets.synced().await;
                     match self.upper_secrets.get(&at) {
                         Some(upper) => Some(self.ensure(&*upper, self.lower_secrets.get(&at)).await?),
                         None => None,
@@ -603,17 +599,17 @@ impl Copies {
     /// Resyncs every copy from the watch caches: on each `changed` notification and at least
     /// every second, until dropped.
     pub async fn run(self: Arc<Self>, changed: Arc<tokio::sync::Notify>) {
-        crate::synced(&self.upper_config_maps).await;
-        crate::synced(&self.upper_secrets).await;
-        crate::synced(&self.lower_config_maps).await;
-        crate::synced(&self.lower_secrets).await;
-        crate::synced(&self.upper_pods).await;
-        crate::synced(&self.lower_pods).await;
+        self.upper_config_maps.synced().await;
+        self.upper_secrets.synced().await;
+        self.lower_config_maps.synced().await;
+        self.lower_secrets.synced().await;
+        self.upper_pods.synced().await;
+        self.lower_pods.synced().await;
         if let Some(s) = &self.services {
-            crate::synced(&s.upper_services).await;
-            crate::synced(&s.upper_endpoints).await;
-            crate::synced(&s.lower_services).await;
-            crate::synced(&s.lower_endpoints).await;
+            s.upper_services.synced().await;
+            s.upper_endpoints.synced().await;
+            s.lower_services.synced().await;
+            s.lower_endpoints.synced().await;
         }
         loop {
             self.sync().await;
@@ -693,16 +689,16 @@ impl Copies {
                 conflicts: &conflicts,
             };
             self.plan(
-                self.upper_config_maps.clone(),
-                self.lower_config_maps.clone(),
+                self.upper_config_maps.store().clone(),
+                self.lower_config_maps.store().clone(),
                 false,
                 &plan,
                 &mut since,
                 &mut work,
             );
             self.plan(
-                self.upper_secrets.clone(),
-                self.lower_secrets.clone(),
+                self.upper_secrets.store().clone(),
+                self.lower_secrets.store().clone(),
                 false,
                 &plan,
                 &mut since,
@@ -710,16 +706,16 @@ impl Copies {
             );
             if let Some(s) = &self.services {
                 self.plan(
-                    s.upper_services.clone(),
-                    s.lower_services.clone(),
+                    s.upper_services.store().clone(),
+                    s.lower_services.store().clone(),
                     true,
                     &plan,
                     &mut since,
                     &mut work,
                 );
                 self.plan(
-                    s.upper_endpoints.clone(),
-                    s.lower_endpoints.clone(),
+                    s.upper_endpoints.store().clone(),
+                    s.lower_endpoints.store().clone(),
                     true,
                     &plan,
                     &mut since,
@@ -843,23 +839,13 @@ impl Copies {
         uid: Option<String>,
         why: &str,
     ) -> Result<(), Error> {
-        let params = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid,
-                resource_version: None,
-            }),
-            ..Default::default()
-        };
         self.limit.acquire().await;
-        match Api::<K>::namespaced(self.lower.clone(), &ns)
-            .delete(&name, &params)
-            .await
-        {
-            Ok(_) => {
+        match delete_exact(&Api::<K>::namespaced(self.lower.clone(), &ns), &name, uid, None).await {
+            Ok(Deleted::Accepted) => {
                 tracing::info!(kind = %K::KIND, copy = %format!("{ns}/{name}"), "deleted below: {why}");
                 Ok(())
             }
-            Err(kube::Error::Api(s)) if matches!(s.code, 404 | 409) => Ok(()),
+            Ok(Deleted::AlreadyGone) => Ok(()),
             Err(source) => Err(Error::Api {
                 verb: "delete",
                 kind: K::KIND,

@@ -7,6 +7,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use tensile_common::cache::Cache;
 
 use bytes::Bytes;
 use futures::AsyncReadExt;
@@ -14,7 +15,7 @@ use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, LogParams};
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::ObjectRef;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tensile_common::kubelet::{Body, LogOptions, streamed, text};
@@ -141,7 +142,7 @@ pub async fn bind(addr: std::net::SocketAddr) -> Result<TcpListener, Error> {
 /// What a request handler needs.
 pub struct KubeletState {
     pub node: String,
-    pub upper_pods: Store<Pod>,
+    pub upper_pods: Cache<Pod>,
     pub lower: kube::Client,
     pub require_client_cert: bool,
 }

@@ -32,72 +32,109 @@ use k8s_openapi::api::core::v1::{
 };
 use kube::api::Api;
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector::{self, ObjectRef, reflector};
-use kube::runtime::{Controller, WatchStreamExt, controller, watcher};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::{Controller, controller, watcher};
 use tensile_common::admin::{self, AdminArgs, Readiness};
-use tensile_common::kubeconfig::{ClientOptions, client_from_file};
+use tensile_common::cache::{self, watched};
+use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
+use tensile_common::leader::{self, Elector, LeaderArgs, Leadership};
+use tensile_common::runtime::{self, CancellationToken, Supervisor};
 use tensile_common::telemetry::LogArgs;
 
 use crate::kubelet::{ClientAuth, KubeletState, ServingCert};
 use crate::node::{NodeLoop, NodeSettings};
 use crate::translate::{Identity, Translation};
 
-/// Command-line flags (each also read from the environment).
+/// Command-line flags (each also read from the environment), in groups: the upper cluster,
+/// the lower cluster, the kubelet API, what travels with pods, and the shared runtime's
+/// (clients, leader election, admin endpoint, logging).
 #[derive(Clone, Debug, clap::Parser)]
 #[command(
     name = "virtual-node",
     about = "Registers a lower cluster as one node of the upper cluster"
 )]
 pub struct Args {
-    /// Kubeconfig of the upper cluster.
-    #[arg(long, env = "TENSILE_KUBECONFIG")]
-    pub kubeconfig: PathBuf,
-    /// Kubeconfig of the lower cluster.
-    #[arg(long = "client-kubeconfig", env = "TENSILE_CLIENT_KUBECONFIG")]
-    pub client_kubeconfig: PathBuf,
     /// Name of the virtual node in the upper cluster.
     #[arg(long, env = "TENSILE_NODENAME", value_parser = parse_node_name)]
     pub nodename: String,
     /// Do not taint the node with virtual-kubelet.io/provider=tensile:NoSchedule.
     #[arg(long = "disable-taint", env = "TENSILE_DISABLE_TAINT")]
     pub disable_taint: bool,
+    /// Extra node labels, `key=value,...`.
+    #[arg(long = "node-labels", env = "TENSILE_NODE_LABELS", value_delimiter = ',', value_parser = parse_label)]
+    pub node_labels: Vec<(String, String)>,
     /// Pod labels kept in the upper cluster only (comma-separated keys).
     #[arg(long = "ignore-labels", env = "TENSILE_IGNORE_LABELS", value_delimiter = ',')]
     pub ignore_labels: Vec<String>,
-    /// Sustained writes per second to the lower cluster (0: unlimited).
-    #[arg(long = "client-qps", env = "TENSILE_CLIENT_QPS", default_value_t = 500)]
-    pub client_qps: u32,
-    /// Burst of writes to the lower cluster.
-    #[arg(long = "client-burst", env = "TENSILE_CLIENT_BURST", default_value_t = 1000)]
-    pub client_burst: u32,
+    /// Pods reconciled at once. Each reconcile mostly waits on the API, so a burst of
+    /// thousands of pods needs many in flight (docs/virtual-node.md has the figures).
+    #[arg(long = "pod-sync-workers", env = "TENSILE_POD_SYNC_WORKERS", default_value_t = 128,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pub pod_sync_workers: u16,
+    /// Seconds one reconcile of a pod may take; past it the worker is freed and the pod is
+    /// retried.
+    #[arg(long = "reconcile-timeout", env = "TENSILE_RECONCILE_TIMEOUT", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub reconcile_timeout: u64,
+    #[command(flatten)]
+    pub upper: UpperArgs,
+    #[command(flatten)]
+    pub lower: LowerArgs,
+    #[command(flatten)]
+    pub kubelet: KubeletArgs,
+    #[command(flatten)]
+    pub reflection: ReflectionArgs,
+    #[command(flatten)]
+    pub client: ClientArgs,
+    #[command(flatten)]
+    pub leader: LeaderArgs,
+    #[command(flatten)]
+    pub admin: AdminArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// The upper cluster: where the node, its Lease and the pods' status are written.
+#[derive(Clone, Debug, clap::Args)]
+pub struct UpperArgs {
+    /// Kubeconfig of the upper cluster; without it, the pod's service account (in-cluster).
+    #[arg(long, env = "TENSILE_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
     /// Sustained writes per second to the upper cluster (0: unlimited).
     #[arg(long = "upper-qps", env = "TENSILE_UPPER_QPS", default_value_t = 500)]
     pub upper_qps: u32,
     /// Burst of writes to the upper cluster.
     #[arg(long = "upper-burst", env = "TENSILE_UPPER_BURST", default_value_t = 1000)]
     pub upper_burst: u32,
-    /// Pods reconciled at once. Each reconcile mostly waits on the API, so a burst of
-    /// thousands of pods needs many in flight (measured on a 1,000-pod burst: 32 leaves a
-    /// 20 s p99 tail, 128 about 6 s; beyond that the upper apiserver's write latency bounds
-    /// it).
-    #[arg(long = "pod-sync-workers", env = "TENSILE_POD_SYNC_WORKERS", default_value_t = 128,
-          value_parser = clap::value_parser!(u16).range(1..))]
-    pub pod_sync_workers: u16,
+    /// Id of the upper cluster in lower ownership marks (default: the upper kube-system
+    /// namespace UID).
+    #[arg(long = "cluster-id", env = "TENSILE_CLUSTER_ID")]
+    pub cluster_id: Option<String>,
+}
+
+/// The lower cluster: where pods and what travels with them are made.
+#[derive(Clone, Debug, clap::Args)]
+pub struct LowerArgs {
+    /// Kubeconfig of the lower cluster.
+    #[arg(long = "client-kubeconfig", env = "TENSILE_CLIENT_KUBECONFIG")]
+    pub client_kubeconfig: PathBuf,
+    /// Sustained writes per second to the lower cluster (0: unlimited).
+    #[arg(long = "client-qps", env = "TENSILE_CLIENT_QPS", default_value_t = 500)]
+    pub client_qps: u32,
+    /// Burst of writes to the lower cluster.
+    #[arg(long = "client-burst", env = "TENSILE_CLIENT_BURST", default_value_t = 1000)]
+    pub client_burst: u32,
+}
+
+/// The kubelet API the upper apiserver calls for `kubectl logs`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct KubeletArgs {
     /// Port of the kubelet API (published in the node's daemonEndpoints).
     #[arg(long = "kubelet-port", env = "TENSILE_KUBELET_PORT", default_value_t = 10250)]
     pub kubelet_port: u16,
     /// The node's InternalIP: the upper apiserver must reach the kubelet port there.
     #[arg(long = "node-ip", env = "TENSILE_NODE_IP")]
     pub node_ip: IpAddr,
-    #[command(flatten)]
-    pub admin: AdminArgs,
-    /// Id of the upper cluster in lower ownership marks (default: the upper kube-system
-    /// namespace UID).
-    #[arg(long = "cluster-id", env = "TENSILE_CLUSTER_ID")]
-    pub cluster_id: Option<String>,
-    /// Extra node labels, `key=value,...`.
-    #[arg(long = "node-labels", env = "TENSILE_NODE_LABELS", value_delimiter = ',', value_parser = parse_label)]
-    pub node_labels: Vec<(String, String)>,
     /// Serving certificate of the kubelet API (PEM); self-signed when absent.
     #[arg(
         long = "tls-cert-file",
@@ -122,6 +159,11 @@ pub struct Args {
     /// Serve the kubelet API without authenticating callers.
     #[arg(long = "no-verify-clients", env = "TENSILE_NO_VERIFY_CLIENTS")]
     pub no_verify_clients: bool,
+}
+
+/// What travels with pods, and what is collected below.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ReflectionArgs {
     /// Seconds a ConfigMap or Secret copy stays below after the last pod referencing it
     /// went (absorbs rolling updates).
     #[arg(
@@ -147,8 +189,6 @@ pub struct Args {
     /// Run DaemonSet pods bound to the virtual node in the lower cluster.
     #[arg(long = "run-daemonset-pods", env = "TENSILE_RUN_DAEMONSET_PODS")]
     pub run_daemonset_pods: bool,
-    #[command(flatten)]
-    pub log: LogArgs,
 }
 
 /// Optional reflections (tensile-kube's names).
@@ -201,100 +241,155 @@ pub enum Error {
     NoClientAuth,
     #[error("reading the upper cluster id (kube-system namespace UID; or pass --cluster-id): {0}")]
     ClusterId(String),
-    #[error("{0} stopped unexpectedly")]
-    Stopped(&'static str),
+    #[error("invalid flags: {0}")]
+    Flags(String),
+    #[error("waiting for a shutdown signal: {0}")]
+    Signal(#[source] std::io::Error),
+    #[error(transparent)]
+    Stopped(#[from] runtime::Stopped),
 }
 
-/// Waits until `store` has its first full list. A store's readiness wakes only the task
-/// that polled it last, and several tasks wait on the same stores, so each waiter re-polls.
-pub(crate) async fn synced<K>(store: &kube::runtime::reflector::Store<K>)
-where
-    K: kube::Resource + Clone + 'static,
-    K::DynamicType: Eq + std::hash::Hash + Clone,
-{
-    while tokio::time::timeout(Duration::from_millis(100), store.wait_until_ready())
-        .await
-        .is_err()
-    {}
-}
-
-/// A watch cache of `api` (narrowed by `config`) whose every event wakes `changed`: the
-/// store, and the future that keeps it current.
-fn watched<K>(
-    api: Api<K>,
-    config: watcher::Config,
-    changed: &Arc<tokio::sync::Notify>,
-) -> (
-    reflector::Store<K>,
-    impl std::future::Future<Output = ()> + Send + 'static,
-)
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
-    let (store, writer) = reflector::store::<K>();
-    let feed = reflector(writer, watcher(api, config))
-        .backoff(WatchBackoff::default())
-        .for_each(notify_on(changed.clone()));
-    (store, feed)
-}
-
-/// Retry delays of a failed watch: 200 ms doubling to 2 s, from the start again after a
-/// success. kube's default grows to 30 s, which leaves a recovered lower cluster unseen for
-/// that long; a virtual node must notice recovery as quickly as it notices loss.
-#[derive(Clone, Debug, Default)]
-pub struct WatchBackoff(u32);
-
-impl Iterator for WatchBackoff {
-    type Item = Duration;
-
-    fn next(&mut self) -> Option<Duration> {
-        let delay = Duration::from_millis(200 << self.0.min(4)).min(Duration::from_secs(2));
-        self.0 = self.0.saturating_add(1);
-        Some(delay)
-    }
-}
-
-impl kube::runtime::utils::Backoff for WatchBackoff {
-    fn reset(&mut self) {
-        self.0 = 0;
-    }
-}
-
-/// A watch-stream sink that wakes `changed` on every event.
-fn notify_on<T>(changed: Arc<tokio::sync::Notify>) -> impl FnMut(T) -> futures::future::Ready<()> {
-    move |_| {
-        changed.notify_one();
-        futures::future::ready(())
-    }
-}
-
-/// Runs the virtual node until the future is dropped or a component fails.
+/// Runs the virtual node until SIGTERM or SIGINT (then `Ok`, after a graceful drain) or
+/// until a component fails.
 pub async fn run(args: Args) -> Result<(), Error> {
-    let upper = client_from_file(&args.kubeconfig, &ClientOptions::default()).await?;
-    let lower = client_from_file(&args.client_kubeconfig, &ClientOptions::default()).await?;
-    let auth = match (&args.client_verify_ca, args.no_verify_clients) {
+    let shutdown = runtime::shutdown_on_signals().map_err(Error::Signal)?;
+    run_until(args, shutdown).await
+}
+
+/// As [`run`], stopping gracefully when `shutdown` is cancelled.
+pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Error> {
+    let replica = leader::default_identity();
+    let election = args
+        .leader
+        .config(
+            &format!("tensile-virtual-node-{}", args.nodename),
+            replica.clone(),
+        )
+        .map_err(Error::Flags)?;
+    let leadership = match election {
+        Some(_) => Leadership::elected(),
+        None => Leadership::always(),
+    };
+    let agent = format!("tensile-virtual-node/{} ({replica})", args.nodename);
+    let fenced = ClientOptions {
+        fence: Some(leadership.clone()),
+        user_agent: Some(agent.clone()),
+        ..args.client.options()
+    };
+    let upper = kubeconfig::client(args.upper.kubeconfig.as_deref(), &fenced).await?;
+    let lower = kubeconfig::client_from_file(&args.lower.client_kubeconfig, &fenced).await?;
+    let auth = match (&args.kubelet.client_verify_ca, args.kubelet.no_verify_clients) {
         (Some(ca), _) => ClientAuth::Ca(ca.clone()),
         (None, true) => ClientAuth::None,
         (None, false) => return Err(Error::NoClientAuth),
     };
-    let serving = match (&args.tls_cert_file, &args.tls_private_key_file) {
+    let serving = match (&args.kubelet.tls_cert_file, &args.kubelet.tls_private_key_file) {
         (Some(cert), Some(key)) => ServingCert::Files {
             cert: cert.clone(),
             key: key.clone(),
         },
-        _ => ServingCert::SelfSigned(vec![args.node_ip.to_string(), args.nodename.clone()]),
+        _ => ServingCert::SelfSigned(vec![args.kubelet.node_ip.to_string(), args.nodename.clone()]),
     };
     let tls = kubelet::tls_config(&serving, &auth)?;
-    let kubelet_listener = kubelet::bind(SocketAddr::new(args.node_ip, args.kubelet_port)).await?;
+    let kubelet_listener =
+        kubelet::bind(SocketAddr::new(args.kubelet.node_ip, args.kubelet.kubelet_port)).await?;
     let admin_listener = admin::bind(args.admin.admin_addr).await?;
 
-    let cluster_id = match &args.cluster_id {
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Arc::new(metrics::Metrics::new(&mut registry));
+    leadership.register(&mut registry);
+    let readiness = Readiness::default();
+    let mut tasks = Supervisor::new(shutdown.clone(), DRAIN);
+    // The admin endpoint serves from the start, so a standby replica says it stands by.
+    let admin_task = admin::serve(admin_listener, Arc::new(registry), readiness.clone());
+    let admin_handle = tokio::spawn(shutdown.clone().run_until_cancelled_owned(admin_task));
+
+    let elector = match election {
+        Some(config) => {
+            let unfenced = ClientOptions {
+                user_agent: Some(agent),
+                ..args.client.options()
+            };
+            let lease_client = kubeconfig::client(args.upper.kubeconfig.as_deref(), &unfenced).await?;
+            let elector = Elector::new(lease_client, config, leadership.clone());
+            readiness.say(false, "standby: acquiring the leader Lease");
+            let standby =
+                |holder: &str| readiness.say(false, format!("standby: the leader Lease is held by {holder}"));
+            if shutdown
+                .run_until_cancelled(elector.acquire(standby))
+                .await
+                .is_none()
+            {
+                admin_handle.abort();
+                return Ok(());
+            }
+            Some(Arc::new(elector))
+        }
+        None => None,
+    };
+    if let Some(elector) = &elector {
+        let elector = elector.clone();
+        tasks.spawn("the leader Lease", async move { elector.keep().await });
+    }
+    let leading = match &elector {
+        Some(e) => format!("leading as {}", e.config().identity),
+        None => String::new(),
+    };
+    readiness.say(
+        false,
+        if leading.is_empty() {
+            "caches syncing".to_owned()
+        } else {
+            format!("{leading}; caches syncing")
+        },
+    );
+
+    let result = compose(
+        &args,
+        upper,
+        lower,
+        metrics,
+        &mut tasks,
+        readiness.clone(),
+        leading,
+        tls,
+        kubelet_listener,
+        auth,
+    )
+    .await;
+    let outcome = match result {
+        Ok(()) => tasks.run().await.map_err(Error::from),
+        Err(e) => {
+            shutdown.cancel();
+            let _ = tasks.run().await;
+            Err(e)
+        }
+    };
+    if let Some(elector) = &elector {
+        elector.release().await;
+    }
+    admin_handle.abort();
+    outcome
+}
+
+/// How long in-flight reconciles get to finish after SIGTERM.
+const DRAIN: Duration = runtime::DEFAULT_DRAIN;
+
+/// Builds the caches and components of one active virtual node and hands them to `tasks`.
+#[allow(clippy::too_many_arguments)]
+async fn compose(
+    args: &Args,
+    upper: kube::Client,
+    lower: kube::Client,
+    metrics: Arc<metrics::Metrics>,
+    tasks: &mut Supervisor,
+    readiness: Readiness,
+    leading: String,
+    tls: Arc<rustls::ServerConfig>,
+    kubelet_listener: tokio::net::TcpListener,
+    auth: ClientAuth,
+) -> Result<(), Error> {
+    let cluster_id = match &args.upper.cluster_id {
         Some(id) => id.clone(),
         None => Api::<Namespace>::all(upper.clone())
             .get("kube-system")
@@ -309,15 +404,12 @@ pub async fn run(args: Args) -> Result<(), Error> {
         node: args.nodename.clone(),
     };
     let lower_name = args
+        .lower
         .client_kubeconfig
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "lower".into());
     tracing::info!(node = %identity.node, cluster_id = %identity.cluster_id, "starting");
-
-    let mut registry = prometheus_client::registry::Registry::default();
-    let metrics = Arc::new(metrics::Metrics::new(&mut registry));
-    let readiness = Readiness::default();
 
     // Lower caches: nodes and every running pod (capacity), and our own pods (controller).
     let changed = Arc::new(tokio::sync::Notify::new());
@@ -328,16 +420,10 @@ pub async fn run(args: Args) -> Result<(), Error> {
         watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
         &changed,
     );
-    let (lower_pods, ours_writer) = reflector::store::<Pod>();
-    let lower_ours = reflector(
-        ours_writer,
-        watcher(
-            Api::<Pod>::all(lower.clone()),
-            watcher::Config::default().labels(&identity.selector()),
-        ),
-    )
-    .backoff(WatchBackoff::default())
-    .touched_objects();
+    let (lower_pods, lower_ours) = cache::reflect(
+        Api::<Pod>::all(lower.clone()),
+        watcher::Config::default().labels(&identity.selector()),
+    );
 
     // ConfigMaps and Secrets: every upper one that may travel (never service-account
     // tokens), and the copies of this upper cluster below.
@@ -358,7 +444,11 @@ pub async fn run(args: Args) -> Result<(), Error> {
         watched::<ConfigMap>(Api::all(lower.clone()), ours_below(), &copies_changed);
     let (lower_secrets, lower_secrets_watch) =
         watched::<Secret>(Api::all(lower.clone()), ours_below(), &copies_changed);
-    let (services, services_watches) = if args.enable_controllers.contains(&Controllers::Services) {
+    let services = if args
+        .reflection
+        .enable_controllers
+        .contains(&Controllers::Services)
+    {
         let (upper_services, upper_services_watch) = watched::<Service>(
             Api::all(upper.clone()),
             watcher::Config::default(),
@@ -373,36 +463,23 @@ pub async fn run(args: Args) -> Result<(), Error> {
             watched::<Service>(Api::all(lower.clone()), ours_below(), &copies_changed);
         let (lower_endpoints, lower_endpoints_watch) =
             watched::<Endpoints>(Api::all(lower.clone()), ours_below(), &copies_changed);
-        let stores = copies::ServiceStores {
-            upper_services,
-            upper_endpoints,
-            lower_services,
-            lower_endpoints,
-            include_system: args.reflect_system_services,
-        };
-        let watches = async move {
+        tasks.spawn("the Service and Endpoints watches", async move {
             tokio::join!(
                 upper_services_watch,
                 upper_endpoints_watch,
                 lower_services_watch,
                 lower_endpoints_watch
             );
-        };
-        (Some(stores), futures::future::Either::Left(watches))
+        });
+        Some(copies::ServiceStores {
+            upper_services,
+            upper_endpoints,
+            lower_services,
+            lower_endpoints,
+            include_system: args.reflection.reflect_system_services,
+        })
     } else {
-        (
-            None,
-            futures::future::Either::Right(futures::future::pending::<()>()),
-        )
-    };
-    let copies_watches = async move {
-        tokio::join!(
-            upper_config_maps_watch,
-            upper_secrets_watch,
-            lower_config_maps_watch,
-            lower_secrets_watch,
-            services_watches
-        )
+        None
     };
 
     // Claims upstream, and the claims and volumes this node made.
@@ -417,15 +494,16 @@ pub async fn run(args: Args) -> Result<(), Error> {
         watched::<PersistentVolume>(Api::all(upper.clone()), node_marks(), &volumes_changed);
     let (lower_claims, lower_claims_watch) =
         watched::<PersistentVolumeClaim>(Api::all(lower.clone()), node_marks(), &volumes_changed);
-    let volumes_watches =
-        async move { tokio::join!(upper_claims_watch, upper_volumes_watch, lower_claims_watch) };
 
-    let upper_wc = watcher::Config::default().fields(&format!("spec.nodeName={}", identity.node));
+    let (upper_pods, upper_pod_events) = cache::reflect(
+        Api::<Pod>::all(upper.clone()),
+        watcher::Config::default().fields(&format!("spec.nodeName={}", identity.node)),
+    );
     let resync = futures::stream::unfold((), |()| async {
         tokio::time::sleep(Duration::from_secs(60)).await;
         Some(((), ()))
     });
-    let controller = Controller::new(Api::<Pod>::all(upper.clone()), upper_wc)
+    let controller = Controller::for_stream(upper_pod_events, upper_pods.store().clone())
         .with_config(controller::Config::default().concurrency(args.pod_sync_workers))
         .watches_stream(lower_ours, |lower: Pod| {
             let ns = lower.metadata.namespace.clone().unwrap_or_default();
@@ -436,7 +514,6 @@ pub async fn run(args: Args) -> Result<(), Error> {
                 .map(|n| ObjectRef::new(&n).within(&ns))
         })
         .reconcile_all_on(resync);
-    let upper_pods = controller.store();
 
     let (events, events_run) = events::Events::new(
         Recorder::new(
@@ -448,8 +525,8 @@ pub async fn run(args: Args) -> Result<(), Error> {
         ),
         metrics.clone(),
     );
-    let lower_limit = ratelimit::TokenBucket::new(args.client_qps, args.client_burst);
-    let upper_limit = ratelimit::TokenBucket::new(args.upper_qps, args.upper_burst);
+    let lower_limit = ratelimit::TokenBucket::new(args.lower.client_qps, args.lower.client_burst);
+    let upper_limit = ratelimit::TokenBucket::new(args.upper.upper_qps, args.upper.upper_burst);
     let copies = Arc::new(copies::Copies {
         lower: lower.clone(),
         cluster_id: identity.cluster_id.clone(),
@@ -462,7 +539,7 @@ pub async fn run(args: Args) -> Result<(), Error> {
         lower_pods: lower_all_pods.clone(),
         limit: lower_limit.clone(),
         metrics: metrics.clone(),
-        gc_delay: Duration::from_secs(args.copy_collection_delay),
+        gc_delay: Duration::from_secs(args.reflection.copy_collection_delay),
         unreferenced_since: Default::default(),
         conflicts: Default::default(),
         services,
@@ -492,10 +569,10 @@ pub async fn run(args: Args) -> Result<(), Error> {
         },
         lower_pods: lower_pods.clone(),
         upper_pods: upper_pods.clone(),
-        host_ip: args.node_ip.to_string(),
+        host_ip: args.kubelet.node_ip.to_string(),
         events,
         metrics: metrics.clone(),
-        run_daemonset_pods: args.run_daemonset_pods,
+        run_daemonset_pods: args.reflection.run_daemonset_pods,
         upper_limit,
         lower_limit,
         copies: copies.clone(),
@@ -505,22 +582,17 @@ pub async fn run(args: Args) -> Result<(), Error> {
         cluster_name: lower_name,
         known_namespaces: Default::default(),
         first_status_held: Default::default(),
+        retries: Default::default(),
+        reconcile_timeout: Duration::from_secs(args.reconcile_timeout),
     });
-    let controller_run = {
-        let metrics = metrics.clone();
-        let store = upper_pods.clone();
-        controller
-            .run(pods::reconcile, pods::error_policy, ctx.clone())
-            .for_each(move |_| {
-                metrics.pods_managed.set(store.len() as i64);
-                futures::future::ready(())
-            })
-    };
 
-    let mut settings = NodeSettings::new(identity.clone(), args.node_ip.to_string(), args.kubelet_port);
+    let mut settings = NodeSettings::new(
+        identity.clone(),
+        args.kubelet.node_ip.to_string(),
+        args.kubelet.kubelet_port,
+    );
     settings.taint = !args.disable_taint;
     settings.extra_labels = args.node_labels.iter().cloned().collect::<BTreeMap<_, _>>();
-    let registered = Arc::new(tokio::sync::Notify::new());
     let (upper_node, upper_node_watch) = watched::<Node>(
         Api::all(upper.clone()),
         watcher::Config::default().fields(&format!("metadata.name={}", identity.node)),
@@ -534,124 +606,97 @@ pub async fn run(args: Args) -> Result<(), Error> {
         lower_pods: lower_all_pods.clone(),
         changed,
         metrics: metrics.clone(),
-        registered: registered.clone(),
         upper_node,
-    };
-    // The node is registered only once the pod watches have synced (a node without a
-    // working pod path would attract pods it cannot run).
-    let node_run = {
-        let upper_pods = upper_pods.clone();
-        let lower_pods = lower_pods.clone();
-        let lower_all = lower_all_pods.clone();
-        let readiness = readiness.clone();
-        async move {
-            crate::synced(&upper_pods).await;
-            crate::synced(&lower_pods).await;
-            crate::synced(&lower_all).await;
-            readiness.set(true);
-            node_loop.run().await
-        }
-    };
-    let gc = {
-        let ctx = ctx.clone();
-        let gc_namespaces = args.gc_namespaces;
-        // Namespaces are judged empty on two passes in a row: at least one collection delay
-        // apart, at most 30 s.
-        let namespace_pass = Duration::from_secs(args.copy_collection_delay.clamp(1, 30));
-        async move {
-            crate::synced(&ctx.upper_pods).await;
-            crate::synced(&ctx.lower_pods).await;
-            let mut empty_before = Default::default();
-            loop {
-                pods::collect_orphans(&ctx).await;
-                pods::forget_stale_holds(&ctx);
-                if gc_namespaces {
-                    pods::collect_namespaces(&ctx, &mut empty_before).await;
-                }
-                tokio::time::sleep(namespace_pass).await;
-            }
-        }
     };
     let kubelet_state = Arc::new(KubeletState {
         node: identity.node.clone(),
-        upper_pods,
+        upper_pods: upper_pods.clone(),
         lower: lower.clone(),
         require_client_cert: matches!(auth, ClientAuth::Ca(_)),
     });
 
     // Each component is its own task: a watch decoding a large object then runs on a
-    // shallow stack, and a component that stops is named.
-    let mut tasks = Tasks::default();
-    tasks.spawn("the pod controller", controller_run);
-    tasks.spawn("the node loop", node_run);
+    // shallow stack, and a component that stops is named. The controller, the node loop
+    // and collection finish the work in hand on SIGTERM; the rest stop at once.
+    let (controller_ctx, store) = (ctx.clone(), upper_pods.clone());
+    tasks.spawn_graceful("the pod controller", move |stop| {
+        controller
+            .graceful_shutdown_on(async move { stop.cancelled().await })
+            .run(pods::reconcile, pods::error_policy, controller_ctx)
+            .for_each(move |_| {
+                metrics.pods_managed.set(store.len() as i64);
+                futures::future::ready(())
+            })
+    });
+    // The node is registered only once the pod watches have synced (a node without a
+    // working pod path would attract pods it cannot run).
+    {
+        let (upper_pods, lower_pods, lower_all) =
+            (upper_pods.clone(), lower_pods.clone(), lower_all_pods.clone());
+        tasks.spawn_graceful("the node loop", move |stop| async move {
+            let synced = async {
+                upper_pods.synced().await;
+                lower_pods.synced().await;
+                lower_all.synced().await;
+            };
+            if stop.run_until_cancelled(synced).await.is_none() {
+                return;
+            }
+            readiness.say(true, leading);
+            node_loop.run(stop).await
+        });
+    }
+    {
+        let gc_namespaces = args.reflection.gc_namespaces;
+        // Namespaces are judged empty on two passes in a row: at least one collection delay
+        // apart, at most 30 s.
+        let namespace_pass = Duration::from_secs(args.reflection.copy_collection_delay.clamp(1, 30));
+        let gc_ctx = ctx.clone();
+        tasks.spawn_graceful("orphan collection", move |stop| async move {
+            let pass = async {
+                gc_ctx.upper_pods.synced().await;
+                gc_ctx.lower_pods.synced().await;
+                let mut empty_before = Default::default();
+                loop {
+                    pods::collect_orphans(&gc_ctx).await;
+                    pods::forget_stale_holds(&gc_ctx);
+                    if gc_namespaces {
+                        pods::collect_namespaces(&gc_ctx, &mut empty_before).await;
+                    }
+                    tokio::time::sleep(namespace_pass).await;
+                }
+            };
+            stop.run_until_cancelled(pass).await;
+        });
+    }
     tasks.spawn("the event publisher", events_run);
     tasks.spawn("the lower node watch", lower_nodes_watch);
     tasks.spawn("the upper node watch", upper_node_watch);
     tasks.spawn("the lower pod watch", lower_all_watch);
-    tasks.spawn("orphan collection", gc);
-    tasks.spawn("the ConfigMap, Secret and Service watches", copies_watches);
+    tasks.spawn("the ConfigMap and Secret watches", async move {
+        tokio::join!(
+            upper_config_maps_watch,
+            upper_secrets_watch,
+            lower_config_maps_watch,
+            lower_secrets_watch
+        );
+    });
     tasks.spawn("the copy resync", copies.run(copies_changed));
-    tasks.spawn("the claim and volume watches", volumes_watches);
+    tasks.spawn("the claim and volume watches", async move {
+        tokio::join!(upper_claims_watch, upper_volumes_watch, lower_claims_watch);
+    });
     tasks.spawn("the volume resync", volumes.run(volumes_changed));
     tasks.spawn(
         "the kubelet API",
         kubelet::serve(kubelet_listener, tls, kubelet_state),
     );
-    tasks.spawn(
-        "the admin endpoint",
-        admin::serve(admin_listener, Arc::new(registry), readiness),
-    );
-    Err(Error::Stopped(tasks.first_to_stop().await))
-}
-
-/// The tasks of one running virtual node; dropping it stops them all.
-#[derive(Default)]
-struct Tasks(Vec<(&'static str, tokio::task::JoinHandle<()>)>);
-
-impl Tasks {
-    fn spawn<F>(&mut self, name: &'static str, task: F)
-    where
-        F: std::future::Future + Send + 'static,
-    {
-        self.0.push((
-            name,
-            tokio::spawn(async move {
-                task.await;
-            }),
-        ));
-    }
-
-    /// Waits until one task ends (none should) and names it.
-    async fn first_to_stop(&mut self) -> &'static str {
-        let names: Vec<&'static str> = self.0.iter().map(|(n, _)| *n).collect();
-        let handles = self.0.iter_mut().map(|(_, h)| h);
-        let (_, index, _) = futures::future::select_all(handles).await;
-        names.get(index).copied().unwrap_or("a component")
-    }
-}
-
-impl Drop for Tasks {
-    fn drop(&mut self) {
-        for (_, handle) in &self.0 {
-            handle.abort();
-        }
-    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
-
-    #[test]
-    fn watch_retries_grow_to_two_seconds_and_start_over_after_a_success() {
-        use kube::runtime::utils::Backoff as _;
-        let mut b = WatchBackoff::default();
-        let ms: Vec<u128> = b.by_ref().take(7).map(|d| d.as_millis()).collect();
-        assert_eq!(ms, [200, 400, 800, 1600, 2000, 2000, 2000]);
-        b.reset();
-        assert_eq!(b.next(), Some(Duration::from_millis(200)));
-    }
 
     #[test]
     fn flags_parse_and_bad_ones_are_named() {

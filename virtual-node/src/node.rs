@@ -8,8 +8,8 @@ use std::time::Duration;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::runtime::reflector::Store;
 use serde_json::{Value, json};
+use tensile_common::cache::Cache;
 use tensile_common::names;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -63,19 +63,16 @@ pub struct NodeLoop {
     pub upper: kube::Client,
     pub lower: kube::Client,
     pub settings: NodeSettings,
-    pub lower_nodes: Store<Node>,
-    pub lower_pods: Store<Pod>,
+    pub lower_nodes: Cache<Node>,
+    pub lower_pods: Cache<Pod>,
     /// Woken when lower nodes or pods change.
     pub changed: Arc<Notify>,
     pub metrics: Arc<Metrics>,
-    pub registered: Arc<Notify>,
     /// Watch of our own upper Node: when it vanishes, the node is registered again at once.
-    pub upper_node: Store<Node>,
+    pub upper_node: Cache<Node>,
 }
 
-fn now() -> String {
-    jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
-}
+use tensile_common::api::now;
 
 impl NodeLoop {
     fn name(&self) -> &str {
@@ -201,9 +198,7 @@ impl NodeLoop {
 
     async fn renew_lease(&self) -> Result<(), kube::Error> {
         let leases: Api<Lease> = Api::namespaced(self.upper.clone(), "kube-node-lease");
-        let micro = jiff::Timestamp::now()
-            .strftime("%Y-%m-%dT%H:%M:%S%.6fZ")
-            .to_string();
+        let micro = tensile_common::api::now_micro();
         let renew =
             json!({"spec": {"renewTime": micro, "holderIdentity": self.name(), "leaseDurationSeconds": 40}});
         match leases
@@ -231,7 +226,7 @@ impl NodeLoop {
 
     /// Runs forever: probe, recompute, patch status on change or when due, renew the lease,
     /// and recreate the Node if someone deleted it.
-    pub async fn run(self) {
+    pub async fn run(self, stop: tensile_common::runtime::CancellationToken) {
         let nodes: Api<Node> = Api::all(self.upper.clone());
         let started = now();
         let mut ready_since = started.clone();
@@ -313,7 +308,6 @@ impl NodeLoop {
                 match self.create_node(&cap).await {
                     Ok(()) => {
                         registered = true;
-                        self.registered.notify_waiters();
                     }
                     Err(e) => tracing::warn!(node = self.name(), "registering the node failed: {e}"),
                 }
@@ -357,10 +351,12 @@ impl NodeLoop {
                     Err(e) => tracing::warn!(node = self.name(), "lease: {e}"),
                 }
             }
-            // Wake on lower changes (debounced) or after the probe period.
+            // Wake on lower changes (debounced) or after the probe period; stop between
+            // rounds, never inside one.
             tokio::select! {
                 _ = tokio::time::sleep(self.settings.probe_period) => {}
                 _ = self.changed.notified() => tokio::time::sleep(Duration::from_millis(300)).await,
+                _ = stop.cancelled() => return,
             }
         }
     }

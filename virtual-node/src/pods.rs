@@ -7,14 +7,16 @@
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tensile_common::cache::Cache;
 
 use k8s_openapi::api::core::v1::{Namespace, Pod};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 use serde_json::json;
+use tensile_common::api::ApiError;
 use tensile_common::names;
 
 use crate::copies::{self, Blocked, Copies};
@@ -28,8 +30,8 @@ pub struct Context {
     pub lower: kube::Client,
     pub translation: Translation,
     /// Lower pods carrying this node's marks.
-    pub lower_pods: Store<Pod>,
-    pub upper_pods: Store<Pod>,
+    pub lower_pods: Cache<Pod>,
+    pub upper_pods: Cache<Pod>,
     pub host_ip: String,
     pub events: crate::events::Events,
     pub metrics: Arc<Metrics>,
@@ -48,20 +50,46 @@ pub struct Context {
     pub first_status_held: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
     /// Lower namespaces known to exist.
     pub known_namespaces: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Failures in a row per pod, for the retry delay.
+    pub retries: Backoff,
+    /// One reconcile's deadline.
+    pub reconcile_timeout: Duration,
+}
+
+/// Per-key retry delays: 1 s doubling to 5 min, forgotten on success.
+#[derive(Debug, Default)]
+pub struct Backoff(std::sync::Mutex<std::collections::HashMap<String, u32>>);
+
+impl Backoff {
+    const FIRST: Duration = Duration::from_secs(1);
+    const MAX: Duration = Duration::from_secs(300);
+
+    /// The delay before retrying `key` after one more failure.
+    pub fn next_delay(&self, key: &str) -> Duration {
+        let Ok(mut failures) = self.0.lock() else {
+            return Self::MAX;
+        };
+        let n = failures.entry(key.to_owned()).or_insert(0);
+        let delay = Self::FIRST.saturating_mul(1u32 << (*n).min(16)).min(Self::MAX);
+        *n = n.saturating_add(1);
+        delay
+    }
+
+    pub fn forget(&self, key: &str) {
+        if let Ok(mut failures) = self.0.lock() {
+            failures.remove(key);
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("{0}")]
     Copy(#[from] copies::Error),
-    #[error("{cluster} {verb} {what}: {source}")]
-    Api {
-        cluster: &'static str,
-        verb: &'static str,
-        what: String,
-        #[source]
-        source: kube::Error,
-    },
+    #[error(transparent)]
+    Api(#[from] ApiError),
+    #[error("the reconcile took longer than {0:?}; retrying")]
+    Timeout(Duration),
 }
 
 impl Error {
@@ -70,13 +98,8 @@ impl Error {
         verb: &'static str,
         what: impl Into<String>,
     ) -> impl FnOnce(kube::Error) -> Error {
-        let what = what.into();
-        move |source| Error::Api {
-            cluster,
-            verb,
-            what,
-            source,
-        }
+        let on = ApiError::on(cluster, verb, what);
+        move |source| Error::Api(on(source))
     }
 }
 
@@ -84,43 +107,39 @@ fn key(pod: &Pod) -> String {
     format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any())
 }
 
-fn api_status(e: &kube::Error) -> Option<u16> {
-    match e {
-        kube::Error::Api(s) => Some(s.code),
-        _ => None,
-    }
-}
-
-/// The message of a lower API error, as the lower cluster phrased it.
-fn lower_message(e: &kube::Error) -> String {
-    match e {
-        kube::Error::Api(s) => s.message.clone(),
-        other => other.to_string(),
-    }
-}
-
 pub async fn reconcile(upper: Arc<Pod>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     ctx.metrics.in_flight.inc();
-    let result = reconcile_inner(&upper, &ctx).await;
+    let result = tokio::time::timeout(ctx.reconcile_timeout, reconcile_inner(&upper, &ctx))
+        .await
+        .unwrap_or(Err(Error::Timeout(ctx.reconcile_timeout)));
     ctx.metrics.in_flight.dec();
     ctx.metrics.observe_reconcile(started.elapsed(), result.is_ok());
-    if let Err(e) = &result {
-        tracing::warn!(pod = %key(&upper), "reconcile failed: {e}");
+    match &result {
+        Ok(_) => ctx.retries.forget(&retry_key(&upper)),
+        Err(e) => tracing::warn!(pod = %key(&upper), "reconcile failed: {e}"),
     }
     result
 }
 
-pub fn error_policy(_pod: Arc<Pod>, err: &Error, ctx: Arc<Context>) -> Action {
+fn retry_key(pod: &Pod) -> String {
+    pod.uid().unwrap_or_else(|| key(pod))
+}
+
+/// A failed pod is retried after a delay that doubles per failure in a row (1 s up to
+/// 5 min): a lower cluster refusing a thousand pods (a quota, an admission policy) sees a
+/// few creates a second, not hundreds.
+pub fn error_policy(pod: Arc<Pod>, err: &Error, ctx: Arc<Context>) -> Action {
     match err {
-        Error::Api { cluster, verb, .. } => ctx.metrics.api_error(cluster, verb),
+        Error::Api(e) => ctx.metrics.api_error(e.cluster, e.verb),
         Error::Copy(_) => ctx.metrics.api_error("lower", "copy"),
+        Error::Timeout(_) => ctx.metrics.api_error("both", "reconcile-timeout"),
     }
-    Action::requeue(Duration::from_secs(2))
+    Action::requeue(ctx.retries.next_delay(&retry_key(&pod)))
 }
 
 async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
-    crate::synced(&ctx.lower_pods).await;
+    ctx.lower_pods.synced().await;
     let ns = upper.namespace().unwrap_or_default();
     let name = upper.name_any();
     let upper_uid = upper.uid().unwrap_or_default();
@@ -191,7 +210,7 @@ async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
         };
         if let Err(e) = lower_pods.patch(&name, &params, &Patch::Strategic(&patch)).await {
             // An update failure never regresses a running pod: report and go on with status.
-            let msg = lower_message(&e);
+            let msg = tensile_common::api::message(&e);
             event(ctx, upper, EventType::Warning, "LowerUpdateFailed", &msg);
         }
     }
@@ -304,7 +323,7 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
             // The first status write sets LowerPodSynced=True (one write, not two).
             Ok(Action::requeue(Duration::from_secs(300)))
         }
-        Err(e) if api_status(&e) == Some(409) => {
+        Err(e) if tensile_common::api::code(&e) == Some(409) => {
             // A same-named lower pod exists. Ours (the cache is behind) or someone else's.
             let existing = lower_pods.get_opt(&name).await.map_err(Error::api(
                 "lower",
@@ -339,7 +358,7 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
             let msg = format!(
                 "lower cluster {} rejected the pod: {}",
                 ctx.cluster_name,
-                lower_message(&e)
+                tensile_common::api::message(&e)
             );
             set_condition(
                 ctx,
@@ -392,7 +411,7 @@ async fn ensure_namespace_below(ctx: &Context, ns: &str) -> Result<(), Error> {
     ctx.lower_limit.acquire().await;
     match api.create(&PostParams::default(), &namespace).await {
         Ok(_) => Ok(()),
-        Err(e) if api_status(&e) == Some(409) => Ok(()),
+        Err(e) if tensile_common::api::code(&e) == Some(409) => Ok(()),
         Err(e) => Err(Error::api("lower", "create", format!("namespace {ns}"))(e)),
     }
 }
@@ -406,20 +425,11 @@ async fn delete_exact(
     pod: &Pod,
     grace: Option<i64>,
 ) -> Result<(), Error> {
-    let params = DeleteParams {
-        grace_period_seconds: grace.map(|g| g.max(0) as u32),
-        preconditions: Some(Preconditions {
-            uid: pod.uid(),
-            resource_version: None,
-        }),
-        ..Default::default()
-    };
     limit.acquire().await;
-    match api.delete(&pod.name_any(), &params).await {
-        Ok(_) => Ok(()),
-        Err(e) if matches!(api_status(&e), Some(404) | Some(409)) => Ok(()),
-        Err(e) => Err(Error::api(cluster, "delete", format!("pod {}", key(pod)))(e)),
-    }
+    tensile_common::api::delete_exact(api, &pod.name_any(), pod.uid(), grace)
+        .await
+        .map(drop)
+        .map_err(Error::api(cluster, "delete", format!("pod {}", key(pod))))
 }
 
 /// Deletes a lower pod we own, with the given grace; a pod without our marks is never touched.
@@ -447,7 +457,7 @@ async fn patch_upper_status(ctx: &Context, upper: &Pod, status: serde_json::Valu
         .await
     {
         Ok(_) => Ok(()),
-        Err(e) if matches!(api_status(&e), Some(404) | Some(409)) => Ok(()),
+        Err(e) if matches!(tensile_common::api::code(&e), Some(404) | Some(409)) => Ok(()),
         Err(e) => Err(Error::api("upper", "patch-status", format!("pod {}", key(upper)))(e)),
     }
 }
@@ -477,8 +487,10 @@ async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<Action,
             .any(|c| c["type"] == names::CONDITION_LOWER_SYNCED && c["status"] == "True");
         if !synced_ok {
             conds.retain(|c| c["type"] != names::CONDITION_LOWER_SYNCED);
-            conds.push(json!({"type": names::CONDITION_LOWER_SYNCED, "status": "True", "reason": "Created",
-                              "lastTransitionTime": jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()}));
+            conds.push(
+                json!({"type": names::CONDITION_LOWER_SYNCED, "status": "True", "reason": "Created",
+                              "lastTransitionTime": tensile_common::api::now()}),
+            );
         }
     }
     patch_upper_status(ctx, upper, status).await?;
@@ -535,13 +547,13 @@ async fn set_condition(
     if unchanged {
         return Ok(());
     }
-    let now = jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string();
+    let now = tensile_common::api::now();
     let conditions = translate::with_condition(upper, kind, status, reason, message, &now);
     patch_upper_status(ctx, upper, json!({"conditions": conditions})).await
 }
 
 async fn fail_upper(ctx: &Context, upper: &Pod, reason: &str, message: &str) -> Result<(), Error> {
-    let now = jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string();
+    let now = tensile_common::api::now();
     let conditions = translate::with_condition(
         upper,
         names::CONDITION_LOWER_SYNCED,
@@ -662,17 +674,12 @@ pub async fn collect_namespaces(ctx: &Context, empty_before: &mut std::collectio
         if let Ok(mut known) = ctx.known_namespaces.lock() {
             known.remove(&name);
         }
-        let params = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: ns.metadata.uid.clone(),
-                resource_version: None,
-            }),
-            ..Default::default()
-        };
         ctx.lower_limit.acquire().await;
-        match api.delete(&name, &params).await {
-            Ok(_) => tracing::info!(namespace = %name, "deleted an empty lower namespace this node created"),
-            Err(e) if matches!(api_status(&e), Some(404) | Some(409)) => {}
+        match tensile_common::api::delete_exact(&api, &name, ns.metadata.uid.clone(), None).await {
+            Ok(tensile_common::api::Deleted::Accepted) => {
+                tracing::info!(namespace = %name, "deleted an empty lower namespace this node created")
+            }
+            Ok(tensile_common::api::Deleted::AlreadyGone) => {}
             Err(e) => tracing::warn!(namespace = %name, "namespace collection: {e}"),
         }
     }

@@ -23,13 +23,14 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
+use tensile_common::cache::Cache;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::reflector::ObjectRef;
 use serde_json::json;
 use tensile_common::names;
 
@@ -42,12 +43,7 @@ use crate::translate::{self, Identity};
 /// The provisioner name of upper StorageClasses whose claims virtual nodes provision.
 pub const PROVISIONER: &str = "virtual-node.tensile.io";
 
-fn code(e: &kube::Error) -> Option<u16> {
-    match e {
-        kube::Error::Api(s) => Some(s.code),
-        _ => None,
-    }
-}
+use tensile_common::api::{Deleted, code, delete_exact};
 
 /// The claims a pod spec mounts.
 pub fn claims(pod: &Pod) -> Vec<String> {
@@ -64,14 +60,14 @@ pub struct Volumes {
     pub lower: kube::Client,
     pub identity: Identity,
     pub cluster_name: String,
-    pub upper_claims: Store<PersistentVolumeClaim>,
+    pub upper_claims: Cache<PersistentVolumeClaim>,
     /// Upper volumes carrying this node's marks.
-    pub upper_volumes: Store<PersistentVolume>,
+    pub upper_volumes: Cache<PersistentVolume>,
     /// Lower claims carrying this node's marks.
-    pub lower_claims: Store<PersistentVolumeClaim>,
-    pub upper_pods: Store<Pod>,
+    pub lower_claims: Cache<PersistentVolumeClaim>,
+    pub upper_pods: Cache<Pod>,
     /// Lower pods that have not finished.
-    pub lower_pods: Store<Pod>,
+    pub lower_pods: Cache<Pod>,
     pub upper_limit: TokenBucket,
     pub lower_limit: TokenBucket,
     pub metrics: Arc<Metrics>,
@@ -124,7 +120,7 @@ impl Volumes {
     /// Makes the lower claim of `ns/name` exist (ours). `Ok(Err(_))` says why a pod using it
     /// must not be created below.
     pub async fn prepare(&self, ns: &str, name: &str) -> Result<Result<(), Blocked>, Error> {
-        crate::synced(&self.upper_claims).await;
+        self.upper_claims.synced().await;
         let Some(upper) = self.upper_claims.get(&ObjectRef::new(name).within(ns)) else {
             return Ok(Err(Blocked::Missing(format!(
                 "PersistentVolumeClaim {ns}/{name} does not exist in the upper cluster"
@@ -263,11 +259,11 @@ impl Volumes {
 
     /// Resyncs from the watch caches every second, until dropped.
     pub async fn run(self: Arc<Self>, changed: Arc<tokio::sync::Notify>) {
-        crate::synced(&self.upper_claims).await;
-        crate::synced(&self.upper_volumes).await;
-        crate::synced(&self.lower_claims).await;
-        crate::synced(&self.upper_pods).await;
-        crate::synced(&self.lower_pods).await;
+        self.upper_claims.synced().await;
+        self.upper_volumes.synced().await;
+        self.lower_claims.synced().await;
+        self.upper_pods.synced().await;
+        self.lower_pods.synced().await;
         let metrics = &self.metrics;
         loop {
             let work = self.plan();
@@ -421,48 +417,28 @@ impl Volumes {
 
     async fn delete_lower_claim(&self, lower: Arc<PersistentVolumeClaim>) -> Result<(), Error> {
         let (ns, name) = (lower.namespace().unwrap_or_default(), lower.name_any());
-        let params = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: lower.uid(),
-                resource_version: None,
-            }),
-            ..Default::default()
-        };
         self.lower_limit.acquire().await;
-        match Api::<PersistentVolumeClaim>::namespaced(self.lower.clone(), &ns)
-            .delete(&name, &params)
+        let api = Api::<PersistentVolumeClaim>::namespaced(self.lower.clone(), &ns);
+        let deleted = delete_exact(&api, &name, lower.uid(), None)
             .await
-        {
-            Ok(_) => {
-                tracing::info!(claim = %format!("{ns}/{name}"), "deleted below: its upper claim is gone");
-                Ok(())
-            }
-            Err(e) if matches!(code(&e), Some(404) | Some(409)) => Ok(()),
-            Err(e) => Err(Error::api("lower", "delete", format!("claim {ns}/{name}"))(e)),
+            .map_err(Error::api("lower", "delete", format!("claim {ns}/{name}")))?;
+        if deleted == Deleted::Accepted {
+            tracing::info!(claim = %format!("{ns}/{name}"), "deleted below: its upper claim is gone");
         }
+        Ok(())
     }
 
     async fn delete_upper_volume(&self, volume: Arc<PersistentVolume>) -> Result<(), Error> {
         let name = volume.name_any();
-        let params = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: volume.uid(),
-                resource_version: None,
-            }),
-            ..Default::default()
-        };
         self.upper_limit.acquire().await;
-        match Api::<PersistentVolume>::all(self.upper.clone())
-            .delete(&name, &params)
+        let api = Api::<PersistentVolume>::all(self.upper.clone());
+        let deleted = delete_exact(&api, &name, volume.uid(), None)
             .await
-        {
-            Ok(_) => {
-                tracing::info!(volume = %name, "deleted upstream: its claim is gone");
-                Ok(())
-            }
-            Err(e) if matches!(code(&e), Some(404) | Some(409)) => Ok(()),
-            Err(e) => Err(Error::api("upper", "delete", format!("volume {name}"))(e)),
+            .map_err(Error::api("upper", "delete", format!("volume {name}")))?;
+        if deleted == Deleted::Accepted {
+            tracing::info!(volume = %name, "deleted upstream: its claim is gone");
         }
+        Ok(())
     }
 }
 

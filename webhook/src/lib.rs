@@ -138,6 +138,8 @@ pub struct Args {
     #[arg(long, env = "WEBHOOK_PVC_TIMEOUT_MS", default_value_t = 2000)]
     pub pvc_timeout_ms: u64,
     #[command(flatten)]
+    pub client: tensile_common::kubeconfig::ClientArgs,
+    #[command(flatten)]
     pub log: tensile_common::telemetry::LogArgs,
 }
 
@@ -351,25 +353,20 @@ pub async fn start(options: Options) -> Result<Running> {
 }
 
 async fn client(args: &Args) -> Result<Option<kube::Client>> {
-    if let Some(path) = &args.kubeconfig {
-        let options = tensile_common::kubeconfig::ClientOptions::default();
-        return Ok(Some(
-            tensile_common::kubeconfig::client_from_file(path, &options).await?,
-        ));
-    }
-    match kube::Config::incluster() {
-        Ok(config) => kube::Client::try_from(config)
-            .map(Some)
-            .map_err(|e| Error::Client(e.to_string())),
-        Err(e) => {
+    use tensile_common::kubeconfig::{self, Error as ConfigError};
+    let options = args.client.options();
+    match kubeconfig::client(args.kubeconfig.as_deref(), &options).await {
+        Ok(client) => Ok(Some(client)),
+        Err(ConfigError::NoInCluster { source }) => {
             if args.tls_cert_file.is_none() && args.webhook_config_name.is_some() {
                 return Err(Error::Client(format!(
-                    "no --kubeconfig and not in a cluster ({e}); one is needed to write the caBundle"
+                    "no --kubeconfig and not in a cluster ({source}); one is needed to write the caBundle"
                 )));
             }
-            tracing::warn!(error = %e, "no --kubeconfig and not in a cluster: pods are not pinned to their PVC's node");
+            tracing::warn!(error = %source, "no --kubeconfig and not in a cluster: pods are not pinned to their PVC's node");
             Ok(None)
         }
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -396,18 +393,15 @@ pub async fn run(args: Args) -> Result<()> {
         max_body_bytes: args.max_body_bytes,
         pvc_timeout: Duration::from_millis(args.pvc_timeout_ms),
     };
+    let shutdown = tensile_common::runtime::shutdown_on_signals().map_err(Error::Signal)?;
     let running = start(options).await?;
-    shutdown_signal().await?;
-    tracing::info!("shutting down");
-    running.stop().await;
-    Ok(())
-}
-
-async fn shutdown_signal() -> Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).map_err(Error::Signal)?;
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => r.map_err(Error::Signal),
-        _ = term.recv() => Ok(()),
+    shutdown.cancelled().await;
+    // Reviews in flight are answered; open connections are closed gracefully.
+    if tokio::time::timeout(tensile_common::runtime::DEFAULT_DRAIN, running.stop())
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections still open after the drain were dropped");
     }
+    Ok(())
 }

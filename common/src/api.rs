@@ -1,0 +1,116 @@
+//! The one shape of an API failure in the suite, the one delete that can only hit the object
+//! it names, and the timestamps written into API objects.
+
+use kube::api::{Api, DeleteParams, Preconditions};
+
+/// Which side of the suite a call went to.
+pub type Cluster = &'static str;
+
+/// An API call that failed: where, what, and the apiserver's (or the client's) reason.
+#[derive(Debug, thiserror::Error)]
+#[error("{cluster} {verb} {what}: {source}")]
+pub struct ApiError {
+    pub cluster: Cluster,
+    pub verb: &'static str,
+    pub what: String,
+    #[source]
+    pub source: kube::Error,
+}
+
+impl ApiError {
+    /// For `map_err`: `.map_err(ApiError::on("lower", "create", format!("pod {key}")))`.
+    pub fn on(
+        cluster: Cluster,
+        verb: &'static str,
+        what: impl Into<String>,
+    ) -> impl FnOnce(kube::Error) -> ApiError {
+        let what = what.into();
+        move |source| ApiError {
+            cluster,
+            verb,
+            what,
+            source,
+        }
+    }
+
+    pub fn code(&self) -> Option<u16> {
+        code(&self.source)
+    }
+}
+
+/// The HTTP status of an apiserver refusal; `None` for client-side failures.
+pub fn code(e: &kube::Error) -> Option<u16> {
+    match e {
+        kube::Error::Api(s) => Some(s.code),
+        _ => None,
+    }
+}
+
+/// The message of an API error as the apiserver phrased it.
+pub fn message(e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(s) => s.message.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// What an exact delete found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Deleted {
+    /// The delete was accepted (the object may stay while it terminates).
+    Accepted,
+    /// Nothing of that UID was left: gone already (404), or the name now holds another
+    /// object (409 on the UID precondition), which is left alone.
+    AlreadyGone,
+}
+
+/// Deletes the object `name` only if its UID is still `uid`, with `grace` seconds
+/// (`None`: the object's own). A grace too large for the API is clamped, never wrapped.
+pub async fn delete_exact<K>(
+    api: &Api<K>,
+    name: &str,
+    uid: Option<String>,
+    grace: Option<i64>,
+) -> Result<Deleted, kube::Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let params = DeleteParams {
+        grace_period_seconds: grace.map(|g| g.clamp(0, i64::from(u32::MAX)) as u32),
+        preconditions: Some(Preconditions {
+            uid,
+            resource_version: None,
+        }),
+        ..Default::default()
+    };
+    match api.delete(name, &params).await {
+        Ok(_) => Ok(Deleted::Accepted),
+        Err(e) if matches!(code(&e), Some(404) | Some(409)) => Ok(Deleted::AlreadyGone),
+        Err(e) => Err(e),
+    }
+}
+
+/// Now, as API objects write a `Time` (RFC 3339, seconds).
+pub fn now() -> String {
+    jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
+}
+
+/// Now, as API objects write a `MicroTime` (RFC 3339, microseconds).
+pub fn now_micro() -> String {
+    jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%S%.6fZ")
+        .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_parse_as_the_api_types() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
+        let _: Time = serde_json::from_value(serde_json::json!(now())).unwrap();
+        let _: MicroTime = serde_json::from_value(serde_json::json!(now_micro())).unwrap();
+        assert_eq!(now().len(), "2024-01-01T00:00:00Z".len());
+    }
+}

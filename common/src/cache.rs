@@ -1,0 +1,160 @@
+//! Watch caches: a typed store kept current by a watch, and a "synced" signal that every
+//! waiter sees once the first full list is in.
+//!
+//! kube's own `Store::wait_until_ready` wakes only the waiter that polled last; a [`Cache`]
+//! broadcasts instead, so any number of components can wait on the same cache.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{Stream, StreamExt, TryStreamExt};
+use kube::api::Api;
+use kube::runtime::reflector::{self, Store, reflector};
+use kube::runtime::{WatchStreamExt, watcher};
+use tokio::sync::{Notify, watch};
+
+/// A watch cache: the store, and whether it has had its first full list.
+pub struct Cache<K: kube::Resource<DynamicType = ()> + 'static> {
+    store: Store<K>,
+    synced: watch::Receiver<bool>,
+}
+
+impl<K: kube::Resource<DynamicType = ()> + 'static> Clone for Cache<K> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            synced: self.synced.clone(),
+        }
+    }
+}
+
+impl<K> Cache<K>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + 'static,
+{
+    pub fn store(&self) -> &Store<K> {
+        &self.store
+    }
+
+    pub fn is_synced(&self) -> bool {
+        *self.synced.borrow()
+    }
+
+    /// Waits until the first full list is in (forever if the watch never lists).
+    pub async fn synced(&self) {
+        let mut rx = self.synced.clone();
+        if rx.wait_for(|s| *s).await.is_err() {
+            // The watch is gone without ever listing: nothing will come.
+            futures::future::pending::<()>().await;
+        }
+    }
+}
+
+impl<K> std::ops::Deref for Cache<K>
+where
+    K: kube::Resource<DynamicType = ()> + 'static,
+{
+    type Target = Store<K>;
+
+    fn deref(&self) -> &Store<K> {
+        &self.store
+    }
+}
+
+/// The bound every watched kind meets.
+pub trait Watched:
+    kube::Resource<DynamicType = ()>
+    + Clone
+    + std::fmt::Debug
+    + serde::de::DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Watched for K where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static
+{
+}
+
+/// A cache of `api` narrowed by `config`, and the stream of objects its watch touches
+/// (which must be polled to keep the cache current, for example by a controller).
+pub fn reflect<K: Watched>(
+    api: Api<K>,
+    config: watcher::Config,
+) -> (
+    Cache<K>,
+    impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+) {
+    let (store, writer) = reflector::store::<K>();
+    let (tx, synced) = watch::channel(false);
+    let stream = reflector(writer, watcher(api, config))
+        .backoff(WatchBackoff::default())
+        .inspect_ok(move |event| {
+            if matches!(event, watcher::Event::InitDone) {
+                tx.send_replace(true);
+            }
+        })
+        .touched_objects();
+    (Cache { store, synced }, stream)
+}
+
+/// A cache of `api` narrowed by `config` whose every event wakes `changed`, and the future
+/// that keeps it current.
+pub fn watched<K: Watched>(
+    api: Api<K>,
+    config: watcher::Config,
+    changed: &Arc<Notify>,
+) -> (Cache<K>, impl Future<Output = ()> + Send + 'static) {
+    let (cache, stream) = reflect(api, config);
+    let changed = changed.clone();
+    let feed = stream.for_each(move |_| {
+        changed.notify_one();
+        futures::future::ready(())
+    });
+    (cache, feed)
+}
+
+/// Retry delays of a failed watch: 200 ms doubling to 2 s, from the start again after a
+/// success. kube's default grows to 30 s, which leaves a recovered cluster unseen for that
+/// long; a daemon must notice recovery as quickly as it notices loss.
+#[derive(Clone, Debug, Default)]
+pub struct WatchBackoff(u32);
+
+impl Iterator for WatchBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let delay = Duration::from_millis(200 << self.0.min(4)).min(Duration::from_secs(2));
+        self.0 = self.0.saturating_add(1);
+        Some(delay)
+    }
+}
+
+impl kube::runtime::utils::Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        self.0 = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watch_retries_grow_to_two_seconds_and_start_over_after_a_success() {
+        use kube::runtime::utils::Backoff as _;
+        let mut b = WatchBackoff::default();
+        let ms: Vec<u128> = b.by_ref().take(7).map(|d| d.as_millis()).collect();
+        assert_eq!(ms, [200, 400, 800, 1600, 2000, 2000, 2000]);
+        b.reset();
+        assert_eq!(b.next(), Some(Duration::from_millis(200)));
+    }
+}

@@ -1,0 +1,648 @@
+//! Leader election on `coordination.k8s.io/v1` Leases (served by every supported Kubernetes
+//! version), with client-go's algorithm and flag names.
+//!
+//! A candidate takes the Lease when it is free, released, or has not changed for a whole
+//! lease duration as this candidate observed it (its own clock, never the holder's
+//! timestamps). The leader renews every retry period. Fencing: the leader may write only
+//! until `renew deadline` after the start of its last successful renewal; the renew deadline
+//! is shorter than the lease duration, so a leader that cannot renew (partitioned, paused,
+//! starved) stops writing before anyone else can acquire. Writes are refused by
+//! [`FenceLayer`] on the daemon's clients, so no code path can write past the fence. A
+//! leader that lost the Lease ends: the daemon exits and its restart is a candidate again,
+//! as kube-controller-manager and kube-scheduler do.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{Method, Request};
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use kube::api::{Api, ObjectMeta, PostParams};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::time::Instant;
+
+use crate::deadline::BoxError;
+
+/// Leader-election flags, client-go's spellings.
+#[derive(Clone, Debug, clap::Args)]
+pub struct LeaderArgs {
+    /// Run as one of several replicas: only the holder of the Lease acts.
+    #[arg(long = "leader-elect", env = "TENSILE_LEADER_ELECT")]
+    pub leader_elect: bool,
+    /// How long a Lease not renewed keeps others from taking it (for example `15s`).
+    #[arg(long = "leader-elect-lease-duration", env = "TENSILE_LEADER_ELECT_LEASE_DURATION",
+          default_value = "15s", value_parser = parse_duration)]
+    pub lease_duration: Duration,
+    /// How long the leader keeps acting without a successful renewal; shorter than the lease
+    /// duration, so it stops before another replica can take over.
+    #[arg(long = "leader-elect-renew-deadline", env = "TENSILE_LEADER_ELECT_RENEW_DEADLINE",
+          default_value = "10s", value_parser = parse_duration)]
+    pub renew_deadline: Duration,
+    /// How often candidates try to acquire and the leader renews.
+    #[arg(long = "leader-elect-retry-period", env = "TENSILE_LEADER_ELECT_RETRY_PERIOD",
+          default_value = "2s", value_parser = parse_duration)]
+    pub retry_period: Duration,
+    /// Namespace of the Lease.
+    #[arg(
+        long = "leader-elect-resource-namespace",
+        env = "TENSILE_LEADER_ELECT_RESOURCE_NAMESPACE",
+        default_value = "kube-system"
+    )]
+    pub resource_namespace: String,
+    /// Name of the Lease (each daemon has its own default).
+    #[arg(
+        long = "leader-elect-resource-name",
+        env = "TENSILE_LEADER_ELECT_RESOURCE_NAME"
+    )]
+    pub resource_name: Option<String>,
+}
+
+/// A duration as client-go's flags write it: `15s`, `500ms`, `1m`, `1m30s`, `1h`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let bad = || format!("{s:?} is not a duration (for example 15s, 500ms, 1m30s)");
+    let mut total = Duration::ZERO;
+    let mut rest = s.trim();
+    if rest.is_empty() {
+        return Err(bad());
+    }
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+        if digits == 0 {
+            return Err(bad());
+        }
+        let n: u64 = rest[..digits].parse().map_err(|_| bad())?;
+        rest = &rest[digits..];
+        let unit_len = rest.find(|c: char| c.is_ascii_digit()).unwrap_or(rest.len());
+        let unit = match &rest[..unit_len] {
+            "ms" => Duration::from_millis(n),
+            "s" => Duration::from_secs(n),
+            "m" => Duration::from_secs(n.saturating_mul(60)),
+            "h" => Duration::from_secs(n.saturating_mul(3600)),
+            _ => return Err(bad()),
+        };
+        total += unit;
+        rest = &rest[unit_len..];
+    }
+    Ok(total)
+}
+
+/// The timing of an election, checked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaderConfig {
+    pub namespace: String,
+    pub name: String,
+    /// Who this replica is (in the Lease's `holderIdentity`).
+    pub identity: String,
+    pub lease_duration: Duration,
+    pub renew_deadline: Duration,
+    pub retry_period: Duration,
+}
+
+impl LeaderArgs {
+    /// The election these flags ask for, `None` without `--leader-elect`. `default_name` names
+    /// the Lease unless `--leader-elect-resource-name` does.
+    pub fn config(&self, default_name: &str, identity: String) -> Result<Option<LeaderConfig>, String> {
+        if !self.leader_elect {
+            return Ok(None);
+        }
+        // client-go's rules: the leader must give up before the Lease can expire, and retry
+        // (with up to 20 % jitter) at least once before it must give up.
+        if self.lease_duration <= self.renew_deadline {
+            return Err(format!(
+                "--leader-elect-lease-duration ({:?}) must be longer than --leader-elect-renew-deadline ({:?})",
+                self.lease_duration, self.renew_deadline
+            ));
+        }
+        if self.renew_deadline.as_secs_f64() <= 1.2 * self.retry_period.as_secs_f64() {
+            return Err(format!(
+                "--leader-elect-renew-deadline ({:?}) must be longer than 1.2 x --leader-elect-retry-period ({:?})",
+                self.renew_deadline, self.retry_period
+            ));
+        }
+        if self.retry_period.is_zero() {
+            return Err("--leader-elect-retry-period must be positive".into());
+        }
+        Ok(Some(LeaderConfig {
+            namespace: self.resource_namespace.clone(),
+            name: self
+                .resource_name
+                .clone()
+                .unwrap_or_else(|| default_name.to_owned()),
+            identity,
+            lease_duration: self.lease_duration,
+            renew_deadline: self.renew_deadline,
+            retry_period: self.retry_period,
+        }))
+    }
+}
+
+/// A replica's identity: host name and process id, unique among replicas.
+pub fn default_identity() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|h| h.trim().to_owned())
+        })
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "tensile".into());
+    format!("{host}_{}", std::process::id())
+}
+
+/// Whether this process may write now; shared by the elector and the fenced clients.
+#[derive(Clone, Debug)]
+pub struct Leadership(Arc<State>);
+
+#[derive(Debug)]
+struct State {
+    elected: bool,
+    until: Mutex<Option<Instant>>,
+    leading: Gauge,
+    lost: Counter,
+    refused: Counter,
+}
+
+impl Leadership {
+    /// No election: this process may always write.
+    pub fn always() -> Self {
+        Self::new(false)
+    }
+
+    /// An elected process, not leading until an [`Elector`] acquires.
+    pub fn elected() -> Self {
+        Self::new(true)
+    }
+
+    fn new(elected: bool) -> Self {
+        Leadership(Arc::new(State {
+            elected,
+            until: Mutex::new(None),
+            leading: Gauge::default(),
+            lost: Counter::default(),
+            refused: Counter::default(),
+        }))
+    }
+
+    /// Registers `tensile_leader`, `tensile_leader_lost_total` and
+    /// `tensile_leader_refused_writes_total`.
+    pub fn register(&self, registry: &mut Registry) {
+        if !self.0.elected {
+            self.0.leading.set(1);
+        }
+        registry.register(
+            "tensile_leader",
+            "1 while this replica may act (leads, or runs without election), 0 on standby",
+            self.0.leading.clone(),
+        );
+        registry.register(
+            "tensile_leader_lost",
+            "Times this replica stopped acting because it could not renew its Lease",
+            self.0.lost.clone(),
+        );
+        registry.register(
+            "tensile_leader_refused_writes",
+            "API writes refused because this replica did not hold the Lease",
+            self.0.refused.clone(),
+        );
+    }
+
+    /// Whether a write may be sent now.
+    pub fn may_write(&self) -> bool {
+        !self.0.elected
+            || self
+                .0
+                .until
+                .lock()
+                .is_ok_and(|until| until.is_some_and(|u| Instant::now() < u))
+    }
+
+    pub fn is_elected(&self) -> bool {
+        self.0.elected
+    }
+
+    fn extend(&self, until: Instant) {
+        if let Ok(mut u) = self.0.until.lock() {
+            *u = Some(until);
+        }
+        self.0.leading.set(1);
+    }
+
+    fn revoke(&self) {
+        if let Ok(mut u) = self.0.until.lock() {
+            *u = None;
+        }
+        self.0.leading.set(0);
+    }
+}
+
+/// The error of a write refused by the fence.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}: refused, this replica does not hold the leader Lease")]
+pub struct NotLeading(String);
+
+/// Refuses writes (every method but GET, HEAD and OPTIONS) unless [`Leadership::may_write`].
+#[derive(Clone, Debug)]
+pub struct FenceLayer {
+    pub leadership: Leadership,
+}
+
+impl<S> tower::Layer<S> for FenceLayer {
+    type Service = Fence<S>;
+
+    fn layer(&self, inner: S) -> Fence<S> {
+        Fence {
+            inner,
+            leadership: self.leadership.clone(),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Fence<S> {
+    inner: S,
+    leadership: Leadership,
+}
+
+impl<S, B> tower::Service<Request<B>> for Fence<S>
+where
+    S: tower::Service<Request<B>>,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let reads = matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
+        if !reads && !self.leadership.may_write() {
+            self.leadership.0.refused.inc();
+            let what = format!("{} {}", req.method(), req.uri().path());
+            return Box::pin(async move { Err(Box::new(NotLeading(what)) as BoxError) });
+        }
+        let call = self.inner.call(req);
+        Box::pin(async move { call.await.map_err(Into::into) })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "lost the leader Lease {namespace}/{name}: no renewal succeeded within the renew deadline ({deadline:?}); last error: {last}"
+    )]
+    Lost {
+        namespace: String,
+        name: String,
+        deadline: Duration,
+        last: String,
+    },
+}
+
+/// The Lease record as this candidate last saw it, and when it saw it change.
+struct Observed {
+    spec: Option<LeaseSpec>,
+    at: Instant,
+}
+
+/// One candidate in an election.
+pub struct Elector {
+    leases: Api<Lease>,
+    config: LeaderConfig,
+    leadership: Leadership,
+    observed: Mutex<Observed>,
+}
+
+/// What one attempt to acquire or renew found.
+enum Attempt {
+    Leading,
+    HeldBy(String),
+    Failed(String),
+}
+
+impl Elector {
+    /// `client` must not be fenced by `leadership` (it writes the Lease itself).
+    pub fn new(client: kube::Client, config: LeaderConfig, leadership: Leadership) -> Self {
+        Self {
+            leases: Api::namespaced(client, &config.namespace),
+            config,
+            leadership,
+            observed: Mutex::new(Observed {
+                spec: None,
+                at: Instant::now(),
+            }),
+        }
+    }
+
+    pub fn config(&self) -> &LeaderConfig {
+        &self.config
+    }
+
+    /// Waits until this candidate holds the Lease; `standby` is told who holds it meanwhile.
+    pub async fn acquire(&self, mut standby: impl FnMut(&str)) {
+        let mut last_holder = String::new();
+        loop {
+            match self.try_acquire_or_renew().await {
+                Attempt::Leading => {
+                    tracing::info!(lease = %self.lease_name(), identity = %self.config.identity, "acquired the leader Lease");
+                    return;
+                }
+                Attempt::HeldBy(holder) => {
+                    if holder != last_holder {
+                        tracing::info!(lease = %self.lease_name(), %holder, "standing by: the leader Lease is held");
+                        standby(&holder);
+                        last_holder = holder;
+                    }
+                }
+                Attempt::Failed(e) => {
+                    tracing::warn!(lease = %self.lease_name(), "acquiring the leader Lease: {e}")
+                }
+            }
+            tokio::time::sleep(self.config.retry_period).await;
+        }
+    }
+
+    /// Renews every retry period while leading; returns [`Error::Lost`] once no renewal
+    /// succeeded within the renew deadline (the fence closed at that instant).
+    pub async fn keep(&self) -> Result<(), Error> {
+        let mut last_ok = Instant::now();
+        loop {
+            tokio::time::sleep(self.config.retry_period).await;
+            let started = Instant::now();
+            let attempt =
+                tokio::time::timeout_at(last_ok + self.config.renew_deadline, self.try_acquire_or_renew())
+                    .await
+                    .unwrap_or_else(|_| {
+                        Attempt::Failed("the renewal did not finish before the renew deadline".into())
+                    });
+            let last = match attempt {
+                Attempt::Leading => {
+                    last_ok = started;
+                    continue;
+                }
+                Attempt::HeldBy(holder) => format!("the Lease is held by {holder}"),
+                Attempt::Failed(e) => e,
+            };
+            if Instant::now() >= last_ok + self.config.renew_deadline || last.starts_with("the Lease is held")
+            {
+                self.leadership.revoke();
+                self.leadership.0.lost.inc();
+                let err = Error::Lost {
+                    namespace: self.config.namespace.clone(),
+                    name: self.config.name.clone(),
+                    deadline: self.config.renew_deadline,
+                    last,
+                };
+                tracing::error!("{err}");
+                return Err(err);
+            }
+            tracing::warn!(lease = %self.lease_name(), "renewing the leader Lease: {last}");
+        }
+    }
+
+    /// Gives the Lease up (a clean shutdown), so a standby takes over without waiting for it
+    /// to expire. Writes are fenced off first.
+    pub async fn release(&self) {
+        let was_leading = self.leadership.may_write();
+        self.leadership.revoke();
+        if !was_leading {
+            return;
+        }
+        let Ok(Some(mut lease)) = self.leases.get_opt(&self.config.name).await else {
+            return;
+        };
+        let spec = lease.spec.get_or_insert_with(Default::default);
+        if spec.holder_identity.as_deref() != Some(self.config.identity.as_str()) {
+            return;
+        }
+        spec.holder_identity = None;
+        spec.lease_duration_seconds = Some(1);
+        spec.renew_time = Some(MicroTime(jiff::Timestamp::now()));
+        match self
+            .leases
+            .replace(&self.config.name, &PostParams::default(), &lease)
+            .await
+        {
+            Ok(_) => tracing::info!(lease = %self.lease_name(), "released the leader Lease"),
+            Err(e) => tracing::warn!(lease = %self.lease_name(), "releasing the leader Lease: {e}"),
+        }
+    }
+
+    fn lease_name(&self) -> String {
+        format!("{}/{}", self.config.namespace, self.config.name)
+    }
+
+    fn desired(&self, old: Option<&LeaseSpec>) -> LeaseSpec {
+        let now = MicroTime(jiff::Timestamp::now());
+        let held_by_me =
+            old.and_then(|s| s.holder_identity.as_deref()) == Some(self.config.identity.as_str());
+        let transitions = old.and_then(|s| s.lease_transitions).unwrap_or(0);
+        LeaseSpec {
+            holder_identity: Some(self.config.identity.clone()),
+            lease_duration_seconds: Some(self.config.lease_duration.as_secs().max(1) as i32),
+            acquire_time: if held_by_me {
+                old.and_then(|s| s.acquire_time.clone())
+            } else {
+                Some(now.clone())
+            },
+            renew_time: Some(now),
+            lease_transitions: Some(if held_by_me || old.is_none() {
+                transitions
+            } else {
+                transitions + 1
+            }),
+            ..Default::default()
+        }
+    }
+
+    async fn try_acquire_or_renew(&self) -> Attempt {
+        let started = Instant::now();
+        let current = match self.leases.get_opt(&self.config.name).await {
+            Ok(l) => l,
+            Err(e) => return Attempt::Failed(format!("reading the Lease: {e}")),
+        };
+        let Some(mut lease) = current else {
+            let lease = Lease {
+                metadata: ObjectMeta {
+                    name: Some(self.config.name.clone()),
+                    namespace: Some(self.config.namespace.clone()),
+                    ..Default::default()
+                },
+                spec: Some(self.desired(None)),
+            };
+            return match self.leases.create(&PostParams::default(), &lease).await {
+                Ok(created) => self.won(created.spec, started),
+                Err(e) => Attempt::Failed(format!("creating the Lease: {e}")),
+            };
+        };
+        let spec = lease.spec.clone();
+        let holder = spec
+            .as_ref()
+            .and_then(|s| s.holder_identity.clone())
+            .unwrap_or_default();
+        let observed_at = {
+            let Ok(mut observed) = self.observed.lock() else {
+                return Attempt::Failed("the observed Lease record is poisoned".into());
+            };
+            if observed.spec != spec {
+                observed.spec = spec.clone();
+                observed.at = Instant::now();
+            }
+            observed.at
+        };
+        let lease_secs = spec
+            .as_ref()
+            .and_then(|s| s.lease_duration_seconds)
+            .map(|s| Duration::from_secs(s.max(0) as u64))
+            .unwrap_or(self.config.lease_duration);
+        if !holder.is_empty() && holder != self.config.identity && Instant::now() < observed_at + lease_secs {
+            return Attempt::HeldBy(holder);
+        }
+        lease.spec = Some(self.desired(spec.as_ref()));
+        match self
+            .leases
+            .replace(&self.config.name, &PostParams::default(), &lease)
+            .await
+        {
+            Ok(updated) => self.won(updated.spec, started),
+            Err(kube::Error::Api(s)) if s.code == 409 => Attempt::HeldBy(if holder.is_empty() {
+                "another candidate".into()
+            } else {
+                holder
+            }),
+            Err(e) => Attempt::Failed(format!("writing the Lease: {e}")),
+        }
+    }
+
+    fn won(&self, spec: Option<LeaseSpec>, started: Instant) -> Attempt {
+        if let Ok(mut observed) = self.observed.lock() {
+            observed.spec = spec;
+            observed.at = Instant::now();
+        }
+        self.leadership.extend(started + self.config.renew_deadline);
+        Attempt::Leading
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Flags {
+        #[command(flatten)]
+        leader: LeaderArgs,
+    }
+
+    fn flags(extra: &[&str]) -> Result<LeaderArgs, clap::Error> {
+        let mut argv = vec!["d"];
+        argv.extend(extra);
+        Flags::try_parse_from(argv).map(|f| f.leader)
+    }
+
+    #[test]
+    fn durations_read_as_client_go_writes_them() {
+        assert_eq!(parse_duration("15s"), Ok(Duration::from_secs(15)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
+        for bad in ["", "15", "s", "1.5s", "10x", "-1s"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn without_the_flag_there_is_no_election_and_defaults_are_client_gos() {
+        assert_eq!(flags(&[]).unwrap().config("vn", "me".into()), Ok(None));
+        let config = flags(&["--leader-elect"])
+            .unwrap()
+            .config("tensile-virtual-node-a", "me".into())
+            .unwrap()
+            .unwrap();
+        assert_eq!(config.namespace, "kube-system");
+        assert_eq!(config.name, "tensile-virtual-node-a");
+        assert_eq!(
+            (config.lease_duration, config.renew_deadline, config.retry_period),
+            (
+                Duration::from_secs(15),
+                Duration::from_secs(10),
+                Duration::from_secs(2)
+            )
+        );
+    }
+
+    #[test]
+    fn a_renew_deadline_that_does_not_fence_is_refused() {
+        let err = flags(&[
+            "--leader-elect",
+            "--leader-elect-lease-duration=10s",
+            "--leader-elect-renew-deadline=10s",
+        ])
+        .unwrap()
+        .config("x", "me".into())
+        .unwrap_err();
+        assert!(
+            err.contains("must be longer than --leader-elect-renew-deadline"),
+            "{err}"
+        );
+        let err = flags(&[
+            "--leader-elect",
+            "--leader-elect-renew-deadline=2s",
+            "--leader-elect-retry-period=2s",
+        ])
+        .unwrap()
+        .config("x", "me".into())
+        .unwrap_err();
+        assert!(err.contains("retry-period"), "{err}");
+        let err = flags(&["--leader-elect-lease-duration=forever"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("not a duration"), "{err}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_fence_closes_at_the_renew_deadline_and_refuses_only_writes() {
+        use tower::{Layer as _, Service as _, ServiceExt as _};
+        let leadership = Leadership::elected();
+        let ok = tower::service_fn(|_req: Request<()>| async { Ok::<_, BoxError>(()) });
+        let mut svc = FenceLayer {
+            leadership: leadership.clone(),
+        }
+        .layer(ok);
+        let mut send = async |method: Method| {
+            let req = Request::builder()
+                .method(method)
+                .uri("/api/v1/pods")
+                .body(())
+                .unwrap();
+            svc.ready().await.unwrap().call(req).await
+        };
+        assert!(send(Method::GET).await.is_ok(), "reads pass on standby");
+        let err = send(Method::POST).await.unwrap_err();
+        assert!(
+            err.to_string().contains("does not hold the leader Lease"),
+            "{err}"
+        );
+        leadership.extend(Instant::now() + Duration::from_secs(10));
+        assert!(send(Method::PATCH).await.is_ok(), "the leader writes");
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(
+            send(Method::DELETE).await.is_err(),
+            "no write past the renew deadline"
+        );
+        assert!(!leadership.may_write());
+        assert!(Leadership::always().may_write());
+    }
+}

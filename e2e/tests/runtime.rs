@@ -1,0 +1,428 @@
+//! The daemon runtime end to end, with the real binaries as child processes: SIGTERM, a
+//! frozen upper apiserver, and leader election between two virtual nodes for one lower
+//! cluster. Every assertion is what kubectl (or the upper apiserver's audit log) shows.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use tensile_e2e::check::{apply, eventually, kubectl};
+use tensile_e2e::in_process::{VirtualNodeProcess, admin_get};
+use tensile_e2e::shared::Shared;
+use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+
+struct Bed {
+    upper: TestCluster,
+    lower: TestCluster,
+    _sim: NodeSimulator,
+}
+
+static BED: Shared<Bed> = Shared::new();
+
+fn bed() -> &'static Bed {
+    BED.get(|| async {
+        let mut upper = ClusterOptions::new("runtime", "upper");
+        upper.audit_writes = true;
+        let (upper, lower) = tokio::join!(
+            TestCluster::start(upper),
+            TestCluster::start(ClusterOptions::new("runtime", "lower")),
+        );
+        let (upper, lower) = (upper?, lower?);
+        let nodes = (0..3)
+            .map(|i| NodeConfig::new(&format!("rt-{i}")).resource("pods", "250"))
+            .collect();
+        let sim = NodeSimulator::start(
+            lower.client().await?,
+            SimulatorOptions::new("lower", Some(lower.kubelet_client_ca_pem())),
+            nodes,
+        )
+        .await?;
+        Ok(Bed {
+            upper,
+            lower,
+            _sim: sim,
+        })
+    })
+    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
+}
+
+fn up() -> &'static Path {
+    bed().upper.kubeconfig()
+}
+
+fn down() -> &'static Path {
+    bed().lower.kubeconfig()
+}
+
+const READY: &str = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#;
+
+async fn wait_ready(kubeconfig: &Path, node: &str, secs: u64) {
+    eventually(
+        kubeconfig,
+        &format!("{node} Ready"),
+        secs,
+        &["get", "node", node, "-o", READY],
+        "True",
+    )
+    .await;
+}
+
+/// A Deployment of `replicas` pods pinned to virtual node `node`.
+fn deployment(ns: &str, name: &str, node: &str, replicas: u32) -> String {
+    format!(
+        r#"
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  replicas: {replicas}
+  selector: {{matchLabels: {{app: {name}}}}}
+  template:
+    metadata:
+      labels: {{app: {name}}}
+    spec:
+      nodeSelector: {{kubernetes.io/hostname: {node}}}
+      tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+      terminationGracePeriodSeconds: 5
+      containers: [{{name: app, image: nginx}}]
+"#
+    )
+}
+
+/// Upper pods of `ns` that are Running, by UID.
+async fn running_upstream(ns: &str) -> BTreeSet<String> {
+    let rows = kubectl(
+        up(),
+        &[
+            "-n",
+            ns,
+            "get",
+            "pods",
+            "-o",
+            r#"jsonpath={range .items[*]}{.metadata.uid},{.status.phase};{end}"#,
+        ],
+    )
+    .await;
+    rows.split(';')
+        .filter_map(|r| r.split_once(','))
+        .filter(|(_, phase)| *phase == "Running")
+        .map(|(uid, _)| uid.to_owned())
+        .collect()
+}
+
+/// The upper UIDs the lower pods of virtual node `node` in `ns` stand for, one entry per
+/// lower pod (duplicates kept).
+async fn lower_pods_of(ns: &str, node: &str) -> Vec<String> {
+    let rows = kubectl(
+        down(),
+        &[
+            "-n",
+            ns,
+            "get",
+            "pods",
+            "-l",
+            &format!("tensile.io/virtual-node={node}"),
+            "-o",
+            r#"jsonpath={range .items[*]}{.metadata.labels.tensile\.io/upper-uid};{end}"#,
+        ],
+    )
+    .await;
+    rows.split(';')
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Every one of `replicas` pods runs upstream, and exactly one lower pod stands for each.
+async fn all_running_exactly_once(ns: &str, node: &str, replicas: usize, secs: u64) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let upper = running_upstream(ns).await;
+        let lower = lower_pods_of(ns, node).await;
+        let lower_set: BTreeSet<String> = lower.iter().cloned().collect();
+        if upper.len() == replicas && lower.len() == replicas && lower_set == upper {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{ns}: want {replicas} pods Running upstream, each exactly once below; \
+             {} Running upstream, {} lower pods ({} distinct), {} lower pods with no Running upper pod",
+            upper.len(),
+            lower.len(),
+            lower_set.len(),
+            lower_set.difference(&upper).count()
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Waits until at least `n` lower pods of `node` exist in `ns` (a burst under way).
+async fn lower_pods_at_least(ns: &str, node: &str, n: usize, secs: u64) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while lower_pods_of(ns, node).await.len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "{ns}: fewer than {n} lower pods after {secs} s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits until `vn`'s `/readyz` answers `code` with a body containing `says`.
+async fn readyz_says(vn: &VirtualNodeProcess, code: u16, says: &str, secs: u64) -> Duration {
+    let started = Instant::now();
+    loop {
+        let seen = vn.readyz().await;
+        if let Some((c, body)) = &seen
+            && *c == code
+            && body.contains(says)
+        {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(secs),
+            "/readyz of {} should answer {code} with {says:?} within {secs} s; it answers {seen:?}; log:\n{}",
+            vn.admin_addr,
+            vn.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+const ELECTION: [&str; 4] = [
+    "--leader-elect",
+    "--leader-elect-lease-duration=6s",
+    "--leader-elect-renew-deadline=4s",
+    "--leader-elect-retry-period=1s",
+];
+
+#[tokio::test]
+async fn sigterm_stops_the_virtual_node_and_the_webhook_within_seconds_and_leaves_nothing_half_written() {
+    let bed = bed();
+    bed.upper.create_namespace("term").await.unwrap();
+    let mut vn = VirtualNodeProcess::start(&bed.upper, "vn-term", &bed.lower, &[], "term").unwrap();
+    wait_ready(up(), "vn-term", 60).await;
+    apply(up(), &deployment("term", "web", "vn-term", 40)).await;
+    // Mid-burst: some lower pods exist, others are being made.
+    lower_pods_at_least("term", "vn-term", 5, 60).await;
+    vn.signal("TERM").unwrap();
+    let asked = Instant::now();
+    let status = vn.exit_within(Duration::from_secs(15)).await;
+    let took = asked.elapsed();
+    let log = vn.log();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "virtual-node should exit 0 on SIGTERM; status {status:?}; log:\n{log}"
+    );
+    assert!(
+        took < Duration::from_secs(5),
+        "SIGTERM to exit took {took:?}; log:\n{log}"
+    );
+    assert!(
+        log.contains("SIGTERM received"),
+        "the log says why it stopped:\n{log}"
+    );
+
+    // A new process picks up where the old one stopped: nothing was left half-done.
+    let _vn = VirtualNodeProcess::start(&bed.upper, "vn-term", &bed.lower, &[], "term-again").unwrap();
+    all_running_exactly_once("term", "vn-term", 40, 120).await;
+
+    // The webhook binary: answers while it runs, exits 0 within seconds of SIGTERM.
+    let program = tensile_e2e::bins::suite_binary("webhook").unwrap();
+    let admin = format!("127.0.0.1:{}", free_port().unwrap());
+    let args = vec![
+        "--address=127.0.0.1".to_owned(),
+        format!("--port={}", free_port().unwrap()),
+        format!("--admin-addr={admin}"),
+        format!("--kubeconfig={}", up().display()),
+    ];
+    let log = bed.upper.dir().join("webhook-term.log");
+    let mut webhook = tensile_e2e::process::Service::start("webhook", &program, &args, &log).unwrap();
+    let started = Instant::now();
+    while admin_get(&admin, "/readyz").await.map(|(c, _)| c) != Some(200) {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "webhook not ready: {}",
+            webhook.log_tail(3000)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tensile_e2e::process::signal(webhook.pid().unwrap(), "TERM").unwrap();
+    let asked = Instant::now();
+    let status = loop {
+        if let Some(s) = webhook.exited() {
+            break s;
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(15),
+            "webhook still runs after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        status.success(),
+        "webhook exit status {status}: {}",
+        webhook.log_tail(3000)
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(5),
+        "webhook took {:?} to stop",
+        asked.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_frozen_upper_apiserver_stalls_no_lease_renewal_past_the_freeze() {
+    let bed = bed();
+    // Its own upper cluster: freezing the shared one would stall the other tests.
+    let upper = TestCluster::start(ClusterOptions::new("runtime", "frozen-upper"))
+        .await
+        .unwrap();
+    let _vn = VirtualNodeProcess::start(
+        &upper,
+        "vn-frozen",
+        &bed.lower,
+        &["--request-timeout=3", "--connect-timeout=2"],
+        "frozen",
+    )
+    .unwrap();
+    let kc = upper.kubeconfig();
+    wait_ready(kc, "vn-frozen", 60).await;
+    let renew = r#"jsonpath={.spec.renewTime}"#;
+    let before = kubectl(
+        kc,
+        &["-n", "kube-node-lease", "get", "lease", "vn-frozen", "-o", renew],
+    )
+    .await;
+    assert!(!before.is_empty(), "the node has a Lease");
+
+    let freeze = Duration::from_secs(12);
+    upper.signal_apiserver("STOP").unwrap();
+    tokio::time::sleep(freeze).await;
+    upper.signal_apiserver("CONT").unwrap();
+    let resumed = jiff::Timestamp::now();
+
+    // Within the length of the freeze, the Lease is renewed after the resume and the node is
+    // Ready: no call stayed stuck on a connection the freeze left half-open.
+    let started = Instant::now();
+    loop {
+        let renewed = kubectl(
+            kc,
+            &["-n", "kube-node-lease", "get", "lease", "vn-frozen", "-o", renew],
+        )
+        .await;
+        let ready = kubectl(kc, &["get", "node", "vn-frozen", "-o", READY]).await;
+        let after_resume = renewed.parse::<jiff::Timestamp>().is_ok_and(|t| t > resumed);
+        if after_resume && ready == "True" {
+            break;
+        }
+        assert!(
+            started.elapsed() < freeze,
+            "{:?} after the resume: lease renewed at {renewed} (resumed at {resumed}), Ready={ready}",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+#[tokio::test]
+async fn with_leader_election_one_replica_acts_and_the_standby_takes_over_a_killed_leader_mid_burst() {
+    let bed = bed();
+    bed.upper.create_namespace("ha").await.unwrap();
+    let first = VirtualNodeProcess::start(&bed.upper, "vn-ha", &bed.lower, &ELECTION, "ha-1").unwrap();
+    readyz_says(&first, 200, "leading", 60).await;
+    let second = VirtualNodeProcess::start(&bed.upper, "vn-ha", &bed.lower, &ELECTION, "ha-2").unwrap();
+    readyz_says(&second, 503, "standby: the leader Lease is held by", 30).await;
+    wait_ready(up(), "vn-ha", 60).await;
+    let leader_port = kubectl(
+        up(),
+        &[
+            "get",
+            "node",
+            "vn-ha",
+            "-o",
+            "jsonpath={.status.daemonEndpoints.kubeletEndpoint.Port}",
+        ],
+    )
+    .await;
+    assert_eq!(
+        leader_port,
+        first.kubelet_port.to_string(),
+        "the node points at the leader's kubelet API"
+    );
+
+    apply(up(), &deployment("ha", "web", "vn-ha", 200)).await;
+    lower_pods_at_least("ha", "vn-ha", 50, 120).await;
+    first.signal("KILL").unwrap();
+    let took = readyz_says(&second, 200, "leading", 30).await;
+    assert!(
+        took <= Duration::from_secs(6 + 2),
+        "the standby should lead within the lease duration (6 s) and a retry; it took {took:?}"
+    );
+    all_running_exactly_once("ha", "vn-ha", 200, 240).await;
+    eventually(
+        up(),
+        "the node publishes the new leader's kubelet port",
+        30,
+        &[
+            "get",
+            "node",
+            "vn-ha",
+            "-o",
+            "jsonpath={.status.daemonEndpoints.kubeletEndpoint.Port}",
+        ],
+        &second.kubelet_port.to_string(),
+    )
+    .await;
+    apply(up(), &deployment("ha", "web", "vn-ha", 0)).await;
+}
+
+#[tokio::test]
+async fn a_leader_paused_past_its_lease_writes_nothing_once_resumed() {
+    let bed = bed();
+    bed.upper.create_namespace("pause").await.unwrap();
+    let mut first =
+        VirtualNodeProcess::start(&bed.upper, "vn-pause", &bed.lower, &ELECTION, "pause-1").unwrap();
+    readyz_says(&first, 200, "leading", 60).await;
+    let second = VirtualNodeProcess::start(&bed.upper, "vn-pause", &bed.lower, &ELECTION, "pause-2").unwrap();
+    readyz_says(&second, 503, "standby", 30).await;
+    wait_ready(up(), "vn-pause", 60).await;
+    apply(up(), &deployment("pause", "web", "vn-pause", 10)).await;
+    all_running_exactly_once("pause", "vn-pause", 10, 120).await;
+
+    let first_pid = first.pid().unwrap();
+    first.signal("STOP").unwrap();
+    readyz_says(&second, 200, "leading", 30).await;
+    // The new leader does its work while the old one sleeps: a scale-up to act on.
+    apply(up(), &deployment("pause", "web", "vn-pause", 20)).await;
+    let resumed = jiff::Timestamp::now();
+    first.signal("CONT").unwrap();
+    let status = first.exit_within(Duration::from_secs(20)).await;
+    let log = first.log();
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "the resumed old leader sees its Lease lost and exits non-zero; status {status:?}; log:\n{log}"
+    );
+    assert!(log.contains("lost the leader Lease"), "it says why:\n{log}");
+    all_running_exactly_once("pause", "vn-pause", 20, 120).await;
+
+    // The apiserver's audit log: no write from the old leader after it resumed.
+    let agent = format!("_{first_pid})");
+    let writes = bed.upper.audited_writes().unwrap();
+    let ours: Vec<_> = writes
+        .iter()
+        .filter(|w| {
+            w.user_agent.starts_with("tensile-virtual-node/vn-pause") && w.user_agent.ends_with(&agent)
+        })
+        .collect();
+    assert!(
+        !ours.is_empty(),
+        "the audit log names the old leader's writes before the pause"
+    );
+    let late: Vec<_> = ours.iter().filter(|w| w.received > resumed).collect();
+    assert!(
+        late.is_empty(),
+        "writes from the old leader after it resumed: {late:#?}"
+    );
+}
