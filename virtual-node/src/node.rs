@@ -103,6 +103,21 @@ impl NodeLoop {
         }
     }
 
+    /// Whether the upper Node's Ready condition says True, as the watch last saw it.
+    fn upstream_ready(&self) -> Option<bool> {
+        let node = self
+            .upper_node
+            .get(&kube::runtime::reflector::ObjectRef::new(self.name()))?;
+        let ready = node
+            .status
+            .as_ref()?
+            .conditions
+            .as_ref()?
+            .iter()
+            .find(|c| c.type_ == "Ready")?;
+        Some(ready.status == "True")
+    }
+
     fn capacity(&self) -> Capacity {
         let nodes = self.lower_nodes.state();
         let pods = self.lower_pods.state();
@@ -313,7 +328,12 @@ impl NodeLoop {
                 }
             }
             let due = last_status.elapsed() >= self.settings.status_period;
-            let changed = last_sent.as_ref() != Some(&(cap.clone(), health.clone()));
+            // Someone else (the node lifecycle controller, after missed heartbeats) may have
+            // rewritten Ready: the true status is asserted again, as a kubelet does.
+            let overwritten = registered
+                && last_sent.is_some()
+                && self.upstream_ready().is_some_and(|ready| ready != health.ready);
+            let changed = overwritten || last_sent.as_ref() != Some(&(cap.clone(), health.clone()));
             if registered && (due || changed) {
                 let body = self.status_body(&cap, &health, &ready_since, &started, &version);
                 match nodes
