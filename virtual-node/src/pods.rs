@@ -138,84 +138,213 @@ pub fn error_policy(pod: Arc<Pod>, err: &Error, ctx: Arc<Context>) -> Action {
     Action::requeue(ctx.retries.next_delay(&retry_key(&pod)))
 }
 
+/// What a reconcile does for one upper pod, decided from the objects alone.
+#[derive(Debug, PartialEq)]
+pub enum Step {
+    /// A lower pod of ours stands for an earlier upper pod of the same name: delete it.
+    DeleteStale,
+    /// The upper pod is being deleted and its lower pod runs: stop it with this grace.
+    StopLower { grace: Option<i64> },
+    /// The upper pod is being deleted and its lower pod terminates: wait until it is gone.
+    AwaitLowerGone,
+    /// The upper pod is being deleted and nothing of it runs below: confirm the deletion
+    /// (grace 0, UID precondition), as a kubelet does.
+    ReleaseUpper,
+    /// A finished pod is never run again; its lower pod stays for logs until the upper goes.
+    Finished,
+    /// The pod is not run below; the upper pod says why (condition and event).
+    Refuse {
+        reason: &'static str,
+        event: &'static str,
+        message: String,
+    },
+    /// The lower pod of a pod that ran is gone; judged only once the caches warmed up.
+    AwaitWarmUp,
+    /// The lower pod of a pod that ran is gone and `restartPolicy` is Never: the upper pod
+    /// fails, so its controller replaces it.
+    FailLost { message: String },
+    /// Create the lower pod (what it references first). `lost`: it ran before and vanished
+    /// below, so this starts it again.
+    Create { desired: Box<Pod>, lost: bool },
+    /// Follow the mutable fields (`patch` when they differ below) and bring status up.
+    Sync { patch: Option<serde_json::Value> },
+}
+
+/// What [`decide`] knows besides the two pods.
+pub struct View<'a> {
+    pub translation: &'a Translation,
+    pub run_daemonset_pods: bool,
+    /// The caches have been up long enough to call a missing lower pod lost.
+    pub warmed_up: bool,
+    /// The lower cluster's name, for messages.
+    pub cluster_name: &'a str,
+}
+
+/// The step for `upper` given its lower pod (`lower`: the same-named lower pod carrying this
+/// node's marks, if any).
+pub fn decide(upper: &Pod, lower: Option<&Pod>, view: &View<'_>) -> Step {
+    let upper_uid = upper.uid().unwrap_or_default();
+    if let Some(l) = lower
+        && translate::upper_uid(l) != Some(upper_uid.as_str())
+    {
+        return Step::DeleteStale;
+    }
+    // Deletion flows down, then up: the lower pod stops with the same grace; once it is
+    // gone, the upper pod is released.
+    if upper.metadata.deletion_timestamp.is_some() {
+        return match lower {
+            Some(l) if l.metadata.deletion_timestamp.is_none() => Step::StopLower {
+                grace: upper.metadata.deletion_grace_period_seconds,
+            },
+            Some(_) => Step::AwaitLowerGone,
+            None => Step::ReleaseUpper,
+        };
+    }
+    if translate::is_terminal(upper) {
+        return Step::Finished;
+    }
+    if translate::is_daemonset_pod(upper) && !view.run_daemonset_pods {
+        return Step::Refuse {
+            reason: "DaemonSetPod",
+            event: "DaemonSetPodNotRun",
+            message: "DaemonSet pods are not run in the lower cluster (see --run-daemonset-pods)".into(),
+        };
+    }
+    let lost = lower.is_none()
+        && upper
+            .status
+            .as_ref()
+            .is_some_and(|s| s.container_statuses.as_ref().is_some_and(|c| !c.is_empty()));
+    if lost {
+        if !view.warmed_up {
+            return Step::AwaitWarmUp;
+        }
+        let policy = upper
+            .spec
+            .as_ref()
+            .and_then(|s| s.restart_policy.as_deref())
+            .unwrap_or("Always");
+        if policy == "Never" {
+            return Step::FailLost {
+                message: format!(
+                    "the pod disappeared from lower cluster {} and restartPolicy is Never",
+                    view.cluster_name
+                ),
+            };
+        }
+    }
+    let desired = match view.translation.lower_pod(upper) {
+        Ok(d) => d,
+        Err(e) => {
+            return Step::Refuse {
+                reason: "InvalidPod",
+                event: "InvalidPod",
+                message: e.to_string(),
+            };
+        }
+    };
+    match lower {
+        None => Step::Create {
+            desired: Box::new(desired),
+            lost,
+        },
+        Some(l) => Step::Sync {
+            patch: view.translation.update_patch(&desired, l),
+        },
+    }
+}
+
+/// Performs the step [`decide`] chose.
 async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
     ctx.lower_pods.synced().await;
     let ns = upper.namespace().unwrap_or_default();
     let name = upper.name_any();
-    let upper_uid = upper.uid().unwrap_or_default();
     let lower = ctx
         .lower_pods
         .get(&ObjectRef::new(&name).within(&ns))
         .filter(|l| ctx.translation.identity.owns(&l.metadata));
     let lower_pods: Api<Pod> = Api::namespaced(ctx.lower.clone(), &ns);
-
-    // A lower pod of ours made for an earlier upper pod of the same name: it is stale.
-    if let Some(l) = &lower
-        && translate::upper_uid(l) != Some(upper_uid.as_str())
-    {
-        delete_lower(ctx, &lower_pods, l, None).await?;
-        return Ok(Action::requeue(Duration::from_secs(1)));
-    }
-
-    // Deletion flows down, then up: the lower pod stops with the same grace; once it is
-    // gone, the upper pod is released with grace 0 and a UID precondition.
-    if upper.metadata.deletion_timestamp.is_some() {
-        if let Some(l) = &lower {
-            if l.metadata.deletion_timestamp.is_none() {
-                let grace = upper.metadata.deletion_grace_period_seconds;
-                delete_lower(ctx, &lower_pods, l, grace).await?;
+    let view = View {
+        translation: &ctx.translation,
+        run_daemonset_pods: ctx.run_daemonset_pods,
+        warmed_up: ctx.started.elapsed() >= ctx.lost_grace,
+        cluster_name: &ctx.cluster_name,
+    };
+    match (decide(upper, lower.as_deref(), &view), lower) {
+        (Step::DeleteStale, Some(l)) => {
+            delete_lower(ctx, &lower_pods, &l, None).await?;
+            Ok(Action::requeue(Duration::from_secs(1)))
+        }
+        (Step::StopLower { grace }, Some(l)) => {
+            delete_lower(ctx, &lower_pods, &l, grace).await?;
+            Ok(Action::requeue(Duration::from_secs(2)))
+        }
+        (Step::AwaitLowerGone, _) => Ok(Action::requeue(Duration::from_secs(2))),
+        (Step::ReleaseUpper, _) => {
+            release_upper(ctx, upper).await?;
+            Ok(Action::await_change())
+        }
+        (Step::Finished, _) => Ok(Action::await_change()),
+        (
+            Step::Refuse {
+                reason,
+                event: why,
+                message,
+            },
+            _,
+        ) => {
+            if !synced_says(upper, |c| {
+                c.reason.as_deref() == Some(reason) && c.message.as_deref() == Some(message.as_str())
+            }) {
+                event(ctx, upper, EventType::Warning, why, &message);
             }
-            return Ok(Action::requeue(Duration::from_secs(2)));
+            set_condition(
+                ctx,
+                upper,
+                names::CONDITION_LOWER_SYNCED,
+                "False",
+                reason,
+                &message,
+            )
+            .await?;
+            Ok(Action::await_change())
         }
-        release_upper(ctx, upper).await?;
-        return Ok(Action::await_change());
-    }
-
-    if translate::is_terminal(upper) {
-        // Never re-run a finished pod; its lower pod stays for logs until the upper goes.
-        return Ok(Action::await_change());
-    }
-
-    if translate::is_daemonset_pod(upper) && !ctx.run_daemonset_pods {
-        let msg = "DaemonSet pods are not run in the lower cluster (see --run-daemonset-pods)";
-        if !synced_says(upper, |c| c.reason.as_deref() == Some("DaemonSetPod")) {
-            event(ctx, upper, EventType::Warning, "DaemonSetPodNotRun", msg);
+        (Step::AwaitWarmUp, _) => Ok(Action::requeue(ctx.lost_grace)),
+        (Step::FailLost { message }, _) => {
+            fail_upper(ctx, upper, "LowerPodLost", &message).await?;
+            event(ctx, upper, EventType::Warning, "LowerPodLost", &message);
+            Ok(Action::await_change())
         }
-        set_condition(
-            ctx,
-            upper,
-            names::CONDITION_LOWER_SYNCED,
-            "False",
-            "DaemonSetPod",
-            msg,
-        )
-        .await?;
-        return Ok(Action::await_change());
-    }
-
-    let Some(lower) = lower else {
-        return create_lower(ctx, upper, &lower_pods).await;
-    };
-
-    // Mutable fields follow the upper pod.
-    let Some(desired) = desired_lower(ctx, upper).await? else {
-        return Ok(Action::await_change());
-    };
-    if let Some(patch) = ctx.translation.update_patch(&desired, &lower) {
-        ctx.lower_limit.acquire().await;
-        let params = PatchParams::apply(names::FIELD_MANAGER);
-        let params = PatchParams {
-            force: false,
-            ..params
-        };
-        if let Err(e) = lower_pods.patch(&name, &params, &Patch::Strategic(&patch)).await {
-            // An update failure never regresses a running pod: report and go on with status.
-            let msg = tensile_common::api::message(&e);
-            event(ctx, upper, EventType::Warning, "LowerUpdateFailed", &msg);
+        (Step::Create { desired, lost }, _) => {
+            if lost {
+                let msg = format!(
+                    "the pod disappeared from lower cluster {}; starting it again",
+                    ctx.cluster_name
+                );
+                event(ctx, upper, EventType::Warning, "LowerPodLost", &msg);
+            }
+            create_lower(ctx, upper, &lower_pods, &desired).await
+        }
+        (Step::Sync { patch }, Some(l)) => {
+            if let Some(patch) = patch {
+                ctx.lower_limit.acquire().await;
+                let params = PatchParams {
+                    force: false,
+                    ..PatchParams::apply(names::FIELD_MANAGER)
+                };
+                if let Err(e) = lower_pods.patch(&name, &params, &Patch::Strategic(&patch)).await {
+                    // An update failure never regresses a running pod: report and go on.
+                    let msg = tensile_common::api::message(&e);
+                    event(ctx, upper, EventType::Warning, "LowerUpdateFailed", &msg);
+                }
+            }
+            write_status(ctx, upper, &l).await
+        }
+        // Steps about a lower pod always come with one.
+        (Step::DeleteStale | Step::StopLower { .. } | Step::Sync { .. }, None) => {
+            Ok(Action::requeue(Duration::from_secs(1)))
         }
     }
-
-    write_status(ctx, upper, &lower).await
 }
 
 /// Whether the upper pod's `LowerPodSynced` condition already says what `says` checks (an
@@ -231,64 +360,15 @@ fn synced_says(upper: &Pod, says: impl Fn(&k8s_openapi::api::core::v1::PodCondit
         })
 }
 
-/// The lower pod for `upper`; a pod that cannot be translated (a broken stash) is reported
-/// on the upper pod and yields `None`.
-async fn desired_lower(ctx: &Context, upper: &Pod) -> Result<Option<Pod>, Error> {
-    match ctx.translation.lower_pod(upper) {
-        Ok(d) => Ok(Some(d)),
-        Err(e) => {
-            let msg = e.to_string();
-            set_condition(
-                ctx,
-                upper,
-                names::CONDITION_LOWER_SYNCED,
-                "False",
-                "InvalidPod",
-                &msg,
-            )
-            .await?;
-            event(ctx, upper, EventType::Warning, "InvalidPod", &msg);
-            Ok(None)
-        }
-    }
-}
-
-async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Result<Action, Error> {
+/// Creates `desired` below, after the namespace and what the pod references.
+async fn create_lower(
+    ctx: &Context,
+    upper: &Pod,
+    lower_pods: &Api<Pod>,
+    desired: &Pod,
+) -> Result<Action, Error> {
     let name = upper.name_any();
     let ns = upper.namespace().unwrap_or_default();
-    let had_run = upper
-        .status
-        .as_ref()
-        .is_some_and(|s| s.container_statuses.as_ref().is_some_and(|c| !c.is_empty()));
-    if had_run {
-        // The lower pod is gone though the upper one lives: the lower cluster (or someone
-        // there) removed it. Judge it only once caches have warmed up.
-        if ctx.started.elapsed() < ctx.lost_grace {
-            return Ok(Action::requeue(ctx.lost_grace));
-        }
-        let policy = upper
-            .spec
-            .as_ref()
-            .and_then(|s| s.restart_policy.as_deref())
-            .unwrap_or("Always");
-        if policy == "Never" {
-            let msg = format!(
-                "the pod disappeared from lower cluster {} and restartPolicy is Never",
-                ctx.cluster_name
-            );
-            fail_upper(ctx, upper, "LowerPodLost", &msg).await?;
-            event(ctx, upper, EventType::Warning, "LowerPodLost", &msg);
-            return Ok(Action::await_change());
-        }
-        let msg = format!(
-            "the pod disappeared from lower cluster {}; starting it again",
-            ctx.cluster_name
-        );
-        event(ctx, upper, EventType::Warning, "LowerPodLost", &msg);
-    }
-    let Some(desired) = desired_lower(ctx, upper).await? else {
-        return Ok(Action::await_change());
-    };
     ensure_namespace(ctx, &ns).await?;
     // What the pod references is below before the pod is.
     let mut blocked = ctx.copies.prepare(upper).await?;
@@ -310,7 +390,7 @@ async fn create_lower(ctx: &Context, upper: &Pod, lower_pods: &Api<Pod>) -> Resu
         return Ok(Action::requeue(Duration::from_secs(5)));
     }
     ctx.lower_limit.acquire().await;
-    match lower_pods.create(&PostParams::default(), &desired).await {
+    match lower_pods.create(&PostParams::default(), desired).await {
         Ok(_) => {
             ctx.metrics.created();
             event(
@@ -684,4 +764,180 @@ pub async fn collect_namespaces(ctx: &Context, empty_before: &mut std::collectio
         }
     }
     *empty_before = empty_now;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::translate::Identity;
+
+    fn translation() -> Translation {
+        Translation {
+            identity: Identity {
+                cluster_id: "c1".into(),
+                node: "vn".into(),
+            },
+            ignore_labels: vec![],
+        }
+    }
+
+    fn view(t: &Translation) -> View<'_> {
+        View {
+            translation: t,
+            run_daemonset_pods: false,
+            warmed_up: true,
+            cluster_name: "lower-a",
+        }
+    }
+
+    /// An upper pod bound to the node, as a user would make it, with `status` merged in.
+    fn upper(extra: serde_json::Value) -> Pod {
+        let mut pod = json!({
+            "metadata": {"name": "web", "namespace": "ns", "uid": "u1"},
+            "spec": {"nodeName": "vn", "restartPolicy": "Always",
+                     "containers": [{"name": "app", "image": "nginx:1"}]},
+        });
+        json_patch::merge(&mut pod, &extra);
+        serde_json::from_value(pod).unwrap()
+    }
+
+    /// The lower pod `decide` would create for `upper`, with `extra` merged in.
+    fn lower_of(upper: &Pod, extra: serde_json::Value) -> Pod {
+        let mut pod = serde_json::to_value(translation().lower_pod(upper).unwrap()).unwrap();
+        json_patch::merge(&mut pod, &extra);
+        serde_json::from_value(pod).unwrap()
+    }
+
+    const RAN: &str = r#"{"status": {"phase": "Running", "containerStatuses": [{"name": "app", "image": "nginx:1", "imageID": "", "ready": true, "restartCount": 0}]}}"#;
+
+    fn ran(restart: &str) -> Pod {
+        let mut extra: serde_json::Value = serde_json::from_str(RAN).unwrap();
+        extra["spec"] = json!({"restartPolicy": restart});
+        upper(extra)
+    }
+
+    #[test]
+    fn a_new_pod_is_created_below_with_the_marks_of_this_node_and_cluster() {
+        let t = translation();
+        let Step::Create { desired, lost } = decide(&upper(json!({})), None, &view(&t)) else {
+            panic!("a pod with nothing below is created");
+        };
+        assert!(!lost);
+        assert!(t.identity.owns(&desired.metadata));
+        assert_eq!(translate::upper_uid(&desired), Some("u1"));
+        assert_eq!(desired.spec.as_ref().and_then(|s| s.node_name.clone()), None);
+    }
+
+    #[test]
+    fn a_lower_pod_made_for_an_earlier_pod_of_the_same_name_is_deleted() {
+        let t = translation();
+        let old = upper(json!({"metadata": {"uid": "u0"}}));
+        let stale = lower_of(&old, json!({}));
+        assert_eq!(
+            decide(&upper(json!({})), Some(&stale), &view(&t)),
+            Step::DeleteStale
+        );
+    }
+
+    #[test]
+    fn deletion_stops_the_lower_pod_with_the_same_grace_then_waits_then_releases_the_upper_pod() {
+        let t = translation();
+        let deleting = upper(json!({"metadata": {"deletionTimestamp": "2024-01-01T00:00:00Z",
+                                                  "deletionGracePeriodSeconds": 7}}));
+        let running = lower_of(&deleting, json!({}));
+        assert_eq!(
+            decide(&deleting, Some(&running), &view(&t)),
+            Step::StopLower { grace: Some(7) }
+        );
+        let stopping = lower_of(
+            &deleting,
+            json!({"metadata": {"deletionTimestamp": "2024-01-01T00:00:01Z"}}),
+        );
+        assert_eq!(
+            decide(&deleting, Some(&stopping), &view(&t)),
+            Step::AwaitLowerGone
+        );
+        assert_eq!(decide(&deleting, None, &view(&t)), Step::ReleaseUpper);
+    }
+
+    #[test]
+    fn a_finished_pod_is_never_run_again_even_when_its_lower_pod_is_gone() {
+        let t = translation();
+        for phase in ["Succeeded", "Failed"] {
+            let done = upper(json!({"status": {"phase": phase}}));
+            assert_eq!(decide(&done, None, &view(&t)), Step::Finished, "{phase}");
+        }
+    }
+
+    #[test]
+    fn daemonset_pods_are_refused_with_the_reason_unless_asked_for() {
+        let t = translation();
+        let ds = upper(json!({"metadata": {"ownerReferences": [
+            {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "agent", "uid": "d1", "controller": true}]}}));
+        let Step::Refuse { reason, message, .. } = decide(&ds, None, &view(&t)) else {
+            panic!("a DaemonSet pod is refused by default");
+        };
+        assert_eq!(reason, "DaemonSetPod");
+        assert!(message.contains("--run-daemonset-pods"), "{message}");
+        let mut v = view(&t);
+        v.run_daemonset_pods = true;
+        assert!(matches!(decide(&ds, None, &v), Step::Create { .. }));
+    }
+
+    #[test]
+    fn a_pod_whose_stash_does_not_decode_is_refused_with_the_decoder_message() {
+        let t = translation();
+        let broken = upper(json!({"metadata": {"annotations": {names::CLUSTER_SELECTOR: "{not json"}}}));
+        let Step::Refuse { reason, message, .. } = decide(&broken, None, &view(&t)) else {
+            panic!("a broken stash is refused");
+        };
+        assert_eq!(reason, "InvalidPod");
+        assert!(!message.is_empty());
+    }
+
+    #[test]
+    fn a_pod_that_ran_and_vanished_below_is_judged_only_once_caches_warmed_up() {
+        let t = translation();
+        let mut cold = view(&t);
+        cold.warmed_up = false;
+        assert_eq!(decide(&ran("Always"), None, &cold), Step::AwaitWarmUp);
+        let Step::Create { lost, .. } = decide(&ran("Always"), None, &view(&t)) else {
+            panic!("restartPolicy Always starts it again");
+        };
+        assert!(lost);
+        let Step::Create { lost, .. } = decide(&ran("OnFailure"), None, &view(&t)) else {
+            panic!("restartPolicy OnFailure starts it again");
+        };
+        assert!(lost);
+        let Step::FailLost { message } = decide(&ran("Never"), None, &view(&t)) else {
+            panic!("restartPolicy Never fails the upper pod");
+        };
+        assert!(
+            message.contains("lower-a") && message.contains("Never"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn a_changed_image_is_patched_below_and_an_unchanged_pod_only_syncs_status() {
+        let t = translation();
+        let pod = upper(json!({}));
+        let below = lower_of(&pod, json!({}));
+        assert_eq!(decide(&pod, Some(&below), &view(&t)), Step::Sync { patch: None });
+        let newer = upper(json!({"spec": {"containers": [{"name": "app", "image": "nginx:2"}]}}));
+        let Step::Sync { patch: Some(patch) } = decide(&newer, Some(&below), &view(&t)) else {
+            panic!("a new image is patched below");
+        };
+        assert!(patch.to_string().contains("nginx:2"), "{patch}");
+    }
+
+    #[test]
+    fn retries_double_per_failure_up_to_five_minutes_and_start_over_after_a_success() {
+        let b = Backoff::default();
+        let delays: Vec<u64> = (0..12).map(|_| b.next_delay("p").as_secs()).collect();
+        assert_eq!(delays, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300, 300]);
+        assert_eq!(b.next_delay("other").as_secs(), 1, "each pod has its own count");
+        b.forget("p");
+        assert_eq!(b.next_delay("p").as_secs(), 1);
+    }
 }

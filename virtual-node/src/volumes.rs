@@ -36,9 +36,9 @@ use tensile_common::names;
 
 use crate::copies::Blocked;
 use crate::metrics::Metrics;
-use crate::pods::Error;
 use crate::ratelimit::TokenBucket;
 use crate::translate::{self, Identity};
+use tensile_common::api::ApiError as Error;
 
 /// The provisioner name of upper StorageClasses whose claims virtual nodes provision.
 pub const PROVISIONER: &str = "virtual-node.tensile.io";
@@ -146,9 +146,9 @@ impl Volumes {
             Err(e) if code(&e) == Some(409) => {
                 api.get_opt(&name)
                     .await
-                    .map_err(Error::api("lower", "get", format!("claim {ns}/{name}")))?
+                    .map_err(Error::on("lower", "get", format!("claim {ns}/{name}")))?
             }
-            Err(e) => return Err(Error::api("lower", "create", format!("claim {ns}/{name}"))(e)),
+            Err(e) => return Err(Error::on("lower", "create", format!("claim {ns}/{name}"))(e)),
         };
         match existing {
             Some(l) if !self.identity.owns(&l.metadata) => Ok(Err(Blocked::Conflict(format!(
@@ -373,7 +373,7 @@ impl Volumes {
             Api::<PersistentVolumeClaim>::namespaced(self.upper.clone(), &ns)
                 .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
-                .map_err(Error::api("upper", "patch", format!("claim {ns}/{name}")))?;
+                .map_err(Error::on("upper", "patch", format!("claim {ns}/{name}")))?;
         }
         let volume_name = Self::volume_name(&upper);
         let existing = self.upper_volumes.get(&ObjectRef::new(&volume_name));
@@ -391,7 +391,7 @@ impl Volumes {
                         Ok(())
                     }
                     Err(e) if code(&e) == Some(409) => Ok(()),
-                    Err(e) => Err(Error::api("upper", "create", format!("volume {volume_name}"))(e)),
+                    Err(e) => Err(Error::on("upper", "create", format!("volume {volume_name}"))(e)),
                 }
             }
             Some(volume) => {
@@ -410,7 +410,7 @@ impl Volumes {
                 api.patch(&volume_name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
                     .map(|_| ())
-                    .map_err(Error::api("upper", "patch", format!("volume {volume_name}")))
+                    .map_err(Error::on("upper", "patch", format!("volume {volume_name}")))
             }
         }
     }
@@ -421,7 +421,7 @@ impl Volumes {
         let api = Api::<PersistentVolumeClaim>::namespaced(self.lower.clone(), &ns);
         let deleted = delete_exact(&api, &name, lower.uid(), None)
             .await
-            .map_err(Error::api("lower", "delete", format!("claim {ns}/{name}")))?;
+            .map_err(Error::on("lower", "delete", format!("claim {ns}/{name}")))?;
         if deleted == Deleted::Accepted {
             tracing::info!(claim = %format!("{ns}/{name}"), "deleted below: its upper claim is gone");
         }
@@ -434,7 +434,7 @@ impl Volumes {
         let api = Api::<PersistentVolume>::all(self.upper.clone());
         let deleted = delete_exact(&api, &name, volume.uid(), None)
             .await
-            .map_err(Error::api("upper", "delete", format!("volume {name}")))?;
+            .map_err(Error::on("upper", "delete", format!("volume {name}")))?;
         if deleted == Deleted::Accepted {
             tracing::info!(volume = %name, "deleted upstream: its claim is gone");
         }
