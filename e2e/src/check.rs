@@ -24,6 +24,45 @@ pub async fn apply(kubeconfig: &Path, manifest: &str) {
     kubectl(kubeconfig, &["apply", "-f", &path.display().to_string()]).await;
 }
 
+/// A Deployment of `replicas` pods pinned to virtual node `node` (its taint tolerated), with
+/// an optional `clusterSelector` stash and extra pod annotations (`key: value, ...`).
+pub fn deployment(
+    ns: &str,
+    name: &str,
+    node: &str,
+    replicas: u32,
+    stash: Option<&str>,
+    pod_annotations: &str,
+) -> String {
+    let stash = stash
+        .map(|s| format!("clusterSelector: '{s}'"))
+        .unwrap_or_default();
+    let sep = if !stash.is_empty() && !pod_annotations.is_empty() {
+        ", "
+    } else {
+        ""
+    };
+    format!(
+        r#"
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  replicas: {replicas}
+  selector: {{matchLabels: {{app: {name}}}}}
+  template:
+    metadata:
+      labels: {{app: {name}}}
+      annotations: {{{stash}{sep}{pod_annotations}}}
+    spec:
+      nodeSelector: {{kubernetes.io/hostname: {node}}}
+      tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+      terminationGracePeriodSeconds: 5
+      containers: [{{name: app, image: nginx}}]
+"#
+    )
+}
+
 /// Waits until `kubectl ARGS` prints exactly `want` (trimmed); panics with the last output.
 pub async fn eventually(kubeconfig: &Path, what: &str, secs: u64, args: &[&str], want: &str) {
     let result = crate::wait::until(

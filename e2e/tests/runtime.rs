@@ -68,26 +68,9 @@ async fn wait_ready(kubeconfig: &Path, node: &str, secs: u64) {
     .await;
 }
 
-/// A Deployment of `replicas` pods pinned to virtual node `node`.
+/// A Deployment of `replicas` plain pods pinned to virtual node `node`.
 fn deployment(ns: &str, name: &str, node: &str, replicas: u32) -> String {
-    format!(
-        r#"
-apiVersion: apps/v1
-kind: Deployment
-metadata: {{name: {name}, namespace: {ns}}}
-spec:
-  replicas: {replicas}
-  selector: {{matchLabels: {{app: {name}}}}}
-  template:
-    metadata:
-      labels: {{app: {name}}}
-    spec:
-      nodeSelector: {{kubernetes.io/hostname: {node}}}
-      tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
-      terminationGracePeriodSeconds: 5
-      containers: [{{name: app, image: nginx}}]
-"#
-    )
+    tensile_e2e::check::deployment(ns, name, node, replicas, None, "")
 }
 
 /// Upper pods of `ns` that are Running, by UID.

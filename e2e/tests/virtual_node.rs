@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use tensile_e2e::check::{apply, eventually, kubectl};
+use tensile_e2e::check::{apply, deployment, eventually, kubectl};
 use tensile_e2e::in_process;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
@@ -85,44 +85,6 @@ async fn wait_ready(node: &str) {
 }
 
 const READY: &str = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#;
-
-/// A Deployment pinned to one virtual node, with an optional stash.
-fn deployment(
-    ns: &str,
-    name: &str,
-    node: &str,
-    replicas: u32,
-    stash: Option<&str>,
-    pod_annotations: &str,
-) -> String {
-    let stash = stash
-        .map(|s| format!("clusterSelector: '{s}'"))
-        .unwrap_or_default();
-    format!(
-        r#"
-apiVersion: apps/v1
-kind: Deployment
-metadata: {{name: {name}, namespace: {ns}}}
-spec:
-  replicas: {replicas}
-  selector: {{matchLabels: {{app: {name}}}}}
-  template:
-    metadata:
-      labels: {{app: {name}}}
-      annotations: {{{stash}{sep}{pod_annotations}}}
-    spec:
-      nodeSelector: {{kubernetes.io/hostname: {node}}}
-      tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
-      terminationGracePeriodSeconds: 5
-      containers: [{{name: app, image: nginx}}]
-"#,
-        sep = if !stash.is_empty() && !pod_annotations.is_empty() {
-            ", "
-        } else {
-            ""
-        },
-    )
-}
 
 fn pod(ns: &str, name: &str, node: &str, restart: &str, annotations: &str, cpu: &str) -> String {
     format!(

@@ -769,17 +769,7 @@ pub async fn collect_namespaces(ctx: &Context, empty_before: &mut std::collectio
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::translate::Identity;
-
-    fn translation() -> Translation {
-        Translation {
-            identity: Identity {
-                cluster_id: "c1".into(),
-                node: "vn".into(),
-            },
-            ignore_labels: vec![],
-        }
-    }
+    use crate::translate::tests::translation;
 
     fn view(t: &Translation) -> View<'_> {
         View {

@@ -480,10 +480,11 @@ pub fn upper_status(upper: &Pod, lower: &Pod, host_ip: &str) -> (Value, bool) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn translation() -> Translation {
+    /// A translation for node `vn` of upper cluster `c1`, keeping label `team` upstream.
+    pub(crate) fn translation() -> Translation {
         Translation {
             identity: Identity {
                 cluster_id: "c1".into(),
