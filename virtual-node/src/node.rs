@@ -51,6 +51,46 @@ impl NodeSettings {
     }
 }
 
+/// The Ready verdict of one round. `probe`: whether the lower apiserver answered; `failures`:
+/// failed probes in a row, this one included; `was_ready`: the previous verdict; and how many
+/// usable lower nodes the caches show. One failed probe may be a blip; two in a row are an
+/// outage.
+fn judge(probe: Result<(), String>, failures: u32, was_ready: bool, usable_nodes: usize) -> Health {
+    match probe {
+        Ok(()) if usable_nodes == 0 => Health {
+            ready: false,
+            reason: "NoUsableLowerNodes",
+            message: "the lower cluster has no Ready schedulable node".into(),
+        },
+        Ok(()) => Health {
+            ready: true,
+            reason: "LowerClusterReady",
+            message: format!("the lower cluster answers and has {usable_nodes} usable node(s)"),
+        },
+        Err(e) => Health {
+            ready: failures < 2 && was_ready,
+            reason: "LowerClusterUnreachable",
+            message: format!("the lower cluster's apiserver does not answer: {e}"),
+        },
+    }
+}
+
+/// Whether node status is written this round: it changed since the last write, or is due
+/// (the status period passed), or someone else rewrote Ready upstream (the node lifecycle
+/// controller, after missed heartbeats): the true status is then asserted again, as a
+/// kubelet does.
+fn status_due(
+    last_sent: Option<&(Capacity, Health)>,
+    now: (&Capacity, &Health),
+    due: bool,
+    upstream_ready: Option<bool>,
+) -> bool {
+    let Some((cap, health)) = last_sent else {
+        return true;
+    };
+    due || cap != now.0 || health != now.1 || upstream_ready.is_some_and(|ready| ready != now.1.ready)
+}
+
 /// Readiness of the lower cluster as the Ready condition shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Health {
@@ -255,40 +295,18 @@ impl NodeLoop {
         // Set once our Node shows in the watch; its absence afterwards means it was deleted.
         let mut seen_in_watch = false;
         loop {
-            let health = match self.probe().await {
+            let probe = self.probe().await;
+            match &probe {
                 Ok(v) => {
                     failures = 0;
                     if !v.is_empty() {
-                        version = v;
-                    }
-                    let cap = self.capacity();
-                    if cap.usable_nodes == 0 {
-                        Health {
-                            ready: false,
-                            reason: "NoUsableLowerNodes",
-                            message: "the lower cluster has no Ready schedulable node".into(),
-                        }
-                    } else {
-                        Health {
-                            ready: true,
-                            reason: "LowerClusterReady",
-                            message: format!(
-                                "the lower cluster answers and has {} usable node(s)",
-                                cap.usable_nodes
-                            ),
-                        }
+                        version = v.clone();
                     }
                 }
-                Err(e) => {
-                    failures += 1;
-                    Health {
-                        // One failed probe may be a blip; two in a row are an outage.
-                        ready: failures < 2 && last_health.as_ref().is_some_and(|h| h.ready),
-                        reason: "LowerClusterUnreachable",
-                        message: format!("the lower cluster's apiserver does not answer: {e}"),
-                    }
-                }
-            };
+                Err(_) => failures += 1,
+            }
+            let was_ready = last_health.as_ref().is_some_and(|h| h.ready);
+            let health = judge(probe.map(drop), failures, was_ready, self.capacity().usable_nodes);
             self.metrics.lower_ready.set(i64::from(health.ready));
             if last_health.as_ref().map(|h| h.ready) != Some(health.ready) {
                 ready_since = now();
@@ -327,14 +345,14 @@ impl NodeLoop {
                     Err(e) => tracing::warn!(node = self.name(), "registering the node failed: {e}"),
                 }
             }
-            let due = last_status.elapsed() >= self.settings.status_period;
-            // Someone else (the node lifecycle controller, after missed heartbeats) may have
-            // rewritten Ready: the true status is asserted again, as a kubelet does.
-            let overwritten = registered
-                && last_sent.is_some()
-                && self.upstream_ready().is_some_and(|ready| ready != health.ready);
-            let changed = overwritten || last_sent.as_ref() != Some(&(cap.clone(), health.clone()));
-            if registered && (due || changed) {
+            let write = registered
+                && status_due(
+                    last_sent.as_ref(),
+                    (&cap, &health),
+                    last_status.elapsed() >= self.settings.status_period,
+                    self.upstream_ready(),
+                );
+            if write {
                 let body = self.status_body(&cap, &health, &ready_since, &started, &version);
                 match nodes
                     .patch_status(self.name(), &PatchParams::default(), &Patch::Strategic(&body))
@@ -379,5 +397,66 @@ impl NodeLoop {
                 _ = stop.cancelled() => return,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_failed_probe_is_a_blip_and_two_in_a_row_are_an_outage() {
+        let ready = judge(Ok(()), 0, false, 3);
+        assert!(ready.ready);
+        assert_eq!(ready.reason, "LowerClusterReady");
+        let blip = judge(Err("timeout".into()), 1, true, 3);
+        assert!(blip.ready, "one failure keeps a Ready node Ready");
+        let outage = judge(Err("timeout".into()), 2, blip.ready, 3);
+        assert!(!outage.ready);
+        assert_eq!(outage.reason, "LowerClusterUnreachable");
+        assert!(outage.message.contains("timeout"), "{}", outage.message);
+        assert!(
+            !judge(Err("refused".into()), 1, false, 3).ready,
+            "a node not Ready stays so"
+        );
+    }
+
+    #[test]
+    fn a_lower_cluster_without_usable_nodes_is_not_ready_and_says_why() {
+        let h = judge(Ok(()), 0, true, 0);
+        assert!(!h.ready);
+        assert_eq!(h.reason, "NoUsableLowerNodes");
+    }
+
+    #[test]
+    fn status_is_written_first_on_change_when_due_and_when_ready_was_rewritten_upstream() {
+        let cap = Capacity::default();
+        let ready = judge(Ok(()), 0, false, 1);
+        let sent = (cap.clone(), ready.clone());
+        assert!(
+            status_due(None, (&cap, &ready), false, None),
+            "the first round writes"
+        );
+        assert!(
+            !status_due(Some(&sent), (&cap, &ready), false, Some(true)),
+            "nothing changed"
+        );
+        assert!(
+            status_due(Some(&sent), (&cap, &ready), true, Some(true)),
+            "the period passed"
+        );
+        let outage = judge(Err("x".into()), 2, true, 1);
+        assert!(
+            status_due(Some(&sent), (&cap, &outage), false, Some(true)),
+            "health changed"
+        );
+        assert!(
+            status_due(Some(&sent), (&cap, &ready), false, Some(false)),
+            "the node lifecycle controller marked it not Ready: assert Ready again"
+        );
+        assert!(
+            !status_due(Some(&sent), (&cap, &ready), false, None),
+            "an unseen upstream node is no reason to write"
+        );
     }
 }
