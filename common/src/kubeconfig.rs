@@ -160,13 +160,48 @@ pub async fn client_from_file(path: &Path, options: &ClientOptions) -> Result<ku
 
 /// A client from `path`, or from the pod's service account when `path` is `None`.
 pub async fn client(path: Option<&Path>, options: &ClientOptions) -> Result<kube::Client, Error> {
-    match path {
-        Some(path) => client_from_file(path, options).await,
-        None => {
-            let mut config = kube::Config::incluster().map_err(|source| Error::NoInCluster { source })?;
-            tune(&mut config, options);
-            build(config, options).map_err(|source| Error::InClusterClient { source })
-        }
+    ClientSource::new(path, options).await?.client()
+}
+
+/// What a client is built from, kept so that a fresh client (with fresh connections) can be
+/// built after a failure. A call that outlived its deadline leaves its connection dead, and
+/// the pool may hold more dead ones (after a partition, every idle connection is); a fresh
+/// client is how a heartbeat stops drawing them one by one, as the kubelet closes all its
+/// connections when a heartbeat fails.
+#[derive(Clone)]
+pub struct ClientSource {
+    path: Option<PathBuf>,
+    config: kube::Config,
+    options: ClientOptions,
+}
+
+impl ClientSource {
+    /// Reads `path`, or the pod's service account when `path` is `None`.
+    pub async fn new(path: Option<&Path>, options: &ClientOptions) -> Result<Self, Error> {
+        let config = match path {
+            Some(path) => config_from_file(path, options).await?,
+            None => {
+                let mut config = kube::Config::incluster().map_err(|source| Error::NoInCluster { source })?;
+                tune(&mut config, options);
+                config
+            }
+        };
+        Ok(Self {
+            path: path.map(Path::to_owned),
+            config,
+            options: options.clone(),
+        })
+    }
+
+    /// A new client, sharing no connection with any other.
+    pub fn client(&self) -> Result<kube::Client, Error> {
+        build(self.config.clone(), &self.options).map_err(|source| match &self.path {
+            Some(path) => Error::Client {
+                path: path.clone(),
+                source,
+            },
+            None => Error::InClusterClient { source },
+        })
     }
 }
 

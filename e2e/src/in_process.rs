@@ -93,7 +93,8 @@ pub struct VirtualNodeProcess {
 }
 
 impl VirtualNodeProcess {
-    /// Starts `virtual-node` as [`argv_for`] says plus `extra`, logging to
+    /// Starts `virtual-node` as [`argv_for`] says, `extra` added (replacing a default of the
+    /// same flag), logging to
     /// `<upper dir>/virtual-node-<log_name>.log`.
     pub fn start(
         upper: &TestCluster,
@@ -104,7 +105,15 @@ impl VirtualNodeProcess {
     ) -> anyhow::Result<Self> {
         let kubelet_port = free_port()?;
         let admin_addr = format!("127.0.0.1:{}", free_port()?);
-        let mut args = argv_for(upper, name, lower, kubelet_port, &admin_addr);
+        // A flag in `extra` replaces the default of the same name.
+        let overridden = |flag: &String| {
+            let name = flag.split('=').next().unwrap_or_default();
+            extra.iter().any(|e| e.split('=').next() == Some(name))
+        };
+        let mut args: Vec<String> = argv_for(upper, name, lower, kubelet_port, &admin_addr)
+            .into_iter()
+            .filter(|f| !overridden(f))
+            .collect();
         args.extend(extra.iter().map(|s| s.to_string()));
         let program = crate::bins::suite_binary("virtual-node")?;
         let log = upper.dir().join(format!("virtual-node-{log_name}.log"));

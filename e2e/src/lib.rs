@@ -17,6 +17,7 @@ pub mod demo;
 pub mod etcd;
 pub mod in_process;
 pub mod kubectl;
+pub mod partition;
 pub mod pki;
 pub mod process;
 pub mod shared;

@@ -276,7 +276,8 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         user_agent: Some(agent.clone()),
         ..args.client.options()
     };
-    let upper = kubeconfig::client(args.upper.kubeconfig.as_deref(), &fenced).await?;
+    let upper_source = kubeconfig::ClientSource::new(args.upper.kubeconfig.as_deref(), &fenced).await?;
+    let upper = upper_source.client()?;
     let lower = kubeconfig::client_from_file(&args.lower.client_kubeconfig, &fenced).await?;
     let auth = match (&args.kubelet.client_verify_ca, args.kubelet.no_verify_clients) {
         (Some(ca), _) => ClientAuth::Ca(ca.clone()),
@@ -347,6 +348,7 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
     let result = compose(
         &args,
         upper,
+        upper_source,
         lower,
         metrics,
         &mut tasks,
@@ -380,6 +382,7 @@ const DRAIN: Duration = runtime::DEFAULT_DRAIN;
 async fn compose(
     args: &Args,
     upper: kube::Client,
+    upper_source: kubeconfig::ClientSource,
     lower: kube::Client,
     metrics: Arc<metrics::Metrics>,
     tasks: &mut Supervisor,
@@ -598,8 +601,11 @@ async fn compose(
         watcher::Config::default().fields(&format!("metadata.name={}", identity.node)),
         &changed,
     );
+    // The heartbeat has its own client: a partition's dead connections are then dropped with
+    // it, without waiting on the pool the controllers share.
     let node_loop = NodeLoop {
-        upper: upper.clone(),
+        upper: std::sync::Mutex::new(upper_source.client()?),
+        upper_source,
         lower: lower.clone(),
         settings,
         lower_nodes,

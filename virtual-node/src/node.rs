@@ -100,7 +100,9 @@ struct Health {
 }
 
 pub struct NodeLoop {
-    pub upper: kube::Client,
+    /// The heartbeat's own client, built anew from `upper_source` after a failed heartbeat.
+    pub upper: std::sync::Mutex<kube::Client>,
+    pub upper_source: tensile_common::kubeconfig::ClientSource,
     pub lower: kube::Client,
     pub settings: NodeSettings,
     pub lower_nodes: Cache<Node>,
@@ -117,6 +119,29 @@ use tensile_common::api::now;
 impl NodeLoop {
     fn name(&self) -> &str {
         &self.settings.identity.node
+    }
+
+    fn upper(&self) -> kube::Client {
+        match self.upper.lock() {
+            Ok(c) => c.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// After a heartbeat failed without an answer from the apiserver: a fresh client, so the
+    /// next heartbeat does not wait on another dead pooled connection.
+    fn reconnect_after(&self, e: &kube::Error) {
+        if matches!(e, kube::Error::Api(_)) {
+            return;
+        }
+        match self.upper_source.client() {
+            Ok(fresh) => {
+                if let Ok(mut c) = self.upper.lock() {
+                    *c = fresh;
+                }
+            }
+            Err(e) => tracing::warn!(node = self.name(), "a fresh upper client: {e}"),
+        }
     }
 
     async fn probe(&self) -> Result<String, String> {
@@ -205,7 +230,7 @@ impl NodeLoop {
             "spec": {"taints": taints},
         }))
         .map_err(kube::Error::SerdeError)?;
-        let api: Api<Node> = Api::all(self.upper.clone());
+        let api: Api<Node> = Api::all(self.upper());
         match api.create(&PostParams::default(), &node).await {
             Ok(_) => {
                 tracing::info!(node = self.name(), "registered the virtual node");
@@ -252,7 +277,7 @@ impl NodeLoop {
     }
 
     async fn renew_lease(&self) -> Result<(), kube::Error> {
-        let leases: Api<Lease> = Api::namespaced(self.upper.clone(), "kube-node-lease");
+        let leases: Api<Lease> = Api::namespaced(self.upper(), "kube-node-lease");
         let micro = tensile_common::api::now_micro();
         let renew =
             json!({"spec": {"renewTime": micro, "holderIdentity": self.name(), "leaseDurationSeconds": 40}});
@@ -264,7 +289,7 @@ impl NodeLoop {
             Err(kube::Error::Api(s)) if s.code == 404 => {}
             Err(e) => return Err(e),
         }
-        let node = Api::<Node>::all(self.upper.clone()).get(self.name()).await?;
+        let node = Api::<Node>::all(self.upper()).get(self.name()).await?;
         let lease: Lease = serde_json::from_value(json!({
             "metadata": {"name": self.name(), "namespace": "kube-node-lease",
                          "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": self.name(),
@@ -282,7 +307,6 @@ impl NodeLoop {
     /// Runs forever: probe, recompute, patch status on change or when due, renew the lease,
     /// and recreate the Node if someone deleted it.
     pub async fn run(self, stop: tensile_common::runtime::CancellationToken) {
-        let nodes: Api<Node> = Api::all(self.upper.clone());
         let started = now();
         let mut ready_since = started.clone();
         let mut last_health: Option<Health> = None;
@@ -353,6 +377,7 @@ impl NodeLoop {
                     self.upstream_ready(),
                 );
             if write {
+                let nodes: Api<Node> = Api::all(self.upper());
                 let body = self.status_body(&cap, &health, &ready_since, &started, &version);
                 match nodes
                     .patch_status(self.name(), &PatchParams::default(), &Patch::Strategic(&body))
@@ -380,13 +405,19 @@ impl NodeLoop {
                         last_lease = None;
                         continue;
                     }
-                    Err(e) => tracing::warn!(node = self.name(), "node status: {e}"),
+                    Err(e) => {
+                        tracing::warn!(node = self.name(), "node status: {e}");
+                        self.reconnect_after(&e);
+                    }
                 }
             }
             if registered && last_lease.is_none_or(|t| t.elapsed() >= self.settings.lease_period) {
                 match self.renew_lease().await {
                     Ok(()) => last_lease = Some(Instant::now()),
-                    Err(e) => tracing::warn!(node = self.name(), "lease: {e}"),
+                    Err(e) => {
+                        tracing::warn!(node = self.name(), "lease: {e}");
+                        self.reconnect_after(&e);
+                    }
                 }
             }
             // Wake on lower changes (debounced) or after the probe period; stop between
