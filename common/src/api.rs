@@ -3,14 +3,12 @@
 
 use kube::api::{Api, DeleteParams, Preconditions};
 
-/// Which side of the suite a call went to.
-pub type Cluster = &'static str;
-
 /// An API call that failed: where, what, and the apiserver's (or the client's) reason.
 #[derive(Debug, thiserror::Error)]
 #[error("{cluster} {verb} {what}: {source}")]
 pub struct ApiError {
-    pub cluster: Cluster,
+    /// Which side of the suite the call went to (`upper`, `lower`).
+    pub cluster: &'static str,
     pub verb: &'static str,
     pub what: String,
     #[source]
@@ -20,7 +18,7 @@ pub struct ApiError {
 impl ApiError {
     /// For `map_err`: `.map_err(ApiError::on("lower", "create", format!("pod {key}")))`.
     pub fn on(
-        cluster: Cluster,
+        cluster: &'static str,
         verb: &'static str,
         what: impl Into<String>,
     ) -> impl FnOnce(kube::Error) -> ApiError {
@@ -31,10 +29,6 @@ impl ApiError {
             what,
             source,
         }
-    }
-
-    pub fn code(&self) -> Option<u16> {
-        code(&self.source)
     }
 }
 

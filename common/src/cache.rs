@@ -36,10 +36,6 @@ where
         &self.store
     }
 
-    pub fn is_synced(&self) -> bool {
-        *self.synced.borrow()
-    }
-
     /// Waits until the first full list is in (forever if the watch never lists).
     pub async fn synced(&self) {
         let mut rx = self.synced.clone();

@@ -88,25 +88,46 @@ where
         }
         let after = self.deadline;
         let until = tokio::time::Instant::now() + after;
-        let what = format!("{} {}", req.method(), req.uri().path());
+        // Cheap clones (shared bytes); the message is only written if the deadline passes.
+        let call_of = Call {
+            method: req.method().clone(),
+            uri: req.uri().clone(),
+            after,
+        };
         let call = self.inner.call(req);
         Box::pin(async move {
             match tokio::time::timeout_at(until, call).await {
                 Ok(Ok(resp)) => Ok(resp.map(|inner| TimedBody {
                     inner,
-                    until: Some((Box::pin(tokio::time::sleep_until(until)), what, after)),
+                    until: Some((Box::pin(tokio::time::sleep_until(until)), call_of)),
                 })),
                 Ok(Err(e)) => Err(e.into()),
-                Err(_) => Err(Box::new(Exceeded { what, after }) as BoxError),
+                Err(_) => Err(Box::new(call_of.exceeded()) as BoxError),
             }
         })
+    }
+}
+
+/// The call a deadline belongs to, for its error.
+struct Call {
+    method: http::Method,
+    uri: http::Uri,
+    after: Duration,
+}
+
+impl Call {
+    fn exceeded(self) -> Exceeded {
+        Exceeded {
+            what: format!("{} {}", self.method, self.uri.path()),
+            after: self.after,
+        }
     }
 }
 
 /// A response body that must be read to its end before the call's deadline.
 pub struct TimedBody<B> {
     inner: B,
-    until: Option<(Pin<Box<tokio::time::Sleep>>, String, Duration)>,
+    until: Option<(Pin<Box<tokio::time::Sleep>>, Call)>,
 }
 
 impl<B> Body for TimedBody<B>
@@ -126,11 +147,11 @@ where
             return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
         }
         let expired = match &mut this.until {
-            Some((sleep, _, _)) => sleep.as_mut().poll(cx).is_ready(),
+            Some((sleep, _)) => sleep.as_mut().poll(cx).is_ready(),
             None => false,
         };
         match this.until.take() {
-            Some((_, what, after)) if expired => Poll::Ready(Some(Err(Box::new(Exceeded { what, after })))),
+            Some((_, call)) if expired => Poll::Ready(Some(Err(Box::new(call.exceeded())))),
             until => {
                 this.until = until;
                 Poll::Pending

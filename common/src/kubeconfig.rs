@@ -151,11 +151,7 @@ fn build(config: kube::Config, options: &ClientOptions) -> Result<kube::Client, 
 
 /// Loads `path` and builds a client for it.
 pub async fn client_from_file(path: &Path, options: &ClientOptions) -> Result<kube::Client, Error> {
-    let config = config_from_file(path, options).await?;
-    build(config, options).map_err(|source| Error::Client {
-        path: path.to_owned(),
-        source,
-    })
+    client(Some(path), options).await
 }
 
 /// A client from `path`, or from the pod's service account when `path` is `None`.
@@ -191,6 +187,13 @@ impl ClientSource {
             config,
             options: options.clone(),
         })
+    }
+
+    /// The same source, its clients refusing writes unless `leadership` is held.
+    pub fn fenced(&self, leadership: Leadership) -> Self {
+        let mut source = self.clone();
+        source.options.fence = Some(leadership);
+        source
     }
 
     /// A new client, sharing no connection with any other.

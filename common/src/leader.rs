@@ -223,10 +223,6 @@ impl Leadership {
                 .is_ok_and(|until| until.is_some_and(|u| Instant::now() < u))
     }
 
-    pub fn is_elected(&self) -> bool {
-        self.0.elected
-    }
-
     fn extend(&self, until: Instant) {
         if let Ok(mut u) = self.0.until.lock() {
             *u = Some(until);

@@ -87,10 +87,6 @@ impl Supervisor {
         }
     }
 
-    pub fn shutdown(&self) -> &CancellationToken {
-        &self.shutdown
-    }
-
     /// A task that is simply dropped when shutdown begins.
     pub fn spawn<F>(&mut self, name: &'static str, task: F)
     where

@@ -10,7 +10,6 @@ pub struct VirtualNode {
     pub kubelet_port: u16,
     pub admin_addr: String,
     task: tokio::task::JoinHandle<Result<(), tensile_virtual_node::Error>>,
-    stop: tensile_common::runtime::CancellationToken,
 }
 
 /// The flags of a virtual node `name` for `upper` over `lower` in a test bed: loopback node
@@ -58,24 +57,13 @@ impl VirtualNode {
         argv.extend(argv_for(upper, name, lower, kubelet_port, &admin_addr));
         argv.extend(extra.iter().map(|s| s.to_string()));
         let args = tensile_virtual_node::Args::try_parse_from(argv)?;
-        let stop = tensile_common::runtime::CancellationToken::new();
+        // Not `run`: that would take SIGTERM and SIGINT away from the test process.
+        let never = tensile_common::runtime::CancellationToken::new();
         Ok(VirtualNode {
             kubelet_port,
             admin_addr,
-            task: tokio::spawn(tensile_virtual_node::run_until(args, stop.clone())),
-            stop,
+            task: tokio::spawn(tensile_virtual_node::run_until(args, never)),
         })
-    }
-
-    /// Stops it as SIGTERM would: work in hand finishes, then it ends.
-    pub async fn stop(mut self) -> Result<(), tensile_virtual_node::Error> {
-        self.stop.cancel();
-        match (&mut self.task).await {
-            Ok(result) => result,
-            Err(e) => Err(tensile_virtual_node::Error::Flags(format!(
-                "the task failed: {e}"
-            ))),
-        }
     }
 }
 

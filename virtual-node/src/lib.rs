@@ -270,15 +270,21 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         Some(_) => Leadership::elected(),
         None => Leadership::always(),
     };
-    let agent = format!("tensile-virtual-node/{} ({replica})", args.nodename);
-    let fenced = ClientOptions {
-        fence: Some(leadership.clone()),
-        user_agent: Some(agent.clone()),
+    // Every request names the replica, so the apiserver's audit log says who wrote what.
+    let options = ClientOptions {
+        user_agent: Some(format!("tensile-virtual-node/{} ({replica})", args.nodename)),
         ..args.client.options()
     };
-    let upper_source = kubeconfig::ClientSource::new(args.upper.kubeconfig.as_deref(), &fenced).await?;
-    let upper = upper_source.client()?;
-    let lower = kubeconfig::client_from_file(&args.lower.client_kubeconfig, &fenced).await?;
+    let mut upper_source = kubeconfig::ClientSource::new(args.upper.kubeconfig.as_deref(), &options).await?;
+    let mut lower_source =
+        kubeconfig::ClientSource::new(Some(&args.lower.client_kubeconfig), &options).await?;
+    // The Lease itself is written unfenced; everything else only while leading.
+    let lease_client = upper_source.client()?;
+    if election.is_some() {
+        upper_source = upper_source.fenced(leadership.clone());
+        lower_source = lower_source.fenced(leadership.clone());
+    }
+    let lower = lower_source.client()?;
     let auth = match (&args.kubelet.client_verify_ca, args.kubelet.no_verify_clients) {
         (Some(ca), _) => ClientAuth::Ca(ca.clone()),
         (None, true) => ClientAuth::None,
@@ -307,11 +313,6 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
 
     let elector = match election {
         Some(config) => {
-            let unfenced = ClientOptions {
-                user_agent: Some(agent),
-                ..args.client.options()
-            };
-            let lease_client = kubeconfig::client(args.upper.kubeconfig.as_deref(), &unfenced).await?;
             let elector = Elector::new(lease_client, config, leadership.clone());
             readiness.say(false, "standby: acquiring the leader Lease");
             let standby =
@@ -347,7 +348,6 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
 
     let result = compose(
         &args,
-        upper,
         upper_source,
         lower,
         metrics,
@@ -378,10 +378,10 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
 const DRAIN: Duration = runtime::DEFAULT_DRAIN;
 
 /// Builds the caches and components of one active virtual node and hands them to `tasks`.
+/// The components share one upper client; the node loop's heartbeat has its own.
 #[allow(clippy::too_many_arguments)]
 async fn compose(
     args: &Args,
-    upper: kube::Client,
     upper_source: kubeconfig::ClientSource,
     lower: kube::Client,
     metrics: Arc<metrics::Metrics>,
@@ -392,6 +392,7 @@ async fn compose(
     kubelet_listener: tokio::net::TcpListener,
     auth: ClientAuth,
 ) -> Result<(), Error> {
+    let upper = upper_source.client()?;
     let cluster_id = match &args.upper.cluster_id {
         Some(id) => id.clone(),
         None => Api::<Namespace>::all(upper.clone())

@@ -75,6 +75,13 @@ impl Backoff {
         delay
     }
 
+    /// Keeps only the counts of keys `keep` says are still live.
+    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
+        if let Ok(mut failures) = self.0.lock() {
+            failures.retain(|key, _| keep(key));
+        }
+    }
+
     pub fn forget(&self, key: &str) {
         if let Ok(mut failures) = self.0.lock() {
             failures.remove(key);
@@ -600,10 +607,15 @@ fn first_status_wait(ctx: &Context, upper: &Pod, lower: &Pod) -> Option<Duration
 }
 
 /// Forgets held-back first writes of pods that went away before they were written.
+/// Also forgets the failure counts of pods no longer bound here (deleted without a last
+/// successful reconcile).
 pub fn forget_stale_holds(ctx: &Context) {
     if let Ok(mut held) = ctx.first_status_held.lock() {
         held.retain(|_, since| since.elapsed() < 10 * FIRST_STATUS_DELAY);
     }
+    let bound: std::collections::HashSet<String> =
+        ctx.upper_pods.state().iter().map(|p| retry_key(p)).collect();
+    ctx.retries.retain(|key| bound.contains(key));
 }
 
 async fn set_condition(
