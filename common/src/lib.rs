@@ -8,7 +8,8 @@
 //! ([`telemetry`]); one API error shape, the exact delete and timestamps ([`api`]).
 //!
 //! The suite's vocabulary: every label, annotation and taint name ([`names`]), the codec of
-//! the stashed lower-cluster constraints ([`stash`]), exact resource arithmetic
+//! the stashed lower-cluster constraints ([`stash`]), the descheduler's exclusion record
+//! ([`exclusion`]), exact resource arithmetic
 //! ([`quantity`], [`resources`]), the kubelet API's shared parsing ([`kubelet`]), and the
 //! memory allocator every binary uses ([`Allocator`]).
 
@@ -16,6 +17,7 @@ pub mod admin;
 pub mod api;
 pub mod cache;
 pub mod deadline;
+pub mod exclusion;
 pub mod kubeconfig;
 pub mod kubelet;
 pub mod leader;

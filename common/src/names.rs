@@ -68,6 +68,29 @@ pub const NODE_CAPACITY_SHAPE: &str = "tensile.io/capacity-shape";
 /// Field manager of every write virtual-node makes.
 pub const FIELD_MANAGER: &str = "tensile-virtual-node";
 
+// --- descheduler ---
+
+/// The node label every node carries with its own name; exclusions are `NotIn` on it.
+pub const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
+/// Pod annotation (kubernetes-sigs/descheduler's name) that lets the descheduler move a pod
+/// it would otherwise leave alone: a bare pod.
+pub const DESCHEDULER_EVICT: &str = "descheduler.alpha.kubernetes.io/evict";
+/// Pod annotation (kubernetes-sigs/descheduler's name): never move this pod.
+pub const DESCHEDULER_PREFER_NO_EVICTION: &str = "descheduler.alpha.kubernetes.io/prefer-no-eviction";
+/// Pod annotation: `false` keeps the descheduler away from the pod.
+pub const DESCHEDULE: &str = "tensile.io/deschedule";
+/// Pod annotation the webhook writes next to the `kubernetes.io/hostname NotIn` it adds:
+/// the virtual nodes it excluded (comma-separated), so readers can tell them from the
+/// user's own constraints.
+pub const EXCLUDED_NODES: &str = "tensile.io/excluded-nodes";
+/// Label on a bare pod's replacement: the UID of the pod it replaces.
+pub const REPLACES: &str = "tensile.io/replaces";
+/// Annotation on a bare pod's replacement: the key of its exclusion record (the UID of the
+/// first pod of the line), so every later move counts against the same record.
+pub const LINEAGE: &str = "tensile.io/lineage";
+/// Annotation on a bare pod's replacement: how many times the pod was moved.
+pub const DESCHEDULE_COUNT: &str = "tensile.io/deschedule-count";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -84,6 +107,11 @@ mod tests {
             CONDITION_LOWER_SYNCED,
             NODE_CAPACITY_SHAPE,
             SERVICE_SELECTOR,
+            DESCHEDULE,
+            EXCLUDED_NODES,
+            REPLACES,
+            LINEAGE,
+            DESCHEDULE_COUNT,
         ] {
             assert!(name.starts_with(PREFIX), "{name} is outside {PREFIX}");
         }

@@ -1,4 +1,425 @@
-//! descheduler: finds pods a lower cluster cannot place and moves them to another
-//! virtual node.
+//! descheduler: moves pods a lower cluster cannot place to another virtual node, and loses
+//! none.
 //!
-//! Not built yet: this crate has no behaviour and ships no binary until it does.
+//! The model: the upper scheduler sees a virtual node's aggregate free capacity, so it may
+//! bind a pod to a lower cluster none of whose nodes fits it. The virtual node then shows
+//! the lower refusal on the upper pod as `tensile.io/LowerPodScheduled=False` (reason
+//! `Unschedulable`) while the pod stays Pending and holds the node's allocatable. Once that
+//! refusal is older than `--unschedulable-threshold`, the descheduler:
+//!
+//! 1. records, durably and shared between replicas, that the pod's workload (keyed by its
+//!    controller's UID) should avoid that virtual node until `--exclusion-ttl` has passed
+//!    ([`tensile_common::exclusion`], written by [`store`]); the webhook turns the record
+//!    into a `kubernetes.io/hostname NotIn` requirement on the replacement, for the upper
+//!    scheduler only;
+//! 2. evicts the pod through the Eviction API with a UID precondition ([`evict`]), so its
+//!    controller recreates it; a bare pod that opted in is replaced first, then evicted
+//!    ([`bare`]).
+//!
+//! What qualifies and what to do is decided by pure functions ([`decide`], [`fit`]); the
+//! loop ([`rounds`]) runs them on every pod or node change, when a refusal reaches the
+//! threshold, and every `--descheduling-interval`, within per-round and per-workload caps.
+//! `--dry-run` writes nothing and logs and counts what it would do.
+
+pub mod bare;
+pub mod decide;
+pub mod evict;
+pub mod fit;
+pub mod metrics;
+pub mod rounds;
+pub mod store;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use kube::api::Api;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::watcher;
+use tensile_common::admin::{self, AdminArgs, Readiness};
+use tensile_common::cache::watched;
+use tensile_common::exclusion::{self, Location};
+use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
+use tensile_common::leader::{self, Elector, LeaderArgs, Leadership};
+use tensile_common::runtime::{self, CancellationToken, Supervisor};
+use tensile_common::telemetry::LogArgs;
+
+use crate::decide::Settings;
+use crate::rounds::{Caps, Descheduler};
+
+/// Command-line flags (each also read from the environment): kubernetes-sigs/descheduler's
+/// and tensile-kube's names where they exist, then what this model adds, then the shared
+/// runtime's (clients, leader election, admin endpoint, logging).
+#[derive(Clone, Debug, clap::Parser)]
+#[command(
+    name = "descheduler",
+    about = "Moves pods a lower cluster cannot place to another virtual node"
+)]
+pub struct Args {
+    /// Kubeconfig of the upper cluster; without it, the pod's service account (in-cluster).
+    #[arg(long, env = "TENSILE_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Time between two rounds when nothing changes (`30s`, `1m`, or seconds). Rounds also
+    /// run when a pod or node changes and when a refusal reaches the threshold.
+    #[arg(long = "descheduling-interval", env = "TENSILE_DESCHEDULING_INTERVAL",
+          default_value = "30s", value_parser = parse_seconds)]
+    pub descheduling_interval: Duration,
+    /// Decide and log, count as `result="dry_run"`, but write nothing (no eviction, record,
+    /// pod or event).
+    #[arg(long = "dry-run", env = "TENSILE_DRY_RUN")]
+    pub dry_run: bool,
+    /// Pods moved off one virtual node per round (0: no limit).
+    #[arg(
+        long = "max-pods-to-evict-per-node",
+        env = "TENSILE_MAX_PODS_TO_EVICT_PER_NODE",
+        default_value_t = 0
+    )]
+    pub max_per_node: u32,
+    /// Pods moved per namespace per round (0: no limit).
+    #[arg(
+        long = "max-pods-to-evict-per-namespace",
+        env = "TENSILE_MAX_PODS_TO_EVICT_PER_NAMESPACE",
+        default_value_t = 0
+    )]
+    pub max_per_namespace: u32,
+    /// Pods moved per round in total (0: no limit).
+    #[arg(
+        long = "max-pods-to-evict-total",
+        env = "TENSILE_MAX_PODS_TO_EVICT_TOTAL",
+        default_value_t = 0
+    )]
+    pub max_total: u32,
+    /// Pods of one workload moved per round (0: no limit). Disruption budgets never protect
+    /// Pending pods, so this is the workload's protection.
+    #[arg(
+        long = "max-pods-to-evict-per-owner",
+        env = "TENSILE_MAX_PODS_TO_EVICT_PER_OWNER",
+        default_value_t = 5
+    )]
+    pub max_per_owner: u32,
+    /// Label selector of the virtual nodes.
+    #[arg(
+        long = "node-selector",
+        env = "TENSILE_NODE_SELECTOR",
+        default_value = "type=virtual-kubelet"
+    )]
+    pub node_selector: String,
+    /// How long the lower refusal must have lasted before the pod moves (`60s`, `2m`, or
+    /// seconds); measured from the condition's last transition, not the pod's creation.
+    #[arg(long = "unschedulable-threshold", env = "TENSILE_UNSCHEDULABLE_THRESHOLD",
+          default_value = "60", value_parser = parse_seconds)]
+    pub unschedulable_threshold: Duration,
+    /// `tensile.io/LowerPodScheduled` reasons that make a pod a candidate (comma-separated).
+    #[arg(
+        long = "unschedulable-reasons",
+        env = "TENSILE_UNSCHEDULABLE_REASONS",
+        value_delimiter = ',',
+        default_value = "Unschedulable"
+    )]
+    pub unschedulable_reasons: Vec<String>,
+    /// How long a virtual node that refused a workload stays excluded for it (`10m`, or
+    /// seconds).
+    #[arg(long = "exclusion-ttl", env = "TENSILE_EXCLUSION_TTL", default_value = "600",
+          value_parser = parse_seconds)]
+    pub exclusion_ttl: Duration,
+    /// Virtual nodes a workload may be excluded from within the TTL; one more refusal and
+    /// the descheduler stops moving it, with a `DeschedulingExhausted` warning.
+    #[arg(long = "max-moves-per-owner", env = "TENSILE_MAX_MOVES_PER_OWNER", default_value_t = 3,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_moves_per_owner: u32,
+    /// Move bare pods even without the `descheduler.alpha.kubernetes.io/evict` annotation.
+    #[arg(long = "recreate-bare-pods", env = "TENSILE_RECREATE_BARE_PODS")]
+    pub recreate_bare_pods: bool,
+    /// Move pods of the `system-cluster-critical` and `system-node-critical` classes too.
+    #[arg(
+        long = "evict-system-critical-pods",
+        env = "TENSILE_EVICT_SYSTEM_CRITICAL_PODS"
+    )]
+    pub evict_system_critical_pods: bool,
+    /// The ConfigMap (`namespace/name`) holding the exclusion records; the webhook reads the
+    /// same one.
+    #[arg(long = "exclusions-configmap", env = "TENSILE_EXCLUSIONS_CONFIGMAP",
+          default_value = exclusion::DEFAULT_LOCATION)]
+    pub exclusions_configmap: Location,
+    #[command(flatten)]
+    pub client: ClientArgs,
+    #[command(flatten)]
+    pub leader: LeaderArgs,
+    #[command(flatten)]
+    pub admin: AdminArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// Seconds as a plain number, or a duration as client-go's flags write it (`30s`, `1m30s`).
+pub fn parse_seconds(s: &str) -> Result<Duration, String> {
+    match s.trim().parse::<u64>() {
+        Ok(n) => Ok(Duration::from_secs(n)),
+        Err(_) => leader::parse_duration(s),
+    }
+}
+
+impl Args {
+    /// The decision's settings.
+    pub fn settings(&self) -> Settings {
+        Settings {
+            threshold: self.unschedulable_threshold,
+            reasons: self
+                .unschedulable_reasons
+                .iter()
+                .map(|r| r.trim().to_owned())
+                .filter(|r| !r.is_empty())
+                .collect(),
+            recreate_bare_pods: self.recreate_bare_pods,
+            evict_system_critical: self.evict_system_critical_pods,
+            max_moves_per_owner: self.max_moves_per_owner,
+            exclusion_ttl: self.exclusion_ttl,
+        }
+    }
+
+    pub fn caps(&self) -> Caps {
+        Caps {
+            total: self.max_total,
+            per_namespace: self.max_per_namespace,
+            per_node: self.max_per_node,
+            per_owner: self.max_per_owner,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    Kubeconfig(#[from] kubeconfig::Error),
+    #[error("{0}")]
+    Admin(#[from] admin::Error),
+    #[error("invalid flags: {0}")]
+    Flags(String),
+    #[error("waiting for a shutdown signal: {0}")]
+    Signal(#[source] std::io::Error),
+    #[error(transparent)]
+    Stopped(#[from] runtime::Stopped),
+}
+
+/// How long a round in progress gets to finish after SIGTERM.
+const DRAIN: Duration = runtime::DEFAULT_DRAIN;
+
+/// Runs until SIGTERM or SIGINT (then `Ok`, after the round in progress) or a failure.
+pub async fn run(args: Args) -> Result<(), Error> {
+    let shutdown = runtime::shutdown_on_signals().map_err(Error::Signal)?;
+    run_until(args, shutdown).await
+}
+
+/// As [`run`], stopping when `shutdown` is cancelled.
+pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Error> {
+    if args.descheduling_interval.is_zero() {
+        return Err(Error::Flags("--descheduling-interval must be positive".into()));
+    }
+    let replica = leader::default_identity();
+    let election = args
+        .leader
+        .config("tensile-descheduler", replica.clone())
+        .map_err(Error::Flags)?;
+    let leadership = match election {
+        Some(_) => Leadership::elected(),
+        None => Leadership::always(),
+    };
+    let options = ClientOptions {
+        user_agent: Some(format!("tensile-descheduler ({replica})")),
+        ..args.client.options()
+    };
+    let mut source = kubeconfig::ClientSource::new(args.kubeconfig.as_deref(), &options).await?;
+    let lease_client = source.client()?;
+    if election.is_some() {
+        source = source.fenced(leadership.clone());
+    }
+    let client = source.client()?;
+    let admin_listener = admin::bind(args.admin.admin_addr).await?;
+
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Arc::new(metrics::Metrics::new(&mut registry));
+    leadership.register(&mut registry);
+    let readiness = Readiness::default();
+    let admin_task = admin::serve(admin_listener, Arc::new(registry), readiness.clone());
+    let admin_handle = tokio::spawn(shutdown.clone().run_until_cancelled_owned(admin_task));
+
+    let mut tasks = Supervisor::new(shutdown.clone(), DRAIN);
+    let elector = match election {
+        Some(config) => {
+            let elector = Elector::new(lease_client, config, leadership.clone());
+            readiness.say(false, "standby: acquiring the leader Lease");
+            let standby =
+                |holder: &str| readiness.say(false, format!("standby: the leader Lease is held by {holder}"));
+            if shutdown
+                .run_until_cancelled(elector.acquire(standby))
+                .await
+                .is_none()
+            {
+                admin_handle.abort();
+                return Ok(());
+            }
+            Some(Arc::new(elector))
+        }
+        None => None,
+    };
+    if let Some(elector) = &elector {
+        let elector = elector.clone();
+        tasks.spawn("the leader Lease", async move { elector.keep().await });
+    }
+    let mut leading = match &elector {
+        Some(e) => format!("leading as {}", e.config().identity),
+        None => String::new(),
+    };
+    if args.dry_run {
+        leading = if leading.is_empty() {
+            "dry run".into()
+        } else {
+            format!("{leading}; dry run")
+        };
+    }
+    readiness.say(false, "caches syncing");
+    compose(&args, client, metrics, &mut tasks, readiness, leading);
+    let outcome = tasks.run().await.map_err(Error::from);
+    if let Some(elector) = &elector {
+        elector.release().await;
+    }
+    admin_handle.abort();
+    outcome
+}
+
+/// Builds the caches and the loop of an active descheduler and hands them to `tasks`.
+fn compose(
+    args: &Args,
+    client: kube::Client,
+    metrics: Arc<metrics::Metrics>,
+    tasks: &mut Supervisor,
+    readiness: Readiness,
+    leading: String,
+) {
+    let changed = Arc::new(tokio::sync::Notify::new());
+    // Candidates are Pending; the watch never carries the cluster's running pods.
+    let (pods, pods_watch) = watched::<Pod>(
+        Api::all(client.clone()),
+        watcher::Config::default().fields("status.phase=Pending"),
+        &changed,
+    );
+    let (nodes, nodes_watch) = watched::<Node>(
+        Api::all(client.clone()),
+        watcher::Config::default().labels(&args.node_selector),
+        &changed,
+    );
+    let location = args.exclusions_configmap.clone();
+    let (exclusions_cache, seen, exclusions_watch) = exclusion::follow(
+        Api::<ConfigMap>::namespaced(client.clone(), &location.namespace),
+        &location.name,
+    );
+    let store = store::Store::new(client.clone(), location.clone(), seen);
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "tensile-descheduler".into(),
+            instance: Some(leader::default_identity()),
+        },
+    );
+    let descheduler = Descheduler::new(
+        client,
+        pods.clone(),
+        nodes.clone(),
+        store,
+        args.settings(),
+        args.caps(),
+        args.dry_run,
+        args.descheduling_interval,
+        metrics,
+        recorder,
+        changed,
+    );
+    tracing::info!(
+        node_selector = %args.node_selector,
+        exclusions = %location,
+        dry_run = args.dry_run,
+        threshold = ?args.unschedulable_threshold,
+        "starting"
+    );
+    tasks.spawn_graceful("the descheduling loop", move |stop| async move {
+        let synced = async {
+            pods.synced().await;
+            nodes.synced().await;
+            exclusions_cache.synced().await;
+        };
+        if stop.run_until_cancelled(synced).await.is_none() {
+            return;
+        }
+        readiness.say(true, leading);
+        descheduler.run(stop).await
+    });
+    tasks.spawn("the pod watch", pods_watch);
+    tasks.spawn("the node watch", nodes_watch);
+    tasks.spawn("the exclusions watch", exclusions_watch);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn flags_keep_the_names_operators_know_and_read_seconds_or_durations() {
+        let args = Args::try_parse_from([
+            "descheduler",
+            "--descheduling-interval=10s",
+            "--dry-run",
+            "--max-pods-to-evict-per-node=2",
+            "--max-pods-to-evict-per-namespace=3",
+            "--max-pods-to-evict-total=4",
+            "--max-pods-to-evict-per-owner=1",
+            "--node-selector=type=virtual-kubelet,region=eu",
+            "--unschedulable-threshold=90",
+            "--exclusion-ttl=5m",
+            "--max-moves-per-owner=2",
+            "--recreate-bare-pods",
+            "--exclusions-configmap=tensile/exclusions",
+            "--leader-elect",
+        ])
+        .unwrap();
+        assert_eq!(args.descheduling_interval, Duration::from_secs(10));
+        assert!(args.dry_run && args.recreate_bare_pods && args.leader.leader_elect);
+        let s = args.settings();
+        assert_eq!(s.threshold, Duration::from_secs(90));
+        assert_eq!(s.exclusion_ttl, Duration::from_secs(300));
+        assert_eq!(s.max_moves_per_owner, 2);
+        let c = args.caps();
+        assert_eq!((c.per_node, c.per_namespace, c.total, c.per_owner), (2, 3, 4, 1));
+        assert_eq!(args.exclusions_configmap.to_string(), "tensile/exclusions");
+    }
+
+    #[test]
+    fn defaults_follow_the_issue() {
+        let args = Args::try_parse_from(["descheduler"]).unwrap();
+        let s = args.settings();
+        assert_eq!(s.threshold, Duration::from_secs(60));
+        assert_eq!(s.exclusion_ttl, Duration::from_secs(600));
+        assert_eq!(s.reasons, vec!["Unschedulable"]);
+        assert_eq!(args.caps().per_owner, 5);
+        assert_eq!(
+            args.exclusions_configmap.to_string(),
+            "kube-system/tensile-exclusions"
+        );
+        assert!(!args.dry_run);
+    }
+
+    #[test]
+    fn bad_flags_are_named() {
+        for (flag, needle) in [
+            ("--max-moves-per-owner=0", "max-moves-per-owner"),
+            ("--exclusion-ttl=soon", "not a duration"),
+            ("--exclusions-configmap=nope", "namespace/name"),
+        ] {
+            let err = Args::try_parse_from(["descheduler", flag])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(needle), "{flag}: {err}");
+        }
+    }
+}

@@ -1,0 +1,832 @@
+//! The decision, pure: one upper pod, the virtual nodes, the exclusion records and the time
+//! in; what to do with the pod out ([`Verdict`]). Nothing here calls the API, so every rule
+//! is a unit test over built objects.
+//!
+//! A pod is a candidate when it is bound to a virtual node, Pending, not being deleted, and
+//! its `tensile.io/LowerPodScheduled` condition has been False for one of the configured
+//! reasons for at least the threshold (the condition's age, not the pod's). A candidate
+//! moves unless a rule protects it; its workload's exclusion record gains the node that
+//! refused it. A workload whose record already counts the maximum of moves is given up on,
+//! once, with a warning.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use jiff::{SignedDuration, Timestamp};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use tensile_common::exclusion::{Exclusions, Record};
+use tensile_common::names;
+
+use crate::fit;
+
+/// The rules' knobs, from the flags.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// How long the lower refusal must have lasted.
+    pub threshold: Duration,
+    /// `LowerPodScheduled` reasons that make a pod a candidate.
+    pub reasons: Vec<String>,
+    /// Move bare pods without their opting in.
+    pub recreate_bare_pods: bool,
+    /// Move pods of the `system-*-critical` priority classes too.
+    pub evict_system_critical: bool,
+    /// Nodes added to one workload's record before it is given up on.
+    pub max_moves_per_owner: u32,
+    /// How long a node stays excluded for a workload.
+    pub exclusion_ttl: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            threshold: Duration::from_secs(60),
+            reasons: vec!["Unschedulable".into()],
+            recreate_bare_pods: false,
+            evict_system_critical: false,
+            max_moves_per_owner: 3,
+            exclusion_ttl: Duration::from_secs(600),
+        }
+    }
+}
+
+/// What the decision reads besides the pod.
+pub struct View<'a> {
+    /// The virtual nodes (those matching `--node-selector`), by name.
+    pub nodes: &'a BTreeMap<String, Node>,
+    pub exclusions: &'a Exclusions,
+    pub now: Timestamp,
+}
+
+/// The lower cluster's refusal, as the upper pod shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// The virtual node whose lower cluster refused the pod.
+    pub node: String,
+    pub reason: String,
+    /// The lower scheduler's message.
+    pub message: String,
+    pub since: Timestamp,
+}
+
+/// Whose pod it is: what recreates it, and the key of its exclusion record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Workload {
+    /// A controller (ReplicaSet, StatefulSet, Job…) recreates the pod once it is evicted.
+    Owned {
+        api_version: String,
+        kind: String,
+        name: String,
+        uid: String,
+    },
+    /// Nothing recreates it: the descheduler makes the replacement. `lineage` is the UID of
+    /// the first pod of the line.
+    Bare { lineage: String },
+}
+
+impl Workload {
+    /// The key of the workload's exclusion record.
+    pub fn key(&self) -> &str {
+        match self {
+            Workload::Owned { uid, .. } => uid,
+            Workload::Bare { lineage } => lineage,
+        }
+    }
+
+    /// `ReplicaSet/web-7d4b9`, or `Pod/<name>` for a bare pod.
+    pub fn describe(&self, pod: &str) -> String {
+        match self {
+            Workload::Owned { kind, name, .. } => format!("{kind}/{name}"),
+            Workload::Bare { .. } => format!("Pod/{pod}"),
+        }
+    }
+}
+
+/// Why a candidate stays where it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Skip {
+    /// The virtual node is not Ready: taint eviction owns the pod, and the verdict may be stale.
+    NodeNotReady,
+    DaemonSet,
+    Mirror,
+    SystemCritical,
+    /// `tensile.io/deschedule=false` or `descheduler.alpha.kubernetes.io/prefer-no-eviction`.
+    OptedOut,
+    /// Its volume was bound below this virtual node.
+    VolumePinned,
+    /// A bare pod that did not opt in (and no `--recreate-bare-pods`).
+    BarePod,
+    /// No other Ready virtual node would take it; why each one would not.
+    NoOtherNode(Vec<String>),
+    /// The workload was given up on and has not expired yet.
+    Exhausted,
+}
+
+impl Skip {
+    /// The metric label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Skip::NodeNotReady => "node_not_ready",
+            Skip::DaemonSet => "daemonset",
+            Skip::Mirror => "mirror",
+            Skip::SystemCritical => "system_critical",
+            Skip::OptedOut => "opted_out",
+            Skip::VolumePinned => "volume_pinned",
+            Skip::BarePod => "bare_pod",
+            Skip::NoOtherNode(_) => "no_other_node",
+            Skip::Exhausted => "exhausted",
+        }
+    }
+}
+
+impl std::fmt::Display for Skip {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Skip::NodeNotReady => write!(f, "its virtual node is not Ready"),
+            Skip::DaemonSet => write!(f, "it belongs to a DaemonSet"),
+            Skip::Mirror => write!(f, "it is a mirror pod"),
+            Skip::SystemCritical => write!(f, "it is system-critical"),
+            Skip::OptedOut => write!(f, "it opted out"),
+            Skip::VolumePinned => write!(f, "its volume pins it to its virtual node"),
+            Skip::BarePod => write!(
+                f,
+                "it is a bare pod without {} (or --recreate-bare-pods)",
+                names::DESCHEDULER_EVICT
+            ),
+            Skip::NoOtherNode(why) => write!(f, "no other virtual node would take it: {}", why.join("; ")),
+            Skip::Exhausted => write!(f, "its workload was given up on"),
+        }
+    }
+}
+
+/// A move to make.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Move {
+    pub refusal: Refusal,
+    pub workload: Workload,
+    /// The workload's record after the move.
+    pub record: Record,
+    /// Whether `record` differs from the stored one (a node was added or dropped).
+    pub record_changed: bool,
+    /// The virtual nodes the replacement may land on.
+    pub targets: Vec<String>,
+}
+
+/// A workload given up on: it reached the maximum of moves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GiveUp {
+    pub refusal: Refusal,
+    pub workload: Workload,
+    /// The record marked exhausted.
+    pub record: Record,
+}
+
+/// What to do with one pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Not the descheduler's concern (not on a virtual node, not Pending, not refused below).
+    Ignore,
+    /// Refused below, not for long enough yet: look again at `at`.
+    WaitUntil(Timestamp),
+    /// A candidate that stays, and why.
+    Skip {
+        node: String,
+        why: Skip,
+    },
+    Move(Move),
+    GiveUp(GiveUp),
+}
+
+fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(key))
+        .map(String::as_str)
+}
+
+/// The lower refusal the pod shows, if it shows one of `reasons`.
+pub fn refusal(pod: &Pod, reasons: &[String]) -> Option<Refusal> {
+    let node = pod.spec.as_ref()?.node_name.clone()?;
+    let c = pod
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == names::CONDITION_LOWER_SCHEDULED)?;
+    let reason = c.reason.clone().unwrap_or_default();
+    if c.status != "False" || !reasons.contains(&reason) {
+        return None;
+    }
+    Some(Refusal {
+        node,
+        reason,
+        message: c.message.clone().unwrap_or_default(),
+        since: c
+            .last_transition_time
+            .as_ref()
+            .map(|t| t.0)
+            .unwrap_or(Timestamp::MAX),
+    })
+}
+
+fn after(t: Timestamp, d: Duration) -> Timestamp {
+    let d = SignedDuration::try_from(d).unwrap_or(SignedDuration::MAX);
+    t.saturating_add(d).unwrap_or(Timestamp::MAX)
+}
+
+/// The protections that hold whatever the nodes and records say.
+fn protected(pod: &Pod, settings: &Settings) -> Result<Workload, Skip> {
+    let meta = &pod.metadata;
+    let controller = meta
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true));
+    if controller.is_some_and(|o| o.kind == "DaemonSet") {
+        return Err(Skip::DaemonSet);
+    }
+    if annotation(pod, "kubernetes.io/config.mirror").is_some() {
+        return Err(Skip::Mirror);
+    }
+    let spec = pod.spec.as_ref();
+    let critical = spec
+        .and_then(|s| s.priority_class_name.as_deref())
+        .is_some_and(|c| c == "system-cluster-critical" || c == "system-node-critical")
+        || spec.and_then(|s| s.priority).is_some_and(|p| p >= 2_000_000_000);
+    if critical && !settings.evict_system_critical {
+        return Err(Skip::SystemCritical);
+    }
+    if annotation(pod, names::DESCHEDULE) == Some("false")
+        || annotation(pod, names::DESCHEDULER_PREFER_NO_EVICTION).is_some()
+    {
+        return Err(Skip::OptedOut);
+    }
+    let pinned = spec
+        .and_then(|s| s.affinity.as_ref())
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|na| na.required_during_scheduling_ignored_during_execution.as_ref())
+        .is_some_and(|r| {
+            r.node_selector_terms.iter().any(|t| {
+                t.match_fields
+                    .iter()
+                    .flatten()
+                    .any(|f| f.key == "metadata.name" && f.operator == "In")
+            })
+        });
+    if pinned {
+        return Err(Skip::VolumePinned);
+    }
+    match controller {
+        Some(o) => Ok(Workload::Owned {
+            api_version: o.api_version.clone(),
+            kind: o.kind.clone(),
+            name: o.name.clone(),
+            uid: o.uid.clone(),
+        }),
+        None => {
+            let opted_in = annotation(pod, names::DESCHEDULER_EVICT).is_some_and(|v| v != "false");
+            if !(opted_in || settings.recreate_bare_pods) {
+                return Err(Skip::BarePod);
+            }
+            let lineage = annotation(pod, names::LINEAGE)
+                .map(str::to_owned)
+                .or_else(|| meta.uid.clone())
+                .unwrap_or_default();
+            Ok(Workload::Bare { lineage })
+        }
+    }
+}
+
+/// Decides what to do with `pod`.
+pub fn judge(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
+    let pending = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending");
+    if !pending || pod.metadata.deletion_timestamp.is_some() {
+        return Verdict::Ignore;
+    }
+    let Some(refusal) = refusal(pod, &settings.reasons) else {
+        return Verdict::Ignore;
+    };
+    let Some(node) = view.nodes.get(&refusal.node) else {
+        return Verdict::Ignore;
+    };
+    let due = after(refusal.since, settings.threshold);
+    if view.now < due {
+        return Verdict::WaitUntil(due);
+    }
+    let skip = |why| Verdict::Skip {
+        node: refusal.node.clone(),
+        why,
+    };
+    if !fit::is_ready(node) {
+        return skip(Skip::NodeNotReady);
+    }
+    let workload = match protected(pod, settings) {
+        Ok(w) => w,
+        Err(why) => return skip(why),
+    };
+
+    let now = view.now;
+    let stored = view
+        .exclusions
+        .records
+        .get(workload.key())
+        .filter(|r| !r.is_expired(now));
+    let mut nodes: BTreeMap<String, Timestamp> = stored
+        .map(|r| r.active(now).map(|n| (n.to_owned(), r.nodes[n])).collect())
+        .unwrap_or_default();
+    let adds = !nodes.contains_key(&refusal.node);
+    let moves = stored.map_or(0, |r| r.moves);
+    if adds && moves >= settings.max_moves_per_owner {
+        return match stored {
+            Some(r) if r.exhausted.is_some() => skip(Skip::Exhausted),
+            _ => {
+                let mut record = stored.cloned().unwrap_or_else(|| new_record(pod, &workload, now));
+                record.exhausted = Some(now);
+                Verdict::GiveUp(GiveUp {
+                    refusal,
+                    workload,
+                    record,
+                })
+            }
+        };
+    }
+
+    let mut refusals = Vec::new();
+    let targets: BTreeSet<&String> = view
+        .nodes
+        .iter()
+        .filter(|(name, _)| **name != refusal.node)
+        .filter(|(_, n)| match fit::refuses(pod, n) {
+            None => true,
+            Some(why) => {
+                refusals.push(why);
+                false
+            }
+        })
+        .map(|(name, _)| name)
+        .collect();
+    if targets.is_empty() {
+        if refusals.is_empty() {
+            refusals.push("there is no other virtual node".into());
+        }
+        return skip(Skip::NoOtherNode(refusals));
+    }
+    if adds {
+        nodes.insert(refusal.node.clone(), after(now, settings.exclusion_ttl));
+    }
+    // Never exclude every node that would take the pod: the oldest exclusions go first.
+    let mut dropped = false;
+    while targets.iter().all(|t| nodes.contains_key(*t)) {
+        let oldest = nodes
+            .iter()
+            .filter(|(n, _)| **n != refusal.node)
+            .min_by_key(|(_, until)| **until)
+            .map(|(n, _)| n.clone());
+        match oldest {
+            Some(n) => {
+                nodes.remove(&n);
+                dropped = true;
+            }
+            None => break,
+        }
+    }
+    let usable: Vec<String> = targets
+        .iter()
+        .filter(|t| !nodes.contains_key(**t))
+        .map(|t| (*t).clone())
+        .collect();
+    let mut record = stored.cloned().unwrap_or_else(|| new_record(pod, &workload, now));
+    let expires = nodes.values().copied().max().unwrap_or(now).max(record.expires);
+    record.nodes = nodes;
+    record.moves = moves + u32::from(adds);
+    record.expires = expires;
+    record.exhausted = None;
+    Verdict::Move(Move {
+        refusal,
+        workload,
+        record,
+        record_changed: adds || dropped || stored.is_none(),
+        targets: usable,
+    })
+}
+
+fn new_record(pod: &Pod, workload: &Workload, now: Timestamp) -> Record {
+    let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+    let (kind, name) = match workload {
+        Workload::Owned { kind, name, .. } => (kind.clone(), name.clone()),
+        Workload::Bare { .. } => ("Pod".to_owned(), pod.metadata.name.clone().unwrap_or_default()),
+    };
+    Record {
+        namespace,
+        kind,
+        name,
+        nodes: BTreeMap::new(),
+        moves: 0,
+        expires: now,
+        exhausted: None,
+    }
+}
+
+/// The per-round caps (`0`: no cap), and what this round has used of them.
+#[derive(Clone, Debug, Default)]
+pub struct Budget {
+    pub total: u32,
+    pub per_namespace: u32,
+    pub per_node: u32,
+    pub per_owner: u32,
+    used_total: u32,
+    used: BTreeMap<(u8, String), u32>,
+}
+
+impl Budget {
+    pub fn new(total: u32, per_namespace: u32, per_node: u32, per_owner: u32) -> Self {
+        Self {
+            total,
+            per_namespace,
+            per_node,
+            per_owner,
+            ..Default::default()
+        }
+    }
+
+    /// Takes one move for a pod of `namespace` on `node` of workload `owner`; `Err` names the
+    /// cap that is reached (nothing is taken then).
+    pub fn take(&mut self, namespace: &str, node: &str, owner: &str) -> Result<(), &'static str> {
+        let within = |cap: u32, used: u32| cap == 0 || used < cap;
+        if !within(self.total, self.used_total) {
+            return Err("--max-pods-to-evict-total");
+        }
+        let checks = [
+            (
+                0u8,
+                namespace,
+                self.per_namespace,
+                "--max-pods-to-evict-per-namespace",
+            ),
+            (1, node, self.per_node, "--max-pods-to-evict-per-node"),
+            (2, owner, self.per_owner, "--max-pods-to-evict-per-owner"),
+        ];
+        for (kind, key, cap, flag) in checks {
+            let used = self.used.get(&(kind, key.to_owned())).copied().unwrap_or(0);
+            if !within(cap, used) {
+                return Err(flag);
+            }
+        }
+        self.used_total += 1;
+        for (kind, key) in [(0u8, namespace), (1, node), (2, owner)] {
+            *self.used.entry((kind, key.to_owned())).or_insert(0) += 1;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn t(s: &str) -> Timestamp {
+        s.parse().unwrap()
+    }
+
+    const NOW: &str = "2024-05-01T10:00:00Z";
+
+    fn node(name: &str) -> Node {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"type": "virtual-kubelet", "kubernetes.io/hostname": name}},
+            "spec": {"taints": [{"key": "virtual-kubelet.io/provider", "value": "tensile", "effect": "NoSchedule"}]},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+        }))
+        .unwrap()
+    }
+
+    fn nodes(names: &[&str]) -> BTreeMap<String, Node> {
+        names.iter().map(|n| (n.to_string(), node(n))).collect()
+    }
+
+    /// A pod of ReplicaSet `web-1` on `vn-a`, refused below since `since`.
+    fn refused(since: &str) -> serde_json::Value {
+        json!({
+            "metadata": {"name": "web-1-x", "namespace": "shop", "uid": "pod-uid",
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-1", "uid": "rs-uid", "controller": true}]},
+            "spec": {
+                "nodeName": "vn-a",
+                "containers": [{"name": "c", "resources": {"requests": {"cpu": "3"}}}],
+                "tolerations": [{"key": "virtual-kubelet.io/provider", "operator": "Exists"}],
+            },
+            "status": {"phase": "Pending", "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "tensile.io/LowerPodScheduled", "status": "False", "reason": "Unschedulable",
+                 "message": "0/8 nodes are available: 8 Insufficient cpu.", "lastTransitionTime": since}]},
+        })
+    }
+
+    fn pod(v: serde_json::Value) -> Pod {
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn judge_with(p: &Pod, names: &[&str], ex: &Exclusions, now: &str, settings: &Settings) -> Verdict {
+        let nodes = nodes(names);
+        let view = View {
+            nodes: &nodes,
+            exclusions: ex,
+            now: t(now),
+        };
+        judge(p, &view, settings)
+    }
+
+    fn judged(p: &Pod) -> Verdict {
+        judge_with(
+            p,
+            &["vn-a", "vn-b"],
+            &Exclusions::default(),
+            NOW,
+            &Settings::default(),
+        )
+    }
+
+    fn record(nodes: &[(&str, &str)], moves: u32, exhausted: bool) -> Exclusions {
+        let nodes: BTreeMap<String, Timestamp> = nodes.iter().map(|(n, u)| (n.to_string(), t(u))).collect();
+        let expires = nodes.values().copied().max().unwrap_or(t(NOW));
+        let mut ex = Exclusions::default();
+        ex.records.insert(
+            "rs-uid".into(),
+            Record {
+                namespace: "shop".into(),
+                kind: "ReplicaSet".into(),
+                name: "web-1".into(),
+                nodes,
+                moves,
+                expires,
+                exhausted: exhausted.then(|| t(NOW)),
+            },
+        );
+        ex
+    }
+
+    #[test]
+    fn a_pod_refused_below_for_longer_than_the_threshold_moves_and_its_node_is_excluded() {
+        let Verdict::Move(m) = judged(&pod(refused("2024-05-01T09:58:00Z"))) else {
+            panic!("expected a move")
+        };
+        assert_eq!(m.refusal.node, "vn-a");
+        assert_eq!(m.refusal.message, "0/8 nodes are available: 8 Insufficient cpu.");
+        assert_eq!(m.workload.key(), "rs-uid");
+        assert_eq!(m.workload.describe("web-1-x"), "ReplicaSet/web-1");
+        assert_eq!(m.targets, vec!["vn-b"]);
+        assert_eq!(m.record.moves, 1);
+        assert_eq!(
+            m.record.nodes["vn-a"],
+            t("2024-05-01T10:10:00Z"),
+            "excluded for the TTL"
+        );
+        assert!(m.record_changed);
+    }
+
+    #[test]
+    fn a_refusal_younger_than_the_threshold_waits_for_it_whatever_the_pods_age() {
+        assert_eq!(
+            judged(&pod(refused("2024-05-01T09:59:30Z"))),
+            Verdict::WaitUntil(t("2024-05-01T10:00:30Z"))
+        );
+    }
+
+    #[test]
+    fn pods_that_are_running_deleted_or_refused_for_another_reason_are_not_candidates() {
+        let mut v = refused("2024-05-01T09:00:00Z");
+        v["status"]["phase"] = json!("Running");
+        assert_eq!(judged(&pod(v)), Verdict::Ignore);
+        let mut v = refused("2024-05-01T09:00:00Z");
+        v["metadata"]["deletionTimestamp"] = json!(NOW);
+        assert_eq!(judged(&pod(v)), Verdict::Ignore);
+        let mut v = refused("2024-05-01T09:00:00Z");
+        v["status"]["conditions"][1]["reason"] = json!("SchedulingGated");
+        assert_eq!(judged(&pod(v)), Verdict::Ignore, "a lower queue holds it");
+        let mut v = refused("2024-05-01T09:00:00Z");
+        v["spec"]["nodeName"] = json!("real-node");
+        assert_eq!(judged(&pod(v)), Verdict::Ignore, "not on a virtual node");
+    }
+
+    #[test]
+    fn a_pod_on_a_node_that_is_not_ready_stays_for_taint_eviction() {
+        let mut nodes = nodes(&["vn-a", "vn-b"]);
+        if let Some(n) = nodes.get_mut("vn-a") {
+            n.status =
+                serde_json::from_value(json!({"conditions": [{"type": "Ready", "status": "Unknown"}]}))
+                    .unwrap();
+        }
+        let ex = Exclusions::default();
+        let view = View {
+            nodes: &nodes,
+            exclusions: &ex,
+            now: t(NOW),
+        };
+        let v = judge(&pod(refused("2024-05-01T09:00:00Z")), &view, &Settings::default());
+        assert!(
+            matches!(
+                v,
+                Verdict::Skip {
+                    why: Skip::NodeNotReady,
+                    ..
+                }
+            ),
+            "{v:?}"
+        );
+    }
+
+    #[test]
+    fn daemonset_mirror_critical_opted_out_and_volume_pinned_pods_never_move() {
+        let cases: Vec<(serde_json::Value, Skip)> = vec![
+            (
+                json!({"metadata": {"ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "d", "uid": "d", "controller": true}]}}),
+                Skip::DaemonSet,
+            ),
+            (
+                json!({"metadata": {"annotations": {"kubernetes.io/config.mirror": "x"}}}),
+                Skip::Mirror,
+            ),
+            (
+                json!({"spec": {"priorityClassName": "system-node-critical"}}),
+                Skip::SystemCritical,
+            ),
+            (
+                json!({"metadata": {"annotations": {"tensile.io/deschedule": "false"}}}),
+                Skip::OptedOut,
+            ),
+            (
+                json!({"metadata": {"annotations": {"descheduler.alpha.kubernetes.io/prefer-no-eviction": ""}}}),
+                Skip::OptedOut,
+            ),
+            (
+                json!({"spec": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["vn-a"]}]}]}}}}}),
+                Skip::VolumePinned,
+            ),
+        ];
+        for (patch, want) in cases {
+            let mut v = refused("2024-05-01T09:00:00Z");
+            for (section, fields) in patch.as_object().unwrap() {
+                for (k, val) in fields.as_object().unwrap() {
+                    v[section][k] = val.clone();
+                }
+            }
+            match judged(&pod(v)) {
+                Verdict::Skip { why, .. } => assert_eq!(why, want),
+                other => panic!("{want:?}: got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_bare_pod_moves_only_when_it_opts_in_or_the_flag_says_so() {
+        let mut v = refused("2024-05-01T09:00:00Z");
+        v["metadata"]["ownerReferences"] = json!(null);
+        let bare = pod(v.clone());
+        assert!(matches!(
+            judged(&bare),
+            Verdict::Skip {
+                why: Skip::BarePod,
+                ..
+            }
+        ));
+        let settings = Settings {
+            recreate_bare_pods: true,
+            ..Settings::default()
+        };
+        let Verdict::Move(m) = judge_with(&bare, &["vn-a", "vn-b"], &Exclusions::default(), NOW, &settings)
+        else {
+            panic!("the flag moves it")
+        };
+        assert_eq!(
+            m.workload,
+            Workload::Bare {
+                lineage: "pod-uid".into()
+            }
+        );
+        v["metadata"]["annotations"] =
+            json!({"descheduler.alpha.kubernetes.io/evict": "true", "tensile.io/lineage": "first-uid"});
+        let Verdict::Move(m) = judged(&pod(v)) else {
+            panic!("the annotation moves it")
+        };
+        assert_eq!(
+            m.workload.key(),
+            "first-uid",
+            "a line of replacements shares one record"
+        );
+    }
+
+    #[test]
+    fn a_pod_no_other_virtual_node_would_take_stays_and_says_why() {
+        let p = pod(refused("2024-05-01T09:00:00Z"));
+        match judge_with(&p, &["vn-a"], &Exclusions::default(), NOW, &Settings::default()) {
+            Verdict::Skip {
+                why: Skip::NoOtherNode(_),
+                ..
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        let mut v = refused("2024-05-01T09:00:00Z");
+        v["spec"]["nodeSelector"] = json!({"region": "eu"});
+        match judged(&pod(v)) {
+            Verdict::Skip {
+                why: Skip::NoOtherNode(why),
+                ..
+            } => assert!(why[0].contains("nodeSelector"), "{why:?}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_second_pod_of_a_workload_already_kept_off_the_node_moves_without_counting_a_move() {
+        let ex = record(&[("vn-a", "2024-05-01T10:05:00Z")], 1, false);
+        let Verdict::Move(m) = judge_with(
+            &pod(refused("2024-05-01T09:00:00Z")),
+            &["vn-a", "vn-b"],
+            &ex,
+            NOW,
+            &Settings::default(),
+        ) else {
+            panic!("moves")
+        };
+        assert_eq!(m.record.moves, 1);
+        assert!(!m.record_changed, "nothing to write");
+    }
+
+    #[test]
+    fn an_exclusion_that_would_leave_no_virtual_node_drops_the_oldest_instead() {
+        // vn-b was excluded earlier; now vn-a refuses too: vn-b becomes usable again.
+        let ex = record(&[("vn-b", "2024-05-01T10:03:00Z")], 1, false);
+        let Verdict::Move(m) = judge_with(
+            &pod(refused("2024-05-01T09:00:00Z")),
+            &["vn-a", "vn-b"],
+            &ex,
+            NOW,
+            &Settings::default(),
+        ) else {
+            panic!("moves")
+        };
+        assert_eq!(m.record.nodes.keys().collect::<Vec<_>>(), ["vn-a"]);
+        assert_eq!(m.targets, vec!["vn-b"]);
+        assert_eq!(m.record.moves, 2);
+    }
+
+    #[test]
+    fn after_the_maximum_of_moves_the_workload_is_given_up_on_once_then_left_alone() {
+        let ex = record(&[("vn-b", "2024-05-01T10:03:00Z")], 3, false);
+        let p = pod(refused("2024-05-01T09:00:00Z"));
+        let Verdict::GiveUp(g) = judge_with(&p, &["vn-a", "vn-b"], &ex, NOW, &Settings::default()) else {
+            panic!("gives up")
+        };
+        assert_eq!(g.record.exhausted, Some(t(NOW)));
+        let ex = record(&[("vn-b", "2024-05-01T10:03:00Z")], 3, true);
+        assert!(matches!(
+            judge_with(&p, &["vn-a", "vn-b"], &ex, NOW, &Settings::default()),
+            Verdict::Skip {
+                why: Skip::Exhausted,
+                ..
+            }
+        ));
+        // Once the record expires, the workload starts afresh.
+        let Verdict::Move(m) = judge_with(
+            &p,
+            &["vn-a", "vn-b"],
+            &ex,
+            "2024-05-01T10:04:00Z",
+            &Settings::default(),
+        ) else {
+            panic!("moves again after the TTL")
+        };
+        assert_eq!(m.record.moves, 1);
+    }
+
+    #[test]
+    fn an_expired_exclusion_no_longer_counts() {
+        let ex = record(&[("vn-a", "2024-05-01T09:30:00Z")], 1, false);
+        let Verdict::Move(m) = judge_with(
+            &pod(refused("2024-05-01T09:00:00Z")),
+            &["vn-a", "vn-b"],
+            &ex,
+            NOW,
+            &Settings::default(),
+        ) else {
+            panic!("moves")
+        };
+        assert_eq!(m.record.moves, 1, "a fresh record");
+        assert!(m.record_changed);
+    }
+
+    #[test]
+    fn round_caps_hold_per_namespace_node_owner_and_in_total() {
+        let mut b = Budget::new(3, 0, 2, 1);
+        assert_eq!(b.take("a", "vn-a", "rs1"), Ok(()));
+        assert_eq!(b.take("a", "vn-a", "rs1"), Err("--max-pods-to-evict-per-owner"));
+        assert_eq!(b.take("a", "vn-a", "rs2"), Ok(()));
+        assert_eq!(b.take("b", "vn-a", "rs3"), Err("--max-pods-to-evict-per-node"));
+        assert_eq!(b.take("b", "vn-b", "rs3"), Ok(()));
+        assert_eq!(b.take("c", "vn-c", "rs4"), Err("--max-pods-to-evict-total"));
+        let mut b = Budget::new(0, 1, 0, 0);
+        assert_eq!(b.take("a", "x", "1"), Ok(()));
+        assert_eq!(b.take("a", "y", "2"), Err("--max-pods-to-evict-per-namespace"));
+    }
+}

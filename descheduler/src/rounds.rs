@@ -1,0 +1,441 @@
+//! The descheduling loop: a round reads the caches, asks [`crate::decide`] about every
+//! pending pod, and performs what it says within the round's caps. A round runs when a pod
+//! or node changes, when a refusal reaches the threshold, and every
+//! `--descheduling-interval` regardless.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
+use kube::Resource as _;
+use kube::api::Api;
+use kube::runtime::events::{Event, EventType, Recorder};
+use tensile_common::cache::Cache;
+use tensile_common::exclusion::Exclusions;
+use tensile_common::runtime::CancellationToken;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::bare;
+use crate::decide::{self, Budget, GiveUp, Move, Settings, Verdict, Workload};
+use crate::evict::{self, Evicted};
+use crate::metrics::{Metrics, NodeLabels, ReasonLabels, ResultLabels};
+use crate::store::Store;
+
+/// The per-round caps (`0`: none).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Caps {
+    pub total: u32,
+    pub per_namespace: u32,
+    pub per_node: u32,
+    pub per_owner: u32,
+}
+
+/// Everything a round needs.
+pub struct Descheduler {
+    pub client: kube::Client,
+    pub pods: Cache<Pod>,
+    pub nodes: Cache<Node>,
+    pub store: Store,
+    pub settings: Settings,
+    pub caps: Caps,
+    pub dry_run: bool,
+    pub interval: Duration,
+    pub metrics: Arc<Metrics>,
+    pub recorder: Recorder,
+    /// Woken by every pod and node event.
+    pub changed: Arc<Notify>,
+    pub(crate) backoff: Mutex<HashMap<String, (u32, Instant)>>,
+    pub(crate) told: Mutex<HashSet<(String, &'static str)>>,
+}
+
+/// First retry of a pod after an API error; doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_secs(5);
+const MAX_BACKOFF: Duration = Duration::from_secs(300);
+/// Events arriving together are handled in one round.
+const SETTLE: Duration = Duration::from_millis(300);
+
+impl Descheduler {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        client: kube::Client,
+        pods: Cache<Pod>,
+        nodes: Cache<Node>,
+        store: Store,
+        settings: Settings,
+        caps: Caps,
+        dry_run: bool,
+        interval: Duration,
+        metrics: Arc<Metrics>,
+        recorder: Recorder,
+        changed: Arc<Notify>,
+    ) -> Self {
+        Self {
+            client,
+            pods,
+            nodes,
+            store,
+            settings,
+            caps,
+            dry_run,
+            interval,
+            metrics,
+            recorder,
+            changed,
+            backoff: Mutex::default(),
+            told: Mutex::default(),
+        }
+    }
+
+    /// Runs rounds until `stop`; a round in progress is finished first.
+    pub async fn run(self, stop: CancellationToken) {
+        loop {
+            let due = self.round().await;
+            let wait = match due {
+                Some(at) => {
+                    let left = Timestamp::now().duration_until(at);
+                    Duration::try_from(left)
+                        .unwrap_or(Duration::ZERO)
+                        .min(self.interval)
+                        + Duration::from_millis(100)
+                }
+                None => self.interval,
+            };
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
+                _ = self.changed.notified() => tokio::time::sleep(SETTLE).await,
+            }
+        }
+    }
+
+    /// One round; returns when the next refusal reaches the threshold, if one is waiting.
+    pub async fn round(&self) -> Option<Timestamp> {
+        let started = std::time::Instant::now();
+        let now = Timestamp::now();
+        let nodes: BTreeMap<String, Node> = self
+            .nodes
+            .state()
+            .into_iter()
+            .filter_map(|n| n.metadata.name.clone().map(|name| (name, (*n).clone())))
+            .collect();
+        let mut exclusions: Exclusions = (*self.store.current()).clone();
+        let mut pods = self.pods.state();
+        // The longest-refused first.
+        pods.sort_by_key(|p| decide::refusal(p, &self.settings.reasons).map(|r| r.since));
+        self.forget_gone(&pods);
+
+        let mut budget = Budget::new(
+            self.caps.total,
+            self.caps.per_namespace,
+            self.caps.per_node,
+            self.caps.per_owner,
+        );
+        let mut due: Option<Timestamp> = None;
+        let mut candidates: BTreeMap<String, i64> = nodes.keys().map(|n| (n.clone(), 0)).collect();
+        let mut skipped: BTreeMap<&'static str, i64> = BTreeMap::new();
+        for pod in &pods {
+            let view = decide::View {
+                nodes: &nodes,
+                exclusions: &exclusions,
+                now,
+            };
+            let verdict = decide::judge(pod, &view, &self.settings);
+            match verdict {
+                Verdict::Ignore => {}
+                Verdict::WaitUntil(at) => due = Some(due.map_or(at, |d| d.min(at))),
+                Verdict::Skip { node, why } => {
+                    *candidates.entry(node.clone()).or_default() += 1;
+                    *skipped.entry(why.label()).or_default() += 1;
+                    if self.first_time(pod, why.label()) {
+                        tracing::info!(pod = %key(pod), virtual_node = %node, "left in place: {why}");
+                    }
+                }
+                Verdict::Move(m) => {
+                    *candidates.entry(m.refusal.node.clone()).or_default() += 1;
+                    if self.backing_off(pod) {
+                        continue;
+                    }
+                    let ns = pod.metadata.namespace.clone().unwrap_or_default();
+                    if let Err(cap) = budget.take(&ns, &m.refusal.node, m.workload.key()) {
+                        self.metrics
+                            .moved("limited", &m.refusal.reason, &m.refusal.node, &ns);
+                        tracing::debug!(pod = %key(pod), "not moved this round: {cap} reached");
+                        continue;
+                    }
+                    self.perform(pod, &m, now, &mut exclusions).await;
+                }
+                Verdict::GiveUp(g) => self.give_up(pod, &g, now, &mut exclusions).await,
+            }
+        }
+        for (node, n) in candidates {
+            self.metrics
+                .candidates
+                .get_or_create(&NodeLabels { virtual_node: node })
+                .set(n);
+        }
+        for label in [
+            "node_not_ready",
+            "daemonset",
+            "mirror",
+            "system_critical",
+            "opted_out",
+            "volume_pinned",
+            "bare_pod",
+            "no_other_node",
+            "exhausted",
+        ] {
+            self.metrics
+                .skipped
+                .get_or_create(&ReasonLabels { reason: label.into() })
+                .set(skipped.get(label).copied().unwrap_or(0));
+        }
+        self.metrics.exclusions.set(exclusions.live(now) as i64);
+        self.metrics
+            .cycle_seconds
+            .observe(started.elapsed().as_secs_f64());
+        self.metrics.cycles.inc();
+        due
+    }
+
+    /// Moves one pod: records the exclusion, then evicts it (owned) or replaces it (bare).
+    async fn perform(&self, pod: &Pod, m: &Move, now: Timestamp, exclusions: &mut Exclusions) {
+        let ns = pod.metadata.namespace.clone().unwrap_or_default();
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let owner = m.workload.describe(&name);
+        let node = &m.refusal.node;
+        if self.dry_run {
+            tracing::info!(
+                pod = %format!("{ns}/{name}"), virtual_node = %node, targets = ?m.targets,
+                "dry run: would move the pod ({owner}): the lower cluster cannot place it ({})",
+                m.refusal.message
+            );
+            self.metrics.moved("dry_run", &m.refusal.reason, node, &ns);
+            exclusions
+                .records
+                .insert(m.workload.key().to_owned(), m.record.clone());
+            return;
+        }
+        if m.record_changed {
+            match self.store.put(m.workload.key(), &m.record, now).await {
+                Ok(()) => {
+                    self.metrics.exclusion_writes.get_or_create(&ok()).inc();
+                    if let Workload::Owned { .. } = &m.workload {
+                        self.event(
+                            owner_ref(pod, &m.workload),
+                            EventType::Normal,
+                            "VirtualNodeExcluded",
+                            &format!(
+                                "replacements of {ns}/{name} avoid {} until the exclusion expires: the lower cluster of {node} could not place it",
+                                m.record.nodes.keys().cloned().collect::<Vec<_>>().join(", ")
+                            ),
+                        )
+                        .await;
+                    }
+                }
+                Err(e) => {
+                    self.metrics.exclusion_writes.get_or_create(&failed()).inc();
+                    self.failed(
+                        pod,
+                        &m.refusal.reason,
+                        node,
+                        &format!("recording the exclusion: {e}"),
+                    )
+                    .await;
+                    return;
+                }
+            }
+        }
+        exclusions
+            .records
+            .insert(m.workload.key().to_owned(), m.record.clone());
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
+        let result = match &m.workload {
+            Workload::Owned { .. } => evict::evict(&api, &ns, &name, &uid)
+                .await
+                .map_err(|e| e.to_string()),
+            Workload::Bare { .. } => bare::replace(&api, pod, m).await.map_err(|e| e.to_string()),
+        };
+        match result {
+            Ok(Evicted::Accepted) => {
+                self.backoff_clear(pod);
+                self.metrics.moved("success", &m.refusal.reason, node, &ns);
+                let how = match &m.workload {
+                    Workload::Owned { .. } => format!("evicted so {owner} recreates it elsewhere"),
+                    Workload::Bare { .. } => "replaced by a copy that avoids it".to_owned(),
+                };
+                let note = format!(
+                    "lower cluster of {node} cannot place the pod ({}); {how}",
+                    m.refusal.message
+                );
+                tracing::info!(pod = %format!("{ns}/{name}"), virtual_node = %node, targets = ?m.targets, "descheduled: {note}");
+                self.event(pod.object_ref(&()), EventType::Normal, "Descheduled", &note)
+                    .await;
+            }
+            Ok(Evicted::Gone) => {
+                tracing::debug!(pod = %format!("{ns}/{name}"), "already gone");
+            }
+            Ok(Evicted::Refused(why)) => {
+                self.metrics.moved("limited", &m.refusal.reason, node, &ns);
+                tracing::info!(pod = %format!("{ns}/{name}"), "eviction refused for now: {why}");
+            }
+            Err(e) => self.failed(pod, &m.refusal.reason, node, &e).await,
+        }
+    }
+
+    async fn give_up(&self, pod: &Pod, g: &GiveUp, now: Timestamp, exclusions: &mut Exclusions) {
+        let ns = pod.metadata.namespace.clone().unwrap_or_default();
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let owner = g.workload.describe(&name);
+        let note = format!(
+            "stopped moving {owner}: it was moved {} times within the exclusion TTL and the lower cluster of {} still cannot place {ns}/{name} ({})",
+            g.record.moves, g.refusal.node, g.refusal.message
+        );
+        exclusions
+            .records
+            .insert(g.workload.key().to_owned(), g.record.clone());
+        if self.dry_run {
+            tracing::warn!("dry run: would give up: {note}");
+            self.metrics
+                .gave_up
+                .get_or_create(&ResultLabels {
+                    result: "dry_run".into(),
+                })
+                .inc();
+            return;
+        }
+        if let Err(e) = self.store.put(g.workload.key(), &g.record, now).await {
+            self.metrics.exclusion_writes.get_or_create(&failed()).inc();
+            tracing::warn!(pod = %format!("{ns}/{name}"), "recording that {owner} was given up on: {e}");
+            return;
+        }
+        self.metrics.exclusion_writes.get_or_create(&ok()).inc();
+        self.metrics
+            .gave_up
+            .get_or_create(&ResultLabels {
+                result: "warned".into(),
+            })
+            .inc();
+        tracing::warn!(pod = %format!("{ns}/{name}"), "{note}");
+        self.event(
+            owner_ref(pod, &g.workload),
+            EventType::Warning,
+            "DeschedulingExhausted",
+            &note,
+        )
+        .await;
+    }
+
+    async fn failed(&self, pod: &Pod, reason: &str, node: &str, error: &str) {
+        let ns = pod.metadata.namespace.clone().unwrap_or_default();
+        self.metrics.moved("error", reason, node, &ns);
+        let retry = self.backoff_fail(pod);
+        tracing::warn!(pod = %key(pod), "moving the pod failed (retried in {retry:?}): {error}");
+        self.event(
+            pod.object_ref(&()),
+            EventType::Warning,
+            "DescheduleFailed",
+            &format!("moving the pod off {node} failed: {error}"),
+        )
+        .await;
+    }
+
+    async fn event(&self, reference: ObjectReference, type_: EventType, reason: &str, note: &str) {
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note.chars().take(1000).collect()),
+            action: "Descheduling".into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, &reference).await {
+            tracing::debug!(object = reference.name.as_deref().unwrap_or_default(), %reason, "event not recorded: {e}");
+        }
+    }
+
+    fn first_time(&self, pod: &Pod, label: &'static str) -> bool {
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        self.told.lock().is_ok_and(|mut t| t.insert((uid, label)))
+    }
+
+    fn backing_off(&self, pod: &Pod) -> bool {
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        self.backoff
+            .lock()
+            .is_ok_and(|b| b.get(uid).is_some_and(|(_, next)| Instant::now() < *next))
+    }
+
+    /// Records a failure; returns the delay before the next attempt.
+    fn backoff_fail(&self, pod: &Pod) -> Duration {
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let Ok(mut b) = self.backoff.lock() else {
+            return FIRST_BACKOFF;
+        };
+        let failures = b.get(&uid).map_or(0, |(n, _)| *n);
+        let delay = FIRST_BACKOFF
+            .saturating_mul(1 << failures.min(6))
+            .min(MAX_BACKOFF);
+        b.insert(uid, (failures + 1, Instant::now() + delay));
+        delay
+    }
+
+    fn backoff_clear(&self, pod: &Pod) {
+        if let (Some(uid), Ok(mut b)) = (&pod.metadata.uid, self.backoff.lock()) {
+            b.remove(uid);
+        }
+    }
+
+    /// Forgets backoffs and logged skips of pods that are gone.
+    fn forget_gone(&self, pods: &[Arc<Pod>]) {
+        let live: HashSet<&str> = pods.iter().filter_map(|p| p.metadata.uid.as_deref()).collect();
+        if let Ok(mut b) = self.backoff.lock() {
+            b.retain(|uid, _| live.contains(uid.as_str()));
+        }
+        if let Ok(mut t) = self.told.lock() {
+            t.retain(|(uid, _)| live.contains(uid.as_str()));
+        }
+    }
+}
+
+fn ok() -> ResultLabels {
+    ResultLabels {
+        result: "success".into(),
+    }
+}
+
+fn failed() -> ResultLabels {
+    ResultLabels {
+        result: "error".into(),
+    }
+}
+
+fn key(pod: &Pod) -> String {
+    format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or_default(),
+        pod.metadata.name.as_deref().unwrap_or_default()
+    )
+}
+
+/// The object events about the workload go to: its controller, or the pod itself.
+fn owner_ref(pod: &Pod, workload: &Workload) -> ObjectReference {
+    match workload {
+        Workload::Owned {
+            api_version,
+            kind,
+            name,
+            uid,
+        } => ObjectReference {
+            api_version: Some(api_version.clone()),
+            kind: Some(kind.clone()),
+            name: Some(name.clone()),
+            namespace: pod.metadata.namespace.clone(),
+            uid: Some(uid.clone()),
+            ..Default::default()
+        },
+        Workload::Bare { .. } => pod.object_ref(&()),
+    }
+}
