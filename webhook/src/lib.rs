@@ -8,8 +8,11 @@
 //! (they choose the cluster), and gives the upper pod what it needs to land on a virtual
 //! node: a toleration for the virtual node taint, a requirement for the virtual node label,
 //! finite not-ready/unreachable tolerations so it fails over when a lower cluster is lost,
-//! and a pin to the virtual node its bound PVC selected. virtual-node restores the stash
-//! below.
+//! and a pin to the virtual node its bound PVC selected. When the descheduler recorded that
+//! the pod's workload must avoid some virtual nodes (`--exclusions-configmap`, keyed by the
+//! controller's UID), every upper node-affinity term also gets `kubernetes.io/hostname
+//! NotIn` those nodes, after the split, so the exclusion steers the upper scheduler and
+//! never enters the stash. virtual-node restores the stash below.
 //!
 //! [`mutate::mutate`] is pure (review in, response out); [`server`] adds HTTPS, limits and
 //! metrics; [`tls`] and [`ca_bundle`] handle the certificate. Every other pod, and every
@@ -34,7 +37,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use mutate::{ClaimNodes, NoClaims, Outcome, Verdict, mutate};
+pub use mutate::{ClaimNodes, ExcludedNodes, NoClaims, NoExclusions, Outcome, Verdict, mutate};
 pub use policy::{Label, Policy, VirtualNodeConstraint};
 
 #[derive(Debug, thiserror::Error)]
@@ -137,6 +140,11 @@ pub struct Args {
     /// How long a PVC read may take before the pod is admitted without a volume pin, in ms.
     #[arg(long, env = "WEBHOOK_PVC_TIMEOUT_MS", default_value_t = 2000)]
     pub pvc_timeout_ms: u64,
+    /// The descheduler's exclusions ConfigMap (`namespace/name`): a pod whose controller has
+    /// a record there gets `kubernetes.io/hostname NotIn` the excluded virtual nodes.
+    #[arg(long, env = "WEBHOOK_EXCLUSIONS_CONFIGMAP",
+          default_value = tensile_common::exclusion::DEFAULT_LOCATION)]
+    pub exclusions_configmap: tensile_common::exclusion::Location,
     #[command(flatten)]
     pub client: tensile_common::kubeconfig::ClientArgs,
     #[command(flatten)]
@@ -205,6 +213,8 @@ pub struct Options {
     pub client: Option<kube::Client>,
     pub max_body_bytes: usize,
     pub pvc_timeout: Duration,
+    /// The descheduler's exclusions ConfigMap, watched with `client`; `None`: not read.
+    pub exclusions: Option<tensile_common::exclusion::Location>,
 }
 
 impl Options {
@@ -219,6 +229,7 @@ impl Options {
             client: None,
             max_body_bytes: 6 * 1024 * 1024,
             pvc_timeout: Duration::from_secs(2),
+            exclusions: None,
         }
     }
 }
@@ -286,6 +297,18 @@ pub async fn start(options: Options) -> Result<Running> {
     }
     let ready = tensile_common::admin::Readiness::default();
     ready.set(!must_write_bundle);
+    let exclusions = match (&options.client, &options.exclusions) {
+        (Some(client), Some(location)) => {
+            let api = kube::Api::namespaced(client.clone(), &location.namespace);
+            let (_, seen, watch) = tensile_common::exclusion::follow(api, &location.name);
+            let stop = stop.clone();
+            tasks.push(tokio::spawn(async move {
+                stop.run_until_cancelled(watch).await;
+            }));
+            Some(seen)
+        }
+        _ => None,
+    };
     let state = Arc::new(server::State {
         policy: options.policy,
         max_body_bytes: options.max_body_bytes,
@@ -293,6 +316,7 @@ pub async fn start(options: Options) -> Result<Running> {
         client: options.client.clone(),
         pvc_timeout: options.pvc_timeout,
         ready,
+        exclusions,
     });
     let listener = bind(options.address).await?;
     let address = listener.local_addr().map_err(|source| Error::Bind {
@@ -392,6 +416,7 @@ pub async fn run(args: Args) -> Result<()> {
         client: client(&args).await?,
         max_body_bytes: args.max_body_bytes,
         pvc_timeout: Duration::from_millis(args.pvc_timeout_ms),
+        exclusions: Some(args.exclusions_configmap.clone()),
     };
     let shutdown = tensile_common::runtime::shutdown_on_signals().map_err(Error::Signal)?;
     let running = start(options).await?;

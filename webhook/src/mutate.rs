@@ -50,6 +50,27 @@ impl ClaimNodes for NoClaims {
     }
 }
 
+/// The virtual nodes the workload of a pod must avoid, by the UID of the pod's controller
+/// (the descheduler's exclusion records).
+pub trait ExcludedNodes {
+    fn excluded_nodes(&self, owner_uid: &str) -> Vec<String>;
+}
+
+/// No workload avoids any node.
+pub struct NoExclusions;
+
+impl ExcludedNodes for NoExclusions {
+    fn excluded_nodes(&self, _: &str) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+impl ExcludedNodes for tensile_common::exclusion::Exclusions {
+    fn excluded_nodes(&self, owner_uid: &str) -> Vec<String> {
+        tensile_common::exclusion::Exclusions::excluded_nodes(self, owner_uid, jiff::Timestamp::now())
+    }
+}
+
 /// What happened to a review, for metrics and logs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Verdict {
@@ -98,9 +119,17 @@ struct PodMembers {
 }
 
 #[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct MetadataMembers {
     labels: Option<BTreeMap<String, String>>,
     annotations: Option<BTreeMap<String, String>>,
+    owner_references: Option<Vec<OwnerMembers>>,
+}
+
+#[derive(Deserialize)]
+struct OwnerMembers {
+    uid: String,
+    controller: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -175,8 +204,20 @@ impl Stashing<'_> {
 
     /// The second step: the patch, given the nodes the pod's PVCs selected.
     pub fn finish(self, policy: &Policy, claims: &dyn ClaimNodes) -> Outcome {
+        self.finish_excluding(policy, claims, &NoExclusions)
+    }
+
+    /// The second step, with the virtual nodes the pod's workload must avoid: after the
+    /// stash split, a `kubernetes.io/hostname NotIn` requirement joins every upper term, so
+    /// it steers the upper scheduler and never reaches the lower pod.
+    pub fn finish_excluding(
+        self,
+        policy: &Policy,
+        claims: &dyn ClaimNodes,
+        excluded: &dyn ExcludedNodes,
+    ) -> Outcome {
         let review = self.review;
-        match plan(self.object, self.pod, policy, claims) {
+        match plan(self.object, self.pod, policy, claims, excluded) {
             // `with_patch` is the only way to set the patch type; the patch itself is
             // written by `plan`, straight from the typed values.
             Ok((patch, warnings)) => match allow(review).with_patch(Patch::default()) {
@@ -346,10 +387,10 @@ fn path(tokens: &[&str]) -> String {
 
 /// A value of the patch, written straight from its typed form.
 enum New<'a> {
-    /// The stash annotation's text.
+    /// An annotation's text (the stash, the excluded nodes).
     Stash(&'a str),
-    /// A new `annotations` holding only the stash.
-    Annotations(&'a str),
+    /// A new `annotations` holding only the stash, and the excluded nodes if any.
+    Annotations(&'a str, Option<&'a str>),
     NodeSelector(&'a BTreeMap<String, String>),
     NodeAffinity(&'a NodeAffinity),
     /// A new `affinity` holding only node affinity.
@@ -361,9 +402,12 @@ impl Serialize for New<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         match self {
             New::Stash(text) => serializer.serialize_str(text),
-            New::Annotations(text) => {
-                let mut map = serializer.serialize_map(Some(1))?;
+            New::Annotations(text, excluded) => {
+                let mut map = serializer.serialize_map(Some(1 + usize::from(excluded.is_some())))?;
                 map.serialize_entry(names::CLUSTER_SELECTOR, text)?;
+                if let Some(nodes) = excluded {
+                    map.serialize_entry(names::EXCLUDED_NODES, nodes)?;
+                }
                 map.end()
             }
             New::NodeSelector(selector) => selector.serialize(serializer),
@@ -489,8 +533,14 @@ fn plan(
     pod: PodMembers,
     policy: &Policy,
     claims: &dyn ClaimNodes,
+    excluded: &dyn ExcludedNodes,
 ) -> Result<(Vec<u8>, Vec<String>), String> {
     let PodMembers { metadata, spec, .. } = pod;
+    let controller_uid = metadata
+        .as_ref()
+        .and_then(|m| m.owner_references.as_ref())
+        .and_then(|o| o.iter().find(|o| o.controller == Some(true)))
+        .map(|o| o.uid.clone());
     let mut spec = spec.ok_or("the pod has no spec")?;
     let keep = &policy.ignore_selector_keys;
     let mut warnings = Vec::new();
@@ -562,6 +612,19 @@ fn plan(
         }
         VirtualNodeConstraint::None => {}
     }
+    // The descheduler's exclusion of the workload, unless a volume pins the pod to its node.
+    let excluded_nodes = match &controller_uid {
+        Some(uid) if pins.is_empty() => excluded.excluded_nodes(uid),
+        _ => Vec::new(),
+    };
+    if !excluded_nodes.is_empty() {
+        add_expressions.push(NodeSelectorRequirement {
+            key: names::HOSTNAME_LABEL.into(),
+            operator: "NotIn".into(),
+            values: Some(excluded_nodes.clone()),
+        });
+    }
+    let excluded_text = excluded_nodes.join(",");
     let add_fields: Vec<NodeSelectorRequirement> = pins
         .keys()
         .map(|node| NodeSelectorRequirement {
@@ -623,12 +686,24 @@ fn plan(
     // The patch touches only the fields that change. The decoded pod tells when a field
     // differs; when it reads the same, the raw field decides.
     let mut ops = Vec::new();
+    let excluded_annotation = (!excluded_text.is_empty()).then_some(excluded_text.as_str());
     match metadata.and_then(|m| m.annotations) {
-        Some(_) => ops.push(add(
-            &["metadata", "annotations", names::CLUSTER_SELECTOR],
-            New::Stash(&stash_text),
+        Some(_) => {
+            ops.push(add(
+                &["metadata", "annotations", names::CLUSTER_SELECTOR],
+                New::Stash(&stash_text),
+            ));
+            if let Some(text) = excluded_annotation {
+                ops.push(add(
+                    &["metadata", "annotations", names::EXCLUDED_NODES],
+                    New::Stash(text),
+                ));
+            }
+        }
+        None => ops.push(add(
+            &["metadata", "annotations"],
+            New::Annotations(&stash_text, excluded_annotation),
         )),
-        None => ops.push(add(&["metadata", "annotations"], New::Annotations(&stash_text))),
     }
     match &spec.node_selector {
         Some(_) if upper_selector.is_empty() => ops.push(remove(&["spec", "nodeSelector"])),

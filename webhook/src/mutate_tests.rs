@@ -580,3 +580,122 @@ fn patch_paths_escape_tilde_and_slash() {
     );
     assert_eq!(path(&["spec", "nodeSelector"]), "/spec/nodeSelector");
 }
+
+/// The descheduler's record for the ReplicaSet `rs-uid`: avoid `vn-a` and `vn-c`.
+struct Excluding;
+
+impl ExcludedNodes for Excluding {
+    fn excluded_nodes(&self, owner_uid: &str) -> Vec<String> {
+        match owner_uid {
+            "rs-uid" => vec!["vn-a".into(), "vn-c".into()],
+            _ => Vec::new(),
+        }
+    }
+}
+
+fn owned_by(mut pod: Value, uid: &str) -> Value {
+    pod["metadata"]["ownerReferences"] = json!([
+        {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-1", "uid": uid, "controller": true},
+    ]);
+    pod
+}
+
+fn run_excluding(object: Value, policy: &Policy) -> (Outcome, Value) {
+    let review = review_of(object.clone(), "team", "CREATE", "Pod");
+    let Judgement::Stash(stashing) = judge(&review, policy) else {
+        panic!("an opted-in pod without a stash is stashed")
+    };
+    let outcome = stashing.finish_excluding(policy, &NoClaims, &Excluding);
+    let after = applied(&object, &outcome);
+    (outcome, after)
+}
+
+const TERMS: &str =
+    "/spec/affinity/nodeAffinity/requiredDuringSchedulingIgnoredDuringExecution/nodeSelectorTerms";
+
+#[test]
+fn a_replacement_of_an_excluded_workload_avoids_the_refusing_nodes_in_every_upper_term_only() {
+    let mut spec = full_spec();
+    spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] = json!([
+        {"matchExpressions": [{"key": "cluster", "operator": "In", "values": ["eu"]}, {"key": "zone", "operator": "In", "values": ["a"]}]},
+        {"matchExpressions": [{"key": "cluster", "operator": "In", "values": ["us"]}]},
+    ]);
+    let policy = Policy {
+        ignore_selector_keys: ["cluster".to_owned()].into(),
+        ..Policy::default()
+    };
+    let (outcome, after) = run_excluding(owned_by(opted_in(spec), "rs-uid"), &policy);
+    assert_eq!(outcome.verdict, Verdict::Mutated);
+    let not_in = json!({"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["vn-a", "vn-c"]});
+    let terms = after.pointer(TERMS).unwrap().as_array().unwrap().clone();
+    assert_eq!(terms.len(), 2);
+    for term in &terms {
+        let exprs = term["matchExpressions"].as_array().unwrap();
+        assert!(
+            exprs.contains(&not_in),
+            "every term carries the exclusion: {term}"
+        );
+    }
+    assert_eq!(
+        after["metadata"]["annotations"]["tensile.io/excluded-nodes"],
+        "vn-a,vn-c"
+    );
+    let stash = serde_json::to_string(&stash_of(&after)).unwrap();
+    assert!(
+        !stash.contains("kubernetes.io/hostname"),
+        "the exclusion never reaches the lower pod: {stash}"
+    );
+}
+
+#[test]
+fn an_excluded_workload_without_required_affinity_gets_one_term_holding_the_exclusion() {
+    let policy = Policy {
+        virtual_node_constraint: crate::policy::VirtualNodeConstraint::NodeSelector,
+        ..Policy::default()
+    };
+    let spec = json!({"containers": containers()});
+    let (_, after) = run_excluding(
+        owned_by(pod(json!({"virtual-pod": "true"}), spec), "rs-uid"),
+        &policy,
+    );
+    assert_eq!(
+        after.pointer(TERMS).unwrap(),
+        &json!([{"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["vn-a", "vn-c"]}]}])
+    );
+    assert_eq!(
+        after["metadata"]["annotations"]["tensile.io/excluded-nodes"], "vn-a,vn-c",
+        "written into a new annotations map"
+    );
+    assert!(after["metadata"]["annotations"]["clusterSelector"].is_string());
+}
+
+#[test]
+fn pods_of_other_workloads_bare_pods_and_volume_pinned_pods_get_no_exclusion() {
+    for object in [
+        owned_by(opted_in(full_spec()), "other-uid"),
+        opted_in(full_spec()),
+    ] {
+        let (_, after) = run_excluding(object, &Policy::default());
+        let text = after.to_string();
+        assert!(
+            !text.contains("NotIn") && !text.contains("excluded-nodes"),
+            "{text}"
+        );
+    }
+    let mut spec = full_spec();
+    spec["volumes"] = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
+    let object = owned_by(opted_in(spec), "rs-uid");
+    let review = review_of(object.clone(), "team", "CREATE", "Pod");
+    let Judgement::Stash(stashing) = judge(&review, &Policy::default()) else {
+        panic!("stashed")
+    };
+    let claims = BTreeMap::from([("data".to_owned(), "vn-a".to_owned())]);
+    let after = applied(
+        &object,
+        &stashing.finish_excluding(&Policy::default(), &claims, &Excluding),
+    );
+    assert!(
+        !after.to_string().contains("NotIn"),
+        "its volume lives below vn-a"
+    );
+}

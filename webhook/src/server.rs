@@ -40,6 +40,8 @@ pub struct State {
     pub pvc_timeout: Duration,
     /// False until the serving certificate is trusted (its caBundle written, when we make it).
     pub ready: tensile_common::admin::Readiness,
+    /// The descheduler's exclusion records, as the watch last showed them; `None`: not read.
+    pub exclusions: Option<tokio::sync::watch::Receiver<Arc<tensile_common::exclusion::Exclusions>>>,
 }
 
 type Body = Full<Bytes>;
@@ -166,7 +168,11 @@ async fn admit(state: &State, request: Request<Incoming>) -> Response<Body> {
                     }
                     _ => (BTreeMap::new(), Vec::new()),
                 };
-                let mut outcome = pod.finish(&state.policy, &nodes);
+                let exclusions = state.exclusions.as_ref().map(|rx| rx.borrow().clone());
+                let mut outcome = match &exclusions {
+                    Some(ex) => pod.finish_excluding(&state.policy, &nodes, ex.as_ref()),
+                    None => pod.finish(&state.policy, &nodes),
+                };
                 if outcome.verdict == Verdict::Mutated && !warnings.is_empty() {
                     outcome.response.warnings.get_or_insert_default().extend(warnings);
                 }
