@@ -39,6 +39,8 @@ pub struct Store {
 }
 
 const ATTEMPTS: usize = 5;
+/// Extra wait after our own watch showed a write, before the eviction it precedes.
+const SETTLE: Duration = Duration::from_millis(250);
 
 impl Store {
     pub fn new(client: kube::Client, location: Location, seen: watch::Receiver<Arc<Exclusions>>) -> Self {
@@ -121,5 +123,8 @@ impl Store {
         if tokio::time::timeout(Duration::from_secs(2), shown).await.is_err() {
             tracing::debug!(configmap = %self.location, "the watch has not shown our write after 2 s");
         }
+        // Other watchers (the webhook's) get the same event at about the same moment; a
+        // moment more lets a busy one decode it before the owner's replacement arrives.
+        tokio::time::sleep(SETTLE).await;
     }
 }
