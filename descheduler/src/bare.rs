@@ -26,6 +26,27 @@ use crate::decide::Move;
 use crate::evict::{self, Evicted};
 use crate::fit;
 
+/// A step of a bare-pod move after which `--crash-at` aborts the process, so that tests can
+/// prove a restart at any step finishes the move exactly once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Step {
+    /// The exclusion record is written; no replacement yet.
+    Recorded,
+    /// The replacement exists; the original is not evicted yet.
+    Created,
+    /// The original is evicted.
+    Evicted,
+}
+
+/// Aborts the process (as `kill -9` would end it: nothing is cleaned up) if `crash_at` is
+/// `step`.
+pub fn crash_point(crash_at: Option<Step>, step: Step) {
+    if crash_at == Some(step) {
+        eprintln!("descheduler: --crash-at={step:?}: aborting");
+        std::process::abort();
+    }
+}
+
 /// The replacement's name: the line's base name and five characters of the old UID.
 pub fn replacement_name(pod: &Pod) -> String {
     let name = pod.metadata.name.as_deref().unwrap_or("pod");
@@ -119,7 +140,12 @@ pub fn replacement(pod: &Pod, m: &Move) -> Pod {
 }
 
 /// Moves the bare pod: finds or creates its replacement, then evicts it.
-pub async fn replace(api: &Api<Pod>, pod: &Pod, m: &Move) -> Result<Evicted, kube::Error> {
+pub async fn replace(
+    api: &Api<Pod>,
+    pod: &Pod,
+    m: &Move,
+    crash_at: Option<Step>,
+) -> Result<Evicted, kube::Error> {
     let ns = pod.metadata.namespace.clone().unwrap_or_default();
     let name = pod.metadata.name.clone().unwrap_or_default();
     let uid = pod.metadata.uid.clone().unwrap_or_default();
@@ -147,7 +173,10 @@ pub async fn replace(api: &Api<Pod>, pod: &Pod, m: &Move) -> Result<Evicted, kub
             Err(e) => return Err(e),
         }
     }
-    evict::evict(api, &ns, &name, &uid).await
+    crash_point(crash_at, Step::Created);
+    let evicted = evict::evict(api, &ns, &name, &uid).await?;
+    crash_point(crash_at, Step::Evicted);
+    Ok(evicted)
 }
 
 #[cfg(test)]

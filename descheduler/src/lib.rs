@@ -142,6 +142,10 @@ pub struct Args {
     #[arg(long = "exclusions-configmap", env = "TENSILE_EXCLUSIONS_CONFIGMAP",
           default_value = exclusion::DEFAULT_LOCATION)]
     pub exclusions_configmap: Location,
+    /// For tests only: abort the process right after this step of a bare-pod move, as
+    /// `kill -9` would, to prove a restart finishes the move exactly once.
+    #[arg(long = "crash-at", env = "TENSILE_CRASH_AT", hide = true, value_enum)]
+    pub crash_at: Option<bare::Step>,
     #[command(flatten)]
     pub client: ClientArgs,
     #[command(flatten)]
@@ -322,7 +326,7 @@ fn compose(
             instance: Some(leader::default_identity()),
         },
     );
-    let descheduler = Descheduler::new(
+    let mut descheduler = Descheduler::new(
         client,
         pods.clone(),
         nodes.clone(),
@@ -335,6 +339,7 @@ fn compose(
         recorder,
         changed,
     );
+    descheduler.crash_at = args.crash_at;
     tracing::info!(
         node_selector = %args.node_selector,
         exclusions = %location,

@@ -49,6 +49,8 @@ pub struct Descheduler {
     pub changed: Arc<Notify>,
     pub(crate) backoff: Mutex<HashMap<String, (u32, Instant)>>,
     pub(crate) told: Mutex<HashSet<(String, &'static str)>>,
+    /// For tests: abort the process at this step of a bare-pod move.
+    pub crash_at: Option<bare::Step>,
 }
 
 /// First retry of a pod after an API error; doubles up to [`MAX_BACKOFF`].
@@ -86,6 +88,7 @@ impl Descheduler {
             changed,
             backoff: Mutex::default(),
             told: Mutex::default(),
+            crash_at: None,
         }
     }
 
@@ -252,12 +255,17 @@ impl Descheduler {
         exclusions
             .records
             .insert(m.workload.key().to_owned(), m.record.clone());
+        if let Workload::Bare { .. } = &m.workload {
+            bare::crash_point(self.crash_at, bare::Step::Recorded);
+        }
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
         let result = match &m.workload {
             Workload::Owned { .. } => evict::evict(&api, &ns, &name, &uid)
                 .await
                 .map_err(|e| e.to_string()),
-            Workload::Bare { .. } => bare::replace(&api, pod, m).await.map_err(|e| e.to_string()),
+            Workload::Bare { .. } => bare::replace(&api, pod, m, self.crash_at)
+                .await
+                .map_err(|e| e.to_string()),
         };
         match result {
             Ok(Evicted::Accepted) => {
