@@ -11,6 +11,7 @@ use kube::api::{Api, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::json;
 
+use crate::stats::Samples;
 use crate::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
 
 #[derive(Default)]
@@ -56,21 +57,19 @@ async fn observe(api: Api<Pod>, seen: Arc<Mutex<Seen>>) {
 
 /// Percentiles of the time from `from` to `to`, per pod.
 fn between(from: &HashMap<String, Instant>, to: &HashMap<String, Instant>) -> serde_json::Value {
-    let mut ms: Vec<f64> = from
-        .iter()
+    from.iter()
         .filter_map(|(n, a)| {
             to.get(n)
                 .map(|b| b.saturating_duration_since(*a).as_secs_f64() * 1000.0)
         })
-        .collect();
-    ms.sort_by(f64::total_cmp);
-    percentiles(&ms)
+        .collect::<Samples>()
+        .summary()
 }
 
 /// Percentiles, over the pods seen on both sides, of (upper bound → lower created) +
 /// (lower Running → upper Running).
 fn own_legs(upper: &Seen, lower: &Seen) -> serde_json::Value {
-    let mut ms: Vec<f64> = upper
+    upper
         .bound
         .iter()
         .filter_map(|(name, bound)| {
@@ -81,19 +80,8 @@ fn own_legs(upper: &Seen, lower: &Seen) -> serde_json::Value {
                 .saturating_duration_since(*lower.running.get(name)?);
             Some((down + up).as_secs_f64() * 1000.0)
         })
-        .collect();
-    ms.sort_by(f64::total_cmp);
-    percentiles(&ms)
-}
-
-/// p50, p99 and max of sorted milliseconds.
-fn percentiles(ms: &[f64]) -> serde_json::Value {
-    let pct = |p: f64| {
-        ms.get(((ms.len() as f64 - 1.0) * p).round() as usize)
-            .copied()
-            .unwrap_or(f64::NAN)
-    };
-    json!({"p50": pct(0.5), "p99": pct(0.99), "max": ms.last().copied().unwrap_or(f64::NAN)})
+        .collect::<Samples>()
+        .summary()
 }
 
 async fn burst_into(

@@ -65,7 +65,7 @@ spec:
 
 /// Waits until `kubectl ARGS` prints exactly `want` (trimmed); panics with the last output.
 pub async fn eventually(kubeconfig: &Path, what: &str, secs: u64, args: &[&str], want: &str) {
-    let result = crate::wait::until(
+    crate::wait::must(
         what,
         Duration::from_secs(secs),
         Duration::from_millis(300),
@@ -79,10 +79,7 @@ pub async fn eventually(kubeconfig: &Path, what: &str, secs: u64, args: &[&str],
             }
         },
     )
-    .await;
-    if let Err(e) = result {
-        panic!("{e}");
-    }
+    .await
 }
 
 /// Which namespaces a webhook registration sends pods from.

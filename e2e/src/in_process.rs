@@ -1,7 +1,7 @@
 //! A virtual node run inside the test process, so tests can crash and restart it at will,
 //! and one run as its own process ([`VirtualNodeProcess`]), for signals.
 
-use clap::Parser as _;
+use tensile_virtual_node::Args;
 
 use crate::{TestCluster, free_port};
 
@@ -12,9 +12,45 @@ pub struct VirtualNode {
     task: tokio::task::JoinHandle<Result<(), tensile_virtual_node::Error>>,
 }
 
-/// The flags of a virtual node `name` for `upper` over `lower` in a test bed: loopback node
-/// IP, the given ports, the upper kubelet-client CA.
-pub fn argv_for(
+/// The options of a virtual node `name` for `upper` over `lower` in a test bed: every
+/// default, plus a loopback node IP, free kubelet and admin ports and the upper
+/// kubelet-client CA. Tests set further fields before [`VirtualNode::run`].
+pub fn options(upper: &TestCluster, name: &str, lower: &TestCluster) -> anyhow::Result<Args> {
+    let loopback = std::net::Ipv4Addr::LOCALHOST.into();
+    let mut args = Args::new(name, loopback, Some(upper.kubeconfig()), lower.kubeconfig())?;
+    args.kubelet.kubelet_port = free_port()?;
+    args.kubelet.client_verify_ca = Some(upper.kubelet_client_ca_path().to_owned());
+    args.admin.admin_addr = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, free_port()?));
+    Ok(args)
+}
+
+impl VirtualNode {
+    /// Starts a virtual node `name` for `upper` over `lower` with the test bed's [`options`].
+    pub fn start(upper: &TestCluster, name: &str, lower: &TestCluster) -> anyhow::Result<Self> {
+        Ok(Self::run(options(upper, name, lower)?))
+    }
+
+    /// Starts a virtual node with `args` (see [`options`]).
+    pub fn run(args: Args) -> Self {
+        // Not `run`: that would take SIGTERM and SIGINT away from the test process.
+        let never = tensile_common::runtime::CancellationToken::new();
+        VirtualNode {
+            kubelet_port: args.kubelet.kubelet_port,
+            admin_addr: args.admin.admin_addr.to_string(),
+            task: tokio::spawn(tensile_virtual_node::run_until(args, never)),
+        }
+    }
+}
+
+impl Drop for VirtualNode {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The command line of a virtual node `name` for `upper` over `lower` in a test bed: the
+/// flags an operator would pass for what [`options`] sets.
+fn argv_for(
     upper: &TestCluster,
     name: &str,
     lower: &TestCluster,
@@ -30,47 +66,6 @@ pub fn argv_for(
         format!("--admin-addr={admin_addr}"),
         format!("--client-verify-ca={}", upper.kubelet_client_ca_path().display()),
     ]
-}
-
-impl VirtualNode {
-    /// Starts `virtual-node --nodename NAME` for `upper` over `lower`, with the flags a test
-    /// bed needs (loopback node IP, free ports, the upper kubelet-client CA) plus `extra`.
-    pub fn start(
-        upper: &TestCluster,
-        name: &str,
-        lower: &TestCluster,
-        extra: &[&str],
-    ) -> anyhow::Result<Self> {
-        Self::start_on_port(upper, name, lower, extra, free_port()?)
-    }
-
-    /// As [`VirtualNode::start`], on a given kubelet port (a restart keeps its port).
-    pub fn start_on_port(
-        upper: &TestCluster,
-        name: &str,
-        lower: &TestCluster,
-        extra: &[&str],
-        kubelet_port: u16,
-    ) -> anyhow::Result<Self> {
-        let admin_addr = format!("127.0.0.1:{}", free_port()?);
-        let mut argv = vec!["virtual-node".to_owned()];
-        argv.extend(argv_for(upper, name, lower, kubelet_port, &admin_addr));
-        argv.extend(extra.iter().map(|s| s.to_string()));
-        let args = tensile_virtual_node::Args::try_parse_from(argv)?;
-        // Not `run`: that would take SIGTERM and SIGINT away from the test process.
-        let never = tensile_common::runtime::CancellationToken::new();
-        Ok(VirtualNode {
-            kubelet_port,
-            admin_addr,
-            task: tokio::spawn(tensile_virtual_node::run_until(args, never)),
-        })
-    }
-}
-
-impl Drop for VirtualNode {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
 }
 
 /// The `virtual-node` binary as a child process, for tests that send it signals.

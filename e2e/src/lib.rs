@@ -22,6 +22,7 @@ pub mod pki;
 pub mod process;
 pub mod shared;
 pub mod simulator;
+pub mod stats;
 pub mod testbed;
 pub mod tls;
 pub mod wait;

@@ -31,3 +31,15 @@ where
         tokio::time::sleep(every).await;
     }
 }
+
+/// [`until`] for tests: panics with what was awaited and what was last seen.
+pub async fn must<T, F, Fut>(what: &str, timeout: Duration, every: Duration, probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, String>>,
+{
+    match until(what, timeout, every, probe).await {
+        Ok(v) => v,
+        Err(e) => panic!("{e}"),
+    }
+}

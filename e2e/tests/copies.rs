@@ -7,9 +7,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use tensile_e2e::check::{apply, eventually, kubectl};
-use tensile_e2e::in_process::VirtualNode;
+use tensile_e2e::in_process::{self, VirtualNode};
 use tensile_e2e::shared::Shared;
 use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tensile_virtual_node::{Args, Controllers};
 
 struct Bed {
     upper: TestCluster,
@@ -52,14 +53,16 @@ fn low() -> &'static Path {
 /// A virtual node over the lower cluster, Ready upstream, whose copies go 2 s after their
 /// last pod.
 async fn virtual_node(name: &str) -> VirtualNode {
-    virtual_node_on_port(name, free_port().unwrap(), &[]).await
+    virtual_node_with(name, |_| {}).await
 }
 
-async fn virtual_node_on_port(name: &str, port: u16, extra: &[&str]) -> VirtualNode {
+/// As [`virtual_node`], with `set` applied to its options.
+async fn virtual_node_with(name: &str, set: impl FnOnce(&mut Args)) -> VirtualNode {
     let bed = bed();
-    let mut flags = vec!["--copy-collection-delay=2"];
-    flags.extend(extra);
-    let vn = VirtualNode::start_on_port(&bed.upper, name, &bed.lower, &flags, port).unwrap();
+    let mut args = in_process::options(&bed.upper, name, &bed.lower).unwrap();
+    args.reflection.copy_collection_delay = 2;
+    set(&mut args);
+    let vn = VirtualNode::run(args);
     eventually(
         up(),
         &format!("{name} Ready"),
@@ -526,8 +529,11 @@ async fn a_foreign_same_named_config_map_below_is_reported_and_left_untouched() 
 async fn copies_edited_or_deleted_below_are_repaired_and_a_restart_changes_nothing() {
     let bed = bed();
     let port = free_port().unwrap();
-    let services = ["--enable-controllers=ServiceControllers"];
-    let vn = virtual_node_on_port("vn-repair", port, &services).await;
+    let services = |args: &mut Args| {
+        args.reflection.enable_controllers = vec![Controllers::Services];
+        args.kubelet.kubelet_port = port;
+    };
+    let vn = virtual_node_with("vn-repair", services).await;
     bed.upper.create_namespace("repair").await.unwrap();
     bed.lower.create_namespace("repair").await.unwrap();
     // A Service and a claim too, so the restart below meets every kind of object.
@@ -700,7 +706,7 @@ items:
     let volume = upper_volume().await;
     assert!(volume.starts_with("pvc-"), "{volume}");
     drop(vn);
-    let _vn = virtual_node_on_port("vn-repair", port, &services).await;
+    let _vn = virtual_node_with("vn-repair", services).await;
     // Longer than the collection delay and several resync passes.
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(
@@ -715,16 +721,10 @@ items:
 #[tokio::test]
 async fn services_and_their_endpoints_follow_the_upper_cluster_when_enabled() {
     let bed = bed();
-    let vn = VirtualNode::start(
-        &bed.upper,
-        "vn-svc",
-        &bed.lower,
-        &[
-            "--enable-controllers=ServiceControllers",
-            "--copy-collection-delay=2",
-        ],
-    )
-    .unwrap();
+    let mut args = in_process::options(&bed.upper, "vn-svc", &bed.lower).unwrap();
+    args.reflection.enable_controllers = vec![Controllers::Services];
+    args.reflection.copy_collection_delay = 2;
+    let vn = VirtualNode::run(args);
     eventually(
         up(),
         "vn-svc Ready",
@@ -870,13 +870,10 @@ items:
 #[tokio::test]
 async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_foreign_objects_stays() {
     let bed = bed();
-    let _vn = VirtualNode::start(
-        &bed.upper,
-        "vn-ns",
-        &bed.lower,
-        &["--gc-namespaces", "--copy-collection-delay=2"],
-    )
-    .unwrap();
+    let mut args = in_process::options(&bed.upper, "vn-ns", &bed.lower).unwrap();
+    args.reflection.gc_namespaces = true;
+    args.reflection.copy_collection_delay = 2;
+    let _vn = VirtualNode::run(args);
     for ns in ["gc-a", "gc-b"] {
         bed.upper.create_namespace(ns).await.unwrap();
         kubectl(
@@ -925,15 +922,19 @@ async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_fore
     for ns in ["gc-a", "gc-b"] {
         kubectl(up(), &["-n", ns, "delete", "pod", "app", "--wait=true"]).await;
     }
-    let deadline = Instant::now() + Duration::from_secs(40);
-    loop {
-        let phase = below(&["get", "namespace", "gc-a", "-o", "jsonpath={.status.phase}"]).await;
-        if phase.as_deref() != Some("Active") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "gc-a is still Active below");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    let gone = "gc-a no longer Active below";
+    tensile_e2e::wait::must(
+        gone,
+        Duration::from_secs(40),
+        Duration::from_millis(500),
+        || async {
+            match below(&["get", "namespace", "gc-a", "-o", "jsonpath={.status.phase}"]).await {
+                Some(phase) if phase == "Active" => Err(phase),
+                _ => Ok(()),
+            }
+        },
+    )
+    .await;
     let kept = kubectl(
         low(),
         &[

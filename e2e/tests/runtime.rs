@@ -11,6 +11,7 @@ use tensile_e2e::check::{apply, eventually, kubectl};
 use tensile_e2e::in_process::{VirtualNodeProcess, admin_get};
 use tensile_e2e::partition::Partition;
 use tensile_e2e::shared::Shared;
+use tensile_e2e::wait::{must, until};
 use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
 
 struct Bed {
@@ -120,59 +121,70 @@ async fn lower_pods_of(ns: &str, node: &str) -> Vec<String> {
 
 /// Every one of `replicas` pods runs upstream, and exactly one lower pod stands for each.
 async fn all_running_exactly_once(ns: &str, node: &str, replicas: usize, secs: u64) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        let upper = running_upstream(ns).await;
-        let lower = lower_pods_of(ns, node).await;
-        let lower_set: BTreeSet<String> = lower.iter().cloned().collect();
-        if upper.len() == replicas && lower.len() == replicas && lower_set == upper {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{ns}: want {replicas} pods Running upstream, each exactly once below; \
-             {} Running upstream, {} lower pods ({} distinct), {} lower pods with no Running upper pod",
-            upper.len(),
-            lower.len(),
-            lower_set.len(),
-            lower_set.difference(&upper).count()
-        );
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
+    let what = format!("{ns}: {replicas} pods Running upstream, each exactly once below");
+    must(
+        &what,
+        Duration::from_secs(secs),
+        Duration::from_secs(1),
+        || async {
+            let upper = running_upstream(ns).await;
+            let lower = lower_pods_of(ns, node).await;
+            let lower_set: BTreeSet<String> = lower.iter().cloned().collect();
+            if upper.len() == replicas && lower.len() == replicas && lower_set == upper {
+                return Ok(());
+            }
+            Err(format!(
+                "{} Running upstream, {} lower pods ({} distinct), {} lower pods with no Running upper pod",
+                upper.len(),
+                lower.len(),
+                lower_set.len(),
+                lower_set.difference(&upper).count()
+            ))
+        },
+    )
+    .await
 }
 
 /// Waits until at least `n` lower pods of `node` exist in `ns` (a burst under way).
 async fn lower_pods_at_least(ns: &str, node: &str, n: usize, secs: u64) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while lower_pods_of(ns, node).await.len() < n {
-        assert!(
-            Instant::now() < deadline,
-            "{ns}: fewer than {n} lower pods after {secs} s"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let what = format!("{ns}: at least {n} lower pods");
+    must(
+        &what,
+        Duration::from_secs(secs),
+        Duration::from_millis(200),
+        || async {
+            let seen = lower_pods_of(ns, node).await.len();
+            if seen >= n {
+                Ok(())
+            } else {
+                Err(format!("{seen} lower pods"))
+            }
+        },
+    )
+    .await
 }
 
 /// Waits until `vn`'s `/readyz` answers `code` with a body containing `says`.
 /// `code` 0 accepts any status.
 async fn readyz_says(vn: &VirtualNodeProcess, code: u16, says: &str, secs: u64) -> Duration {
     let started = Instant::now();
-    loop {
-        let seen = vn.readyz().await;
-        if let Some((c, body)) = &seen
-            && (code == 0 || *c == code)
-            && body.contains(says)
-        {
-            return started.elapsed();
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(secs),
-            "/readyz of {} should answer {code} with {says:?} within {secs} s; it answers {seen:?}; log:\n{}",
-            vn.admin_addr,
-            vn.log()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let what = format!("/readyz of {} answering {code} with {says:?}", vn.admin_addr);
+    let answered = until(
+        &what,
+        Duration::from_secs(secs),
+        Duration::from_millis(100),
+        || async {
+            match vn.readyz().await {
+                Some((c, body)) if (code == 0 || c == code) && body.contains(says) => Ok(()),
+                seen => Err(format!("{seen:?}")),
+            }
+        },
+    )
+    .await;
+    if let Err(e) = answered {
+        panic!("{e}; log:\n{}", vn.log());
     }
+    started.elapsed()
 }
 
 const ELECTION: [&str; 4] = [
@@ -277,18 +289,12 @@ async fn a_frozen_upper_apiserver_stalls_no_lease_renewal_past_the_freeze() {
     let kc = upper.kubeconfig();
     wait_ready(kc, "vn-frozen", 60).await;
     let renew = r#"jsonpath={.spec.renewTime}"#;
-    let before = kubectl(
-        kc,
-        &["-n", "kube-node-lease", "get", "lease", "vn-frozen", "-o", renew],
-    )
-    .await;
-    assert!(!before.is_empty(), "the node has a Lease");
+    let before = lease_renew_time(kc, "vn-frozen").await;
 
     let freeze = Duration::from_secs(12);
     upper.signal_apiserver("STOP").unwrap();
     tokio::time::sleep(freeze).await;
     upper.signal_apiserver("CONT").unwrap();
-    let before: jiff::Timestamp = before.parse().unwrap();
 
     // Within the length of the freeze, a renewal lands (the Lease is newer than before the
     // freeze) and the node is Ready: no call stayed stuck on a connection the freeze left
@@ -324,6 +330,34 @@ async fn a_frozen_upper_apiserver_stalls_no_lease_renewal_past_the_freeze() {
         kubectl(kc, &["get", "node", "vn-frozen", "-o", READY]).await,
         "True"
     );
+}
+
+/// When the Lease of virtual node `node` was last renewed (it follows the node's first
+/// status write within the round, so it is waited for).
+async fn lease_renew_time(kc: &Path, node: &str) -> jiff::Timestamp {
+    let what = format!("the Lease of {node}");
+    must(
+        &what,
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || async {
+            let args = [
+                "-n",
+                "kube-node-lease",
+                "get",
+                "lease",
+                node,
+                "-o",
+                "jsonpath={.spec.renewTime}",
+            ];
+            let out = tensile_e2e::kubectl::run(kc, &args).await;
+            out.stdout
+                .trim()
+                .parse()
+                .map_err(|_| format!("{} {}", out.stdout, out.stderr))
+        },
+    )
+    .await
 }
 
 /// The Lease of virtual node `node` was renewed after `since`, and the node is Ready.
@@ -375,21 +409,7 @@ async fn a_partition_that_leaves_connections_half_open_stalls_no_lease_renewal()
     )
     .unwrap();
     wait_ready(up(), "vn-cut", 60).await;
-    let before: jiff::Timestamp = kubectl(
-        up(),
-        &[
-            "-n",
-            "kube-node-lease",
-            "get",
-            "lease",
-            "vn-cut",
-            "-o",
-            "jsonpath={.spec.renewTime}",
-        ],
-    )
-    .await
-    .parse()
-    .unwrap();
+    let before = lease_renew_time(up(), "vn-cut").await;
 
     // 12 s of partition: every open connection is lost for good, new ones hang.
     partition.cut();

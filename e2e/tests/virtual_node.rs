@@ -9,6 +9,7 @@ use tensile_e2e::check::{apply, deployment, eventually, kubectl};
 use tensile_e2e::in_process;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tensile_virtual_node::Args;
 
 struct Bed {
     upper: TestCluster,
@@ -60,12 +61,15 @@ fn bed() -> &'static Bed {
 struct VirtualNode;
 
 impl VirtualNode {
-    fn start(name: &str, lower: &TestCluster, extra: &[&str]) -> in_process::VirtualNode {
-        in_process::VirtualNode::start(&bed().upper, name, lower, extra).unwrap()
+    fn start(name: &str, lower: &TestCluster) -> in_process::VirtualNode {
+        in_process::VirtualNode::start(&bed().upper, name, lower).unwrap()
     }
 
-    fn start_on_port(name: &str, lower: &TestCluster, extra: &[&str], port: u16) -> in_process::VirtualNode {
-        in_process::VirtualNode::start_on_port(&bed().upper, name, lower, extra, port).unwrap()
+    /// A virtual node whose options `set` changes.
+    fn start_with(name: &str, lower: &TestCluster, set: impl FnOnce(&mut Args)) -> in_process::VirtualNode {
+        let mut args = in_process::options(&bed().upper, name, lower).unwrap();
+        set(&mut args);
+        in_process::VirtualNode::run(args)
     }
 }
 
@@ -117,7 +121,9 @@ async fn capacity_cpu(node: &str) -> i64 {
 #[tokio::test]
 async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower_cluster() {
     let bed = bed();
-    let vn = VirtualNode::start("vn-node", &bed.lower_b, &["--node-labels=region=b"]);
+    let vn = VirtualNode::start_with("vn-node", &bed.lower_b, |args| {
+        args.node_labels = vec![("region".into(), "b".into())]
+    });
     wait_ready("vn-node").await;
     let labels = kubectl(
         up(),
@@ -234,7 +240,7 @@ impl Bed {
 #[tokio::test]
 async fn a_deployment_runs_below_with_marks_and_stash_and_scales_down_cleanly() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-deploy", &bed.lower_a, &[]);
+    let _vn = VirtualNode::start("vn-deploy", &bed.lower_a);
     wait_ready("vn-deploy").await;
     namespace("deploy").await;
     apply(
@@ -336,7 +342,7 @@ async fn a_deployment_runs_below_with_marks_and_stash_and_scales_down_cleanly() 
 #[tokio::test]
 async fn jobs_complete_and_failures_show_the_lower_exit_code() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-jobs", &bed.lower_a, &[]);
+    let _vn = VirtualNode::start("vn-jobs", &bed.lower_a);
     wait_ready("vn-jobs").await;
     namespace("jobs").await;
     apply(
@@ -404,7 +410,7 @@ spec:
 #[tokio::test]
 async fn kubectl_logs_reach_the_lower_pod_and_callers_are_authenticated() {
     let bed = bed();
-    let vn = VirtualNode::start("vn-logs", &bed.lower_a, &[]);
+    let vn = VirtualNode::start("vn-logs", &bed.lower_a);
     wait_ready("vn-logs").await;
     namespace("logs").await;
     apply(up(), &pod("logs", "talker", "vn-logs", "Always", "", "10m")).await;
@@ -490,7 +496,7 @@ async fn kubectl_logs_reach_the_lower_pod_and_callers_are_authenticated() {
 #[tokio::test]
 async fn a_pod_the_lower_cluster_cannot_place_shows_unschedulable_upstream() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-sched", &bed.lower_a, &[]);
+    let _vn = VirtualNode::start("vn-sched", &bed.lower_a);
     wait_ready("vn-sched").await;
     namespace("sched").await;
     // 6 CPUs fit the virtual node's aggregate (12) but no single 4-CPU lower node.
@@ -540,7 +546,7 @@ async fn a_pod_the_lower_cluster_cannot_place_shows_unschedulable_upstream() {
 #[tokio::test]
 async fn a_foreign_lower_pod_of_the_same_name_is_a_reported_conflict() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-conflict", &bed.lower_a, &[]);
+    let _vn = VirtualNode::start("vn-conflict", &bed.lower_a);
     wait_ready("vn-conflict").await;
     namespace("conflict").await;
     bed.lower_a.create_namespace("conflict").await.unwrap();
@@ -631,7 +637,9 @@ async fn a_foreign_lower_pod_of_the_same_name_is_a_reported_conflict() {
 async fn a_restart_mid_rollout_converges_without_duplicates_or_losses() {
     let bed = bed();
     let port = free_port().unwrap();
-    let vn = VirtualNode::start_on_port("vn-restart", &bed.lower_a, &[], port);
+    let vn = VirtualNode::start_with("vn-restart", &bed.lower_a, |args| {
+        args.kubelet.kubelet_port = port
+    });
     wait_ready("vn-restart").await;
     namespace("restart").await;
     apply(up(), &deployment("restart", "roll", "vn-restart", 6, None, "")).await;
@@ -639,7 +647,9 @@ async fn a_restart_mid_rollout_converges_without_duplicates_or_losses() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     drop(vn);
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let _vn = VirtualNode::start_on_port("vn-restart", &bed.lower_a, &[], port);
+    let _vn = VirtualNode::start_with("vn-restart", &bed.lower_a, |args| {
+        args.kubelet.kubelet_port = port
+    });
     let six = "Running Running Running Running Running Running";
     let phases = [
         "-n",
@@ -692,7 +702,7 @@ async fn a_restart_mid_rollout_converges_without_duplicates_or_losses() {
 #[tokio::test]
 async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resumes_status() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-outage", &bed.lower_b, &[]);
+    let _vn = VirtualNode::start("vn-outage", &bed.lower_b);
     wait_ready("vn-outage").await;
     namespace("outage").await;
     apply(up(), &pod("outage", "survivor", "vn-outage", "Always", "", "10m")).await;
@@ -768,8 +778,8 @@ async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resu
 #[tokio::test]
 async fn two_virtual_nodes_on_one_lower_cluster_keep_to_their_own_pods() {
     let bed = bed();
-    let _one = VirtualNode::start("vn-one", &bed.lower_a, &[]);
-    let _two = VirtualNode::start("vn-two", &bed.lower_a, &[]);
+    let _one = VirtualNode::start("vn-one", &bed.lower_a);
+    let _two = VirtualNode::start("vn-two", &bed.lower_a);
     wait_ready("vn-one").await;
     wait_ready("vn-two").await;
     namespace("pair").await;
@@ -846,7 +856,7 @@ async fn two_virtual_nodes_on_one_lower_cluster_keep_to_their_own_pods() {
 #[tokio::test]
 async fn lower_pods_lost_below_are_restarted_or_failed_and_orphans_are_collected() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-lost", &bed.lower_a, &[]);
+    let _vn = VirtualNode::start("vn-lost", &bed.lower_a);
     wait_ready("vn-lost").await;
     namespace("lost").await;
     let low = bed.lower_a.kubeconfig();
@@ -941,7 +951,7 @@ async fn lower_pods_lost_below_are_restarted_or_failed_and_orphans_are_collected
 #[tokio::test]
 async fn daemonset_pods_are_not_run_below_by_default_and_say_so() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-ds", &bed.lower_a, &[]);
+    let _vn = VirtualNode::start("vn-ds", &bed.lower_a);
     wait_ready("vn-ds").await;
     namespace("ds").await;
     apply(
@@ -997,7 +1007,7 @@ spec:
 async fn the_webhook_stash_is_applied_below_by_the_virtual_node() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let bed = bed();
-    let _vn = VirtualNode::start("vn-webhook", &bed.lower_a, &[]);
+    let _vn = VirtualNode::start("vn-webhook", &bed.lower_a);
     wait_ready("vn-webhook").await;
     let ns = "stash";
     namespace(ns).await;

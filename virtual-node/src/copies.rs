@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tensile_common::cache::Cache;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::core::v1::{
     ConfigMap, EndpointAddress, EndpointPort, EndpointSubset, Endpoints, Pod, PodSpec, Secret, Service,
@@ -36,7 +36,8 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tensile_common::api::{Deleted, delete_exact};
+use tensile_common::api::ApiError as Error;
+use tensile_common::api::{Deleted, code, delete_exact};
 use tensile_common::names;
 
 use crate::metrics::Metrics;
@@ -359,18 +360,6 @@ impl Reflected for Endpoints {
 /// Upper annotations that describe the upper object itself and are not copied.
 const UPPER_ONLY_ANNOTATIONS: [&str; 1] = ["kubectl.kubernetes.io/last-applied-configuration"];
 
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("lower {verb} {kind} {key}: {source}")]
-    Api {
-        verb: &'static str,
-        kind: Kind,
-        key: String,
-        #[source]
-        source: kube::Error,
-    },
-}
-
 /// Why a pod cannot be created below yet.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Blocked {
@@ -380,10 +369,211 @@ pub enum Blocked {
     Conflict(String),
 }
 
-/// Outcome of making one copy current.
-enum Ensured {
+/// How a lower object of a copy's name stands against the copy wanted there.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Ours, with current content.
     Current,
+    /// Ours, with other content: replaced.
+    Stale,
+    /// Not made by this upper cluster: never touched.
     Conflict,
+}
+
+/// Whether `meta` carries the mark of upper cluster `cluster_id`.
+fn owns(cluster_id: &str, meta: &ObjectMeta) -> bool {
+    meta.labels
+        .as_ref()
+        .and_then(|l| l.get(names::MARK_CLUSTER))
+        .is_some_and(|c| c == cluster_id)
+}
+
+/// The lower copy of `upper`: its payload, its labels and annotations, the mark of upper
+/// cluster `cluster_id`.
+pub fn desired<K: Reflected>(cluster_id: &str, upper: &K) -> K {
+    let mut copy = K::payload(upper);
+    let meta = copy.meta_mut();
+    meta.name = upper.meta().name.clone();
+    meta.namespace = upper.meta().namespace.clone();
+    let mut labels: BTreeMap<String, String> = upper
+        .meta()
+        .labels
+        .iter()
+        .flatten()
+        .filter(|(k, _)| {
+            ![names::MARK_CLUSTER, names::MARK_NODE, names::MARK_UPPER_UID].contains(&k.as_str())
+        })
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    labels.insert(names::MARK_CLUSTER.to_owned(), cluster_id.to_owned());
+    meta.labels = Some(labels);
+    let mut annotations: BTreeMap<String, String> = upper
+        .meta()
+        .annotations
+        .iter()
+        .flatten()
+        .filter(|(k, _)| !UPPER_ONLY_ANNOTATIONS.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    annotations.extend(meta.annotations.take().unwrap_or_default());
+    meta.annotations = (!annotations.is_empty()).then_some(annotations);
+    copy
+}
+
+/// How `actual` (the lower object of the copy's name) stands against `desired`.
+pub fn judge<K: Reflected>(cluster_id: &str, desired: &K, actual: &K) -> Verdict {
+    if !owns(cluster_id, actual.meta()) {
+        return Verdict::Conflict;
+    }
+    let (d, a) = (desired.meta(), actual.meta());
+    let current = desired.same_payload(actual)
+        && empty_as_none(&d.labels) == empty_as_none(&a.labels)
+        && empty_as_none(&d.annotations) == empty_as_none(&a.annotations);
+    if current { Verdict::Current } else { Verdict::Stale }
+}
+
+/// What the pods of this upper cluster need below: `(needed, used_below)`. A copy is needed
+/// while an upper pod of this node or a lower pod of the cluster references it, a Service
+/// (and its Endpoints) while such pods run in its namespace; `used_below` is the part running
+/// lower pods account for. `services`: the upper Services and whether kube-system's and
+/// `default/kubernetes` count, when Services are reflected.
+pub fn needs(
+    cluster_id: &str,
+    upper_pods: &[Arc<Pod>],
+    lower_pods: &[Arc<Pod>],
+    services: Option<(&[Arc<Service>], bool)>,
+) -> (BTreeSet<Key>, BTreeSet<Key>) {
+    let mut needed: BTreeSet<Key> = BTreeSet::new();
+    let mut namespaces: BTreeSet<String> = BTreeSet::new();
+    for pod in upper_pods.iter().filter(|p| !translate::is_terminal(p)) {
+        let ns = pod.namespace().unwrap_or_default();
+        needed.extend(
+            upper_references(pod)
+                .into_iter()
+                .map(|r| (r.kind, ns.clone(), r.name)),
+        );
+        namespaces.insert(ns);
+    }
+    let mut used_below: BTreeSet<Key> = BTreeSet::new();
+    for pod in lower_pods.iter().filter(|p| owns(cluster_id, &p.metadata)) {
+        let ns = pod.namespace().unwrap_or_default();
+        used_below.extend(
+            lower_references(pod)
+                .into_iter()
+                .map(|r| (r.kind, ns.clone(), r.name)),
+        );
+        namespaces.insert(ns);
+    }
+    for svc in services.map(|(s, _)| s).unwrap_or_default() {
+        let include_system = services.is_some_and(|(_, system)| system);
+        let (ns, name) = (svc.namespace().unwrap_or_default(), svc.name_any());
+        let system = ns == "kube-system" || (ns == "default" && name == "kubernetes");
+        if namespaces.contains(&ns) && (include_system || !system) {
+            needed.insert((Kind::Service, ns.clone(), name.clone()));
+            needed.insert((Kind::Endpoints, ns, name));
+        }
+    }
+    needed.extend(used_below.iter().cloned());
+    (needed, used_below)
+}
+
+/// What one resync pass plans from.
+pub struct Model<'a> {
+    pub cluster_id: &'a str,
+    pub needed: &'a BTreeSet<Key>,
+    pub used_below: &'a BTreeSet<Key>,
+    pub now: Instant,
+    /// Copies a foreign lower object blocked recently: not retried yet.
+    pub conflicts: &'a HashMap<Key, Instant>,
+    /// How long a copy stays after its last reference went.
+    pub gc_delay: Duration,
+}
+
+/// One write of a resync pass over copies of kind `K`.
+#[derive(Debug, PartialEq)]
+pub enum Write<K> {
+    /// A copy is missing below: made from `upper`.
+    Create { upper: Arc<K> },
+    /// A copy's content differs from `upper`'s (edited above or below): made current.
+    Update { upper: Arc<K>, copy: Arc<K> },
+    /// A copy nobody should have: deleted by UID.
+    Delete {
+        namespace: String,
+        name: String,
+        uid: Option<String>,
+        why: &'static str,
+    },
+}
+
+/// The writes that bring the copies of kind `K` to the model. `upper` looks up an upper
+/// object by namespace and name; `lower` is every lower object of the kind the watch shows.
+/// `create_needed`: every needed copy is created (Services); otherwise only copies that
+/// running lower pods use are repaired (the pod path creates the others and reports
+/// conflicts). `since` remembers when each copy was last seen unneeded.
+pub fn plan<K: Reflected>(
+    model: &Model<'_>,
+    upper: impl Fn(&str, &str) -> Option<Arc<K>>,
+    lower: &[Arc<K>],
+    create_needed: bool,
+    since: &mut HashMap<Key, Instant>,
+) -> Vec<Write<K>> {
+    let mut writes = Vec::new();
+    for copy in lower {
+        if !owns(model.cluster_id, copy.meta()) || copy.meta().deletion_timestamp.is_some() {
+            continue;
+        }
+        let (ns, name) = (copy.namespace().unwrap_or_default(), copy.name_any());
+        let key = (K::KIND, ns.clone(), name.clone());
+        let Some(source) = upper(&ns, &name) else {
+            writes.push(Write::Delete {
+                namespace: ns,
+                name,
+                uid: copy.uid(),
+                why: "its upper object is gone",
+            });
+            since.remove(&key);
+            continue;
+        };
+        if model.needed.contains(&key) {
+            since.remove(&key);
+            if judge(model.cluster_id, &desired(model.cluster_id, &*source), copy) != Verdict::Current {
+                writes.push(Write::Update {
+                    upper: source,
+                    copy: copy.clone(),
+                });
+            }
+            continue;
+        }
+        let first = *since.entry(key.clone()).or_insert(model.now);
+        if model.now.duration_since(first) >= model.gc_delay {
+            writes.push(Write::Delete {
+                namespace: ns,
+                name,
+                uid: copy.uid(),
+                why: "no pod needs it",
+            });
+            since.remove(&key);
+        }
+    }
+    let present: BTreeSet<(&str, &str)> = lower
+        .iter()
+        .filter_map(|c| Some((c.meta().namespace.as_deref()?, c.meta().name.as_deref()?)))
+        .collect();
+    let missing = if create_needed {
+        model.needed
+    } else {
+        model.used_below
+    };
+    for key @ (kind, ns, name) in missing {
+        if *kind != K::KIND || model.conflicts.contains_key(key) || present.contains(&(ns, name)) {
+            continue;
+        }
+        if let Some(source) = upper(ns, name) {
+            writes.push(Write::Create { upper: source });
+        }
+    }
+    since.retain(|(kind, ns, name), _| *kind != K::KIND || present.contains(&(ns.as_str(), name.as_str())));
+    writes
 }
 
 /// The reflection of ConfigMaps, Secrets, Services and Endpoints for one virtual node.
@@ -412,6 +602,9 @@ pub struct Copies {
     pub services: Option<ServiceStores>,
     /// Reports conflicts found by the resync on the upper object.
     pub events: crate::events::Events,
+    /// How long one resync pass may take; a pass stuck past it is dropped and the next
+    /// begins.
+    pub pass_deadline: Duration,
 }
 
 /// The watch caches of Service reflection.
@@ -425,119 +618,72 @@ pub struct ServiceStores {
     pub include_system: bool,
 }
 
-type Key = (Kind, String, String);
+/// A copy: its kind, namespace and name.
+pub type Key = (Kind, String, String);
+
+/// One write being performed.
+type Pending<'a> = futures::future::BoxFuture<'a, Result<(), Error>>;
+
+fn lookup<K: Reflected>(store: &Store<K>) -> impl Fn(&str, &str) -> Option<Arc<K>> + '_ {
+    move |ns, name| store.get(&ObjectRef::new(name).within(ns))
+}
 
 impl Copies {
-    fn owns(&self, meta: &ObjectMeta) -> bool {
-        meta.labels
-            .as_ref()
-            .and_then(|l| l.get(names::MARK_CLUSTER))
-            .is_some_and(|c| *c == self.cluster_id)
-    }
-
-    /// The lower copy of `upper`: its payload, its labels and annotations, our mark.
-    fn desired<K: Reflected>(&self, upper: &K) -> K {
-        let mut copy = K::payload(upper);
-        let meta = copy.meta_mut();
-        meta.name = upper.meta().name.clone();
-        meta.namespace = upper.meta().namespace.clone();
-        let mut labels: BTreeMap<String, String> = upper
-            .meta()
-            .labels
-            .iter()
-            .flatten()
-            .filter(|(k, _)| {
-                ![names::MARK_CLUSTER, names::MARK_NODE, names::MARK_UPPER_UID].contains(&k.as_str())
-            })
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        labels.insert(names::MARK_CLUSTER.to_owned(), self.cluster_id.clone());
-        meta.labels = Some(labels);
-        let mut annotations: BTreeMap<String, String> = upper
-            .meta()
-            .annotations
-            .iter()
-            .flatten()
-            .filter(|(k, _)| !UPPER_ONLY_ANNOTATIONS.contains(&k.as_str()))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        annotations.extend(meta.annotations.take().unwrap_or_default());
-        meta.annotations = (!annotations.is_empty()).then_some(annotations);
-        copy
-    }
-
-    fn current<K: Reflected>(desired: &K, actual: &K) -> bool {
-        let (d, a) = (desired.meta(), actual.meta());
-        desired.same_payload(actual)
-            && empty_as_none(&d.labels) == empty_as_none(&a.labels)
-            && empty_as_none(&d.annotations) == empty_as_none(&a.annotations)
-    }
-
     /// Makes the lower copy of `upper` exist with current content. `cached` is what the
-    /// lower watch shows under that name (ours only).
-    async fn ensure<K: Reflected>(&self, upper: &K, cached: Option<Arc<K>>) -> Result<Ensured, Error> {
-        let desired = self.desired(upper);
+    /// lower watch shows under that name (ours only). False when a foreign object holds the
+    /// name.
+    async fn ensure<K: Reflected>(&self, upper: &K, cached: Option<Arc<K>>) -> Result<bool, Error> {
+        let desired = desired(&self.cluster_id, upper);
         let ns = upper.namespace().unwrap_or_default();
         let name = upper.name_any();
-        let key = format!("{ns}/{name}");
+        let what = format!("{} {ns}/{name}", K::KIND);
         let api: Api<K> = Api::namespaced(self.lower.clone(), &ns);
-        let err = |verb| {
-            let key = key.clone();
-            move |source| Error::Api {
-                verb,
-                kind: K::KIND,
-                key,
-                source,
-            }
-        };
         let actual = match cached {
-            Some(a) => Some((*a).clone()),
+            Some(a) => Some(a),
             None => {
                 self.limit.acquire().await;
                 match api.create(&PostParams::default(), &desired).await {
                     Ok(_) => {
-                        tracing::info!(kind = %K::KIND, copy = %key, "created below");
-                        return Ok(Ensured::Current);
+                        tracing::info!(kind = %K::KIND, copy = %format!("{ns}/{name}"), "created below");
+                        return Ok(true);
                     }
-                    Err(kube::Error::Api(s)) if s.code == 409 => {
-                        api.get_opt(&name).await.map_err(err("get"))?
-                    }
-                    Err(e) => return Err(err("create")(e)),
+                    Err(e) if code(&e) == Some(409) => api
+                        .get_opt(&name)
+                        .await
+                        .map_err(Error::on("lower", "get", what.clone()))?
+                        .map(Arc::new),
+                    Err(e) => return Err(Error::on("lower", "create", what)(e)),
                 }
             }
         };
-        let Some(actual) = actual else {
-            // Deleted between our create and get: the next pass creates it.
-            return Ok(Ensured::Current);
-        };
-        if !self.owns(actual.meta()) {
-            return Ok(Ensured::Conflict);
-        }
-        if Self::current(&desired, &actual) {
-            return Ok(Ensured::Current);
-        }
-        self.limit.acquire().await;
-        let mut update = desired;
-        update.meta_mut().resource_version = actual.resource_version();
-        match api.replace(&name, &PostParams::default(), &update).await {
-            Ok(_) => {
-                tracing::info!(kind = %K::KIND, copy = %key, "updated below");
-                Ok(Ensured::Current)
-            }
-            // Immutable content (an immutable object, a Secret's type) changes by
-            // replacement: deleted here, created again by the next pass.
-            Err(kube::Error::Api(s)) if s.code == 422 => {
-                match delete_exact(&api, &name, actual.uid(), None).await {
-                    Ok(deleted) => {
+        // Gone between our create and get: the next pass creates it.
+        let Some(actual) = actual else { return Ok(true) };
+        match judge(&self.cluster_id, &desired, &actual) {
+            Verdict::Current => Ok(true),
+            Verdict::Conflict => Ok(false),
+            Verdict::Stale => {
+                self.limit.acquire().await;
+                let mut update = desired;
+                update.meta_mut().resource_version = actual.resource_version();
+                match api.replace(&name, &PostParams::default(), &update).await {
+                    Ok(_) => {
+                        tracing::info!(kind = %K::KIND, copy = %format!("{ns}/{name}"), "updated below");
+                        Ok(true)
+                    }
+                    // Immutable content (an immutable object, a Secret's type) changes by
+                    // replacement: deleted here, created again by the next pass.
+                    Err(e) if code(&e) == Some(422) => {
+                        let deleted = delete_exact(&api, &name, actual.uid(), None)
+                            .await
+                            .map_err(Error::on("lower", "delete", what))?;
                         if deleted == Deleted::Accepted {
-                            tracing::info!(kind = %K::KIND, copy = %key, "replacing a copy whose content is immutable");
+                            tracing::info!(kind = %K::KIND, copy = %format!("{ns}/{name}"), "replacing a copy whose content is immutable");
                         }
-                        Ok(Ensured::Current)
+                        Ok(true)
                     }
-                    Err(e) => Err(err("delete")(e)),
+                    Err(e) => Err(Error::on("lower", "update", what)(e)),
                 }
             }
-            Err(e) => Err(err("update")(e)),
         }
     }
 
@@ -572,8 +718,8 @@ impl Copies {
                 }
             };
             match outcome {
-                Some(Ensured::Current) => {}
-                Some(Ensured::Conflict) => {
+                Some(true) => {}
+                Some(false) => {
                     return Ok(Err(Blocked::Conflict(format!(
                         "lower cluster {} already has a {} {ns}/{} ({}) not created by this upper cluster; it is left untouched and the pod is not started below",
                         self.cluster_name, r.kind, r.name, r.via
@@ -612,7 +758,16 @@ impl Copies {
             s.lower_endpoints.synced().await;
         }
         loop {
-            self.sync().await;
+            if tokio::time::timeout(self.pass_deadline, self.sync())
+                .await
+                .is_err()
+            {
+                self.metrics.api_error("lower", "copy-pass-timeout");
+                tracing::warn!(
+                    "a copy resync pass took longer than {:?}; the next one goes on",
+                    self.pass_deadline
+                );
+            }
             tokio::select! {
                 _ = changed.notified() => tokio::time::sleep(Duration::from_millis(50)).await,
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
@@ -620,56 +775,18 @@ impl Copies {
         }
     }
 
-    /// What the pods of this upper cluster need below: `(needed, used_below)`. A copy is
-    /// needed while an upper pod of this node or a lower pod of the cluster references it,
-    /// a Service (and its Endpoints) while such pods run in its namespace; `used_below` is
-    /// the part running lower pods account for.
-    fn needs(&self) -> (BTreeSet<Key>, BTreeSet<Key>) {
-        let mut needed: BTreeSet<Key> = BTreeSet::new();
-        let mut namespaces: BTreeSet<String> = BTreeSet::new();
-        for pod in self.upper_pods.state() {
-            if translate::is_terminal(&pod) {
-                continue;
-            }
-            let ns = pod.namespace().unwrap_or_default();
-            needed.extend(
-                upper_references(&pod)
-                    .into_iter()
-                    .map(|r| (r.kind, ns.clone(), r.name)),
-            );
-            namespaces.insert(ns);
-        }
-        let mut used_below: BTreeSet<Key> = BTreeSet::new();
-        for pod in self.lower_pods.state() {
-            if !self.owns(&pod.metadata) {
-                continue;
-            }
-            let ns = pod.namespace().unwrap_or_default();
-            used_below.extend(
-                lower_references(&pod)
-                    .into_iter()
-                    .map(|r| (r.kind, ns.clone(), r.name)),
-            );
-            namespaces.insert(ns);
-        }
-        if let Some(s) = &self.services {
-            for svc in s.upper_services.state() {
-                let (ns, name) = (svc.namespace().unwrap_or_default(), svc.name_any());
-                let system = ns == "kube-system" || (ns == "default" && name == "kubernetes");
-                if namespaces.contains(&ns) && (s.include_system || !system) {
-                    needed.insert((Kind::Service, ns.clone(), name.clone()));
-                    needed.insert((Kind::Endpoints, ns, name));
-                }
-            }
-        }
-        needed.extend(used_below.iter().cloned());
-        (needed, used_below)
-    }
-
-    /// One resync pass.
+    /// One resync pass: the plan of every kind, then its writes, 16 at a time.
     pub async fn sync(&self) {
-        let (needed, used_below) = self.needs();
-        let mut work: Vec<Write<'_>> = Vec::new();
+        let upper_services = self.services.as_ref().map(|s| s.upper_services.state());
+        let (needed, used_below) = needs(
+            &self.cluster_id,
+            &self.upper_pods.state(),
+            &self.lower_pods.state(),
+            upper_services
+                .as_deref()
+                .zip(self.services.as_ref().map(|s| s.include_system)),
+        );
+        let mut work: Vec<Pending<'_>> = Vec::new();
         {
             let now = Instant::now();
             let mut since = match self.unreferenced_since.lock() {
@@ -682,42 +799,44 @@ impl Copies {
             };
             // Conflicts are retried every 30 s, not on every pass.
             conflicts.retain(|_, at| now.duration_since(*at) < Duration::from_secs(30));
-            let plan = Plan {
+            let model = Model {
+                cluster_id: &self.cluster_id,
                 needed: &needed,
                 used_below: &used_below,
                 now,
                 conflicts: &conflicts,
+                gc_delay: self.gc_delay,
             };
-            self.plan(
-                self.upper_config_maps.store().clone(),
-                self.lower_config_maps.store().clone(),
+            self.schedule(
+                &model,
+                &self.upper_config_maps,
+                &self.lower_config_maps,
                 false,
-                &plan,
                 &mut since,
                 &mut work,
             );
-            self.plan(
-                self.upper_secrets.store().clone(),
-                self.lower_secrets.store().clone(),
+            self.schedule(
+                &model,
+                &self.upper_secrets,
+                &self.lower_secrets,
                 false,
-                &plan,
                 &mut since,
                 &mut work,
             );
             if let Some(s) = &self.services {
-                self.plan(
-                    s.upper_services.store().clone(),
-                    s.lower_services.store().clone(),
+                self.schedule(
+                    &model,
+                    &s.upper_services,
+                    &s.lower_services,
                     true,
-                    &plan,
                     &mut since,
                     &mut work,
                 );
-                self.plan(
-                    s.upper_endpoints.store().clone(),
-                    s.lower_endpoints.store().clone(),
+                self.schedule(
+                    &model,
+                    &s.upper_endpoints,
+                    &s.lower_endpoints,
                     true,
-                    &plan,
                     &mut since,
                     &mut work,
                 );
@@ -738,77 +857,49 @@ impl Copies {
             .await;
     }
 
-    /// The writes that bring the copies of one kind to the model. `create_needed`: the
-    /// resync creates every needed copy (Services); otherwise it only repairs copies that
-    /// running lower pods use (the pod path creates the others and reports conflicts).
-    fn plan<'a, K: Reflected>(
+    /// Plans the copies of kind `K` and queues their writes.
+    fn schedule<'a, K: Reflected>(
         &'a self,
-        upper: Store<K>,
-        lower: Store<K>,
+        model: &Model<'_>,
+        upper: &Cache<K>,
+        lower: &Cache<K>,
         create_needed: bool,
-        plan: &Plan<'_>,
         since: &mut HashMap<Key, Instant>,
-        work: &mut Vec<Write<'a>>,
+        work: &mut Vec<Pending<'a>>,
     ) {
-        for copy in lower.state() {
-            if !self.owns(copy.meta()) || copy.meta().deletion_timestamp.is_some() {
-                continue;
-            }
-            let (ns, name) = (copy.namespace().unwrap_or_default(), copy.name_any());
-            let key = (K::KIND, ns.clone(), name.clone());
-            let Some(source) = upper.get(&ObjectRef::new(&name).within(&ns)) else {
-                work.push(Box::pin(self.delete::<K>(
-                    ns,
-                    name,
-                    copy.uid(),
-                    "its upper object is gone",
-                )));
-                since.remove(&key);
-                continue;
-            };
-            if plan.needed.contains(&key) {
-                since.remove(&key);
-                if !Self::current(&self.desired(&*source), &copy) {
-                    work.push(Box::pin(self.ensure_quietly(source, Some(copy.clone()))));
+        let writes = plan(model, lookup(upper.store()), &lower.state(), create_needed, since);
+        work.extend(writes.into_iter().map(|w| self.perform(w).boxed()));
+    }
+
+    async fn perform<K: Reflected>(&self, write: Write<K>) -> Result<(), Error> {
+        match write {
+            Write::Create { upper } => self.ensure_quietly(upper, None).await,
+            Write::Update { upper, copy } => self.ensure_quietly(upper, Some(copy)).await,
+            Write::Delete {
+                namespace,
+                name,
+                uid,
+                why,
+            } => {
+                self.limit.acquire().await;
+                let api = Api::<K>::namespaced(self.lower.clone(), &namespace);
+                let deleted = delete_exact(&api, &name, uid, None).await.map_err(Error::on(
+                    "lower",
+                    "delete",
+                    format!("{} {namespace}/{name}", K::KIND),
+                ))?;
+                if deleted == Deleted::Accepted {
+                    tracing::info!(kind = %K::KIND, copy = %format!("{namespace}/{name}"), "deleted below: {why}");
                 }
-                continue;
-            }
-            let first = *since.entry(key.clone()).or_insert(plan.now);
-            if plan.now.duration_since(first) >= self.gc_delay {
-                work.push(Box::pin(self.delete::<K>(
-                    ns,
-                    name,
-                    copy.uid(),
-                    "no pod needs it",
-                )));
-                since.remove(&key);
+                Ok(())
             }
         }
-        let missing = if create_needed {
-            plan.needed
-        } else {
-            plan.used_below
-        };
-        for key @ (kind, ns, name) in missing {
-            if *kind != K::KIND || plan.conflicts.contains_key(key) {
-                continue;
-            }
-            let at = ObjectRef::new(name).within(ns);
-            if lower.get(&at).is_none()
-                && let Some(source) = upper.get(&at)
-            {
-                work.push(Box::pin(self.ensure_quietly(source, None)));
-            }
-        }
-        since.retain(|(kind, ns, name), _| {
-            *kind != K::KIND || lower.get(&ObjectRef::new(name).within(ns)).is_some()
-        });
     }
 
     /// [`Copies::ensure`] for the resync: a conflict is remembered (retried in 30 s) and
     /// reported once as a Warning event on the upper object.
     async fn ensure_quietly<K: Reflected>(&self, upper: Arc<K>, cached: Option<Arc<K>>) -> Result<(), Error> {
-        if let Ensured::Conflict = self.ensure(&*upper, cached).await? {
+        if !self.ensure(&*upper, cached).await? {
             let key = (K::KIND, upper.namespace().unwrap_or_default(), upper.name_any());
             let first = match self.conflicts.lock() {
                 Ok(mut c) => c.insert(key.clone(), Instant::now()).is_none(),
@@ -830,42 +921,7 @@ impl Copies {
         }
         Ok(())
     }
-
-    /// Deletes exactly the copy with `uid` (a newer object of the same name is left alone).
-    async fn delete<K: Reflected>(
-        &self,
-        ns: String,
-        name: String,
-        uid: Option<String>,
-        why: &str,
-    ) -> Result<(), Error> {
-        self.limit.acquire().await;
-        match delete_exact(&Api::<K>::namespaced(self.lower.clone(), &ns), &name, uid, None).await {
-            Ok(Deleted::Accepted) => {
-                tracing::info!(kind = %K::KIND, copy = %format!("{ns}/{name}"), "deleted below: {why}");
-                Ok(())
-            }
-            Ok(Deleted::AlreadyGone) => Ok(()),
-            Err(source) => Err(Error::Api {
-                verb: "delete",
-                kind: K::KIND,
-                key: format!("{ns}/{name}"),
-                source,
-            }),
-        }
-    }
 }
-
-/// What one resync pass plans from.
-struct Plan<'a> {
-    needed: &'a BTreeSet<Key>,
-    used_below: &'a BTreeSet<Key>,
-    now: Instant,
-    conflicts: &'a HashMap<Key, Instant>,
-}
-
-/// One write of a resync pass.
-type Write<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send + 'a>>;
 
 #[cfg(test)]
 mod tests {
@@ -954,5 +1010,245 @@ mod tests {
         let s3: Secret =
             serde_json::from_value(json!({"metadata": {"name": "x"}, "type": "kubernetes.io/tls"})).unwrap();
         assert!(!s1.same_payload(&s3));
+    }
+
+    fn config_map(v: serde_json::Value) -> Arc<ConfigMap> {
+        Arc::new(serde_json::from_value(v).unwrap())
+    }
+
+    /// Upper ConfigMap `shop/cfg` with `data`.
+    fn upper_cfg(data: serde_json::Value) -> Arc<ConfigMap> {
+        config_map(
+            json!({"metadata": {"name": "cfg", "namespace": "shop", "uid": "up",
+            "labels": {"app": "web"},
+            "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{}", "note": "n"}},
+            "data": data}),
+        )
+    }
+
+    /// The copy of `upper` as upper cluster `c1` makes it, with uid `low`.
+    fn copy_of(upper: &ConfigMap) -> Arc<ConfigMap> {
+        let mut c = desired("c1", upper);
+        c.metadata.uid = Some("low".into());
+        Arc::new(c)
+    }
+
+    fn key(name: &str) -> Key {
+        (Kind::ConfigMap, "shop".into(), name.into())
+    }
+
+    /// One pass over ConfigMaps with `upper` above and `lower` below.
+    struct Pass {
+        needed: BTreeSet<Key>,
+        used_below: BTreeSet<Key>,
+        conflicts: HashMap<Key, Instant>,
+        now: Instant,
+        since: HashMap<Key, Instant>,
+    }
+
+    impl Pass {
+        fn new(needed: &[&str], used_below: &[&str]) -> Pass {
+            Pass {
+                needed: needed.iter().map(|n| key(n)).collect(),
+                used_below: used_below.iter().map(|n| key(n)).collect(),
+                conflicts: HashMap::new(),
+                now: Instant::now(),
+                since: HashMap::new(),
+            }
+        }
+
+        fn plan(&mut self, upper: &[Arc<ConfigMap>], lower: &[Arc<ConfigMap>]) -> Vec<Write<ConfigMap>> {
+            let model = Model {
+                cluster_id: "c1",
+                needed: &self.needed,
+                used_below: &self.used_below,
+                now: self.now,
+                conflicts: &self.conflicts,
+                gc_delay: Duration::from_secs(30),
+            };
+            let lookup = |ns: &str, name: &str| {
+                upper
+                    .iter()
+                    .find(|u| {
+                        u.metadata.namespace.as_deref() == Some(ns)
+                            && u.metadata.name.as_deref() == Some(name)
+                    })
+                    .cloned()
+            };
+            plan(&model, lookup, lower, false, &mut self.since)
+        }
+    }
+
+    #[test]
+    fn a_copy_carries_the_upper_content_labels_and_annotations_and_this_clusters_mark() {
+        let copy = desired("c1", &*upper_cfg(json!({"k": "v"})));
+        let labels = copy.metadata.labels.clone().unwrap_or_default();
+        assert_eq!(labels.get(names::MARK_CLUSTER).map(String::as_str), Some("c1"));
+        assert_eq!(labels.get("app").map(String::as_str), Some("web"));
+        assert!(
+            !labels.contains_key(names::MARK_NODE),
+            "copies are shared by the cluster's nodes"
+        );
+        let annotations = copy.metadata.annotations.clone().unwrap_or_default();
+        assert_eq!(annotations.get("note").map(String::as_str), Some("n"));
+        assert!(!annotations.contains_key("kubectl.kubernetes.io/last-applied-configuration"));
+        assert_eq!(copy.data.unwrap_or_default()["k"], "v");
+        assert!(copy.metadata.uid.is_none() && copy.metadata.resource_version.is_none());
+    }
+
+    #[test]
+    fn a_same_named_lower_object_without_our_mark_is_a_conflict_never_an_update() {
+        let upper = upper_cfg(json!({"k": "v"}));
+        let wanted = desired("c1", &*upper);
+        let foreign =
+            config_map(json!({"metadata": {"name": "cfg", "namespace": "shop"}, "data": {"k": "v"}}));
+        assert_eq!(judge("c1", &wanted, &foreign), Verdict::Conflict);
+        let other_cluster = desired("c2", &*upper);
+        assert_eq!(judge("c1", &wanted, &other_cluster), Verdict::Conflict);
+        assert_eq!(judge("c1", &wanted, &wanted), Verdict::Current);
+    }
+
+    #[test]
+    fn a_copy_edited_below_or_above_is_made_current_again() {
+        let upper = upper_cfg(json!({"k": "v"}));
+        let mut edited = (*copy_of(&upper)).clone();
+        edited.data = Some(BTreeMap::from([("k".to_owned(), "changed below".to_owned())]));
+        let edited = Arc::new(edited);
+        let mut pass = Pass::new(&["cfg"], &[]);
+        assert_eq!(
+            pass.plan(std::slice::from_ref(&upper), &[copy_of(&upper)]),
+            [],
+            "a current copy costs no write"
+        );
+        assert_eq!(
+            pass.plan(std::slice::from_ref(&upper), std::slice::from_ref(&edited)),
+            [Write::Update { upper, copy: edited }]
+        );
+    }
+
+    #[test]
+    fn a_copy_whose_upper_object_is_gone_is_deleted_by_uid() {
+        let upper = upper_cfg(json!({}));
+        let mut pass = Pass::new(&["cfg"], &["cfg"]);
+        assert_eq!(
+            pass.plan(&[], &[copy_of(&upper)]),
+            [Write::Delete {
+                namespace: "shop".into(),
+                name: "cfg".into(),
+                uid: Some("low".into()),
+                why: "its upper object is gone",
+            }]
+        );
+    }
+
+    #[test]
+    fn an_unneeded_copy_stays_for_the_collection_delay_then_goes() {
+        let upper = upper_cfg(json!({}));
+        let mut pass = Pass::new(&[], &[]);
+        let (upper, lower) = (vec![upper.clone()], vec![copy_of(&upper)]);
+        assert_eq!(
+            pass.plan(&upper, &lower),
+            [],
+            "a rolling update may need it again"
+        );
+        pass.now += Duration::from_secs(29);
+        assert_eq!(pass.plan(&upper, &lower), []);
+        pass.now += Duration::from_secs(1);
+        assert!(matches!(
+            pass.plan(&upper, &lower).as_slice(),
+            [Write::Delete {
+                why: "no pod needs it",
+                ..
+            }]
+        ));
+    }
+
+    #[test]
+    fn a_copy_needed_again_within_the_delay_is_kept_and_its_clock_restarts() {
+        let upper = vec![upper_cfg(json!({}))];
+        let lower = vec![copy_of(&upper[0])];
+        let mut pass = Pass::new(&[], &[]);
+        assert_eq!(pass.plan(&upper, &lower), []);
+        pass.now += Duration::from_secs(20);
+        pass.needed.insert(key("cfg"));
+        assert_eq!(pass.plan(&upper, &lower), []);
+        pass.needed.clear();
+        pass.now += Duration::from_secs(20);
+        assert_eq!(pass.plan(&upper, &lower), [], "unneeded for 20 s only");
+    }
+
+    #[test]
+    fn a_copy_deleted_below_while_a_lower_pod_uses_it_is_recreated_unless_a_conflict_holds_it() {
+        let upper = upper_cfg(json!({}));
+        let mut pass = Pass::new(&["cfg"], &["cfg"]);
+        assert_eq!(
+            pass.plan(std::slice::from_ref(&upper), &[]),
+            [Write::Create { upper: upper.clone() }]
+        );
+        pass.conflicts.insert(key("cfg"), pass.now);
+        assert_eq!(
+            pass.plan(&[upper], &[]),
+            [],
+            "a conflict is retried later, not every second"
+        );
+    }
+
+    #[test]
+    fn a_copy_only_an_upper_pod_needs_is_left_to_the_pod_path() {
+        let upper = upper_cfg(json!({}));
+        let mut pass = Pass::new(&["cfg"], &[]);
+        assert_eq!(pass.plan(&[upper], &[]), []);
+    }
+
+    #[test]
+    fn what_pods_need_follows_their_references_and_services_their_namespaces() {
+        let upper_pod = Arc::new(pod(
+            json!({"volumes": [{"name": "v", "configMap": {"name": "c1"}}]}),
+        ));
+        let mut finished = pod(json!({"volumes": [{"name": "v", "configMap": {"name": "old"}}]}));
+        finished.status = Some(k8s_openapi::api::core::v1::PodStatus {
+            phase: Some("Succeeded".into()),
+            ..Default::default()
+        });
+        let mut lower_pod = pod(json!({"volumes": [{"name": "v", "secret": {"secretName": "s1"}}]}));
+        lower_pod.metadata.namespace = Some("other".into());
+        lower_pod.metadata.labels = Some(BTreeMap::from([(
+            names::MARK_CLUSTER.to_owned(),
+            "c1".to_owned(),
+        )]));
+        let mut foreign_pod = lower_pod.clone();
+        foreign_pod.metadata.labels = None;
+        foreign_pod.metadata.namespace = Some("elsewhere".into());
+        let services: Vec<Arc<Service>> = [
+            ("n", "web"),
+            ("empty", "db"),
+            ("default", "kubernetes"),
+            ("n", "x"),
+        ]
+        .iter()
+        .map(|(ns, name)| {
+            Arc::new(serde_json::from_value(json!({"metadata": {"name": name, "namespace": ns}})).unwrap())
+        })
+        .collect();
+        let (needed, used_below) = needs(
+            "c1",
+            &[upper_pod, Arc::new(finished)],
+            &[Arc::new(lower_pod), Arc::new(foreign_pod)],
+            Some((&services, false)),
+        );
+        let k = |kind, ns: &str, name: &str| (kind, ns.to_owned(), name.to_owned());
+        assert_eq!(used_below, BTreeSet::from([k(Kind::Secret, "other", "s1")]));
+        assert_eq!(
+            needed,
+            BTreeSet::from([
+                k(Kind::ConfigMap, "n", "c1"),
+                k(Kind::Secret, "other", "s1"),
+                k(Kind::Service, "n", "web"),
+                k(Kind::Endpoints, "n", "web"),
+                k(Kind::Service, "n", "x"),
+                k(Kind::Endpoints, "n", "x"),
+            ]),
+            "finished pods need nothing; Services only where pods are"
+        );
     }
 }

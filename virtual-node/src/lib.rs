@@ -22,7 +22,7 @@ pub mod volumes;
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -71,8 +71,8 @@ pub struct Args {
     #[arg(long = "pod-sync-workers", env = "TENSILE_POD_SYNC_WORKERS", default_value_t = 128,
           value_parser = clap::value_parser!(u16).range(1..))]
     pub pod_sync_workers: u16,
-    /// Seconds one reconcile of a pod may take; past it the worker is freed and the pod is
-    /// retried.
+    /// Seconds one reconcile of a pod (or one resync pass of copies or volumes) may take;
+    /// past it the worker is freed and the pod retried, or the next pass begins.
     #[arg(long = "reconcile-timeout", env = "TENSILE_RECONCILE_TIMEOUT", default_value_t = 60,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub reconcile_timeout: u64,
@@ -197,6 +197,28 @@ pub enum Controllers {
     /// Services and their Endpoints.
     #[value(name = "ServiceControllers")]
     Services,
+}
+
+impl Args {
+    /// Every flag at its default (environment variables applied, as on the command line)
+    /// for virtual node `nodename` at `node_ip`, of the upper cluster of `upper` (in-cluster
+    /// when `None`) over the lower cluster of `lower`; the fields are then set as typed
+    /// values.
+    pub fn new(
+        nodename: &str,
+        node_ip: IpAddr,
+        upper: Option<&Path>,
+        lower: &Path,
+    ) -> Result<Args, clap::Error> {
+        let mut argv = vec![
+            "virtual-node".into(),
+            format!("--nodename={nodename}"),
+            format!("--node-ip={node_ip}"),
+            format!("--client-kubeconfig={}", lower.display()),
+        ];
+        argv.extend(upper.map(|u| format!("--kubeconfig={}", u.display())));
+        <Args as clap::Parser>::try_parse_from(argv)
+    }
 }
 
 fn parse_node_name(s: &str) -> Result<String, String> {
@@ -548,6 +570,7 @@ async fn compose(
         conflicts: Default::default(),
         services,
         events: events.clone(),
+        pass_deadline: Duration::from_secs(args.reconcile_timeout),
     });
     let volumes = Arc::new(volumes::Volumes {
         upper: upper.clone(),
@@ -562,7 +585,8 @@ async fn compose(
         upper_limit: upper_limit.clone(),
         lower_limit: lower_limit.clone(),
         metrics: metrics.clone(),
-        waits_for_consumer: Default::default(),
+        classes: Default::default(),
+        pass_deadline: Duration::from_secs(args.reconcile_timeout),
     });
     let ctx = Arc::new(pods::Context {
         upper: upper.clone(),

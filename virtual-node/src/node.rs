@@ -99,6 +99,100 @@ struct Health {
     message: String,
 }
 
+/// What one round of the node loop sees.
+struct Observed {
+    /// Whether the lower apiserver answered.
+    probe: Result<(), String>,
+    capacity: Capacity,
+    /// Whether the watch of the upper Node shows it.
+    in_watch: bool,
+    /// Ready as the upper Node shows it, when seen.
+    upstream_ready: Option<bool>,
+    now: Instant,
+}
+
+/// What one round of the node loop does, in order; registration, status and lease writes
+/// happen only while the node is registered.
+#[derive(Debug, PartialEq)]
+struct Round {
+    health: Health,
+    /// Ready flipped this round (logged, and the transition time moves).
+    ready_changed: bool,
+    /// The Node was seen and is gone: someone deleted it.
+    deleted_upstream: bool,
+    register: bool,
+    write_status: bool,
+    renew_lease: bool,
+}
+
+/// The node loop's memory between rounds and its decisions, apart from the API calls: the
+/// loop tells it what it saw and what its writes did.
+#[derive(Default)]
+struct Heartbeat {
+    failures: u32,
+    last_health: Option<Health>,
+    /// What the last status write sent.
+    last_sent: Option<(Capacity, Health)>,
+    last_status: Option<Instant>,
+    last_lease: Option<Instant>,
+    registered: bool,
+    /// Set once the Node shows in the watch; its absence afterwards means it was deleted.
+    seen_in_watch: bool,
+}
+
+impl Heartbeat {
+    fn round(&mut self, seen: &Observed, status_period: Duration, lease_period: Duration) -> Round {
+        self.failures = if seen.probe.is_ok() { 0 } else { self.failures + 1 };
+        let was_ready = self.last_health.as_ref().is_some_and(|h| h.ready);
+        let health = judge(
+            seen.probe.clone(),
+            self.failures,
+            was_ready,
+            seen.capacity.usable_nodes,
+        );
+        let ready_changed = self.last_health.as_ref().map(|h| h.ready) != Some(health.ready);
+        self.last_health = Some(health.clone());
+        let mut deleted_upstream = false;
+        if seen.in_watch {
+            self.seen_in_watch = true;
+        } else if self.registered && self.seen_in_watch {
+            deleted_upstream = true;
+            self.node_gone();
+        }
+        let write_status = status_due(
+            self.last_sent.as_ref(),
+            (&seen.capacity, &health),
+            self.last_status
+                .is_none_or(|t| seen.now.duration_since(t) >= status_period),
+            seen.upstream_ready,
+        );
+        let renew_lease = self
+            .last_lease
+            .is_none_or(|t| seen.now.duration_since(t) >= lease_period);
+        Round {
+            health,
+            ready_changed,
+            deleted_upstream,
+            register: !self.registered,
+            write_status,
+            renew_lease,
+        }
+    }
+
+    /// The Node is gone upstream: it is registered again, with a full status and a lease.
+    fn node_gone(&mut self) {
+        self.registered = false;
+        self.seen_in_watch = false;
+        self.last_sent = None;
+        self.last_lease = None;
+    }
+
+    fn status_written(&mut self, capacity: Capacity, health: Health, at: Instant) {
+        self.last_sent = Some((capacity, health));
+        self.last_status = Some(at);
+    }
+}
+
 pub struct NodeLoop {
     /// The heartbeat's own client, built anew from `upper_source` after a failed heartbeat.
     pub upper: std::sync::Mutex<kube::Client>,
@@ -309,30 +403,32 @@ impl NodeLoop {
     pub async fn run(self, stop: tensile_common::runtime::CancellationToken) {
         let started = now();
         let mut ready_since = started.clone();
-        let mut last_health: Option<Health> = None;
-        let mut last_sent: Option<(Capacity, Health)> = None;
-        let mut last_status = Instant::now();
-        let mut last_lease: Option<Instant> = None;
         let mut version = String::new();
-        let mut failures = 0u32;
-        let mut registered = false;
-        // Set once our Node shows in the watch; its absence afterwards means it was deleted.
-        let mut seen_in_watch = false;
+        let mut state = Heartbeat::default();
         loop {
-            let probe = self.probe().await;
-            match &probe {
+            let probe = match self.probe().await {
                 Ok(v) => {
-                    failures = 0;
                     if !v.is_empty() {
-                        version = v.clone();
+                        version = v;
                     }
+                    Ok(())
                 }
-                Err(_) => failures += 1,
-            }
-            let was_ready = last_health.as_ref().is_some_and(|h| h.ready);
-            let health = judge(probe.map(drop), failures, was_ready, self.capacity().usable_nodes);
+                Err(e) => Err(e),
+            };
+            let seen = Observed {
+                probe,
+                capacity: self.capacity(),
+                in_watch: self
+                    .upper_node
+                    .get(&kube::runtime::reflector::ObjectRef::new(self.name()))
+                    .is_some(),
+                upstream_ready: self.upstream_ready(),
+                now: Instant::now(),
+            };
+            let round = state.round(&seen, self.settings.status_period, self.settings.lease_period);
+            let (health, cap) = (round.health, seen.capacity);
             self.metrics.lower_ready.set(i64::from(health.ready));
-            if last_health.as_ref().map(|h| h.ready) != Some(health.ready) {
+            if round.ready_changed {
                 ready_since = now();
                 tracing::info!(
                     node = self.name(),
@@ -342,41 +438,19 @@ impl NodeLoop {
                     health.message
                 );
             }
-            last_health = Some(health.clone());
-            // Someone deleted the Node: register it again now, not at the next status write.
-            let present = self
-                .upper_node
-                .get(&kube::runtime::reflector::ObjectRef::new(self.name()))
-                .is_some();
-            if present {
-                seen_in_watch = true;
-            } else if registered && seen_in_watch {
-                seen_in_watch = false;
+            if round.deleted_upstream {
                 tracing::warn!(
                     node = self.name(),
                     "the Node object was deleted; registering it again"
                 );
-                registered = false;
-                last_sent = None;
-                last_lease = None;
             }
-            let cap = self.capacity();
-            if !registered {
+            if round.register {
                 match self.create_node(&cap).await {
-                    Ok(()) => {
-                        registered = true;
-                    }
+                    Ok(()) => state.registered = true,
                     Err(e) => tracing::warn!(node = self.name(), "registering the node failed: {e}"),
                 }
             }
-            let write = registered
-                && status_due(
-                    last_sent.as_ref(),
-                    (&cap, &health),
-                    last_status.elapsed() >= self.settings.status_period,
-                    self.upstream_ready(),
-                );
-            if write {
+            if state.registered && round.write_status {
                 let nodes: Api<Node> = Api::all(self.upper());
                 let body = self.status_body(&cap, &health, &ready_since, &started, &version);
                 match nodes
@@ -384,9 +458,8 @@ impl NodeLoop {
                     .await
                 {
                     Ok(_) => {
-                        last_status = Instant::now();
-                        last_sent = Some((cap.clone(), health.clone()));
                         let shape = serde_json::to_string(&cap.shape).unwrap_or_default();
+                        state.status_written(cap, health, Instant::now());
                         let meta = json!({"metadata": {"annotations": {names::NODE_CAPACITY_SHAPE: shape}}});
                         if let Err(e) = nodes
                             .patch(self.name(), &PatchParams::default(), &Patch::Merge(&meta))
@@ -400,9 +473,7 @@ impl NodeLoop {
                             node = self.name(),
                             "the Node object was deleted; registering it again"
                         );
-                        registered = false;
-                        last_sent = None;
-                        last_lease = None;
+                        state.node_gone();
                         continue;
                     }
                     Err(e) => {
@@ -411,9 +482,9 @@ impl NodeLoop {
                     }
                 }
             }
-            if registered && last_lease.is_none_or(|t| t.elapsed() >= self.settings.lease_period) {
+            if state.registered && round.renew_lease {
                 match self.renew_lease().await {
-                    Ok(()) => last_lease = Some(Instant::now()),
+                    Ok(()) => state.last_lease = Some(Instant::now()),
                     Err(e) => {
                         tracing::warn!(node = self.name(), "lease: {e}");
                         self.reconnect_after(&e);
@@ -489,5 +560,94 @@ mod tests {
             !status_due(Some(&sent), (&cap, &ready), false, None),
             "an unseen upstream node is no reason to write"
         );
+    }
+
+    fn seen(probe: Result<(), String>, usable_nodes: usize, in_watch: bool, now: Instant) -> Observed {
+        Observed {
+            probe,
+            capacity: Capacity {
+                usable_nodes,
+                ..Default::default()
+            },
+            in_watch,
+            upstream_ready: in_watch.then_some(true),
+            now,
+        }
+    }
+
+    const STATUS: Duration = Duration::from_secs(60);
+    const LEASE: Duration = Duration::from_secs(10);
+
+    /// A registered node whose first round wrote status and renewed its lease at `t0`.
+    fn registered(t0: Instant) -> Heartbeat {
+        let mut state = Heartbeat::default();
+        let first = state.round(&seen(Ok(()), 3, false, t0), STATUS, LEASE);
+        assert!(first.register && first.write_status && first.renew_lease && first.ready_changed);
+        state.registered = true;
+        state.status_written(seen(Ok(()), 3, false, t0).capacity, first.health, t0);
+        state.last_lease = Some(t0);
+        state
+    }
+
+    #[test]
+    fn a_quiet_ready_node_renews_its_lease_every_lease_period_and_its_status_every_status_period() {
+        let t0 = Instant::now();
+        let mut state = registered(t0);
+        let quiet = state.round(&seen(Ok(()), 3, true, t0 + Duration::from_secs(5)), STATUS, LEASE);
+        assert!(!quiet.register && !quiet.write_status && !quiet.renew_lease && !quiet.ready_changed);
+        let lease = state.round(&seen(Ok(()), 3, true, t0 + LEASE), STATUS, LEASE);
+        assert!(lease.renew_lease && !lease.write_status);
+        let status = state.round(&seen(Ok(()), 3, true, t0 + STATUS), STATUS, LEASE);
+        assert!(status.write_status);
+    }
+
+    #[test]
+    fn a_lower_outage_turns_the_node_not_ready_on_the_second_failed_probe_and_writes_at_once() {
+        let t0 = Instant::now();
+        let mut state = registered(t0);
+        let t = t0 + Duration::from_secs(1);
+        let blip = state.round(&seen(Err("timeout".into()), 3, true, t), STATUS, LEASE);
+        assert!(
+            blip.health.ready && !blip.ready_changed,
+            "one failed probe is a blip"
+        );
+        let outage = state.round(&seen(Err("timeout".into()), 3, true, t), STATUS, LEASE);
+        assert!(!outage.health.ready && outage.ready_changed && outage.write_status);
+        let back = state.round(&seen(Ok(()), 3, true, t), STATUS, LEASE);
+        assert!(
+            back.health.ready && back.ready_changed,
+            "one good probe is enough to come back"
+        );
+    }
+
+    #[test]
+    fn a_node_deleted_upstream_is_registered_again_with_a_full_status_and_lease() {
+        let t0 = Instant::now();
+        let mut state = registered(t0);
+        let t = t0 + Duration::from_secs(1);
+        assert!(
+            !state
+                .round(&seen(Ok(()), 3, true, t), STATUS, LEASE)
+                .deleted_upstream
+        );
+        let gone = state.round(&seen(Ok(()), 3, false, t), STATUS, LEASE);
+        assert!(gone.deleted_upstream && gone.register && gone.write_status && gone.renew_lease);
+        let again = state.round(&seen(Ok(()), 3, false, t), STATUS, LEASE);
+        assert!(
+            !again.deleted_upstream,
+            "reported once, not every round until the watch shows it"
+        );
+    }
+
+    #[test]
+    fn a_node_not_yet_in_the_watch_after_registering_is_not_taken_for_deleted() {
+        let t0 = Instant::now();
+        let mut state = registered(t0);
+        let round = state.round(
+            &seen(Ok(()), 3, false, t0 + Duration::from_secs(1)),
+            STATUS,
+            LEASE,
+        );
+        assert!(!round.deleted_upstream && !round.register);
     }
 }

@@ -19,7 +19,7 @@ use serde_json::json;
 use tensile_common::api::ApiError;
 use tensile_common::names;
 
-use crate::copies::{self, Blocked, Copies};
+use crate::copies::{Blocked, Copies};
 use crate::metrics::Metrics;
 use crate::ratelimit::TokenBucket;
 use crate::translate::{self, Translation};
@@ -91,8 +91,6 @@ impl Backoff {
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{0}")]
-    Copy(#[from] copies::Error),
     #[error(transparent)]
     Api(#[from] ApiError),
     #[error("the reconcile took longer than {0:?}; retrying")]
@@ -139,7 +137,6 @@ fn retry_key(pod: &Pod) -> String {
 pub fn error_policy(pod: Arc<Pod>, err: &Error, ctx: Arc<Context>) -> Action {
     match err {
         Error::Api(e) => ctx.metrics.api_error(e.cluster, e.verb),
-        Error::Copy(_) => ctx.metrics.api_error("lower", "copy"),
         Error::Timeout(_) => ctx.metrics.api_error("both", "reconcile-timeout"),
     }
     Action::requeue(ctx.retries.next_delay(&retry_key(&pod)))

@@ -20,30 +20,30 @@
 //! is [`PROVISIONER`] and whose binding mode is `WaitForFirstConsumer`, named as the class
 //! the lower cluster provides.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
-use tensile_common::cache::Cache;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::ObjectRef;
 use serde_json::json;
+use tensile_common::api::ApiError as Error;
+use tensile_common::api::{Deleted, code, delete_exact};
+use tensile_common::cache::Cache;
 use tensile_common::names;
 
 use crate::copies::Blocked;
 use crate::metrics::Metrics;
 use crate::ratelimit::TokenBucket;
 use crate::translate::{self, Identity};
-use tensile_common::api::ApiError as Error;
 
 /// The provisioner name of upper StorageClasses whose claims virtual nodes provision.
 pub const PROVISIONER: &str = "virtual-node.tensile.io";
-
-use tensile_common::api::{Deleted, code, delete_exact};
 
 /// The claims a pod spec mounts.
 pub fn claims(pod: &Pod) -> Vec<String> {
@@ -52,6 +52,321 @@ pub fn claims(pod: &Pod) -> Vec<String> {
         .flat_map(|s| s.volumes.iter().flatten())
         .filter_map(|v| v.persistent_volume_claim.as_ref().map(|c| c.claim_name.clone()))
         .collect()
+}
+
+/// What one resync pass decides from: snapshots of the watch caches.
+pub struct View<'a> {
+    pub identity: &'a Identity,
+    /// Upper pods bound to this node.
+    pub upper_pods: &'a [Arc<Pod>],
+    pub upper_claims: &'a [Arc<PersistentVolumeClaim>],
+    /// Upper volumes carrying this node's marks.
+    pub upper_volumes: &'a [Arc<PersistentVolume>],
+    /// Lower claims carrying this node's marks.
+    pub lower_claims: &'a [Arc<PersistentVolumeClaim>],
+    /// Lower pods that have not finished.
+    pub lower_pods: &'a [Arc<Pod>],
+    /// Whether each lower StorageClass read so far binds on first consumer.
+    pub classes: &'a HashMap<String, bool>,
+}
+
+/// One write of a resync pass.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Write {
+    /// The upper scheduler picked this node for a claim no pod here uses yet: the lower
+    /// claim is made now, so the lower cluster provisions it.
+    CreateLowerClaim { claim: Box<PersistentVolumeClaim> },
+    /// The lower scheduler chose a node for the claim: the upper claim names this node.
+    MarkSelected { namespace: String, name: String },
+    /// The binding mode of a lower StorageClass is needed before the volume is reflected.
+    LearnClass { class: String },
+    /// The lower claim is ready: its volume is reflected upstream.
+    CreateVolume { volume: Box<PersistentVolume> },
+    /// The lower cluster granted another size: the upper volume shows it.
+    ResizeVolume {
+        name: String,
+        capacity: BTreeMap<String, Quantity>,
+    },
+    DeleteLowerClaim {
+        namespace: String,
+        name: String,
+        uid: Option<String>,
+        why: &'static str,
+    },
+    DeleteUpperVolume {
+        name: String,
+        uid: Option<String>,
+        why: &'static str,
+    },
+}
+
+/// The name of the upper volume standing for `upper_claim`: unique per upper claim.
+fn volume_name(upper_claim: &PersistentVolumeClaim) -> String {
+    format!("pvc-{}", upper_claim.uid().unwrap_or_default())
+}
+
+fn selected_here(identity: &Identity, claim: &PersistentVolumeClaim) -> bool {
+    claim.annotations().get(names::PVC_SELECTED_NODE) == Some(&identity.node)
+}
+
+fn at(meta: &kube::api::ObjectMeta) -> (String, String) {
+    (
+        meta.namespace.clone().unwrap_or_default(),
+        meta.name.clone().unwrap_or_default(),
+    )
+}
+
+/// The lower claim for `upper`.
+pub fn lower_claim(identity: &Identity, upper: &PersistentVolumeClaim) -> PersistentVolumeClaim {
+    let spec = upper.spec.clone().unwrap_or_default();
+    let mut labels: BTreeMap<String, String> = upper
+        .labels()
+        .iter()
+        .filter(|(k, _)| {
+            ![names::MARK_CLUSTER, names::MARK_NODE, names::MARK_UPPER_UID].contains(&k.as_str())
+        })
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    labels.extend(identity.marks());
+    labels.insert(names::MARK_UPPER_UID.to_owned(), upper.uid().unwrap_or_default());
+    PersistentVolumeClaim {
+        metadata: kube::api::ObjectMeta {
+            name: upper.metadata.name.clone(),
+            namespace: upper.metadata.namespace.clone(),
+            labels: Some(labels),
+            ..Default::default()
+        },
+        spec: Some(k8s_openapi::api::core::v1::PersistentVolumeClaimSpec {
+            access_modes: spec.access_modes,
+            resources: spec.resources,
+            selector: spec.selector,
+            storage_class_name: spec.storage_class_name,
+            volume_mode: spec.volume_mode,
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// Whether the lower claim may get a volume reflected upstream now: bound below, or
+/// waiting below for its first consumer (which is the pod this volume lets through).
+/// `None` while the binding mode of its class is not known.
+fn ready_below(lower: &PersistentVolumeClaim, classes: &HashMap<String, bool>) -> Option<bool> {
+    if lower.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound") {
+        return Some(true);
+    }
+    match lower.spec.as_ref().and_then(|s| s.storage_class_name.as_ref()) {
+        None => Some(false),
+        Some(class) => classes.get(class).copied(),
+    }
+}
+
+/// The upper volume standing for the lower claim `lower` of `upper`.
+pub fn upper_volume(
+    identity: &Identity,
+    upper: &PersistentVolumeClaim,
+    lower: &PersistentVolumeClaim,
+) -> PersistentVolume {
+    use k8s_openapi::api::core::v1::{
+        CSIPersistentVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectReference,
+        PersistentVolumeSpec, VolumeNodeAffinity,
+    };
+    let spec = upper.spec.clone().unwrap_or_default();
+    let status = lower.status.clone().unwrap_or_default();
+    let bound = status.phase.as_deref() == Some("Bound");
+    let capacity = if bound {
+        status.capacity.clone()
+    } else {
+        spec.resources.as_ref().and_then(|r| r.requests.clone())
+    };
+    let access_modes = if bound { status.access_modes.clone() } else { None }.or(spec.access_modes.clone());
+    let (ns, name) = at(&upper.metadata);
+    PersistentVolume {
+        metadata: kube::api::ObjectMeta {
+            name: Some(volume_name(upper)),
+            labels: Some(identity.marks()),
+            annotations: Some(BTreeMap::from([(
+                "pv.kubernetes.io/provisioned-by".to_owned(),
+                PROVISIONER.to_owned(),
+            )])),
+            ..Default::default()
+        },
+        spec: Some(PersistentVolumeSpec {
+            capacity,
+            access_modes,
+            volume_mode: spec.volume_mode,
+            storage_class_name: spec.storage_class_name,
+            persistent_volume_reclaim_policy: Some("Delete".into()),
+            claim_ref: Some(ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("PersistentVolumeClaim".into()),
+                namespace: Some(ns.clone()),
+                name: Some(name.clone()),
+                uid: upper.uid(),
+                ..Default::default()
+            }),
+            csi: Some(CSIPersistentVolumeSource {
+                driver: PROVISIONER.into(),
+                volume_handle: format!(
+                    "{}/{ns}/{name}/{}",
+                    identity.node,
+                    lower.uid().unwrap_or_default()
+                ),
+                ..Default::default()
+            }),
+            node_affinity: Some(VolumeNodeAffinity {
+                required: Some(NodeSelector {
+                    node_selector_terms: vec![NodeSelectorTerm {
+                        match_expressions: Some(vec![NodeSelectorRequirement {
+                            key: "kubernetes.io/hostname".into(),
+                            operator: "In".into(),
+                            values: Some(vec![identity.node.clone()]),
+                        }]),
+                        match_fields: None,
+                    }],
+                }),
+            }),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// The writes of one resync pass: lower claims for the claims this node handles, their
+/// volumes upstream, and the deletion of what no claim stands behind any more.
+pub fn plan(view: &View<'_>) -> Vec<Write> {
+    let id = view.identity;
+    let mut writes = Vec::new();
+    let upper_claims: HashMap<(String, String), &Arc<PersistentVolumeClaim>> =
+        view.upper_claims.iter().map(|c| (at(&c.metadata), c)).collect();
+    let lower_claims: HashMap<(String, String), &Arc<PersistentVolumeClaim>> = view
+        .lower_claims
+        .iter()
+        .filter(|l| id.owns(&l.metadata))
+        .map(|l| (at(&l.metadata), l))
+        .collect();
+    let volumes: HashMap<String, &Arc<PersistentVolume>> =
+        view.upper_volumes.iter().map(|v| (v.name_any(), v)).collect();
+
+    let mut handled = BTreeSet::new();
+    for pod in view.upper_pods.iter().filter(|p| !translate::is_terminal(p)) {
+        let ns = pod.namespace().unwrap_or_default();
+        handled.extend(claims(pod).into_iter().map(|c| (ns.clone(), c)));
+    }
+    handled.extend(
+        view.upper_claims
+            .iter()
+            .filter(|c| selected_here(id, c))
+            .map(|c| at(&c.metadata)),
+    );
+    for key in &handled {
+        let Some(upper) = upper_claims.get(key) else {
+            continue;
+        };
+        if upper.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        match lower_claims.get(key) {
+            None if selected_here(id, upper) => writes.push(Write::CreateLowerClaim {
+                claim: Box::new(lower_claim(id, upper)),
+            }),
+            None => {}
+            Some(lower) => claim_writes(view, upper, lower, volumes.get(&volume_name(upper)), &mut writes),
+        }
+    }
+    // Lower claims whose upper claim is gone (or is another claim of the same name).
+    for lower in lower_claims.values() {
+        if lower.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let key = at(&lower.metadata);
+        let made_for = lower.labels().get(names::MARK_UPPER_UID).cloned();
+        if upper_claims.get(&key).and_then(|u| u.uid()) == made_for {
+            continue;
+        }
+        let in_use = view
+            .lower_pods
+            .iter()
+            .any(|p| p.namespace().as_deref() == Some(key.0.as_str()) && claims(p).contains(&key.1));
+        if !in_use {
+            writes.push(Write::DeleteLowerClaim {
+                namespace: key.0,
+                name: key.1,
+                uid: lower.uid(),
+                why: "its upper claim is gone",
+            });
+        }
+    }
+    // Upper volumes whose claim is gone.
+    for volume in view.upper_volumes {
+        if !id.owns(&volume.metadata) || volume.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let claim = volume.spec.as_ref().and_then(|s| s.claim_ref.as_ref());
+        let exists = claim.is_some_and(|c| {
+            let key = (
+                c.namespace.clone().unwrap_or_default(),
+                c.name.clone().unwrap_or_default(),
+            );
+            upper_claims.get(&key).and_then(|u| u.uid()) == c.uid
+        });
+        if !exists {
+            writes.push(Write::DeleteUpperVolume {
+                name: volume.name_any(),
+                uid: volume.uid(),
+                why: "its claim is gone",
+            });
+        }
+    }
+    writes
+}
+
+/// Brings one handled claim's upper side to its lower claim: the lower scheduler's node
+/// choice named as this node, and the volume upstream.
+fn claim_writes(
+    view: &View<'_>,
+    upper: &PersistentVolumeClaim,
+    lower: &PersistentVolumeClaim,
+    volume: Option<&&Arc<PersistentVolume>>,
+    writes: &mut Vec<Write>,
+) {
+    if lower.annotations().contains_key(names::PVC_SELECTED_NODE)
+        && !upper.annotations().contains_key(names::PVC_SELECTED_NODE)
+    {
+        let (namespace, name) = at(&upper.metadata);
+        writes.push(Write::MarkSelected { namespace, name });
+    }
+    match volume {
+        None => match ready_below(lower, view.classes) {
+            Some(true) => writes.push(Write::CreateVolume {
+                volume: Box::new(upper_volume(view.identity, upper, lower)),
+            }),
+            Some(false) => {}
+            None => writes.extend(
+                lower
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.storage_class_name.clone())
+                    .map(|class| Write::LearnClass { class }),
+            ),
+        },
+        Some(volume) => {
+            let granted = lower
+                .status
+                .as_ref()
+                .filter(|s| s.phase.as_deref() == Some("Bound"))
+                .and_then(|s| s.capacity.clone());
+            let shown = volume.spec.as_ref().and_then(|s| s.capacity.clone());
+            if let Some(capacity) = granted
+                && Some(&capacity) != shown.as_ref()
+            {
+                writes.push(Write::ResizeVolume {
+                    name: volume.name_any(),
+                    capacity,
+                });
+            }
+        }
+    }
 }
 
 /// The reflection of claims and volumes for one virtual node.
@@ -73,72 +388,37 @@ pub struct Volumes {
     pub metrics: Arc<Metrics>,
     /// Whether each lower StorageClass binds on first consumer (a class's binding mode is
     /// immutable, so one read each).
-    pub waits_for_consumer: std::sync::Mutex<std::collections::HashMap<String, bool>>,
+    pub classes: std::sync::Mutex<HashMap<String, bool>>,
+    /// How long one resync pass may take; a pass stuck past it is dropped and the next
+    /// begins.
+    pub pass_deadline: Duration,
 }
 
 impl Volumes {
-    fn volume_name(upper_claim: &PersistentVolumeClaim) -> String {
-        format!("pvc-{}", upper_claim.uid().unwrap_or_default())
-    }
-
-    /// The lower claim for `upper`.
-    fn lower_claim(&self, upper: &PersistentVolumeClaim) -> PersistentVolumeClaim {
-        let spec = upper.spec.clone().unwrap_or_default();
-        let mut labels: BTreeMap<String, String> = upper
-            .labels()
-            .iter()
-            .filter(|(k, _)| {
-                ![names::MARK_CLUSTER, names::MARK_NODE, names::MARK_UPPER_UID].contains(&k.as_str())
-            })
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        labels.extend(self.identity.marks());
-        labels.insert(names::MARK_UPPER_UID.to_owned(), upper.uid().unwrap_or_default());
-        PersistentVolumeClaim {
-            metadata: kube::api::ObjectMeta {
-                name: upper.metadata.name.clone(),
-                namespace: upper.metadata.namespace.clone(),
-                labels: Some(labels),
-                ..Default::default()
-            },
-            spec: Some(k8s_openapi::api::core::v1::PersistentVolumeClaimSpec {
-                access_modes: spec.access_modes,
-                resources: spec.resources,
-                selector: spec.selector,
-                storage_class_name: spec.storage_class_name,
-                volume_mode: spec.volume_mode,
-                ..Default::default()
-            }),
-            status: None,
-        }
-    }
-
-    fn selected_here(&self, claim: &PersistentVolumeClaim) -> bool {
-        claim.annotations().get(names::PVC_SELECTED_NODE) == Some(&self.identity.node)
-    }
-
     /// Makes the lower claim of `ns/name` exist (ours). `Ok(Err(_))` says why a pod using it
     /// must not be created below.
     pub async fn prepare(&self, ns: &str, name: &str) -> Result<Result<(), Blocked>, Error> {
         self.upper_claims.synced().await;
-        let Some(upper) = self.upper_claims.get(&ObjectRef::new(name).within(ns)) else {
+        let at = ObjectRef::new(name).within(ns);
+        let Some(upper) = self.upper_claims.get(&at) else {
             return Ok(Err(Blocked::Missing(format!(
                 "PersistentVolumeClaim {ns}/{name} does not exist in the upper cluster"
             ))));
         };
-        self.ensure_lower_claim(&upper).await
-    }
-
-    async fn ensure_lower_claim(&self, upper: &PersistentVolumeClaim) -> Result<Result<(), Blocked>, Error> {
-        let (ns, name) = (upper.namespace().unwrap_or_default(), upper.name_any());
-        if let Some(lower) = self.lower_claims.get(&ObjectRef::new(&name).within(&ns))
+        if let Some(lower) = self.lower_claims.get(&at)
             && self.identity.owns(&lower.metadata)
         {
             return Ok(Ok(()));
         }
+        self.create_lower_claim(&lower_claim(&self.identity, &upper))
+            .await
+    }
+
+    async fn create_lower_claim(&self, claim: &PersistentVolumeClaim) -> Result<Result<(), Blocked>, Error> {
+        let (ns, name) = at(&claim.metadata);
         let api: Api<PersistentVolumeClaim> = Api::namespaced(self.lower.clone(), &ns);
         self.lower_limit.acquire().await;
-        let existing = match api.create(&PostParams::default(), &self.lower_claim(upper)).await {
+        let existing = match api.create(&PostParams::default(), claim).await {
             Ok(_) => {
                 tracing::info!(claim = %format!("{ns}/{name}"), "created below");
                 return Ok(Ok(()));
@@ -159,122 +439,30 @@ impl Volumes {
         }
     }
 
-    /// Whether the lower claim may get a volume reflected upstream now: bound below, or
-    /// waiting below for its first consumer (which is the pod this volume lets through).
-    async fn ready_below(&self, lower: &PersistentVolumeClaim) -> bool {
-        if lower.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound") {
-            return true;
-        }
-        let Some(class) = lower.spec.as_ref().and_then(|s| s.storage_class_name.clone()) else {
-            return false;
-        };
-        if let Some(known) = self
-            .waits_for_consumer
-            .lock()
-            .ok()
-            .and_then(|m| m.get(&class).copied())
-        {
-            return known;
-        }
-        match Api::<StorageClass>::all(self.lower.clone()).get_opt(&class).await {
-            Ok(Some(c)) => {
-                let waits = c.volume_binding_mode.as_deref() == Some("WaitForFirstConsumer");
-                if let Ok(mut m) = self.waits_for_consumer.lock() {
-                    m.insert(class, waits);
-                }
-                waits
-            }
-            // A class that does not exist (yet) is asked about again on the next pass.
-            _ => false,
-        }
-    }
-
-    /// The upper volume standing for the lower claim `lower` of `upper`.
-    fn upper_volume(&self, upper: &PersistentVolumeClaim, lower: &PersistentVolumeClaim) -> PersistentVolume {
-        use k8s_openapi::api::core::v1::{
-            CSIPersistentVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
-            ObjectReference, PersistentVolumeSpec, VolumeNodeAffinity,
-        };
-        let spec = upper.spec.clone().unwrap_or_default();
-        let status = lower.status.clone().unwrap_or_default();
-        let bound = status.phase.as_deref() == Some("Bound");
-        let capacity = if bound {
-            status.capacity.clone()
-        } else {
-            spec.resources.as_ref().and_then(|r| r.requests.clone())
-        };
-        let access_modes =
-            if bound { status.access_modes.clone() } else { None }.or(spec.access_modes.clone());
-        let (ns, name) = (upper.namespace().unwrap_or_default(), upper.name_any());
-        PersistentVolume {
-            metadata: kube::api::ObjectMeta {
-                name: Some(Self::volume_name(upper)),
-                labels: Some(self.identity.marks()),
-                annotations: Some(BTreeMap::from([(
-                    "pv.kubernetes.io/provisioned-by".to_owned(),
-                    PROVISIONER.to_owned(),
-                )])),
-                ..Default::default()
-            },
-            spec: Some(PersistentVolumeSpec {
-                capacity,
-                access_modes,
-                volume_mode: spec.volume_mode,
-                storage_class_name: spec.storage_class_name,
-                persistent_volume_reclaim_policy: Some("Delete".into()),
-                claim_ref: Some(ObjectReference {
-                    api_version: Some("v1".into()),
-                    kind: Some("PersistentVolumeClaim".into()),
-                    namespace: Some(ns.clone()),
-                    name: Some(name.clone()),
-                    uid: upper.uid(),
-                    ..Default::default()
-                }),
-                csi: Some(CSIPersistentVolumeSource {
-                    driver: PROVISIONER.into(),
-                    volume_handle: format!(
-                        "{}/{ns}/{name}/{}",
-                        self.identity.node,
-                        lower.uid().unwrap_or_default()
-                    ),
-                    ..Default::default()
-                }),
-                node_affinity: Some(VolumeNodeAffinity {
-                    required: Some(NodeSelector {
-                        node_selector_terms: vec![NodeSelectorTerm {
-                            match_expressions: Some(vec![NodeSelectorRequirement {
-                                key: "kubernetes.io/hostname".into(),
-                                operator: "In".into(),
-                                values: Some(vec![self.identity.node.clone()]),
-                            }]),
-                            match_fields: None,
-                        }],
-                    }),
-                }),
-                ..Default::default()
-            }),
-            status: None,
-        }
-    }
-
-    /// Resyncs from the watch caches every second, until dropped.
+    /// Resyncs from the watch caches on each `changed` notification and at least every
+    /// second, until dropped.
     pub async fn run(self: Arc<Self>, changed: Arc<tokio::sync::Notify>) {
         self.upper_claims.synced().await;
         self.upper_volumes.synced().await;
         self.lower_claims.synced().await;
         self.upper_pods.synced().await;
         self.lower_pods.synced().await;
-        let metrics = &self.metrics;
         loop {
-            let work = self.plan();
-            futures::stream::iter(work)
-                .for_each_concurrent(8, |w| async move {
-                    if let Err(e) = w.await {
-                        metrics.api_error("lower", "volume");
-                        tracing::warn!("volume resync: {e}");
-                    }
-                })
-                .await;
+            let learned = match tokio::time::timeout(self.pass_deadline, self.sync()).await {
+                Ok(learned) => learned,
+                Err(_) => {
+                    self.metrics.api_error("both", "volume-pass-timeout");
+                    tracing::warn!(
+                        "a volume resync pass took longer than {:?}; the next one goes on",
+                        self.pass_deadline
+                    );
+                    false
+                }
+            };
+            if learned {
+                // A class's binding mode was read: the volumes waiting for it go now.
+                continue;
+            }
             tokio::select! {
                 _ = changed.notified() => tokio::time::sleep(Duration::from_millis(50)).await,
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
@@ -282,181 +470,456 @@ impl Volumes {
         }
     }
 
-    fn plan(&self) -> Vec<Write<'_>> {
-        let mut work: Vec<Write<'_>> = Vec::new();
-        let mut handled = std::collections::BTreeSet::new();
-        for pod in self.upper_pods.state() {
-            if translate::is_terminal(&pod) {
-                continue;
-            }
-            let ns = pod.namespace().unwrap_or_default();
-            handled.extend(claims(&pod).into_iter().map(|c| (ns.clone(), c)));
-        }
-        for claim in self.upper_claims.state() {
-            if self.selected_here(&claim) {
-                handled.insert((claim.namespace().unwrap_or_default(), claim.name_any()));
-            }
-        }
-        for (ns, name) in &handled {
-            let Some(upper) = self.upper_claims.get(&ObjectRef::new(name).within(ns)) else {
-                continue;
-            };
-            if upper.metadata.deletion_timestamp.is_some() {
-                continue;
-            }
-            let lower = self
-                .lower_claims
-                .get(&ObjectRef::new(name).within(ns))
-                .filter(|l| self.identity.owns(&l.metadata));
-            match lower {
-                None if self.selected_here(&upper) => work.push(Box::pin(async move {
-                    if let Err(blocked) = self.ensure_lower_claim(&upper).await? {
-                        tracing::warn!("{blocked:?}");
+    /// One resync pass; true when it learnt a StorageClass's binding mode.
+    async fn sync(&self) -> bool {
+        let classes = self.classes.lock().map(|c| c.clone()).unwrap_or_default();
+        let (upper_pods, upper_claims, upper_volumes, lower_claims, lower_pods) = (
+            self.upper_pods.state(),
+            self.upper_claims.state(),
+            self.upper_volumes.state(),
+            self.lower_claims.state(),
+            self.lower_pods.state(),
+        );
+        let writes = plan(&View {
+            identity: &self.identity,
+            upper_pods: &upper_pods,
+            upper_claims: &upper_claims,
+            upper_volumes: &upper_volumes,
+            lower_claims: &lower_claims,
+            lower_pods: &lower_pods,
+            classes: &classes,
+        });
+        let learned = std::sync::atomic::AtomicBool::new(false);
+        futures::stream::iter(writes)
+            .for_each_concurrent(8, |w| {
+                let learned = &learned;
+                async move {
+                    match self.perform(w).await {
+                        Ok(true) => learned.store(true, std::sync::atomic::Ordering::Relaxed),
+                        Ok(false) => {}
+                        Err(e) => {
+                            self.metrics.api_error(e.cluster, "volume");
+                            tracing::warn!("volume resync: {e}");
+                        }
                     }
-                    Ok(())
-                })),
-                None => {}
-                Some(lower) => work.push(Box::pin(self.sync_claim(upper, lower))),
-            }
-        }
-        // Lower claims whose upper claim is gone (or is another claim of the same name).
-        for lower in self.lower_claims.state() {
-            if !self.identity.owns(&lower.metadata) || lower.metadata.deletion_timestamp.is_some() {
-                continue;
-            }
-            let (ns, name) = (lower.namespace().unwrap_or_default(), lower.name_any());
-            let upper = self.upper_claims.get(&ObjectRef::new(&name).within(&ns));
-            let made_for = lower.labels().get(names::MARK_UPPER_UID).cloned();
-            if upper.as_ref().and_then(|u| u.uid()) == made_for {
-                continue;
-            }
-            let in_use = self
-                .lower_pods
-                .state()
-                .iter()
-                .any(|p| p.namespace().as_deref() == Some(ns.as_str()) && claims(p).contains(&name));
-            if !in_use {
-                work.push(Box::pin(self.delete_lower_claim(lower)));
-            }
-        }
-        // Upper volumes whose claim is gone.
-        for volume in self.upper_volumes.state() {
-            if !self.identity.owns(&volume.metadata) || volume.metadata.deletion_timestamp.is_some() {
-                continue;
-            }
-            let claim = volume.spec.as_ref().and_then(|s| s.claim_ref.as_ref());
-            let exists = claim.is_some_and(|c| {
-                let at = ObjectRef::new(c.name.as_deref().unwrap_or_default())
-                    .within(c.namespace.as_deref().unwrap_or_default());
-                self.upper_claims.get(&at).and_then(|u| u.uid()) == c.uid
-            });
-            if !exists {
-                work.push(Box::pin(self.delete_upper_volume(volume)));
-            }
-        }
-        work
+                }
+            })
+            .await;
+        learned.into_inner()
     }
 
-    /// Brings one handled claim's upper side to its lower claim: the volume upstream, and
-    /// the lower scheduler's node choice named as this node.
-    async fn sync_claim(
-        &self,
-        upper: Arc<PersistentVolumeClaim>,
-        lower: Arc<PersistentVolumeClaim>,
-    ) -> Result<(), Error> {
-        let (ns, name) = (upper.namespace().unwrap_or_default(), upper.name_any());
-        if lower.annotations().contains_key(names::PVC_SELECTED_NODE)
-            && !upper.annotations().contains_key(names::PVC_SELECTED_NODE)
-        {
-            let patch = json!({"metadata": {"annotations": {names::PVC_SELECTED_NODE: self.identity.node}}});
-            self.upper_limit.acquire().await;
-            Api::<PersistentVolumeClaim>::namespaced(self.upper.clone(), &ns)
-                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-                .map_err(Error::on("upper", "patch", format!("claim {ns}/{name}")))?;
-        }
-        let volume_name = Self::volume_name(&upper);
-        let existing = self.upper_volumes.get(&ObjectRef::new(&volume_name));
-        let api: Api<PersistentVolume> = Api::all(self.upper.clone());
-        match existing {
-            None => {
-                if !self.ready_below(&lower).await {
-                    return Ok(());
-                }
-                let volume = self.upper_volume(&upper, &lower);
-                self.upper_limit.acquire().await;
-                match api.create(&PostParams::default(), &volume).await {
-                    Ok(_) => {
-                        tracing::info!(claim = %format!("{ns}/{name}"), volume = %volume_name, "volume reflected upstream");
-                        Ok(())
-                    }
-                    Err(e) if code(&e) == Some(409) => Ok(()),
-                    Err(e) => Err(Error::on("upper", "create", format!("volume {volume_name}"))(e)),
+    /// Performs one write; true when it learnt a StorageClass's binding mode.
+    async fn perform(&self, write: Write) -> Result<bool, Error> {
+        let upper_volumes: Api<PersistentVolume> = Api::all(self.upper.clone());
+        match write {
+            Write::CreateLowerClaim { claim } => {
+                if let Err(blocked) = self.create_lower_claim(&claim).await? {
+                    tracing::warn!("{blocked:?}");
                 }
             }
-            Some(volume) => {
-                // A resize below shows upstream.
-                let granted = lower
-                    .status
-                    .as_ref()
-                    .filter(|s| s.phase.as_deref() == Some("Bound"))
-                    .and_then(|s| s.capacity.clone());
-                let shown = volume.spec.as_ref().and_then(|s| s.capacity.clone());
-                if granted.is_none() || granted == shown {
-                    return Ok(());
-                }
-                let patch = json!({"spec": {"capacity": granted}});
+            Write::MarkSelected { namespace, name } => {
+                let patch =
+                    json!({"metadata": {"annotations": {names::PVC_SELECTED_NODE: self.identity.node}}});
                 self.upper_limit.acquire().await;
-                api.patch(&volume_name, &PatchParams::default(), &Patch::Merge(&patch))
+                Api::<PersistentVolumeClaim>::namespaced(self.upper.clone(), &namespace)
+                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
-                    .map(|_| ())
-                    .map_err(Error::on("upper", "patch", format!("volume {volume_name}")))
+                    .map_err(Error::on("upper", "patch", format!("claim {namespace}/{name}")))?;
+            }
+            Write::LearnClass { class } => {
+                let found = Api::<StorageClass>::all(self.lower.clone())
+                    .get_opt(&class)
+                    .await
+                    .map_err(Error::on("lower", "get", format!("storage class {class}")))?;
+                // A class that does not exist (yet) is asked about again on the next pass.
+                if let Some(c) = found {
+                    let waits = c.volume_binding_mode.as_deref() == Some("WaitForFirstConsumer");
+                    if let Ok(mut m) = self.classes.lock() {
+                        m.insert(class, waits);
+                    }
+                    return Ok(true);
+                }
+            }
+            Write::CreateVolume { volume } => {
+                let name = volume.name_any();
+                self.upper_limit.acquire().await;
+                match upper_volumes.create(&PostParams::default(), &volume).await {
+                    Ok(_) => tracing::info!(volume = %name, "volume reflected upstream"),
+                    Err(e) if code(&e) == Some(409) => {}
+                    Err(e) => return Err(Error::on("upper", "create", format!("volume {name}"))(e)),
+                }
+            }
+            Write::ResizeVolume { name, capacity } => {
+                let patch = json!({"spec": {"capacity": capacity}});
+                self.upper_limit.acquire().await;
+                upper_volumes
+                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map_err(Error::on("upper", "patch", format!("volume {name}")))?;
+            }
+            Write::DeleteLowerClaim {
+                namespace,
+                name,
+                uid,
+                why,
+            } => {
+                self.lower_limit.acquire().await;
+                let api = Api::<PersistentVolumeClaim>::namespaced(self.lower.clone(), &namespace);
+                let deleted = delete_exact(&api, &name, uid, None).await.map_err(Error::on(
+                    "lower",
+                    "delete",
+                    format!("claim {namespace}/{name}"),
+                ))?;
+                if deleted == Deleted::Accepted {
+                    tracing::info!(claim = %format!("{namespace}/{name}"), "deleted below: {why}");
+                }
+            }
+            Write::DeleteUpperVolume { name, uid, why } => {
+                self.upper_limit.acquire().await;
+                let deleted = delete_exact(&upper_volumes, &name, uid, None)
+                    .await
+                    .map_err(Error::on("upper", "delete", format!("volume {name}")))?;
+                if deleted == Deleted::Accepted {
+                    tracing::info!(volume = %name, "deleted upstream: {why}");
+                }
             }
         }
-    }
-
-    async fn delete_lower_claim(&self, lower: Arc<PersistentVolumeClaim>) -> Result<(), Error> {
-        let (ns, name) = (lower.namespace().unwrap_or_default(), lower.name_any());
-        self.lower_limit.acquire().await;
-        let api = Api::<PersistentVolumeClaim>::namespaced(self.lower.clone(), &ns);
-        let deleted = delete_exact(&api, &name, lower.uid(), None)
-            .await
-            .map_err(Error::on("lower", "delete", format!("claim {ns}/{name}")))?;
-        if deleted == Deleted::Accepted {
-            tracing::info!(claim = %format!("{ns}/{name}"), "deleted below: its upper claim is gone");
-        }
-        Ok(())
-    }
-
-    async fn delete_upper_volume(&self, volume: Arc<PersistentVolume>) -> Result<(), Error> {
-        let name = volume.name_any();
-        self.upper_limit.acquire().await;
-        let api = Api::<PersistentVolume>::all(self.upper.clone());
-        let deleted = delete_exact(&api, &name, volume.uid(), None)
-            .await
-            .map_err(Error::on("upper", "delete", format!("volume {name}")))?;
-        if deleted == Deleted::Accepted {
-            tracing::info!(volume = %name, "deleted upstream: its claim is gone");
-        }
-        Ok(())
+        Ok(false)
     }
 }
-
-/// One write of a resync pass.
-type Write<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send + 'a>>;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::translate::tests::translation;
+
+    fn claims_of(pod: serde_json::Value) -> Pod {
+        serde_json::from_value(pod).unwrap()
+    }
 
     #[test]
     fn claims_are_the_mounted_persistent_volume_claims() {
-        let pod: Pod = serde_json::from_value(json!({"spec": {"containers": [], "volumes": [
+        let pod = claims_of(json!({"spec": {"containers": [], "volumes": [
             {"name": "a", "persistentVolumeClaim": {"claimName": "data"}},
             {"name": "b", "configMap": {"name": "cfg"}},
-            {"name": "c", "persistentVolumeClaim": {"claimName": "logs", "readOnly": true}}]}}))
-        .unwrap();
+            {"name": "c", "persistentVolumeClaim": {"claimName": "logs", "readOnly": true}}]}}));
         assert_eq!(claims(&pod), ["data", "logs"]);
         assert!(claims(&Pod::default()).is_empty());
+    }
+
+    /// The caches one pass sees, built by each test.
+    #[derive(Default)]
+    struct World {
+        upper_pods: Vec<Arc<Pod>>,
+        upper_claims: Vec<Arc<PersistentVolumeClaim>>,
+        upper_volumes: Vec<Arc<PersistentVolume>>,
+        lower_claims: Vec<Arc<PersistentVolumeClaim>>,
+        lower_pods: Vec<Arc<Pod>>,
+        classes: HashMap<String, bool>,
+    }
+
+    impl World {
+        fn plan(&self) -> Vec<Write> {
+            let identity = translation().identity;
+            plan(&View {
+                identity: &identity,
+                upper_pods: &self.upper_pods,
+                upper_claims: &self.upper_claims,
+                upper_volumes: &self.upper_volumes,
+                lower_claims: &self.lower_claims,
+                lower_pods: &self.lower_pods,
+                classes: &self.classes,
+            })
+        }
+    }
+
+    /// A pod in `shop` mounting claim `data`, with `phase`.
+    fn pod_using_data(phase: &str) -> Arc<Pod> {
+        Arc::new(claims_of(json!({
+            "metadata": {"name": "db-0", "namespace": "shop"},
+            "spec": {"nodeName": "vn", "containers": [{"name": "db"}],
+                     "volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}]},
+            "status": {"phase": phase}})))
+    }
+
+    /// Upper claim `shop/data` (uid `pvc-u`) of class `fast`, asking 1Gi, with `extra` merged.
+    fn upper_claim(extra: serde_json::Value) -> Arc<PersistentVolumeClaim> {
+        let mut v = json!({
+            "metadata": {"name": "data", "namespace": "shop", "uid": "pvc-u", "labels": {"app": "db"}},
+            "spec": {"storageClassName": "fast", "accessModes": ["ReadWriteOnce"],
+                     "resources": {"requests": {"storage": "1Gi"}}}});
+        merge(&mut v, extra);
+        Arc::new(serde_json::from_value(v).unwrap())
+    }
+
+    /// The lower claim this node made for [`upper_claim`], with `extra` merged.
+    fn lower_claim_made(extra: serde_json::Value) -> Arc<PersistentVolumeClaim> {
+        let mut v =
+            serde_json::to_value(lower_claim(&translation().identity, &upper_claim(json!({})))).unwrap();
+        merge(&mut v, json!({"metadata": {"uid": "lower-u"}}));
+        merge(&mut v, extra);
+        Arc::new(serde_json::from_value(v).unwrap())
+    }
+
+    fn merge(base: &mut serde_json::Value, extra: serde_json::Value) {
+        json_patch::merge(base, &extra);
+    }
+
+    fn bound(size: &str) -> serde_json::Value {
+        json!({"status": {"phase": "Bound", "accessModes": ["ReadWriteOnce"], "capacity": {"storage": size}}})
+    }
+
+    fn volume_for(upper: &PersistentVolumeClaim, lower: &PersistentVolumeClaim) -> Arc<PersistentVolume> {
+        let mut v = upper_volume(&translation().identity, upper, lower);
+        v.metadata.uid = Some("pv-u".into());
+        Arc::new(v)
+    }
+
+    #[test]
+    fn a_claim_the_upper_scheduler_picked_for_this_node_is_made_below_before_a_pod_uses_it() {
+        let world = World {
+            upper_claims: vec![upper_claim(
+                json!({"metadata": {"annotations": {names::PVC_SELECTED_NODE: "vn"}}}),
+            )],
+            ..Default::default()
+        };
+        let writes = world.plan();
+        let [Write::CreateLowerClaim { claim }] = writes.as_slice() else {
+            panic!("{writes:?}")
+        };
+        let labels = claim.metadata.labels.clone().unwrap_or_default();
+        assert_eq!(
+            labels.get(names::MARK_UPPER_UID).map(String::as_str),
+            Some("pvc-u")
+        );
+        assert_eq!(labels.get(names::MARK_NODE).map(String::as_str), Some("vn"));
+        assert_eq!(labels.get("app").map(String::as_str), Some("db"));
+        let spec = claim.spec.clone().unwrap_or_default();
+        assert_eq!(spec.storage_class_name.as_deref(), Some("fast"));
+        assert!(
+            spec.volume_name.is_none(),
+            "the lower cluster provisions its own volume"
+        );
+    }
+
+    #[test]
+    fn a_claim_picked_for_another_node_or_used_by_no_pod_here_is_left_alone() {
+        let world = World {
+            upper_claims: vec![upper_claim(
+                json!({"metadata": {"annotations": {names::PVC_SELECTED_NODE: "other"}}}),
+            )],
+            ..Default::default()
+        };
+        assert_eq!(world.plan(), []);
+    }
+
+    #[test]
+    fn a_claim_a_pod_here_uses_gets_its_volume_upstream_once_bound_below() {
+        let lower = lower_claim_made(bound("2Gi"));
+        let world = World {
+            upper_pods: vec![pod_using_data("Pending")],
+            upper_claims: vec![upper_claim(json!({}))],
+            lower_claims: vec![lower.clone()],
+            ..Default::default()
+        };
+        let writes = world.plan();
+        let [Write::CreateVolume { volume }] = writes.as_slice() else {
+            panic!("{writes:?}")
+        };
+        assert_eq!(volume.metadata.name.as_deref(), Some("pvc-pvc-u"));
+        let spec = volume.spec.clone().unwrap_or_default();
+        let claim = spec.claim_ref.unwrap_or_default();
+        assert_eq!(
+            (
+                claim.namespace.as_deref(),
+                claim.name.as_deref(),
+                claim.uid.as_deref()
+            ),
+            (Some("shop"), Some("data"), Some("pvc-u")),
+            "pre-bound to exactly the upper claim"
+        );
+        assert_eq!(
+            spec.capacity.unwrap_or_default()["storage"].0,
+            "2Gi",
+            "what the lower cluster granted"
+        );
+        let term = &spec
+            .node_affinity
+            .unwrap_or_default()
+            .required
+            .unwrap_or_default()
+            .node_selector_terms[0];
+        let requirement = &term.match_expressions.clone().unwrap_or_default()[0];
+        assert_eq!(requirement.values.as_deref(), Some(&["vn".to_owned()][..]));
+    }
+
+    #[test]
+    fn a_claim_pending_below_gets_a_volume_only_when_its_class_waits_for_a_consumer() {
+        let mut world = World {
+            upper_pods: vec![pod_using_data("Pending")],
+            upper_claims: vec![upper_claim(json!({}))],
+            lower_claims: vec![lower_claim_made(json!({"status": {"phase": "Pending"}}))],
+            ..Default::default()
+        };
+        assert_eq!(
+            world.plan(),
+            [Write::LearnClass { class: "fast".into() }],
+            "the class is read first"
+        );
+        world.classes.insert("fast".into(), false);
+        assert_eq!(world.plan(), [], "an immediate class binds below first");
+        world.classes.insert("fast".into(), true);
+        let writes = world.plan();
+        let [Write::CreateVolume { volume }] = writes.as_slice() else {
+            panic!("{writes:?}")
+        };
+        let capacity = volume
+            .spec
+            .clone()
+            .unwrap_or_default()
+            .capacity
+            .unwrap_or_default();
+        assert_eq!(capacity["storage"].0, "1Gi", "sized by the request until bound");
+    }
+
+    #[test]
+    fn the_lower_schedulers_node_choice_is_named_as_this_node_upstream() {
+        let world = World {
+            upper_pods: vec![pod_using_data("Pending")],
+            upper_claims: vec![upper_claim(json!({}))],
+            lower_claims: vec![lower_claim_made(
+                json!({"metadata": {"annotations": {names::PVC_SELECTED_NODE: "lower-3"}}, "status": {"phase": "Pending"}}),
+            )],
+            classes: HashMap::from([("fast".to_owned(), false)]),
+            ..Default::default()
+        };
+        assert_eq!(
+            world.plan(),
+            [Write::MarkSelected {
+                namespace: "shop".into(),
+                name: "data".into()
+            }]
+        );
+    }
+
+    #[test]
+    fn a_resize_below_shows_on_the_upper_volume_and_an_unchanged_one_writes_nothing() {
+        let upper = upper_claim(json!({}));
+        let before = lower_claim_made(bound("1Gi"));
+        let volume = volume_for(&upper, &before);
+        let mut world = World {
+            upper_pods: vec![pod_using_data("Running")],
+            upper_claims: vec![upper],
+            upper_volumes: vec![volume],
+            lower_claims: vec![before],
+            ..Default::default()
+        };
+        assert_eq!(world.plan(), []);
+        world.lower_claims = vec![lower_claim_made(bound("5Gi"))];
+        assert_eq!(
+            world.plan(),
+            [Write::ResizeVolume {
+                name: "pvc-pvc-u".into(),
+                capacity: BTreeMap::from([("storage".to_owned(), Quantity("5Gi".into()))]),
+            }]
+        );
+    }
+
+    #[test]
+    fn a_lower_claim_whose_upper_claim_is_gone_is_deleted_once_no_lower_pod_uses_it() {
+        let mut world = World {
+            lower_claims: vec![lower_claim_made(bound("1Gi"))],
+            lower_pods: vec![pod_using_data("Running")],
+            ..Default::default()
+        };
+        assert_eq!(world.plan(), [], "a running lower pod keeps its data");
+        world.lower_pods.clear();
+        assert_eq!(
+            world.plan(),
+            [Write::DeleteLowerClaim {
+                namespace: "shop".into(),
+                name: "data".into(),
+                uid: Some("lower-u".into()),
+                why: "its upper claim is gone",
+            }]
+        );
+    }
+
+    #[test]
+    fn a_lower_claim_made_for_an_earlier_upper_claim_of_the_same_name_is_deleted() {
+        let world = World {
+            upper_claims: vec![upper_claim(json!({"metadata": {"uid": "pvc-new"}}))],
+            lower_claims: vec![lower_claim_made(bound("1Gi"))],
+            ..Default::default()
+        };
+        let writes = world.plan();
+        assert!(
+            matches!(writes.as_slice(), [Write::DeleteLowerClaim { uid, .. }] if uid.as_deref() == Some("lower-u")),
+            "{writes:?}"
+        );
+    }
+
+    #[test]
+    fn a_same_named_lower_claim_that_is_not_ours_is_never_touched() {
+        let foreign = Arc::new(claims_of_claim(json!({
+            "metadata": {"name": "data", "namespace": "shop", "uid": "theirs"},
+            "status": {"phase": "Bound"}})));
+        let world = World {
+            upper_pods: vec![pod_using_data("Pending")],
+            upper_claims: vec![upper_claim(json!({}))],
+            lower_claims: vec![foreign],
+            ..Default::default()
+        };
+        assert_eq!(
+            world.plan(),
+            [],
+            "no volume, no delete: the pod path reports the conflict"
+        );
+    }
+
+    fn claims_of_claim(v: serde_json::Value) -> PersistentVolumeClaim {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn an_upper_volume_whose_claim_is_gone_or_was_recreated_is_deleted() {
+        let upper = upper_claim(json!({}));
+        let volume = volume_for(&upper, &lower_claim_made(bound("1Gi")));
+        let gone = World {
+            upper_volumes: vec![volume.clone()],
+            ..Default::default()
+        };
+        let deleted = [Write::DeleteUpperVolume {
+            name: "pvc-pvc-u".into(),
+            uid: Some("pv-u".into()),
+            why: "its claim is gone",
+        }];
+        assert_eq!(gone.plan(), deleted);
+        let recreated = World {
+            upper_claims: vec![upper_claim(json!({"metadata": {"uid": "pvc-new"}}))],
+            upper_volumes: vec![volume],
+            ..Default::default()
+        };
+        assert_eq!(recreated.plan(), deleted);
+    }
+
+    #[test]
+    fn finished_pods_hold_no_claim_and_a_deleted_claim_gets_no_volume() {
+        let finished = World {
+            upper_pods: vec![pod_using_data("Succeeded")],
+            upper_claims: vec![upper_claim(json!({}))],
+            lower_claims: vec![lower_claim_made(bound("1Gi"))],
+            ..Default::default()
+        };
+        assert_eq!(finished.plan(), []);
+        let deleting = World {
+            upper_pods: vec![pod_using_data("Running")],
+            upper_claims: vec![upper_claim(
+                json!({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}}),
+            )],
+            lower_claims: vec![lower_claim_made(bound("1Gi"))],
+            ..Default::default()
+        };
+        assert_eq!(deleting.plan(), []);
     }
 }

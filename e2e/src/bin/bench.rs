@@ -22,6 +22,7 @@ use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
+use tensile_e2e::stats::Samples;
 use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
 
 #[derive(Parser, Debug)]
@@ -111,14 +112,6 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[idx.min(sorted.len() - 1)]
-}
-
 async fn simulator(pods: usize, nodes: usize) -> anyhow::Result<serde_json::Value> {
     let mut options = ClusterOptions::new("bench", "simulator");
     options.scheduler = false;
@@ -190,7 +183,7 @@ async fn simulator(pods: usize, nodes: usize) -> anyhow::Result<serde_json::Valu
         created.lock().map(|c| c.clone()).unwrap_or_default(),
         running.lock().map(|r| r.clone()).unwrap_or_default(),
     );
-    let mut latencies: Vec<f64> = created
+    let latencies: Samples = created
         .iter()
         .filter_map(|(name, t0)| {
             running
@@ -198,7 +191,6 @@ async fn simulator(pods: usize, nodes: usize) -> anyhow::Result<serde_json::Valu
                 .map(|t1| t1.saturating_duration_since(*t0).as_secs_f64() * 1000.0)
         })
         .collect();
-    latencies.sort_by(|a, b| a.total_cmp(b));
     Ok(serde_json::json!({
         "benchmark": "node simulator: created -> Running",
         "kubernetes": cluster.version(),
@@ -210,9 +202,9 @@ async fn simulator(pods: usize, nodes: usize) -> anyhow::Result<serde_json::Valu
         "all_running_secs": all_running_secs,
         "running_per_sec": running.len() as f64 / all_running_secs,
         "lag_after_last_create_secs": all_running_secs - create_secs,
-        "latency_ms_p50": percentile(&latencies, 0.50),
-        "latency_ms_p99": percentile(&latencies, 0.99),
-        "latency_ms_max": latencies.last().copied().unwrap_or(f64::NAN),
+        "latency_ms_p50": latencies.percentile(0.50),
+        "latency_ms_p99": latencies.percentile(0.99),
+        "latency_ms_max": latencies.max(),
         "note": "latency includes the simulator's default 100 ms start delay",
     }))
 }
@@ -240,7 +232,7 @@ mod webhook {
     use tokio::net::TcpStream;
     use tokio_rustls::client::TlsStream;
 
-    use super::percentile;
+    use tensile_e2e::stats::Samples;
 
     /// The uid of the template review; requests replace its last 12 digits.
     const UID: &str = "5d2d5a8e-6f1c-4b8e-9a0f-000000000000";
@@ -477,10 +469,6 @@ mod webhook {
         Some((server, client))
     }
 
-    fn millis(sorted: &[f64], p: f64) -> f64 {
-        percentile(sorted, p)
-    }
-
     pub async fn run(connections: usize, secs: Duration, rate: u64) -> anyhow::Result<serde_json::Value> {
         let _ = rustls::crypto::ring::default_provider().install_default();
         // The webhook on its own runtime, like a separate process sharing the two cores.
@@ -559,7 +547,7 @@ mod webhook {
         for t in tasks {
             closed.extend(t.await??);
         }
-        closed.sort_by(|a, b| a.total_cmp(b));
+        let closed = Samples::new(closed);
         let throughput = closed.len() as f64 / secs.as_secs_f64();
         let per_review_us = |before: Duration, after: Duration| {
             after.saturating_sub(before).as_secs_f64() * 1e6 / closed.len().max(1) as f64
@@ -611,10 +599,8 @@ mod webhook {
             open.extend(w.await??);
         }
         let achieved = open.len() as f64 / begin.elapsed().as_secs_f64();
-        let mut from_due: Vec<f64> = open.iter().map(|(due, _)| *due).collect();
-        let mut from_send: Vec<f64> = open.iter().map(|(_, sent)| *sent).collect();
-        from_due.sort_by(|a, b| a.total_cmp(b));
-        from_send.sort_by(|a, b| a.total_cmp(b));
+        let from_due: Samples = open.iter().map(|(due, _)| *due).collect();
+        let from_send: Samples = open.iter().map(|(_, sent)| *sent).collect();
         let metrics = running.state.metrics.encode();
         server_rt.spawn(running.stop()).await?;
         server_rt.shutdown_background();
@@ -629,8 +615,8 @@ mod webhook {
                 "secs": secs.as_secs_f64(),
                 "reviews": closed.len(),
                 "reviews_per_sec": throughput,
-                "latency_ms_p50": millis(&closed, 0.50),
-                "latency_ms_p99": millis(&closed, 0.99),
+                "latency_ms_p50": closed.percentile(0.50),
+                "latency_ms_p99": closed.percentile(0.99),
                 "cpu": cpu,
             },
             "fixed_rate": {
@@ -638,11 +624,11 @@ mod webhook {
                 "achieved_per_sec": achieved,
                 "connections": lanes,
                 "reviews": open.len(),
-                "latency_ms_p50": millis(&from_send, 0.50),
-                "latency_ms_p99": millis(&from_send, 0.99),
-                "latency_ms_max": from_send.last().copied().unwrap_or(f64::NAN),
-                "from_scheduled_time_ms_p50": millis(&from_due, 0.50),
-                "from_scheduled_time_ms_p99": millis(&from_due, 0.99),
+                "latency_ms_p50": from_send.percentile(0.50),
+                "latency_ms_p99": from_send.percentile(0.99),
+                "latency_ms_max": from_send.max(),
+                "from_scheduled_time_ms_p50": from_due.percentile(0.50),
+                "from_scheduled_time_ms_p99": from_due.percentile(0.99),
             },
             "server_mutations": metrics.lines().find(|l| l.starts_with("tensile_webhook_mutations_total")).unwrap_or(""),
             "note": "client and server share the machine's cores; latency is request written to response read; from_scheduled_time adds the client's timer lag (tokio timers tick in 1 ms); cpu is the threads' scheduled time over the closed loop, the webhook's runtime against the rest of the process",

@@ -25,6 +25,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
+use tensile_common::api::{now, now_micro};
 use tokio::task::JoinHandle;
 
 pub use behavior::{AfterExit, Behavior, RestartPolicy};
@@ -276,18 +277,6 @@ fn poisoned() -> Error {
     }
 }
 
-/// RFC 3339 with second precision (`metav1.Time`).
-pub(crate) fn now_time() -> String {
-    jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
-}
-
-/// RFC 3339 with microseconds (`metav1.MicroTime`).
-fn now_micro() -> String {
-    jiff::Timestamp::now()
-        .strftime("%Y-%m-%dT%H:%M:%S%.6fZ")
-        .to_string()
-}
-
 impl Inner {
     fn track(&self, task: JoinHandle<()>) {
         if let Ok(mut tasks) = self.tasks.lock() {
@@ -343,7 +332,7 @@ impl Inner {
     }
 
     async fn patch_node_status(&self, config: &NodeConfig, transition: bool) -> Result<()> {
-        let now = now_time();
+        let now = now();
         let cond = |kind: &str, status: &str, reason: &str, message: &str| {
             let mut c = json!({
                 "type": kind, "status": status, "reason": reason, "message": message,

@@ -15,8 +15,9 @@ use kube::runtime::watcher;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
+use super::Inner;
 use super::behavior::{AfterExit, Behavior, RestartPolicy};
-use super::{Inner, now_time};
+use tensile_common::api::now;
 
 /// Watches pods bound to any node and hands the simulated ones to their actors.
 pub(super) async fn watch(inner: Arc<Inner>) {
@@ -219,7 +220,7 @@ impl PodActor {
 
         let mut restarts: u32 = 0;
         let mut last: Option<State> = None;
-        let mut started = now_time();
+        let mut started = now();
         let start_time;
         if phase == "Running" && status.pod_ip.is_some() {
             // Resuming after a simulator restart: keep the IP, count and start time.
@@ -231,10 +232,7 @@ impl PodActor {
                 .and_then(|c| c.first())
                 .map(|c| c.restart_count.max(0) as u32)
                 .unwrap_or(0);
-            start_time = status
-                .start_time
-                .map(|t| t.0.to_string())
-                .unwrap_or_else(now_time);
+            start_time = status.start_time.map(|t| t.0.to_string()).unwrap_or_else(now);
             if let Some(s) = status
                 .container_statuses
                 .as_ref()
@@ -255,8 +253,8 @@ impl PodActor {
                 tracing::warn!(node = %self.node, "no free pod IP on the node; the pod stays Pending");
                 return self.until_deleted(&behavior).await;
             }
-            start_time = now_time();
-            started = now_time();
+            start_time = now();
+            started = now();
             self.write_status(
                 &start_time,
                 "Running",
@@ -286,7 +284,7 @@ impl PodActor {
                 exit,
                 reason: behavior.reason_for(exit),
                 started: started.clone(),
-                finished: now_time(),
+                finished: now(),
             };
             match behavior.after_exit(policy, exit, restarts) {
                 AfterExit::Terminal { succeeded } => {
@@ -315,7 +313,7 @@ impl PodActor {
                         Wake::Gone => return Ok(()),
                     }
                     restarts += 1;
-                    started = now_time();
+                    started = now();
                     let running = State::Running {
                         started: started.clone(),
                     };
@@ -438,7 +436,7 @@ impl PodActor {
     ) -> Result<(), kube::Error> {
         let pod = self.pod();
         let spec = pod.spec.clone().unwrap_or_default();
-        let now = now_time();
+        let now = now();
         let ready = matches!(state, State::Running { .. });
         let containers: Vec<Value> = spec
             .containers
