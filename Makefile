@@ -48,10 +48,11 @@ bench: kube-bins
 	$(CARGO) run --release -p tensile-e2e --bin bench -- --bench all --out target/bench
 
 # The whole suite on this machine with a sample workload, until Ctrl-C: an upper cluster,
-# two lower clusters with simulated nodes, the webhook and a virtual-node per lower cluster.
+# two lower clusters with simulated nodes, the webhook, a virtual-node per lower cluster and the
+# descheduler.
 demo: tools
-	@echo "demo: building virtual-node, webhook and demo (the first build compiles about 200 crates: about 10 minutes on 2 cores)"
-	$(CARGO) build -p tensile-virtual-node -p tensile-webhook -p tensile-e2e --bins
+	@echo "demo: building virtual-node, webhook, descheduler and demo (the first build compiles about 200 crates: about 10 minutes on 2 cores)"
+	$(CARGO) build -p tensile-virtual-node -p tensile-webhook -p tensile-descheduler -p tensile-e2e --bins
 	@bash scripts/kube-bins.sh --check || echo "demo: the first run builds the Kubernetes control plane from source: about 7 minutes on 2 cores"
 	@bash scripts/kube-bins.sh >/dev/null
 	$(CARGO) run -q -p tensile-e2e --bin demo -- --dir $(DEMO_DIR) up

@@ -3,9 +3,10 @@
 //!
 //! [`Demo::start`] starts an upper cluster and two lower clusters with simulated nodes of
 //! different sizes (a [`Testbed`]), registers the webhook in the upper cluster and runs it,
-//! runs one `virtual-node` per lower cluster, applies the sample workload with kubectl and
-//! waits until every replica is Running. The webhook and the virtual nodes are their real
-//! binaries, run as child processes that die with the demo.
+//! runs one `virtual-node` per lower cluster and the `descheduler`, applies the sample
+//! workload with kubectl and waits until every replica is Running. The webhook, the virtual
+//! nodes and the descheduler are their real binaries, run as child processes that die with
+//! the demo.
 //!
 //! A running demo listens on a Unix socket in its directory ([`CONTROL_SOCKET`]); `demo stop
 //! lower-a` and `demo start lower-a` ([`send_command`]) stop and restart a lower cluster's
@@ -80,6 +81,14 @@ pub fn default_manifest() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/demo.yaml")
 }
 
+/// `examples/demo-move.yaml`: a pod only lower-b can place, which the descheduler moves.
+pub fn move_manifest() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/demo-move.yaml")
+}
+
+/// Seconds the demo's descheduler waits after a lower refusal before moving the pod.
+pub const DESCHEDULE_AFTER: u64 = 10;
+
 /// A daemon of the suite run by the demo.
 struct Daemon {
     service: Service,
@@ -91,6 +100,7 @@ struct Daemon {
 pub struct Demo {
     webhook: Daemon,
     virtual_nodes: Vec<(String, Daemon)>,
+    descheduler: Daemon,
     control: UnixListener,
     testbed: Testbed,
     options: DemoOptions,
@@ -108,7 +118,8 @@ impl Demo {
         let started = Instant::now();
         let virtual_node_bin = crate::bins::suite_binary("virtual-node")?;
         let webhook_bin = crate::bins::suite_binary("webhook")?;
-        for bin in [&virtual_node_bin, &webhook_bin] {
+        let descheduler_bin = crate::bins::suite_binary("descheduler")?;
+        for bin in [&virtual_node_bin, &webhook_bin, &descheduler_bin] {
             if let Some(newer) = newer_source(bin) {
                 progress(&format!(
                     "warning: {} is older than {}; rebuild it to run the current code",
@@ -197,6 +208,21 @@ impl Demo {
             progress(&format!("virtual node {name} Ready in the upper cluster"));
         }
 
+        let admin = format!("127.0.0.1:{}", free_port()?);
+        let args = [
+            format!("--kubeconfig={}", upper_kc.display()),
+            format!("--admin-addr={admin}"),
+            format!("--unschedulable-threshold={DESCHEDULE_AFTER}"),
+            "--descheduling-interval=10s".to_owned(),
+        ];
+        let log = logs.join("descheduler.log");
+        let mut descheduler = Daemon {
+            service: start_daemon("descheduler", &descheduler_bin, &args, &log)?,
+            admin,
+        };
+        wait_admin_ready(&mut descheduler, "the descheduler").await?;
+        progress("descheduler running");
+
         progress(&format!("applying {}", shown(&options.manifest)));
         kubectl_ok(
             &upper_kc,
@@ -206,6 +232,7 @@ impl Demo {
         let mut demo = Demo {
             webhook,
             virtual_nodes,
+            descheduler,
             control,
             testbed,
             options,
@@ -269,11 +296,13 @@ impl Demo {
 
     /// A daemon that exited, with its log tail.
     fn failed_daemon(&mut self) -> Option<String> {
-        exited(&mut self.webhook.service).or_else(|| {
-            self.virtual_nodes
-                .iter_mut()
-                .find_map(|(_, d)| exited(&mut d.service))
-        })
+        exited(&mut self.webhook.service)
+            .or_else(|| exited(&mut self.descheduler.service))
+            .or_else(|| {
+                self.virtual_nodes
+                    .iter_mut()
+                    .find_map(|(_, d)| exited(&mut d.service))
+            })
     }
 
     /// The demo's directory (absolute).
@@ -300,6 +329,7 @@ impl Demo {
     pub fn pids(&self) -> Vec<u32> {
         let mut pids: Vec<u32> = self.webhook.service.pid().into_iter().collect();
         pids.extend(self.virtual_nodes.iter().filter_map(|(_, d)| d.service.pid()));
+        pids.extend(self.descheduler.service.pid());
         for cluster in self.testbed.clusters() {
             pids.extend(cluster.pids());
         }
@@ -312,6 +342,7 @@ impl Demo {
         let lowers = self.lower_names();
         let first = lowers.first().cloned().unwrap_or_default();
         let others = lowers.iter().skip(1).cloned().collect::<Vec<_>>().join(", ");
+        let last = lowers.last().cloned().unwrap_or_default();
         let ctl = &self.options.control_command;
         let secs = self.options.toleration_seconds;
         let mut below = vec![format!("{up} -n {NAMESPACE} get pods -o wide")];
@@ -352,6 +383,18 @@ impl Demo {
                 vec![
                     format!("{up} -n {NAMESPACE} scale deploy/{DEPLOYMENT} --replicas 6"),
                     format!("{up} -n {NAMESPACE} get pods -o wide"),
+                ],
+            ),
+            (
+                format!(
+                    "A pod only {last} can place: the upper scheduler puts it on {first} (enough CPUs in all, \
+                     none on one node), {first} refuses it, and {DESCHEDULE_AFTER} s later the descheduler moves it \
+                     (a Descheduled event says why)"
+                ),
+                vec![
+                    format!("{up} apply -f {}", shown(&move_manifest())),
+                    format!("{up} -n {NAMESPACE} get pods -l app=big -o wide -w"),
+                    format!("{up} -n {NAMESPACE} get events --field-selector reason=Descheduled -w"),
                 ],
             ),
             (
@@ -407,6 +450,7 @@ impl Demo {
         for (name, d) in &self.virtual_nodes {
             daemon(format!("virtual-node {name}"), d);
         }
+        daemon("descheduler".into(), &self.descheduler);
         out.push_str(&format!(
             "  control planes         {}\n",
             shown(&self.dir.join("logs"))
@@ -664,7 +708,7 @@ pub fn shown(path: &Path) -> String {
 fn newer_source(binary: &Path) -> Option<PathBuf> {
     let built = binary.metadata().and_then(|m| m.modified()).ok()?;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut stack: Vec<PathBuf> = ["common/src", "virtual-node/src", "webhook/src"]
+    let mut stack: Vec<PathBuf> = ["common/src", "virtual-node/src", "webhook/src", "descheduler/src"]
         .iter()
         .map(|d| root.join(d))
         .collect();
@@ -715,6 +759,21 @@ mod tests {
             deployment["spec"]["template"]["metadata"]["labels"]["virtual-pod"],
             "true"
         );
+    }
+
+    #[test]
+    fn the_move_workload_asks_more_than_a_lower_a_node_has_and_prefers_lower_a() {
+        let text = std::fs::read_to_string(move_manifest()).unwrap();
+        let doc: serde_json::Value = serde_yaml::from_str(&text).unwrap();
+        let spec = &doc["spec"]["template"]["spec"];
+        assert_eq!(spec["containers"][0]["resources"]["requests"]["cpu"], "6");
+        let pref = &spec["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0];
+        assert_eq!(pref["preference"]["matchExpressions"][0]["values"][0], "lower-a");
+        assert_eq!(
+            doc["spec"]["template"]["metadata"]["labels"]["virtual-pod"],
+            "true"
+        );
+        assert_eq!(doc["metadata"]["namespace"], NAMESPACE);
     }
 
     #[tokio::test]

@@ -172,6 +172,24 @@ async fn the_demo_runs_its_workload_below_shows_it_above_and_cleans_up() {
     )
     .await;
     assert!(logs.contains(" web line "), "a simulated log line: {logs}");
+    // The printed apply of the pod only lower-b can place: the descheduler moves it there.
+    eventually(
+        &up,
+        "the 6-CPU pod moved from lower-a to lower-b by the descheduler",
+        120,
+        &[
+            "-n",
+            NAMESPACE,
+            "get",
+            "pods",
+            "-l",
+            "app=big",
+            "-o",
+            "jsonpath={range .items[*]}{.spec.nodeName}/{.status.phase} {end}",
+        ],
+        "lower-b/Running",
+    )
+    .await;
     eventually(
         &up,
         "6 replicas after the printed scale command",
