@@ -14,6 +14,7 @@ pub mod bins;
 pub mod check;
 pub mod cluster;
 pub mod demo;
+pub mod descheduler;
 pub mod etcd;
 pub mod in_process;
 pub mod kubectl;

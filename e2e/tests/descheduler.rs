@@ -1,0 +1,917 @@
+//! The descheduler end to end: an upper cluster, lower-a (many 2-CPU nodes: a large
+//! aggregate, no big node) and lower-b (8-CPU nodes), one virtual node over each, the
+//! webhook, and the `descheduler` binary. Every assertion is what kubectl (or the
+//! descheduler's admin endpoint) shows.
+//!
+//! Each test plays in its own scene: its namespace, its own lower nodes (labelled with the
+//! test's name, which the pods' stashed nodeSelector requires below), its own two virtual
+//! nodes (labelled likewise, which the pods require upstream through an ignored selector
+//! key), its own webhook registration and exclusions ConfigMap. Tests can then run side by
+//! side on the shared clusters.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tensile_common::exclusion::Location;
+use tensile_common::stash::Stash;
+use tensile_e2e::check::{Namespaces, apply, kubectl, webhook_registration};
+use tensile_e2e::descheduler::{DeschedulerProcess, metric_sum};
+use tensile_e2e::in_process;
+use tensile_e2e::shared::Shared;
+use tensile_e2e::wait::until;
+use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tensile_webhook::{Certificates, Options, Policy};
+
+struct Bed {
+    upper: TestCluster,
+    lower_a: TestCluster,
+    lower_b: TestCluster,
+    sim_a: NodeSimulator,
+    sim_b: NodeSimulator,
+}
+
+static BED: Shared<Bed> = Shared::new();
+
+fn bed() -> &'static Bed {
+    BED.get(|| async {
+        let (upper, lower_a, lower_b) = tokio::join!(
+            TestCluster::start(ClusterOptions::new("descheduler", "upper")),
+            TestCluster::start(ClusterOptions::new("descheduler", "lower-a")),
+            TestCluster::start(ClusterOptions::new("descheduler", "lower-b")),
+        );
+        let (upper, lower_a, lower_b) = (upper?, lower_a?, lower_b?);
+        let sim_a = NodeSimulator::start(
+            lower_a.client().await?,
+            SimulatorOptions::new("lower-a", Some(lower_a.kubelet_client_ca_pem())),
+            Vec::new(),
+        )
+        .await?;
+        let sim_b = NodeSimulator::start(
+            lower_b.client().await?,
+            SimulatorOptions::new("lower-b", Some(lower_b.kubelet_client_ca_pem())),
+            Vec::new(),
+        )
+        .await?;
+        Ok(Bed {
+            upper,
+            lower_a,
+            lower_b,
+            sim_a,
+            sim_b,
+        })
+    })
+    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
+}
+
+fn up() -> &'static Path {
+    bed().upper.kubeconfig()
+}
+
+/// Label key of this scene's virtual nodes, kept upstream by the webhook.
+const VN_KEY: &str = "tensile-e2e-vn";
+/// Label key of this scene's lower nodes, which the stash carries down.
+const LOWER_KEY: &str = "tensile-e2e";
+
+/// One test's namespace, lower nodes, virtual nodes and webhook.
+struct Scene {
+    ns: String,
+    vn_a: String,
+    vn_b: String,
+    _nodes: Vec<in_process::VirtualNode>,
+    _webhook: tensile_webhook::Running,
+}
+
+impl Scene {
+    /// `lower_b_nodes` nodes of 8 CPUs in lower-b; always 12 nodes of 2 CPUs in lower-a (so
+    /// that vn-a's preferred affinity outweighs its utilisation in the upper scheduler).
+    async fn start(ns: &str, lower_b_nodes: u32) -> Scene {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let bed = bed();
+        let name = ns.to_owned();
+        BED.handle()
+            .unwrap()
+            .spawn(async move {
+                for i in 0..12 {
+                    let node = NodeConfig::new(&format!("{name}-a{i}"))
+                        .resource("cpu", "2")
+                        .label(LOWER_KEY, &name);
+                    bed.sim_a.add_node(node).await.unwrap();
+                }
+                for i in 0..lower_b_nodes {
+                    let node = NodeConfig::new(&format!("{name}-b{i}"))
+                        .resource("cpu", "8")
+                        .resource("memory", "16Gi")
+                        .label(LOWER_KEY, &name);
+                    bed.sim_b.add_node(node).await.unwrap();
+                }
+            })
+            .await
+            .unwrap();
+        bed.upper.create_namespace(ns).await.unwrap();
+        kubectl(
+            up(),
+            &[
+                "label",
+                "namespace",
+                ns,
+                &format!("tensile-e2e={ns}"),
+                "--overwrite",
+            ],
+        )
+        .await;
+
+        let port = free_port().unwrap();
+        let config = format!("tensile-webhook-{ns}");
+        apply(
+            up(),
+            &webhook_registration(&config, port, Namespaces::Labelled(ns), None),
+        )
+        .await;
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let mut options = Options::new(
+            addr,
+            Certificates::SelfSigned {
+                names: vec!["127.0.0.1".into()],
+            },
+        );
+        options.client = Some(bed.upper.client().await.unwrap());
+        options.webhook_config_name = Some(config);
+        options.policy = Policy {
+            ignore_selector_keys: [VN_KEY.to_owned()].into(),
+            ..Policy::default()
+        };
+        options.exclusions = Some(exclusions(ns));
+        // On the bed's multi-threaded runtime: the in-process virtual nodes keep this test's
+        // thread busy, and the webhook's watch of the exclusions must keep up.
+        let webhook = BED
+            .handle()
+            .unwrap()
+            .spawn(tensile_webhook::start(options))
+            .await
+            .unwrap()
+            .unwrap();
+        wait("the webhook's caBundle written", 30, || async {
+            if webhook.state.ready.get() {
+                Ok(())
+            } else {
+                Err("not ready".into())
+            }
+        })
+        .await;
+
+        let (vn_a, vn_b) = (format!("{ns}-a"), format!("{ns}-b"));
+        let node = |name: &str, lower: &TestCluster| {
+            let mut args = in_process::options(&bed.upper, name, lower).unwrap();
+            args.node_labels = vec![(VN_KEY.to_owned(), ns.to_owned())];
+            in_process::VirtualNode::run(args)
+        };
+        let nodes = vec![node(&vn_a, &bed.lower_a), node(&vn_b, &bed.lower_b)];
+        for vn in [&vn_a, &vn_b] {
+            wait(&format!("{vn} Ready"), 60, || async {
+                let out = bed
+                    .upper
+                    .kubectl(&[
+                        "get",
+                        "node",
+                        vn,
+                        "-o",
+                        r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
+                    ])
+                    .await;
+                if out.stdout.trim() == "True" {
+                    Ok(())
+                } else {
+                    Err(out.stdout)
+                }
+            })
+            .await;
+        }
+        Scene {
+            ns: ns.to_owned(),
+            vn_a,
+            vn_b,
+            _nodes: nodes,
+            _webhook: webhook,
+        }
+    }
+
+    /// The descheduler flags that confine it to this scene, plus `extra`.
+    fn flags(&self, extra: &[&str]) -> Vec<String> {
+        let mut flags = vec![
+            format!("--node-selector=type=virtual-kubelet,{VN_KEY}={}", self.ns),
+            format!("--exclusions-configmap={}", exclusions(&self.ns)),
+            "--unschedulable-threshold=3".to_owned(),
+            "--descheduling-interval=5s".to_owned(),
+        ];
+        flags.extend(extra.iter().map(|s| s.to_string()));
+        flags
+    }
+
+    async fn descheduler(&self, extra: &[&str], log: &str) -> DeschedulerProcess {
+        let d = DeschedulerProcess::start(&bed().upper, &self.flags(extra), log).unwrap();
+        d.wait_ready(Duration::from_secs(30)).await.unwrap();
+        d
+    }
+
+    /// A pod template of `cpu` CPUs that prefers vn-a, with `lower` added to the nodeSelector
+    /// the stash carries down, and `annotations`.
+    fn template(&self, app: &str, cpu: &str, lower: Value, annotations: Value) -> Value {
+        let mut selector = json!({VN_KEY: self.ns, LOWER_KEY: self.ns});
+        if let (Some(s), Some(extra)) = (selector.as_object_mut(), lower.as_object()) {
+            s.extend(extra.clone());
+        }
+        json!({
+            "metadata": {"labels": {"app": app, "virtual-pod": "true"}, "annotations": annotations},
+            "spec": {
+                "terminationGracePeriodSeconds": 5,
+                "nodeSelector": selector,
+                "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                    {"weight": 100, "preference": {"matchExpressions": [
+                        {"key": "kubernetes.io/hostname", "operator": "In", "values": [self.vn_a]}]}}]}},
+                "containers": [{"name": "app", "image": "nginx", "resources": {"requests": {"cpu": cpu}}}],
+            },
+        })
+    }
+
+    fn deployment(&self, name: &str, replicas: u32, cpu: &str, lower: Value) -> String {
+        json!({
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": name, "namespace": self.ns},
+            "spec": {
+                "replicas": replicas,
+                "selector": {"matchLabels": {"app": name}},
+                "template": self.template(name, cpu, lower, json!({})),
+            },
+        })
+        .to_string()
+    }
+
+    /// A bare pod `name` (label `app=<name>`) of 3 CPUs that opted in to being moved.
+    fn bare_pod(&self, name: &str) -> String {
+        let mut pod = self.template(
+            name,
+            "3",
+            json!({}),
+            json!({"descheduler.alpha.kubernetes.io/evict": "true"}),
+        );
+        pod["apiVersion"] = json!("v1");
+        pod["kind"] = json!("Pod");
+        pod["metadata"]["name"] = json!(name);
+        pod["metadata"]["namespace"] = json!(self.ns);
+        pod.to_string()
+    }
+
+    async fn pods(&self, selector: &str) -> Vec<Value> {
+        pods_of(up(), &self.ns, selector).await
+    }
+}
+
+fn exclusions(ns: &str) -> Location {
+    Location {
+        namespace: ns.to_owned(),
+        name: "exclusions".to_owned(),
+    }
+}
+
+async fn wait<F, Fut>(what: &str, secs: u64, probe: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), String>>,
+{
+    if let Err(e) = until(what, Duration::from_secs(secs), Duration::from_millis(250), probe).await {
+        panic!("{e}");
+    }
+}
+
+async fn pods_of(kubeconfig: &Path, ns: &str, selector: &str) -> Vec<Value> {
+    let mut args = vec!["-n", ns, "get", "pods", "-o", "json"];
+    if !selector.is_empty() {
+        args.extend(["-l", selector]);
+    }
+    let out: Value = serde_json::from_str(&kubectl(kubeconfig, &args).await).unwrap();
+    out["items"].as_array().cloned().unwrap_or_default()
+}
+
+fn node_of(p: &Value) -> &str {
+    p["spec"]["nodeName"].as_str().unwrap_or_default()
+}
+
+fn phase(p: &Value) -> &str {
+    p["status"]["phase"].as_str().unwrap_or_default()
+}
+
+fn uid(p: &Value) -> String {
+    p["metadata"]["uid"].as_str().unwrap_or_default().to_owned()
+}
+
+fn name(p: &Value) -> String {
+    p["metadata"]["name"].as_str().unwrap_or_default().to_owned()
+}
+
+fn terminating(p: &Value) -> bool {
+    p["metadata"]["deletionTimestamp"].is_string()
+}
+
+/// When the lower refusal began, as the upper pod's condition says.
+fn refused_since(p: &Value) -> Option<jiff::Timestamp> {
+    p["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "tensile.io/LowerPodScheduled" && c["status"] == "False")?["lastTransitionTime"]
+        .as_str()?
+        .parse()
+        .ok()
+}
+
+/// Events of `reason` in `ns`.
+async fn events(ns: &str, reason: &str) -> Vec<Value> {
+    let out = kubectl(
+        up(),
+        &[
+            "-n",
+            ns,
+            "get",
+            "events",
+            "--field-selector",
+            &format!("reason={reason}"),
+            "-o",
+            "json",
+        ],
+    )
+    .await;
+    let v: Value = serde_json::from_str(&out).unwrap();
+    v["items"].as_array().cloned().unwrap_or_default()
+}
+
+/// What a test sees of its workload's pods while they move.
+#[derive(Default)]
+struct Watch {
+    /// First refusal of each pod seen on vn-a, by UID.
+    refused: BTreeMap<String, jiff::Timestamp>,
+    /// When each pod was first seen Running on vn-b, by UID.
+    running: BTreeMap<String, jiff::Timestamp>,
+    /// Pods seen bound to vn-a: UID → name.
+    on_a: BTreeMap<String, String>,
+}
+
+impl Watch {
+    fn see(&mut self, pods: &[Value], vn_a: &str, vn_b: &str) {
+        let now = jiff::Timestamp::now();
+        for p in pods {
+            if node_of(p) == vn_a {
+                self.on_a.insert(uid(p), name(p));
+                if let Some(t) = refused_since(p) {
+                    self.refused.entry(uid(p)).or_insert(t);
+                }
+            }
+            if node_of(p) == vn_b && phase(p) == "Running" {
+                self.running.entry(uid(p)).or_insert(now);
+            }
+        }
+    }
+
+    /// Refusal → Running elsewhere, pairing the i-th refusal with the i-th start.
+    fn moves(&self) -> Vec<Duration> {
+        let mut refused: Vec<_> = self.refused.values().copied().collect();
+        let mut running: Vec<_> = self.running.values().copied().collect();
+        refused.sort();
+        running.sort();
+        refused
+            .iter()
+            .zip(&running)
+            .map(|(r, s)| Duration::try_from(r.duration_until(*s)).unwrap_or_default())
+            .collect()
+    }
+}
+
+fn p50_max(mut d: Vec<Duration>) -> (Duration, Duration) {
+    d.sort();
+    (d[(d.len() - 1) / 2], d[d.len() - 1])
+}
+
+/// Waits until `want` pods of `selector` run on vn-b and none is left on vn-a, watching
+/// them meanwhile.
+async fn until_moved(scene: &Scene, selector: &str, want: usize, secs: u64) -> Watch {
+    let mut watch = Watch::default();
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let pods = scene.pods(selector).await;
+        watch.see(&pods, &scene.vn_a, &scene.vn_b);
+        let on_b = pods
+            .iter()
+            .filter(|p| node_of(p) == scene.vn_b && phase(p) == "Running" && !terminating(p))
+            .count();
+        let left_on_a = pods.iter().filter(|p| node_of(p) == scene.vn_a).count();
+        if on_b == want && left_on_a == 0 && pods.len() == want {
+            return watch;
+        }
+        if Instant::now() > deadline {
+            let seen: Vec<String> = pods
+                .iter()
+                .map(|p| {
+                    format!(
+                        "{} on {} {} {}",
+                        name(p),
+                        node_of(p),
+                        phase(p),
+                        if terminating(p) { "(terminating)" } else { "" }
+                    )
+                })
+                .collect();
+            panic!(
+                "pods {selector} not all moved to {} within {secs} s: {seen:?}",
+                scene.vn_b
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The checks every move shares: the stash is intact upstream, the lower pods carry it, and
+/// nothing of the workload is left in lower-a.
+async fn assert_stash_intact_and_lower_a_empty(scene: &Scene, selector: &str) {
+    for p in scene.pods(selector).await {
+        let text = p["metadata"]["annotations"]["clusterSelector"].as_str().unwrap();
+        let stash = Stash::decode(text).unwrap();
+        let lower_selector = serde_json::to_value(&stash).unwrap()["nodeSelector"].clone();
+        assert_eq!(
+            lower_selector[LOWER_KEY],
+            scene.ns.as_str(),
+            "stash of {}: {text}",
+            name(&p)
+        );
+        assert!(
+            !text.contains("kubernetes.io/hostname"),
+            "the exclusion stays out of the stash: {text}"
+        );
+    }
+    for p in pods_of(bed().lower_b.kubeconfig(), &scene.ns, selector).await {
+        assert_eq!(
+            p["spec"]["nodeSelector"][LOWER_KEY],
+            scene.ns.as_str(),
+            "lower pod {}",
+            name(&p)
+        );
+        assert!(
+            !p["spec"].to_string().contains("NotIn"),
+            "no exclusion below: {}",
+            p["spec"]
+        );
+    }
+    let lower_a = bed().lower_a.kubeconfig();
+    wait("nothing of the workload left in lower-a", 60, || async {
+        let left = pods_of(lower_a, &scene.ns, selector).await;
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{:?}", left.iter().map(name).collect::<Vec<_>>()))
+        }
+    })
+    .await;
+}
+
+/// Each pod seen on vn-a has a `Descheduled` event naming vn-a and the lower message.
+async fn assert_descheduled_events(scene: &Scene, moved: &BTreeMap<String, String>) {
+    let names: BTreeSet<String> = moved.values().cloned().collect();
+    assert!(!names.is_empty());
+    wait("a Descheduled event on every moved pod", 20, || {
+        let names = names.clone();
+        async move {
+            let evs = events(&scene.ns, "Descheduled").await;
+            let got: BTreeSet<String> = evs
+                .iter()
+                .filter(|e| {
+                    let note = e["message"].as_str().or(e["note"].as_str()).unwrap_or_default();
+                    note.contains(&scene.vn_a) && note.contains("nodes are available")
+                })
+                .filter_map(|e| e["involvedObject"]["name"].as_str().map(str::to_owned))
+                .collect();
+            if names.is_subset(&got) {
+                Ok(())
+            } else {
+                Err(format!("want {names:?}, got {got:?}"))
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_deployment_refused_by_lower_a_ends_running_in_lower_b_with_its_stash_intact() {
+    let scene = Scene::start("ds-deploy", 2).await;
+    let d = scene.descheduler(&[], "deploy").await;
+    apply(up(), &scene.deployment("web", 4, "3", json!({}))).await;
+    let watch = until_moved(&scene, "app=web", 4, 180).await;
+    // A replacement created before the webhook's watch delivered the record lands on vn-a
+    // once more and is moved again (without counting a move).
+    assert!(
+        watch.on_a.len() >= 4,
+        "every replica was first placed on {}: {:?}",
+        scene.vn_a,
+        watch.on_a
+    );
+    let escaped = watch.on_a.len() - 4;
+
+    for p in scene.pods("app=web").await {
+        assert_eq!(
+            p["metadata"]["annotations"]["tensile.io/excluded-nodes"],
+            scene.vn_a.as_str(),
+            "the replacement avoids vn-a"
+        );
+    }
+    assert_stash_intact_and_lower_a_empty(&scene, "app=web").await;
+    assert_descheduled_events(&scene, &watch.on_a).await;
+    let metrics = d.metrics().await;
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            "tensile_descheduler_pods_moved_total",
+            &[("result", "success")]
+        ),
+        watch.on_a.len() as f64,
+        "{metrics}"
+    );
+    let (p50, max) = p50_max(watch.moves());
+    println!(
+        "figure: descheduler, Deployment of 4 x 3 CPU refused by lower-a: refusal -> Running in lower-b p50 {:.1} s, max {:.1} s (threshold 3 s; {escaped} replacement(s) escaped the exclusion and moved twice)",
+        p50.as_secs_f64(),
+        max.as_secs_f64()
+    );
+}
+
+#[tokio::test]
+async fn in_dry_run_nothing_moves_and_nothing_is_written_but_the_log_and_metrics_say_what_would() {
+    let scene = Scene::start("ds-dry", 1).await;
+    let d = scene.descheduler(&["--dry-run"], "dry-run").await;
+    apply(up(), &scene.deployment("web", 2, "3", json!({}))).await;
+    let name = "tensile_descheduler_pods_moved_total";
+    wait("dry-run moves counted for both pods", 90, || async {
+        let m = d.metrics().await;
+        let n = metric_sum(
+            &m,
+            name,
+            &[("result", "dry_run"), ("virtual_node", scene.vn_a.as_str())],
+        );
+        if n >= 2.0 { Ok(()) } else { Err(format!("{n}")) }
+    })
+    .await;
+    let before: BTreeSet<String> = scene.pods("app=web").await.iter().map(uid).collect();
+    // A few more rounds: still nothing happens.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let pods = scene.pods("app=web").await;
+    let after: BTreeSet<String> = pods.iter().map(uid).collect();
+    assert_eq!(before, after, "the same pods");
+    assert!(pods.iter().all(|p| node_of(p) == scene.vn_a && !terminating(p)));
+    assert!(events(&scene.ns, "Descheduled").await.is_empty());
+    let cm = bed()
+        .upper
+        .kubectl(&["-n", &scene.ns, "get", "configmap", "exclusions"])
+        .await;
+    assert!(!cm.ok, "no exclusion record written: {}", cm.stdout);
+    let m = d.metrics().await;
+    assert_eq!(metric_sum(&m, name, &[("result", "success")]), 0.0);
+    let log = d.log();
+    assert!(log.contains("dry run: would move the pod"), "{log}");
+    assert!(log.contains(&scene.vn_a), "{log}");
+}
+
+#[tokio::test]
+async fn the_exclusion_expires_after_its_ttl_and_a_later_pod_may_use_vn_a_again() {
+    let scene = Scene::start("ds-ttl", 1).await;
+    let _d = scene.descheduler(&["--exclusion-ttl=25"], "ttl").await;
+    apply(up(), &scene.deployment("web", 1, "3", json!({}))).await;
+    until_moved(&scene, "app=web", 1, 120).await;
+    let moved_at = Instant::now();
+
+    // While the exclusion holds, a new replica avoids vn-a.
+    kubectl(
+        up(),
+        &["-n", &scene.ns, "scale", "deployment", "web", "--replicas=2"],
+    )
+    .await;
+    let fresh = newest_pod(&scene, 1).await;
+    assert_eq!(node_of(&fresh), scene.vn_b, "within the TTL: {}", fresh["spec"]);
+    assert_eq!(
+        fresh["metadata"]["annotations"]["tensile.io/excluded-nodes"],
+        scene.vn_a.as_str()
+    );
+
+    // After it, a new replica may land on vn-a again.
+    let ttl = Duration::from_secs(27);
+    if let Some(left) = ttl.checked_sub(moved_at.elapsed()) {
+        tokio::time::sleep(left).await;
+    }
+    kubectl(
+        up(),
+        &["-n", &scene.ns, "scale", "deployment", "web", "--replicas=3"],
+    )
+    .await;
+    let later = newest_pod(&scene, 2).await;
+    assert_eq!(node_of(&later), scene.vn_a, "after the TTL: {}", later["spec"]);
+    assert!(later["metadata"]["annotations"]["tensile.io/excluded-nodes"].is_null());
+    assert!(!later["spec"].to_string().contains("NotIn"), "{}", later["spec"]);
+}
+
+/// Waits until a bound pod of app=web exists besides the `older` ones; returns the newest.
+async fn newest_pod(scene: &Scene, older: usize) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut pods: Vec<Value> = scene
+            .pods("app=web")
+            .await
+            .into_iter()
+            .filter(|p| !terminating(p))
+            .collect();
+        pods.sort_by_key(|p| {
+            p["metadata"]["creationTimestamp"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        });
+        if let Some(p) = pods.last()
+            && pods.len() > older
+            && !node_of(p).is_empty()
+        {
+            return p.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no new bound replica: {} pods",
+            pods.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_pod_that_fits_nowhere_moves_at_most_the_configured_times_warns_once_and_then_stays() {
+    let scene = Scene::start("ds-nowhere", 1).await;
+    let d = scene.descheduler(&["--max-moves-per-owner=2"], "nowhere").await;
+    // No lower node of either cluster has disk=nvme: both lower schedulers refuse it.
+    apply(up(), &scene.deployment("web", 1, "100m", json!({"disk": "nvme"}))).await;
+    wait("the DeschedulingExhausted warning", 180, || async {
+        let n = events(&scene.ns, "DeschedulingExhausted").await.len();
+        if n >= 1 {
+            Ok(())
+        } else {
+            Err(format!("{n} warnings"))
+        }
+    })
+    .await;
+    let moved = "tensile_descheduler_pods_moved_total";
+    let m = d.metrics().await;
+    let moves = metric_sum(&m, moved, &[("result", "success")]);
+    assert_eq!(moves, 2.0, "{m}");
+    let pod = scene
+        .pods("app=web")
+        .await
+        .into_iter()
+        .find(|p| !terminating(p))
+        .unwrap();
+    let cycles = metric_sum(&m, "tensile_descheduler_cycles_total", &[]);
+
+    // No churn afterwards.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let m = d.metrics().await;
+    assert_eq!(metric_sum(&m, moved, &[("result", "success")]), moves, "{m}");
+    assert!(
+        metric_sum(&m, "tensile_descheduler_cycles_total", &[]) > cycles,
+        "rounds kept running"
+    );
+    assert_eq!(
+        metric_sum(&m, "tensile_descheduler_skipped", &[("reason", "exhausted")]),
+        1.0,
+        "{m}"
+    );
+    let warnings = events(&scene.ns, "DeschedulingExhausted").await;
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert_eq!(warnings[0]["count"].as_i64().unwrap_or(1), 1, "warned once");
+    assert_eq!(warnings[0]["type"], "Warning");
+    let now: Vec<String> = scene.pods("app=web").await.iter().map(uid).collect();
+    assert_eq!(now, vec![uid(&pod)], "the same pod stays");
+    println!(
+        "figure: descheduler, a pod no lower cluster can place: {moves} moves, 1 warning, 0 moves in the next 60 s"
+    );
+}
+
+#[tokio::test]
+async fn an_opted_in_bare_pod_is_replaced_in_lower_b_and_never_lost() {
+    let scene = Scene::start("ds-bare", 1).await;
+    let _d = scene.descheduler(&[], "bare").await;
+    apply(up(), &scene.bare_pod("solo")).await;
+    let mut original = None;
+    let mut counts = BTreeSet::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let pods = scene.pods("app=solo").await;
+        counts.insert(pods.len());
+        if original.is_none() {
+            original = pods.iter().find(|p| name(p) == "solo").map(uid);
+        }
+        let running: Vec<&Value> = pods
+            .iter()
+            .filter(|p| node_of(p) == scene.vn_b && phase(p) == "Running")
+            .collect();
+        if pods.len() == 1 && running.len() == 1 {
+            let p = running[0];
+            assert!(name(p).starts_with("solo-"), "{}", name(p));
+            assert_eq!(
+                p["metadata"]["labels"]["tensile.io/replaces"].as_str(),
+                original.as_deref()
+            );
+            assert_eq!(p["metadata"]["annotations"]["tensile.io/deschedule-count"], "1");
+            break;
+        }
+        assert!(Instant::now() < deadline, "not replaced: {pods:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!counts.contains(&0), "there was always a pod: {counts:?}");
+    assert_stash_intact_and_lower_a_empty(&scene, "app=solo").await;
+}
+
+#[tokio::test]
+async fn a_statefulset_and_a_job_move_and_the_job_keeps_its_backoff_limit() {
+    let scene = Scene::start("ds-owners", 2).await;
+    let _d = scene.descheduler(&[], "owners").await;
+    let ns = &scene.ns;
+    let sts = json!({
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": "db", "namespace": ns},
+        "spec": {"serviceName": "db", "replicas": 1, "selector": {"matchLabels": {"app": "db"}},
+                 "template": scene.template("db", "3", json!({}), json!({}))},
+    })
+    .to_string();
+    let mut template = scene.template("batch", "3", json!({}), json!({}));
+    template["spec"]["restartPolicy"] = json!("Never");
+    let job = json!({
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": "batch", "namespace": ns},
+        "spec": {"backoffLimit": 0, "template": template},
+    })
+    .to_string();
+    apply(up(), &sts).await;
+    apply(up(), &job).await;
+    let (db, batch) = tokio::join!(
+        until_moved(&scene, "app=db", 1, 180),
+        until_moved(&scene, "app=batch", 1, 180)
+    );
+    assert_eq!(db.on_a.values().collect::<Vec<_>>(), ["db-0"]);
+    assert_eq!(
+        scene.pods("app=db").await.iter().map(name).collect::<Vec<_>>(),
+        ["db-0"],
+        "the same name, a new pod"
+    );
+    assert_eq!(batch.on_a.len(), 1);
+    let status = kubectl(
+        up(),
+        &[
+            "-n",
+            ns,
+            "get",
+            "job",
+            "batch",
+            "-o",
+            "jsonpath={.status.failed}|{.status.active}|{.status.conditions[*].type}",
+        ],
+    )
+    .await;
+    assert_eq!(
+        status, "|1|",
+        "the eviction did not count as a failure (failed|active|conditions)"
+    );
+    assert_stash_intact_and_lower_a_empty(&scene, "app=db").await;
+    assert_stash_intact_and_lower_a_empty(&scene, "app=batch").await;
+}
+
+#[tokio::test]
+async fn with_two_replicas_only_the_leader_moves_pods_and_the_standby_takes_over() {
+    let scene = Scene::start("ds-leader", 1).await;
+    let elect = [
+        "--leader-elect",
+        "--leader-elect-resource-namespace=ds-leader",
+        "--leader-elect-resource-name=descheduler",
+        "--leader-elect-lease-duration=6s",
+        "--leader-elect-renew-deadline=4s",
+        "--leader-elect-retry-period=1s",
+    ];
+    let first = scene.descheduler(&elect, "leader-1").await;
+    let second = DeschedulerProcess::start(&bed().upper, &scene.flags(&elect), "leader-2").unwrap();
+    wait("the second replica standing by", 20, || async {
+        match second.readyz().await {
+            Some((503, body)) if body.contains("standby") => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    apply(up(), &scene.deployment("web", 2, "3", json!({}))).await;
+    until_moved(&scene, "app=web", 2, 120).await;
+    let moved = |m: &str| {
+        metric_sum(
+            m,
+            "tensile_descheduler_pods_moved_total",
+            &[("result", "success")],
+        )
+    };
+    assert_eq!(moved(&first.metrics().await), 2.0);
+    let standby = second.metrics().await;
+    assert_eq!(moved(&standby), 0.0, "{standby}");
+    assert_eq!(metric_sum(&standby, "tensile_leader", &[]), 0.0);
+
+    first.signal("KILL").unwrap();
+    let started = Instant::now();
+    second.wait_ready(Duration::from_secs(30)).await.unwrap();
+    println!(
+        "figure: descheduler, standby leading {:.1} s after the leader was killed (lease 6 s)",
+        started.elapsed().as_secs_f64()
+    );
+}
+
+#[tokio::test]
+async fn a_bare_pod_move_killed_at_each_step_ends_with_exactly_one_pod_running_in_lower_b() {
+    let scene = Scene::start("ds-crash", 2).await;
+    for step in ["recorded", "created", "evicted"] {
+        let app = format!("solo-{step}");
+        apply(up(), &scene.bare_pod(&app)).await;
+        let selector = format!("app={app}");
+        let original = {
+            let mut found = None;
+            while found.is_none() {
+                found = scene.pods(&selector).await.first().map(uid);
+            }
+            found.unwrap()
+        };
+        let mut crashing = DeschedulerProcess::start(
+            &bed().upper,
+            &scene.flags(&[&format!("--crash-at={step}")]),
+            &format!("crash-{step}"),
+        )
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(90);
+        let status = loop {
+            if let Some(status) = crashing.service.exited() {
+                break status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no crash after {step}: {}",
+                crashing.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert!(!status.success(), "killed at {step}: {status}");
+        let log = crashing.log();
+        assert!(log.contains("aborting"), "{log}");
+
+        // A fresh process finishes the move.
+        let restarted = scene.descheduler(&[], &format!("after-{step}")).await;
+        let mut counts = BTreeSet::new();
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            let pods = scene.pods(&selector).await;
+            counts.insert(pods.iter().filter(|p| !terminating(p)).count());
+            let running: Vec<&Value> = pods
+                .iter()
+                .filter(|p| node_of(p) == scene.vn_b && phase(p) == "Running" && !terminating(p))
+                .collect();
+            if pods.len() == 1 && running.len() == 1 {
+                assert_eq!(
+                    running[0]["metadata"]["labels"]["tensile.io/replaces"].as_str(),
+                    Some(original.as_str()),
+                    "after a kill at {step}"
+                );
+                break;
+            }
+            assert!(Instant::now() < deadline, "after a kill at {step}: {pods:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert!(
+            !counts.contains(&0),
+            "after a kill at {step} there was always a pod: {counts:?}"
+        );
+        let replacements = kubectl(
+            up(),
+            &[
+                "-n",
+                &scene.ns,
+                "get",
+                "pods",
+                "-l",
+                &format!("tensile.io/replaces={original}"),
+                "-o",
+                "name",
+            ],
+        )
+        .await;
+        assert_eq!(
+            replacements.lines().count(),
+            1,
+            "one replacement after a kill at {step}: {replacements}"
+        );
+        drop(restarted);
+    }
+}
