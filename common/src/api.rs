@@ -86,7 +86,12 @@ where
 
 /// Now, as API objects write a `Time` (RFC 3339, seconds).
 pub fn now() -> String {
-    jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
+    time(jiff::Timestamp::now())
+}
+
+/// `t` as API objects write a `Time` (RFC 3339, seconds).
+pub fn time(t: jiff::Timestamp) -> String {
+    t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
 }
 
 /// Now, as API objects write a `MicroTime` (RFC 3339, microseconds).

@@ -181,17 +181,12 @@ pub fn follow(
     (cache, rx, feed)
 }
 
-/// RFC 3339 with seconds, as API objects write a `Time`.
-pub fn format_time(t: Timestamp) -> String {
-    t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
-}
-
 mod time {
     use jiff::Timestamp;
     use serde::{Deserialize, Deserializer, Serializer};
 
     pub fn serialize<S: Serializer>(t: &Timestamp, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&super::format_time(*t))
+        s.serialize_str(&crate::api::time(*t))
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Timestamp, D::Error> {
@@ -206,7 +201,7 @@ mod opt_time {
 
     pub fn serialize<S: Serializer>(t: &Option<Timestamp>, s: S) -> Result<S::Ok, S::Error> {
         match t {
-            Some(t) => s.serialize_str(&super::format_time(*t)),
+            Some(t) => s.serialize_str(&crate::api::time(*t)),
             None => s.serialize_none(),
         }
     }
@@ -228,7 +223,7 @@ mod times {
     pub fn serialize<S: Serializer>(m: &BTreeMap<String, Timestamp>, s: S) -> Result<S::Ok, S::Error> {
         let mut map = s.serialize_map(Some(m.len()))?;
         for (k, v) in m {
-            map.serialize_entry(k, &super::format_time(*v))?;
+            map.serialize_entry(k, &crate::api::time(*v))?;
         }
         map.end()
     }

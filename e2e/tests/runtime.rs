@@ -288,7 +288,6 @@ async fn a_frozen_upper_apiserver_stalls_no_lease_renewal_past_the_freeze() {
     .unwrap();
     let kc = upper.kubeconfig();
     wait_ready(kc, "vn-frozen", 60).await;
-    let renew = r#"jsonpath={.spec.renewTime}"#;
     let before = lease_renew_time(kc, "vn-frozen").await;
 
     let freeze = Duration::from_secs(12);
@@ -301,28 +300,15 @@ async fn a_frozen_upper_apiserver_stalls_no_lease_renewal_past_the_freeze() {
     // half-open. (A renewal sent during the freeze and answered at the resume counts: it was
     // not stuck.)
     let started = Instant::now();
-    loop {
-        let renewed = kubectl(
-            kc,
-            &["-n", "kube-node-lease", "get", "lease", "vn-frozen", "-o", renew],
-        )
-        .await;
-        let ready = kubectl(kc, &["get", "node", "vn-frozen", "-o", READY]).await;
-        let renewed_since = renewed.parse::<jiff::Timestamp>().is_ok_and(|t| t > before);
-        if renewed_since && ready == "True" {
-            eprintln!(
-                "figure: lease renewed and node Ready {:?} after a {freeze:?} freeze",
-                started.elapsed()
-            );
-            break;
-        }
-        assert!(
-            started.elapsed() < freeze,
-            "{:?} after the resume: lease renewed at {renewed} (before the freeze: {before}), Ready={ready}",
-            started.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    let what = "the Lease renewed and the node Ready within the length of the freeze";
+    must(what, freeze, Duration::from_millis(500), || {
+        renewed_and_ready(kc, "vn-frozen", before)
+    })
+    .await;
+    eprintln!(
+        "figure: lease renewed and node Ready {:?} after a {freeze:?} freeze",
+        started.elapsed()
+    );
     // And it stays so past the node monitor's grace (20 s from the last renewal before the
     // freeze): a node whose renewals were stuck would be Unknown by now.
     tokio::time::sleep(Duration::from_secs(15).saturating_sub(started.elapsed())).await;
@@ -332,54 +318,42 @@ async fn a_frozen_upper_apiserver_stalls_no_lease_renewal_past_the_freeze() {
     );
 }
 
+/// When the Lease of virtual node `node` was last renewed, or what kubectl said instead.
+async fn renew_time(kc: &Path, node: &str) -> Result<jiff::Timestamp, String> {
+    let args = [
+        "-n",
+        "kube-node-lease",
+        "get",
+        "lease",
+        node,
+        "-o",
+        "jsonpath={.spec.renewTime}",
+    ];
+    let out = tensile_e2e::kubectl::run(kc, &args).await;
+    out.stdout
+        .trim()
+        .parse()
+        .map_err(|_| format!("{} {}", out.stdout, out.stderr))
+}
+
 /// When the Lease of virtual node `node` was last renewed (it follows the node's first
 /// status write within the round, so it is waited for).
 async fn lease_renew_time(kc: &Path, node: &str) -> jiff::Timestamp {
     let what = format!("the Lease of {node}");
-    must(
-        &what,
-        Duration::from_secs(10),
-        Duration::from_millis(200),
-        || async {
-            let args = [
-                "-n",
-                "kube-node-lease",
-                "get",
-                "lease",
-                node,
-                "-o",
-                "jsonpath={.spec.renewTime}",
-            ];
-            let out = tensile_e2e::kubectl::run(kc, &args).await;
-            out.stdout
-                .trim()
-                .parse()
-                .map_err(|_| format!("{} {}", out.stdout, out.stderr))
-        },
-    )
+    must(&what, Duration::from_secs(10), Duration::from_millis(200), || {
+        renew_time(kc, node)
+    })
     .await
 }
 
 /// The Lease of virtual node `node` was renewed after `since`, and the node is Ready.
-async fn renewed_and_ready(node: &str, since: jiff::Timestamp) -> Result<(), String> {
-    let renewed = kubectl(
-        up(),
-        &[
-            "-n",
-            "kube-node-lease",
-            "get",
-            "lease",
-            node,
-            "-o",
-            "jsonpath={.spec.renewTime}",
-        ],
-    )
-    .await;
-    let ready = kubectl(up(), &["get", "node", node, "-o", READY]).await;
-    match renewed.parse::<jiff::Timestamp>() {
+async fn renewed_and_ready(kc: &Path, node: &str, since: jiff::Timestamp) -> Result<(), String> {
+    let renewed = renew_time(kc, node).await;
+    let ready = kubectl(kc, &["get", "node", node, "-o", READY]).await;
+    match renewed {
         Ok(t) if t > since && ready == "True" => Ok(()),
         _ => Err(format!(
-            "lease renewed at {renewed} (wanted after {since}), Ready={ready}"
+            "lease renewed at {renewed:?} (wanted after {since}), Ready={ready}"
         )),
     }
 }
@@ -420,7 +394,7 @@ async fn a_partition_that_leaves_connections_half_open_stalls_no_lease_renewal()
         "the Lease renewed and the node Ready after the partition healed",
         Duration::from_secs(12),
         Duration::from_millis(250),
-        || renewed_and_ready("vn-cut", before),
+        || renewed_and_ready(up(), "vn-cut", before),
     )
     .await
     .unwrap();
@@ -431,7 +405,7 @@ async fn a_partition_that_leaves_connections_half_open_stalls_no_lease_renewal()
     // Past the node monitor's grace (20 s from the last renewal before the cut): a node
     // whose calls stayed stuck on the lost connections would be Unknown by now.
     tokio::time::sleep(Duration::from_secs(15).saturating_sub(healed.elapsed())).await;
-    renewed_and_ready("vn-cut", before).await.unwrap();
+    renewed_and_ready(up(), "vn-cut", before).await.unwrap();
 }
 
 #[tokio::test]

@@ -263,6 +263,9 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener> {
 }
 
 /// Binds the ports and starts serving.
+/// How long readiness waits for the exclusion records before serving without them.
+const EXCLUSIONS_SYNC: Duration = Duration::from_secs(10);
+
 pub async fn start(options: Options) -> Result<Running> {
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
@@ -296,19 +299,46 @@ pub async fn start(options: Options) -> Result<Running> {
         ));
     }
     let ready = tensile_common::admin::Readiness::default();
-    ready.set(!must_write_bundle);
-    let exclusions = match (&options.client, &options.exclusions) {
+    // Written once the apiserver trusts our certificate (at once when it need not learn it).
+    let (bundle_written, mut bundle_seen) = tokio::sync::watch::channel(!must_write_bundle);
+    let (exclusions, exclusions_cache) = match (&options.client, &options.exclusions) {
         (Some(client), Some(location)) => {
             let api = kube::Api::namespaced(client.clone(), &location.namespace);
-            let (_, seen, watch) = tensile_common::exclusion::follow(api, &location.name);
+            let (cache, seen, watch) = tensile_common::exclusion::follow(api, &location.name);
             let stop = stop.clone();
             tasks.push(tokio::spawn(async move {
                 stop.run_until_cancelled(watch).await;
             }));
-            Some(seen)
+            (Some(seen), Some((cache, location.clone())))
         }
-        _ => None,
+        _ => (None, None),
     };
+    // Ready when the certificate is trusted and the exclusion records are read, so that a
+    // replica just started does not admit a moved pod's replacement without them. Records
+    // that cannot be read (no permission, no ConfigMap API) delay readiness by at most
+    // EXCLUSIONS_SYNC, then the webhook serves without them and says so.
+    {
+        let (ready, stop) = (ready.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let wait = async {
+                let mut why = "serving".to_owned();
+                if let Some((cache, location)) = exclusions_cache
+                    && tokio::time::timeout(EXCLUSIONS_SYNC, cache.synced()).await.is_err()
+                {
+                        tracing::warn!(
+                            configmap = %location,
+                            "the exclusion records could not be read within {EXCLUSIONS_SYNC:?}; serving without them until they can"
+                        );
+                        why = format!("serving; the exclusion records ({location}) are not read yet");
+                }
+                bundle_seen.wait_for(|written| *written).await.ok()?;
+                Some(why)
+            };
+            if let Some(Some(why)) = stop.run_until_cancelled(wait).await {
+                ready.say(true, why);
+            }
+        }));
+    }
     let state = Arc::new(server::State {
         policy: options.policy,
         max_body_bytes: options.max_body_bytes,
@@ -355,14 +385,15 @@ pub async fn start(options: Options) -> Result<Running> {
         options.webhook_config_name,
         ca_pem.clone(),
     ) {
-        let ready_state = state.clone();
         tasks.push(tokio::spawn(ca_bundle::keep(
             client,
             name,
             ca,
             Duration::from_secs(30),
             stop.clone(),
-            move || ready_state.ready.set(true),
+            move || {
+                bundle_written.send_replace(true);
+            },
         )));
     }
     tracing::info!(%address, admin = ?admin_address, "webhook serving");
