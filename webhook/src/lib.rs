@@ -321,7 +321,7 @@ pub async fn start(options: Options) -> Result<Running> {
         let (ready, stop) = (ready.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
             let wait = async {
-                let mut why = "serving".to_owned();
+                let mut degraded = None;
                 if let Some((cache, location)) = exclusions_cache
                     && tokio::time::timeout(EXCLUSIONS_SYNC, cache.synced()).await.is_err()
                 {
@@ -329,13 +329,15 @@ pub async fn start(options: Options) -> Result<Running> {
                             configmap = %location,
                             "the exclusion records could not be read within {EXCLUSIONS_SYNC:?}; serving without them until they can"
                         );
-                        why = format!("serving; the exclusion records ({location}) are not read yet");
+                        degraded = Some(format!("serving; the exclusion records ({location}) are not read yet"));
                 }
                 bundle_seen.wait_for(|written| *written).await.ok()?;
-                Some(why)
+                Some(degraded)
             };
-            if let Some(Some(why)) = stop.run_until_cancelled(wait).await {
-                ready.say(true, why);
+            match stop.run_until_cancelled(wait).await {
+                Some(Some(Some(why))) => ready.say(true, why),
+                Some(Some(None)) => ready.set(true),
+                _ => {}
             }
         }));
     }
