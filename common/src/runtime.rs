@@ -119,14 +119,17 @@ impl Supervisor {
     /// [`Stopped`] names it); either way every task is stopped, graceful ones within the drain.
     pub async fn run(mut self) -> Result<(), Stopped> {
         let first = tokio::select! {
+            biased;
             _ = self.shutdown.cancelled() => None,
-            Some(ended) = self.tasks.join_next_with_id() => Some(match ended {
-                Ok((_, (name, reason))) => Stopped { task: name, reason },
-                Err(e) => Stopped {
+            Some(ended) = self.tasks.join_next_with_id() => match ended {
+                // A graceful task that saw the shutdown first and ended: it was asked to.
+                _ if self.shutdown.is_cancelled() => None,
+                Ok((_, (name, reason))) => Some(Stopped { task: name, reason }),
+                Err(e) => Some(Stopped {
                     task: self.names.get(&e.id()).copied().unwrap_or("a task"),
                     reason: Some(if e.is_panic() { "it panicked".into() } else { e.to_string() }),
-                },
-            }),
+                }),
+            },
         };
         if let Some(stopped) = &first {
             tracing::error!("{stopped}; stopping every other task");
@@ -191,6 +194,23 @@ mod tests {
             finished.load(Ordering::SeqCst),
             "graceful work finished in the drain"
         );
+    }
+
+    #[tokio::test]
+    async fn a_graceful_task_that_ends_as_soon_as_it_is_told_is_no_failure() {
+        for _ in 0..200 {
+            let shutdown = CancellationToken::new();
+            let mut sup = Supervisor::new(shutdown.clone(), Duration::from_secs(5));
+            sup.spawn_graceful("the kubelet API", |stop| async move { stop.cancelled().await });
+            let signal = shutdown.clone();
+            let run = tokio::spawn(sup.run());
+            tokio::task::yield_now().await;
+            signal.cancel();
+            assert!(
+                run.await.unwrap().is_ok(),
+                "a SIGTERM is not a task stopping on its own"
+            );
+        }
     }
 
     #[tokio::test(start_paused = true)]
