@@ -25,6 +25,7 @@ pub mod names;
 pub mod quantity;
 pub mod resources;
 pub mod runtime;
+pub mod shape;
 pub mod stash;
 pub mod telemetry;
 
