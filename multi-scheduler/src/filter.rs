@@ -1,0 +1,644 @@
+//! The filter: may this pod go to this node, judged by the lower nodes the node's
+//! [capacity shape](tensile_common::shape) summarises.
+//!
+//! The pod's stashed nodeSelector, required node affinity and tolerations are what the lower
+//! scheduler will apply, so they are matched against each group of the shape: the node
+//! passes iff some group has labels the selector and affinity accept, taints the stashed
+//! tolerations tolerate, and a frontier vector holding the pod's effective requests.
+//!
+//! Where the shape cannot answer exactly, the filter passes and says why ([`FailOpen`]), so
+//! a gap in the data never strands a pod; the lower scheduler and the descheduler remain
+//! the backstop. Nodes that are not virtual nodes always pass.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+
+use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, Taint, Toleration};
+use tensile_common::names;
+use tensile_common::quantity::{ResourceMap, format_milli};
+use tensile_common::resources::pod_requests;
+use tensile_common::shape::{Group, Shape};
+use tensile_common::stash::Stash;
+
+/// What the filter is told besides the pod and the node.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub now: jiff::Timestamp,
+    /// A shape older than this fails open; `None` accepts any age.
+    pub max_age: Option<jiff::SignedDuration>,
+}
+
+/// Why the filter passed a node it could not judge exactly.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FailOpen {
+    /// The virtual node publishes no shape.
+    NoShape,
+    /// The shape does not decode (the error says why).
+    BadShape(String),
+    /// The shape is older than the allowed age.
+    StaleShape,
+    /// The pod's stash does not decode (the error says why).
+    BadStash(String),
+    /// The stash selects on a label key the shape does not publish.
+    UnpublishedLabel(String),
+    /// The stash's affinity uses `matchFields`: lower node names the shape does not list.
+    MatchFields,
+    /// No listed vector fits, but a matching group's frontier was cut.
+    Truncated,
+}
+
+impl FailOpen {
+    /// The reason as a metric label value.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            FailOpen::NoShape => "no_shape",
+            FailOpen::BadShape(_) => "bad_shape",
+            FailOpen::StaleShape => "stale_shape",
+            FailOpen::BadStash(_) => "bad_stash",
+            FailOpen::UnpublishedLabel(_) => "unpublished_label",
+            FailOpen::MatchFields => "match_fields",
+            FailOpen::Truncated => "truncated",
+        }
+    }
+}
+
+impl std::fmt::Display for FailOpen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FailOpen::NoShape => write!(f, "the virtual node publishes no capacity shape"),
+            FailOpen::BadShape(e) => write!(f, "{e}"),
+            FailOpen::StaleShape => write!(f, "the capacity shape is stale"),
+            FailOpen::BadStash(e) => write!(f, "{e}"),
+            FailOpen::UnpublishedLabel(k) => write!(f, "the capacity shape does not publish label {k:?}"),
+            FailOpen::MatchFields => write!(f, "the stashed affinity uses matchFields"),
+            FailOpen::Truncated => write!(f, "a matching group of the capacity shape is truncated"),
+        }
+    }
+}
+
+/// The filter's answer for one node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Not a virtual node: nothing to judge.
+    NotVirtual,
+    /// Some lower node fits the pod.
+    Fits,
+    /// Passed without an exact answer.
+    FailOpen(FailOpen),
+    /// No lower node fits; the message says why.
+    Rejected(String),
+}
+
+impl Verdict {
+    pub fn passes(&self) -> bool {
+        !matches!(self, Verdict::Rejected(_))
+    }
+}
+
+/// Judges `node` for `pod`.
+pub fn filter(pod: &Pod, node: &Node, options: &Options) -> Verdict {
+    let labels = node.metadata.labels.as_ref();
+    let is_virtual = labels
+        .and_then(|l| l.get(names::VIRTUAL_NODE_TYPE_LABEL))
+        .is_some_and(|v| v == names::VIRTUAL_NODE_TYPE_VALUE);
+    if !is_virtual {
+        return Verdict::NotVirtual;
+    }
+    let shape = match Shape::from_annotations(node.metadata.annotations.as_ref()) {
+        None => return Verdict::FailOpen(FailOpen::NoShape),
+        Some(Err(e)) => return Verdict::FailOpen(FailOpen::BadShape(e.to_string())),
+        Some(Ok(s)) => s,
+    };
+    if let (Some(at), Some(max_age)) = (&shape.at, options.max_age) {
+        match at.parse::<jiff::Timestamp>() {
+            Ok(at) if options.now.duration_since(at) > max_age => {
+                return Verdict::FailOpen(FailOpen::StaleShape);
+            }
+            Ok(_) => {}
+            Err(e) => {
+                return Verdict::FailOpen(FailOpen::BadShape(format!("capacity shape time {at:?}: {e}")));
+            }
+        }
+    }
+    let stash = match Stash::from_annotations(pod.metadata.annotations.as_ref()) {
+        Ok(s) => s.unwrap_or_default(),
+        Err(e) => return Verdict::FailOpen(FailOpen::BadStash(e.to_string())),
+    };
+    let terms = stash
+        .node_affinity()
+        .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref())
+        .map(|s| s.node_selector_terms.as_slice());
+    if terms
+        .into_iter()
+        .flatten()
+        .any(|t| t.match_fields.as_ref().is_some_and(|f| !f.is_empty()))
+    {
+        return Verdict::FailOpen(FailOpen::MatchFields);
+    }
+    let published: BTreeSet<&str> = shape.keys.iter().map(String::as_str).collect();
+    let referenced = stash.node_selector.keys().map(String::as_str).chain(
+        terms
+            .into_iter()
+            .flatten()
+            .flat_map(|t| t.match_expressions.iter().flatten())
+            .map(|r| r.key.as_str()),
+    );
+    for key in referenced {
+        if !published.contains(key) {
+            return Verdict::FailOpen(FailOpen::UnpublishedLabel(key.to_owned()));
+        }
+    }
+
+    let requests = pod_requests(pod);
+    let selected: Vec<&Group> = shape
+        .groups
+        .iter()
+        .filter(|g| g.count > 0 && labels_match(&g.labels, &stash.node_selector, terms))
+        .collect();
+    let candidates: Vec<&Group> = selected
+        .iter()
+        .copied()
+        .filter(|g| g.taints.iter().all(|t| tolerated(t, &stash.tolerations)))
+        .collect();
+    let mut vectors: Vec<(&Group, ResourceMap)> = Vec::new();
+    for g in &candidates {
+        match g.free_maps() {
+            Ok(maps) => vectors.extend(maps.into_iter().map(|m| (*g, m))),
+            Err(e) => return Verdict::FailOpen(FailOpen::BadShape(e.to_string())),
+        }
+    }
+    if vectors.iter().any(|(_, v)| fits(&requests, v)) {
+        return Verdict::Fits;
+    }
+    if candidates.iter().any(|g| g.truncated) {
+        return Verdict::FailOpen(FailOpen::Truncated);
+    }
+    Verdict::Rejected(rejection(
+        &shape,
+        &selected,
+        &candidates,
+        &requests,
+        &vectors,
+        &stash.tolerations,
+    ))
+}
+
+fn fits(requests: &ResourceMap, free: &ResourceMap) -> bool {
+    requests.0.iter().all(|(k, q)| *q <= 0 || free.get(k) >= *q)
+}
+
+fn rejection(
+    shape: &Shape,
+    selected: &[&Group],
+    candidates: &[&Group],
+    requests: &ResourceMap,
+    vectors: &[(&Group, ResourceMap)],
+    tolerations: &[Toleration],
+) -> String {
+    if shape.groups.iter().all(|g| g.count == 0) {
+        return "no usable lower node".into();
+    }
+    if selected.is_empty() {
+        return "no lower node matches the pod's stashed node selector and affinity".into();
+    }
+    if candidates.is_empty() {
+        let untolerated: BTreeSet<String> = selected
+            .iter()
+            .flat_map(|g| &g.taints)
+            .filter(|t| !tolerated(t, tolerations))
+            .map(show_taint)
+            .collect();
+        let list: Vec<String> = untolerated.into_iter().collect();
+        return format!(
+            "no lower node matching the stashed selector has taints the pod tolerates (untolerated: {})",
+            list.join(", ")
+        );
+    }
+    // The resources no single node has enough of, each with the largest free amount seen.
+    let mut short: Vec<(&str, i128, i128, &Group)> = Vec::new();
+    let mut wanted: Vec<String> = Vec::new();
+    for (name, q) in requests.0.iter().filter(|(_, q)| **q > 0) {
+        wanted.push(format!("{name}={}", show(*q)));
+        let best = vectors.iter().max_by_key(|(_, v)| v.get(name));
+        let (group, largest) = match best {
+            Some((g, v)) => (*g, v.get(name)),
+            None => (candidates[0], 0),
+        };
+        if largest < *q {
+            short.push((name, *q, largest, group));
+        }
+    }
+    if short.is_empty() {
+        return format!(
+            "no single lower node fits {} together; each fits alone on some node",
+            wanted.join(", ")
+        );
+    }
+    let asked: Vec<String> = short
+        .iter()
+        .map(|(n, q, _, _)| format!("{n}={}", show(*q)))
+        .collect();
+    let mut out = format!("no lower node fits {} (largest free ", asked.join(", "));
+    for (i, (name, _, largest, group)) in short.iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        if short.len() > 1 {
+            let _ = write!(out, "{name}=");
+        }
+        out.push_str(&show(*largest));
+        if !group.labels.is_empty() {
+            let labels: Vec<String> = group.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            let _ = write!(out, " in {}", labels.join(","));
+        }
+    }
+    out.push(')');
+    out
+}
+
+/// A quantity as a person reads it: whole binary units where exact, else as the API writes it.
+fn show(milli: i128) -> String {
+    const GI: i128 = 1 << 30;
+    const MI: i128 = 1 << 20;
+    if milli % 1000 == 0 {
+        let units = milli / 1000;
+        if units >= GI && units % GI == 0 {
+            return format!("{}Gi", units / GI);
+        }
+        if units >= MI && units % MI == 0 {
+            return format!("{}Mi", units / MI);
+        }
+    }
+    format_milli(milli)
+}
+
+fn show_taint(t: &Taint) -> String {
+    match &t.value {
+        Some(v) if !v.is_empty() => format!("{}={}:{}", t.key, v, t.effect),
+        _ => format!("{}:{}", t.key, t.effect),
+    }
+}
+
+/// True when a group's labels satisfy the nodeSelector and the required affinity (any term,
+/// every expression of it), as the scheduler reads them.
+fn labels_match(
+    labels: &BTreeMap<String, String>,
+    selector: &BTreeMap<String, String>,
+    terms: Option<&[NodeSelectorTerm]>,
+) -> bool {
+    let selector_ok = selector.iter().all(|(k, v)| labels.get(k) == Some(v));
+    let affinity_ok = terms.is_none_or(|terms| {
+        terms.iter().any(|t| {
+            let exprs = t.match_expressions.as_deref().unwrap_or_default();
+            // An empty term selects nothing.
+            !exprs.is_empty() && exprs.iter().all(|r| requirement_matches(labels, r))
+        })
+    });
+    selector_ok && affinity_ok
+}
+
+fn requirement_matches(labels: &BTreeMap<String, String>, r: &NodeSelectorRequirement) -> bool {
+    let value = labels.get(&r.key);
+    let values = r.values.as_deref().unwrap_or_default();
+    let compare = |want: std::cmp::Ordering| {
+        let label = value.and_then(|v| v.parse::<i64>().ok());
+        let bound = values.first().and_then(|v| v.parse::<i64>().ok());
+        matches!((label, bound), (Some(l), Some(b)) if l.cmp(&b) == want)
+    };
+    match r.operator.as_str() {
+        "In" => value.is_some_and(|v| values.contains(v)),
+        "NotIn" => value.is_none_or(|v| !values.contains(v)),
+        "Exists" => value.is_some(),
+        "DoesNotExist" => value.is_none(),
+        "Gt" => compare(std::cmp::Ordering::Greater),
+        "Lt" => compare(std::cmp::Ordering::Less),
+        _ => false,
+    }
+}
+
+/// True when some toleration tolerates the taint, by the API's rules.
+fn tolerated(taint: &Taint, tolerations: &[Toleration]) -> bool {
+    tolerations.iter().any(|t| {
+        let effect = t.effect.as_deref().unwrap_or_default();
+        if !effect.is_empty() && effect != taint.effect {
+            return false;
+        }
+        let key = t.key.as_deref().unwrap_or_default();
+        match t.operator.as_deref().unwrap_or("Equal") {
+            "Exists" => key.is_empty() || key == taint.key,
+            "Equal" => {
+                key == taint.key
+                    && t.value.as_deref().unwrap_or_default() == taint.value.as_deref().unwrap_or_default()
+            }
+            _ => false,
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{Value, json};
+    use tensile_common::shape::{DEFAULT_GROUP_CAP, build};
+
+    const ZONE: &str = "topology.kubernetes.io/zone";
+
+    fn lower(name: &str, zone: &str, cpu: &str, memory: &str, taint: Option<&str>) -> Node {
+        let taints = taint.map(|k| json!([{"key": k, "value": "yes", "effect": "NoSchedule"}]));
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {ZONE: zone}},
+            "spec": {"taints": taints},
+            "status": {
+                "allocatable": {"cpu": cpu, "memory": memory, "pods": "110"},
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        }))
+        .unwrap()
+    }
+
+    fn shape_of(nodes: &[Node], cap: usize) -> String {
+        build(nodes, [], &[ZONE.to_string()], cap, now())
+            .encode()
+            .unwrap()
+    }
+
+    fn virtual_node(shape: Option<&str>) -> Node {
+        let annotations = shape.map(|s| json!({names::NODE_CAPACITY_SHAPE: s}));
+        serde_json::from_value(json!({
+            "metadata": {
+                "name": "vn",
+                "labels": {names::VIRTUAL_NODE_TYPE_LABEL: names::VIRTUAL_NODE_TYPE_VALUE},
+                "annotations": annotations,
+            },
+        }))
+        .unwrap()
+    }
+
+    fn pod(requests: Value, stash: Option<Value>) -> Pod {
+        let annotations = stash.map(|s| json!({names::CLUSTER_SELECTOR: s.to_string()}));
+        serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "ns", "annotations": annotations},
+            "spec": {"containers": [{"name": "c", "resources": {"requests": requests}}]},
+        }))
+        .unwrap()
+    }
+
+    fn cpu(n: &str) -> Pod {
+        pod(json!({"cpu": n}), None)
+    }
+
+    fn now() -> jiff::Timestamp {
+        "2024-05-01T10:00:00Z".parse().unwrap()
+    }
+
+    fn options() -> Options {
+        Options {
+            now: now(),
+            max_age: Some(jiff::SignedDuration::from_secs(120)),
+        }
+    }
+
+    fn judge(pod: &Pod, shape: &str) -> Verdict {
+        filter(pod, &virtual_node(Some(shape)), &options())
+    }
+
+    fn two_cpu_cluster() -> Vec<Node> {
+        (0..3)
+            .map(|i| lower(&format!("n{i}"), "a", "2", "8Gi", None))
+            .collect()
+    }
+
+    #[test]
+    fn a_6_cpu_pod_is_rejected_on_a_cluster_of_2_cpu_nodes_with_the_reason() {
+        let shape = shape_of(&two_cpu_cluster(), DEFAULT_GROUP_CAP);
+        assert_eq!(
+            judge(&cpu("6"), &shape),
+            Verdict::Rejected(format!("no lower node fits cpu=6 (largest free 2 in {ZONE}=a)"))
+        );
+        assert_eq!(judge(&cpu("2"), &shape), Verdict::Fits);
+    }
+
+    #[test]
+    fn a_6_cpu_pod_passes_when_some_group_has_8_free() {
+        let mut nodes = two_cpu_cluster();
+        nodes.push(lower("big", "b", "8", "32Gi", None));
+        let shape = shape_of(&nodes, DEFAULT_GROUP_CAP);
+        assert_eq!(judge(&cpu("6"), &shape), Verdict::Fits);
+        assert!(!judge(&cpu("9"), &shape).passes());
+    }
+
+    #[test]
+    fn init_containers_and_overhead_count_as_the_scheduler_counts_them() {
+        let shape = shape_of(&[lower("big", "b", "8", "32Gi", None)], DEFAULT_GROUP_CAP);
+        let mut p: Pod = serde_json::from_value(json!({
+            "spec": {
+                "containers": [{"name": "c", "resources": {"requests": {"cpu": "1"}}}],
+                "initContainers": [{"name": "i", "resources": {"requests": {"cpu": "7"}}}],
+                "overhead": {"cpu": "500m"},
+            }
+        }))
+        .unwrap();
+        assert_eq!(judge(&p, &shape), Verdict::Fits, "max(7, 1) + 0.5 = 7.5 ≤ 8");
+        p.spec.as_mut().unwrap().overhead = Some(BTreeMap::from([(
+            "cpu".into(),
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity("1500m".into()),
+        )]));
+        assert_eq!(
+            judge(&p, &shape),
+            Verdict::Rejected(format!(
+                "no lower node fits cpu=8500m (largest free 8 in {ZONE}=b)"
+            ))
+        );
+    }
+
+    #[test]
+    fn a_stashed_zone_selector_restricts_groups() {
+        let mut nodes = two_cpu_cluster();
+        nodes.push(lower("big", "b", "8", "32Gi", None));
+        let shape = shape_of(&nodes, DEFAULT_GROUP_CAP);
+        let in_a = pod(json!({"cpu": "6"}), Some(json!({"nodeSelector": {ZONE: "a"}})));
+        assert_eq!(
+            judge(&in_a, &shape),
+            Verdict::Rejected(format!("no lower node fits cpu=6 (largest free 2 in {ZONE}=a)"))
+        );
+        let affinity = |op: &str, zone: &str| {
+            json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": ZONE, "operator": op, "values": [zone]}]}]
+            }}}})
+        };
+        assert_eq!(
+            judge(&pod(json!({"cpu": "6"}), Some(affinity("In", "b"))), &shape),
+            Verdict::Fits
+        );
+        assert_eq!(
+            judge(&pod(json!({"cpu": "6"}), Some(affinity("NotIn", "a"))), &shape),
+            Verdict::Fits
+        );
+        assert!(!judge(&pod(json!({"cpu": "6"}), Some(affinity("NotIn", "b"))), &shape).passes());
+        assert_eq!(
+            judge(
+                &pod(json!({"cpu": "1"}), Some(json!({"nodeSelector": {ZONE: "c"}}))),
+                &shape
+            ),
+            Verdict::Rejected("no lower node matches the pod's stashed node selector and affinity".into())
+        );
+    }
+
+    #[test]
+    fn a_stashed_toleration_admits_a_tainted_group() {
+        let mut nodes = two_cpu_cluster();
+        nodes.push(lower("gpu", "a", "8", "32Gi", Some("gpu")));
+        let shape = shape_of(&nodes, DEFAULT_GROUP_CAP);
+        assert_eq!(
+            judge(&cpu("6"), &shape),
+            Verdict::Rejected(format!("no lower node fits cpu=6 (largest free 2 in {ZONE}=a)")),
+            "the tainted 8-CPU node does not count for a pod without the toleration"
+        );
+        for toleration in [
+            json!({"key": "gpu", "operator": "Exists"}),
+            json!({"key": "gpu", "value": "yes", "effect": "NoSchedule"}),
+            json!({"operator": "Exists"}),
+        ] {
+            let p = pod(json!({"cpu": "6"}), Some(json!({"tolerations": [toleration]})));
+            assert_eq!(judge(&p, &shape), Verdict::Fits, "{toleration}");
+        }
+        let wrong = pod(
+            json!({"cpu": "6"}),
+            Some(json!({"tolerations": [{"key": "gpu", "value": "no"}]})),
+        );
+        assert!(!judge(&wrong, &shape).passes());
+
+        let only_tainted = shape_of(&[lower("gpu", "a", "8", "32Gi", Some("gpu"))], DEFAULT_GROUP_CAP);
+        assert_eq!(
+            judge(&cpu("1"), &only_tainted),
+            Verdict::Rejected(
+                "no lower node matching the stashed selector has taints the pod tolerates \
+                 (untolerated: gpu=yes:NoSchedule)"
+                    .into()
+            )
+        );
+    }
+
+    #[test]
+    fn every_resource_short_is_named_and_a_combination_no_node_holds_is_said() {
+        let nodes = [
+            lower("cpu", "a", "8", "4Gi", None),
+            lower("mem", "b", "2", "64Gi", None),
+        ];
+        let shape = shape_of(&nodes, DEFAULT_GROUP_CAP);
+        let both = pod(json!({"cpu": "16", "memory": "128Gi"}), None);
+        assert_eq!(
+            judge(&both, &shape),
+            Verdict::Rejected(format!(
+                "no lower node fits cpu=16, memory=128Gi (largest free cpu=8 in {ZONE}=a, memory=64Gi in {ZONE}=b)"
+            ))
+        );
+        let together = pod(json!({"cpu": "6", "memory": "32Gi"}), None);
+        assert_eq!(
+            judge(&together, &shape),
+            Verdict::Rejected(
+                "no single lower node fits cpu=6, memory=32Gi, pods=1 together; each fits alone on some node"
+                    .into()
+            )
+        );
+    }
+
+    #[test]
+    fn match_fields_fails_open() {
+        let shape = shape_of(&two_cpu_cluster(), DEFAULT_GROUP_CAP);
+        let p = pod(
+            json!({"cpu": "6"}),
+            Some(
+                json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]}]
+                }}}}),
+            ),
+        );
+        let v = judge(&p, &shape);
+        assert_eq!(v, Verdict::FailOpen(FailOpen::MatchFields));
+        assert!(v.passes());
+    }
+
+    #[test]
+    fn a_label_key_the_shape_does_not_publish_fails_open() {
+        let shape = shape_of(&two_cpu_cluster(), DEFAULT_GROUP_CAP);
+        let p = pod(
+            json!({"cpu": "6"}),
+            Some(json!({"nodeSelector": {"disk": "ssd"}})),
+        );
+        let v = judge(&p, &shape);
+        assert_eq!(v, Verdict::FailOpen(FailOpen::UnpublishedLabel("disk".into())));
+        assert_eq!(
+            FailOpen::UnpublishedLabel("disk".into()).reason(),
+            "unpublished_label"
+        );
+    }
+
+    #[test]
+    fn a_truncated_group_fails_open_when_no_listed_node_fits() {
+        let nodes = [
+            lower("wide", "a", "4", "1Gi", None),
+            lower("tall", "a", "1", "16Gi", None),
+        ];
+        let shape = shape_of(&nodes, 1);
+        let v = judge(&pod(json!({"memory": "8Gi"}), None), &shape);
+        assert_eq!(v, Verdict::FailOpen(FailOpen::Truncated));
+        assert!(v.passes());
+        assert_eq!(
+            judge(&cpu("3"), &shape),
+            Verdict::Fits,
+            "a listed vector still answers exactly"
+        );
+    }
+
+    #[test]
+    fn a_first_form_shape_is_read_as_one_group_without_labels() {
+        let first = r#"[{"cpu":"2","memory":"8Gi","pods":"110"},{"cpu":"1","memory":"8Gi","pods":"110"}]"#;
+        assert_eq!(
+            judge(&cpu("6"), first),
+            Verdict::Rejected("no lower node fits cpu=6 (largest free 2)".into())
+        );
+        let zoned = pod(json!({"cpu": "1"}), Some(json!({"nodeSelector": {ZONE: "a"}})));
+        assert_eq!(
+            judge(&zoned, first),
+            Verdict::FailOpen(FailOpen::UnpublishedLabel(ZONE.into()))
+        );
+        let five = serde_json::to_string(&vec![json!({"cpu": "2", "pods": "110"}); 5]).unwrap();
+        assert_eq!(judge(&cpu("6"), &five), Verdict::FailOpen(FailOpen::Truncated));
+    }
+
+    #[test]
+    fn missing_bad_or_stale_shapes_fail_open_and_other_nodes_always_pass() {
+        let p = cpu("6");
+        assert_eq!(
+            filter(&p, &virtual_node(None), &options()),
+            Verdict::FailOpen(FailOpen::NoShape)
+        );
+        assert!(matches!(
+            judge(&p, "{oops"),
+            Verdict::FailOpen(FailOpen::BadShape(_))
+        ));
+        let shape = shape_of(&two_cpu_cluster(), DEFAULT_GROUP_CAP);
+        let later = Options {
+            now: now() + jiff::SignedDuration::from_secs(121),
+            ..options()
+        };
+        assert_eq!(
+            filter(&p, &virtual_node(Some(&shape)), &later),
+            Verdict::FailOpen(FailOpen::StaleShape)
+        );
+        let any_age = Options {
+            max_age: None,
+            ..later
+        };
+        assert!(!filter(&p, &virtual_node(Some(&shape)), &any_age).passes());
+        let mut plain = virtual_node(Some(&shape));
+        plain.metadata.labels = None;
+        assert_eq!(filter(&p, &plain, &options()), Verdict::NotVirtual);
+        let bad_stash = pod(json!({"cpu": "6"}), Some(json!("not an object")));
+        assert!(matches!(
+            judge(&bad_stash, &shape),
+            Verdict::FailOpen(FailOpen::BadStash(_))
+        ));
+    }
+}
