@@ -38,6 +38,14 @@ use crate::resources::{is_terminal, pod_requests};
 pub const VERSION: u32 = 2;
 /// How many frontier vectors a group keeps unless told otherwise.
 pub const DEFAULT_GROUP_CAP: usize = 5;
+/// The label keys groups are formed by unless told otherwise: where a node is and what it is.
+pub const DEFAULT_LABEL_KEYS: [&str; 5] = [
+    "topology.kubernetes.io/zone",
+    "topology.kubernetes.io/region",
+    "node.kubernetes.io/instance-type",
+    "kubernetes.io/os",
+    "kubernetes.io/arch",
+];
 /// How many entries the first form listed at most.
 pub const V1_LIST_LEN: usize = 5;
 
@@ -410,6 +418,35 @@ mod tests {
         );
         assert_eq!(s.nodes, 1);
         assert_eq!(s.groups[0].free[0]["cpu"], "2");
+    }
+
+    #[test]
+    fn a_5000_node_cluster_in_12_groups_publishes_under_16_kib() {
+        // 3 zones x 4 instance types, every node with its own free vector: the size grows
+        // with groups x cap, not with nodes.
+        let types = ["m5.large", "m5.4xlarge", "r5.2xlarge", "c5.9xlarge"];
+        let nodes: Vec<Node> = (0..5000)
+            .map(|i| {
+                let mut n = node(
+                    &format!("node-{i}"),
+                    ["eu-1a", "eu-1b", "eu-1c"][i % 3],
+                    &format!("{}m", 2000 + (i * 37) % 30000),
+                    &format!("{}Mi", 4096 + (i * 7919) % 120000),
+                    None,
+                );
+                let labels = n.metadata.labels.get_or_insert_default();
+                labels.insert("node.kubernetes.io/instance-type".into(), types[i % 4].into());
+                labels.insert("kubernetes.io/os".into(), "linux".into());
+                labels.insert("kubernetes.io/arch".into(), "amd64".into());
+                labels.insert("topology.kubernetes.io/region".into(), "eu-1".into());
+                n
+            })
+            .collect();
+        let keys: Vec<String> = DEFAULT_LABEL_KEYS.iter().map(|k| k.to_string()).collect();
+        let s = build(&nodes, [], &keys, DEFAULT_GROUP_CAP, at());
+        assert_eq!((s.nodes, s.groups.len()), (5000, 12));
+        let size = s.encode().unwrap().len();
+        assert!(size < 16 * 1024, "{size} bytes");
     }
 
     #[test]
