@@ -123,7 +123,9 @@ struct PodMembers {
 struct MetadataMembers {
     labels: Option<BTreeMap<String, String>>,
     annotations: Option<BTreeMap<String, String>>,
-    owner_references: Option<Vec<OwnerMembers>>,
+    /// Read only for the controller's UID, and never a reason to refuse a pod: malformed
+    /// owners are the apiserver's to reject, and mean no exclusion here.
+    owner_references: Option<Box<serde_json::value::RawValue>>,
 }
 
 #[derive(Deserialize)]
@@ -539,8 +541,9 @@ fn plan(
     let controller_uid = metadata
         .as_ref()
         .and_then(|m| m.owner_references.as_ref())
-        .and_then(|o| o.iter().find(|o| o.controller == Some(true)))
-        .map(|o| o.uid.clone());
+        .and_then(|raw| serde_json::from_str::<Vec<OwnerMembers>>(raw.get()).ok())
+        .and_then(|owners| owners.into_iter().find(|o| o.controller == Some(true)))
+        .map(|o| o.uid);
     let mut spec = spec.ok_or("the pod has no spec")?;
     let keep = &policy.ignore_selector_keys;
     let mut warnings = Vec::new();

@@ -699,3 +699,24 @@ fn pods_of_other_workloads_bare_pods_and_volume_pinned_pods_get_no_exclusion() {
         "its volume lives below vn-a"
     );
 }
+
+#[test]
+fn malformed_owner_references_are_the_apiservers_to_refuse_and_mean_no_exclusion() {
+    let (clean, clean_after) = run_excluding(opted_in(full_spec()), &Policy::default());
+    for garbage in [
+        json!([null]),
+        json!("x"),
+        json!([{"uid": 5, "controller": true}]),
+        json!({}),
+    ] {
+        let mut object = opted_in(full_spec());
+        object["metadata"]["ownerReferences"] = garbage.clone();
+        let (outcome, mut after) = run_excluding(object, &Policy::default());
+        assert_eq!(outcome.verdict, clean.verdict, "{garbage}");
+        assert_eq!(after["metadata"]["ownerReferences"], garbage, "left as written");
+        after["metadata"]
+            .as_object_mut()
+            .map(|m| m.remove("ownerReferences"));
+        assert_eq!(after, clean_after, "mutated as a pod without owners: {garbage}");
+    }
+}
