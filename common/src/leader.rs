@@ -530,6 +530,33 @@ impl Elector {
     }
 }
 
+/// Leadership as a daemon's start-up needs it. With `config`: stands by (saying so on
+/// `/readyz`) until this replica holds the Lease, then keeps the Lease as a task of `tasks`.
+/// Returns the elector, to [`Elector::release`] on exit, and what `/readyz` says of this
+/// replica (`leading as <identity>`; empty without election). `None` when shutdown came
+/// before the Lease.
+pub async fn lead(
+    client: kube::Client,
+    config: Option<LeaderConfig>,
+    leadership: &Leadership,
+    readiness: &crate::admin::Readiness,
+    shutdown: &crate::runtime::CancellationToken,
+    tasks: &mut crate::runtime::Supervisor,
+) -> Option<(Option<Arc<Elector>>, String)> {
+    let Some(config) = config else {
+        return Some((None, String::new()));
+    };
+    let elector = Arc::new(Elector::new(client, config, leadership.clone()));
+    readiness.say(false, "standby: acquiring the leader Lease");
+    let standby =
+        |holder: &str| readiness.say(false, format!("standby: the leader Lease is held by {holder}"));
+    shutdown.run_until_cancelled(elector.acquire(standby)).await?;
+    let keeper = elector.clone();
+    tasks.spawn("the leader Lease", async move { keeper.keep().await });
+    let leading = format!("leading as {}", elector.config().identity);
+    Some((Some(elector), leading))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -37,7 +37,7 @@ use kube::runtime::{Controller, controller, watcher};
 use tensile_common::admin::{self, AdminArgs, Readiness};
 use tensile_common::cache::{self, watched};
 use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
-use tensile_common::leader::{self, Elector, LeaderArgs, Leadership};
+use tensile_common::leader::{self, LeaderArgs, Leadership};
 use tensile_common::runtime::{self, CancellationToken, Supervisor};
 use tensile_common::telemetry::LogArgs;
 
@@ -333,31 +333,18 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
     let admin_task = admin::serve(admin_listener, Arc::new(registry), readiness.clone());
     let admin_handle = tokio::spawn(shutdown.clone().run_until_cancelled_owned(admin_task));
 
-    let elector = match election {
-        Some(config) => {
-            let elector = Elector::new(lease_client, config, leadership.clone());
-            readiness.say(false, "standby: acquiring the leader Lease");
-            let standby =
-                |holder: &str| readiness.say(false, format!("standby: the leader Lease is held by {holder}"));
-            if shutdown
-                .run_until_cancelled(elector.acquire(standby))
-                .await
-                .is_none()
-            {
-                admin_handle.abort();
-                return Ok(());
-            }
-            Some(Arc::new(elector))
-        }
-        None => None,
-    };
-    if let Some(elector) = &elector {
-        let elector = elector.clone();
-        tasks.spawn("the leader Lease", async move { elector.keep().await });
-    }
-    let leading = match &elector {
-        Some(e) => format!("leading as {}", e.config().identity),
-        None => String::new(),
+    let Some((elector, leading)) = leader::lead(
+        lease_client,
+        election,
+        &leadership,
+        &readiness,
+        &shutdown,
+        &mut tasks,
+    )
+    .await
+    else {
+        admin_handle.abort();
+        return Ok(());
     };
     readiness.say(
         false,
