@@ -180,6 +180,12 @@ impl Leadership {
         Self::new(true)
     }
 
+    /// [`Leadership::elected`] when there is an election to take part in, otherwise
+    /// [`Leadership::always`].
+    pub fn of(election: &Option<LeaderConfig>) -> Self {
+        Self::new(election.is_some())
+    }
+
     fn new(elected: bool) -> Self {
         Leadership(Arc::new(State {
             elected,

@@ -225,10 +225,7 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         .leader
         .config("tensile-descheduler", replica.clone())
         .map_err(Error::Flags)?;
-    let leadership = match election {
-        Some(_) => Leadership::elected(),
-        None => Leadership::always(),
-    };
+    let leadership = Leadership::of(&election);
     let options = ClientOptions {
         user_agent: Some(format!("tensile-descheduler ({replica})")),
         ..args.client.options()

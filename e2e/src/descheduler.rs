@@ -43,7 +43,7 @@ impl DeschedulerProcess {
 
     /// `/metrics` as text (empty when it does not answer).
     pub async fn metrics(&self) -> String {
-        get(&self.admin_addr, "/metrics")
+        crate::in_process::admin_get(&self.admin_addr, "/metrics")
             .await
             .map(|(_, b)| b)
             .unwrap_or_default()
@@ -51,7 +51,7 @@ impl DeschedulerProcess {
 
     /// `/readyz`: status code and body.
     pub async fn readyz(&self) -> Option<(u16, String)> {
-        get(&self.admin_addr, "/readyz").await
+        crate::in_process::admin_get(&self.admin_addr, "/readyz").await
     }
 
     /// Waits until `/readyz` answers 200.
@@ -98,29 +98,6 @@ pub fn metric_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
             all.then(|| value.parse::<f64>().ok()).flatten()
         })
         .sum()
-}
-
-/// A plain-HTTP GET: status code and body.
-async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let io = async {
-        let mut tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
-        let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-        tcp.write_all(req.as_bytes()).await.ok()?;
-        let mut buf = Vec::new();
-        tcp.read_to_end(&mut buf).await.ok()?;
-        let text = String::from_utf8_lossy(&buf).into_owned();
-        let code = text.split_whitespace().nth(1)?.parse().ok()?;
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        Some((code, body))
-    };
-    tokio::time::timeout(Duration::from_secs(5), io)
-        .await
-        .ok()
-        .flatten()
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use tensile_common::quantity::ResourceMap;
 use tensile_common::resources::{is_terminal, pod_requests};
+use tensile_common::shape::usable;
 
 use crate::translate::Identity;
 
@@ -27,18 +28,6 @@ pub struct Capacity {
     pub usable_nodes: usize,
     pub os: Option<String>,
     pub arch: Option<String>,
-}
-
-/// True for a lower node the lower scheduler may use.
-pub fn usable(node: &Node) -> bool {
-    let ready = node
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
-        .is_some_and(|c| c.status == "True");
-    let unschedulable = node.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
-    ready && !unschedulable
 }
 
 fn allocatable(node: &Node) -> ResourceMap {

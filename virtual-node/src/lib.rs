@@ -288,10 +288,7 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
             replica.clone(),
         )
         .map_err(Error::Flags)?;
-    let leadership = match election {
-        Some(_) => Leadership::elected(),
-        None => Leadership::always(),
-    };
+    let leadership = Leadership::of(&election);
     // Every request names the replica, so the apiserver's audit log says who wrote what.
     let options = ClientOptions {
         user_agent: Some(format!("tensile-virtual-node/{} ({replica})", args.nodename)),
