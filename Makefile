@@ -11,8 +11,11 @@ all: build
 build:
 	$(CARGO) build --workspace --all-targets
 
-# Format check, lints, then every test (end-to-end ones against real control planes).
+# Format check, lints, then every test (end-to-end ones against real control planes). The
+# end-to-end tests start the suite's daemons as processes, so every binary is built first:
+# cargo builds a package's binaries for tests only when that package has tests of its own.
 test: deps lint
+	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace --all-targets
 
 lint:

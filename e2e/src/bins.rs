@@ -4,8 +4,10 @@
 //! and `ETCD_BIN` select any set of binaries; without them, `scripts/kube-bins.sh` builds
 //! v1.20.2 from Debian's source package once into the user's cache and reports where.
 //!
-//! The suite's own daemons (`virtual-node`, `webhook`): `TENSILE_BIN_DIR`, or the cargo
-//! profile directory the running executable was built into ([`suite_binary`]).
+//! The suite's own daemons (`virtual-node`, `webhook`, `descheduler`): `TENSILE_BIN_DIR`, or the
+//! cargo profile directory the running executable was built into ([`suite_binary`]). `cargo test`
+//! alone does not build them all (only packages with tests of their own get their binaries
+//! built), so `make test` runs `cargo build --workspace --bins` first.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -110,7 +112,7 @@ fn build() -> Result<PathBuf, Error> {
     Ok(PathBuf::from(dir))
 }
 
-/// The suite's binary `name` (`virtual-node`, `webhook`) as cargo built it: in
+/// The suite's binary `name` (`virtual-node`, `webhook`, `descheduler`) as cargo built it: in
 /// `TENSILE_BIN_DIR` when set, else in the profile directory of the running executable
 /// (`target/debug/` for the `demo` binary and for tests, which run from `target/debug/deps/`).
 pub fn suite_binary(name: &str) -> Result<PathBuf, Error> {
@@ -135,7 +137,8 @@ pub fn suite_binary(name: &str) -> Result<PathBuf, Error> {
             what: name.to_owned(),
             detail: format!(
                 "not found in {}; build it with `cargo build -p {package} --bin {name}` \
-                 (same profile and target directory) or set TENSILE_BIN_DIR",
+                 (same profile and target directory; `make test` builds every binary first) \
+                 or set TENSILE_BIN_DIR",
                 dirs.iter()
                     .map(|d| d.display().to_string())
                     .collect::<Vec<_>>()
