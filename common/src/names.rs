@@ -63,8 +63,11 @@ pub const COPIED_ANNOTATIONS: &str = "tensile.io/copied-annotations";
 /// Annotation on a Service copied into a lower cluster: the upper Service's selector (JSON).
 /// The copy itself has none; its endpoints are the upper ones, reflected.
 pub const SERVICE_SELECTOR: &str = "tensile.io/service-selector";
-/// Node annotation: JSON list of the free resources of the largest lower nodes.
+/// Node annotation: the capacity shape of the lower cluster (JSON, see `crate::shape`).
 pub const NODE_CAPACITY_SHAPE: &str = "tensile.io/capacity-shape";
+/// Node label the virtual node bumps (a counter) when its capacity shape grows: the upper
+/// scheduler retries unschedulable pods on a label change, never on an annotation change.
+pub const NODE_SHAPE_GENERATION: &str = "tensile.io/shape-generation";
 /// Field manager of every write virtual-node makes.
 pub const FIELD_MANAGER: &str = "tensile-virtual-node";
 
@@ -106,6 +109,7 @@ mod tests {
             CONDITION_LOWER_SCHEDULED,
             CONDITION_LOWER_SYNCED,
             NODE_CAPACITY_SHAPE,
+            NODE_SHAPE_GENERATION,
             SERVICE_SELECTOR,
             DESCHEDULE,
             EXCLUDED_NODES,

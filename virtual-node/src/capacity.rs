@@ -4,27 +4,37 @@
 //! * capacity = Σ allocatable of lower nodes that are Ready and schedulable;
 //! * allocatable = capacity − requests of lower pods this node does not manage (its own
 //!   pods are already counted by the upper scheduler against allocatable);
-//! * shape = the free resources of the largest lower nodes, so a scheduler can tell "fits
-//!   in aggregate" from "fits on one node".
+//! * the capacity shape ([`tensile_common::shape`]) = the lower nodes grouped by label values
+//!   and taints, with each group's frontier of per-node free resources, so a scheduler can
+//!   tell "fits in aggregate" from "fits on one node". When it is published is decided by
+//!   [`ShapePublisher`].
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use tensile_common::quantity::ResourceMap;
 use tensile_common::resources::{is_terminal, pod_requests};
-use tensile_common::shape::usable;
+use tensile_common::shape::{self, Group, Shape, covers, usable};
+use tokio::time::Instant;
 
 use crate::translate::Identity;
 
-/// How many of the largest lower nodes the shape lists.
-pub const SHAPE_NODES: usize = 5;
+/// How the capacity shape is formed.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ShapeArgs {
+    /// Lower node label keys the capacity shape groups nodes by (comma-separated). Stashed
+    /// selectors on other keys make the multi-scheduler's filter pass the node unjudged;
+    /// a key with a value per node (the hostname) would make the shape grow with the nodes.
+    #[arg(long = "shape-label-keys", env = "TENSILE_SHAPE_LABEL_KEYS", value_delimiter = ',',
+          default_values_t = shape::DEFAULT_LABEL_KEYS.map(String::from))]
+    pub label_keys: Vec<String>,
+}
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Capacity {
     pub capacity: ResourceMap,
     pub allocatable: ResourceMap,
-    /// Free resources of the largest usable lower nodes, largest first.
-    pub shape: Vec<BTreeMap<String, String>>,
     pub usable_nodes: usize,
     pub os: Option<String>,
     pub arch: Option<String>,
@@ -45,58 +55,146 @@ pub fn compute<'a>(
     identity: &Identity,
 ) -> Capacity {
     let mut out = Capacity::default();
-    let mut per_node: BTreeMap<String, (ResourceMap, ResourceMap)> = BTreeMap::new();
+    let mut counted: BTreeSet<String> = BTreeSet::new();
     for node in nodes {
         if !usable(node) {
             continue;
         }
-        let name = node.metadata.name.clone().unwrap_or_default();
-        let alloc = allocatable(node);
-        out.capacity.add(&alloc);
+        out.capacity.add(&allocatable(node));
         out.usable_nodes += 1;
         if out.os.is_none() {
             let labels = node.metadata.labels.as_ref();
             out.os = labels.and_then(|l| l.get("kubernetes.io/os")).cloned();
             out.arch = labels.and_then(|l| l.get("kubernetes.io/arch")).cloned();
         }
-        per_node.insert(name, (alloc, ResourceMap::default()));
+        counted.insert(node.metadata.name.clone().unwrap_or_default());
     }
     let mut foreign = ResourceMap::default();
     for pod in pods {
-        if is_terminal(pod) {
-            continue;
-        }
-        let Some(entry) = pod
+        let on_usable = pod
             .spec
             .as_ref()
             .and_then(|s| s.node_name.as_ref())
-            .and_then(|n| per_node.get_mut(n))
-        else {
-            continue;
-        };
-        let requests = pod_requests(pod);
-        entry.1.add(&requests);
-        if !identity.owns(&pod.metadata) {
-            foreign.add(&requests);
+            .is_some_and(|n| counted.contains(n));
+        if on_usable && !is_terminal(pod) && !identity.owns(&pod.metadata) {
+            foreign.add(&pod_requests(pod));
         }
     }
     out.allocatable = out.capacity.clone();
     out.allocatable.saturating_sub(&foreign);
-
-    let mut free: Vec<ResourceMap> = per_node
-        .into_values()
-        .map(|(mut alloc, used)| {
-            alloc.saturating_sub(&used);
-            alloc
-        })
-        .collect();
-    free.sort_by_key(|f| std::cmp::Reverse((f.get("cpu"), f.get("memory"))));
-    out.shape = free
-        .iter()
-        .take(SHAPE_NODES)
-        .map(ResourceMap::to_strings)
-        .collect();
     out
+}
+
+/// Least time between two writes of the shape annotation: a busy lower cluster changes its
+/// shape on every pod, and every Node watcher receives each write.
+pub const SHAPE_MIN_INTERVAL: Duration = Duration::from_secs(5);
+/// An unchanged shape is written again once its `at` is this old, so readers can tell a
+/// quiet lower cluster from a virtual node that stopped publishing. The multi-scheduler's
+/// `--shape-max-age` (15 min) allows three missed refreshes.
+pub const SHAPE_REFRESH: Duration = Duration::from_secs(300);
+/// Least time between two bumps of the shape generation label: each bump sends every
+/// unschedulable pod of the upper scheduler back to its queue.
+pub const GENERATION_MIN_INTERVAL: Duration = Duration::from_secs(10);
+
+/// True when `new` can hold some pod `old` could not: a group appeared, or some frontier
+/// vector of a group is covered by no vector of the same group before.
+pub fn grew(old: &Shape, new: &Shape) -> bool {
+    let same_group = |a: &Group, b: &Group| a.labels == b.labels && a.taints == b.taints;
+    new.groups.iter().any(|g| {
+        let Some(before) = old.groups.iter().find(|o| same_group(o, g)) else {
+            return g.count > 0;
+        };
+        let (Ok(now), Ok(then)) = (g.free_maps(), before.free_maps()) else {
+            return true;
+        };
+        now.iter().any(|v| !then.iter().any(|t| covers(t, v)))
+    })
+}
+
+/// What one round writes of the shape: the annotation, and whether the generation label is
+/// bumped with it (one patch).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShapeWrite {
+    pub annotation: bool,
+    pub bump: bool,
+}
+
+/// When the shape is written, apart from the API calls. The shape is compared without its
+/// `at` with the one last written (or, before the first write, the one the Node shows), so
+/// the annotation changes only when the lower nodes do, at most every
+/// [`SHAPE_MIN_INTERVAL`], and otherwise every [`SHAPE_REFRESH`].
+#[derive(Debug, Default)]
+pub struct ShapePublisher {
+    /// The last shape written, without its `at`, and when (wall clock of its `at`).
+    last: Option<(Shape, jiff::Timestamp)>,
+    last_write: Option<Instant>,
+    last_bump: Option<Instant>,
+    /// The shape grew but the label could not be bumped yet.
+    bump_pending: bool,
+    /// The generation label's value last written.
+    generation: u64,
+}
+
+fn without_time(shape: &Shape) -> Shape {
+    Shape {
+        at: None,
+        ..shape.clone()
+    }
+}
+
+impl ShapePublisher {
+    /// The decision for `computed` (whose `at` is now, `wall`), given what the upper Node
+    /// shows (`published`), at monotonic time `now`.
+    pub fn round(
+        &mut self,
+        computed: &Shape,
+        published: Option<&Shape>,
+        now: Instant,
+        wall: jiff::Timestamp,
+    ) -> ShapeWrite {
+        let content = without_time(computed);
+        let baseline = self.last.clone().or_else(|| {
+            published.map(|p| {
+                let at = p.at.as_deref().and_then(|t| t.parse().ok());
+                (without_time(p), at.unwrap_or(jiff::Timestamp::UNIX_EPOCH))
+            })
+        });
+        let (changed, stale) = match &baseline {
+            None => (true, true),
+            Some((shape, at)) => {
+                if grew(shape, &content) {
+                    self.bump_pending = true;
+                }
+                let refresh = jiff::SignedDuration::from_secs(SHAPE_REFRESH.as_secs() as i64);
+                (*shape != content, wall.duration_since(*at) >= refresh)
+            }
+        };
+        let since = |t: Option<Instant>, min: Duration| t.is_none_or(|t| now.duration_since(t) >= min);
+        let bump = self.bump_pending && since(self.last_bump, GENERATION_MIN_INTERVAL);
+        let annotation = since(self.last_write, SHAPE_MIN_INTERVAL) && (changed || stale || bump);
+        ShapeWrite {
+            annotation,
+            bump: bump && annotation,
+        }
+    }
+
+    /// The generation label's next value, past both the one the Node shows (`shown`) and
+    /// the one last written (the watch may not show it yet).
+    pub fn next_generation(&self, shown: Option<&str>) -> u64 {
+        let shown = shown.and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
+        shown.max(self.generation) + 1
+    }
+
+    /// `computed` was written at `now`, with the generation label set to `bumped` if given.
+    pub fn written(&mut self, computed: &Shape, bumped: Option<u64>, now: Instant, wall: jiff::Timestamp) {
+        self.last = Some((without_time(computed), wall));
+        self.last_write = Some(now);
+        if let Some(generation) = bumped {
+            self.generation = generation;
+            self.last_bump = Some(now);
+            self.bump_pending = false;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -173,10 +271,6 @@ mod tests {
         );
         assert_eq!(c.allocatable.get("pods"), 219_000);
         assert_eq!(c.os.as_deref(), Some("linux"));
-        // Shape: per-node free resources, ours included, largest first.
-        assert_eq!(c.shape.len(), 2);
-        assert_eq!(c.shape[0]["cpu"], "6");
-        assert_eq!(c.shape[1]["cpu"], "3");
     }
 
     #[test]
@@ -184,5 +278,138 @@ mod tests {
         let nodes = [node("a", "4", true, false)];
         let pods = [pod("a", "1", false, "Running")];
         assert_eq!(compute(&nodes, &pods, &id()), compute(&nodes, &pods, &id()));
+    }
+
+    fn shape_of(cpus: &[&str]) -> Shape {
+        let nodes: Vec<Node> = cpus
+            .iter()
+            .enumerate()
+            .map(|(i, c)| node(&format!("n{i}"), c, true, false))
+            .collect();
+        shape::build(&nodes, [], &[], shape::DEFAULT_GROUP_CAP, wall(0))
+    }
+
+    fn wall(secs: i64) -> jiff::Timestamp {
+        jiff::Timestamp::from_second(1_700_000_000 + secs).unwrap()
+    }
+
+    #[test]
+    fn a_shape_grows_when_a_bigger_node_or_a_new_group_appears_not_when_it_shrinks() {
+        let small = shape_of(&["2", "2"]);
+        assert!(grew(&small, &shape_of(&["2", "4"])), "a bigger node");
+        assert!(!grew(&shape_of(&["2", "4"]), &small), "a node filled up");
+        assert!(
+            !grew(&small, &shape_of(&["2", "2", "2"])),
+            "one more node of the same size"
+        );
+        let mut tainted = shape_of(&["2"]);
+        tainted.groups[0].taints =
+            vec![serde_json::from_value(json!({"key": "gpu", "effect": "NoSchedule"})).unwrap()];
+        let mut both = small.clone();
+        both.groups.extend(tainted.groups);
+        assert!(grew(&small, &both), "a new group");
+    }
+
+    #[test]
+    fn the_shape_is_written_on_change_at_most_every_few_seconds_and_refreshed_rarely() {
+        let t0 = Instant::now();
+        let after = |s: u64| t0 + Duration::from_secs(s);
+        let mut p = ShapePublisher::default();
+        let a = shape_of(&["2", "2"]);
+        let first = p.round(&a, None, t0, wall(0));
+        assert_eq!(
+            first,
+            ShapeWrite {
+                annotation: true,
+                bump: false
+            }
+        );
+        p.written(&a, None, t0, wall(0));
+        // The same content a second later, only `at` moved: nothing to write.
+        let mut later = a.clone();
+        later.at = Some(tensile_common::api::time(wall(1)));
+        assert_eq!(
+            p.round(&later, Some(&a), after(1), wall(1)),
+            ShapeWrite::default()
+        );
+        // A change within the minimum interval waits; after it, it is written.
+        let b = shape_of(&["2"]);
+        assert!(!p.round(&b, Some(&a), after(2), wall(2)).annotation);
+        assert_eq!(
+            p.round(&b, Some(&a), after(5), wall(5)),
+            ShapeWrite {
+                annotation: true,
+                bump: false
+            }
+        );
+        p.written(&b, None, after(5), wall(5));
+        // Quiet: the next write is the refresh.
+        let quiet = SHAPE_REFRESH.as_secs() as i64;
+        assert!(!p.round(&b, Some(&b), after(5 + 60), wall(5 + 60)).annotation);
+        assert!(
+            p.round(&b, Some(&b), after(5 + quiet as u64), wall(5 + quiet))
+                .annotation
+        );
+    }
+
+    #[test]
+    fn a_grown_shape_bumps_the_generation_at_most_every_ten_seconds_and_never_loses_a_bump() {
+        let t0 = Instant::now();
+        let after = |s: u64| t0 + Duration::from_secs(s);
+        let mut p = ShapePublisher::default();
+        let (small, big, bigger) = (shape_of(&["2"]), shape_of(&["4"]), shape_of(&["8"]));
+        p.written(&small, None, t0, wall(0));
+        let grown = p.round(&big, None, after(5), wall(5));
+        assert_eq!(
+            grown,
+            ShapeWrite {
+                annotation: true,
+                bump: true
+            }
+        );
+        p.written(&big, Some(1), after(5), wall(5));
+        // Grows again 5 s later: the annotation is written, the bump waits for its interval.
+        let again = p.round(&bigger, None, after(10), wall(10));
+        assert_eq!(
+            again,
+            ShapeWrite {
+                annotation: true,
+                bump: false
+            }
+        );
+        p.written(&bigger, None, after(10), wall(10));
+        assert!(!p.round(&bigger, None, after(12), wall(12)).bump);
+        let owed = p.round(&bigger, None, after(15), wall(15));
+        assert_eq!(
+            owed,
+            ShapeWrite {
+                annotation: true,
+                bump: true
+            },
+            "the bump still owed"
+        );
+        assert_eq!(p.next_generation(Some("1")), 2);
+        p.written(&bigger, Some(2), after(15), wall(15));
+        assert_eq!(p.round(&bigger, None, after(30), wall(30)), ShapeWrite::default());
+        assert_eq!(
+            p.next_generation(Some("1")),
+            3,
+            "the watch lags behind our own write"
+        );
+        assert_eq!(p.next_generation(Some("7")), 8);
+    }
+
+    #[test]
+    fn after_a_restart_an_unchanged_published_shape_is_left_alone() {
+        let t0 = Instant::now();
+        let a = shape_of(&["2", "4"]);
+        let mut p = ShapePublisher::default();
+        let mut now = a.clone();
+        now.at = Some(tensile_common::api::time(wall(30)));
+        assert_eq!(p.round(&now, Some(&a), t0, wall(30)), ShapeWrite::default());
+        // A published first-form list is replaced by the current form.
+        let old = Shape::decode(r#"[{"cpu":"4","memory":"8Gi","pods":"110"}]"#).unwrap();
+        let mut p = ShapePublisher::default();
+        assert!(p.round(&now, Some(&old), t0, wall(30)).annotation);
     }
 }

@@ -85,6 +85,8 @@ pub struct Args {
     #[command(flatten)]
     pub reflection: ReflectionArgs,
     #[command(flatten)]
+    pub shape: capacity::ShapeArgs,
+    #[command(flatten)]
     pub client: ClientArgs,
     #[command(flatten)]
     pub leader: LeaderArgs,
@@ -605,6 +607,7 @@ async fn compose(
     );
     settings.taint = !args.disable_taint;
     settings.extra_labels = args.node_labels.iter().cloned().collect::<BTreeMap<_, _>>();
+    settings.shape_label_keys = args.shape.label_keys.clone();
     let (upper_node, upper_node_watch) = watched::<Node>(
         Api::all(upper.clone()),
         watcher::Config::default().fields(&format!("metadata.name={}", identity.node)),

@@ -11,10 +11,11 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use tensile_common::cache::Cache;
 use tensile_common::names;
+use tensile_common::shape::{self, Shape};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::capacity::{self, Capacity};
+use crate::capacity::{self, Capacity, ShapePublisher};
 use crate::metrics::Metrics;
 use crate::translate::Identity;
 
@@ -33,6 +34,8 @@ pub struct NodeSettings {
     /// Status is patched at least this often.
     pub status_period: Duration,
     pub lease_period: Duration,
+    /// Lower node label keys the capacity shape groups nodes by.
+    pub shape_label_keys: Vec<String>,
 }
 
 impl NodeSettings {
@@ -47,6 +50,7 @@ impl NodeSettings {
             probe_timeout: Duration::from_secs(4),
             status_period: Duration::from_secs(60),
             lease_period: Duration::from_secs(10),
+            shape_label_keys: shape::DEFAULT_LABEL_KEYS.map(String::from).to_vec(),
         }
     }
 }
@@ -138,6 +142,8 @@ struct Heartbeat {
     registered: bool,
     /// Set once the Node shows in the watch; its absence afterwards means it was deleted.
     seen_in_watch: bool,
+    /// When the capacity shape is written.
+    shape: ShapePublisher,
 }
 
 impl Heartbeat {
@@ -185,6 +191,7 @@ impl Heartbeat {
         self.seen_in_watch = false;
         self.last_sent = None;
         self.last_lease = None;
+        self.shape = ShapePublisher::default();
     }
 
     fn status_written(&mut self, capacity: Capacity, health: Health, at: Instant) {
@@ -309,6 +316,65 @@ impl NodeLoop {
         ]);
         labels.extend(self.settings.extra_labels.clone());
         labels
+    }
+
+    /// Writes the capacity shape annotation when [`ShapePublisher`] says so, bumping the
+    /// generation label in the same patch when the shape grew.
+    async fn publish_shape(&self, publisher: &mut ShapePublisher) {
+        let wall = jiff::Timestamp::now();
+        let computed = {
+            let nodes = self.lower_nodes.state();
+            let pods = self.lower_pods.state();
+            shape::build(
+                nodes.iter().map(|n| n.as_ref()),
+                pods.iter().map(|p| p.as_ref()),
+                &self.settings.shape_label_keys,
+                shape::DEFAULT_GROUP_CAP,
+                wall,
+            )
+        };
+        let upper = self
+            .upper_node
+            .get(&kube::runtime::reflector::ObjectRef::new(self.name()));
+        let published = upper
+            .as_ref()
+            .and_then(|n| Shape::from_annotations(n.metadata.annotations.as_ref()))
+            .and_then(Result::ok);
+        let write = publisher.round(&computed, published.as_ref(), Instant::now(), wall);
+        if !write.annotation {
+            return;
+        }
+        let text = match computed.encode() {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(node = self.name(), "encoding the capacity shape: {e}");
+                return;
+            }
+        };
+        let mut meta = json!({"metadata": {"annotations": {names::NODE_CAPACITY_SHAPE: text}}});
+        let generation = write.bump.then(|| {
+            let shown = upper
+                .as_ref()
+                .and_then(|n| n.metadata.labels.as_ref())
+                .and_then(|l| l.get(names::NODE_SHAPE_GENERATION));
+            publisher.next_generation(shown.map(String::as_str))
+        });
+        if let Some(g) = generation {
+            meta["metadata"]["labels"] = json!({names::NODE_SHAPE_GENERATION: g.to_string()});
+        }
+        let nodes: Api<Node> = Api::all(self.upper());
+        match nodes
+            .patch(self.name(), &PatchParams::default(), &Patch::Merge(&meta))
+            .await
+        {
+            Ok(_) => {
+                publisher.written(&computed, generation, Instant::now(), wall);
+                if let Some(g) = generation {
+                    tracing::debug!(node = self.name(), generation = g, "the capacity shape grew");
+                }
+            }
+            Err(e) => tracing::warn!(node = self.name(), "capacity shape annotation: {e}"),
+        }
     }
 
     async fn create_node(&self, cap: &Capacity) -> Result<(), kube::Error> {
@@ -450,6 +516,11 @@ impl NodeLoop {
                     Err(e) => tracing::warn!(node = self.name(), "registering the node failed: {e}"),
                 }
             }
+            // The shape goes before the status: a status change makes the upper scheduler
+            // retry its pods, which should then meet the new shape.
+            if state.registered {
+                self.publish_shape(&mut state.shape).await;
+            }
             if state.registered && round.write_status {
                 let nodes: Api<Node> = Api::all(self.upper());
                 let body = self.status_body(&cap, &health, &ready_since, &started, &version);
@@ -457,17 +528,7 @@ impl NodeLoop {
                     .patch_status(self.name(), &PatchParams::default(), &Patch::Strategic(&body))
                     .await
                 {
-                    Ok(_) => {
-                        let shape = serde_json::to_string(&cap.shape).unwrap_or_default();
-                        state.status_written(cap, health, Instant::now());
-                        let meta = json!({"metadata": {"annotations": {names::NODE_CAPACITY_SHAPE: shape}}});
-                        if let Err(e) = nodes
-                            .patch(self.name(), &PatchParams::default(), &Patch::Merge(&meta))
-                            .await
-                        {
-                            tracing::warn!(node = self.name(), "capacity shape annotation: {e}");
-                        }
-                    }
+                    Ok(_) => state.status_written(cap, health, Instant::now()),
                     Err(kube::Error::Api(s)) if s.code == 404 => {
                         tracing::warn!(
                             node = self.name(),
