@@ -13,6 +13,8 @@ use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, NodeSelectorTerm
 use tensile_common::names;
 use tensile_common::quantity::ResourceMap;
 use tensile_common::resources::pod_requests;
+use tensile_common::shape::Shape;
+use tensile_common::stash::Stash;
 
 /// Why a node would not take the pod (`None`: it would).
 pub fn refuses(pod: &Pod, node: &Node) -> Option<String> {
@@ -140,30 +142,45 @@ fn requirement_matches(r: &NodeSelectorRequirement, value: Option<&str>) -> bool
     }
 }
 
-/// Whether some lower node in the node's `tensile.io/capacity-shape` has room for the pod's
-/// requests. A node without a shape (or one that does not decode) is given the benefit of
-/// the doubt: its lower scheduler will say.
+/// Whether some lower node in the node's capacity shape ([`tensile_common::shape`], either
+/// form) has room for the pod's requests, among the groups whose taints the pod's stashed
+/// tolerations tolerate. A node without a shape, or with one that does not decode, and a
+/// pod whose stash does not decode, are given the benefit of the doubt, as is a group whose
+/// frontier was cut: the lower scheduler will say.
 pub fn shape_fits(pod: &Pod, node: &Node) -> bool {
-    let Some(text) = node
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(names::NODE_CAPACITY_SHAPE))
-    else {
+    let Some(Ok(shape)) = Shape::from_annotations(node.metadata.annotations.as_ref()) else {
         return true;
     };
-    let Ok(shape) = serde_json::from_str::<Vec<BTreeMap<String, String>>>(text) else {
+    let Ok(stash) = Stash::from_annotations(pod.metadata.annotations.as_ref()) else {
         return true;
     };
+    let tolerations = stash.map(|s| s.tolerations).unwrap_or_default();
     let wants = pod_requests(pod);
-    shape.iter().any(|free| {
-        let (free, _) = ResourceMap::parse(free.iter());
-        wants
-            .0
+    let mut truncated = false;
+    for group in &shape.groups {
+        if !group
+            .taints
             .iter()
-            .filter(|(k, _)| k.as_str() != "pods" || free.0.contains_key("pods"))
-            .all(|(k, v)| *v <= free.get(k))
-    })
+            .all(|taint| tolerations.iter().any(|t| tolerates(t, taint)))
+        {
+            continue;
+        }
+        let Ok(frontier) = group.free_maps() else {
+            return true;
+        };
+        let holds = |free: &ResourceMap| {
+            wants
+                .0
+                .iter()
+                .filter(|(k, _)| k.as_str() != "pods" || free.0.contains_key("pods"))
+                .all(|(k, v)| *v <= free.get(k))
+        };
+        if frontier.iter().any(holds) {
+            return true;
+        }
+        truncated |= group.truncated;
+    }
+    truncated
 }
 
 #[cfg(test)]
@@ -286,6 +303,43 @@ mod tests {
             shaped(r#"[{"cpu":"2","memory":"4Gi","pods":"100"},{"cpu":"8","memory":"4Gi","pods":"100"}]"#);
         assert_eq!(refuses(&pod(json!({})), &big), None);
         assert_eq!(refuses(&pod(json!({})), &shaped("not json")), None, "fails open");
+        let five = shaped(&serde_json::to_string(&vec![json!({"cpu": "2", "pods": "100"}); 5]).unwrap());
+        assert_eq!(
+            refuses(&pod(json!({})), &five),
+            None,
+            "a first-form list of five may have been cut: the benefit of the doubt"
+        );
+    }
+
+    #[test]
+    fn in_the_current_shape_only_groups_whose_taints_the_stash_tolerates_count() {
+        let shape = json!({"v": 2, "at": "2024-05-01T10:00:00Z", "keys": ["topology.kubernetes.io/zone"],
+            "nodes": 3, "truncated": false, "groups": [
+                {"labels": {"topology.kubernetes.io/zone": "a"}, "count": 2, "truncated": false,
+                 "free": [{"cpu": "2", "memory": "4Gi", "pods": "100"}]},
+                {"labels": {"topology.kubernetes.io/zone": "b"}, "count": 1, "truncated": false,
+                 "taints": [{"key": "gpu", "value": "yes", "effect": "NoSchedule"}],
+                 "free": [{"cpu": "8", "memory": "32Gi", "pods": "100"}]}]});
+        let vn = node(
+            "vn-c",
+            json!({"metadata": {"annotations": {"tensile.io/capacity-shape": shape.to_string()}}}),
+        );
+        let refused = refuses(&pod(json!({})), &vn).unwrap();
+        assert!(
+            refused.contains("no lower node"),
+            "3 CPUs fit only the tainted group: {refused}"
+        );
+        let stash = json!({"tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]});
+        let tolerating = pod(json!({"metadata": {"annotations": {"clusterSelector": stash.to_string()}}}));
+        assert_eq!(refuses(&tolerating, &vn), None);
+        let small =
+            pod(json!({"spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": "2"}}}]}}));
+        assert_eq!(refuses(&small, &vn), None, "2 CPUs fit the untainted group");
+        let big = pod(json!({
+            "metadata": {"annotations": {"clusterSelector": stash.to_string()}},
+            "spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": "9"}}}]},
+        }));
+        assert!(refuses(&big, &vn).is_some(), "9 CPUs fit no group");
     }
 
     #[test]
