@@ -4,8 +4,10 @@
 //! pod's service account, each call under a deadline ([`kubeconfig`], [`deadline`]); watch
 //! caches with a synced signal every waiter sees ([`cache`]); named tasks stopped together
 //! on SIGTERM within a bounded drain ([`runtime`]); leader election on Leases with writes
-//! fenced by the renew deadline ([`leader`]); the admin endpoint ([`admin`]); logging
-//! ([`telemetry`]); one API error shape, the exact delete and timestamps ([`api`]).
+//! fenced by the renew deadline ([`leader`]); the admin endpoint ([`admin`]); the HTTPS
+//! server with its connection limits ([`serve`]); serving certificates, from files reloaded
+//! on change or generated ([`tls`]); logging ([`telemetry`]); one API error shape, the exact
+//! delete and timestamps ([`api`]).
 //!
 //! The suite's vocabulary: every label, annotation and taint name ([`names`]), the codec of
 //! the stashed lower-cluster constraints ([`stash`]), the descheduler's exclusion record
@@ -25,9 +27,11 @@ pub mod names;
 pub mod quantity;
 pub mod resources;
 pub mod runtime;
+pub mod serve;
 pub mod shape;
 pub mod stash;
 pub mod telemetry;
+pub mod tls;
 
 /// The global allocator of every tensile binary: mimalloc. Admission reviews and watch events
 /// are decoded into many small strings and maps that live for one request; with the system

@@ -480,6 +480,9 @@ impl Pki {
         let admin = ca.client("tensile-admin", Some("system:masters"))?;
         let kubelet_ca = Ca::new("tensile-kubelet-client-ca")?;
         let kubelet_client = kubelet_ca.client("kube-apiserver-kubelet-client", Some("system:masters"))?;
+        // What every kubelet of a kubeadm cluster holds: a certificate from the same CA for
+        // its own node. It authenticates, and must not be enough to read another node's logs.
+        let other_kubelet = kubelet_ca.client("system:node:some-other-node", Some("system:nodes"))?;
         let (sa_key, sa_pub) = pki::service_account_keys()?;
         for (file, content) in [
             ("ca.crt", ca.cert_pem()),
@@ -487,6 +490,8 @@ impl Pki {
             ("apiserver.key", serving.key_pem.clone()),
             ("kubelet-client.crt", kubelet_client.cert_pem.clone()),
             ("kubelet-client.key", kubelet_client.key_pem.clone()),
+            ("other-kubelet.crt", other_kubelet.cert_pem.clone()),
+            ("other-kubelet.key", other_kubelet.key_pem.clone()),
             ("sa.key", sa_key),
             ("sa.pub", sa_pub),
         ] {

@@ -16,6 +16,7 @@ pub mod cluster;
 pub mod demo;
 pub mod descheduler;
 pub mod etcd;
+pub mod flood;
 pub mod in_process;
 pub mod kubectl;
 pub mod partition;

@@ -491,6 +491,82 @@ async fn kubectl_logs_reach_the_lower_pod_and_callers_are_authenticated() {
         .await
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&anon.stdout), "401");
+    // Another node's kubelet certificate (same CA, user system:node:some-other-node) is
+    // authenticated but not authorised for nodes/proxy of this node: 403, no logs.
+    let pki = bed.upper.dir().join("pki");
+    let other = tokio::process::Command::new("curl")
+        .args(["-sk", "-w", "\n%{http_code}", "--cert"])
+        .arg(pki.join("other-kubelet.crt"))
+        .arg("--key")
+        .arg(pki.join("other-kubelet.key"))
+        .arg(&url)
+        .output()
+        .await
+        .unwrap();
+    let other = String::from_utf8_lossy(&other.stdout);
+    assert!(other.ends_with("\n403"), "{other}");
+    assert!(
+        other.contains("system:node:some-other-node") && !other.contains("talker app line"),
+        "{other}"
+    );
+}
+
+/// Idle and slow clients cannot take the kubelet API away from the apiserver: with a cap of
+/// 16, 64 silent connections and 16 trickling an unfinished request leave at most 16 open,
+/// `kubectl logs` keeps working, and the idle deadline closes the flood.
+#[tokio::test]
+async fn the_kubelet_api_caps_and_cuts_idle_and_slow_clients_while_logs_work() {
+    let bed = bed();
+    let vn = VirtualNode::start_with("vn-flood", &bed.lower_a, |args| {
+        args.kubelet.max_connections = 16;
+        args.kubelet.idle_timeout_seconds = 4;
+    });
+    wait_ready("vn-flood").await;
+    namespace("flood").await;
+    apply(up(), &pod("flood", "talker", "vn-flood", "Always", "", "10m")).await;
+    eventually(
+        up(),
+        "Running",
+        60,
+        &[
+            "-n",
+            "flood",
+            "get",
+            "pod",
+            "talker",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+        "Running",
+    )
+    .await;
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], vn.kubelet_port));
+    let flood = tensile_e2e::flood::Flood::open(addr, 64, 16).await;
+    assert!(flood.opened() >= 64, "the flood got in: {}", flood.opened());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        flood.still_open() <= 16,
+        "at most the cap stays open: {} of {}",
+        flood.still_open(),
+        flood.opened()
+    );
+    for _ in 0..3 {
+        let logs = kubectl(up(), &["-n", "flood", "logs", "talker", "--tail=1"]).await;
+        assert!(logs.starts_with("flood/talker app line "), "{logs}");
+    }
+    tensile_e2e::wait::until(
+        "every flood connection closed by the idle deadline",
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || async {
+            match flood.still_open() {
+                0 => Ok(()),
+                n => Err(format!("{n} still open")),
+            }
+        },
+    )
+    .await
+    .unwrap();
 }
 
 #[tokio::test]

@@ -411,6 +411,117 @@ async fn with_the_webhook_stopped_only_opted_in_pods_are_refused() {
         .await;
 }
 
+/// Idle and slow clients cannot take the webhook away from the apiserver: 64 connections
+/// that never start TLS and 16 that send an unfinished request a byte at a time are held
+/// open against a cap of 16. The server keeps at most the cap open (the longest-idle make
+/// room), the apiserver's reviews keep being answered, and the idle deadline closes every
+/// flood connection.
+#[tokio::test]
+async fn idle_and_slow_clients_are_capped_and_cut_while_reviews_are_answered() {
+    init();
+    let c = upper();
+    let ns = "wh-flood";
+    namespace(c, ns).await;
+    let port = free_port().unwrap();
+    let mut opts = options(
+        port,
+        Certificates::SelfSigned {
+            names: vec!["127.0.0.1".into()],
+        },
+    );
+    opts.limits.max_connections = 16;
+    opts.limits.idle = Duration::from_secs(4);
+    let running = start_webhook(opts).await;
+    let config = "tensile-webhook-flood";
+    let out = apply(c, &registration(config, port, ns, running.ca_pem.as_deref())).await;
+    assert!(out.ok, "{}", out.stderr);
+
+    let flood = tensile_e2e::flood::Flood::open(running.address, 64, 16).await;
+    assert!(flood.opened() >= 64, "the flood got in: {}", flood.opened());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        flood.still_open() <= 16,
+        "at most the cap stays open: {} of {}",
+        flood.still_open(),
+        flood.opened()
+    );
+    for i in 0..5 {
+        let name = format!("during-{i}");
+        let out = c
+            .kubectl(&[
+                "-n",
+                ns,
+                "run",
+                &name,
+                "--image=nginx",
+                "--restart=Never",
+                "--labels=virtual-pod=true",
+            ])
+            .await;
+        assert!(out.ok, "review {i} during the flood: {}", out.stderr);
+        assert!(stash_of(&get_pod(c, ns, &name).await).tolerations.len() >= 2);
+    }
+    until(
+        "every flood connection closed by the idle deadline",
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || async {
+            match flood.still_open() {
+                0 => Ok(()),
+                n => Err(format!("{n} still open")),
+            }
+        },
+    )
+    .await
+    .unwrap();
+    running.stop().await;
+    let _ = c
+        .kubectl(&["delete", "mutatingwebhookconfiguration", config])
+        .await;
+}
+
+/// A pod with more claim volumes than the webhook reads is admitted, and kubectl shows the
+/// warning that only the first 16 claims were read for volume pinning.
+#[tokio::test]
+async fn a_pod_with_many_claims_is_admitted_with_the_lookup_cap_in_a_warning() {
+    init();
+    let c = upper();
+    let ns = "wh-claims";
+    namespace(c, ns).await;
+    let port = free_port().unwrap();
+    let mut opts = options(
+        port,
+        Certificates::SelfSigned {
+            names: vec!["127.0.0.1".into()],
+        },
+    );
+    opts.client = Some(c.client().await.unwrap());
+    let running = start_webhook(opts).await;
+    let config = "tensile-webhook-claims";
+    let out = apply(c, &registration(config, port, ns, running.ca_pem.as_deref())).await;
+    assert!(out.ok, "{}", out.stderr);
+    let volumes: Vec<Value> = (0..20)
+        .map(|i| json!({"name": format!("v{i}"), "persistentVolumeClaim": {"claimName": format!("c{i}")}}))
+        .collect();
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "many-claims", "namespace": ns, "labels": {"virtual-pod": "true"}},
+        "spec": {"containers": [{"name": "c", "image": "nginx"}], "volumes": volumes},
+    });
+    let out = apply(c, &pod.to_string()).await;
+    assert!(out.ok, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("the pod has 20 claims; only the first 16 are read"),
+        "{}",
+        out.stderr
+    );
+    running.stop().await;
+    let _ = c
+        .kubectl(&["delete", "mutatingwebhookconfiguration", config])
+        .await;
+}
+
 fn write_pair(dir: &Path, ca: &Ca) {
     let pair = ca.server("tensile-webhook", &[]).unwrap();
     // Key first, then certificate: the server sees a mismatched pair for a moment and must

@@ -3,18 +3,31 @@
 //!
 //! Callers must present a client certificate signed by `--client-verify-ca` (the upper
 //! apiserver's kubelet-client CA); a caller without one gets 401. Serving without
-//! authentication takes an explicit `--no-verify-clients`.
+//! authentication takes an explicit `--no-verify-clients` (callers are then
+//! `system:anonymous`).
+//!
+//! Authorisation is the kubelet's: the caller (certificate CN as user, O as groups) must be
+//! allowed the node's subresource (`nodes/proxy` for `containerLogs`, the verb from the
+//! method) by a SubjectAccessReview on the upper cluster, cached like the kubelet caches it
+//! (allowed 5 min, denied 30 s). A certificate from the same CA is therefore not enough: on
+//! kubeadm every kubelet has one, and none may read another node's logs.
+//! `--kubelet-authorization=always-allow` skips the review.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
 use tensile_common::cache::Cache;
+use tensile_common::serve::{self, Peer};
 
 use bytes::Bytes;
 use futures::AsyncReadExt;
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
+use k8s_openapi::api::authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, LogParams};
+use kube::api::{Api, LogParams, PostParams};
 use kube::runtime::reflector::ObjectRef;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -139,24 +152,135 @@ pub async fn bind(addr: std::net::SocketAddr) -> Result<TcpListener, Error> {
         .map_err(|source| Error::Bind { addr, source })
 }
 
+/// How callers are authorised.
+pub enum Authorizer {
+    /// A SubjectAccessReview on the upper cluster per caller and attributes, cached.
+    Webhook {
+        upper: kube::Client,
+        decisions: Mutex<HashMap<Attributes, (bool, Instant)>>,
+    },
+    /// Every authenticated caller may do everything (`--kubelet-authorization=always-allow`).
+    AlwaysAllow,
+}
+
+/// Who asks for what, as the kubelet puts it to the authoriser.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct Attributes {
+    pub user: String,
+    pub groups: Vec<String>,
+    pub verb: &'static str,
+    pub subresource: &'static str,
+}
+
+/// How long a decision is reused: the kubelet's webhook authoriser cache.
+const ALLOWED_TTL: Duration = Duration::from_secs(300);
+const DENIED_TTL: Duration = Duration::from_secs(30);
+
+impl Authorizer {
+    pub fn webhook(upper: kube::Client) -> Self {
+        Authorizer::Webhook {
+            upper,
+            decisions: Mutex::default(),
+        }
+    }
+
+    /// Whether `attributes` are allowed on node `node`; `Err` says why none could be had.
+    async fn allows(&self, node: &str, attributes: &Attributes) -> Result<bool, String> {
+        let (upper, decisions) = match self {
+            Authorizer::AlwaysAllow => return Ok(true),
+            Authorizer::Webhook { upper, decisions } => (upper, decisions),
+        };
+        let cached = decisions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(attributes)
+            .filter(|(_, until)| *until > Instant::now())
+            .map(|(allowed, _)| *allowed);
+        if let Some(allowed) = cached {
+            return Ok(allowed);
+        }
+        let review = SubjectAccessReview {
+            spec: SubjectAccessReviewSpec {
+                user: Some(attributes.user.clone()),
+                groups: Some(attributes.groups.clone()),
+                resource_attributes: Some(ResourceAttributes {
+                    verb: Some(attributes.verb.to_owned()),
+                    resource: Some("nodes".to_owned()),
+                    subresource: Some(attributes.subresource.to_owned()),
+                    name: Some(node.to_owned()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let api: Api<SubjectAccessReview> = Api::all(upper.clone());
+        let answer = api
+            .create(&PostParams::default(), &review)
+            .await
+            .map_err(|e| format!("SubjectAccessReview: {e}"))?;
+        let allowed = answer.status.is_some_and(|s| s.allowed);
+        let ttl = if allowed { ALLOWED_TTL } else { DENIED_TTL };
+        let mut decisions = decisions.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        decisions.retain(|_, (_, until)| *until > now);
+        decisions.insert(attributes.clone(), (allowed, now + ttl));
+        Ok(allowed)
+    }
+}
+
+/// The caller's user (CN) and groups (O) from its verified certificate, as the apiserver's
+/// x509 authenticator reads them; `None` when it presented none.
+pub fn identity(peer: &Peer) -> Option<(String, Vec<String>)> {
+    let leaf = peer.certificates.as_ref()?.first()?;
+    let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref()).ok()?;
+    let subject = cert.subject();
+    let user = subject.iter_common_name().next()?.as_str().ok()?.to_owned();
+    let groups = subject
+        .iter_organization()
+        .filter_map(|o| o.as_str().ok().map(str::to_owned))
+        .collect();
+    Some((user, groups))
+}
+
+/// The kubelet's verb for a method.
+fn verb(method: &http::Method) -> &'static str {
+    match *method {
+        http::Method::POST => "create",
+        http::Method::PUT => "update",
+        http::Method::PATCH => "patch",
+        http::Method::DELETE => "delete",
+        _ => "get",
+    }
+}
+
 /// What a request handler needs.
 pub struct KubeletState {
     pub node: String,
     pub upper_pods: Cache<Pod>,
     pub lower: kube::Client,
     pub require_client_cert: bool,
+    pub authorizer: Authorizer,
 }
 
-pub async fn serve(listener: TcpListener, config: Arc<rustls::ServerConfig>, state: Arc<KubeletState>) {
-    tensile_common::kubelet::serve_tls(listener, config, move |req, authenticated| {
+pub async fn serve(
+    listener: TcpListener,
+    config: Arc<rustls::ServerConfig>,
+    limits: serve::Limits,
+    counters: Arc<serve::Counters>,
+    state: Arc<KubeletState>,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    serve::serve(listener, config, limits, counters, stop, move |req, peer| {
         let state = state.clone();
-        async move { route(&state, authenticated, req).await }
+        async move { route(&state, &peer, req).await }
     })
     .await
 }
 
-async fn route(state: &KubeletState, authenticated: bool, req: Request<Incoming>) -> Response<Body> {
-    if state.require_client_cert && !authenticated {
+async fn route(state: &KubeletState, peer: &Peer, req: Request<Incoming>) -> Response<Body> {
+    let identity = identity(peer);
+    if state.require_client_cert && identity.is_none() {
         return text(
             StatusCode::UNAUTHORIZED,
             "a client certificate signed by the kubelet client CA (--client-verify-ca) is required",
@@ -164,8 +288,40 @@ async fn route(state: &KubeletState, authenticated: bool, req: Request<Incoming>
     }
     let path = req.uri().path().to_owned();
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    if segments.as_slice() == ["healthz"] {
+        return text(StatusCode::OK, "ok");
+    }
+    let (user, groups) = identity.unwrap_or_else(|| {
+        (
+            "system:anonymous".to_owned(),
+            vec!["system:unauthenticated".to_owned()],
+        )
+    });
+    let attributes = Attributes {
+        user,
+        groups,
+        verb: verb(req.method()),
+        subresource: "proxy",
+    };
+    match state.authorizer.allows(&state.node, &attributes).await {
+        Ok(true) => {}
+        Ok(false) => {
+            return text(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "user {} may not {} nodes/{} of node {}",
+                    attributes.user, attributes.verb, attributes.subresource, state.node
+                ),
+            );
+        }
+        Err(e) => {
+            return text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("authorisation failed: {e}"),
+            );
+        }
+    }
     match segments.as_slice() {
-        ["healthz"] => text(StatusCode::OK, "ok"),
         ["containerLogs", ns, pod, container] if req.method() == http::Method::GET => {
             match LogOptions::from_query(req.uri().query().unwrap_or("")) {
                 Ok(options) => logs(state, ns, pod, container, options).await,
@@ -218,7 +374,13 @@ async fn logs(state: &KubeletState, ns: &str, pod: &str, container: &str, o: Log
     tokio::spawn(async move {
         let mut buf = vec![0u8; 16 * 1024];
         loop {
-            match reader.read(&mut buf).await {
+            let read = tokio::select! {
+                read = reader.read(&mut buf) => read,
+                // The caller is gone (its response body was dropped): a quiet container
+                // would otherwise keep the lower stream open until it writes again.
+                _ = tx.closed() => return,
+            };
+            match read {
                 Ok(0) | Err(_) => return,
                 // Each chunk is sent as it arrives: `kubectl logs -f` sees lines at once.
                 Ok(n) => {

@@ -161,6 +161,28 @@ pub struct KubeletArgs {
     /// Serve the kubelet API without authenticating callers.
     #[arg(long = "no-verify-clients", env = "TENSILE_NO_VERIFY_CLIENTS")]
     pub no_verify_clients: bool,
+    /// How callers of the kubelet API are authorised: `webhook` (a SubjectAccessReview for
+    /// `nodes/proxy` on the upper cluster, as the kubelet does) or `always-allow` (any
+    /// authenticated caller).
+    #[arg(long = "kubelet-authorization", env = "TENSILE_KUBELET_AUTHORIZATION", value_enum,
+          default_value_t = KubeletAuthorization::Webhook)]
+    pub authorization: KubeletAuthorization,
+    /// Open connections of the kubelet API at most; at the cap the longest-idle one makes
+    /// room.
+    #[arg(long = "kubelet-max-connections", env = "TENSILE_KUBELET_MAX_CONNECTIONS", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+    /// Seconds a kubelet API connection may stay open with no request in progress.
+    #[arg(long = "kubelet-idle-timeout-seconds", env = "TENSILE_KUBELET_IDLE_TIMEOUT_SECONDS",
+          default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub idle_timeout_seconds: u64,
+}
+
+/// See [`KubeletArgs::authorization`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum KubeletAuthorization {
+    Webhook,
+    AlwaysAllow,
 }
 
 /// What travels with pods, and what is collected below.
@@ -332,6 +354,11 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
     let admin_task = admin::serve(admin_listener, Arc::new(registry), readiness.clone());
     let admin_handle = tokio::spawn(shutdown.clone().run_until_cancelled_owned(admin_task));
 
+    // Reviews of kubelet API callers are answered on any replica, so they are unfenced.
+    let authorizer = match args.kubelet.authorization {
+        KubeletAuthorization::Webhook => kubelet::Authorizer::webhook(lease_client.clone()),
+        KubeletAuthorization::AlwaysAllow => kubelet::Authorizer::AlwaysAllow,
+    };
     let Some((elector, leading)) = leader::lead(
         lease_client,
         election,
@@ -365,6 +392,7 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         tls,
         kubelet_listener,
         auth,
+        authorizer,
     )
     .await;
     let outcome = match result {
@@ -399,6 +427,7 @@ async fn compose(
     tls: Arc<rustls::ServerConfig>,
     kubelet_listener: tokio::net::TcpListener,
     auth: ClientAuth,
+    authorizer: kubelet::Authorizer,
 ) -> Result<(), Error> {
     let upper = upper_source.client()?;
     let cluster_id = match &args.upper.cluster_id {
@@ -631,7 +660,13 @@ async fn compose(
         upper_pods: upper_pods.clone(),
         lower: lower.clone(),
         require_client_cert: matches!(auth, ClientAuth::Ca(_)),
+        authorizer,
     });
+    let kubelet_limits = tensile_common::serve::Limits {
+        max_connections: args.kubelet.max_connections as usize,
+        idle: Duration::from_secs(args.kubelet.idle_timeout_seconds),
+        ..Default::default()
+    };
 
     // Each component is its own task: a watch decoding a large object then runs on a
     // shallow stack, and a component that stops is named. The controller, the node loop
@@ -704,10 +739,16 @@ async fn compose(
         tokio::join!(upper_claims_watch, upper_volumes_watch, lower_claims_watch);
     });
     tasks.spawn("the volume resync", volumes.run(volumes_changed));
-    tasks.spawn(
-        "the kubelet API",
-        kubelet::serve(kubelet_listener, tls, kubelet_state),
-    );
+    tasks.spawn_graceful("the kubelet API", move |stop| {
+        kubelet::serve(
+            kubelet_listener,
+            tls,
+            kubelet_limits,
+            Arc::default(),
+            kubelet_state,
+            stop,
+        )
+    });
     Ok(())
 }
 

@@ -15,7 +15,7 @@
 //! never enters the stash. virtual-node restores the stash below.
 //!
 //! [`mutate::mutate`] is pure (review in, response out); [`server`] adds HTTPS, limits and
-//! metrics; [`tls`] and [`ca_bundle`] handle the certificate. Every other pod, and every
+//! metrics; [`tensile_common::tls`] and [`ca_bundle`] handle the certificate. Every other pod, and every
 //! pod already stashed, passes unchanged.
 
 pub mod ca_bundle;
@@ -25,7 +25,6 @@ pub mod policy;
 pub mod raw;
 pub mod review;
 pub mod server;
-pub mod tls;
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
@@ -33,6 +32,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tensile_common::tls;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -49,7 +49,7 @@ pub enum Error {
         source: std::io::Error,
     },
     #[error(transparent)]
-    Tls(#[from] tls::Error),
+    Tls(#[from] tensile_common::tls::Error),
     #[error(transparent)]
     Admin(#[from] tensile_common::admin::Error),
     #[error(transparent)]
@@ -137,6 +137,14 @@ pub struct Args {
     /// Largest request body accepted at `/mutate`.
     #[arg(long, env = "WEBHOOK_MAX_BODY_BYTES", default_value_t = 6 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Open HTTPS connections at most; at the cap the longest-idle one makes room.
+    #[arg(long, env = "WEBHOOK_MAX_CONNECTIONS", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+    /// Seconds an HTTPS connection may stay open with no request in progress.
+    #[arg(long = "idle-timeout-seconds", env = "WEBHOOK_IDLE_TIMEOUT_SECONDS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub idle_timeout_seconds: u64,
     /// How long a PVC read may take before the pod is admitted without a volume pin, in ms.
     #[arg(long, env = "WEBHOOK_PVC_TIMEOUT_MS", default_value_t = 2000)]
     pub pvc_timeout_ms: u64,
@@ -212,6 +220,8 @@ pub struct Options {
     /// For PVC reads and the caBundle; `None` disables both.
     pub client: Option<kube::Client>,
     pub max_body_bytes: usize,
+    /// Connection cap and deadlines of the HTTPS port.
+    pub limits: tensile_common::serve::Limits,
     pub pvc_timeout: Duration,
     /// The descheduler's exclusions ConfigMap, watched with `client`; `None`: not read.
     pub exclusions: Option<tensile_common::exclusion::Location>,
@@ -228,6 +238,7 @@ impl Options {
             webhook_config_name: None,
             client: None,
             max_body_bytes: 6 * 1024 * 1024,
+            limits: tensile_common::serve::Limits::default(),
             pvc_timeout: Duration::from_secs(2),
             exclusions: None,
         }
@@ -345,6 +356,7 @@ pub async fn start(options: Options) -> Result<Running> {
         policy: options.policy,
         max_body_bytes: options.max_body_bytes,
         metrics: metrics::Metrics::default(),
+        connections: Arc::default(),
         client: options.client.clone(),
         pvc_timeout: options.pvc_timeout,
         ready,
@@ -369,6 +381,7 @@ pub async fn start(options: Options) -> Result<Running> {
     tasks.push(tokio::spawn(server::serve_https(
         listener,
         tls_config,
+        options.limits,
         state.clone(),
         stop.clone(),
     )));
@@ -448,6 +461,11 @@ pub async fn run(args: Args) -> Result<()> {
         webhook_config_name: args.webhook_config_name.clone(),
         client: client(&args).await?,
         max_body_bytes: args.max_body_bytes,
+        limits: tensile_common::serve::Limits {
+            max_connections: args.max_connections as usize,
+            idle: Duration::from_secs(args.idle_timeout_seconds),
+            ..Default::default()
+        },
         pvc_timeout: Duration::from_millis(args.pvc_timeout_ms),
         exclusions: Some(args.exclusions_configmap.clone()),
     };

@@ -4,24 +4,19 @@
 //! review reaches [`crate::mutate`], which answers in the review itself.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::Api;
 use kube::core::DynamicObject;
 use kube::core::admission::AdmissionRequest;
-use tensile_common::names;
+use tensile_common::{names, serve};
 use tokio::net::TcpListener;
-use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
@@ -42,9 +37,15 @@ pub struct State {
     pub ready: tensile_common::admin::Readiness,
     /// The descheduler's exclusion records, as the watch last showed them; `None`: not read.
     pub exclusions: Option<tokio::sync::watch::Receiver<Arc<tensile_common::exclusion::Exclusions>>>,
+    /// Open, evicted, refused and timed-out connections of the HTTPS port.
+    pub connections: Arc<serve::Counters>,
 }
 
 type Body = Full<Bytes>;
+
+/// How long a review's body may take to arrive; the apiserver's own webhook timeout is at
+/// most 30 s and its bodies arrive at once.
+const BODY_DEADLINE: Duration = Duration::from_secs(10);
 
 fn text(status: StatusCode, body: impl Into<String>) -> Response<Body> {
     let mut response = Response::new(Full::new(Bytes::from(body.into())));
@@ -112,7 +113,7 @@ async fn admit(state: &State, request: Request<Incoming>) -> Response<Body> {
             .unwrap_or("none")
             .to_owned();
         // Read the body anyway (within the limit) so the keep-alive connection stays usable.
-        let _ = Limited::new(request.into_body(), limit).collect().await;
+        let _ = serve::read_body(request.into_body(), limit, BODY_DEADLINE).await;
         return text(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             format!("content type must be application/json, got {got}\n"),
@@ -137,11 +138,15 @@ async fn admit(state: &State, request: Request<Incoming>) -> Response<Body> {
         metrics.error("too_large");
         return too_large();
     }
-    let body = match Limited::new(request.into_body(), limit).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+    let body = match serve::read_body(request.into_body(), limit, BODY_DEADLINE).await {
+        Ok(body) => body,
+        Err(serve::BodyError::TooLarge(_)) => {
             metrics.error("too_large");
             return too_large();
+        }
+        Err(e @ serve::BodyError::TooSlow(_)) => {
+            metrics.error("body_timeout");
+            return text(StatusCode::REQUEST_TIMEOUT, format!("{e}\n"));
         }
         Err(e) => {
             metrics.error("body");
@@ -230,25 +235,40 @@ impl std::fmt::Display for PodName<'_> {
 
 /// The selected node of each of `claims` that has one; failures become warnings (the pod is
 /// admitted without the pin rather than refused for a read error).
+/// Claims of one pod read for volume pinning, at most, and how many at once: a pod with
+/// thousands of claim volumes must not turn one review into thousands of API reads.
+const MAX_CLAIM_LOOKUPS: usize = 16;
+const CLAIM_LOOKUP_CONCURRENCY: usize = 4;
+
 async fn selected_nodes(
     client: kube::Client,
     namespace: &str,
     claims: &[String],
     timeout: Duration,
 ) -> (BTreeMap<String, String>, Vec<String>) {
+    use futures::StreamExt as _;
     let api: Api<PersistentVolumeClaim> = Api::namespaced(client, namespace);
-    let reads = claims.iter().map(|claim| {
+    let mut warnings = Vec::new();
+    if claims.len() > MAX_CLAIM_LOOKUPS {
+        warnings.push(format!(
+            "tensile webhook: the pod has {} claims; only the first {MAX_CLAIM_LOOKUPS} are read \
+             for volume pinning",
+            claims.len()
+        ));
+    }
+    let reads = claims.iter().take(MAX_CLAIM_LOOKUPS).cloned().map(|claim| {
         let api = api.clone();
         async move {
-            (
-                claim,
-                tokio::time::timeout(timeout, api.get_metadata_opt(claim)).await,
-            )
+            let result = tokio::time::timeout(timeout, api.get_metadata_opt(&claim)).await;
+            (claim, result)
         }
     });
+    let results: Vec<_> = futures::stream::iter(reads)
+        .buffer_unordered(CLAIM_LOOKUP_CONCURRENCY)
+        .collect()
+        .await;
     let mut nodes = BTreeMap::new();
-    let mut warnings = Vec::new();
-    for (claim, result) in futures::future::join_all(reads).await {
+    for (claim, result) in results {
         let problem = match result {
             Ok(Ok(Some(pvc))) => {
                 if let Some(node) = pvc
@@ -257,7 +277,7 @@ async fn selected_nodes(
                     .as_ref()
                     .and_then(|a| a.get(names::PVC_SELECTED_NODE))
                 {
-                    nodes.insert(claim.clone(), node.clone());
+                    nodes.insert(claim, node.clone());
                 }
                 continue;
             }
@@ -273,70 +293,18 @@ async fn selected_nodes(
     (nodes, warnings)
 }
 
-/// Serves HTTPS on `listener` until `stop`; open connections are closed gracefully.
+/// Serves HTTPS on `listener` until `stop`, within `limits`; open connections are closed
+/// gracefully.
 pub async fn serve_https(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
+    limits: serve::Limits,
     state: Arc<State>,
     stop: CancellationToken,
 ) {
-    let acceptor = TlsAcceptor::from(tls);
-    loop {
-        let (tcp, peer) = tokio::select! {
-            _ = stop.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Out of descriptors and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let _ = tcp.set_nodelay(true);
-        let (acceptor, state, stop) = (acceptor.clone(), state.clone(), stop.clone());
-        tokio::spawn(async move {
-            let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                    return;
-                }
-                Err(_) => return,
-            };
-            let service = service_fn(move |req| {
-                let state = state.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(state, req).await) }
-            });
-            serve_connection(TokioIo::new(tls), service, stop, peer).await;
-        });
-    }
-}
-
-async fn serve_connection<I, S>(io: I, service: S, stop: CancellationToken, peer: SocketAddr)
-where
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-    S: hyper::service::Service<
-            Request<Incoming>,
-            Response = Response<Body>,
-            Error = std::convert::Infallible,
-        > + Send
-        + 'static,
-    S::Future: Send + 'static,
-{
-    let builder = auto::Builder::new(TokioExecutor::new());
-    let conn = builder.serve_connection(io, service);
-    tokio::pin!(conn);
-    tokio::select! {
-        result = conn.as_mut() => {
-            if let Err(e) = result {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
-            }
-        }
-        _ = stop.cancelled() => {
-            conn.as_mut().graceful_shutdown();
-            let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
-        }
-    }
+    let counters = state.connections.clone();
+    serve::serve(listener, tls, limits, counters, stop, move |request, _peer| {
+        handle(state.clone(), request)
+    })
+    .await
 }

@@ -1,5 +1,5 @@
-//! The serving certificate: read from files and reloaded when they change, or generated at
-//! start under a CA of our own whose certificate goes into the webhook's `caBundle`.
+//! A server's certificate: read from files and reloaded when they change, or generated at
+//! start under a CA of our own (the webhook puts that CA into its `caBundle`).
 //!
 //! Reload polls the files' contents rather than watching inotify events: Kubernetes swaps
 //! mounted Secrets through symlinks, which inotify watches on the file miss, and a poll
