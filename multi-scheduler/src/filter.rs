@@ -95,35 +95,119 @@ impl Verdict {
     }
 }
 
-/// Judges `node` for `pod`.
-pub fn filter(pod: &Pod, node: &Node, options: &Options) -> Verdict {
-    let labels = node.metadata.labels.as_ref();
-    let is_virtual = labels
-        .and_then(|l| l.get(names::VIRTUAL_NODE_TYPE_LABEL))
-        .is_some_and(|v| v == names::VIRTUAL_NODE_TYPE_VALUE);
-    if !is_virtual {
-        return Verdict::NotVirtual;
-    }
-    let shape = match Shape::from_annotations(node.metadata.annotations.as_ref()) {
-        None => return Verdict::FailOpen(FailOpen::NoShape),
-        Some(Err(e)) => return Verdict::FailOpen(FailOpen::BadShape(e.to_string())),
-        Some(Ok(s)) => s,
-    };
-    if let (Some(at), Some(max_age)) = (&shape.at, options.max_age) {
-        match at.parse::<jiff::Timestamp>() {
-            Ok(at) if options.now.duration_since(at) > max_age => {
-                return Verdict::FailOpen(FailOpen::StaleShape);
-            }
-            Ok(_) => {}
-            Err(e) => {
-                return Verdict::FailOpen(FailOpen::BadShape(format!("capacity shape time {at:?}: {e}")));
-            }
+/// The pod as the filter reads it: decoded once, judged against many nodes.
+#[derive(Clone, Debug)]
+pub struct PodFacts {
+    /// Effective requests, as the scheduler counts them.
+    pub requests: ResourceMap,
+    /// The stash (empty without one), or why it does not decode.
+    stash: Result<Stash, String>,
+}
+
+impl PodFacts {
+    pub fn of(pod: &Pod) -> Self {
+        let stash = Stash::from_annotations(pod.metadata.annotations.as_ref())
+            .map(Option::unwrap_or_default)
+            .map_err(|e| e.to_string());
+        Self {
+            requests: pod_requests(pod),
+            stash,
         }
     }
-    let stash = match Stash::from_annotations(pod.metadata.annotations.as_ref()) {
-        Ok(s) => s.unwrap_or_default(),
-        Err(e) => return Verdict::FailOpen(FailOpen::BadStash(e.to_string())),
+}
+
+/// A virtual node's capacity shape, decoded and with every quantity parsed: read once per
+/// version of the Node, judged against many pods.
+#[derive(Clone, Debug)]
+pub struct ShapeFacts {
+    shape: Shape,
+    at: Option<jiff::Timestamp>,
+    /// Each group's frontier, in milli-units.
+    free: Vec<Vec<ResourceMap>>,
+}
+
+impl ShapeFacts {
+    /// Decodes the annotation's text; the error is what [`FailOpen::BadShape`] says.
+    pub fn decode(text: &str) -> Result<Self, String> {
+        let shape = Shape::decode(text).map_err(|e| e.to_string())?;
+        let at = match &shape.at {
+            None => None,
+            Some(t) => Some(
+                t.parse::<jiff::Timestamp>()
+                    .map_err(|e| format!("capacity shape time {t:?}: {e}"))?,
+            ),
+        };
+        let free = shape
+            .groups
+            .iter()
+            .map(Group::free_maps)
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())?;
+        Ok(Self { shape, at, free })
+    }
+
+    /// The shape a node publishes; `None` when it publishes none.
+    pub fn of(node: &Node) -> Option<Result<Self, String>> {
+        node.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(names::NODE_CAPACITY_SHAPE))
+            .map(|t| Self::decode(t))
+    }
+}
+
+/// True for a node labelled as a virtual node.
+pub fn is_virtual(node: &Node) -> bool {
+    node.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(names::VIRTUAL_NODE_TYPE_LABEL))
+        .is_some_and(|v| v == names::VIRTUAL_NODE_TYPE_VALUE)
+}
+
+/// The filter's answer for a virtual node, with what scoring needs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Judgement {
+    pub verdict: Verdict,
+    /// For each frontier vector that holds the pod, the largest share of one of its
+    /// resources the pod would take (0 to 1): near 1 is a tight fit.
+    pub shares: Vec<f64>,
+}
+
+impl Judgement {
+    fn open(reason: FailOpen) -> Self {
+        Judgement {
+            verdict: Verdict::FailOpen(reason),
+            shares: Vec::new(),
+        }
+    }
+}
+
+/// Judges `node` for `pod`.
+pub fn filter(pod: &Pod, node: &Node, options: &Options) -> Verdict {
+    if !is_virtual(node) {
+        return Verdict::NotVirtual;
+    }
+    judge(&PodFacts::of(pod), ShapeFacts::of(node).as_ref(), options).verdict
+}
+
+/// Judges a virtual node, by the shape it publishes (`None`: none), for a pod.
+pub fn judge(pod: &PodFacts, shape: Option<&Result<ShapeFacts, String>>, options: &Options) -> Judgement {
+    let facts = match shape {
+        None => return Judgement::open(FailOpen::NoShape),
+        Some(Err(e)) => return Judgement::open(FailOpen::BadShape(e.clone())),
+        Some(Ok(f)) => f,
     };
+    if let (Some(at), Some(max_age)) = (facts.at, options.max_age)
+        && options.now.duration_since(at) > max_age
+    {
+        return Judgement::open(FailOpen::StaleShape);
+    }
+    let stash = match &pod.stash {
+        Ok(s) => s,
+        Err(e) => return Judgement::open(FailOpen::BadStash(e.clone())),
+    };
+    let shape = &facts.shape;
     let terms = stash
         .node_affinity()
         .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref())
@@ -133,9 +217,8 @@ pub fn filter(pod: &Pod, node: &Node, options: &Options) -> Verdict {
         .flatten()
         .any(|t| t.match_fields.as_ref().is_some_and(|f| !f.is_empty()))
     {
-        return Verdict::FailOpen(FailOpen::MatchFields);
+        return Judgement::open(FailOpen::MatchFields);
     }
-    let published: BTreeSet<&str> = shape.keys.iter().map(String::as_str).collect();
     let referenced = stash.node_selector.keys().map(String::as_str).chain(
         terms
             .into_iter()
@@ -144,43 +227,70 @@ pub fn filter(pod: &Pod, node: &Node, options: &Options) -> Verdict {
             .map(|r| r.key.as_str()),
     );
     for key in referenced {
-        if !published.contains(key) {
-            return Verdict::FailOpen(FailOpen::UnpublishedLabel(key.to_owned()));
+        if !shape.keys.iter().any(|k| k == key) {
+            return Judgement::open(FailOpen::UnpublishedLabel(key.to_owned()));
         }
     }
 
-    let requests = pod_requests(pod);
-    let selected: Vec<&Group> = shape
-        .groups
-        .iter()
-        .filter(|g| g.count > 0 && labels_match(&g.labels, &stash.node_selector, terms))
+    let requests = &pod.requests;
+    let selected: Vec<usize> = (0..shape.groups.len())
+        .filter(|i| {
+            let g = &shape.groups[*i];
+            g.count > 0 && labels_match(&g.labels, &stash.node_selector, terms)
+        })
         .collect();
-    let candidates: Vec<&Group> = selected
+    let candidates: Vec<usize> = selected
         .iter()
         .copied()
-        .filter(|g| g.taints.iter().all(|t| tolerated(t, &stash.tolerations)))
+        .filter(|i| {
+            shape.groups[*i]
+                .taints
+                .iter()
+                .all(|t| tolerated(t, &stash.tolerations))
+        })
         .collect();
-    let mut vectors: Vec<(&Group, ResourceMap)> = Vec::new();
-    for g in &candidates {
-        match g.free_maps() {
-            Ok(maps) => vectors.extend(maps.into_iter().map(|m| (*g, m))),
-            Err(e) => return Verdict::FailOpen(FailOpen::BadShape(e.to_string())),
-        }
+    let shares: Vec<f64> = candidates
+        .iter()
+        .flat_map(|i| &facts.free[*i])
+        .filter(|v| fits(requests, v))
+        .map(|v| share(requests, v))
+        .collect();
+    if !shares.is_empty() {
+        return Judgement {
+            verdict: Verdict::Fits,
+            shares,
+        };
     }
-    if vectors.iter().any(|(_, v)| fits(&requests, v)) {
-        return Verdict::Fits;
+    if candidates.iter().any(|i| shape.groups[*i].truncated) {
+        return Judgement::open(FailOpen::Truncated);
     }
-    if candidates.iter().any(|g| g.truncated) {
-        return Verdict::FailOpen(FailOpen::Truncated);
+    let groups = |ids: &[usize]| -> Vec<&Group> { ids.iter().map(|i| &shape.groups[*i]).collect() };
+    let vectors: Vec<(&Group, ResourceMap)> = candidates
+        .iter()
+        .flat_map(|i| facts.free[*i].iter().map(move |v| (&shape.groups[*i], v.clone())))
+        .collect();
+    Judgement {
+        verdict: Verdict::Rejected(rejection(
+            shape,
+            &groups(&selected),
+            &groups(&candidates),
+            requests,
+            &vectors,
+            &stash.tolerations,
+        )),
+        shares: Vec::new(),
     }
-    Verdict::Rejected(rejection(
-        &shape,
-        &selected,
-        &candidates,
-        &requests,
-        &vectors,
-        &stash.tolerations,
-    ))
+}
+
+/// The largest share of one resource of `free` that `requests` takes.
+fn share(requests: &ResourceMap, free: &ResourceMap) -> f64 {
+    requests
+        .0
+        .iter()
+        .filter(|(_, q)| **q > 0)
+        .map(|(k, q)| *q as f64 / free.get(k).max(1) as f64)
+        .fold(0.0, f64::max)
+        .min(1.0)
 }
 
 fn fits(requests: &ResourceMap, free: &ResourceMap) -> bool {

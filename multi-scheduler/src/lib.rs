@@ -1,9 +1,375 @@
-//! multi-scheduler: picks only virtual nodes whose lower cluster really has a node that
-//! fits the pod.
+//! multi-scheduler: lets the upper scheduler pick only virtual nodes whose lower cluster
+//! really has a node that fits the pod.
 //!
-//! Built so far: the [`filter`], a pure function that judges one pod against one virtual
-//! node from the [capacity shape](tensile_common::shape) the node publishes and the pod's
-//! stashed lower-cluster constraints. Not built yet: the extender and scheduler modes that
-//! would serve it; this crate ships no binary until they exist.
+//! The model: each virtual node publishes a capacity shape of its lower cluster
+//! ([`tensile_common::shape`]): its nodes grouped by label values and taints, with each
+//! group's frontier of per-node free resources. The [`filter`] judges a pod against a
+//! virtual node from that shape and the pod's stashed lower-cluster constraints; where the
+//! data cannot answer exactly it passes the node and says why (fail open), since the lower
+//! scheduler and the descheduler remain the backstop. A virtual node the descheduler
+//! excluded for the pod's workload is rejected while the exclusion lasts.
+//!
+//! One mode is built: `--mode=extender`, an HTTPS kube-scheduler extender ([`extender`],
+//! [`server`]) behind a second stock kube-scheduler (`config/` holds its configuration).
+//! It reads virtual Nodes and the exclusion records from watch caches, so answering makes
+//! no API call. The standalone `--mode=scheduler` is not built.
 
+pub mod extender;
 pub mod filter;
+pub mod metrics;
+pub mod server;
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Node};
+use kube::api::Api;
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use tensile_common::admin::{self, AdminArgs, Readiness};
+use tensile_common::cache::watched;
+use tensile_common::exclusion::{self, Location};
+use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
+use tensile_common::runtime::{self, CancellationToken, Supervisor};
+use tensile_common::telemetry::LogArgs;
+use tensile_common::tls;
+use tokio::sync::Notify;
+
+use crate::extender::{FactsCache, Score};
+use crate::server::{NodeStore, State};
+
+/// How the multi-scheduler takes part in scheduling.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// A kube-scheduler extender (`POST /filter`, `POST /prioritize`).
+    Extender,
+    /// A standalone scheduler (not built yet).
+    Scheduler,
+}
+
+/// Command-line flags (each also read from the environment), then the shared runtime's
+/// (clients, admin endpoint, logging).
+#[derive(Clone, Debug, clap::Parser)]
+#[command(
+    name = "multi-scheduler",
+    about = "Filters virtual nodes by whether some lower node fits the pod (a kube-scheduler extender)"
+)]
+pub struct Args {
+    /// How to take part in scheduling.
+    #[arg(long, env = "TENSILE_MODE", value_enum, default_value_t = Mode::Extender)]
+    pub mode: Mode,
+    /// Kubeconfig of the upper cluster; without it, the pod's service account (in-cluster).
+    #[arg(long, env = "TENSILE_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Address to serve the extender's HTTPS on.
+    #[arg(long, env = "TENSILE_ADDRESS", default_value = "0.0.0.0")]
+    pub address: IpAddr,
+    /// Port to serve the extender's HTTPS on.
+    #[arg(long, env = "TENSILE_PORT", default_value_t = 8443)]
+    pub port: u16,
+    /// How prioritize ranks the virtual nodes that fit: the tightest lower node first
+    /// (binpack) or the roomiest (spread).
+    #[arg(long, env = "TENSILE_SCORE", value_enum, default_value_t = Score::Binpack)]
+    pub score: Score,
+    /// A capacity shape older than this is not trusted and the node passes (`15m`, or
+    /// seconds; 0 trusts any age). Virtual nodes refresh an unchanged shape every 5 minutes.
+    #[arg(long = "shape-max-age", env = "TENSILE_SHAPE_MAX_AGE", default_value = "15m",
+          value_parser = parse_seconds)]
+    pub shape_max_age: Duration,
+    /// Label selector of the virtual nodes; any other node passes the filter.
+    #[arg(
+        long = "node-selector",
+        env = "TENSILE_NODE_SELECTOR",
+        default_value = "type=virtual-kubelet"
+    )]
+    pub node_selector: String,
+    /// The ConfigMap (`namespace/name`) holding the descheduler's exclusion records.
+    #[arg(long = "exclusions-configmap", env = "TENSILE_EXCLUSIONS_CONFIGMAP",
+          default_value = exclusion::DEFAULT_LOCATION)]
+    pub exclusions_configmap: Location,
+    /// Serving certificate (PEM); reloaded when it changes. Without it a certificate is
+    /// generated at start.
+    #[arg(
+        long = "tls-cert-file",
+        env = "TENSILE_TLS_CERT_FILE",
+        requires = "tls_private_key_file"
+    )]
+    pub tls_cert_file: Option<PathBuf>,
+    /// Private key of `--tls-cert-file` (PEM).
+    #[arg(
+        long = "tls-private-key-file",
+        env = "TENSILE_TLS_PRIVATE_KEY_FILE",
+        requires = "tls_cert_file"
+    )]
+    pub tls_private_key_file: Option<PathBuf>,
+    /// How often the certificate files are checked for a change, in seconds.
+    #[arg(long = "tls-reload-seconds", env = "TENSILE_TLS_RELOAD_SECONDS", default_value_t = 5,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub tls_reload_seconds: u64,
+    /// DNS names and IPs of the generated certificate (without `--tls-cert-file`).
+    #[arg(
+        long = "self-signed-names",
+        env = "TENSILE_SELF_SIGNED_NAMES",
+        value_delimiter = ',',
+        default_value = "localhost,127.0.0.1"
+    )]
+    pub self_signed_names: Vec<String>,
+    /// Where to write the generated certificate's CA (PEM), for the scheduler's
+    /// `tlsConfig.caFile` (without `--tls-cert-file`).
+    #[arg(
+        long = "self-signed-ca-file",
+        env = "TENSILE_SELF_SIGNED_CA_FILE",
+        conflicts_with = "tls_cert_file"
+    )]
+    pub self_signed_ca_file: Option<PathBuf>,
+    /// Largest request body accepted, in bytes (a scheduler that is not node-cache-capable
+    /// sends every candidate Node).
+    #[arg(long = "max-body-bytes", env = "TENSILE_MAX_BODY_BYTES", default_value_t = 64 << 20)]
+    pub max_body_bytes: usize,
+    #[command(flatten)]
+    pub client: ClientArgs,
+    #[command(flatten)]
+    pub admin: AdminArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// Seconds as a plain number, or a duration as client-go's flags write it (`30s`, `15m`).
+pub fn parse_seconds(s: &str) -> Result<Duration, String> {
+    match s.trim().parse::<u64>() {
+        Ok(n) => Ok(Duration::from_secs(n)),
+        Err(_) => tensile_common::leader::parse_duration(s),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "--mode=scheduler is not built yet: run --mode=extender behind a kube-scheduler configured with one of the files in config/"
+    )]
+    SchedulerModeNotBuilt,
+    #[error("{0}")]
+    Kubeconfig(#[from] kubeconfig::Error),
+    #[error("{0}")]
+    Admin(#[from] admin::Error),
+    #[error(transparent)]
+    Tls(#[from] tls::Error),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("writing the CA to {path}: {source}")]
+    WriteCa {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("waiting for a shutdown signal: {0}")]
+    Signal(#[source] std::io::Error),
+    #[error(transparent)]
+    Stopped(#[from] runtime::Stopped),
+}
+
+/// How long open requests get to finish after SIGTERM.
+const DRAIN: Duration = runtime::DEFAULT_DRAIN;
+/// Time a client has to send a request body.
+const BODY_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Runs until SIGTERM or SIGINT (then `Ok`) or a failure.
+pub async fn run(args: Args) -> Result<(), Error> {
+    let shutdown = runtime::shutdown_on_signals().map_err(Error::Signal)?;
+    run_until(args, shutdown).await
+}
+
+/// As [`run`], stopping when `shutdown` is cancelled.
+pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Error> {
+    if args.mode == Mode::Scheduler {
+        return Err(Error::SchedulerModeNotBuilt);
+    }
+    let options = ClientOptions {
+        user_agent: Some("tensile-multi-scheduler".into()),
+        ..args.client.options()
+    };
+    let client = kubeconfig::ClientSource::new(args.kubeconfig.as_deref(), &options)
+        .await?
+        .client()?;
+    let mut tasks = Supervisor::new(shutdown.clone(), DRAIN);
+    let tls_config = serving_tls(&args, &mut tasks)?;
+    let addr = SocketAddr::new(args.address, args.port);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Bind { addr, source })?;
+    let admin_listener = admin::bind(args.admin.admin_addr).await?;
+
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = metrics::Metrics::new(&mut registry);
+    let readiness = Readiness::default();
+    readiness.say(false, "caches syncing");
+    tasks.spawn(
+        "the admin endpoint",
+        admin::serve(admin_listener, Arc::new(registry), readiness.clone()),
+    );
+
+    let changed = Arc::new(Notify::new());
+    let (nodes, nodes_watch) = watched::<Node>(
+        Api::all(client.clone()),
+        watcher::Config::default().labels(&args.node_selector),
+        &changed,
+    );
+    let location = args.exclusions_configmap.clone();
+    let (exclusions_cache, exclusions, exclusions_watch) = exclusion::follow(
+        Api::<ConfigMap>::namespaced(client, &location.namespace),
+        &location.name,
+    );
+    let state = Arc::new(State {
+        nodes: Arc::new(NodeStore(nodes.store().clone())),
+        facts: FactsCache::default(),
+        exclusions,
+        max_age: (!args.shape_max_age.is_zero())
+            .then(|| jiff::SignedDuration::from_secs(args.shape_max_age.as_secs() as i64)),
+        score: args.score,
+        metrics,
+        max_body_bytes: args.max_body_bytes,
+        body_deadline: BODY_DEADLINE,
+    });
+    tracing::info!(
+        %addr,
+        node_selector = %args.node_selector,
+        exclusions = %location,
+        score = ?args.score,
+        shape_max_age = ?args.shape_max_age,
+        "serving the extender"
+    );
+    tasks.spawn("the node watch", nodes_watch);
+    tasks.spawn("the exclusions watch", exclusions_watch);
+    tasks.spawn(
+        "the node facts clean-up",
+        forget_deleted(state.clone(), nodes.clone(), changed),
+    );
+    tasks.spawn("readiness", async move {
+        nodes.synced().await;
+        exclusions_cache.synced().await;
+        readiness.say(true, "serving; virtual nodes and exclusions synced");
+        futures::future::pending::<()>().await
+    });
+    tasks.spawn_graceful("the extender", move |stop| {
+        server::serve_https(listener, tls_config, state, stop)
+    });
+    tasks.run().await.map_err(Error::from)
+}
+
+/// Drops the decoded shapes of deleted nodes as the watch shows the deletions.
+async fn forget_deleted(state: Arc<State>, nodes: tensile_common::cache::Cache<Node>, changed: Arc<Notify>) {
+    loop {
+        changed.notified().await;
+        state
+            .facts
+            .retain(|name| nodes.get(&ObjectRef::new(name)).is_some());
+    }
+}
+
+/// The serving certificate: files reloaded on change, or generated (its CA written where
+/// asked).
+fn serving_tls(args: &Args, tasks: &mut Supervisor) -> Result<Arc<rustls::ServerConfig>, Error> {
+    let resolver = match (&args.tls_cert_file, &args.tls_private_key_file) {
+        (Some(cert), Some(key)) => {
+            let resolver = tls::CertResolver::new(tls::load(cert, key)?);
+            let (r, cert, key) = (resolver.clone(), cert.clone(), key.clone());
+            let every = Duration::from_secs(args.tls_reload_seconds);
+            tasks.spawn_graceful("the certificate reload", move |stop| {
+                tls::reload(r, cert, key, every, stop)
+            });
+            resolver
+        }
+        _ => {
+            let generated = tls::self_signed(&args.self_signed_names)?;
+            if let Some(path) = &args.self_signed_ca_file {
+                std::fs::write(path, &generated.ca_pem).map_err(|source| Error::WriteCa {
+                    path: path.clone(),
+                    source,
+                })?;
+            }
+            tls::CertResolver::new(generated.key)
+        }
+    };
+    Ok(tls::server_config(resolver)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn defaults_serve_an_extender_with_binpack_and_a_15_minute_shape_age() {
+        let args = Args::try_parse_from(["multi-scheduler"]).unwrap();
+        assert_eq!(args.mode, Mode::Extender);
+        assert_eq!(args.score, Score::Binpack);
+        assert_eq!(args.shape_max_age, Duration::from_secs(900));
+        assert_eq!(args.port, 8443);
+        assert_eq!(args.node_selector, "type=virtual-kubelet");
+        assert_eq!(
+            args.exclusions_configmap.to_string(),
+            "kube-system/tensile-exclusions"
+        );
+        let args = Args::try_parse_from(["multi-scheduler", "--score=spread", "--shape-max-age=2m"]).unwrap();
+        assert_eq!(args.score, Score::Spread);
+        assert_eq!(args.shape_max_age, Duration::from_secs(120));
+    }
+
+    #[test]
+    fn bad_flags_are_named() {
+        for (flag, needle) in [
+            ("--score=random", "random"),
+            ("--shape-max-age=soon", "not a duration"),
+            ("--tls-cert-file=/x", "tls-private-key-file"),
+            ("--mode=both", "both"),
+        ] {
+            let err = Args::try_parse_from(["multi-scheduler", flag])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(needle), "{flag}: {err}");
+        }
+    }
+
+    #[tokio::test]
+    async fn scheduler_mode_is_refused_before_anything_starts() {
+        let args = Args::try_parse_from(["multi-scheduler", "--mode=scheduler", "--kubeconfig=/nonexistent"])
+            .unwrap();
+        let err = run_until(args, CancellationToken::new()).await.unwrap_err();
+        assert!(matches!(err, Error::SchedulerModeNotBuilt));
+        assert!(
+            err.to_string().starts_with("--mode=scheduler is not built yet"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_shipped_scheduler_configurations_call_the_verbs_this_server_serves() {
+        for (file, version) in [
+            ("scheduler-v1beta1.yaml", "kubescheduler.config.k8s.io/v1beta1"),
+            ("scheduler-v1.yaml", "kubescheduler.config.k8s.io/v1"),
+        ] {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("config")
+                .join(file);
+            let text = std::fs::read_to_string(&path).unwrap();
+            let config: serde_json::Value = serde_yaml::from_str(&text).unwrap();
+            assert_eq!(config["apiVersion"], version, "{file}");
+            assert_eq!(config["kind"], "KubeSchedulerConfiguration");
+            assert_eq!(config["profiles"][0]["schedulerName"], "tensile-scheduler");
+            let extender = &config["extenders"][0];
+            assert_eq!(extender["filterVerb"], "filter");
+            assert_eq!(extender["prioritizeVerb"], "prioritize");
+            assert_eq!(extender["nodeCacheCapable"], true);
+            assert_eq!(extender["enableHTTPS"], true);
+            assert_eq!(extender["ignorable"], false);
+            assert!(extender["tlsConfig"]["caFile"].is_string());
+            assert!(extender["bindVerb"].is_null(), "the default binder binds");
+        }
+    }
+}

@@ -1,0 +1,542 @@
+//! The kube-scheduler extender protocol (k8s.io/kube-scheduler `extender/v1`) and the
+//! answers to its `filter` and `prioritize` verbs, apart from HTTP.
+//!
+//! The Go types carry no json tags, so the keys are the Go field names: `Pod`, `Nodes`,
+//! `NodeNames` in; `NodeNames` or `Nodes`, `FailedNodes`, `FailedAndUnresolvableNodes`,
+//! `Error` out for a filter; `[{"Host","Score"}]` for a prioritize. A scheduler configured
+//! with `nodeCacheCapable: true` sends node names only, and the nodes are read from this
+//! process's watch cache ([`View`]); otherwise it sends whole Nodes, and the answer names
+//! a subset of them in the same form.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ListMeta;
+use serde::{Deserialize, Serialize};
+use tensile_common::exclusion::Exclusions;
+use tensile_common::names;
+
+use crate::filter::{self, Judgement, Options, PodFacts, ShapeFacts, Verdict};
+
+/// The highest score an extender may give (`MaxExtenderPriority`).
+pub const MAX_SCORE: i64 = 10;
+
+/// A node list as the scheduler writes one (`v1.NodeList`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct NodeList {
+    #[serde(default)]
+    pub metadata: ListMeta,
+    #[serde(default)]
+    pub items: Vec<Node>,
+}
+
+/// The request of both verbs.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ExtenderArgs {
+    #[serde(rename = "Pod")]
+    pub pod: Pod,
+    /// The candidate nodes, when the extender is not node-cache-capable.
+    #[serde(rename = "Nodes", default)]
+    pub nodes: Option<NodeList>,
+    /// The candidate node names, when it is.
+    #[serde(rename = "NodeNames", default)]
+    pub node_names: Option<Vec<String>>,
+}
+
+/// The answer to `filter`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ExtenderFilterResult {
+    #[serde(rename = "Nodes")]
+    pub nodes: Option<NodeListOut>,
+    #[serde(rename = "NodeNames")]
+    pub node_names: Option<Vec<String>>,
+    /// Rejected node → why.
+    #[serde(rename = "FailedNodes")]
+    pub failed_nodes: BTreeMap<String, String>,
+    /// Read from 1.21 on (preemption then skips these nodes); never filled here, since
+    /// preempting upper pods can free a lower node.
+    #[serde(rename = "FailedAndUnresolvableNodes")]
+    pub failed_and_unresolvable_nodes: BTreeMap<String, String>,
+    #[serde(rename = "Error")]
+    pub error: String,
+}
+
+/// The node list of a filter answer: the passing nodes as they came.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeListOut {
+    pub metadata: serde_json::Value,
+    pub items: Vec<serde_json::Value>,
+}
+
+/// One entry of the answer to `prioritize` (`HostPriorityList`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostPriority {
+    #[serde(rename = "Host")]
+    pub host: String,
+    #[serde(rename = "Score")]
+    pub score: i64,
+}
+
+/// How prioritize ranks the nodes that fit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Score {
+    /// Prefer the lower node the pod fills most (fewer, fuller nodes; large holes kept).
+    Binpack,
+    /// Prefer the lower node with the most room left.
+    Spread,
+}
+
+/// Why the request cannot be answered (a 400).
+#[derive(Debug, thiserror::Error)]
+pub enum BadRequest {
+    #[error("the body is not ExtenderArgs JSON: {0}")]
+    Decode(#[from] serde_json::Error),
+    #[error("ExtenderArgs has neither Nodes nor NodeNames")]
+    NoNodes,
+}
+
+impl ExtenderArgs {
+    pub fn decode(body: &[u8]) -> Result<Self, BadRequest> {
+        let args: Self = serde_json::from_slice(body)?;
+        if args.nodes.is_none() && args.node_names.is_none() {
+            return Err(BadRequest::NoNodes);
+        }
+        Ok(args)
+    }
+}
+
+/// What one node is to the filter, derived once per version of the Node.
+#[derive(Debug)]
+pub struct NodeFacts {
+    pub virtual_node: bool,
+    /// The shape (`None`: none published).
+    pub shape: Option<Result<ShapeFacts, String>>,
+}
+
+/// Node facts by name and resourceVersion, so a shape is decoded once per change of its
+/// Node rather than once per request.
+#[derive(Debug, Default)]
+pub struct FactsCache(Mutex<HashMap<String, (String, Arc<NodeFacts>)>>);
+
+impl FactsCache {
+    pub fn facts(&self, node: &Node) -> Arc<NodeFacts> {
+        let name = node.metadata.name.as_deref().unwrap_or_default();
+        let version = node.metadata.resource_version.as_deref();
+        if let Some(v) = version
+            && let Ok(map) = self.0.lock()
+            && let Some((seen, facts)) = map.get(name)
+            && seen == v
+        {
+            return facts.clone();
+        }
+        let virtual_node = filter::is_virtual(node);
+        let facts = Arc::new(NodeFacts {
+            virtual_node,
+            shape: if virtual_node { ShapeFacts::of(node) } else { None },
+        });
+        if let Some(v) = version
+            && let Ok(mut map) = self.0.lock()
+        {
+            map.insert(name.to_owned(), (v.to_owned(), facts.clone()));
+        }
+        facts
+    }
+
+    /// Forgets nodes not in `keep` (deleted Nodes).
+    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
+        if let Ok(mut map) = self.0.lock() {
+            map.retain(|name, _| keep(name));
+        }
+    }
+}
+
+/// Where node names are looked up: the watch cache of virtual nodes.
+pub trait View {
+    /// The node named `name`, `None` when the cache has no such virtual node.
+    fn node(&self, name: &str) -> Option<Arc<Node>>;
+}
+
+/// What the filter decided for one node, for the metrics.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Passed: not a virtual node (or one the cache does not know yet), or a fit.
+    Passed,
+    FailOpen(&'static str),
+    /// Rejected, with the reason label: `shape` or `exclusion`.
+    Rejected(&'static str),
+}
+
+/// Everything a request is judged with besides the request.
+pub struct Context<'a> {
+    pub view: &'a dyn View,
+    pub facts: &'a FactsCache,
+    pub exclusions: &'a Exclusions,
+    pub options: Options,
+}
+
+/// The key of the pod's workload in the exclusion records: its controller's UID, or for a
+/// bare pod's replacement the line it belongs to.
+pub fn owner_key(pod: &Pod) -> Option<String> {
+    let controller = pod
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true))
+        .map(|o| o.uid.clone());
+    controller.or_else(|| {
+        pod.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(names::LINEAGE))
+            .cloned()
+    })
+}
+
+/// A candidate node as the request named it.
+enum Candidate<'a> {
+    Name(&'a str),
+    Node(&'a Node),
+}
+
+impl Candidate<'_> {
+    fn name(&self) -> &str {
+        match self {
+            Candidate::Name(n) => n,
+            Candidate::Node(n) => n.metadata.name.as_deref().unwrap_or_default(),
+        }
+    }
+}
+
+fn candidates(args: &ExtenderArgs) -> Vec<Candidate<'_>> {
+    match (&args.node_names, &args.nodes) {
+        (Some(names), _) => names.iter().map(|n| Candidate::Name(n)).collect(),
+        (None, Some(list)) => list.items.iter().map(Candidate::Node).collect(),
+        (None, None) => Vec::new(),
+    }
+}
+
+/// The judgement of one node for the pod, with the exclusion applied first.
+fn judge_node(
+    candidate: &Candidate<'_>,
+    pod: &PodFacts,
+    excluded: &BTreeMap<&str, String>,
+    ctx: &Context<'_>,
+) -> (Option<Judgement>, Outcome, Option<String>) {
+    let name = candidate.name();
+    let facts = match candidate {
+        Candidate::Node(node) => Some(ctx.facts.facts(node)),
+        Candidate::Name(n) => ctx.view.node(n).map(|node| ctx.facts.facts(&node)),
+    };
+    let Some(facts) = facts.filter(|f| f.virtual_node) else {
+        return (None, Outcome::Passed, None);
+    };
+    if let Some(message) = excluded.get(name) {
+        return (None, Outcome::Rejected("exclusion"), Some(message.clone()));
+    }
+    let judgement = filter::judge(pod, facts.shape.as_ref(), &ctx.options);
+    let (outcome, message) = match &judgement.verdict {
+        Verdict::NotVirtual | Verdict::Fits => (Outcome::Passed, None),
+        Verdict::FailOpen(f) => (Outcome::FailOpen(f.reason()), None),
+        Verdict::Rejected(m) => (Outcome::Rejected("shape"), Some(m.clone())),
+    };
+    (Some(judgement), outcome, message)
+}
+
+/// The pod's active exclusions: node → the message a rejection there gives.
+fn exclusions_of<'a>(pod: &Pod, ctx: &'a Context<'_>) -> BTreeMap<&'a str, String> {
+    let Some(record) = owner_key(pod).and_then(|k| ctx.exclusions.records.get(&k)) else {
+        return BTreeMap::new();
+    };
+    if record.is_expired(ctx.options.now) {
+        return BTreeMap::new();
+    }
+    record
+        .nodes
+        .iter()
+        .filter(|(_, until)| **until > ctx.options.now)
+        .map(|(node, until)| {
+            let message = format!(
+                "excluded for {} {}/{} until {}: its lower cluster refused the workload",
+                record.kind,
+                record.namespace,
+                record.name,
+                tensile_common::api::time(*until)
+            );
+            (node.as_str(), message)
+        })
+        .collect()
+}
+
+/// Answers `filter`: the passing candidates in the form they came, the rejected ones with
+/// the reason; and the outcome of each node, in order, for the metrics.
+pub fn filter(args: &ExtenderArgs, ctx: &Context<'_>) -> (ExtenderFilterResult, Vec<Outcome>) {
+    let pod = PodFacts::of(&args.pod);
+    let excluded = exclusions_of(&args.pod, ctx);
+    let mut result = ExtenderFilterResult::default();
+    let mut outcomes = Vec::new();
+    let mut passed_names = Vec::new();
+    let mut passed_nodes = Vec::new();
+    for candidate in candidates(args) {
+        let (_, outcome, message) = judge_node(&candidate, &pod, &excluded, ctx);
+        match message {
+            Some(m) => {
+                result.failed_nodes.insert(candidate.name().to_owned(), m);
+            }
+            None => match candidate {
+                Candidate::Name(n) => passed_names.push(n.to_owned()),
+                Candidate::Node(n) => passed_nodes.push(n),
+            },
+        }
+        outcomes.push(outcome);
+    }
+    if args.node_names.is_some() {
+        result.node_names = Some(passed_names);
+    } else {
+        let items = passed_nodes
+            .into_iter()
+            .filter_map(|n| serde_json::to_value(n).ok())
+            .collect();
+        result.nodes = Some(NodeListOut {
+            metadata: serde_json::json!({}),
+            items,
+        });
+    }
+    (result, outcomes)
+}
+
+/// Answers `prioritize`: every candidate, scored 0 to [`MAX_SCORE`] by the frontier
+/// vector that holds the pod best for `score`; a node no vector answers for (not virtual,
+/// excluded, rejected or judged open) scores 0.
+pub fn prioritize(args: &ExtenderArgs, ctx: &Context<'_>, score: Score) -> Vec<HostPriority> {
+    let pod = PodFacts::of(&args.pod);
+    let excluded = exclusions_of(&args.pod, ctx);
+    candidates(args)
+        .iter()
+        .map(|candidate| {
+            let (judgement, _, _) = judge_node(candidate, &pod, &excluded, ctx);
+            let shares = judgement.map(|j| j.shares).unwrap_or_default();
+            let best = match score {
+                Score::Binpack => shares.iter().copied().reduce(f64::max),
+                Score::Spread => shares.iter().copied().reduce(f64::min).map(|s| 1.0 - s),
+            };
+            HostPriority {
+                host: candidate.name().to_owned(),
+                score: best.map_or(0, |b| (b * MAX_SCORE as f64).round() as i64),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{Value, json};
+    use tensile_common::shape::{DEFAULT_GROUP_CAP, build};
+
+    fn now() -> jiff::Timestamp {
+        "2024-05-01T10:00:00Z".parse().unwrap()
+    }
+
+    fn lower(name: &str, cpu: &str) -> Node {
+        serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "status": {"allocatable": {"cpu": cpu, "memory": "16Gi", "pods": "110"},
+                       "conditions": [{"type": "Ready", "status": "True"}]},
+        }))
+        .unwrap()
+    }
+
+    fn virtual_node(name: &str, cpus: &[&str]) -> Node {
+        let lowers: Vec<Node> = cpus
+            .iter()
+            .enumerate()
+            .map(|(i, c)| lower(&format!("n{i}"), c))
+            .collect();
+        let shape = build(&lowers, [], &[], DEFAULT_GROUP_CAP, now())
+            .encode()
+            .unwrap();
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "resourceVersion": "1",
+                         "labels": {names::VIRTUAL_NODE_TYPE_LABEL: names::VIRTUAL_NODE_TYPE_VALUE},
+                         "annotations": {names::NODE_CAPACITY_SHAPE: shape}},
+        }))
+        .unwrap()
+    }
+
+    fn plain_node(name: &str) -> Node {
+        serde_json::from_value(json!({"metadata": {"name": name}})).unwrap()
+    }
+
+    struct Nodes(Vec<Node>);
+
+    impl View for Nodes {
+        fn node(&self, name: &str) -> Option<Arc<Node>> {
+            self.0
+                .iter()
+                .find(|n| n.metadata.name.as_deref() == Some(name))
+                .map(|n| Arc::new(n.clone()))
+        }
+    }
+
+    fn nodes() -> Nodes {
+        Nodes(vec![
+            virtual_node("vn-a", &["2", "2", "2"]),
+            virtual_node("vn-b", &["8"]),
+        ])
+    }
+
+    fn pod(cpu: &str, owner: Option<&str>) -> Value {
+        let owners = owner.map(|uid| {
+            json!([{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web",
+                                             "uid": uid, "controller": true}])
+        });
+        json!({"metadata": {"name": "p", "namespace": "ns", "ownerReferences": owners},
+               "spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": cpu}}}]}})
+    }
+
+    fn run(body: Value, view: &Nodes, exclusions: &Exclusions) -> (Value, Vec<Outcome>) {
+        let args = ExtenderArgs::decode(body.to_string().as_bytes()).unwrap();
+        let facts = FactsCache::default();
+        let ctx = Context {
+            view,
+            facts: &facts,
+            exclusions,
+            options: Options {
+                now: now(),
+                max_age: None,
+            },
+        };
+        let (result, outcomes) = filter(&args, &ctx);
+        (serde_json::to_value(result).unwrap(), outcomes)
+    }
+
+    #[test]
+    fn node_names_in_give_the_passing_subset_out_with_the_reason_for_the_rest() {
+        let body = json!({"Pod": pod("6", None), "Nodes": null, "NodeNames": ["vn-a", "vn-b", "worker-1"]});
+        let (out, outcomes) = run(body, &nodes(), &Exclusions::default());
+        assert_eq!(
+            out,
+            json!({
+                "Nodes": null,
+                "NodeNames": ["vn-b", "worker-1"],
+                "FailedNodes": {"vn-a": "no lower node fits cpu=6 (largest free 2)"},
+                "FailedAndUnresolvableNodes": {},
+                "Error": "",
+            })
+        );
+        assert_eq!(
+            outcomes,
+            [Outcome::Rejected("shape"), Outcome::Passed, Outcome::Passed]
+        );
+    }
+
+    #[test]
+    fn whole_nodes_in_give_whole_nodes_out() {
+        let view = Nodes(Vec::new());
+        let items: Vec<Value> = nodes()
+            .0
+            .iter()
+            .map(|n| serde_json::to_value(n).unwrap())
+            .collect();
+        let body =
+            json!({"Pod": pod("6", None), "Nodes": {"metadata": {}, "items": items}, "NodeNames": null});
+        let (out, _) = run(body, &view, &Exclusions::default());
+        assert_eq!(out["NodeNames"], Value::Null);
+        let names: Vec<&str> = out["Nodes"]["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["metadata"]["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["vn-b"]);
+        assert_eq!(out["Nodes"]["items"][0], items[1], "the node as it came");
+        assert!(out["FailedNodes"]["vn-a"].as_str().unwrap().contains("cpu=6"));
+    }
+
+    #[test]
+    fn a_virtual_node_excluded_for_the_pods_workload_is_rejected_until_the_exclusion_ends() {
+        let record = json!({"namespace": "ns", "kind": "ReplicaSet", "name": "web", "moves": 1,
+                            "nodes": {"vn-b": "2024-05-01T10:05:00Z"}, "expires": "2024-05-01T10:10:00Z"});
+        let cm =
+            serde_json::from_value(json!({"metadata": {"name": "x"}, "data": {"uid-1": record.to_string()}}))
+                .unwrap();
+        let exclusions = Exclusions::from_config_map(&cm);
+        let body = json!({"Pod": pod("1", Some("uid-1")), "NodeNames": ["vn-a", "vn-b"]});
+        let (out, outcomes) = run(body, &nodes(), &exclusions);
+        assert_eq!(out["NodeNames"], json!(["vn-a"]));
+        assert_eq!(
+            out["FailedNodes"]["vn-b"],
+            "excluded for ReplicaSet ns/web until 2024-05-01T10:05:00Z: its lower cluster refused the workload"
+        );
+        assert_eq!(outcomes[1], Outcome::Rejected("exclusion"));
+        let other = json!({"Pod": pod("1", Some("uid-2")), "NodeNames": ["vn-a", "vn-b"]});
+        assert_eq!(
+            run(other, &nodes(), &exclusions).0["NodeNames"],
+            json!(["vn-a", "vn-b"])
+        );
+    }
+
+    #[test]
+    fn prioritize_scores_the_tightest_fit_highest_for_binpack_and_lowest_for_spread() {
+        let view = Nodes(vec![
+            virtual_node("vn-a", &["2"]),
+            virtual_node("vn-b", &["8"]),
+            plain_node("w"),
+        ]);
+        let facts = FactsCache::default();
+        let exclusions = Exclusions::default();
+        let ctx = Context {
+            view: &view,
+            facts: &facts,
+            exclusions: &exclusions,
+            options: Options {
+                now: now(),
+                max_age: None,
+            },
+        };
+        let body = json!({"Pod": pod("2", None), "NodeNames": ["vn-a", "vn-b", "w", "unknown"]});
+        let args = ExtenderArgs::decode(body.to_string().as_bytes()).unwrap();
+        let scores = |s| -> Vec<(String, i64)> {
+            prioritize(&args, &ctx, s)
+                .into_iter()
+                .map(|h| (h.host, h.score))
+                .collect()
+        };
+        let pairs = |v: &[(&str, i64)]| -> Vec<(String, i64)> {
+            v.iter().map(|(h, s)| (h.to_string(), *s)).collect()
+        };
+        assert_eq!(
+            scores(Score::Binpack),
+            pairs(&[("vn-a", 10), ("vn-b", 3), ("w", 0), ("unknown", 0)])
+        );
+        assert_eq!(
+            scores(Score::Spread),
+            pairs(&[("vn-a", 0), ("vn-b", 8), ("w", 0), ("unknown", 0)])
+        );
+        let out = serde_json::to_value(prioritize(&args, &ctx, Score::Binpack)).unwrap();
+        assert_eq!(out[0], json!({"Host": "vn-a", "Score": 10}));
+    }
+
+    #[test]
+    fn a_request_without_nodes_or_that_is_not_json_is_a_bad_request() {
+        let err = ExtenderArgs::decode(br#"{"Pod": {}}"#).unwrap_err();
+        assert_eq!(err.to_string(), "ExtenderArgs has neither Nodes nor NodeNames");
+        let err = ExtenderArgs::decode(b"{nope").unwrap_err().to_string();
+        assert!(err.starts_with("the body is not ExtenderArgs JSON"), "{err}");
+        assert!(!err.contains('\n'));
+    }
+
+    #[test]
+    fn the_shape_is_decoded_once_per_version_of_the_node() {
+        let cache = FactsCache::default();
+        let mut node = virtual_node("vn-a", &["2"]);
+        let first = cache.facts(&node);
+        assert!(Arc::ptr_eq(&first, &cache.facts(&node)));
+        node.metadata.resource_version = Some("2".into());
+        assert!(!Arc::ptr_eq(&first, &cache.facts(&node)));
+        cache.retain(|_| false);
+        assert!(cache.0.lock().unwrap().is_empty());
+    }
+}

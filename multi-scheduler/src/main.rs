@@ -1,0 +1,14 @@
+use clap::Parser;
+
+#[global_allocator]
+static ALLOCATOR: tensile_common::Allocator = tensile_common::Allocator;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = tensile_multi_scheduler::Args::parse();
+    // One crypto provider for every TLS user in the process (kube's client included).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    tensile_common::telemetry::init(&args.log)?;
+    tensile_multi_scheduler::run(args).await?;
+    Ok(())
+}

@@ -1,0 +1,96 @@
+//! Prometheus metrics of the extender (`tensile_multischeduler_*`).
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::extender::Outcome;
+
+/// `verb`: `filter`, `prioritize` or `other` (a path that is neither); `result`: `ok` or
+/// the kind of bad request (`method`, `content_type`, `body`, `decode`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub verb: &'static str,
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VerbLabels {
+    pub verb: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+type HistogramFamily = Family<VerbLabels, Histogram, fn() -> Histogram>;
+
+pub struct Metrics {
+    pub requests: Family<RequestLabels, Counter>,
+    pub duration: HistogramFamily,
+    /// Virtual nodes a filter rejected, by reason (`shape`, `exclusion`).
+    pub rejected: Family<ReasonLabels, Counter>,
+    /// Virtual nodes a filter passed without an exact answer, by reason.
+    pub fail_open: Family<ReasonLabels, Counter>,
+}
+
+fn latency() -> Histogram {
+    Histogram::new([
+        0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0,
+    ])
+}
+
+impl Metrics {
+    pub fn new(registry: &mut Registry) -> Self {
+        let m = Metrics {
+            requests: Family::default(),
+            duration: Family::new_with_constructor(latency),
+            rejected: Family::default(),
+            fail_open: Family::default(),
+        };
+        let r = registry.sub_registry_with_prefix("tensile_multischeduler");
+        r.register(
+            "requests",
+            "Extender requests, by verb and result",
+            m.requests.clone(),
+        );
+        r.register(
+            "request_duration_seconds",
+            "Time from a request's arrival to its answer, body read included, by verb",
+            m.duration.clone(),
+        );
+        r.register(
+            "nodes_rejected",
+            "Virtual nodes the filter rejected, by reason (shape or exclusion)",
+            m.rejected.clone(),
+        );
+        r.register(
+            "fail_open",
+            "Virtual nodes the filter passed without an exact answer, by reason",
+            m.fail_open.clone(),
+        );
+        m
+    }
+
+    pub fn request(&self, verb: &'static str, result: &'static str) {
+        self.requests.get_or_create(&RequestLabels { verb, result }).inc();
+    }
+
+    /// Counts the outcomes of one filter.
+    pub fn outcomes(&self, outcomes: &[Outcome]) {
+        for o in outcomes {
+            match o {
+                Outcome::Passed => {}
+                Outcome::FailOpen(reason) => {
+                    self.fail_open.get_or_create(&ReasonLabels { reason }).inc();
+                }
+                Outcome::Rejected(reason) => {
+                    self.rejected.get_or_create(&ReasonLabels { reason }).inc();
+                }
+            }
+        }
+    }
+}
