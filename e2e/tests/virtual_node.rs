@@ -569,6 +569,59 @@ async fn the_kubelet_api_caps_and_cuts_idle_and_slow_clients_while_logs_work() {
     .unwrap();
 }
 
+/// A lower namespace the lower admin deletes is created again for the next pod: the virtual
+/// node does not go on believing it exists.
+#[tokio::test]
+async fn a_lower_namespace_deleted_below_is_created_again_for_the_next_pod() {
+    let bed = bed();
+    let _vn = VirtualNode::start("vn-nsgone", &bed.lower_a);
+    wait_ready("vn-nsgone").await;
+    namespace("nsgone").await;
+    let phase = |name: &'static str| async move {
+        eventually(
+            up(),
+            &format!("{name} Running"),
+            90,
+            &[
+                "-n",
+                "nsgone",
+                "get",
+                "pod",
+                name,
+                "-o",
+                "jsonpath={.status.phase}",
+            ],
+            "Running",
+        )
+        .await;
+    };
+    apply(up(), &pod("nsgone", "first", "vn-nsgone", "Always", "", "10m")).await;
+    phase("first").await;
+    let low = bed.lower_a.kubeconfig();
+    let deleted = kubectl(
+        low,
+        &["delete", "namespace", "nsgone", "--wait=true", "--timeout=90s"],
+    )
+    .await;
+    assert!(deleted.contains("deleted"), "{deleted}");
+    apply(up(), &pod("nsgone", "second", "vn-nsgone", "Always", "", "10m")).await;
+    phase("second").await;
+    let below = kubectl(
+        low,
+        &[
+            "-n",
+            "nsgone",
+            "get",
+            "pod",
+            "second",
+            "-o",
+            "jsonpath={.metadata.name}",
+        ],
+    )
+    .await;
+    assert_eq!(below, "second");
+}
+
 #[tokio::test]
 async fn a_pod_the_lower_cluster_cannot_place_shows_unschedulable_upstream() {
     let bed = bed();

@@ -194,12 +194,20 @@ pub fn decide(upper: &Pod, lower: Option<&Pod>, view: &View<'_>) -> Step {
         return Step::DeleteStale;
     }
     // Deletion flows down, then up: the lower pod stops with the same grace; once it is
-    // gone, the upper pod is released.
+    // gone, the upper pod is released. A grace shortened upstream while the lower pod is
+    // already stopping (`kubectl delete --grace-period=1` after a first delete) is passed
+    // down too: the apiserver accepts a second delete with a shorter grace.
     if upper.metadata.deletion_timestamp.is_some() {
+        let grace = upper.metadata.deletion_grace_period_seconds;
         return match lower {
-            Some(l) if l.metadata.deletion_timestamp.is_none() => Step::StopLower {
-                grace: upper.metadata.deletion_grace_period_seconds,
-            },
+            Some(l) if l.metadata.deletion_timestamp.is_none() => Step::StopLower { grace },
+            Some(l)
+                if grace
+                    .zip(l.metadata.deletion_grace_period_seconds)
+                    .is_some_and(|(upper, lower)| upper < lower) =>
+            {
+                Step::StopLower { grace }
+            }
             Some(_) => Step::AwaitLowerGone,
             None => Step::ReleaseUpper,
         };
@@ -371,9 +379,28 @@ async fn create_lower(
     lower_pods: &Api<Pod>,
     desired: &Pod,
 ) -> Result<Action, Error> {
-    let name = upper.name_any();
     let ns = upper.namespace().unwrap_or_default();
     ensure_namespace(ctx, &ns).await?;
+    let result = create_in_namespace(ctx, upper, lower_pods, desired).await;
+    if result.is_err() {
+        // The lower admin may have deleted the namespace since it was seen: the next attempt
+        // looks again (one read) instead of failing until restart.
+        if let Ok(mut known) = ctx.known_namespaces.lock() {
+            known.remove(&ns);
+        }
+    }
+    result
+}
+
+/// Creates `desired` below once its namespace exists: what the pod references first.
+async fn create_in_namespace(
+    ctx: &Context,
+    upper: &Pod,
+    lower_pods: &Api<Pod>,
+    desired: &Pod,
+) -> Result<Action, Error> {
+    let name = upper.name_any();
+    let ns = upper.namespace().unwrap_or_default();
     // What the pod references is below before the pod is.
     let mut blocked = ctx.copies.prepare(upper).await?;
     for claim in crate::volumes::claims(upper) {
@@ -857,6 +884,32 @@ mod tests {
             Step::AwaitLowerGone
         );
         assert_eq!(decide(&deleting, None, &view(&t)), Step::ReleaseUpper);
+    }
+
+    #[test]
+    fn a_grace_shortened_upstream_while_the_lower_pod_stops_is_passed_down_once() {
+        let t = translation();
+        let shortened = upper(json!({"metadata": {"deletionTimestamp": "2024-01-01T00:00:00Z",
+                                                   "deletionGracePeriodSeconds": 1}}));
+        let stopping_slowly = lower_of(
+            &shortened,
+            json!({"metadata": {"deletionTimestamp": "2024-01-01T00:00:30Z",
+                                "deletionGracePeriodSeconds": 30}}),
+        );
+        assert_eq!(
+            decide(&shortened, Some(&stopping_slowly), &view(&t)),
+            Step::StopLower { grace: Some(1) }
+        );
+        let stopping_fast = lower_of(
+            &shortened,
+            json!({"metadata": {"deletionTimestamp": "2024-01-01T00:00:01Z",
+                                "deletionGracePeriodSeconds": 1}}),
+        );
+        assert_eq!(
+            decide(&shortened, Some(&stopping_fast), &view(&t)),
+            Step::AwaitLowerGone,
+            "the same grace is not sent again"
+        );
     }
 
     #[test]
