@@ -443,6 +443,64 @@ async fn upper_edits_reach_the_copy_within_2s_and_copies_go_with_their_last_pod(
     );
 }
 
+/// An optional reference to a Secret that does not exist upstream never reaches the lower
+/// pod, so it cannot resolve to a same-named lower Secret of somebody else: the volume is an
+/// empty directory, the env var and envFrom entry and the image pull secret are left out, as
+/// a kubelet treats a missing optional object.
+#[tokio::test]
+async fn an_optional_reference_that_did_not_travel_never_reaches_a_lower_secret() {
+    let bed = bed();
+    let _vn = virtual_node("vn-optional").await;
+    bed.upper.create_namespace("optional").await.unwrap();
+    bed.lower.create_namespace("optional").await.unwrap();
+    kubectl(
+        low(),
+        &[
+            "-n",
+            "optional",
+            "create",
+            "secret",
+            "generic",
+            "other-tenant",
+            "--from-literal=token=theirs",
+        ],
+    )
+    .await;
+    let extra = r#"  imagePullSecrets: [{name: other-tenant}]
+  volumes: [{name: creds, secret: {secretName: other-tenant, optional: true}}]
+  containers:
+  - name: app
+    image: busybox
+    volumeMounts: [{name: creds, mountPath: /creds}]
+    env: [{name: TOKEN, valueFrom: {secretKeyRef: {name: other-tenant, key: token, optional: true}}}]
+    envFrom: [{secretRef: {name: other-tenant, optional: true}}]"#;
+    apply(up(), &pod("optional", "reader", "vn-optional", extra)).await;
+    running_below("optional", "reader").await;
+    let spec = kubectl(
+        low(),
+        &["-n", "optional", "get", "pod", "reader", "-o", "jsonpath={.spec}"],
+    )
+    .await;
+    assert!(
+        !spec.contains("other-tenant"),
+        "the lower pod names the lower Secret: {spec}"
+    );
+    let volume = kubectl(
+        low(),
+        &[
+            "-n",
+            "optional",
+            "get",
+            "pod",
+            "reader",
+            "-o",
+            "jsonpath={.spec.volumes[0].name}/{.spec.volumes[0].emptyDir}",
+        ],
+    )
+    .await;
+    assert_eq!(volume, "creds/{}");
+}
+
 #[tokio::test]
 async fn a_foreign_same_named_config_map_below_is_reported_and_left_untouched() {
     let bed = bed();

@@ -156,6 +156,80 @@ pub fn references(spec: &PodSpec, carried: impl Fn(&Volume) -> bool) -> Vec<Refe
     refs
 }
 
+/// Optional references whose object does not exist upstream, so no copy travelled.
+pub type Absent = BTreeSet<(Kind, String)>;
+
+/// Takes the references in `absent` out of a lower pod spec, the way a kubelet treats a
+/// missing optional object, so that they never resolve to a same-named lower object the
+/// pod's owner has no business reading (another tenant's Secret, a pull credential): a
+/// ConfigMap or Secret volume becomes an empty directory, a projected source, an `envFrom`
+/// entry or an env var from a key is left out, and so is an image pull secret.
+pub fn drop_absent(spec: &mut PodSpec, absent: &Absent) {
+    if absent.is_empty() {
+        return;
+    }
+    let gone = |kind: Kind, name: &str| absent.contains(&(kind, name.to_owned()));
+    for v in spec.volumes.iter_mut().flatten() {
+        let config_map = v
+            .config_map
+            .as_ref()
+            .is_some_and(|c| gone(Kind::ConfigMap, &c.name));
+        let secret = v
+            .secret
+            .as_ref()
+            .is_some_and(|s| gone(Kind::Secret, s.secret_name.as_deref().unwrap_or("")));
+        if config_map || secret {
+            v.config_map = None;
+            v.secret = None;
+            v.empty_dir = Some(Default::default());
+        }
+        if let Some(sources) = v.projected.as_mut().and_then(|p| p.sources.as_mut()) {
+            sources.retain(|source| {
+                !(source
+                    .config_map
+                    .as_ref()
+                    .is_some_and(|c| gone(Kind::ConfigMap, &c.name))
+                    || source
+                        .secret
+                        .as_ref()
+                        .is_some_and(|s| gone(Kind::Secret, &s.name)))
+            });
+        }
+    }
+    let containers = spec
+        .init_containers
+        .iter_mut()
+        .flatten()
+        .chain(spec.containers.iter_mut());
+    for c in containers {
+        if let Some(env) = c.env.as_mut() {
+            env.retain(|e| {
+                let from = e.value_from.as_ref();
+                !(from
+                    .and_then(|f| f.config_map_key_ref.as_ref())
+                    .is_some_and(|k| gone(Kind::ConfigMap, &k.name))
+                    || from
+                        .and_then(|f| f.secret_key_ref.as_ref())
+                        .is_some_and(|k| gone(Kind::Secret, &k.name)))
+            });
+        }
+        if let Some(env_from) = c.env_from.as_mut() {
+            env_from.retain(|e| {
+                !(e.config_map_ref
+                    .as_ref()
+                    .is_some_and(|r| gone(Kind::ConfigMap, &r.name))
+                    || e.secret_ref.as_ref().is_some_and(|r| gone(Kind::Secret, &r.name)))
+            });
+        }
+    }
+    if let Some(pull) = spec.image_pull_secrets.as_mut() {
+        pull.retain(|s| !gone(Kind::Secret, &s.name));
+        if pull.is_empty() {
+            spec.image_pull_secrets = None;
+        }
+    }
+}
+
 /// The references of an upper pod that travel with it (the upper cluster's service-account
 /// token volumes stay behind, see [`translate`]).
 pub fn upper_references(pod: &Pod) -> Vec<Reference> {
@@ -687,11 +761,14 @@ impl Copies {
         }
     }
 
-    /// Makes every copy `pod` needs exist below with current content. `Ok(Err(_))` says why
-    /// the pod must not be created below yet (a message for the upper pod).
-    pub async fn prepare(&self, pod: &Pod) -> Result<Result<(), Blocked>, Error> {
+    /// Makes every copy `pod` needs exist below with current content, and returns the
+    /// optional references that did not travel (no upper object): [`drop_absent`] takes them
+    /// out of the lower pod. `Ok(Err(_))` says why the pod must not be created below yet (a
+    /// message for the upper pod).
+    pub async fn prepare(&self, pod: &Pod) -> Result<Result<Absent, Blocked>, Error> {
         let ns = pod.namespace().unwrap_or_default();
         let mut seen = BTreeSet::new();
+        let mut absent = Absent::new();
         for r in upper_references(pod) {
             // One pass per object; a required reference wins over an optional one.
             if !seen.insert((r.kind, r.name.clone(), r.optional)) {
@@ -725,7 +802,9 @@ impl Copies {
                         self.cluster_name, r.kind, r.name, r.via
                     ))));
                 }
-                None if r.optional => {}
+                None if r.optional => {
+                    absent.insert((r.kind, r.name.clone()));
+                }
                 None => {
                     let token = if r.kind == Kind::Secret {
                         " (service-account token Secrets are never copied)"
@@ -739,7 +818,7 @@ impl Copies {
                 }
             }
         }
-        Ok(Ok(()))
+        Ok(Ok(absent))
     }
 
     /// Resyncs every copy from the watch caches: on each `changed` notification and at least
@@ -930,6 +1009,45 @@ mod tests {
 
     fn pod(spec: serde_json::Value) -> Pod {
         serde_json::from_value(json!({"metadata": {"name": "p", "namespace": "n"}, "spec": spec})).unwrap()
+    }
+
+    #[test]
+    fn absent_optional_references_are_taken_out_like_a_kubelet_ignores_them() {
+        let mut spec: PodSpec = serde_json::from_value(json!({
+            "imagePullSecrets": [{"name": "gone"}, {"name": "kept"}],
+            "volumes": [
+                {"name": "a", "secret": {"secretName": "gone", "optional": true}},
+                {"name": "b", "configMap": {"name": "kept", "optional": true}},
+                {"name": "p", "projected": {"sources": [
+                    {"secret": {"name": "gone", "optional": true}},
+                    {"configMap": {"name": "kept"}}]}},
+            ],
+            "containers": [{"name": "c", "image": "i",
+                "env": [
+                    {"name": "A", "valueFrom": {"secretKeyRef": {"name": "gone", "key": "k", "optional": true}}},
+                    {"name": "B", "value": "plain"}],
+                "envFrom": [{"secretRef": {"name": "gone", "optional": true}}, {"configMapRef": {"name": "kept"}}]}],
+        }))
+        .unwrap();
+        let absent: Absent = [(Kind::Secret, "gone".to_owned())].into();
+        drop_absent(&mut spec, &absent);
+        let v = serde_json::to_value(&spec).unwrap();
+        assert!(!v.to_string().contains("gone"), "{v}");
+        assert_eq!(v["volumes"][0], json!({"name": "a", "emptyDir": {}}));
+        assert_eq!(v["volumes"][1]["configMap"]["name"], "kept");
+        assert_eq!(
+            v["volumes"][2]["projected"]["sources"],
+            json!([{"configMap": {"name": "kept"}}])
+        );
+        assert_eq!(
+            v["containers"][0]["env"],
+            json!([{"name": "B", "value": "plain"}])
+        );
+        assert_eq!(
+            v["containers"][0]["envFrom"],
+            json!([{"configMapRef": {"name": "kept"}}])
+        );
+        assert_eq!(v["imagePullSecrets"], json!([{"name": "kept"}]));
     }
 
     #[test]

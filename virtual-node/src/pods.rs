@@ -372,6 +372,19 @@ fn synced_says(upper: &Pod, says: impl Fn(&k8s_openapi::api::core::v1::PodCondit
         })
 }
 
+/// Says on the upper pod why it is not created below yet, and retries in a few seconds.
+async fn blocked_below(ctx: &Context, upper: &Pod, blocked: Blocked) -> Result<Action, Error> {
+    let (reason, event_reason, msg) = match blocked {
+        Blocked::Missing(msg) => ("ReferenceMissing", "ReferenceMissing", msg),
+        Blocked::Conflict(msg) => ("Conflict", "LowerCopyConflict", msg),
+    };
+    if !synced_says(upper, |c| c.message.as_deref() == Some(msg.as_str())) {
+        event(ctx, upper, EventType::Warning, event_reason, &msg);
+    }
+    set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", reason, &msg).await?;
+    Ok(Action::requeue(Duration::from_secs(5)))
+}
+
 /// Creates `desired` below, after the namespace and what the pod references.
 async fn create_lower(
     ctx: &Context,
@@ -407,21 +420,21 @@ async fn create_in_namespace(
         if blocked.is_err() {
             break;
         }
-        blocked = ctx.volumes.prepare(&ns, &claim).await?;
-    }
-    if let Err(blocked) = blocked {
-        let (reason, event_reason, msg) = match blocked {
-            Blocked::Missing(msg) => ("ReferenceMissing", "ReferenceMissing", msg),
-            Blocked::Conflict(msg) => ("Conflict", "LowerCopyConflict", msg),
-        };
-        if !synced_says(upper, |c| c.message.as_deref() == Some(msg.as_str())) {
-            event(ctx, upper, EventType::Warning, event_reason, &msg);
+        if let Err(b) = ctx.volumes.prepare(&ns, &claim).await? {
+            blocked = Err(b);
         }
-        set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", reason, &msg).await?;
-        return Ok(Action::requeue(Duration::from_secs(5)));
+    }
+    let absent = match blocked {
+        Ok(absent) => absent,
+        Err(blocked) => return blocked_below(ctx, upper, blocked).await,
+    };
+    // Optional references that did not travel must not meet a same-named lower object.
+    let mut desired = desired.clone();
+    if let Some(spec) = desired.spec.as_mut() {
+        crate::copies::drop_absent(spec, &absent);
     }
     ctx.lower_limit.acquire().await;
-    match lower_pods.create(&PostParams::default(), desired).await {
+    match lower_pods.create(&PostParams::default(), &desired).await {
         Ok(_) => {
             ctx.metrics.created();
             event(
