@@ -314,3 +314,238 @@ async fn api_writes(client: &kube::Client) -> anyhow::Result<HashMap<String, f64
     }
     Ok(writes)
 }
+
+/// The multi-scheduler's extender: the capacity shape of a 5,000-node lower cluster, the
+/// filter's latency in process for 100 such virtual nodes, and `POST /filter` over HTTPS
+/// (TLS 1.3, HTTP/1.1 keep-alive on loopback, `connections` clients for `secs` seconds,
+/// client and server in this process).
+pub async fn multi_scheduler(secs: u64, connections: usize) -> anyhow::Result<serde_json::Value> {
+    use tensile_multi_scheduler::extender::{self, Context, ExtenderArgs, FactsCache, Score};
+    use tensile_multi_scheduler::filter::Options;
+
+    const VIRTUAL_NODES: usize = 100;
+    const LOWER_NODES: usize = 5000;
+    const CALLS: usize = 2000;
+    // Ten distinct lower clusters, each shown by ten virtual nodes.
+    let shapes: Vec<String> = (0..10)
+        .map(|seed| lower_cluster_shape(LOWER_NODES, seed))
+        .collect::<Result<_, _>>()?;
+    let shape_bytes = shapes.iter().map(String::len).max().unwrap_or(0);
+    let nodes: Vec<k8s_openapi::api::core::v1::Node> = (0..VIRTUAL_NODES)
+        .map(|i| {
+            serde_json::from_value(json!({
+                "metadata": {
+                    "name": format!("vn-{i}"), "resourceVersion": "1",
+                    "labels": {tensile_common::names::VIRTUAL_NODE_TYPE_LABEL: tensile_common::names::VIRTUAL_NODE_TYPE_VALUE},
+                    "annotations": {tensile_common::names::NODE_CAPACITY_SHAPE: shapes[i % shapes.len()]},
+                },
+            }))
+        })
+        .collect::<Result<_, _>>()?;
+    let view = Arc::new(BenchNodes(nodes.iter().cloned().map(Arc::new).collect()));
+    let names: Vec<String> = nodes.iter().filter_map(|n| n.metadata.name.clone()).collect();
+    // A 6-CPU pod that must be in zone eu-1b: some groups fit, most are filtered by label.
+    let stash = json!({"nodeSelector": {"topology.kubernetes.io/zone": "eu-1b"}}).to_string();
+    let pod = json!({
+        "metadata": {"name": "p", "namespace": "ns", "annotations": {tensile_common::names::CLUSTER_SELECTOR: stash}},
+        "spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": "6", "memory": "8Gi"}}}]},
+    });
+    let body = serde_json::to_vec(&json!({"Pod": pod, "NodeNames": names}))?;
+    let args = ExtenderArgs::decode(&body)?;
+    let exclusions = tensile_common::exclusion::Exclusions::default();
+    let facts = FactsCache::default();
+    let ctx = Context {
+        view: view.as_ref(),
+        facts: &facts,
+        exclusions: &exclusions,
+        options: Options {
+            now: jiff::Timestamp::now(),
+            max_age: None,
+        },
+    };
+    let cold = Instant::now();
+    let (first, _) = extender::filter(&args, &ctx);
+    let cold_ms = cold.elapsed().as_secs_f64() * 1000.0;
+    let passing = first.node_names.as_ref().map_or(0, Vec::len);
+    let mut samples = Vec::with_capacity(CALLS);
+    for _ in 0..CALLS {
+        let t = Instant::now();
+        let (result, _) = extender::filter(&args, &ctx);
+        samples.push(t.elapsed().as_secs_f64() * 1000.0);
+        anyhow::ensure!(
+            result.node_names.as_ref().map_or(0, Vec::len) == passing,
+            "answers differ"
+        );
+    }
+    let filter_ms = samples.into_iter().collect::<Samples>().summary();
+    let mut prioritize = Vec::with_capacity(CALLS);
+    for _ in 0..CALLS {
+        let t = Instant::now();
+        let scores = extender::prioritize(&args, &ctx, Score::Binpack);
+        prioritize.push(t.elapsed().as_secs_f64() * 1000.0);
+        anyhow::ensure!(scores.len() == VIRTUAL_NODES, "a score per node");
+    }
+
+    let https = extender_over_https(
+        view,
+        body.clone(),
+        Duration::from_secs(secs.max(1)),
+        connections.max(1),
+    )
+    .await?;
+    Ok(json!({
+        "benchmark": "multi-scheduler: capacity shape size, filter latency in process, POST /filter over HTTPS",
+        "shape": {
+            "lower_nodes": LOWER_NODES,
+            "groups": 12,
+            "group_cap": tensile_common::shape::DEFAULT_GROUP_CAP,
+            "annotation_bytes": shape_bytes,
+        },
+        "filter_in_process": {
+            "virtual_nodes": VIRTUAL_NODES,
+            "passing": passing,
+            "first_call_ms_shapes_decoded": cold_ms,
+            "calls": CALLS,
+            "filter_ms": filter_ms,
+            "prioritize_ms": prioritize.into_iter().collect::<Samples>().summary(),
+            "request_body_bytes": body.len(),
+        },
+        "https": https,
+    }))
+}
+
+/// The encoded capacity shape of a lower cluster of `nodes` nodes in 3 zones × 4 instance
+/// types, every node with its own free vector (`seed` varies them).
+fn lower_cluster_shape(nodes: usize, seed: usize) -> anyhow::Result<String> {
+    let types = ["m5.large", "m5.4xlarge", "r5.2xlarge", "c5.9xlarge"];
+    let zones = ["eu-1a", "eu-1b", "eu-1c"];
+    let lower: Vec<k8s_openapi::api::core::v1::Node> = (0..nodes)
+        .map(|i| {
+            let j = i + seed * 7919;
+            serde_json::from_value(json!({
+                "metadata": {"name": format!("node-{i}"), "labels": {
+                    "topology.kubernetes.io/zone": zones[i % 3],
+                    "topology.kubernetes.io/region": "eu-1",
+                    "node.kubernetes.io/instance-type": types[i % 4],
+                    "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"}},
+                "status": {
+                    "allocatable": {"cpu": format!("{}m", 2000 + (j * 37) % 30000),
+                                    "memory": format!("{}Mi", 4096 + (j * 7919) % 120000), "pods": "110"},
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                },
+            }))
+        })
+        .collect::<Result<_, _>>()?;
+    let keys: Vec<String> = tensile_common::shape::DEFAULT_LABEL_KEYS
+        .map(String::from)
+        .to_vec();
+    let shape = tensile_common::shape::build(
+        &lower,
+        [],
+        &keys,
+        tensile_common::shape::DEFAULT_GROUP_CAP,
+        jiff::Timestamp::now(),
+    );
+    Ok(shape.encode()?)
+}
+
+struct BenchNodes(Vec<Arc<k8s_openapi::api::core::v1::Node>>);
+
+impl tensile_multi_scheduler::extender::View for BenchNodes {
+    fn node(&self, name: &str) -> Option<Arc<k8s_openapi::api::core::v1::Node>> {
+        self.0
+            .iter()
+            .find(|n| n.metadata.name.as_deref() == Some(name))
+            .cloned()
+    }
+}
+
+/// `POST /filter` with `body` on `connections` keep-alive HTTPS connections for `duration`.
+async fn extender_over_https(
+    view: Arc<BenchNodes>,
+    body: Vec<u8>,
+    duration: Duration,
+    connections: usize,
+) -> anyhow::Result<serde_json::Value> {
+    use anyhow::Context as _;
+    use http_body_util::{BodyExt as _, Full};
+    use tensile_multi_scheduler::extender::{FactsCache, Score};
+    use tensile_multi_scheduler::server::{State, serve_https};
+
+    let generated = tensile_common::tls::self_signed(&["127.0.0.1".to_owned()])?;
+    let tls = tensile_common::tls::server_config(tensile_common::tls::CertResolver::new(generated.key))?;
+    let (_, exclusions) =
+        tokio::sync::watch::channel(Arc::new(tensile_common::exclusion::Exclusions::default()));
+    let state = Arc::new(State {
+        nodes: view,
+        facts: FactsCache::default(),
+        exclusions,
+        max_age: None,
+        score: Score::Binpack,
+        metrics: tensile_multi_scheduler::metrics::Metrics::new(&mut Default::default()),
+        max_body_bytes: 64 << 20,
+        body_deadline: Duration::from_secs(10),
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(serve_https(listener, tls, state, stop.clone()));
+
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::pem::PemObject::pem_slice_iter(generated.ca_pem.as_bytes()) {
+        roots.add(cert?)?;
+    }
+    let client_tls = Arc::new(
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    );
+    let body = bytes::Bytes::from(body);
+    let until = Instant::now() + duration;
+    let clients = (0..connections).map(|_| {
+        let (client_tls, body) = (client_tls.clone(), body.clone());
+        async move {
+            let tcp = tokio::net::TcpStream::connect(addr).await?;
+            tcp.set_nodelay(true)?;
+            let name = rustls::pki_types::ServerName::try_from("127.0.0.1")?;
+            let stream = tokio_rustls::TlsConnector::from(client_tls)
+                .connect(name, tcp)
+                .await
+                .context("TLS handshake")?;
+            let (mut sender, conn) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+            tokio::spawn(conn);
+            let mut latencies = Vec::new();
+            while Instant::now() < until {
+                let request = http::Request::post("/filter")
+                    .header(http::header::HOST, "127.0.0.1")
+                    .header(http::header::CONTENT_TYPE, "application/json")
+                    .body(Full::new(body.clone()))?;
+                let t = Instant::now();
+                let response = sender.send_request(request).await?;
+                anyhow::ensure!(response.status() == 200, "status {}", response.status());
+                let answer = response.into_body().collect().await?.to_bytes();
+                latencies.push(t.elapsed().as_secs_f64() * 1000.0);
+                anyhow::ensure!(answer.starts_with(b"{\"Nodes\":null"), "an ExtenderFilterResult");
+            }
+            Ok::<_, anyhow::Error>(latencies)
+        }
+    });
+    let started = Instant::now();
+    let results = futures::future::join_all(clients).await;
+    let elapsed = started.elapsed().as_secs_f64();
+    stop.cancel();
+    let _ = server.await;
+    let mut all = Vec::new();
+    for r in results {
+        all.extend(r?);
+    }
+    Ok(json!({
+        "connections": connections,
+        "seconds": elapsed,
+        "requests": all.len(),
+        "requests_per_second": all.len() as f64 / elapsed,
+        "latency_ms": all.into_iter().collect::<Samples>().summary(),
+    }))
+}

@@ -435,6 +435,26 @@ impl TestCluster {
         }
     }
 
+    /// Starts another kube-scheduler with `--config=<config>` (a KubeSchedulerConfiguration
+    /// that names its own kubeconfig), logging to `<dir>/<log_name>.log`. Dropping the
+    /// returned service stops it.
+    pub fn start_scheduler(&self, config: &Path, log_name: &str) -> Result<Service> {
+        let mut args = vec![
+            format!("--config={}", config.display()),
+            "--bind-address=127.0.0.1".into(),
+            format!("--secure-port={}", free_port()?),
+        ];
+        if self.binaries.minor < 23 {
+            args.push("--port=0".into());
+        }
+        Ok(Service::start(
+            log_name,
+            &self.binaries.scheduler,
+            &args,
+            &self.dir.join(format!("{log_name}.log")),
+        )?)
+    }
+
     /// Creates namespace `name` and waits until pods in it are admitted.
     pub async fn create_namespace(&self, name: &str) -> Result<()> {
         let client = self.client().await?;

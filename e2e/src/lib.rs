@@ -19,6 +19,7 @@ pub mod etcd;
 pub mod flood;
 pub mod in_process;
 pub mod kubectl;
+pub mod multi_scheduler;
 pub mod partition;
 pub mod pki;
 pub mod process;

@@ -10,6 +10,10 @@
 //! sent from one thread to the webhook running in this process on a runtime of its own. A closed loop on
 //! several connections gives the throughput; an open loop at a fixed rate gives latency
 //! measured from each request's scheduled send time, so a stall is not hidden.
+//!
+//! `multi-scheduler` (`--bench multi-scheduler`): the capacity shape of a 5,000-node lower
+//! cluster, the extender's filter in process for 100 such virtual nodes, and `POST /filter`
+//! over HTTPS.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -52,6 +56,12 @@ struct Cli {
     /// Reviews per second of the webhook latency run.
     #[arg(long, env = "BENCH_WEBHOOK_RATE", default_value_t = 1000)]
     webhook_rate: u64,
+    /// Keep-alive connections for the extender's HTTPS run.
+    #[arg(long, env = "BENCH_EXTENDER_CONNECTIONS", default_value_t = 8)]
+    extender_connections: usize,
+    /// Seconds of the extender's HTTPS run.
+    #[arg(long, env = "BENCH_EXTENDER_SECS", default_value_t = 5)]
+    extender_secs: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -59,6 +69,7 @@ enum Which {
     Simulator,
     Webhook,
     VirtualNode,
+    MultiScheduler,
     All,
 }
 
@@ -108,6 +119,14 @@ fn main() -> anyhow::Result<()> {
             cli.webhook_rate.max(1),
         ))?;
         write_figures(&cli.out, "webhook.json", &figures)?;
+    }
+    if matches!(cli.bench, Which::MultiScheduler | Which::All) {
+        let rt = tokio::runtime::Runtime::new().context("async runtime")?;
+        let figures = rt.block_on(tensile_e2e::benches::multi_scheduler(
+            cli.extender_secs,
+            cli.extender_connections,
+        ))?;
+        write_figures(&cli.out, "multi-scheduler.json", &figures)?;
     }
     Ok(())
 }

@@ -1,0 +1,130 @@
+//! The multi-scheduler as a test sees it: the `multi-scheduler` binary as a child process
+//! (so a test can take the extender down), serving with a certificate of a CA made here,
+//! and a second kube-scheduler configured from the shipped KubeSchedulerConfiguration.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::pki::Ca;
+use crate::process::Service;
+use crate::{TestCluster, free_port};
+
+/// The shipped configuration for Kubernetes 1.20 (`kubescheduler.config.k8s.io/v1beta1`).
+pub const CONFIG_V1BETA1: &str = include_str!("../../multi-scheduler/config/scheduler-v1beta1.yaml");
+
+/// A running `multi-scheduler --mode=extender`.
+pub struct ExtenderProcess {
+    pub service: Service,
+    /// `https://127.0.0.1:<port>`: the extender's `urlPrefix`.
+    pub url: String,
+    /// The CA that signed its serving certificate (PEM file).
+    pub ca_file: PathBuf,
+    pub admin_addr: String,
+}
+
+impl ExtenderProcess {
+    /// Starts the extender for `upper` with a serving certificate from a CA made here,
+    /// `extra` flags added, logging to `<upper dir>/multi-scheduler-<log_name>.log`.
+    pub fn start(upper: &TestCluster, extra: &[String], log_name: &str) -> anyhow::Result<Self> {
+        let dir = upper.dir().join(format!("multi-scheduler-{log_name}"));
+        std::fs::create_dir_all(&dir)?;
+        let ca = Ca::new("tensile-extender-ca")?;
+        let serving = ca.server("tensile-multi-scheduler", &[])?;
+        let (ca_file, cert, key) = (dir.join("ca.crt"), dir.join("tls.crt"), dir.join("tls.key"));
+        std::fs::write(&ca_file, ca.cert_pem())?;
+        std::fs::write(&cert, &serving.cert_pem)?;
+        std::fs::write(&key, &serving.key_pem)?;
+        let port = free_port()?;
+        let admin_addr = format!("127.0.0.1:{}", free_port()?);
+        let mut args = vec![
+            format!("--kubeconfig={}", upper.kubeconfig().display()),
+            "--address=127.0.0.1".to_owned(),
+            format!("--port={port}"),
+            format!("--admin-addr={admin_addr}"),
+            format!("--tls-cert-file={}", cert.display()),
+            format!("--tls-private-key-file={}", key.display()),
+        ];
+        args.extend(extra.iter().cloned());
+        let program = crate::bins::suite_binary("multi-scheduler")?;
+        let log = upper.dir().join(format!("multi-scheduler-{log_name}.log"));
+        let service = Service::start(&format!("multi-scheduler {log_name}"), &program, &args, &log)?;
+        Ok(Self {
+            service,
+            url: format!("https://127.0.0.1:{port}"),
+            ca_file,
+            admin_addr,
+        })
+    }
+
+    /// `/readyz` of the admin endpoint: status code and body.
+    pub async fn readyz(&self) -> Option<(u16, String)> {
+        crate::in_process::admin_get(&self.admin_addr, "/readyz").await
+    }
+
+    /// Waits until `/readyz` answers 200.
+    pub async fn wait_ready(&self, within: Duration) -> anyhow::Result<()> {
+        let result = crate::wait::until(
+            "the multi-scheduler ready",
+            within,
+            Duration::from_millis(200),
+            || async {
+                match self.readyz().await {
+                    Some((200, _)) => Ok(()),
+                    other => Err(format!("{other:?}")),
+                }
+            },
+        )
+        .await;
+        result.map_err(|e| anyhow::anyhow!("{e}; log:\n{}", self.log()))
+    }
+
+    pub fn log(&self) -> String {
+        self.service.log_tail(20_000)
+    }
+}
+
+/// The shipped configuration `template` made ready for a test bed: the upper cluster's
+/// kubeconfig, the extender's URL and CA, and no leader election (one scheduler, quick
+/// start). Everything else (verbs, weight, nodeCacheCapable, ignorable) stays as shipped.
+pub fn scheduler_config(
+    template: &str,
+    kubeconfig: &Path,
+    url: &str,
+    ca_file: &Path,
+) -> anyhow::Result<String> {
+    let mut config: serde_json::Value = serde_yaml::from_str(template)?;
+    config["clientConnection"]["kubeconfig"] = kubeconfig.display().to_string().into();
+    config["leaderElection"] = serde_json::json!({"leaderElect": false});
+    let extender = config["extenders"]
+        .get_mut(0)
+        .ok_or_else(|| anyhow::anyhow!("the configuration has no extender"))?;
+    extender["urlPrefix"] = url.into();
+    extender["tlsConfig"]["caFile"] = ca_file.display().to_string().into();
+    Ok(serde_yaml::to_string(&config)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_v1beta1_file_is_filled_in_and_keeps_its_extender_settings() {
+        let text = scheduler_config(
+            CONFIG_V1BETA1,
+            Path::new("/k/upper.kubeconfig"),
+            "https://127.0.0.1:1234",
+            Path::new("/k/ca.crt"),
+        )
+        .unwrap();
+        let config: serde_json::Value = serde_yaml::from_str(&text).unwrap();
+        assert_eq!(config["apiVersion"], "kubescheduler.config.k8s.io/v1beta1");
+        assert_eq!(config["clientConnection"]["kubeconfig"], "/k/upper.kubeconfig");
+        assert_eq!(config["leaderElection"]["leaderElect"], false);
+        let extender = &config["extenders"][0];
+        assert_eq!(extender["urlPrefix"], "https://127.0.0.1:1234");
+        assert_eq!(extender["tlsConfig"]["caFile"], "/k/ca.crt");
+        assert_eq!(extender["filterVerb"], "filter");
+        assert_eq!(extender["nodeCacheCapable"], true);
+        assert_eq!(config["profiles"][0]["schedulerName"], "tensile-scheduler");
+    }
+}

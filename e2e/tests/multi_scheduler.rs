@@ -1,0 +1,536 @@
+//! The multi-scheduler end to end, behind a real kube-scheduler: an upper cluster with its
+//! default scheduler and a second one, `tensile-scheduler`, started from the shipped
+//! `scheduler-v1beta1.yaml` with the `multi-scheduler` extender; three lower clusters, each
+//! shown as one virtual node:
+//!
+//! * lower-a: many 2-CPU nodes (a large aggregate, no big node);
+//! * lower-b: a few 8-CPU nodes;
+//! * lower-c: two 4-CPU nodes with `example.com/gpu`, tainted `gpu=yes:NoSchedule`.
+//!
+//! Pods are created as the webhook leaves them: lower constraints in the stash, the virtual
+//! node toleration and label requirement upstream, and a preference for vn-a (the cheap
+//! cluster). One scene runs at a time; each cleans up its pods. The `multi-scheduler`
+//! binary must be built (`make test` builds every binary first).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Event, Node, Pod};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use serde_json::{Value, json};
+use tensile_common::names;
+use tensile_common::stash::Stash;
+use tensile_e2e::in_process;
+use tensile_e2e::multi_scheduler::{CONFIG_V1BETA1, ExtenderProcess, scheduler_config};
+use tensile_e2e::process::Service;
+use tensile_e2e::shared::Shared;
+use tensile_e2e::wait::must;
+use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
+
+const ZONE: &str = "topology.kubernetes.io/zone";
+const GPU: &str = "example.com/gpu";
+const SCHEDULER: &str = "tensile-scheduler";
+const VN_A: &str = "vn-a";
+const VN_B: &str = "vn-b";
+const VN_C: &str = "vn-c";
+
+struct Bed {
+    upper: TestCluster,
+    _lowers: Vec<TestCluster>,
+    sim_b: NodeSimulator,
+    _sims: Vec<NodeSimulator>,
+    _nodes: Vec<in_process::VirtualNode>,
+    extender: std::sync::Mutex<ExtenderProcess>,
+    _scheduler: Service,
+}
+
+static BED: Shared<Bed> = Shared::new();
+/// One scene at a time: they share the lower clusters' capacity.
+static SCENE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn bed() -> &'static Bed {
+    BED.get(|| async {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let start = |name: &str| TestCluster::start(ClusterOptions::new("multi_scheduler", name));
+        let (upper, a, b, c) = tokio::join!(
+            start("upper"),
+            start("lower-a"),
+            start("lower-b"),
+            start("lower-c")
+        );
+        let (upper, a, b, c) = (upper?, a?, b?, c?);
+        let mut sims = Vec::new();
+        for (cluster, name) in [(&a, "lower-a"), (&b, "lower-b"), (&c, "lower-c")] {
+            let options = SimulatorOptions::new(name, Some(cluster.kubelet_client_ca_pem()));
+            sims.push(NodeSimulator::start(cluster.client().await?, options, Vec::new()).await?);
+        }
+        let sim_c = sims.pop().unwrap();
+        let sim_b = sims.pop().unwrap();
+        let sim_a = sims.pop().unwrap();
+        for i in 0..12 {
+            let node = NodeConfig::new(&format!("a{i}"))
+                .resource("cpu", "2")
+                .label(ZONE, "zone-a");
+            sim_a.add_node(node).await?;
+        }
+        for i in 0..3 {
+            let node = NodeConfig::new(&format!("b{i}"))
+                .resource("cpu", "8")
+                .resource("memory", "16Gi")
+                .label(ZONE, "zone-b");
+            sim_b.add_node(node).await?;
+        }
+        for i in 0..2 {
+            let node = NodeConfig::new(&format!("c{i}"))
+                .resource(GPU, "2")
+                .label(ZONE, "zone-c")
+                .taint("gpu", "yes", "NoSchedule");
+            sim_c.add_node(node).await?;
+        }
+        let mut nodes = Vec::new();
+        for (name, lower) in [(VN_A, &a), (VN_B, &b), (VN_C, &c)] {
+            let args = in_process::options(&upper, name, lower).map_err(demo)?;
+            nodes.push(in_process::VirtualNode::run(args));
+        }
+        let client = upper.client().await?;
+        for name in [VN_A, VN_B, VN_C] {
+            tensile_e2e::wait::until(
+                &format!("{name} Ready with a current capacity shape"),
+                Duration::from_secs(60),
+                Duration::from_millis(250),
+                || node_published(client.clone(), name),
+            )
+            .await?;
+        }
+        let extender = ExtenderProcess::start(&upper, &[], "extender").map_err(demo)?;
+        extender.wait_ready(Duration::from_secs(30)).await.map_err(demo)?;
+        let config = scheduler_config(
+            CONFIG_V1BETA1,
+            upper.kubeconfig(),
+            &extender.url,
+            &extender.ca_file,
+        )
+        .map_err(demo)?;
+        let config_path = upper.dir().join("tensile-scheduler.yaml");
+        std::fs::write(&config_path, config).map_err(|e| tensile_e2e::Error::Demo(e.to_string()))?;
+        let scheduler = upper.start_scheduler(&config_path, "tensile-scheduler")?;
+        Ok(Bed {
+            upper,
+            _lowers: vec![a, b, c],
+            sim_b,
+            _sims: vec![sim_a, sim_c],
+            _nodes: nodes,
+            extender: std::sync::Mutex::new(extender),
+            _scheduler: scheduler,
+        })
+    })
+    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
+}
+
+fn demo(e: impl std::fmt::Display) -> tensile_e2e::Error {
+    tensile_e2e::Error::Demo(e.to_string())
+}
+
+async fn node_published(client: kube::Client, name: &str) -> Result<(), String> {
+    let node = Api::<Node>::all(client)
+        .get(name)
+        .await
+        .map_err(|e| e.to_string())?;
+    let ready = node
+        .status
+        .iter()
+        .flat_map(|s| s.conditions.iter().flatten())
+        .any(|c| c.type_ == "Ready" && c.status == "True");
+    let shape = node
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(names::NODE_CAPACITY_SHAPE))
+        .cloned()
+        .unwrap_or_default();
+    if ready && shape.contains(r#""v":2"#) {
+        Ok(())
+    } else {
+        Err(format!("ready={ready}, shape={shape}"))
+    }
+}
+
+/// A pod as the webhook leaves an opted-in one: `stash` holds its lower constraints.
+fn pod(name: &str, scheduler: Option<&str>, requests: Value, stash: &Stash) -> Pod {
+    let mut annotations = serde_json::Map::new();
+    annotations.insert(names::CLUSTER_SELECTOR.into(), stash.encode().unwrap().into());
+    let limits: serde_json::Map<String, Value> = requests
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k.contains('/'))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": {names::VIRTUAL_POD_LABEL: names::VIRTUAL_POD_VALUE},
+                     "annotations": annotations},
+        "spec": {
+            "schedulerName": scheduler,
+            "terminationGracePeriodSeconds": 1,
+            "tolerations": [{"key": names::VIRTUAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {"nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": names::VIRTUAL_NODE_TYPE_LABEL, "operator": "In", "values": [names::VIRTUAL_NODE_TYPE_VALUE]}]}]},
+                "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "preference": {"matchExpressions": [
+                    {"key": names::HOSTNAME_LABEL, "operator": "In", "values": [VN_A]}]}}]}},
+            "containers": [{"name": "app", "image": "nginx", "resources": {"requests": requests, "limits": limits}}],
+        },
+    }))
+    .unwrap()
+}
+
+fn gpu_stash() -> Stash {
+    serde_json::from_value(json!({
+        "nodeSelector": {ZONE: "zone-c"},
+        "tolerations": [{"key": "gpu", "operator": "Equal", "value": "yes", "effect": "NoSchedule"}],
+    }))
+    .unwrap()
+}
+
+/// The mixed burst: 8 small pods, 3 of 6 CPUs, 2 needing a GPU of lower-c. Each with the
+/// clusters (virtual nodes) that can hold it.
+fn burst(scheduler: Option<&str>) -> Vec<(Pod, &'static [&'static str])> {
+    let mut pods: Vec<(Pod, &'static [&'static str])> = Vec::new();
+    for i in 0..8 {
+        let p = pod(
+            &format!("small-{i}"),
+            scheduler,
+            json!({"cpu": "500m"}),
+            &Stash::default(),
+        );
+        pods.push((p, &[VN_A, VN_B]));
+    }
+    for i in 0..3 {
+        let p = pod(
+            &format!("big-{i}"),
+            scheduler,
+            json!({"cpu": "6"}),
+            &Stash::default(),
+        );
+        pods.push((p, &[VN_B]));
+    }
+    for i in 0..2 {
+        let p = pod(
+            &format!("gpu-{i}"),
+            scheduler,
+            json!({"cpu": "1", GPU: "1"}),
+            &gpu_stash(),
+        );
+        pods.push((p, &[VN_C]));
+    }
+    pods
+}
+
+/// A namespace of the upper cluster for one scene.
+async fn namespace(name: &str) -> Api<Pod> {
+    bed().upper.create_namespace(name).await.unwrap();
+    Api::namespaced(bed().upper.client().await.unwrap(), name)
+}
+
+async fn create_all(api: &Api<Pod>, pods: &[(Pod, &[&str])]) {
+    let params = PostParams::default();
+    let creates = pods.iter().map(|(p, _)| api.create(&params, p));
+    for result in futures::future::join_all(creates).await {
+        result.unwrap();
+    }
+}
+
+fn lower_refused(p: &Pod) -> bool {
+    p.status
+        .iter()
+        .flat_map(|s| s.conditions.iter().flatten())
+        .any(|c| c.type_ == names::CONDITION_LOWER_SCHEDULED && c.status == "False")
+}
+
+fn node_of(p: &Pod) -> &str {
+    p.spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .unwrap_or_default()
+}
+
+fn name_of(p: &Pod) -> String {
+    p.metadata.name.clone().unwrap_or_default()
+}
+
+fn running(p: &Pod) -> bool {
+    p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+}
+
+/// Deletes every pod of the namespace and waits until they are gone (the virtual nodes
+/// delete the lower pods first, so lower capacity is free again then).
+async fn clean_up(api: &Api<Pod>) {
+    api.delete_collection(&DeleteParams::default(), &ListParams::default())
+        .await
+        .unwrap();
+    must(
+        "the scene's pods gone",
+        Duration::from_secs(60),
+        Duration::from_millis(250),
+        || async {
+            let left = api
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            if left.items.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{} left", left.items.len()))
+            }
+        },
+    )
+    .await;
+}
+
+/// FailedScheduling messages of pod `name`.
+async fn failed_scheduling(ns: &str, name: &str) -> Vec<String> {
+    let events: Api<Event> = Api::namespaced(bed().upper.client().await.unwrap(), ns);
+    let params = ListParams::default().fields(&format!("involvedObject.name={name},reason=FailedScheduling"));
+    events
+        .list(&params)
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|e| e.message)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_mixed_burst_through_the_extender_runs_with_no_pod_ever_refused_below() {
+    let _scene = SCENE.lock().await;
+    let bed = bed();
+    let api = namespace("burst-extender").await;
+    let pods = burst(Some(SCHEDULER));
+    let fits: BTreeMap<String, &[&str]> = pods.iter().map(|(p, f)| (name_of(p), *f)).collect();
+    let started = Instant::now();
+    create_all(&api, &pods).await;
+    let mut refused: BTreeSet<String> = BTreeSet::new();
+    let deadline = started + Duration::from_secs(90);
+    let placed = loop {
+        let now = api.list(&ListParams::default()).await.unwrap().items;
+        refused.extend(now.iter().filter(|p| lower_refused(p)).map(name_of));
+        if now.len() == pods.len() && now.iter().all(running) {
+            break now;
+        }
+        if Instant::now() > deadline {
+            let seen: Vec<String> = now
+                .iter()
+                .map(|p| format!("{} on {:?} running={}", name_of(p), node_of(p), running(p)))
+                .collect();
+            panic!(
+                "not all Running after 90 s: {seen:?}; extender log:\n{}",
+                bed.extender.lock().unwrap().log()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let elapsed = started.elapsed();
+    assert!(refused.is_empty(), "refused by a lower scheduler: {refused:?}");
+    for p in &placed {
+        let allowed = fits[&name_of(p)];
+        assert!(
+            allowed.contains(&node_of(p)),
+            "{} on {}, which cannot hold it (allowed: {allowed:?})",
+            name_of(p),
+            node_of(p)
+        );
+    }
+    let admin = bed.extender.lock().unwrap().admin_addr.clone();
+    let metrics = in_process::admin_get(&admin, "/metrics")
+        .await
+        .unwrap_or_default()
+        .1;
+    let rejected = tensile_e2e::descheduler::metric_sum(
+        &metrics,
+        "tensile_multischeduler_nodes_rejected_total",
+        &[("reason", "shape")],
+    );
+    assert!(rejected > 0.0, "the filter turned nodes down: {metrics}");
+    println!(
+        "burst of {} pods through the extender: all Running in {:.1} s",
+        pods.len(),
+        elapsed.as_secs_f64()
+    );
+    clean_up(&api).await;
+}
+
+#[tokio::test]
+async fn the_same_burst_with_the_default_scheduler_leaves_pods_refused_below() {
+    let _scene = SCENE.lock().await;
+    bed();
+    let api = namespace("burst-default").await;
+    let pods = burst(None);
+    create_all(&api, &pods).await;
+    let refused = must(
+        "a pod refused by a lower scheduler",
+        Duration::from_secs(60),
+        Duration::from_millis(300),
+        || async {
+            let now = api
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .items;
+            let refused: Vec<String> = now
+                .iter()
+                .filter(|p| lower_refused(p))
+                .map(|p| format!("{} on {}", name_of(p), node_of(p)))
+                .collect();
+            if refused.is_empty() {
+                Err(format!("{} pods, none refused yet", now.len()))
+            } else {
+                Ok(refused)
+            }
+        },
+    )
+    .await;
+    println!("with the default scheduler, refused below: {refused:?}");
+    clean_up(&api).await;
+}
+
+#[tokio::test]
+async fn a_pod_no_lower_node_holds_waits_with_the_reason_and_schedules_once_a_lower_node_is_added() {
+    let _scene = SCENE.lock().await;
+    let bed = bed();
+    let ns = "too-big";
+    let api = namespace(ns).await;
+    let big = pod("twelve", Some(SCHEDULER), json!({"cpu": "12"}), &Stash::default());
+    api.create(&PostParams::default(), &big).await.unwrap();
+    let messages = must(
+        "a FailedScheduling event with the filter's reason",
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+        || async {
+            let messages = failed_scheduling(ns, "twelve").await;
+            if messages.iter().any(|m| m.contains("no lower node fits cpu=12")) {
+                Ok(messages)
+            } else {
+                Err(format!("{messages:?}"))
+            }
+        },
+    )
+    .await;
+    println!("FailedScheduling: {messages:?}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let waiting = api.get("twelve").await.unwrap();
+    assert_eq!(node_of(&waiting), "", "still unbound");
+
+    let nodes: Api<Node> = Api::all(bed.upper.client().await.unwrap());
+    let generation = |n: &Node| {
+        n.metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(names::NODE_SHAPE_GENERATION))
+            .and_then(|g| g.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let before = generation(&nodes.get(VN_B).await.unwrap());
+    let added = Instant::now();
+    BED.handle()
+        .unwrap()
+        .spawn(async move {
+            let node = NodeConfig::new("b-large")
+                .resource("cpu", "16")
+                .label(ZONE, "zone-b");
+            bed.sim_b.add_node(node).await.unwrap();
+        })
+        .await
+        .unwrap();
+    must(
+        "the waiting pod bound to vn-b",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || async {
+            let p = api.get("twelve").await.map_err(|e| e.to_string())?;
+            if node_of(&p) == VN_B {
+                Ok(())
+            } else {
+                Err(format!("on {:?}", node_of(&p)))
+            }
+        },
+    )
+    .await;
+    let bound_after = added.elapsed();
+    let after = generation(&nodes.get(VN_B).await.unwrap());
+    assert!(
+        after > before,
+        "the shape grew, so the generation label moved: {before} -> {after}"
+    );
+    println!(
+        "retry: bound {:.1} s after the lower node was added (generation {before} -> {after})",
+        bound_after.as_secs_f64()
+    );
+    clean_up(&api).await;
+}
+
+#[tokio::test]
+async fn with_the_extender_down_its_pods_wait_and_default_scheduler_pods_still_schedule() {
+    let _scene = SCENE.lock().await;
+    let bed = bed();
+    let ns = "extender-down";
+    let api = namespace(ns).await;
+    bed.extender.lock().unwrap().service.stop();
+    let ours = pod("ours", Some(SCHEDULER), json!({"cpu": "500m"}), &Stash::default());
+    let theirs = pod("theirs", None, json!({"cpu": "500m"}), &Stash::default());
+    create_all(&api, &[(ours, &[]), (theirs, &[])]).await;
+    must(
+        "the default scheduler's pod bound",
+        Duration::from_secs(20),
+        Duration::from_millis(200),
+        || async {
+            let p = api.get("theirs").await.map_err(|e| e.to_string())?;
+            if node_of(&p).is_empty() {
+                Err("unbound".into())
+            } else {
+                Ok(())
+            }
+        },
+    )
+    .await;
+    let messages = must(
+        "a FailedScheduling event naming the extender",
+        Duration::from_secs(20),
+        Duration::from_millis(300),
+        || async {
+            let messages = failed_scheduling(ns, "ours").await;
+            if messages.iter().any(|m| m.contains("/filter")) {
+                Ok(messages)
+            } else {
+                Err(format!("{messages:?}"))
+            }
+        },
+    )
+    .await;
+    println!("with the extender down: {messages:?}");
+    assert_eq!(
+        node_of(&api.get("ours").await.unwrap()),
+        "",
+        "waits for the extender"
+    );
+
+    let admin = {
+        let mut extender = bed.extender.lock().unwrap();
+        extender.service.restart().unwrap();
+        extender.admin_addr.clone()
+    };
+    must(
+        "the extender back",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || async {
+            match in_process::admin_get(&admin, "/readyz").await {
+                Some((200, _)) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    clean_up(&api).await;
+}
