@@ -49,6 +49,10 @@ pub const VIRTUAL_NODE_TAINT_VALUE: &str = "tensile";
 pub const MARK_CLUSTER: &str = "tensile.io/upper-cluster";
 pub const MARK_NODE: &str = "tensile.io/virtual-node";
 pub const MARK_UPPER_UID: &str = "tensile.io/upper-uid";
+/// Lower claim annotation, `Retain` while its upper volume says
+/// `persistentVolumeReclaimPolicy: Retain`: such a claim (and its data) is never deleted by
+/// a virtual node, even after the upper claim and volume are gone.
+pub const LOWER_CLAIM_RECLAIM_POLICY: &str = "tensile.io/reclaim-policy";
 /// Upper pod condition: whether the lower scheduler placed the pod (reason `Unschedulable`
 /// with the lower scheduler's message when it could not). The descheduler acts on it.
 pub const CONDITION_LOWER_SCHEDULED: &str = "tensile.io/LowerPodScheduled";

@@ -1015,6 +1015,175 @@ async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_fore
     assert_eq!(phase, "Active");
 }
 
+/// An upper volume set to `Retain` keeps its data below: deleting the upper claim leaves the
+/// lower claim (recorded as retained) and the upper volume, and a new upper claim of the
+/// same name never adopts the old lower claim: its pod waits.
+#[tokio::test]
+async fn a_retained_volume_keeps_its_lower_claim_and_a_new_claim_of_the_name_never_adopts_it() {
+    let bed = bed();
+    let _vn = virtual_node("vn-retain").await;
+    bed.upper.create_namespace("retain").await.unwrap();
+    bed.lower.create_namespace("retain").await.unwrap();
+    apply(
+        low(),
+        r#"
+apiVersion: v1
+kind: List
+items:
+- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: keep},
+   provisioner: kubernetes.io/no-provisioner, volumeBindingMode: Immediate}
+- apiVersion: v1
+  kind: PersistentVolume
+  metadata: {name: retain-disk}
+  spec:
+    capacity: {storage: 1Gi}
+    accessModes: [ReadWriteOnce]
+    storageClassName: keep
+    hostPath: {path: /tmp/retain-disk}
+"#,
+    )
+    .await;
+    let claim = r#"
+apiVersion: v1
+kind: List
+items:
+- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: keep},
+   provisioner: virtual-node.tensile.io, volumeBindingMode: WaitForFirstConsumer}
+- apiVersion: v1
+  kind: PersistentVolumeClaim
+  metadata: {name: data, namespace: retain}
+  spec:
+    accessModes: [ReadWriteOnce]
+    storageClassName: keep
+    resources: {requests: {storage: 500Mi}}
+"#;
+    apply(up(), claim).await;
+    let uses_data = r#"  volumes: [{name: data, persistentVolumeClaim: {claimName: data}}]
+  containers: [{name: app, image: db, volumeMounts: [{name: data, mountPath: /data}]}]"#;
+    apply(up(), &pod("retain", "first", "vn-retain", uses_data)).await;
+    running_below("retain", "first").await;
+    let claim_of = |what: &'static str| async move {
+        kubectl(up(), &["-n", "retain", "get", "pvc", "data", "-o", what]).await
+    };
+    eventually(
+        up(),
+        "the upper claim Bound",
+        30,
+        &[
+            "-n",
+            "retain",
+            "get",
+            "pvc",
+            "data",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+        "Bound",
+    )
+    .await;
+    let volume = claim_of("jsonpath={.spec.volumeName}").await;
+    kubectl(
+        up(),
+        &[
+            "patch",
+            "pv",
+            &volume,
+            "-p",
+            r#"{"spec":{"persistentVolumeReclaimPolicy":"Retain"}}"#,
+        ],
+    )
+    .await;
+    eventually(
+        low(),
+        "the lower claim records Retain",
+        30,
+        &[
+            "-n",
+            "retain",
+            "get",
+            "pvc",
+            "data",
+            "-o",
+            r#"jsonpath={.metadata.annotations.tensile\.io/reclaim-policy}"#,
+        ],
+        "Retain",
+    )
+    .await;
+    let lower_uid = kubectl(
+        low(),
+        &[
+            "-n",
+            "retain",
+            "get",
+            "pvc",
+            "data",
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ],
+    )
+    .await;
+    kubectl(up(), &["-n", "retain", "delete", "pod", "first", "--wait=true"]).await;
+    kubectl(up(), &["-n", "retain", "delete", "pvc", "data", "--wait=true"]).await;
+    // Several resync passes (at least one a second) later, both are still there.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let kept = kubectl(
+        low(),
+        &[
+            "-n",
+            "retain",
+            "get",
+            "pvc",
+            "data",
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ],
+    )
+    .await;
+    assert_eq!(kept, lower_uid, "the retained lower claim (and its data) stays");
+    let released = kubectl(up(), &["get", "pv", &volume, "-o", "jsonpath={.status.phase}"]).await;
+    assert_eq!(
+        released, "Released",
+        "the upper volume stays, as Kubernetes retains it"
+    );
+
+    apply(up(), claim).await;
+    apply(up(), &pod("retain", "second", "vn-retain", uses_data)).await;
+    // The new claim gets no volume from the old lower claim, so the upper scheduler keeps
+    // waiting for its volume: the pod stays unbound and nothing starts below.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let waiting = claim_of("jsonpath={.status.phase}").await;
+    assert_eq!(waiting, "Pending", "the new claim is not bound to the old volume");
+    let unbound = kubectl(
+        up(),
+        &[
+            "-n",
+            "retain",
+            "get",
+            "pod",
+            "second",
+            "-o",
+            "jsonpath={.status.phase}/{.spec.nodeName}",
+        ],
+    )
+    .await;
+    assert_eq!(unbound, "Pending/");
+    assert!(below(&["-n", "retain", "get", "pod", "second"]).await.is_none());
+    let still = kubectl(
+        low(),
+        &[
+            "-n",
+            "retain",
+            "get",
+            "pvc",
+            "data",
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ],
+    )
+    .await;
+    assert_eq!(still, lower_uid, "the old lower claim is not adopted or replaced");
+}
+
 #[tokio::test]
 async fn a_claim_is_made_below_its_volume_shows_upstream_and_keeps_later_pods_on_the_node() {
     let bed = bed();

@@ -16,7 +16,13 @@
 //!   collide across lower clusters.
 //!
 //! When the upper claim is gone, the lower claim is deleted once no lower pod uses it, and
-//! the upper volume is deleted. Upstream, such claims use a StorageClass whose provisioner
+//! the upper volume is deleted, unless the upper volume says
+//! `persistentVolumeReclaimPolicy: Retain`. Then, as Kubernetes retains a volume, the upper
+//! volume stays (Released) and the lower claim stays with its data; the lower claim records
+//! the policy ([`names::LOWER_CLAIM_RECLAIM_POLICY`]) so it is kept even after an admin
+//! deletes the upper volume. A lower claim belongs to one upper claim (its
+//! [`names::MARK_UPPER_UID`]): a new upper claim of the same name never adopts it; its pods
+//! wait, saying why, until the old lower claim is gone. Upstream, such claims use a StorageClass whose provisioner
 //! is [`PROVISIONER`] and whose binding mode is `WaitForFirstConsumer`, named as the class
 //! the lower cluster provides.
 
@@ -87,6 +93,12 @@ pub enum Write {
         name: String,
         capacity: BTreeMap<String, Quantity>,
     },
+    /// The lower claim records its upper volume's reclaim policy (`Retain` or not).
+    SetReclaimPolicy {
+        namespace: String,
+        name: String,
+        retain: bool,
+    },
     DeleteLowerClaim {
         namespace: String,
         name: String,
@@ -103,6 +115,29 @@ pub enum Write {
 /// The name of the upper volume standing for `upper_claim`: unique per upper claim.
 fn volume_name(upper_claim: &PersistentVolumeClaim) -> String {
     format!("pvc-{}", upper_claim.uid().unwrap_or_default())
+}
+
+/// Whether the upper volume keeps its storage when its claim goes.
+fn retains(volume: &PersistentVolume) -> bool {
+    volume
+        .spec
+        .as_ref()
+        .and_then(|s| s.persistent_volume_reclaim_policy.as_deref())
+        == Some("Retain")
+}
+
+/// Whether a lower claim recorded a `Retain` policy.
+fn retained(lower: &PersistentVolumeClaim) -> bool {
+    lower
+        .annotations()
+        .get(names::LOWER_CLAIM_RECLAIM_POLICY)
+        .map(String::as_str)
+        == Some("Retain")
+}
+
+/// The upper claim UID a lower claim was made for.
+fn made_for(lower: &PersistentVolumeClaim) -> Option<&str> {
+    lower.labels().get(names::MARK_UPPER_UID).map(String::as_str)
 }
 
 fn selected_here(identity: &Identity, claim: &PersistentVolumeClaim) -> bool {
@@ -271,6 +306,8 @@ pub fn plan(view: &View<'_>) -> Vec<Write> {
                 claim: Box::new(lower_claim(id, upper)),
             }),
             None => {}
+            // The lower claim of an earlier upper claim of the same name is never adopted.
+            Some(lower) if made_for(lower) != upper.uid().as_deref() => {}
             Some(lower) => claim_writes(view, upper, lower, volumes.get(&volume_name(upper)), &mut writes),
         }
     }
@@ -280,8 +317,17 @@ pub fn plan(view: &View<'_>) -> Vec<Write> {
             continue;
         }
         let key = at(&lower.metadata);
-        let made_for = lower.labels().get(names::MARK_UPPER_UID).cloned();
-        if upper_claims.get(&key).and_then(|u| u.uid()) == made_for {
+        if upper_claims.get(&key).and_then(|u| u.uid()).as_deref() == made_for(lower) || retained(lower) {
+            continue;
+        }
+        // The upper volume may have been set to Retain just before its claim went.
+        let volume = made_for(lower).and_then(|uid| volumes.get(&format!("pvc-{uid}")));
+        if volume.is_some_and(|v| retains(v)) {
+            writes.push(Write::SetReclaimPolicy {
+                namespace: key.0,
+                name: key.1,
+                retain: true,
+            });
             continue;
         }
         let in_use = view
@@ -299,7 +345,7 @@ pub fn plan(view: &View<'_>) -> Vec<Write> {
     }
     // Upper volumes whose claim is gone.
     for volume in view.upper_volumes {
-        if !id.owns(&volume.metadata) || volume.metadata.deletion_timestamp.is_some() {
+        if !id.owns(&volume.metadata) || volume.metadata.deletion_timestamp.is_some() || retains(volume) {
             continue;
         }
         let claim = volume.spec.as_ref().and_then(|s| s.claim_ref.as_ref());
@@ -351,6 +397,14 @@ fn claim_writes(
             ),
         },
         Some(volume) => {
+            if retains(volume) != retained(lower) {
+                let (namespace, name) = at(&lower.metadata);
+                writes.push(Write::SetReclaimPolicy {
+                    namespace,
+                    name,
+                    retain: retains(volume),
+                });
+            }
             let granted = lower
                 .status
                 .as_ref()
@@ -408,7 +462,18 @@ impl Volumes {
         if let Some(lower) = self.lower_claims.get(&at)
             && self.identity.owns(&lower.metadata)
         {
-            return Ok(Ok(()));
+            if made_for(&lower) == upper.uid().as_deref() {
+                return Ok(Ok(()));
+            }
+            let kept = if retained(&lower) {
+                "its volume was retained (reclaim policy Retain): delete the lower claim to reuse the name"
+            } else {
+                "it is deleted once no lower pod uses it"
+            };
+            return Ok(Err(Blocked::Conflict(format!(
+                "lower cluster {} still has the claim {ns}/{name} of an earlier upper claim of that name; {kept}",
+                self.cluster_name
+            ))));
         }
         self.create_lower_claim(&lower_claim(&self.identity, &upper))
             .await
@@ -557,6 +622,20 @@ impl Volumes {
                     .await
                     .map_err(Error::on("upper", "patch", format!("volume {name}")))?;
             }
+            Write::SetReclaimPolicy {
+                namespace,
+                name,
+                retain,
+            } => {
+                let value = retain.then_some("Retain");
+                let patch = json!({"metadata": {"annotations": {names::LOWER_CLAIM_RECLAIM_POLICY: value}}});
+                self.lower_limit.acquire().await;
+                Api::<PersistentVolumeClaim>::namespaced(self.lower.clone(), &namespace)
+                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map_err(Error::on("lower", "patch", format!("claim {namespace}/{name}")))?;
+                tracing::info!(claim = %format!("{namespace}/{name}"), retain, "reclaim policy recorded below");
+            }
             Write::DeleteLowerClaim {
                 namespace,
                 name,
@@ -699,6 +778,82 @@ mod tests {
         assert!(
             spec.volume_name.is_none(),
             "the lower cluster provisions its own volume"
+        );
+    }
+
+    #[test]
+    fn a_retained_volume_keeps_its_lower_claim_and_upper_volume_after_the_claim_goes() {
+        let upper = upper_claim(json!({}));
+        let lower = lower_claim_made(bound("1Gi"));
+        let mut volume = (*volume_for(&upper, &lower)).clone();
+        volume
+            .spec
+            .get_or_insert_default()
+            .persistent_volume_reclaim_policy = Some("Retain".into());
+        let volume = Arc::new(volume);
+        // While the claim exists, the lower claim records the policy.
+        let world = World {
+            upper_pods: vec![pod_using_data("Running")],
+            upper_claims: vec![upper.clone()],
+            upper_volumes: vec![volume.clone()],
+            lower_claims: vec![lower.clone()],
+            ..Default::default()
+        };
+        assert_eq!(
+            world.plan(),
+            [Write::SetReclaimPolicy {
+                namespace: "shop".into(),
+                name: "data".into(),
+                retain: true
+            }]
+        );
+        // The claim is gone before the record was written: the record is written, nothing
+        // is deleted.
+        let world = World {
+            upper_volumes: vec![volume.clone()],
+            lower_claims: vec![lower.clone()],
+            ..Default::default()
+        };
+        assert_eq!(
+            world.plan(),
+            [Write::SetReclaimPolicy {
+                namespace: "shop".into(),
+                name: "data".into(),
+                retain: true
+            }]
+        );
+        // Recorded: neither the lower claim nor the upper volume is ever deleted, not even
+        // once an admin deleted the upper volume.
+        let recorded = lower_claim_made(
+            json!({"metadata": {"annotations": {names::LOWER_CLAIM_RECLAIM_POLICY: "Retain"}}}),
+        );
+        let world = World {
+            upper_volumes: vec![volume],
+            lower_claims: vec![recorded.clone()],
+            ..Default::default()
+        };
+        assert_eq!(world.plan(), []);
+        let world = World {
+            lower_claims: vec![recorded],
+            ..Default::default()
+        };
+        assert_eq!(world.plan(), []);
+    }
+
+    #[test]
+    fn a_recreated_upper_claim_never_adopts_the_lower_claim_of_the_earlier_one() {
+        let recreated = upper_claim(json!({"metadata": {"uid": "pvc-new"}}));
+        let old = lower_claim_made(bound("1Gi"));
+        let world = World {
+            upper_pods: vec![pod_using_data("Pending")],
+            upper_claims: vec![recreated],
+            lower_claims: vec![old],
+            ..Default::default()
+        };
+        let writes = world.plan();
+        assert!(
+            matches!(writes.as_slice(), [Write::DeleteLowerClaim { uid, .. }] if uid.as_deref() == Some("lower-u")),
+            "no volume upstream for the new claim from the old lower claim; the old one goes: {writes:?}"
         );
     }
 
