@@ -622,6 +622,62 @@ async fn a_lower_namespace_deleted_below_is_created_again_for_the_next_pod() {
     assert_eq!(below, "second");
 }
 
+/// A PriorityClass only the upper cluster has does not keep the pod from running below: it
+/// runs there at the lower cluster's default priority; one both clusters have is kept.
+#[tokio::test]
+async fn a_priority_class_only_the_upper_cluster_has_does_not_block_the_lower_pod() {
+    let bed = bed();
+    let _vn = VirtualNode::start("vn-prio", &bed.lower_a);
+    wait_ready("vn-prio").await;
+    namespace("prio").await;
+    let class = |name: &str| {
+        format!(
+            "apiVersion: scheduling.k8s.io/v1\nkind: PriorityClass\nmetadata: {{name: {name}}}\nvalue: 1000\n"
+        )
+    };
+    apply(up(), &class("upper-only")).await;
+    apply(up(), &class("both-prio")).await;
+    apply(bed.lower_a.kubeconfig(), &class("both-prio")).await;
+    for (name, class) in [("only-up", "upper-only"), ("both", "both-prio")] {
+        let manifest = pod("prio", name, "vn-prio", "Always", "", "10m").replace(
+            "  restartPolicy:",
+            &format!("  priorityClassName: {class}\n  restartPolicy:"),
+        );
+        apply(up(), &manifest).await;
+    }
+    for name in ["only-up", "both"] {
+        eventually(
+            up(),
+            &format!("{name} Running"),
+            60,
+            &["-n", "prio", "get", "pod", name, "-o", "jsonpath={.status.phase}"],
+            "Running",
+        )
+        .await;
+    }
+    let below = |name: &'static str| async move {
+        kubectl(
+            bed.lower_a.kubeconfig(),
+            &[
+                "-n",
+                "prio",
+                "get",
+                "pod",
+                name,
+                "-o",
+                "jsonpath={.spec.priorityClassName}/{.spec.priority}",
+            ],
+        )
+        .await
+    };
+    assert_eq!(
+        below("only-up").await,
+        "/0",
+        "the lower cluster's default priority"
+    );
+    assert_eq!(below("both").await, "both-prio/1000");
+}
+
 #[tokio::test]
 async fn a_pod_the_lower_cluster_cannot_place_shows_unschedulable_upstream() {
     let bed = bed();

@@ -624,6 +624,7 @@ async fn compose(
         lost_grace: Duration::from_secs(10),
         cluster_name: lower_name,
         known_namespaces: Default::default(),
+        known_priority_classes: Default::default(),
         first_status_held: Default::default(),
         retries: Default::default(),
         reconcile_timeout: Duration::from_secs(args.reconcile_timeout),

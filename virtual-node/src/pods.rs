@@ -50,6 +50,8 @@ pub struct Context {
     pub first_status_held: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
     /// Lower namespaces known to exist.
     pub known_namespaces: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Lower PriorityClasses known to exist.
+    pub known_priority_classes: std::sync::Mutex<std::collections::HashSet<String>>,
     /// Failures in a row per pod, for the retry delay.
     pub retries: Backoff,
     /// One reconcile's deadline.
@@ -372,6 +374,25 @@ fn synced_says(upper: &Pod, says: impl Fn(&k8s_openapi::api::core::v1::PodCondit
         })
 }
 
+/// Whether the lower cluster has PriorityClass `name`; found ones are remembered (a class
+/// is rarely deleted, and a create naming a deleted one fails and is retried), missing ones
+/// are asked again next time.
+async fn lower_priority_class_exists(ctx: &Context, name: &str) -> Result<bool, Error> {
+    if ctx.known_priority_classes.lock().is_ok_and(|k| k.contains(name)) {
+        return Ok(true);
+    }
+    let api: Api<k8s_openapi::api::scheduling::v1::PriorityClass> = Api::all(ctx.lower.clone());
+    let found = api
+        .get_metadata_opt(name)
+        .await
+        .map_err(Error::api("lower", "get", format!("priorityclass {name}")))?
+        .is_some();
+    if found && let Ok(mut known) = ctx.known_priority_classes.lock() {
+        known.insert(name.to_owned());
+    }
+    Ok(found)
+}
+
 /// Says on the upper pod why it is not created below yet, and retries in a few seconds.
 async fn blocked_below(ctx: &Context, upper: &Pod, blocked: Blocked) -> Result<Action, Error> {
     let (reason, event_reason, msg) = match blocked {
@@ -432,6 +453,14 @@ async fn create_in_namespace(
     let mut desired = desired.clone();
     if let Some(spec) = desired.spec.as_mut() {
         crate::copies::drop_absent(spec, &absent);
+        // A PriorityClass only the upper cluster has would fail the create below (the
+        // Priority admission plugin refuses unknown names): the pod runs there at the lower
+        // cluster's default priority instead.
+        if let Some(class) = spec.priority_class_name.clone()
+            && !lower_priority_class_exists(ctx, &class).await?
+        {
+            spec.priority_class_name = None;
+        }
     }
     ctx.lower_limit.acquire().await;
     match lower_pods.create(&PostParams::default(), &desired).await {
