@@ -523,6 +523,7 @@ async fn extender_over_https(
                     .header(http::header::CONTENT_TYPE, "application/json")
                     .body(Full::new(body.clone()))?;
                 let t = Instant::now();
+                sender.ready().await?;
                 let response = sender.send_request(request).await?;
                 anyhow::ensure!(response.status() == 200, "status {}", response.status());
                 let answer = response.into_body().collect().await?.to_bytes();

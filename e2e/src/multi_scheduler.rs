@@ -1,6 +1,7 @@
 //! The multi-scheduler as a test sees it: the `multi-scheduler` binary as a child process
-//! (so a test can take the extender down), serving with a certificate of a CA made here,
-//! and a second kube-scheduler configured from the shipped KubeSchedulerConfiguration.
+//! (so a test can take the extender down), as an extender serving with a certificate of a
+//! CA made here behind a second kube-scheduler configured from the shipped
+//! KubeSchedulerConfiguration, or as the standalone scheduler.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -56,31 +57,62 @@ impl ExtenderProcess {
         })
     }
 
-    /// `/readyz` of the admin endpoint: status code and body.
-    pub async fn readyz(&self) -> Option<(u16, String)> {
-        crate::in_process::admin_get(&self.admin_addr, "/readyz").await
-    }
-
     /// Waits until `/readyz` answers 200.
     pub async fn wait_ready(&self, within: Duration) -> anyhow::Result<()> {
-        let result = crate::wait::until(
-            "the multi-scheduler ready",
-            within,
-            Duration::from_millis(200),
-            || async {
-                match self.readyz().await {
-                    Some((200, _)) => Ok(()),
-                    other => Err(format!("{other:?}")),
-                }
-            },
-        )
-        .await;
-        result.map_err(|e| anyhow::anyhow!("{e}; log:\n{}", self.log()))
+        wait_ready(&self.admin_addr, within)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}; log:\n{}", self.log()))
     }
 
     pub fn log(&self) -> String {
         self.service.log_tail(20_000)
     }
+}
+
+/// A running `multi-scheduler --mode=scheduler`.
+pub struct StandaloneProcess {
+    pub service: Service,
+    pub admin_addr: String,
+}
+
+impl StandaloneProcess {
+    /// Starts the standalone scheduler for `upper`, placing the pods that name
+    /// `scheduler_name`, logging to `<upper dir>/multi-scheduler-<log_name>.log`.
+    pub fn start(upper: &TestCluster, scheduler_name: &str, log_name: &str) -> anyhow::Result<Self> {
+        let admin_addr = format!("127.0.0.1:{}", free_port()?);
+        let args = vec![
+            "--mode=scheduler".to_owned(),
+            format!("--scheduler-name={scheduler_name}"),
+            format!("--kubeconfig={}", upper.kubeconfig().display()),
+            format!("--admin-addr={admin_addr}"),
+        ];
+        let program = crate::bins::suite_binary("multi-scheduler")?;
+        let log = upper.dir().join(format!("multi-scheduler-{log_name}.log"));
+        let service = Service::start(&format!("multi-scheduler {log_name}"), &program, &args, &log)?;
+        Ok(Self { service, admin_addr })
+    }
+
+    /// Waits until `/readyz` answers 200.
+    pub async fn wait_ready(&self, within: Duration) -> anyhow::Result<()> {
+        wait_ready(&self.admin_addr, within)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}; log:\n{}", self.service.log_tail(20_000)))
+    }
+}
+
+async fn wait_ready(admin_addr: &str, within: Duration) -> crate::Result<()> {
+    crate::wait::until(
+        "the multi-scheduler ready",
+        within,
+        Duration::from_millis(200),
+        || async {
+            match crate::in_process::admin_get(admin_addr, "/readyz").await {
+                Some((200, _)) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await
 }
 
 /// The shipped configuration `template` made ready for a test bed: the upper cluster's

@@ -9,8 +9,9 @@
 //!
 //! Pods are created as the webhook leaves them: lower constraints in the stash, the virtual
 //! node toleration and label requirement upstream, and a preference for vn-a (the cheap
-//! cluster). One scene runs at a time; each cleans up its pods. The `multi-scheduler`
-//! binary must be built (`make test` builds every binary first).
+//! cluster). The standalone mode (`--mode=scheduler`, as `tensile-standalone`) runs the same
+//! burst without any kube-scheduler. One scene runs at a time; each cleans up its pods. The
+//! `multi-scheduler` binary must be built (`make test` builds every binary first).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -22,7 +23,7 @@ use serde_json::{Value, json};
 use tensile_common::names;
 use tensile_common::stash::Stash;
 use tensile_e2e::in_process;
-use tensile_e2e::multi_scheduler::{CONFIG_V1BETA1, ExtenderProcess, scheduler_config};
+use tensile_e2e::multi_scheduler::{CONFIG_V1BETA1, ExtenderProcess, StandaloneProcess, scheduler_config};
 use tensile_e2e::process::Service;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::wait::must;
@@ -31,6 +32,8 @@ use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, T
 const ZONE: &str = "topology.kubernetes.io/zone";
 const GPU: &str = "example.com/gpu";
 const SCHEDULER: &str = "tensile-scheduler";
+/// The standalone scheduler's name (the extender's kube-scheduler keeps `tensile-scheduler`).
+const STANDALONE: &str = "tensile-standalone";
 const VN_A: &str = "vn-a";
 const VN_B: &str = "vn-b";
 const VN_C: &str = "vn-c";
@@ -292,6 +295,16 @@ async fn clean_up(api: &Api<Pod>) {
 async fn failed_scheduling(ns: &str, name: &str) -> Vec<String> {
     let events: Api<Event> = Api::namespaced(bed().upper.client().await.unwrap(), ns);
     let params = ListParams::default().fields(&format!("involvedObject.name={name},reason=FailedScheduling"));
+    messages(events, params).await
+}
+
+/// Messages of the events of `reason` in `ns`.
+async fn events(ns: &str, reason: &str) -> Vec<String> {
+    let events: Api<Event> = Api::namespaced(bed().upper.client().await.unwrap(), ns);
+    messages(events, ListParams::default().fields(&format!("reason={reason}"))).await
+}
+
+async fn messages(events: Api<Event>, params: ListParams) -> Vec<String> {
     events
         .list(&params)
         .await
@@ -302,15 +315,13 @@ async fn failed_scheduling(ns: &str, name: &str) -> Vec<String> {
         .collect()
 }
 
-#[tokio::test]
-async fn a_mixed_burst_through_the_extender_runs_with_no_pod_ever_refused_below() {
-    let _scene = SCENE.lock().await;
-    let bed = bed();
-    let api = namespace("burst-extender").await;
-    let pods = burst(Some(SCHEDULER));
+/// Creates `pods` and waits until every one is Running, watching that no pod is ever
+/// refused by a lower scheduler and that each lands on a virtual node that can hold it.
+/// Returns the time to all Running.
+async fn run_burst(api: &Api<Pod>, pods: &[(Pod, &[&str])], log: impl Fn() -> String) -> Duration {
     let fits: BTreeMap<String, &[&str]> = pods.iter().map(|(p, f)| (name_of(p), *f)).collect();
     let started = Instant::now();
-    create_all(&api, &pods).await;
+    create_all(api, pods).await;
     let mut refused: BTreeSet<String> = BTreeSet::new();
     let deadline = started + Duration::from_secs(90);
     let placed = loop {
@@ -324,10 +335,7 @@ async fn a_mixed_burst_through_the_extender_runs_with_no_pod_ever_refused_below(
                 .iter()
                 .map(|p| format!("{} on {:?} running={}", name_of(p), node_of(p), running(p)))
                 .collect();
-            panic!(
-                "not all Running after 90 s: {seen:?}; extender log:\n{}",
-                bed.extender.lock().unwrap().log()
-            );
+            panic!("not all Running after 90 s: {seen:?}; log:\n{}", log());
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     };
@@ -342,6 +350,16 @@ async fn a_mixed_burst_through_the_extender_runs_with_no_pod_ever_refused_below(
             node_of(p)
         );
     }
+    elapsed
+}
+
+#[tokio::test]
+async fn a_mixed_burst_through_the_extender_runs_with_no_pod_ever_refused_below() {
+    let _scene = SCENE.lock().await;
+    let bed = bed();
+    let api = namespace("burst-extender").await;
+    let pods = burst(Some(SCHEDULER));
+    let elapsed = run_burst(&api, &pods, || bed.extender.lock().unwrap().log()).await;
     let admin = bed.extender.lock().unwrap().admin_addr.clone();
     let metrics = in_process::admin_get(&admin, "/metrics")
         .await
@@ -358,6 +376,74 @@ async fn a_mixed_burst_through_the_extender_runs_with_no_pod_ever_refused_below(
         pods.len(),
         elapsed.as_secs_f64()
     );
+    clean_up(&api).await;
+}
+
+#[tokio::test]
+async fn the_standalone_scheduler_runs_the_burst_with_no_pod_refused_below_and_explains_a_pod_that_fits_nowhere()
+ {
+    let _scene = SCENE.lock().await;
+    let bed = bed();
+    let standalone = StandaloneProcess::start(&bed.upper, STANDALONE, "standalone").unwrap();
+    standalone.wait_ready(Duration::from_secs(30)).await.unwrap();
+    let ns = "burst-standalone";
+    let api = namespace(ns).await;
+    let pods = burst(Some(STANDALONE));
+    let elapsed = run_burst(&api, &pods, || standalone.service.log_tail(20_000)).await;
+    println!(
+        "burst of {} pods through the standalone scheduler: all Running in {:.1} s",
+        pods.len(),
+        elapsed.as_secs_f64()
+    );
+    let scheduled = events(ns, "Scheduled").await;
+    assert!(
+        scheduled
+            .iter()
+            .any(|m| m == &format!("Successfully assigned {ns}/big-0 to {VN_B}")),
+        "{scheduled:?}"
+    );
+
+    let twenty = pod(
+        "twenty",
+        Some(STANDALONE),
+        json!({"cpu": "20"}),
+        &Stash::default(),
+    );
+    api.create(&PostParams::default(), &twenty).await.unwrap();
+    let condition = must(
+        "PodScheduled=False with the reason",
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+        || async {
+            let p = api.get("twenty").await.map_err(|e| e.to_string())?;
+            let c = p
+                .status
+                .iter()
+                .flat_map(|s| s.conditions.iter().flatten())
+                .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+                .cloned();
+            match c {
+                Some(c)
+                    if c.message
+                        .as_deref()
+                        .is_some_and(|m| m.contains("no lower node fits cpu=20")) =>
+                {
+                    Ok(c)
+                }
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert_eq!(condition.reason.as_deref(), Some("Unschedulable"));
+    let failed = failed_scheduling(ns, "twenty").await;
+    assert!(
+        failed
+            .iter()
+            .any(|m| m.starts_with("0/3 nodes are available") && m.contains("no lower node fits cpu=20")),
+        "{failed:?}"
+    );
+    println!("standalone, a pod that fits nowhere: {failed:?}");
     clean_up(&api).await;
 }
 

@@ -221,7 +221,7 @@ fn candidates(args: &ExtenderArgs) -> Vec<Candidate<'_>> {
 fn judge_node(
     candidate: &Candidate<'_>,
     pod: &PodFacts,
-    excluded: &BTreeMap<&str, String>,
+    excluded: &BTreeMap<String, String>,
     ctx: &Context<'_>,
 ) -> (Option<Judgement>, Outcome, Option<String>) {
     let name = candidate.name();
@@ -244,18 +244,18 @@ fn judge_node(
     (Some(judgement), outcome, message)
 }
 
-/// The pod's active exclusions: node → the message a rejection there gives.
-fn exclusions_of<'a>(pod: &Pod, ctx: &'a Context<'_>) -> BTreeMap<&'a str, String> {
-    let Some(record) = owner_key(pod).and_then(|k| ctx.exclusions.records.get(&k)) else {
+/// The pod's active exclusions at `now`: node → the message a rejection there gives.
+pub fn exclusions_for(pod: &Pod, exclusions: &Exclusions, now: jiff::Timestamp) -> BTreeMap<String, String> {
+    let Some(record) = owner_key(pod).and_then(|k| exclusions.records.get(&k)) else {
         return BTreeMap::new();
     };
-    if record.is_expired(ctx.options.now) {
+    if record.is_expired(now) {
         return BTreeMap::new();
     }
     record
         .nodes
         .iter()
-        .filter(|(_, until)| **until > ctx.options.now)
+        .filter(|(_, until)| **until > now)
         .map(|(node, until)| {
             let message = format!(
                 "excluded for {} {}/{} until {}: its lower cluster refused the workload",
@@ -264,7 +264,7 @@ fn exclusions_of<'a>(pod: &Pod, ctx: &'a Context<'_>) -> BTreeMap<&'a str, Strin
                 record.name,
                 tensile_common::api::time(*until)
             );
-            (node.as_str(), message)
+            (node.clone(), message)
         })
         .collect()
 }
@@ -273,7 +273,7 @@ fn exclusions_of<'a>(pod: &Pod, ctx: &'a Context<'_>) -> BTreeMap<&'a str, Strin
 /// the reason; and the outcome of each node, in order, for the metrics.
 pub fn filter(args: &ExtenderArgs, ctx: &Context<'_>) -> (ExtenderFilterResult, Vec<Outcome>) {
     let pod = PodFacts::of(&args.pod);
-    let excluded = exclusions_of(&args.pod, ctx);
+    let excluded = exclusions_for(&args.pod, ctx.exclusions, ctx.options.now);
     let mut result = ExtenderFilterResult::default();
     let mut outcomes = Vec::new();
     let mut passed_names = Vec::new();
@@ -306,24 +306,30 @@ pub fn filter(args: &ExtenderArgs, ctx: &Context<'_>) -> (ExtenderFilterResult, 
     (result, outcomes)
 }
 
+/// A node's score, 0 to [`MAX_SCORE`], from the shares of the frontier vectors that hold
+/// the pod (none: 0): the tightest for binpack, the roomiest for spread.
+pub fn score_of(shares: &[f64], score: Score) -> i64 {
+    let best = match score {
+        Score::Binpack => shares.iter().copied().reduce(f64::max),
+        Score::Spread => shares.iter().copied().reduce(f64::min).map(|s| 1.0 - s),
+    };
+    best.map_or(0, |b| (b * MAX_SCORE as f64).round() as i64)
+}
+
 /// Answers `prioritize`: every candidate, scored 0 to [`MAX_SCORE`] by the frontier
 /// vector that holds the pod best for `score`; a node no vector answers for (not virtual,
 /// excluded, rejected or judged open) scores 0.
 pub fn prioritize(args: &ExtenderArgs, ctx: &Context<'_>, score: Score) -> Vec<HostPriority> {
     let pod = PodFacts::of(&args.pod);
-    let excluded = exclusions_of(&args.pod, ctx);
+    let excluded = exclusions_for(&args.pod, ctx.exclusions, ctx.options.now);
     candidates(args)
         .iter()
         .map(|candidate| {
             let (judgement, _, _) = judge_node(candidate, &pod, &excluded, ctx);
             let shares = judgement.map(|j| j.shares).unwrap_or_default();
-            let best = match score {
-                Score::Binpack => shares.iter().copied().reduce(f64::max),
-                Score::Spread => shares.iter().copied().reduce(f64::min).map(|s| 1.0 - s),
-            };
             HostPriority {
                 host: candidate.name().to_owned(),
-                score: best.map_or(0, |b| (b * MAX_SCORE as f64).round() as i64),
+                score: score_of(&shares, score),
             }
         })
         .collect()

@@ -146,6 +146,27 @@ impl ShapeFacts {
         Ok(Self { shape, at, free })
     }
 
+    /// When the shape was computed (`None` for the first form).
+    pub fn at(&self) -> Option<jiff::Timestamp> {
+        self.at
+    }
+
+    /// The shape with the requests of pods placed since it was computed taken out of its
+    /// frontier: each, largest first, from the first vector that holds it (vectors are
+    /// largest first), so the space they will use is not offered twice. A request no
+    /// vector holds is left out.
+    pub fn taking(&self, taken: &[ResourceMap]) -> ShapeFacts {
+        let mut out = self.clone();
+        let mut taken: Vec<&ResourceMap> = taken.iter().collect();
+        taken.sort_by_key(|r| std::cmp::Reverse((r.get("cpu"), r.get("memory"))));
+        for request in taken {
+            if let Some(v) = out.free.iter_mut().flatten().find(|v| fits(request, v)) {
+                v.saturating_sub(request);
+            }
+        }
+        out
+    }
+
     /// The shape a node publishes; `None` when it publishes none.
     pub fn of(node: &Node) -> Option<Result<Self, String>> {
         node.metadata
@@ -407,7 +428,7 @@ fn labels_match(
     selector_ok && affinity_ok
 }
 
-fn requirement_matches(labels: &BTreeMap<String, String>, r: &NodeSelectorRequirement) -> bool {
+pub(crate) fn requirement_matches(labels: &BTreeMap<String, String>, r: &NodeSelectorRequirement) -> bool {
     let value = labels.get(&r.key);
     let values = r.values.as_deref().unwrap_or_default();
     let compare = |want: std::cmp::Ordering| {
@@ -427,7 +448,7 @@ fn requirement_matches(labels: &BTreeMap<String, String>, r: &NodeSelectorRequir
 }
 
 /// True when some toleration tolerates the taint, by the API's rules.
-fn tolerated(taint: &Taint, tolerations: &[Toleration]) -> bool {
+pub(crate) fn tolerated(taint: &Taint, tolerations: &[Toleration]) -> bool {
     tolerations.iter().any(|t| {
         let effect = t.effect.as_deref().unwrap_or_default();
         if !effect.is_empty() && effect != taint.effect {

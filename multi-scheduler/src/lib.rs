@@ -9,14 +9,23 @@
 //! scheduler and the descheduler remain the backstop. A virtual node the descheduler
 //! excluded for the pod's workload is rejected while the exclusion lasts.
 //!
-//! One mode is built: `--mode=extender`, an HTTPS kube-scheduler extender ([`extender`],
-//! [`server`]) behind a second stock kube-scheduler (`config/` holds its configuration).
-//! It reads virtual Nodes and the exclusion records from watch caches, so answering makes
-//! no API call. The standalone `--mode=scheduler` is not built.
+//! Two modes share that filter and its score:
+//!
+//! * `--mode=extender` (default): an HTTPS kube-scheduler extender ([`extender`], [`server`])
+//!   behind a second stock kube-scheduler (`config/` holds its configuration). It reads
+//!   virtual Nodes and the exclusion records from watch caches, so answering makes no API
+//!   call, and keeps no state: several replicas may serve.
+//! * `--mode=scheduler`: a standalone scheduler ([`scheduler`]) for pods with
+//!   `spec.schedulerName=<--scheduler-name>`, which places them only on virtual nodes: a
+//!   priority queue with per-pod backoff ([`queue`]), the upper checks kube-scheduler makes
+//!   plus the filter ([`place`]), an assume ledger, binding, events; one leader acts.
 
 pub mod extender;
 pub mod filter;
 pub mod metrics;
+pub mod place;
+pub mod queue;
+pub mod scheduler;
 pub mod server;
 
 use std::net::{IpAddr, SocketAddr};
@@ -24,14 +33,16 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ConfigMap, Node};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use kube::api::Api;
+use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use tensile_common::admin::{self, AdminArgs, Readiness};
 use tensile_common::cache::watched;
 use tensile_common::exclusion::{self, Location};
 use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
+use tensile_common::leader::{self, LeaderArgs, Leadership};
 use tensile_common::runtime::{self, CancellationToken, Supervisor};
 use tensile_common::telemetry::LogArgs;
 use tensile_common::tls;
@@ -45,7 +56,7 @@ use crate::server::{NodeStore, State};
 pub enum Mode {
     /// A kube-scheduler extender (`POST /filter`, `POST /prioritize`).
     Extender,
-    /// A standalone scheduler (not built yet).
+    /// A standalone scheduler of the pods that name `--scheduler-name`.
     Scheduler,
 }
 
@@ -63,6 +74,13 @@ pub struct Args {
     /// Kubeconfig of the upper cluster; without it, the pod's service account (in-cluster).
     #[arg(long, env = "TENSILE_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
+    /// Scheduler mode: the `spec.schedulerName` of the pods it places.
+    #[arg(
+        long = "scheduler-name",
+        env = "TENSILE_SCHEDULER_NAME",
+        default_value = "tensile-scheduler"
+    )]
+    pub scheduler_name: String,
     /// Address to serve the extender's HTTPS on.
     #[arg(long, env = "TENSILE_ADDRESS", default_value = "0.0.0.0")]
     pub address: IpAddr,
@@ -130,6 +148,9 @@ pub struct Args {
     pub max_body_bytes: usize,
     #[command(flatten)]
     pub client: ClientArgs,
+    /// Scheduler mode only: the extender keeps no state, so its replicas need no leader.
+    #[command(flatten)]
+    pub leader: LeaderArgs,
     #[command(flatten)]
     pub admin: AdminArgs,
     #[command(flatten)]
@@ -146,10 +167,8 @@ pub fn parse_seconds(s: &str) -> Result<Duration, String> {
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error(
-        "--mode=scheduler is not built yet: run --mode=extender behind a kube-scheduler configured with one of the files in config/"
-    )]
-    SchedulerModeNotBuilt,
+    #[error("invalid flags: {0}")]
+    Flags(String),
     #[error("{0}")]
     Kubeconfig(#[from] kubeconfig::Error),
     #[error("{0}")]
@@ -187,9 +206,19 @@ pub async fn run(args: Args) -> Result<(), Error> {
 
 /// As [`run`], stopping when `shutdown` is cancelled.
 pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Error> {
-    if args.mode == Mode::Scheduler {
-        return Err(Error::SchedulerModeNotBuilt);
+    match args.mode {
+        Mode::Extender => run_extender(args, shutdown).await,
+        Mode::Scheduler => run_scheduler(args, shutdown).await,
     }
+}
+
+fn max_age(args: &Args) -> Option<jiff::SignedDuration> {
+    (!args.shape_max_age.is_zero())
+        .then(|| jiff::SignedDuration::from_secs(args.shape_max_age.as_secs() as i64))
+}
+
+/// The extender: HTTPS verbs over watch caches.
+async fn run_extender(args: Args, shutdown: CancellationToken) -> Result<(), Error> {
     let options = ClientOptions {
         user_agent: Some("tensile-multi-scheduler".into()),
         ..args.client.options()
@@ -229,8 +258,7 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         nodes: Arc::new(NodeStore(nodes.store().clone())),
         facts: FactsCache::default(),
         exclusions,
-        max_age: (!args.shape_max_age.is_zero())
-            .then(|| jiff::SignedDuration::from_secs(args.shape_max_age.as_secs() as i64)),
+        max_age: max_age(&args),
         score: args.score,
         metrics,
         max_body_bytes: args.max_body_bytes,
@@ -260,6 +288,130 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         server::serve_https(listener, tls_config, state, stop)
     });
     tasks.run().await.map_err(Error::from)
+}
+
+/// The standalone scheduler: leader election, caches, and the scheduling loop.
+async fn run_scheduler(args: Args, shutdown: CancellationToken) -> Result<(), Error> {
+    let replica = leader::default_identity();
+    let election = args
+        .leader
+        .config("tensile-multi-scheduler", replica.clone())
+        .map_err(Error::Flags)?;
+    let leadership = Leadership::of(&election);
+    let options = ClientOptions {
+        user_agent: Some(format!("tensile-multi-scheduler ({replica})")),
+        ..args.client.options()
+    };
+    let mut source = kubeconfig::ClientSource::new(args.kubeconfig.as_deref(), &options).await?;
+    let lease_client = source.client()?;
+    if election.is_some() {
+        source = source.fenced(leadership.clone());
+    }
+    let client = source.client()?;
+    let admin_listener = admin::bind(args.admin.admin_addr).await?;
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Arc::new(metrics::Metrics::new(&mut registry));
+    leadership.register(&mut registry);
+    let readiness = Readiness::default();
+    let admin_task = admin::serve(admin_listener, Arc::new(registry), readiness.clone());
+    let admin_handle = tokio::spawn(shutdown.clone().run_until_cancelled_owned(admin_task));
+    let mut tasks = Supervisor::new(shutdown.clone(), DRAIN);
+    let Some((elector, leading)) = leader::lead(
+        lease_client,
+        election,
+        &leadership,
+        &readiness,
+        &shutdown,
+        &mut tasks,
+    )
+    .await
+    else {
+        admin_handle.abort();
+        return Ok(());
+    };
+    readiness.say(false, "caches syncing");
+
+    let changed = Arc::new(Notify::new());
+    // Every non-terminal pod: the pods to place and what is bound to each virtual node.
+    let (pods, pods_watch) = watched::<Pod>(
+        Api::all(client.clone()),
+        watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
+        &changed,
+    );
+    let (nodes, nodes_watch) = watched::<Node>(
+        Api::all(client.clone()),
+        watcher::Config::default().labels(&args.node_selector),
+        &changed,
+    );
+    let location = args.exclusions_configmap.clone();
+    let (exclusions_cache, exclusions, exclusions_watch) = exclusion::follow(
+        Api::<ConfigMap>::namespaced(client.clone(), &location.namespace),
+        &location.name,
+    );
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: args.scheduler_name.clone(),
+            instance: Some(replica),
+        },
+    );
+    let scheduler = scheduler::Scheduler {
+        client,
+        name: args.scheduler_name.clone(),
+        pods: pods.clone(),
+        nodes: nodes.clone(),
+        exclusions,
+        facts: FactsCache::default(),
+        score: args.score,
+        max_age: max_age(&args),
+        metrics,
+        recorder,
+        changed: changed.clone(),
+    };
+    tracing::info!(
+        scheduler_name = %args.scheduler_name,
+        node_selector = %args.node_selector,
+        exclusions = %location,
+        score = ?args.score,
+        "scheduling"
+    );
+    {
+        // Exclusion changes wake the loop too.
+        let mut rx = scheduler.exclusions.clone();
+        tasks.spawn("the exclusions wake-up", async move {
+            while rx.changed().await.is_ok() {
+                changed.notify_one();
+            }
+        });
+    }
+    tasks.spawn("the pod watch", pods_watch);
+    tasks.spawn("the node watch", nodes_watch);
+    tasks.spawn("the exclusions watch", exclusions_watch);
+    tasks.spawn_graceful("the scheduling loop", move |stop| async move {
+        let synced = async {
+            pods.synced().await;
+            nodes.synced().await;
+            exclusions_cache.synced().await;
+        };
+        if stop.run_until_cancelled(synced).await.is_none() {
+            return;
+        }
+        readiness.say(
+            true,
+            if leading.is_empty() {
+                "scheduling".to_owned()
+            } else {
+                leading
+            },
+        );
+        scheduler.run(stop).await
+    });
+    let outcome = tasks.run().await.map_err(Error::from);
+    if let Some(elector) = &elector {
+        elector.release().await;
+    }
+    admin_handle.abort();
+    outcome
 }
 
 /// Drops the decoded shapes of deleted nodes as the watch shows the deletions.
@@ -336,16 +488,21 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn scheduler_mode_is_refused_before_anything_starts() {
-        let args = Args::try_parse_from(["multi-scheduler", "--mode=scheduler", "--kubeconfig=/nonexistent"])
-            .unwrap();
-        let err = run_until(args, CancellationToken::new()).await.unwrap_err();
-        assert!(matches!(err, Error::SchedulerModeNotBuilt));
-        assert!(
-            err.to_string().starts_with("--mode=scheduler is not built yet"),
-            "{err}"
-        );
+    #[test]
+    fn scheduler_mode_names_its_pods_and_may_elect_a_leader() {
+        let args = Args::try_parse_from([
+            "multi-scheduler",
+            "--mode=scheduler",
+            "--scheduler-name=tensile-standalone",
+            "--leader-elect",
+        ])
+        .unwrap();
+        assert_eq!(args.mode, Mode::Scheduler);
+        assert_eq!(args.scheduler_name, "tensile-standalone");
+        assert!(args.leader.leader_elect);
+        let default = Args::try_parse_from(["multi-scheduler"]).unwrap();
+        assert_eq!(default.scheduler_name, "tensile-scheduler");
+        assert!(!default.leader.leader_elect);
     }
 
     #[test]

@@ -1,8 +1,9 @@
-//! Prometheus metrics of the extender (`tensile_multischeduler_*`).
+//! Prometheus metrics of the multi-scheduler (`tensile_multischeduler_*`).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -21,6 +22,13 @@ pub struct VerbLabels {
     pub verb: &'static str,
 }
 
+/// `result` of a scheduling attempt (scheduler mode): `success`, `unschedulable`,
+/// `conflict` (bound by someone else, or gone) or `error`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
     pub reason: &'static str,
@@ -35,6 +43,10 @@ pub struct Metrics {
     pub rejected: Family<ReasonLabels, Counter>,
     /// Virtual nodes a filter passed without an exact answer, by reason.
     pub fail_open: Family<ReasonLabels, Counter>,
+    /// Scheduling attempts of the scheduler mode, by result.
+    pub binds: Family<ResultLabels, Counter>,
+    /// Pods the scheduler mode holds in its queue.
+    pub queue_pending: Gauge,
 }
 
 fn latency() -> Histogram {
@@ -50,6 +62,8 @@ impl Metrics {
             duration: Family::new_with_constructor(latency),
             rejected: Family::default(),
             fail_open: Family::default(),
+            binds: Family::default(),
+            queue_pending: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("tensile_multischeduler");
         r.register(
@@ -72,7 +86,21 @@ impl Metrics {
             "Virtual nodes the filter passed without an exact answer, by reason",
             m.fail_open.clone(),
         );
+        r.register(
+            "binds",
+            "Scheduling attempts in scheduler mode, by result",
+            m.binds.clone(),
+        );
+        r.register(
+            "queue_pending",
+            "Pods waiting in the scheduler mode's queue",
+            m.queue_pending.clone(),
+        );
         m
+    }
+
+    pub fn bind(&self, result: &'static str) {
+        self.binds.get_or_create(&ResultLabels { result }).inc();
     }
 
     pub fn request(&self, verb: &'static str, result: &'static str) {

@@ -1,0 +1,347 @@
+//! The standalone scheduler's decision for one pod, apart from the API: which virtual node
+//! takes it, or why none does, in kube-scheduler's words ("0/3 nodes are available: …").
+//!
+//! A node takes the pod when it is Ready and not cordoned, the pod tolerates its
+//! `NoSchedule`/`NoExecute` taints, its labels (and name) satisfy the pod's nodeSelector and
+//! required node affinity, the pod's workload is not excluded from it, the pod fits what is
+//! left of its allocatable (pods bound to it and pods just placed counted), and the filter
+//! passes it by its capacity shape, with the pods placed since the shape was computed taken
+//! out. Among those, the best score wins (the extender's prioritize), then the name.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, Pod};
+use tensile_common::quantity::ResourceMap;
+
+use crate::extender::{NodeFacts, Outcome, Score, score_of};
+use crate::filter::{self, Options, PodFacts, Verdict, requirement_matches, tolerated};
+
+/// A virtual node as one scheduling attempt sees it.
+pub struct Candidate<'a> {
+    pub node: &'a Node,
+    pub facts: Arc<NodeFacts>,
+    /// Requests of the non-terminal pods bound to the node and of pods placed on it that
+    /// the watch does not show bound yet.
+    pub requested: ResourceMap,
+    /// Requests of the pods placed on it since its shape was computed.
+    pub taken: Vec<ResourceMap>,
+}
+
+/// Where the pod goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Placement {
+    Node(String),
+    /// No node takes it; the message says why, node by node, counted.
+    Unschedulable(String),
+}
+
+/// Decides for `pod` among `candidates`; `excluded` maps the nodes its workload must avoid
+/// to the reason. Returns the placement and each node's shape outcome, for the metrics.
+pub fn place(
+    pod: &Pod,
+    candidates: &[Candidate<'_>],
+    excluded: &BTreeMap<String, String>,
+    options: &Options,
+    score: Score,
+) -> (Placement, Vec<Outcome>) {
+    let facts = PodFacts::of(pod);
+    let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
+    let mut outcomes = Vec::new();
+    let mut best: Option<(i64, &str)> = None;
+    for c in candidates {
+        let name = c.node.metadata.name.as_deref().unwrap_or_default();
+        let verdict = match upper_refusal(pod, c.node, &facts.requests, &c.requested) {
+            Some(reason) => Err(reason),
+            None => match excluded.get(name) {
+                Some(message) => {
+                    outcomes.push(Outcome::Rejected("exclusion"));
+                    Err(message.clone())
+                }
+                None => {
+                    let shape = c
+                        .facts
+                        .shape
+                        .as_ref()
+                        .map(|s| s.as_ref().map(|f| f.taking(&c.taken)).map_err(Clone::clone));
+                    let judgement = filter::judge(&facts, shape.as_ref(), options);
+                    match judgement.verdict {
+                        Verdict::Rejected(m) => {
+                            outcomes.push(Outcome::Rejected("shape"));
+                            Err(m)
+                        }
+                        Verdict::FailOpen(f) => {
+                            outcomes.push(Outcome::FailOpen(f.reason()));
+                            Ok(0)
+                        }
+                        Verdict::NotVirtual | Verdict::Fits => Ok(score_of(&judgement.shares, score)),
+                    }
+                }
+            },
+        };
+        match verdict {
+            Err(reason) => *reasons.entry(reason).or_default() += 1,
+            Ok(s) => {
+                if best.is_none_or(|(b, n)| s > b || (s == b && name < n)) {
+                    best = Some((s, name));
+                }
+            }
+        }
+    }
+    let placement = match best {
+        Some((_, name)) => Placement::Node(name.to_owned()),
+        None => {
+            let counted: Vec<String> = reasons.iter().map(|(r, n)| format!("{n} {r}")).collect();
+            Placement::Unschedulable(format!(
+                "0/{} nodes are available: {}.",
+                candidates.len(),
+                counted.join(", ")
+            ))
+        }
+    };
+    (placement, outcomes)
+}
+
+/// Why the node refuses the pod by what the upper scheduler checks; `None`: it does not.
+fn upper_refusal(pod: &Pod, node: &Node, requests: &ResourceMap, requested: &ResourceMap) -> Option<String> {
+    let ready = node
+        .status
+        .iter()
+        .flat_map(|s| s.conditions.iter().flatten())
+        .any(|c| c.type_ == "Ready" && c.status == "True");
+    if !ready {
+        return Some("node(s) were not ready".into());
+    }
+    if node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true) {
+        return Some("node(s) were unschedulable".into());
+    }
+    let spec = pod.spec.as_ref();
+    let tolerations = spec.and_then(|s| s.tolerations.as_deref()).unwrap_or_default();
+    for taint in node.spec.iter().flat_map(|s| s.taints.iter().flatten()) {
+        let blocks = taint.effect == "NoSchedule" || taint.effect == "NoExecute";
+        if blocks && !tolerated(taint, tolerations) {
+            let value = taint.value.as_deref().unwrap_or_default();
+            return Some(format!(
+                "node(s) had taint {{{}: {value}}}, that the pod didn't tolerate",
+                taint.key
+            ));
+        }
+    }
+    let empty = BTreeMap::new();
+    let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
+    let selector_ok = spec
+        .and_then(|s| s.node_selector.as_ref())
+        .into_iter()
+        .flatten()
+        .all(|(k, v)| labels.get(k) == Some(v));
+    let terms = spec
+        .and_then(|s| s.affinity.as_ref())
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref())
+        .map(|r| r.node_selector_terms.as_slice());
+    let name = node.metadata.name.as_deref().unwrap_or_default();
+    let field_matches = |r: &NodeSelectorRequirement| {
+        let fields = BTreeMap::from([("metadata.name".to_owned(), name.to_owned())]);
+        requirement_matches(&fields, r)
+    };
+    let affinity_ok = terms.is_none_or(|terms| {
+        terms.iter().any(|t| {
+            let exprs = t.match_expressions.as_deref().unwrap_or_default();
+            let fields = t.match_fields.as_deref().unwrap_or_default();
+            (!exprs.is_empty() || !fields.is_empty())
+                && exprs.iter().all(|r| requirement_matches(labels, r))
+                && fields.iter().all(field_matches)
+        })
+    });
+    if !selector_ok || !affinity_ok {
+        return Some("node(s) didn't match node selector".into());
+    }
+    let allocatable = node
+        .status
+        .as_ref()
+        .and_then(|s| s.allocatable.as_ref())
+        .map(|a| ResourceMap::parse(a.iter().map(|(k, v)| (k, &v.0))).0)
+        .unwrap_or_default();
+    for (resource, want) in requests.0.iter().filter(|(_, q)| **q > 0) {
+        if allocatable.get(resource) - requested.get(resource) < *want {
+            return Some(if resource == "pods" {
+                "Too many pods".into()
+            } else {
+                format!("Insufficient {resource}")
+            });
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::extender::FactsCache;
+    use serde_json::{Value, json};
+    use tensile_common::names;
+    use tensile_common::shape::{DEFAULT_GROUP_CAP, build};
+
+    fn now() -> jiff::Timestamp {
+        "2024-05-01T10:00:00Z".parse().unwrap()
+    }
+
+    fn virtual_node(name: &str, lower_cpus: &[&str], extra: Value) -> Node {
+        let lowers: Vec<Node> = lower_cpus
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                serde_json::from_value(json!({
+                    "metadata": {"name": format!("n{i}")},
+                    "status": {"allocatable": {"cpu": c, "memory": "16Gi", "pods": "110"},
+                               "conditions": [{"type": "Ready", "status": "True"}]},
+                }))
+                .unwrap()
+            })
+            .collect();
+        let shape = build(&lowers, [], &[], DEFAULT_GROUP_CAP, now())
+            .encode()
+            .unwrap();
+        let total: u32 = lower_cpus.iter().map(|c| c.parse::<u32>().unwrap()).sum();
+        let mut node = json!({
+            "metadata": {"name": name,
+                         "labels": {names::VIRTUAL_NODE_TYPE_LABEL: names::VIRTUAL_NODE_TYPE_VALUE,
+                                    names::HOSTNAME_LABEL: name},
+                         "annotations": {names::NODE_CAPACITY_SHAPE: shape}},
+            "spec": {"taints": [{"key": names::VIRTUAL_NODE_TAINT, "value": "tensile", "effect": "NoSchedule"}]},
+            "status": {"allocatable": {"cpu": total.to_string(), "memory": "64Gi", "pods": "110"},
+                       "conditions": [{"type": "Ready", "status": "True"}]},
+        });
+        if let (Some(n), Some(e)) = (node.as_object_mut(), extra.as_object()) {
+            for (k, v) in e {
+                n.insert(k.clone(), v.clone());
+            }
+        }
+        serde_json::from_value(node).unwrap()
+    }
+
+    fn pod(cpu: &str) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "ns"},
+            "spec": {
+                "tolerations": [{"key": names::VIRTUAL_NODE_TAINT, "operator": "Exists"}],
+                "containers": [{"name": "c", "resources": {"requests": {"cpu": cpu}}}],
+            },
+        }))
+        .unwrap()
+    }
+
+    fn decide(pod: &Pod, nodes: &[Node], requested: &[&str], taken: &[Vec<&str>]) -> Placement {
+        let cache = FactsCache::default();
+        let candidates: Vec<Candidate<'_>> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| Candidate {
+                node: n,
+                facts: cache.facts(n),
+                requested: cpu_map(requested.get(i).copied().unwrap_or("0")),
+                taken: taken.get(i).into_iter().flatten().map(|c| cpu_map(c)).collect(),
+            })
+            .collect();
+        let options = Options {
+            now: now(),
+            max_age: None,
+        };
+        place(pod, &candidates, &BTreeMap::new(), &options, Score::Binpack).0
+    }
+
+    fn cpu_map(cpu: &str) -> ResourceMap {
+        ResourceMap::parse([(&"cpu".to_owned(), &cpu.to_owned())]).0
+    }
+
+    #[test]
+    fn a_pod_goes_where_a_lower_node_fits_it_and_otherwise_gets_the_reasons_counted() {
+        let nodes = [
+            virtual_node("vn-a", &["2", "2", "2", "2", "2", "2"], json!({})),
+            virtual_node("vn-b", &["8"], json!({})),
+        ];
+        assert_eq!(
+            decide(&pod("6"), &nodes, &[], &[]),
+            Placement::Node("vn-b".into())
+        );
+        assert_eq!(
+            decide(&pod("2"), &nodes, &[], &[]),
+            Placement::Node("vn-a".into()),
+            "binpack"
+        );
+        assert_eq!(
+            decide(&pod("10"), &nodes, &[], &[]),
+            Placement::Unschedulable(
+                "0/2 nodes are available: 1 Insufficient cpu, 1 no lower node fits cpu=10 (largest free 2)."
+                    .into()
+            )
+        );
+    }
+
+    #[test]
+    fn pods_placed_since_the_shape_take_its_space_and_bound_pods_take_allocatable() {
+        // Two 8-CPU lower nodes are one frontier vector: after a 6-CPU pod is placed, the
+        // shape offers 2 CPUs until the next shape shows where that pod went.
+        let nodes = [virtual_node("vn-b", &["8", "8"], json!({}))];
+        assert_eq!(
+            decide(&pod("6"), &nodes, &["6"], &[vec!["6"]]),
+            Placement::Unschedulable(
+                "0/1 nodes are available: 1 no lower node fits cpu=6 (largest free 2).".into()
+            )
+        );
+        assert_eq!(
+            decide(&pod("6"), &nodes, &["6"], &[]),
+            Placement::Node("vn-b".into()),
+            "a newer shape counted it"
+        );
+        assert_eq!(
+            decide(&pod("2"), &nodes, &["6"], &[vec!["6"]]),
+            Placement::Node("vn-b".into())
+        );
+        assert_eq!(
+            decide(&pod("6"), &nodes, &["12"], &[]),
+            Placement::Unschedulable("0/1 nodes are available: 1 Insufficient cpu.".into())
+        );
+    }
+
+    #[test]
+    fn upper_taints_selectors_and_readiness_are_checked_as_kube_scheduler_does() {
+        let tainted = virtual_node(
+            "vn-t",
+            &["8"],
+            json!({"spec": {"taints": [{"key": "dedicated", "value": "x", "effect": "NoSchedule"}]}}),
+        );
+        let not_ready = virtual_node(
+            "vn-n",
+            &["8"],
+            json!({"status": {"conditions": [{"type": "Ready", "status": "False"}]}}),
+        );
+        let cordoned = virtual_node("vn-c", &["8"], json!({"spec": {"unschedulable": true}}));
+        let mut p = pod("1");
+        p.spec.as_mut().unwrap().node_selector = Some(BTreeMap::from([("tier".into(), "gold".into())]));
+        let plain = virtual_node("vn-p", &["8"], json!({}));
+        assert_eq!(
+            decide(&p, &[tainted, not_ready, cordoned, plain], &[], &[]),
+            Placement::Unschedulable(
+                "0/4 nodes are available: 1 node(s) didn't match node selector, 1 node(s) had taint {dedicated: x}, \
+                 that the pod didn't tolerate, 1 node(s) were not ready, 1 node(s) were unschedulable."
+                    .into()
+            )
+        );
+        let pinned: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "ns"},
+            "spec": {
+                "tolerations": [{"operator": "Exists"}],
+                "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                    {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["vn-2"]}]}]}}},
+                "containers": [{"name": "c"}],
+            },
+        }))
+        .unwrap();
+        let nodes = [
+            virtual_node("vn-1", &["8"], json!({})),
+            virtual_node("vn-2", &["8"], json!({})),
+        ];
+        assert_eq!(decide(&pinned, &nodes, &[], &[]), Placement::Node("vn-2".into()));
+    }
+}

@@ -1,0 +1,339 @@
+//! The standalone scheduler (`--mode=scheduler`): places pods with
+//! `spec.schedulerName=<--scheduler-name>` on virtual nodes, one at a time, as
+//! kube-scheduler does: a [`Queue`] with per-pod backoff, the decision of [`place`], the
+//! Binding subresource with the pod's UID, `PodScheduled=False` plus a `FailedScheduling`
+//! event when no node takes the pod, a `Scheduled` event when one does.
+//!
+//! Between a bind and the virtual node's next shape, the pod's requests are held in a
+//! ledger: counted against the node's allocatable until the watch shows the pod bound, and
+//! taken out of the node's shape until a shape computed after the bind arrives, or the
+//! lower scheduler placed the pod long enough ago for a changed shape to be published, so
+//! two pods never get the same free space.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::ObjectRef;
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+use tensile_common::cache::Cache;
+use tensile_common::exclusion::Exclusions;
+use tensile_common::quantity::ResourceMap;
+use tensile_common::resources::{is_terminal, pod_requests};
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::extender::{FactsCache, Score, exclusions_for};
+use crate::filter::Options;
+use crate::metrics::Metrics;
+use crate::place::{Candidate, Placement, place};
+use crate::queue::Queue;
+
+/// How long a placed pod stays in the ledger at most.
+const ASSUMED_FOR: Duration = Duration::from_secs(30);
+/// How long after the lower scheduler placed a pod its virtual node's shape reflects it:
+/// virtual-node writes a changed shape within 5 s (and 300 ms) of the change, and writes
+/// nothing when the frontier did not change (identical lower nodes are one vector).
+const SHAPE_CATCH_UP: jiff::SignedDuration = jiff::SignedDuration::from_secs(6);
+
+/// A pod placed by this scheduler that the caches may not reflect yet.
+struct Placed {
+    node: String,
+    requests: ResourceMap,
+    /// When it was bound (wall clock, to compare with a shape's `at`).
+    at: jiff::Timestamp,
+    /// When it was bound (monotonic, for expiry).
+    since: Instant,
+}
+
+pub struct Scheduler {
+    pub client: kube::Client,
+    pub name: String,
+    /// Every non-terminal pod of the cluster.
+    pub pods: Cache<Pod>,
+    /// The virtual nodes.
+    pub nodes: Cache<Node>,
+    pub exclusions: watch::Receiver<Arc<Exclusions>>,
+    pub facts: FactsCache,
+    pub score: Score,
+    pub max_age: Option<jiff::SignedDuration>,
+    pub metrics: Arc<Metrics>,
+    pub recorder: Recorder,
+    /// Woken on any pod, node or exclusion change.
+    pub changed: Arc<Notify>,
+}
+
+fn key_of(pod: &Pod) -> String {
+    format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any())
+}
+
+fn node_of(pod: &Pod) -> Option<&str> {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .filter(|n| !n.is_empty())
+}
+
+impl Scheduler {
+    fn is_ours(&self, pod: &Pod) -> bool {
+        let spec = pod.spec.as_ref();
+        spec.and_then(|s| s.scheduler_name.as_deref()) == Some(self.name.as_str())
+            && node_of(pod).is_none()
+            && pod.metadata.deletion_timestamp.is_none()
+            && spec
+                .and_then(|s| s.scheduling_gates.as_ref())
+                .is_none_or(Vec::is_empty)
+            && !is_terminal(pod)
+    }
+
+    /// Runs until `stop`.
+    pub async fn run(self, stop: CancellationToken) {
+        let mut queue = Queue::default();
+        let mut placed: HashMap<String, Placed> = HashMap::new();
+        loop {
+            let wait = queue.next_due(Instant::now()).unwrap_or(Duration::from_secs(60));
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = self.changed.notified() => queue.cluster_changed(Instant::now()),
+                _ = tokio::time::sleep(wait) => {}
+            }
+            self.sync(&mut queue, &mut placed);
+            while let Some(key) = queue.pop(Instant::now()) {
+                if stop.is_cancelled() {
+                    return;
+                }
+                self.schedule_one(&key, &mut queue, &mut placed).await;
+            }
+            self.metrics.queue_pending.set(queue.len() as i64);
+        }
+    }
+
+    /// Queues every pod that is ours and unbound, forgets the rest, and drops ledger entries
+    /// the caches now reflect.
+    fn sync(&self, queue: &mut Queue, placed: &mut HashMap<String, Placed>) {
+        let pods = self.pods.state();
+        let mut ours = HashSet::new();
+        for pod in pods.iter().filter(|p| self.is_ours(p)) {
+            let key = key_of(pod);
+            if placed.contains_key(&uid(pod)) {
+                continue;
+            }
+            let created = pod
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|t| t.0)
+                .unwrap_or_default();
+            let priority = pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
+            queue.add(&key, priority, created);
+            ours.insert(key);
+        }
+        let gone: Vec<String> = queue.keys().filter(|k| !ours.contains(*k)).cloned().collect();
+        for key in gone {
+            queue.remove(&key);
+        }
+        let (now, wall) = (Instant::now(), jiff::Timestamp::now());
+        let reflected: HashSet<String> = pods
+            .iter()
+            .filter(|p| placed_below_since(p).is_some_and(|t| wall.duration_since(t) >= SHAPE_CATCH_UP))
+            .map(|p| uid(p))
+            .collect();
+        placed.retain(|uid, p| now.duration_since(p.since) < ASSUMED_FOR && !reflected.contains(uid));
+    }
+
+    /// Requests per virtual node of the pods bound to it, with those just placed that the
+    /// watch does not show bound yet.
+    fn requested(&self, placed: &HashMap<String, Placed>) -> HashMap<String, ResourceMap> {
+        let mut out: HashMap<String, ResourceMap> = HashMap::new();
+        let mut seen_bound = HashSet::new();
+        for pod in self.pods.state() {
+            let Some(node) = node_of(&pod) else { continue };
+            seen_bound.insert(uid(&pod));
+            if !is_terminal(&pod) {
+                out.entry(node.to_owned()).or_default().add(&pod_requests(&pod));
+            }
+        }
+        for (uid, p) in placed {
+            if !seen_bound.contains(uid) {
+                out.entry(p.node.clone()).or_default().add(&p.requests);
+            }
+        }
+        out
+    }
+
+    async fn schedule_one(&self, key: &str, queue: &mut Queue, placed: &mut HashMap<String, Placed>) {
+        let Some((ns, name)) = key.split_once('/') else {
+            queue.remove(key);
+            return;
+        };
+        let Some(pod) = self
+            .pods
+            .get(&ObjectRef::new(name).within(ns))
+            .filter(|p| self.is_ours(p))
+        else {
+            queue.remove(key);
+            return;
+        };
+        let nodes = self.nodes.state();
+        let requested = self.requested(placed);
+        let candidates: Vec<Candidate<'_>> = nodes
+            .iter()
+            .map(|n| {
+                let facts = self.facts.facts(n);
+                let node_name = n.name_any();
+                let shape_at = facts
+                    .shape
+                    .as_ref()
+                    .and_then(|s| s.as_ref().ok())
+                    .and_then(|s| s.at());
+                // A shape computed after a bind (its `at` has whole seconds) counts the pod.
+                let taken = placed
+                    .values()
+                    .filter(|p| p.node == node_name)
+                    .filter(|p| shape_at.is_none_or(|at| at <= p.at + jiff::SignedDuration::from_secs(1)))
+                    .map(|p| p.requests.clone())
+                    .collect();
+                Candidate {
+                    node: n.as_ref(),
+                    facts,
+                    requested: requested.get(&node_name).cloned().unwrap_or_default(),
+                    taken,
+                }
+            })
+            .collect();
+        let options = Options {
+            now: jiff::Timestamp::now(),
+            max_age: self.max_age,
+        };
+        let exclusions = self.exclusions.borrow().clone();
+        let excluded = exclusions_for(&pod, &exclusions, options.now);
+        let (placement, outcomes) = place(&pod, &candidates, &excluded, &options, self.score);
+        self.metrics.outcomes(&outcomes);
+        match placement {
+            Placement::Node(node) => self.bind(&pod, &node, queue, placed).await,
+            Placement::Unschedulable(message) => {
+                queue.unschedulable(key, Instant::now());
+                self.metrics.bind("unschedulable");
+                tracing::info!(pod = key, "{message}");
+                self.unschedulable(&pod, &message).await;
+            }
+        }
+    }
+
+    async fn bind(&self, pod: &Pod, node: &str, queue: &mut Queue, placed: &mut HashMap<String, Placed>) {
+        let key = key_of(pod);
+        let ns = pod.namespace().unwrap_or_default();
+        let binding = json!({
+            "apiVersion": "v1", "kind": "Binding",
+            "metadata": {"name": pod.name_any(), "namespace": ns, "uid": uid(pod)},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+        });
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
+        let result = api
+            .create_subresource::<serde_json::Value, serde_json::Value>(
+                "binding",
+                &pod.name_any(),
+                &PostParams::default(),
+                &binding,
+            )
+            .await;
+        match result {
+            Ok(_) => {
+                queue.remove(&key);
+                placed.insert(
+                    uid(pod),
+                    Placed {
+                        node: node.to_owned(),
+                        requests: pod_requests(pod),
+                        at: jiff::Timestamp::now(),
+                        since: Instant::now(),
+                    },
+                );
+                self.metrics.bind("success");
+                tracing::info!(pod = key, node, "bound");
+                let note = format!("Successfully assigned {key} to {node}");
+                self.event(pod, EventType::Normal, "Scheduled", &note).await;
+            }
+            Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
+                // Bound by someone else, or gone: nothing left to do.
+                queue.remove(&key);
+                self.metrics.bind("conflict");
+            }
+            Err(e) => {
+                queue.failed(&key, Instant::now());
+                self.metrics.bind("error");
+                tracing::warn!(pod = key, node, "binding failed: {e}");
+                let note = format!("binding to {node} failed: {e}");
+                self.event(pod, EventType::Warning, "FailedScheduling", &note)
+                    .await;
+            }
+        }
+    }
+
+    /// `PodScheduled=False` (when it says something new) and a `FailedScheduling` event.
+    async fn unschedulable(&self, pod: &Pod, message: &str) {
+        let current = pod
+            .status
+            .iter()
+            .flat_map(|s| s.conditions.iter().flatten())
+            .find(|c| c.type_ == "PodScheduled");
+        let same = current.is_some_and(|c| {
+            c.status == "False"
+                && c.reason.as_deref() == Some("Unschedulable")
+                && c.message.as_deref() == Some(message)
+        });
+        if !same {
+            let patch = json!({"status": {"conditions": [{
+                "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
+                "lastProbeTime": null, "lastTransitionTime": tensile_common::api::now(),
+            }]}});
+            let api: Api<Pod> = Api::namespaced(self.client.clone(), &pod.namespace().unwrap_or_default());
+            if let Err(e) = api
+                .patch_status(
+                    &pod.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Strategic(&patch),
+                )
+                .await
+            {
+                tracing::warn!(pod = key_of(pod), "PodScheduled condition: {e}");
+            }
+        }
+        self.event(pod, EventType::Warning, "FailedScheduling", message)
+            .await;
+    }
+
+    async fn event(&self, pod: &Pod, type_: EventType, reason: &str, note: &str) {
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note.into()),
+            action: "Scheduling".into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, &pod.object_ref(&())).await {
+            tracing::debug!(pod = key_of(pod), "event: {e}");
+        }
+    }
+}
+
+/// Since when the lower scheduler has the pod placed, as its virtual node reports it.
+fn placed_below_since(pod: &Pod) -> Option<jiff::Timestamp> {
+    let c = pod
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == tensile_common::names::CONDITION_LOWER_SCHEDULED && c.status == "True")?;
+    c.last_transition_time.as_ref().map(|t| t.0)
+}
+
+fn uid(pod: &Pod) -> String {
+    pod.metadata.uid.clone().unwrap_or_default()
+}
