@@ -90,9 +90,26 @@ pub struct Group {
     pub truncated: bool,
     /// The Pareto frontier of per-node free resources, as quantity strings.
     pub free: Vec<BTreeMap<String, String>>,
+    /// For a truncated group, the largest free amount of each resource on any of its nodes
+    /// (not one node's vector): a pod above it on some resource fits no node of the group,
+    /// truncated or not. Empty when the frontier is whole.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub max: BTreeMap<String, String>,
 }
 
 impl Group {
+    /// [`Group::max`] in milli-units; `None` when the group does not publish one.
+    pub fn max_map(&self) -> Result<Option<ResourceMap>, crate::quantity::Error> {
+        if self.max.is_empty() {
+            return Ok(None);
+        }
+        let (map, errors) = ResourceMap::parse(&self.max);
+        match errors.into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(Some(map)),
+        }
+    }
+
     /// The frontier vectors in milli-units.
     pub fn free_maps(&self) -> Result<Vec<ResourceMap>, crate::quantity::Error> {
         self.free
@@ -130,6 +147,7 @@ impl Shape {
         }
         for g in &shape.groups {
             g.free_maps()?;
+            g.max_map()?;
         }
         Ok(shape)
     }
@@ -152,6 +170,7 @@ impl Shape {
                 count: list.len(),
                 truncated,
                 free: list,
+                max: BTreeMap::new(),
             }],
         }
     }
@@ -277,6 +296,12 @@ pub fn build<'a>(
             let count = vectors.len();
             let mut frontier = pareto_frontier(vectors);
             let truncated = frontier.len() > cap;
+            let mut max = ResourceMap::default();
+            if truncated {
+                for v in &frontier {
+                    max.max_with(v);
+                }
+            }
             frontier.truncate(cap);
             Group {
                 labels,
@@ -284,6 +309,7 @@ pub fn build<'a>(
                 count,
                 truncated,
                 free: frontier.iter().map(ResourceMap::to_strings).collect(),
+                max: max.to_strings(),
             }
         })
         .collect();
@@ -401,8 +427,21 @@ mod tests {
         assert_eq!(s.groups[0].count, 3);
         let cpus: Vec<&str> = s.groups[0].free.iter().map(|f| f["cpu"].as_str()).collect();
         assert_eq!(cpus, ["4", "2"], "the largest kept");
+        assert_eq!(
+            (
+                s.groups[0].max["cpu"].as_str(),
+                s.groups[0].max["memory"].as_str()
+            ),
+            ("4", "8589934592"),
+            "the largest of each resource (8Gi), the cut vectors included"
+        );
         let whole = build(&nodes, [], &keys(), 3, at());
         assert!(!whole.truncated && !whole.groups[0].truncated);
+        assert!(
+            whole.groups[0].max.is_empty(),
+            "a whole frontier needs no maximum"
+        );
+        assert_eq!(Shape::decode(&s.encode().unwrap()).unwrap(), s);
     }
 
     #[test]

@@ -146,7 +146,7 @@ fn requirement_matches(r: &NodeSelectorRequirement, value: Option<&str>) -> bool
 /// form) has room for the pod's requests, among the groups whose taints the pod's stashed
 /// tolerations tolerate. A node without a shape, or with one that does not decode, and a
 /// pod whose stash does not decode, are given the benefit of the doubt, as is a group whose
-/// frontier was cut: the lower scheduler will say.
+/// frontier was cut unless its largest free amounts fall short: the lower scheduler will say.
 pub fn shape_fits(pod: &Pod, node: &Node) -> bool {
     let Some(Ok(shape)) = Shape::from_annotations(node.metadata.annotations.as_ref()) else {
         return true;
@@ -178,7 +178,12 @@ pub fn shape_fits(pod: &Pod, node: &Node) -> bool {
         if frontier.iter().any(holds) {
             return true;
         }
-        truncated |= group.truncated;
+        // A cut frontier may hide a node that fits, unless the group's largest free
+        // amounts already fall short.
+        let Ok(max) = group.max_map() else {
+            return true;
+        };
+        truncated |= group.truncated && max.as_ref().is_none_or(holds);
     }
     truncated
 }
@@ -340,6 +345,24 @@ mod tests {
             "spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": "9"}}}]},
         }));
         assert!(refuses(&big, &vn).is_some(), "9 CPUs fit no group");
+
+        let cut = json!({"v": 2, "nodes": 9, "truncated": true, "groups": [
+            {"count": 9, "truncated": true, "free": [{"cpu": "2", "pods": "100"}], "max": {"cpu": "4", "pods": "100"}}]});
+        let vn = node(
+            "vn-d",
+            json!({"metadata": {"annotations": {"tensile.io/capacity-shape": cut.to_string()}}}),
+        );
+        assert_eq!(
+            refuses(&pod(json!({})), &vn),
+            None,
+            "3 CPUs may be on a node the cut hid"
+        );
+        let nine =
+            pod(json!({"spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": "9"}}}]}}));
+        assert!(
+            refuses(&nine, &vn).is_some(),
+            "above the group's largest free cpu"
+        );
     }
 
     #[test]

@@ -378,6 +378,20 @@ pub async fn multi_scheduler(secs: u64, connections: usize) -> anyhow::Result<se
         );
     }
     let filter_ms = samples.into_iter().collect::<Samples>().summary();
+    // A 64-CPU pod no lower node holds: every node rejected, every message written.
+    let too_big = json!({
+        "metadata": {"name": "q", "namespace": "ns"},
+        "spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": "64"}}}]},
+    });
+    let rejecting = ExtenderArgs::decode(&serde_json::to_vec(&json!({"Pod": too_big, "NodeNames": names}))?)?;
+    let mut samples = Vec::with_capacity(CALLS);
+    for _ in 0..CALLS {
+        let t = Instant::now();
+        let (result, _) = extender::filter(&rejecting, &ctx);
+        samples.push(t.elapsed().as_secs_f64() * 1000.0);
+        anyhow::ensure!(result.failed_nodes.len() == VIRTUAL_NODES, "every node rejected");
+    }
+    let rejecting_ms = samples.into_iter().collect::<Samples>().summary();
     let mut prioritize = Vec::with_capacity(CALLS);
     for _ in 0..CALLS {
         let t = Instant::now();
@@ -407,6 +421,7 @@ pub async fn multi_scheduler(secs: u64, connections: usize) -> anyhow::Result<se
             "first_call_ms_shapes_decoded": cold_ms,
             "calls": CALLS,
             "filter_ms": filter_ms,
+            "filter_all_rejected_ms": rejecting_ms,
             "prioritize_ms": prioritize.into_iter().collect::<Samples>().summary(),
             "request_body_bytes": body.len(),
         },

@@ -124,6 +124,8 @@ pub struct ShapeFacts {
     at: Option<jiff::Timestamp>,
     /// Each group's frontier, in milli-units.
     free: Vec<Vec<ResourceMap>>,
+    /// Each truncated group's largest free amount per resource, when published.
+    max: Vec<Option<ResourceMap>>,
 }
 
 impl ShapeFacts {
@@ -143,7 +145,13 @@ impl ShapeFacts {
             .map(Group::free_maps)
             .collect::<Result<_, _>>()
             .map_err(|e| e.to_string())?;
-        Ok(Self { shape, at, free })
+        let max = shape
+            .groups
+            .iter()
+            .map(Group::max_map)
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())?;
+        Ok(Self { shape, at, free, max })
     }
 
     /// When the shape was computed (`None` for the first form).
@@ -282,13 +290,24 @@ pub fn judge(pod: &PodFacts, shape: Option<&Result<ShapeFacts, String>>, options
             shares,
         };
     }
-    if candidates.iter().any(|i| shape.groups[*i].truncated) {
+    // A cut frontier may hide a node that fits, unless the group's largest free amounts
+    // already fall short.
+    let hidden = |i: &usize| facts.max[*i].as_ref().is_none_or(|m| fits(requests, m));
+    if candidates.iter().any(|i| shape.groups[*i].truncated && hidden(i)) {
         return Judgement::open(FailOpen::Truncated);
     }
     let groups = |ids: &[usize]| -> Vec<&Group> { ids.iter().map(|i| &shape.groups[*i]).collect() };
+    // The largest free amounts seen, for the message: the listed vectors and each cut
+    // group's maximum.
     let vectors: Vec<(&Group, ResourceMap)> = candidates
         .iter()
-        .flat_map(|i| facts.free[*i].iter().map(move |v| (&shape.groups[*i], v.clone())))
+        .flat_map(|i| {
+            let group = &shape.groups[*i];
+            facts.free[*i]
+                .iter()
+                .chain(facts.max[*i].iter())
+                .map(move |v| (group, v.clone()))
+        })
         .collect();
     Judgement {
         verdict: Verdict::Rejected(rejection(
@@ -719,6 +738,31 @@ mod tests {
             judge(&cpu("3"), &shape),
             Verdict::Fits,
             "a listed vector still answers exactly"
+        );
+    }
+
+    #[test]
+    fn a_truncated_group_still_rejects_a_pod_above_its_largest_free_amounts() {
+        let nodes = [
+            lower("wide", "a", "4", "1Gi", None),
+            lower("tall", "a", "1", "16Gi", None),
+        ];
+        let shape = shape_of(&nodes, 1);
+        assert_eq!(
+            judge(&pod(json!({"cpu": "6"}), None), &shape),
+            Verdict::Rejected(format!("no lower node fits cpu=6 (largest free 4 in {ZONE}=a)"))
+        );
+        assert_eq!(
+            judge(&pod(json!({"memory": "32Gi"}), None), &shape),
+            Verdict::Rejected(format!(
+                "no lower node fits memory=32Gi (largest free 16Gi in {ZONE}=a)"
+            )),
+            "the cut vector's memory is in the group's maximum"
+        );
+        assert_eq!(
+            judge(&pod(json!({"cpu": "2", "memory": "2Gi"}), None), &shape),
+            Verdict::FailOpen(FailOpen::Truncated),
+            "within the maximum, a cut vector may hold it"
         );
     }
 

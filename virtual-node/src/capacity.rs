@@ -96,8 +96,9 @@ pub const SHAPE_REFRESH: Duration = Duration::from_secs(300);
 /// unschedulable pod of the upper scheduler back to its queue.
 pub const GENERATION_MIN_INTERVAL: Duration = Duration::from_secs(10);
 
-/// True when `new` can hold some pod `old` could not: a group appeared, or some frontier
-/// vector of a group is covered by no vector of the same group before.
+/// True when `new` can hold some pod `old` could not: a group appeared, some frontier
+/// vector of a group is covered by no vector of the same group before, or a group's
+/// largest free amount of some resource grew.
 pub fn grew(old: &Shape, new: &Shape) -> bool {
     let same_group = |a: &Group, b: &Group| a.labels == b.labels && a.taints == b.taints;
     new.groups.iter().any(|g| {
@@ -107,8 +108,24 @@ pub fn grew(old: &Shape, new: &Shape) -> bool {
         let (Ok(now), Ok(then)) = (g.free_maps(), before.free_maps()) else {
             return true;
         };
-        now.iter().any(|v| !then.iter().any(|t| covers(t, v)))
+        let (Ok(reach_now), Ok(reach_then)) = (reach(g, &now), reach(before, &then)) else {
+            return true;
+        };
+        now.iter().any(|v| !then.iter().any(|t| covers(t, v))) || !covers(&reach_then, &reach_now)
     })
+}
+
+/// The largest free amount of each resource in a group: its published maximum when cut,
+/// else the frontier's.
+fn reach(group: &Group, frontier: &[ResourceMap]) -> Result<ResourceMap, tensile_common::quantity::Error> {
+    if let Some(max) = group.max_map()? {
+        return Ok(max);
+    }
+    let mut out = ResourceMap::default();
+    for v in frontier {
+        out.max_with(v);
+    }
+    Ok(out)
 }
 
 /// What one round writes of the shape: the annotation, and whether the generation label is
