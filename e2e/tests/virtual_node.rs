@@ -678,6 +678,71 @@ async fn a_priority_class_only_the_upper_cluster_has_does_not_block_the_lower_po
     assert_eq!(below("both").await, "both-prio/1000");
 }
 
+/// A toleration added to a running pod's stash reaches its lower pod, next to the
+/// tolerations the lower apiserver added there itself.
+#[tokio::test]
+async fn a_toleration_added_to_a_running_pod_reaches_the_lower_pod() {
+    let bed = bed();
+    let _vn = VirtualNode::start("vn-tol", &bed.lower_a);
+    wait_ready("vn-tol").await;
+    namespace("tol").await;
+    let stash = r#"clusterSelector: '{"tolerations":[{"key":"first","operator":"Exists"}]}'"#;
+    apply(up(), &pod("tol", "p", "vn-tol", "Always", stash, "10m")).await;
+    eventually(
+        up(),
+        "Running",
+        60,
+        &["-n", "tol", "get", "pod", "p", "-o", "jsonpath={.status.phase}"],
+        "Running",
+    )
+    .await;
+    let keys = "jsonpath={range .spec.tolerations[*]}{.key},{end}";
+    let before = kubectl(
+        bed.lower_a.kubeconfig(),
+        &["-n", "tol", "get", "pod", "p", "-o", keys],
+    )
+    .await;
+    assert!(
+        before.contains("first,") && before.contains("node.kubernetes.io/not-ready,"),
+        "the stash and the lower apiserver's defaults: {before}"
+    );
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "tol",
+            "annotate",
+            "pod",
+            "p",
+            "--overwrite",
+            r#"clusterSelector={"tolerations":[{"key":"first","operator":"Exists"},{"key":"second","operator":"Exists"}]}"#,
+        ],
+    )
+    .await;
+    tensile_e2e::wait::until(
+        "the added toleration below",
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+        || async {
+            let now = kubectl(
+                bed.lower_a.kubeconfig(),
+                &["-n", "tol", "get", "pod", "p", "-o", keys],
+            )
+            .await;
+            if now.contains("second,")
+                && now.contains("first,")
+                && now.contains("node.kubernetes.io/not-ready,")
+            {
+                Ok(())
+            } else {
+                Err(now)
+            }
+        },
+    )
+    .await
+    .unwrap();
+}
+
 #[tokio::test]
 async fn a_pod_the_lower_cluster_cannot_place_shows_unschedulable_upstream() {
     let bed = bed();

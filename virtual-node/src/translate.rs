@@ -301,11 +301,19 @@ impl Translation {
             patch["spec"]["activeDeadlineSeconds"] = json!(ds.active_deadline_seconds);
             changed = true;
         }
-        // Kubernetes only allows adding tolerations to a running pod.
-        let want = ds.tolerations.clone().unwrap_or_default();
+        // Kubernetes only allows adding tolerations to a running pod. The lower pod also
+        // holds tolerations the lower apiserver added (DefaultTolerationSeconds), so the new
+        // list is what it has plus what it lacks.
         let have = as_.tolerations.clone().unwrap_or_default();
-        if want.len() > have.len() && have.iter().all(|t| want.contains(t)) {
-            patch["spec"]["tolerations"] = json!(want);
+        let missing: Vec<_> = ds
+            .tolerations
+            .iter()
+            .flatten()
+            .filter(|t| !have.contains(t))
+            .cloned()
+            .collect();
+        if !missing.is_empty() {
+            patch["spec"]["tolerations"] = json!(have.into_iter().chain(missing).collect::<Vec<_>>());
             changed = true;
         }
         changed.then_some(patch)
@@ -482,6 +490,7 @@ pub fn upper_status(upper: &Pod, lower: &Pod, host_ip: &str) -> (Value, bool) {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use k8s_openapi::api::core::v1::Toleration;
 
     /// A translation for node `vn` of upper cluster `c1`, keeping label `team` upstream.
     pub(crate) fn translation() -> Translation {
@@ -614,6 +623,41 @@ pub(crate) mod tests {
             (names::MARK_NODE.to_owned(), "other".to_owned()),
         ]));
         assert!(!id.owns(&meta), "another virtual node's pod");
+    }
+
+    #[test]
+    fn a_toleration_added_upstream_reaches_a_lower_pod_that_has_the_lower_apiservers_defaults() {
+        let t = translation();
+        let lower = t.lower_pod(&upper()).unwrap();
+        let defaults = json!([
+            {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+            {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300}]);
+        let mut actual = lower.clone();
+        let mut have = actual
+            .spec
+            .as_ref()
+            .unwrap()
+            .tolerations
+            .clone()
+            .unwrap_or_default();
+        have.extend(serde_json::from_value::<Vec<Toleration>>(defaults).unwrap());
+        actual.spec.as_mut().unwrap().tolerations = Some(have.clone());
+        assert_eq!(t.update_patch(&lower, &actual), None, "nothing new upstream");
+        let added: Toleration =
+            serde_json::from_value(json!({"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}))
+                .unwrap();
+        let mut desired = lower.clone();
+        desired
+            .spec
+            .as_mut()
+            .unwrap()
+            .tolerations
+            .get_or_insert_default()
+            .push(added.clone());
+        let patch = t.update_patch(&desired, &actual).unwrap();
+        let mut want = have;
+        want.push(added);
+        assert_eq!(patch["spec"]["tolerations"], json!(want));
     }
 
     #[test]
