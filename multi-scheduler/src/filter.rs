@@ -299,14 +299,14 @@ pub fn judge(pod: &PodFacts, shape: Option<&Result<ShapeFacts, String>>, options
     let groups = |ids: &[usize]| -> Vec<&Group> { ids.iter().map(|i| &shape.groups[*i]).collect() };
     // The largest free amounts seen, for the message: the listed vectors and each cut
     // group's maximum.
-    let vectors: Vec<(&Group, ResourceMap)> = candidates
+    let vectors: Vec<(&Group, &ResourceMap)> = candidates
         .iter()
         .flat_map(|i| {
             let group = &shape.groups[*i];
             facts.free[*i]
                 .iter()
                 .chain(facts.max[*i].iter())
-                .map(move |v| (group, v.clone()))
+                .map(move |v| (group, v))
         })
         .collect();
     Judgement {
@@ -342,7 +342,7 @@ fn rejection(
     selected: &[&Group],
     candidates: &[&Group],
     requests: &ResourceMap,
-    vectors: &[(&Group, ResourceMap)],
+    vectors: &[(&Group, &ResourceMap)],
     tolerations: &[Toleration],
 ) -> String {
     if shape.groups.iter().all(|g| g.count == 0) {
