@@ -397,8 +397,14 @@ fn rejection(
             let _ = write!(out, "{name}=");
         }
         out.push_str(&show(*largest));
-        if !group.labels.is_empty() {
-            let labels: Vec<String> = group.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        // Only the labels that tell the groups apart: a value every node shares says nothing.
+        let labels: Vec<String> = group
+            .labels
+            .iter()
+            .filter(|(k, v)| shape.groups.iter().any(|g| g.labels.get(*k) != Some(*v)))
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        if !labels.is_empty() {
             let _ = write!(out, " in {}", labels.join(","));
         }
     }
@@ -563,7 +569,8 @@ mod tests {
         let shape = shape_of(&two_cpu_cluster(), DEFAULT_GROUP_CAP);
         assert_eq!(
             judge(&cpu("6"), &shape),
-            Verdict::Rejected(format!("no lower node fits cpu=6 (largest free 2 in {ZONE}=a)"))
+            Verdict::Rejected("no lower node fits cpu=6 (largest free 2)".into()),
+            "one zone: its label tells nothing apart"
         );
         assert_eq!(judge(&cpu("2"), &shape), Verdict::Fits);
     }
@@ -595,9 +602,7 @@ mod tests {
         )]));
         assert_eq!(
             judge(&p, &shape),
-            Verdict::Rejected(format!(
-                "no lower node fits cpu=8500m (largest free 8 in {ZONE}=b)"
-            ))
+            Verdict::Rejected("no lower node fits cpu=8500m (largest free 8)".into())
         );
     }
 
@@ -641,7 +646,7 @@ mod tests {
         let shape = shape_of(&nodes, DEFAULT_GROUP_CAP);
         assert_eq!(
             judge(&cpu("6"), &shape),
-            Verdict::Rejected(format!("no lower node fits cpu=6 (largest free 2 in {ZONE}=a)")),
+            Verdict::Rejected("no lower node fits cpu=6 (largest free 2)".into()),
             "the tainted 8-CPU node does not count for a pod without the toleration"
         );
         for toleration in [
@@ -750,13 +755,11 @@ mod tests {
         let shape = shape_of(&nodes, 1);
         assert_eq!(
             judge(&pod(json!({"cpu": "6"}), None), &shape),
-            Verdict::Rejected(format!("no lower node fits cpu=6 (largest free 4 in {ZONE}=a)"))
+            Verdict::Rejected("no lower node fits cpu=6 (largest free 4)".into())
         );
         assert_eq!(
             judge(&pod(json!({"memory": "32Gi"}), None), &shape),
-            Verdict::Rejected(format!(
-                "no lower node fits memory=32Gi (largest free 16Gi in {ZONE}=a)"
-            )),
+            Verdict::Rejected("no lower node fits memory=32Gi (largest free 16Gi)".into()),
             "the cut vector's memory is in the group's maximum"
         );
         assert_eq!(
