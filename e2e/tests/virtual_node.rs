@@ -164,8 +164,12 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
         ],
     )
     .await;
-    let shape: Vec<serde_json::Value> = serde_json::from_str(&shape).unwrap();
-    assert_eq!(shape.len(), 3, "one entry per lower node: {shape:?}");
+    let shape: serde_json::Value = serde_json::from_str(&shape).unwrap();
+    assert_eq!(
+        (shape["v"].as_u64(), shape["nodes"].as_u64()),
+        (Some(2), Some(3)),
+        "the capacity shape summarises the three lower nodes: {shape}"
+    );
 
     // Capacity is the sum of the lower nodes' allocatable: 3 x 4 CPUs (lower-b is used by no
     // other pods at this point, and capacity never subtracts pods anyway).
@@ -741,6 +745,85 @@ async fn a_toleration_added_to_a_running_pod_reaches_the_lower_pod() {
     )
     .await
     .unwrap();
+}
+
+/// A pod with a readiness gate is Ready upstream only once the gate's condition is True,
+/// however ready its lower pod is; status writes (strategic merge by condition type) leave
+/// the gate's condition to its controller.
+#[tokio::test]
+async fn a_readiness_gate_holds_upper_ready_until_its_condition_is_true() {
+    let bed = bed();
+    let _vn = VirtualNode::start("vn-gate", &bed.lower_a);
+    wait_ready("vn-gate").await;
+    namespace("gate").await;
+    let manifest = pod("gate", "p", "vn-gate", "Always", "", "10m").replace(
+        "  restartPolicy:",
+        "  readinessGates: [{conditionType: example.com/lb}]\n  restartPolicy:",
+    );
+    apply(up(), &manifest).await;
+    let ready = r#"jsonpath={.status.phase}/{.status.conditions[?(@.type=="Ready")].status}/{.status.conditions[?(@.type=="Ready")].reason}"#;
+    eventually(
+        up(),
+        "Running but not Ready",
+        60,
+        &["-n", "gate", "get", "pod", "p", "-o", ready],
+        "Running/False/ReadinessGatesNotReady",
+    )
+    .await;
+    let lower_ready = kubectl(
+        bed.lower_a.kubeconfig(),
+        &[
+            "-n",
+            "gate",
+            "get",
+            "pod",
+            "p",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
+        ],
+    )
+    .await;
+    assert_eq!(lower_ready, "True", "the lower pod itself is ready");
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "gate",
+            "patch",
+            "pod",
+            "p",
+            "--subresource=status",
+            "--type=strategic",
+            "-p",
+            r#"{"status":{"conditions":[{"type":"example.com/lb","status":"True"}]}}"#,
+        ],
+    )
+    .await;
+    eventually(
+        up(),
+        "Ready once the gate is True",
+        30,
+        &["-n", "gate", "get", "pod", "p", "-o", ready],
+        "Running/True/",
+    )
+    .await;
+    let gate = kubectl(
+        up(),
+        &[
+            "-n",
+            "gate",
+            "get",
+            "pod",
+            "p",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="example.com/lb")].status}"#,
+        ],
+    )
+    .await;
+    assert_eq!(
+        gate, "True",
+        "the gate's condition is left as its controller wrote it"
+    );
 }
 
 #[tokio::test]

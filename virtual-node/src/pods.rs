@@ -600,13 +600,30 @@ async fn release_upper(ctx: &Context, upper: &Pod) -> Result<(), Error> {
     delete_exact(&api, &ctx.upper_limit, "upper", upper, Some(0)).await
 }
 
-async fn patch_upper_status(ctx: &Context, upper: &Pod, status: serde_json::Value) -> Result<(), Error> {
+/// Writes `status` (whose `conditions`, when present, is the whole list wanted) with a
+/// strategic merge patch, as the kubelet does: conditions merge by `type`, and only the
+/// changed ones are sent.
+async fn patch_upper_status(ctx: &Context, upper: &Pod, mut status: serde_json::Value) -> Result<(), Error> {
     let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
+    if let Some(wanted) = status.get("conditions").and_then(|c| c.as_array()) {
+        let changed = translate::changed_conditions(upper, wanted);
+        if let Some(fields) = status.as_object_mut() {
+            if changed.is_empty() {
+                fields.remove("conditions");
+            } else {
+                fields.insert("conditions".into(), json!(changed));
+            }
+        }
+    }
     // The uid in the body makes the write conditional on the pod being the one we read.
     let patch = json!({"metadata": {"uid": upper.uid()}, "status": status});
     ctx.upper_limit.acquire().await;
     match api
-        .patch_status(&upper.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+        .patch_status(
+            &upper.name_any(),
+            &PatchParams::default(),
+            &Patch::Strategic(&patch),
+        )
         .await
     {
         Ok(_) => Ok(()),

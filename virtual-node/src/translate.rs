@@ -410,6 +410,84 @@ pub fn with_condition(
     out
 }
 
+/// Applies the upper pod's `readinessGates` to the Ready condition that came from below, as
+/// the kubelet does: Ready only when the containers are ready and every gate's condition
+/// (written upstream by its controller) is True.
+fn gate_readiness(upper: &Pod, conditions: &mut [Value]) {
+    let gates = upper.spec.iter().flat_map(|s| s.readiness_gates.iter().flatten());
+    let mut unmet = None;
+    for gate in gates {
+        let condition = upper
+            .status
+            .iter()
+            .flat_map(|s| s.conditions.iter().flatten())
+            .find(|c| c.type_ == gate.condition_type);
+        match condition {
+            None => {
+                unmet = Some(format!(
+                    "corresponding condition of pod readiness gate {:?} does not exist.",
+                    gate.condition_type
+                ));
+                break;
+            }
+            Some(c) if c.status != "True" => {
+                unmet = Some(format!(
+                    "the status of pod readiness gate {:?} is not \"True\", but {}",
+                    gate.condition_type, c.status
+                ));
+                break;
+            }
+            Some(_) => {}
+        }
+    }
+    let Some(message) = unmet else { return };
+    if let Some(ready) = conditions.iter_mut().find(|c| c["type"] == "Ready")
+        && ready["status"] == "True"
+    {
+        ready["status"] = json!("False");
+        ready["reason"] = json!("ReadinessGatesNotReady");
+        ready["message"] = json!(message);
+    }
+}
+
+/// The entries of `desired` (a whole conditions list) a strategic merge patch must send so
+/// the pod's conditions become `desired`: the changed or new ones, and a delete directive
+/// for each type that went away. Unchanged entries are not sent, so a condition another
+/// writer changes meanwhile (`DisruptionTarget`, a readiness gate) is never written back
+/// with what was read before.
+pub fn changed_conditions(upper: &Pod, desired: &[Value]) -> Vec<Value> {
+    let current: Vec<Value> = upper
+        .status
+        .iter()
+        .flat_map(|s| s.conditions.iter().flatten())
+        .filter_map(|c| serde_json::to_value(c).ok())
+        .collect();
+    let mut out: Vec<Value> = desired
+        .iter()
+        .filter(|d| !current.iter().any(|c| c == *d))
+        .map(|d| {
+            // A field the entry no longer has is sent as null, or the merge would keep it.
+            let mut d = d.clone();
+            let before = current
+                .iter()
+                .find(|c| c["type"] == d["type"])
+                .and_then(Value::as_object);
+            if let (Some(before), Some(entry)) = (before, d.as_object_mut()) {
+                for key in before.keys() {
+                    entry.entry(key.clone()).or_insert(Value::Null);
+                }
+            }
+            d
+        })
+        .collect();
+    for c in &current {
+        if !desired.iter().any(|d| d["type"] == c["type"]) {
+            out.push(json!({"type": c["type"], "$patch": "delete"}));
+        }
+    }
+    out
+}
+
 /// The status fields the upper pod should show for `lower`, as a merge-patch body, and
 /// whether they differ from what the upper pod shows now.
 pub fn upper_status(upper: &Pod, lower: &Pod, host_ip: &str) -> (Value, bool) {
@@ -446,6 +524,7 @@ pub fn upper_status(upper: &Pod, lower: &Pod, host_ip: &str) -> (Value, bool) {
         }
         conditions.push(v);
     }
+    gate_readiness(upper, &mut conditions);
     conditions.sort_by(|a, b| a["type"].as_str().cmp(&b["type"].as_str()));
 
     let mut status = serde_json::Map::new();
@@ -658,6 +737,70 @@ pub(crate) mod tests {
         let mut want = have;
         want.push(added);
         assert_eq!(patch["spec"]["tolerations"], json!(want));
+    }
+
+    #[test]
+    fn readiness_gates_hold_ready_back_until_their_conditions_are_true() {
+        let lower: Pod = serde_json::from_value(json!({"status": {"phase": "Running", "conditions": [
+            {"type": "Ready", "status": "True"}, {"type": "ContainersReady", "status": "True"}]}}))
+        .unwrap();
+        let gated = |gate_status: Option<&str>| -> Pod {
+            let mut conditions = vec![json!({"type": "PodScheduled", "status": "True"})];
+            if let Some(s) = gate_status {
+                conditions.push(json!({"type": "example.com/lb", "status": s}));
+            }
+            serde_json::from_value(json!({
+                "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+                "spec": {"containers": [], "readinessGates": [{"conditionType": "example.com/lb"}]},
+                "status": {"conditions": conditions}}))
+            .unwrap()
+        };
+        let ready = |upper: &Pod| {
+            let (status, _) = upper_status(upper, &lower, "10.1.1.1");
+            status["conditions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["type"] == "Ready")
+                .cloned()
+                .unwrap()
+        };
+        let missing = ready(&gated(None));
+        assert_eq!(missing["status"], "False");
+        assert_eq!(missing["reason"], "ReadinessGatesNotReady");
+        assert!(
+            missing["message"].as_str().unwrap().contains("does not exist"),
+            "{missing}"
+        );
+        assert_eq!(ready(&gated(Some("False")))["status"], "False");
+        assert_eq!(ready(&gated(Some("True")))["status"], "True");
+        assert_eq!(
+            ready(&gated(Some("True")))["type"],
+            "Ready",
+            "the gate's own condition stays upstream"
+        );
+    }
+
+    #[test]
+    fn only_changed_conditions_are_sent_and_gone_ones_deleted() {
+        let upper: Pod = serde_json::from_value(json!({"status": {"conditions": [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"},
+            {"type": "Ready", "status": "False", "reason": "ContainersNotReady"},
+            {"type": "Gone", "status": "True"}]}}))
+        .unwrap();
+        let desired = vec![
+            json!({"type": "PodScheduled", "status": "True"}),
+            json!({"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}),
+            json!({"type": "Ready", "status": "True"}),
+        ];
+        assert_eq!(
+            changed_conditions(&upper, &desired),
+            vec![
+                json!({"type": "Ready", "status": "True", "reason": null}),
+                json!({"type": "Gone", "$patch": "delete"})
+            ]
+        );
     }
 
     #[test]
