@@ -1184,6 +1184,101 @@ items:
     assert_eq!(still, lower_uid, "the old lower claim is not adopted or replaced");
 }
 
+/// An upper claim expanded while its pod runs asks the same size below.
+#[tokio::test]
+async fn an_upper_claim_expansion_reaches_the_lower_claim() {
+    let bed = bed();
+    let _vn = virtual_node("vn-grow").await;
+    bed.upper.create_namespace("grow").await.unwrap();
+    bed.lower.create_namespace("grow").await.unwrap();
+    apply(
+        low(),
+        r#"
+apiVersion: v1
+kind: List
+items:
+- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: grow},
+   provisioner: kubernetes.io/no-provisioner, volumeBindingMode: Immediate, allowVolumeExpansion: true}
+- apiVersion: v1
+  kind: PersistentVolume
+  metadata: {name: grow-disk}
+  spec:
+    capacity: {storage: 5Gi}
+    accessModes: [ReadWriteOnce]
+    storageClassName: grow
+    hostPath: {path: /tmp/grow-disk}
+"#,
+    )
+    .await;
+    apply(
+        up(),
+        r#"
+apiVersion: v1
+kind: List
+items:
+- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: grow},
+   provisioner: virtual-node.tensile.io, volumeBindingMode: WaitForFirstConsumer, allowVolumeExpansion: true}
+- apiVersion: v1
+  kind: PersistentVolumeClaim
+  metadata: {name: data, namespace: grow}
+  spec:
+    accessModes: [ReadWriteOnce]
+    storageClassName: grow
+    resources: {requests: {storage: 500Mi}}
+"#,
+    )
+    .await;
+    let uses_data = r#"  volumes: [{name: data, persistentVolumeClaim: {claimName: data}}]
+  containers: [{name: app, image: db, volumeMounts: [{name: data, mountPath: /data}]}]"#;
+    apply(up(), &pod("grow", "db", "vn-grow", uses_data)).await;
+    running_below("grow", "db").await;
+    eventually(
+        up(),
+        "the upper claim Bound",
+        30,
+        &[
+            "-n",
+            "grow",
+            "get",
+            "pvc",
+            "data",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+        "Bound",
+    )
+    .await;
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "grow",
+            "patch",
+            "pvc",
+            "data",
+            "-p",
+            r#"{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}"#,
+        ],
+    )
+    .await;
+    eventually(
+        low(),
+        "the lower claim asks 2Gi",
+        30,
+        &[
+            "-n",
+            "grow",
+            "get",
+            "pvc",
+            "data",
+            "-o",
+            "jsonpath={.spec.resources.requests.storage}",
+        ],
+        "2Gi",
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn a_claim_is_made_below_its_volume_shows_upstream_and_keeps_later_pods_on_the_node() {
     let bed = bed();

@@ -601,6 +601,7 @@ async fn compose(
         lower_limit: lower_limit.clone(),
         metrics: metrics.clone(),
         classes: Default::default(),
+        refused_expansions: Default::default(),
         pass_deadline: Duration::from_secs(args.reconcile_timeout),
     });
     let ctx = Arc::new(pods::Context {

@@ -93,6 +93,12 @@ pub enum Write {
         name: String,
         capacity: BTreeMap<String, Quantity>,
     },
+    /// The upper claim asks more storage than the lower claim: the lower claim is expanded.
+    ExpandLowerClaim {
+        namespace: String,
+        name: String,
+        storage: Quantity,
+    },
     /// The lower claim records its upper volume's reclaim policy (`Retain` or not).
     SetReclaimPolicy {
         namespace: String,
@@ -376,6 +382,32 @@ fn claim_writes(
     volume: Option<&&Arc<PersistentVolume>>,
     writes: &mut Vec<Write>,
 ) {
+    // An expansion upstream (claims only grow) is passed down; the lower cluster's class
+    // decides whether it may grow, and the lower claim's status says what it granted.
+    let storage = |c: &PersistentVolumeClaim| {
+        c.spec
+            .as_ref()
+            .and_then(|s| s.resources.as_ref())
+            .and_then(|r| r.requests.as_ref())
+            .and_then(|r| r.get("storage"))
+            .cloned()
+    };
+    let milli = |q: &Option<Quantity>| {
+        q.as_ref()
+            .and_then(|q| tensile_common::quantity::parse_milli(&q.0).ok())
+    };
+    let (wanted, asked) = (storage(upper), storage(lower));
+    if let (Some(more), Some(less)) = (milli(&wanted), milli(&asked))
+        && more > less
+        && let Some(storage) = wanted
+    {
+        let (namespace, name) = at(&lower.metadata);
+        writes.push(Write::ExpandLowerClaim {
+            namespace,
+            name,
+            storage,
+        });
+    }
     if lower.annotations().contains_key(names::PVC_SELECTED_NODE)
         && !upper.annotations().contains_key(names::PVC_SELECTED_NODE)
     {
@@ -443,6 +475,8 @@ pub struct Volumes {
     /// Whether each lower StorageClass binds on first consumer (a class's binding mode is
     /// immutable, so one read each).
     pub classes: std::sync::Mutex<HashMap<String, bool>>,
+    /// Expansions the lower cluster refused (`ns/name=size`), not asked again.
+    pub refused_expansions: std::sync::Mutex<BTreeSet<String>>,
     /// How long one resync pass may take; a pass stuck past it is dropped and the next
     /// begins.
     pub pass_deadline: Duration,
@@ -621,6 +655,39 @@ impl Volumes {
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
                     .map_err(Error::on("upper", "patch", format!("volume {name}")))?;
+            }
+            Write::ExpandLowerClaim {
+                namespace,
+                name,
+                storage,
+            } => {
+                let key = format!("{namespace}/{name}={}", storage.0);
+                if self.refused_expansions.lock().is_ok_and(|r| r.contains(&key)) {
+                    return Ok(false);
+                }
+                let patch = json!({"spec": {"resources": {"requests": {"storage": storage}}}});
+                self.lower_limit.acquire().await;
+                match Api::<PersistentVolumeClaim>::namespaced(self.lower.clone(), &namespace)
+                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                {
+                    Ok(_) => {
+                        tracing::info!(claim = %format!("{namespace}/{name}"), storage = %storage.0, "expanded below")
+                    }
+                    // The lower class does not allow expansion (or the size is invalid there):
+                    // said once, not retried every pass.
+                    Err(e) if matches!(code(&e), Some(403) | Some(422)) => {
+                        tracing::warn!(claim = %format!("{namespace}/{name}"), "the lower cluster refused the expansion: {e}");
+                        if let Ok(mut refused) = self.refused_expansions.lock() {
+                            refused.insert(key);
+                        }
+                    }
+                    Err(e) => {
+                        return Err(Error::on("lower", "patch", format!("claim {namespace}/{name}"))(
+                            e,
+                        ));
+                    }
+                }
             }
             Write::SetReclaimPolicy {
                 namespace,
@@ -838,6 +905,32 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(world.plan(), []);
+    }
+
+    #[test]
+    fn an_upper_expansion_reaches_the_lower_claim_and_a_shrink_never_does() {
+        let lower = lower_claim_made(bound("1Gi"));
+        let upper = upper_claim(json!({}));
+        let volume = volume_for(&upper, &lower);
+        let world = |asks: &str| World {
+            upper_pods: vec![pod_using_data("Running")],
+            upper_claims: vec![upper_claim(
+                json!({"spec": {"resources": {"requests": {"storage": asks}}}}),
+            )],
+            upper_volumes: vec![volume.clone()],
+            lower_claims: vec![lower.clone()],
+            ..Default::default()
+        };
+        assert_eq!(
+            world("2Gi").plan(),
+            [Write::ExpandLowerClaim {
+                namespace: "shop".into(),
+                name: "data".into(),
+                storage: Quantity("2Gi".into())
+            }]
+        );
+        assert_eq!(world("1Gi").plan(), []);
+        assert_eq!(world("500Mi").plan(), []);
     }
 
     #[test]
