@@ -61,6 +61,9 @@ async fn virtual_node_with(name: &str, set: impl FnOnce(&mut Args)) -> VirtualNo
     let bed = bed();
     let mut args = in_process::options(&bed.upper, name, &bed.lower).unwrap();
     args.reflection.copy_collection_delay = 2;
+    // Several tests make the lower namespace first, as a lower admin would, to put their
+    // own objects in it.
+    args.reflection.shared_namespaces = vec!["*".into()];
     set(&mut args);
     let vn = VirtualNode::run(args);
     eventually(

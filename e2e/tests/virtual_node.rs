@@ -826,6 +826,50 @@ async fn a_readiness_gate_holds_upper_ready_until_its_condition_is_true() {
     );
 }
 
+/// A lower namespace this upper cluster did not create is not used unless
+/// `--shared-namespaces` lists it: the pod says why and nothing is created there.
+#[tokio::test]
+async fn a_lower_namespace_of_someone_else_is_refused_unless_shared() {
+    let bed = bed();
+    let _vn = VirtualNode::start("vn-theirs", &bed.lower_a);
+    wait_ready("vn-theirs").await;
+    namespace("theirs").await;
+    bed.lower_a.create_namespace("theirs").await.unwrap();
+    apply(up(), &pod("theirs", "p", "vn-theirs", "Always", "", "10m")).await;
+    let synced = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].status}/{.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#;
+    eventually(
+        up(),
+        "LowerPodSynced=False/Conflict",
+        60,
+        &["-n", "theirs", "get", "pod", "p", "-o", synced],
+        "False/Conflict",
+    )
+    .await;
+    let message = kubectl(
+        up(),
+        &[
+            "-n",
+            "theirs",
+            "get",
+            "pod",
+            "p",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
+        ],
+    )
+    .await;
+    assert!(
+        message.contains("--shared-namespaces") && message.contains("theirs"),
+        "{message}"
+    );
+    let below = tensile_e2e::kubectl::run(
+        bed.lower_a.kubeconfig(),
+        &["-n", "theirs", "get", "pods", "-o", "name"],
+    )
+    .await;
+    assert_eq!(below.stdout.trim(), "", "nothing is created in their namespace");
+}
+
 #[tokio::test]
 async fn a_pod_the_lower_cluster_cannot_place_shows_unschedulable_upstream() {
     let bed = bed();
@@ -879,7 +923,9 @@ async fn a_pod_the_lower_cluster_cannot_place_shows_unschedulable_upstream() {
 #[tokio::test]
 async fn a_foreign_lower_pod_of_the_same_name_is_a_reported_conflict() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-conflict", &bed.lower_a);
+    let _vn = VirtualNode::start_with("vn-conflict", &bed.lower_a, |args| {
+        args.reflection.shared_namespaces = vec!["conflict".into()];
+    });
     wait_ready("vn-conflict").await;
     namespace("conflict").await;
     bed.lower_a.create_namespace("conflict").await.unwrap();

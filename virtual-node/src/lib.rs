@@ -210,6 +210,16 @@ pub struct ReflectionArgs {
     /// Delete lower namespaces this node created once nothing is left in them.
     #[arg(long = "gc-namespaces", env = "TENSILE_GC_NAMESPACES")]
     pub gc_namespaces: bool,
+    /// Lower namespaces that pods may share with what the lower cluster already has there,
+    /// comma-separated (`*`: any). A namespace not listed that exists below without this
+    /// upper cluster's mark is refused, with the reason on the pod.
+    #[arg(
+        long = "shared-namespaces",
+        env = "TENSILE_SHARED_NAMESPACES",
+        value_delimiter = ',',
+        default_value = "default"
+    )]
+    pub shared_namespaces: Vec<String>,
     /// Run DaemonSet pods bound to the virtual node in the lower cluster.
     #[arg(long = "run-daemonset-pods", env = "TENSILE_RUN_DAEMONSET_PODS")]
     pub run_daemonset_pods: bool,
@@ -625,6 +635,7 @@ async fn compose(
         lost_grace: Duration::from_secs(10),
         cluster_name: lower_name,
         known_namespaces: Default::default(),
+        shared_namespaces: args.reflection.shared_namespaces.clone(),
         known_priority_classes: Default::default(),
         first_status_held: Default::default(),
         retries: Default::default(),

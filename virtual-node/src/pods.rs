@@ -48,8 +48,10 @@ pub struct Context {
     pub cluster_name: String,
     /// Upper pods (by UID) whose first status write is held back, and since when.
     pub first_status_held: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
-    /// Lower namespaces known to exist.
+    /// Lower namespaces known to exist and usable.
     pub known_namespaces: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Lower namespaces pods may share with others (`--shared-namespaces`; `*`: any).
+    pub shared_namespaces: Vec<String>,
     /// Lower PriorityClasses known to exist.
     pub known_priority_classes: std::sync::Mutex<std::collections::HashSet<String>>,
     /// Failures in a row per pod, for the retry delay.
@@ -414,7 +416,9 @@ async fn create_lower(
     desired: &Pod,
 ) -> Result<Action, Error> {
     let ns = upper.namespace().unwrap_or_default();
-    ensure_namespace(ctx, &ns).await?;
+    if let Err(blocked) = ensure_namespace(ctx, &ns).await? {
+        return blocked_below(ctx, upper, blocked).await;
+    }
     let result = create_in_namespace(ctx, upper, lower_pods, desired).await;
     if result.is_err() {
         // The lower admin may have deleted the namespace since it was seen: the next attempt
@@ -529,13 +533,14 @@ async fn create_in_namespace(
     }
 }
 
-async fn ensure_namespace(ctx: &Context, ns: &str) -> Result<(), Error> {
-    // A namespace seen once stays known until this node collects it (`--gc-namespaces`).
+async fn ensure_namespace(ctx: &Context, ns: &str) -> Result<Result<(), Blocked>, Error> {
+    // A namespace seen once stays known until this node collects it (`--gc-namespaces`) or
+    // a create in it fails.
     if ctx.known_namespaces.lock().is_ok_and(|k| k.contains(ns)) {
-        return Ok(());
+        return Ok(Ok(()));
     }
     let result = ensure_namespace_below(ctx, ns).await;
-    if result.is_ok()
+    if matches!(result, Ok(Ok(())))
         && let Ok(mut known) = ctx.known_namespaces.lock()
     {
         known.insert(ns.to_owned());
@@ -543,15 +548,38 @@ async fn ensure_namespace(ctx: &Context, ns: &str) -> Result<(), Error> {
     result
 }
 
-async fn ensure_namespace_below(ctx: &Context, ns: &str) -> Result<(), Error> {
+/// Whether an existing lower namespace may be used: this upper cluster made it (any of its
+/// virtual nodes), or `--shared-namespaces` lists it.
+pub fn namespace_usable(namespace: &Namespace, cluster_id: &str, shared: &[String]) -> bool {
+    let name = namespace.metadata.name.as_deref().unwrap_or_default();
+    let ours = namespace
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(names::MARK_CLUSTER))
+        .is_some_and(|id| id == cluster_id);
+    ours || shared.iter().any(|s| s == "*" || s == name)
+}
+
+async fn ensure_namespace_below(ctx: &Context, ns: &str) -> Result<Result<(), Blocked>, Error> {
     let api: Api<Namespace> = Api::all(ctx.lower.clone());
-    if api
-        .get_opt(ns)
-        .await
-        .map_err(Error::api("lower", "get", format!("namespace {ns}")))?
-        .is_some()
+    if let Some(existing) =
+        api.get_opt(ns)
+            .await
+            .map_err(Error::api("lower", "get", format!("namespace {ns}")))?
     {
-        return Ok(());
+        if namespace_usable(
+            &existing,
+            &ctx.translation.identity.cluster_id,
+            &ctx.shared_namespaces,
+        ) {
+            return Ok(Ok(()));
+        }
+        return Ok(Err(Blocked::Conflict(format!(
+            "lower cluster {} already has a namespace {ns} that this upper cluster did not create; \
+             pods are not run in it unless --shared-namespaces lists it",
+            ctx.cluster_name
+        ))));
     }
     let namespace: Namespace = Namespace {
         metadata: kube::api::ObjectMeta {
@@ -563,8 +591,9 @@ async fn ensure_namespace_below(ctx: &Context, ns: &str) -> Result<(), Error> {
     };
     ctx.lower_limit.acquire().await;
     match api.create(&PostParams::default(), &namespace).await {
-        Ok(_) => Ok(()),
-        Err(e) if tensile_common::api::code(&e) == Some(409) => Ok(()),
+        Ok(_) => Ok(Ok(())),
+        // Including 409 (made meanwhile, by another virtual node of ours or by someone
+        // else): the retry reads it and judges whose it is.
         Err(e) => Err(Error::api("lower", "create", format!("namespace {ns}"))(e)),
     }
 }
@@ -969,6 +998,29 @@ mod tests {
             Step::AwaitLowerGone,
             "the same grace is not sent again"
         );
+    }
+
+    #[test]
+    fn a_lower_namespace_is_used_when_ours_or_listed_as_shared() {
+        let ns = |name: &str, cluster: Option<&str>| -> Namespace {
+            let labels = cluster
+                .map(|c| json!({names::MARK_CLUSTER: c}))
+                .unwrap_or(json!({}));
+            serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}})).unwrap()
+        };
+        let default_shared = ["default".to_owned()];
+        assert!(namespace_usable(&ns("shop", Some("c1")), "c1", &default_shared));
+        assert!(
+            !namespace_usable(&ns("shop", Some("c2")), "c1", &default_shared),
+            "another upper cluster's"
+        );
+        assert!(
+            !namespace_usable(&ns("shop", None), "c1", &default_shared),
+            "the lower admin's"
+        );
+        assert!(namespace_usable(&ns("default", None), "c1", &default_shared));
+        assert!(namespace_usable(&ns("shop", None), "c1", &["shop".to_owned()]));
+        assert!(namespace_usable(&ns("shop", None), "c1", &["*".to_owned()]));
     }
 
     #[test]
