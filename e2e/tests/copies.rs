@@ -935,7 +935,7 @@ async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_fore
     args.reflection.gc_namespaces = true;
     args.reflection.copy_collection_delay = 2;
     let _vn = VirtualNode::run(args);
-    for ns in ["gc-a", "gc-b"] {
+    for ns in ["gc-a", "gc-b", "gc-c"] {
         bed.upper.create_namespace(ns).await.unwrap();
         kubectl(
             up(),
@@ -953,7 +953,7 @@ async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_fore
         )
         .await;
     }
-    for ns in ["gc-a", "gc-b"] {
+    for ns in ["gc-a", "gc-b", "gc-c"] {
         running_below(ns, "app").await;
         let marks = kubectl(
             low(),
@@ -980,7 +980,21 @@ async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_fore
         ],
     )
     .await;
-    for ns in ["gc-a", "gc-b"] {
+    // Not a kind the virtual node ever makes: only discovery finds it.
+    kubectl(
+        low(),
+        &[
+            "-n",
+            "gc-c",
+            "create",
+            "role",
+            "reader",
+            "--verb=get",
+            "--resource=pods",
+        ],
+    )
+    .await;
+    for ns in ["gc-a", "gc-b", "gc-c"] {
         kubectl(up(), &["-n", ns, "delete", "pod", "app", "--wait=true"]).await;
     }
     let gone = "gc-a no longer Active below";
@@ -1016,6 +1030,20 @@ async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_fore
     )
     .await;
     assert_eq!(phase, "Active");
+    let role = kubectl(
+        low(),
+        &[
+            "-n",
+            "gc-c",
+            "get",
+            "role",
+            "reader",
+            "-o",
+            "jsonpath={.metadata.name}",
+        ],
+    )
+    .await;
+    assert_eq!(role, "reader", "a namespace holding a lower admin's Role is kept");
 }
 
 /// An upper volume set to `Retain` keeps its data below: deleting the upper claim leaves the

@@ -807,32 +807,55 @@ pub async fn collect_orphans(ctx: &Context) -> usize {
     deleted
 }
 
-/// True when nothing but what the lower cluster puts in every namespace (the root CA
-/// ConfigMap, service accounts and their tokens) is left in `ns`.
-async fn namespace_is_empty(ctx: &Context, ns: &str) -> Result<bool, kube::Error> {
-    use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Secret, Service};
-    async fn names<K>(ctx: &Context, ns: &str, fields: &str) -> Result<Vec<String>, kube::Error>
-    where
-        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
-            + Clone
-            + serde::de::DeserializeOwned
-            + std::fmt::Debug,
-    {
-        let params = kube::api::ListParams::default().fields(fields).limit(5);
-        let list = Api::<K>::namespaced(ctx.lower.clone(), ns)
-            .list_metadata(&params)
-            .await?;
-        Ok(list.items.into_iter().filter_map(|o| o.metadata.name).collect())
+/// What the lower cluster puts in every namespace by itself: never a reason to keep a
+/// namespace we made.
+fn left_by_the_cluster(resource: &kube::discovery::ApiResource, name: &str) -> bool {
+    match (resource.group.as_str(), resource.plural.as_str()) {
+        ("", "serviceaccounts") => name == "default",
+        ("", "configmaps") => name == "kube-root-ca.crt",
+        _ => false,
     }
-    Ok(names::<Pod>(ctx, ns, "").await?.is_empty()
-        && names::<PersistentVolumeClaim>(ctx, ns, "").await?.is_empty()
-        && names::<Service>(ctx, ns, "").await?.is_empty()
-        && names::<ConfigMap>(ctx, ns, "metadata.name!=kube-root-ca.crt")
-            .await?
-            .is_empty()
-        && names::<Secret>(ctx, ns, "type!=kubernetes.io/service-account-token")
-            .await?
-            .is_empty())
+}
+
+/// Events outlive what they are about (an hour by default): they never keep a namespace.
+fn is_events(resource: &kube::discovery::ApiResource) -> bool {
+    resource.plural == "events" && matches!(resource.group.as_str(), "" | "events.k8s.io")
+}
+
+/// Whether lower namespace `ns` holds nothing of anyone's: every namespaced kind the lower
+/// cluster serves (discovery, so Roles, NetworkPolicies, LimitRanges and custom resources
+/// count) is listed, and only what the cluster itself leaves ([`left_by_the_cluster`],
+/// service-account token Secrets) is ignored.
+async fn namespace_is_empty(ctx: &Context, ns: &str) -> Result<bool, kube::Error> {
+    use kube::discovery::{Scope, verbs};
+    let discovery = kube::Discovery::new(ctx.lower.clone()).run().await?;
+    for group in discovery.groups() {
+        for (resource, caps) in group.recommended_resources() {
+            if caps.scope != Scope::Namespaced
+                || !caps.supports_operation(verbs::LIST)
+                || is_events(&resource)
+            {
+                continue;
+            }
+            let fields = if resource.group.is_empty() && resource.plural == "secrets" {
+                "type!=kubernetes.io/service-account-token"
+            } else {
+                ""
+            };
+            let params = kube::api::ListParams::default().fields(fields).limit(10);
+            let api: Api<kube::core::DynamicObject> = Api::namespaced_with(ctx.lower.clone(), ns, &resource);
+            let list = api.list_metadata(&params).await?;
+            let held = list
+                .items
+                .iter()
+                .any(|o| !left_by_the_cluster(&resource, o.metadata.name.as_deref().unwrap_or_default()));
+            if held || list.metadata.continue_.as_deref().is_some_and(|c| !c.is_empty()) {
+                tracing::debug!(namespace = %ns, kind = %resource.kind, "namespace collection: not empty");
+                return Ok(false);
+            }
+        }
+    }
+    Ok(true)
 }
 
 /// With `--gc-namespaces`: deletes lower namespaces this node created once they have been
@@ -873,6 +896,17 @@ pub async fn collect_namespaces(ctx: &Context, empty_before: &mut std::collectio
         }
         if !empty_before.contains(&name) {
             empty_now.insert(name);
+            continue;
+        }
+        // There is no delete-if-empty: look once more right before deleting, so what was
+        // put there since the last pass (by anyone) keeps the namespace.
+        if !matches!(namespace_is_empty(ctx, &name).await, Ok(true))
+            || ctx
+                .upper_pods
+                .state()
+                .iter()
+                .any(|p| p.namespace().as_deref() == Some(name.as_str()))
+        {
             continue;
         }
         if let Ok(mut known) = ctx.known_namespaces.lock() {
