@@ -24,6 +24,9 @@ pub const VIRTUAL_POD_LABEL: &str = "virtual-pod";
 pub const VIRTUAL_POD_VALUE: &str = "true";
 /// Pod annotation holding the stashed lower-cluster constraints (see `crate::stash`).
 pub const CLUSTER_SELECTOR: &str = "clusterSelector";
+/// Upper pod annotation: the webhook's signature of the stash (see `stash::StashKey`), so a
+/// virtual node holding the key honours only stashes the webhook wrote.
+pub const STASH_SIGNATURE: &str = "tensile.io/stash-signature";
 /// Node label every virtual node carries, with value [`VIRTUAL_NODE_TYPE_VALUE`].
 pub const VIRTUAL_NODE_TYPE_LABEL: &str = "type";
 /// The virtual node label's value.

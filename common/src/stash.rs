@@ -14,6 +14,77 @@ use serde::{Deserialize, Serialize};
 
 use crate::names::CLUSTER_SELECTOR;
 
+/// The key the webhook signs stashes with and virtual nodes verify them with (HMAC-SHA256).
+/// The trust model: the webhook is the only writer of stashes. A stash written by hand, on a
+/// pod the webhook never saw or edited afterwards, carries no valid signature, so a virtual
+/// node holding the key never applies it below (it would give the lower pod tolerations or
+/// selectors no upper admission policy saw).
+pub struct StashKey(ring::hmac::Key);
+
+/// Why a stash key could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    #[error("stash key {path}: {source}")]
+    Read {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("stash key {path}: {len} bytes; at least 32 are needed")]
+    Short { path: std::path::PathBuf, len: usize },
+}
+
+impl StashKey {
+    /// The key in `path` (its bytes, surrounding whitespace trimmed; at least 32).
+    pub fn from_file(path: &std::path::Path) -> Result<Self, KeyError> {
+        let bytes = std::fs::read(path).map_err(|source| KeyError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let secret = bytes.trim_ascii();
+        if secret.len() < 32 {
+            return Err(KeyError::Short {
+                path: path.to_owned(),
+                len: secret.len(),
+            });
+        }
+        Ok(Self::new(secret))
+    }
+
+    pub fn new(secret: &[u8]) -> Self {
+        StashKey(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret))
+    }
+
+    fn message(namespace: &str, stash: &str) -> Vec<u8> {
+        [namespace.as_bytes(), b"\n", stash.as_bytes()].concat()
+    }
+
+    /// The signature of stash text `stash` on a pod of `namespace`: `v1:` and the hex MAC.
+    pub fn sign(&self, namespace: &str, stash: &str) -> String {
+        let tag = ring::hmac::sign(&self.0, &Self::message(namespace, stash));
+        let hex: String = tag.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+        format!("v1:{hex}")
+    }
+
+    /// Whether `signature` is this key's signature of `stash` in `namespace`.
+    pub fn verify(&self, namespace: &str, stash: &str, signature: &str) -> bool {
+        let Some(hex) = signature.strip_prefix("v1:") else {
+            return false;
+        };
+        let bytes: Option<Vec<u8>> = (0..hex.len())
+            .step_by(2)
+            .map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
+            .collect();
+        bytes.is_some_and(|tag| ring::hmac::verify(&self.0, &Self::message(namespace, stash), &tag).is_ok())
+    }
+}
+
+impl std::fmt::Debug for StashKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StashKey(..)")
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("annotation {CLUSTER_SELECTOR} is not a valid stash: {0}")]
@@ -82,6 +153,41 @@ impl Stash {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_signature_holds_for_its_stash_and_namespace_only() {
+        let key = StashKey::new(&[7u8; 32]);
+        let stash = r#"{"tolerations":[{"key":"gpu","operator":"Exists"}]}"#;
+        let signature = key.sign("shop", stash);
+        assert!(
+            signature.starts_with("v1:") && signature.len() == 3 + 64,
+            "{signature}"
+        );
+        assert!(key.verify("shop", stash, &signature));
+        assert!(!key.verify("other", stash, &signature), "bound to the namespace");
+        assert!(
+            !key.verify("shop", r#"{"tolerations":[{"operator":"Exists"}]}"#, &signature),
+            "an edited stash"
+        );
+        assert!(
+            !StashKey::new(&[8u8; 32]).verify("shop", stash, &signature),
+            "another key"
+        );
+        for forged in ["", "v1:", "v1:zz", "v2:00", &signature[..signature.len() - 1]] {
+            assert!(!key.verify("shop", stash, forged), "{forged:?}");
+        }
+    }
+
+    #[test]
+    fn a_short_key_file_is_refused_with_its_length() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("key");
+        std::fs::write(&path, "too short\n").unwrap();
+        let err = StashKey::from_file(&path).unwrap_err().to_string();
+        assert!(err.contains("9 bytes") && err.contains("32"), "{err}");
+        std::fs::write(&path, format!("{}\n", "k".repeat(40))).unwrap();
+        assert!(StashKey::from_file(&path).is_ok());
+    }
     use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm};
 
     fn sample() -> Stash {

@@ -1382,14 +1382,15 @@ spec:
 
 /// The webhook and a virtual node together: constraints written for the lower cluster are
 /// stashed upstream by the webhook and applied to the lower pod by the virtual node.
-#[tokio::test]
-async fn the_webhook_stash_is_applied_below_by_the_virtual_node() {
+/// A webhook for the opted-in pods of namespace `ns` (registered as `config`, its caBundle
+/// written), signing stashes with `stash_key` when given.
+async fn webhook_for(
+    ns: &str,
+    config: &str,
+    stash_key: Option<std::sync::Arc<tensile_common::stash::StashKey>>,
+) -> tensile_webhook::Running {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let bed = bed();
-    let _vn = VirtualNode::start("vn-webhook", &bed.lower_a);
-    wait_ready("vn-webhook").await;
-    let ns = "stash";
-    namespace(ns).await;
     kubectl(
         up(),
         &[
@@ -1402,7 +1403,6 @@ async fn the_webhook_stash_is_applied_below_by_the_virtual_node() {
     )
     .await;
     let port = free_port().unwrap();
-    let config = "tensile-webhook-stash";
     apply(
         up(),
         &tensile_e2e::check::webhook_registration(
@@ -1424,9 +1424,10 @@ async fn the_webhook_stash_is_applied_below_by_the_virtual_node() {
     // The virtual node's hostname steers the upper scheduler; everything else is for below.
     options.policy = tensile_webhook::Policy {
         ignore_selector_keys: ["kubernetes.io/hostname".to_owned()].into(),
+        stash_key,
         ..tensile_webhook::Policy::default()
     };
-    let _webhook = tensile_webhook::start(options).await.unwrap();
+    let webhook = tensile_webhook::start(options).await.unwrap();
     let bundle = [
         "get",
         "mutatingwebhookconfiguration",
@@ -1449,6 +1450,94 @@ async fn the_webhook_stash_is_applied_below_by_the_virtual_node() {
     )
     .await
     .unwrap();
+    webhook
+}
+
+/// With a stash key shared by the webhook and the virtual node, the webhook's stash is applied
+/// below and a stash written by hand is not: its pod is refused with the reason, and nothing
+/// is created below with the tolerations it asked for.
+#[tokio::test]
+async fn with_a_stash_key_only_the_webhooks_stash_is_applied_below() {
+    let bed = bed();
+    let dir = tempfile::tempdir().unwrap();
+    let key_file = dir.path().join("stash.key");
+    std::fs::write(&key_file, "k".repeat(48)).unwrap();
+    let key = std::sync::Arc::new(tensile_common::stash::StashKey::from_file(&key_file).unwrap());
+    let _vn = VirtualNode::start_with("vn-signed", &bed.lower_a, |args| {
+        args.stash_key_file = Some(key_file.clone());
+    });
+    wait_ready("vn-signed").await;
+    let ns = "signed";
+    namespace(ns).await;
+    let _webhook = webhook_for(ns, "tensile-webhook-signed", Some(key)).await;
+    let manifest = |name: &str, labels: &str, annotations: &str| {
+        format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: signed, labels: {{{labels}}}, annotations: {{{annotations}}}}}
+spec:
+  nodeSelector: {{kubernetes.io/hostname: vn-signed}}
+  tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}, {{key: dedicated, operator: Exists}}]
+  containers: [{{name: app, image: busybox}}]
+"#
+        )
+    };
+    apply(up(), &manifest("by-webhook", "virtual-pod: \"true\"", "")).await;
+    let forged = r#"clusterSelector: '{"tolerations":[{"key":"node-role.kubernetes.io/master","operator":"Exists"}]}'"#;
+    apply(up(), &manifest("by-hand", "app: x", forged)).await;
+    eventually(
+        up(),
+        "the webhook's pod Running",
+        60,
+        &[
+            "-n",
+            ns,
+            "get",
+            "pod",
+            "by-webhook",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+        "Running",
+    )
+    .await;
+    let tolerations = kubectl(
+        bed.lower_a.kubeconfig(),
+        &[
+            "-n",
+            ns,
+            "get",
+            "pod",
+            "by-webhook",
+            "-o",
+            "jsonpath={.spec.tolerations[*].key}",
+        ],
+    )
+    .await;
+    assert!(tolerations.contains("dedicated"), "{tolerations}");
+    let synced = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].status}/{.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#;
+    eventually(
+        up(),
+        "the hand-written stash refused",
+        60,
+        &["-n", ns, "get", "pod", "by-hand", "-o", synced],
+        "False/StashNotTrusted",
+    )
+    .await;
+    let below =
+        tensile_e2e::kubectl::run(bed.lower_a.kubeconfig(), &["-n", ns, "get", "pod", "by-hand"]).await;
+    assert!(!below.ok && below.stderr.contains("NotFound"), "{}", below.stdout);
+}
+
+#[tokio::test]
+async fn the_webhook_stash_is_applied_below_by_the_virtual_node() {
+    let bed = bed();
+    let _vn = VirtualNode::start("vn-webhook", &bed.lower_a);
+    wait_ready("vn-webhook").await;
+    let ns = "stash";
+    namespace(ns).await;
+    let _webhook = webhook_for(ns, "tensile-webhook-stash", None).await;
 
     // Written as if for one cluster: lower node a-2 by name, and a lower taint tolerated.
     apply(

@@ -66,6 +66,10 @@ pub struct Args {
     /// Pod labels kept in the upper cluster only (comma-separated keys).
     #[arg(long = "ignore-labels", env = "TENSILE_IGNORE_LABELS", value_delimiter = ',')]
     pub ignore_labels: Vec<String>,
+    /// The webhook's stash key (the same file as its `--stash-key-file`): only stashes it
+    /// signed are applied below. Without it every stash is trusted, as written.
+    #[arg(long = "stash-key-file", env = "TENSILE_STASH_KEY_FILE")]
+    pub stash_key_file: Option<PathBuf>,
     /// Pods reconciled at once. Each reconcile mostly waits on the API, so a burst of
     /// thousands of pods needs many in flight (docs/virtual-node.md has the figures).
     #[arg(long = "pod-sync-workers", env = "TENSILE_POD_SYNC_WORKERS", default_value_t = 128,
@@ -295,6 +299,8 @@ pub enum Error {
         "the kubelet API needs a way to authenticate callers: give --client-verify-ca (the upper apiserver's kubelet client CA) or, to serve without authentication, --no-verify-clients"
     )]
     NoClientAuth,
+    #[error("{0}")]
+    StashKey(#[from] tensile_common::stash::KeyError),
     #[error("reading the upper cluster id (kube-system namespace UID; or pass --cluster-id): {0}")]
     ClusterId(String),
     #[error("invalid flags: {0}")]
@@ -323,6 +329,15 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         )
         .map_err(Error::Flags)?;
     let leadership = Leadership::of(&election);
+    let stash_key = match &args.stash_key_file {
+        Some(path) => Some(Arc::new(tensile_common::stash::StashKey::from_file(path)?)),
+        None => {
+            tracing::warn!(
+                "no --stash-key-file: stashes (clusterSelector) are applied below whoever wrote them"
+            );
+            None
+        }
+    };
     // Every request names the replica, so the apiserver's audit log says who wrote what.
     let options = ClientOptions {
         user_agent: Some(format!("tensile-virtual-node/{} ({replica})", args.nodename)),
@@ -403,6 +418,7 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         kubelet_listener,
         auth,
         authorizer,
+        stash_key,
     )
     .await;
     let outcome = match result {
@@ -438,6 +454,7 @@ async fn compose(
     kubelet_listener: tokio::net::TcpListener,
     auth: ClientAuth,
     authorizer: kubelet::Authorizer,
+    stash_key: Option<Arc<tensile_common::stash::StashKey>>,
 ) -> Result<(), Error> {
     let upper = upper_source.client()?;
     let cluster_id = match &args.upper.cluster_id {
@@ -620,6 +637,7 @@ async fn compose(
         translation: Translation {
             identity: identity.clone(),
             ignore_labels: args.ignore_labels.clone(),
+            stash_key: stash_key.clone(),
         },
         lower_pods: lower_pods.clone(),
         upper_pods: upper_pods.clone(),

@@ -252,9 +252,13 @@ pub fn decide(upper: &Pod, lower: Option<&Pod>, view: &View<'_>) -> Step {
     let desired = match view.translation.lower_pod(upper) {
         Ok(d) => d,
         Err(e) => {
+            let reason = match e {
+                translate::Error::UntrustedStash => "StashNotTrusted",
+                _ => "InvalidPod",
+            };
             return Step::Refuse {
-                reason: "InvalidPod",
-                event: "InvalidPod",
+                reason,
+                event: reason,
                 message: e.to_string(),
             };
         }

@@ -61,6 +61,12 @@ pub fn upper_uid(lower: &Pod) -> Option<&str> {
 pub enum Error {
     #[error("annotation clusterSelector: {0}")]
     Stash(#[from] tensile_common::stash::Error),
+    #[error(
+        "annotation clusterSelector is not signed by the webhook (annotation {sig} missing or wrong): \
+         a stash written or edited by hand is never applied below",
+        sig = names::STASH_SIGNATURE
+    )]
+    UntrustedStash,
     #[error("pod has no uid")]
     NoUid,
 }
@@ -71,6 +77,8 @@ pub struct Translation {
     pub identity: Identity,
     /// Labels kept upstream only: stripped on the way down, never compared.
     pub ignore_labels: Vec<String>,
+    /// With a key, only stashes the webhook signed are applied (`--stash-key-file`).
+    pub stash_key: Option<std::sync::Arc<tensile_common::stash::StashKey>>,
 }
 
 /// The service account a pod runs as upstream.
@@ -134,6 +142,7 @@ impl Translation {
             .filter(|(k, _)| {
                 ![
                     names::CLUSTER_SELECTOR,
+                    names::STASH_SIGNATURE,
                     "kubectl.kubernetes.io/last-applied-configuration",
                     names::COPIED_LABELS,
                     names::COPIED_ANNOTATIONS,
@@ -147,6 +156,16 @@ impl Translation {
     /// The pod to create below for `upper`.
     pub fn lower_pod(&self, upper: &Pod) -> Result<Pod, Error> {
         let uid = upper.metadata.uid.as_deref().ok_or(Error::NoUid)?;
+        if let Some(key) = &self.stash_key {
+            let annotations = upper.metadata.annotations.as_ref();
+            if let Some(text) = annotations.and_then(|a| a.get(names::CLUSTER_SELECTOR)) {
+                let namespace = upper.metadata.namespace.as_deref().unwrap_or_default();
+                let signature = annotations.and_then(|a| a.get(names::STASH_SIGNATURE));
+                if !signature.is_some_and(|sig| key.verify(namespace, text, sig)) {
+                    return Err(Error::UntrustedStash);
+                }
+            }
+        }
         let stash = Stash::from_annotations(upper.metadata.annotations.as_ref())?.unwrap_or_default();
         let mut spec: PodSpec = upper.spec.clone().unwrap_or_default();
         let service_account = service_account(&spec);
@@ -579,6 +598,7 @@ pub(crate) mod tests {
                 node: "vn".into(),
             },
             ignore_labels: vec!["team".into()],
+            stash_key: None,
         }
     }
 
@@ -800,6 +820,54 @@ pub(crate) mod tests {
                 json!({"type": "Ready", "status": "True", "reason": null}),
                 json!({"type": "Gone", "$patch": "delete"})
             ]
+        );
+    }
+
+    #[test]
+    fn with_a_stash_key_only_a_stash_the_webhook_signed_is_applied() {
+        let key = std::sync::Arc::new(tensile_common::stash::StashKey::new(&[3u8; 32]));
+        let t = Translation {
+            stash_key: Some(key.clone()),
+            ..translation()
+        };
+        let stash = r#"{"tolerations":[{"key":"node-role.kubernetes.io/master","operator":"Exists"}]}"#;
+        let with = |signature: Option<String>| {
+            let mut pod = upper();
+            let annotations = pod.metadata.annotations.get_or_insert_default();
+            annotations.insert(names::CLUSTER_SELECTOR.into(), stash.into());
+            if let Some(sig) = signature {
+                annotations.insert(names::STASH_SIGNATURE.into(), sig);
+            }
+            pod
+        };
+        let ns = upper().metadata.namespace.unwrap_or_default();
+        assert!(
+            matches!(t.lower_pod(&with(None)), Err(Error::UntrustedStash)),
+            "written by hand"
+        );
+        assert!(matches!(
+            t.lower_pod(&with(Some(key.sign("elsewhere", stash)))),
+            Err(Error::UntrustedStash)
+        ));
+        let lower = t.lower_pod(&with(Some(key.sign(&ns, stash)))).unwrap();
+        assert_eq!(lower.spec.unwrap().tolerations.unwrap().len(), 1);
+        assert!(
+            !lower
+                .metadata
+                .annotations
+                .unwrap_or_default()
+                .contains_key(names::STASH_SIGNATURE),
+            "the signature stays upstream"
+        );
+        let mut plain = upper();
+        plain
+            .metadata
+            .annotations
+            .get_or_insert_default()
+            .remove(names::CLUSTER_SELECTOR);
+        assert!(
+            t.lower_pod(&plain).is_ok(),
+            "a pod without a stash needs no signature"
         );
     }
 

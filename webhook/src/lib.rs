@@ -134,6 +134,10 @@ pub struct Args {
     /// `tolerationSeconds` for `node.kubernetes.io/unreachable` on the upper pod.
     #[arg(long, env = "WEBHOOK_UNREACHABLE_TOLERATION_SECONDS", default_value_t = 300)]
     pub unreachable_toleration_seconds: i64,
+    /// A secret (at least 32 bytes) to sign every stash with; virtual nodes given the same
+    /// file (their `--stash-key-file`) apply only stashes signed with it.
+    #[arg(long, env = "WEBHOOK_STASH_KEY_FILE")]
+    pub stash_key_file: Option<PathBuf>,
     /// Largest request body accepted at `/mutate`.
     #[arg(long, env = "WEBHOOK_MAX_BODY_BYTES", default_value_t = 6 * 1024 * 1024)]
     pub max_body_bytes: usize,
@@ -190,6 +194,13 @@ impl Args {
             virtual_node_constraint: self.virtual_node_constraint,
             not_ready_seconds: self.not_ready_toleration_seconds,
             unreachable_seconds: self.unreachable_toleration_seconds,
+            stash_key: match &self.stash_key_file {
+                Some(path) => Some(std::sync::Arc::new(
+                    tensile_common::stash::StashKey::from_file(path)
+                        .map_err(|e| Error::Flags(e.to_string()))?,
+                )),
+                None => None,
+            },
         })
     }
 }

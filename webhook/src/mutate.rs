@@ -219,7 +219,8 @@ impl Stashing<'_> {
         excluded: &dyn ExcludedNodes,
     ) -> Outcome {
         let review = self.review;
-        match plan(self.object, self.pod, policy, claims, excluded) {
+        let namespace = review.request.namespace.as_deref().unwrap_or_default();
+        match plan(self.object, self.pod, namespace, policy, claims, excluded) {
             // `with_patch` is the only way to set the patch type; the patch itself is
             // written by `plan`, straight from the typed values.
             Ok((patch, warnings)) => match allow(review).with_patch(Patch::default()) {
@@ -391,8 +392,9 @@ fn path(tokens: &[&str]) -> String {
 enum New<'a> {
     /// An annotation's text (the stash, the excluded nodes).
     Stash(&'a str),
-    /// A new `annotations` holding only the stash, and the excluded nodes if any.
-    Annotations(&'a str, Option<&'a str>),
+    /// A new `annotations` holding only the stash, the excluded nodes and the stash's
+    /// signature, the last two when there are.
+    Annotations(&'a str, Option<&'a str>, Option<&'a str>),
     NodeSelector(&'a BTreeMap<String, String>),
     NodeAffinity(&'a NodeAffinity),
     /// A new `affinity` holding only node affinity.
@@ -404,11 +406,15 @@ impl Serialize for New<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         match self {
             New::Stash(text) => serializer.serialize_str(text),
-            New::Annotations(text, excluded) => {
-                let mut map = serializer.serialize_map(Some(1 + usize::from(excluded.is_some())))?;
+            New::Annotations(text, excluded, signature) => {
+                let entries = 1 + usize::from(excluded.is_some()) + usize::from(signature.is_some());
+                let mut map = serializer.serialize_map(Some(entries))?;
                 map.serialize_entry(names::CLUSTER_SELECTOR, text)?;
                 if let Some(nodes) = excluded {
                     map.serialize_entry(names::EXCLUDED_NODES, nodes)?;
+                }
+                if let Some(signature) = signature {
+                    map.serialize_entry(names::STASH_SIGNATURE, signature)?;
                 }
                 map.end()
             }
@@ -533,6 +539,7 @@ fn toleration(key: &str, effect: &str, seconds: Option<i64>) -> Toleration {
 fn plan(
     object: &RawValue,
     pod: PodMembers,
+    namespace: &str,
     policy: &Policy,
     claims: &dyn ClaimNodes,
     excluded: &dyn ExcludedNodes,
@@ -685,6 +692,10 @@ fn plan(
         spec.tolerations.take().unwrap_or_default(),
     );
     let stash_text = stash.encode().map_err(|e| e.to_string())?;
+    let signature = policy
+        .stash_key
+        .as_ref()
+        .map(|key| key.sign(namespace, &stash_text));
 
     // The patch touches only the fields that change. The decoded pod tells when a field
     // differs; when it reads the same, the raw field decides.
@@ -702,10 +713,16 @@ fn plan(
                     New::Stash(text),
                 ));
             }
+            if let Some(signature) = &signature {
+                ops.push(add(
+                    &["metadata", "annotations", names::STASH_SIGNATURE],
+                    New::Stash(signature),
+                ));
+            }
         }
         None => ops.push(add(
             &["metadata", "annotations"],
-            New::Annotations(&stash_text, excluded_annotation),
+            New::Annotations(&stash_text, excluded_annotation, signature.as_deref()),
         )),
     }
     match &spec.node_selector {

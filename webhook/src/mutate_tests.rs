@@ -720,3 +720,32 @@ fn malformed_owner_references_are_the_apiservers_to_refuse_and_mean_no_exclusion
         assert_eq!(after, clean_after, "mutated as a pod without owners: {garbage}");
     }
 }
+
+#[test]
+fn with_a_stash_key_every_stash_is_signed_for_its_namespace() {
+    let key = std::sync::Arc::new(tensile_common::stash::StashKey::new(&[5u8; 32]));
+    let policy = Policy {
+        stash_key: Some(key.clone()),
+        ..Policy::default()
+    };
+    let tolerations = json!([{"key": "gpu", "operator": "Exists"}]);
+    // Without annotations, and with some: the signature goes in either way.
+    let bare = opted_in(json!({"containers": containers(), "tolerations": tolerations}));
+    let mut annotated = bare.clone();
+    annotated["metadata"]["annotations"] = json!({"team": "red"});
+    for object in [bare, annotated] {
+        let (_, after) = run(object, &policy);
+        let annotations = &after["metadata"]["annotations"];
+        let stash = annotations[names::CLUSTER_SELECTOR].as_str().unwrap();
+        let signature = annotations[names::STASH_SIGNATURE].as_str().unwrap();
+        assert!(key.verify("team", stash, signature), "{after}");
+        assert_eq!(stash_of(&after).tolerations.len(), 1);
+    }
+    let (_, unsigned) = run(opted_in(json!({"containers": containers()})), &Policy::default());
+    assert!(
+        unsigned["metadata"]["annotations"]
+            .get(names::STASH_SIGNATURE)
+            .is_none(),
+        "no key, no signature"
+    );
+}

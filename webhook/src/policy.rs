@@ -66,6 +66,9 @@ pub struct Policy {
     pub not_ready_seconds: i64,
     /// `tolerationSeconds` of the upper pod's unreachable toleration.
     pub unreachable_seconds: i64,
+    /// Signs every stash written (`tensile.io/stash-signature`), so virtual nodes holding
+    /// the same key apply only stashes this webhook wrote.
+    pub stash_key: Option<std::sync::Arc<tensile_common::stash::StashKey>>,
 }
 
 impl Default for Policy {
@@ -78,6 +81,7 @@ impl Default for Policy {
             virtual_node_constraint: VirtualNodeConstraint::Affinity,
             not_ready_seconds: 300,
             unreachable_seconds: 300,
+            stash_key: None,
         }
     }
 }
