@@ -429,4 +429,22 @@ mod tests {
         let mut p = ShapePublisher::default();
         assert!(p.round(&now, Some(&old), t0, wall(30)).annotation);
     }
+
+    #[test]
+    fn shape_label_keys_default_to_where_and_what_a_node_is_and_take_a_comma_list() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            shape: ShapeArgs,
+        }
+        use clap::Parser as _;
+        let default = Cli::try_parse_from(["virtual-node"]).unwrap();
+        assert_eq!(default.shape.label_keys, shape::DEFAULT_LABEL_KEYS);
+        let given = Cli::try_parse_from([
+            "virtual-node",
+            "--shape-label-keys=example.com/pool,kubernetes.io/arch",
+        ])
+        .unwrap();
+        assert_eq!(given.shape.label_keys, ["example.com/pool", "kubernetes.io/arch"]);
+    }
 }
