@@ -75,6 +75,9 @@ pub const NODE_CAPACITY_SHAPE: &str = "tensile.io/capacity-shape";
 /// Node label the virtual node bumps (a counter) when its capacity shape grows: the upper
 /// scheduler retries unschedulable pods on a label change, never on an annotation change.
 pub const NODE_SHAPE_GENERATION: &str = "tensile.io/shape-generation";
+/// Node annotation: the `--node-labels` keys the virtual node set (comma-separated), so a key
+/// dropped from the flag is removed and no one else's label ever is.
+pub const NODE_EXTRA_LABELS: &str = "tensile.io/node-labels";
 /// Field manager of every write virtual-node makes.
 pub const FIELD_MANAGER: &str = "tensile-virtual-node";
 
@@ -117,6 +120,7 @@ mod tests {
             CONDITION_LOWER_SYNCED,
             NODE_CAPACITY_SHAPE,
             NODE_SHAPE_GENERATION,
+            NODE_EXTRA_LABELS,
             SERVICE_SELECTOR,
             DESCHEDULE,
             EXCLUDED_NODES,

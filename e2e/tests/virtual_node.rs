@@ -870,6 +870,35 @@ async fn a_lower_namespace_of_someone_else_is_refused_unless_shared() {
     assert_eq!(below.stdout.trim(), "", "nothing is created in their namespace");
 }
 
+/// A virtual node restarted with other `--node-labels` and `--disable-taint` brings its
+/// registered Node up to date: the new label set, the dropped one gone, the taint removed,
+/// and a label someone else put on the Node kept.
+#[tokio::test]
+async fn changed_node_labels_and_taint_apply_to_a_registered_node() {
+    let bed = bed();
+    let first = VirtualNode::start_with("vn-relabel", &bed.lower_a, |args| {
+        args.node_labels = vec![("team".into(), "a".into())];
+    });
+    wait_ready("vn-relabel").await;
+    kubectl(up(), &["label", "node", "vn-relabel", "owner=ops"]).await;
+    let shown = r#"jsonpath={.metadata.labels.team}/{.metadata.labels.zone}/{.metadata.labels.owner}/{.spec.taints[*].key}"#;
+    let now = kubectl(up(), &["get", "node", "vn-relabel", "-o", shown]).await;
+    assert_eq!(now, "a//ops/virtual-kubelet.io/provider");
+    drop(first);
+    let _second = VirtualNode::start_with("vn-relabel", &bed.lower_a, |args| {
+        args.node_labels = vec![("zone".into(), "z1".into())];
+        args.disable_taint = true;
+    });
+    eventually(
+        up(),
+        "the new labels, without the taint",
+        60,
+        &["get", "node", "vn-relabel", "-o", shown],
+        "/z1/ops/",
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn a_pod_the_lower_cluster_cannot_place_shows_unschedulable_upstream() {
     let bed = bed();

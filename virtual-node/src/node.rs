@@ -215,6 +215,69 @@ pub struct NodeLoop {
     pub upper_node: Cache<Node>,
 }
 
+/// The merge patch that brings `node` to `labels` (every label the virtual node sets), with
+/// `extra` the `--node-labels` among them, and to the virtual-node taint present or not;
+/// `None` when nothing differs. Labels of others are never touched; a `--node-labels` key no
+/// longer given is removed. The patch carries the Node's resourceVersion when it rewrites
+/// the taints (a list shared with the node controller), so it never overwrites a newer one.
+pub fn metadata_patch(
+    node: &Node,
+    labels: &BTreeMap<String, String>,
+    extra: &BTreeMap<String, String>,
+    taint: bool,
+) -> Option<Value> {
+    let have = node.metadata.labels.clone().unwrap_or_default();
+    let mut label_patch = serde_json::Map::new();
+    for (k, v) in labels {
+        if have.get(k) != Some(v) {
+            label_patch.insert(k.clone(), json!(v));
+        }
+    }
+    let recorded = node
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(names::NODE_EXTRA_LABELS))
+        .cloned()
+        .unwrap_or_default();
+    for old in recorded.split(',').filter(|k| !k.is_empty()) {
+        if !labels.contains_key(old) && have.contains_key(old) {
+            label_patch.insert(old.to_owned(), Value::Null);
+        }
+    }
+    let extra_keys = extra.keys().map(String::as_str).collect::<Vec<_>>().join(",");
+    let mut patch = json!({});
+    if !label_patch.is_empty() {
+        patch["metadata"]["labels"] = Value::Object(label_patch);
+    }
+    if recorded != extra_keys {
+        patch["metadata"]["annotations"] = json!({names::NODE_EXTRA_LABELS: extra_keys});
+    }
+    let taints = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default();
+    let ours = |t: &k8s_openapi::api::core::v1::Taint| t.key == names::VIRTUAL_NODE_TAINT;
+    let has = taints.iter().any(ours);
+    if has != taint {
+        let mut wanted: Vec<Value> = taints
+            .iter()
+            .filter(|t| !ours(t))
+            .filter_map(|t| serde_json::to_value(t).ok())
+            .collect();
+        if taint {
+            wanted.push(
+                json!({"key": names::VIRTUAL_NODE_TAINT, "value": names::VIRTUAL_NODE_TAINT_VALUE,
+                               "effect": "NoSchedule"}),
+            );
+        }
+        patch["spec"] = json!({"taints": wanted});
+        patch["metadata"]["resourceVersion"] = json!(node.metadata.resource_version);
+    }
+    (patch != json!({})).then_some(patch)
+}
+
 use tensile_common::api::now;
 
 impl NodeLoop {
@@ -377,6 +440,35 @@ impl NodeLoop {
         }
     }
 
+    /// Brings the registered Node's labels and taint to the settings and what the lower
+    /// cluster shows (os/arch learned later, a changed `--node-labels` or `--disable-taint`).
+    async fn reconcile_metadata(&self, cap: &Capacity) {
+        let Some(node) = self
+            .upper_node
+            .get(&kube::runtime::reflector::ObjectRef::new(self.name()))
+        else {
+            return;
+        };
+        let Some(patch) = metadata_patch(
+            &node,
+            &self.labels(cap),
+            &self.settings.extra_labels,
+            self.settings.taint,
+        ) else {
+            return;
+        };
+        let nodes: Api<Node> = Api::all(self.upper());
+        match nodes
+            .patch(self.name(), &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => tracing::info!(node = self.name(), "node labels and taint brought up to date"),
+            // 409: the Node changed meanwhile (its taints are shared with the node
+            // controller); the next round looks again.
+            Err(e) => tracing::debug!(node = self.name(), "node labels and taint: {e}"),
+        }
+    }
+
     async fn create_node(&self, cap: &Capacity) -> Result<(), kube::Error> {
         let taints: Vec<Value> = if self.settings.taint {
             vec![
@@ -385,8 +477,10 @@ impl NodeLoop {
         } else {
             vec![]
         };
+        let extra: Vec<&str> = self.settings.extra_labels.keys().map(String::as_str).collect();
         let node: Node = serde_json::from_value(json!({
-            "metadata": {"name": self.name(), "labels": self.labels(cap)},
+            "metadata": {"name": self.name(), "labels": self.labels(cap),
+                         "annotations": {names::NODE_EXTRA_LABELS: extra.join(",")}},
             "spec": {"taints": taints},
         }))
         .map_err(kube::Error::SerdeError)?;
@@ -520,6 +614,7 @@ impl NodeLoop {
             // retry its pods, which should then meet the new shape.
             if state.registered {
                 self.publish_shape(&mut state.shape).await;
+                self.reconcile_metadata(&cap).await;
             }
             if state.registered && round.write_status {
                 let nodes: Api<Node> = Api::all(self.upper());
@@ -566,6 +661,45 @@ impl NodeLoop {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn node_labels_and_taint_follow_the_settings_and_leave_others_alone() {
+        let node: Node = serde_json::from_value(json!({
+            "metadata": {"name": "vn", "resourceVersion": "41",
+                         "labels": {"kubernetes.io/os": "linux", "team": "a", "someone-else": "x"},
+                         "annotations": {names::NODE_EXTRA_LABELS: "team"}},
+            "spec": {"taints": [
+                {"key": names::VIRTUAL_NODE_TAINT, "value": "tensile", "effect": "NoSchedule"},
+                {"key": "node.kubernetes.io/not-ready", "effect": "NoExecute"}]}}))
+        .unwrap();
+        let labels = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        // Unchanged settings: nothing to write.
+        let same = labels(&[("kubernetes.io/os", "linux"), ("team", "a")]);
+        assert_eq!(
+            metadata_patch(&node, &same, &labels(&[("team", "a")]), true),
+            None
+        );
+        // --node-labels now zone=z1, os learned as windows, --disable-taint.
+        let extra = labels(&[("zone", "z1")]);
+        let wanted = labels(&[("kubernetes.io/os", "windows"), ("zone", "z1")]);
+        let patch = metadata_patch(&node, &wanted, &extra, false).unwrap();
+        assert_eq!(
+            patch["metadata"]["labels"],
+            json!({"kubernetes.io/os": "windows", "zone": "z1", "team": null})
+        );
+        assert_eq!(patch["metadata"]["annotations"][names::NODE_EXTRA_LABELS], "zone");
+        assert_eq!(
+            patch["spec"]["taints"],
+            json!([{"key": "node.kubernetes.io/not-ready", "effect": "NoExecute"}]),
+            "only our taint goes; the node controller's stays"
+        );
+        assert_eq!(patch["metadata"]["resourceVersion"], "41");
+    }
 
     #[test]
     fn one_failed_probe_is_a_blip_and_two_in_a_row_are_an_outage() {
