@@ -54,8 +54,10 @@ pub struct ExtenderFilterResult {
     /// Rejected node → why.
     #[serde(rename = "FailedNodes")]
     pub failed_nodes: BTreeMap<String, String>,
-    /// Read from 1.21 on (preemption then skips these nodes); never filled here, since
-    /// preempting upper pods can free a lower node.
+    /// Read from 1.21 on, where it takes precedence over `FailedNodes` and preemption skips
+    /// these nodes: the excluded ones (no preemption lifts an exclusion), also listed in
+    /// `FailedNodes` for 1.20. A shape rejection is not here: preempting upper pods can
+    /// free a lower node.
     #[serde(rename = "FailedAndUnresolvableNodes")]
     pub failed_and_unresolvable_nodes: BTreeMap<String, String>,
     #[serde(rename = "Error")]
@@ -282,6 +284,11 @@ pub fn filter(args: &ExtenderArgs, ctx: &Context<'_>) -> (ExtenderFilterResult, 
         let (_, outcome, message) = judge_node(&candidate, &pod, &excluded, ctx);
         match message {
             Some(m) => {
+                if outcome == Outcome::Rejected("exclusion") {
+                    result
+                        .failed_and_unresolvable_nodes
+                        .insert(candidate.name().to_owned(), m.clone());
+                }
                 result.failed_nodes.insert(candidate.name().to_owned(), m);
             }
             None => match candidate {
@@ -477,6 +484,10 @@ mod tests {
             "excluded for ReplicaSet ns/web until 2024-05-01T10:05:00Z: its lower cluster refused the workload"
         );
         assert_eq!(outcomes[1], Outcome::Rejected("exclusion"));
+        assert_eq!(
+            out["FailedAndUnresolvableNodes"]["vn-b"], out["FailedNodes"]["vn-b"],
+            "1.21 and later skip it in preemption; 1.20 reads FailedNodes"
+        );
         let other = json!({"Pod": pod("1", Some("uid-2")), "NodeNames": ["vn-a", "vn-b"]});
         assert_eq!(
             run(other, &nodes(), &exclusions).0["NodeNames"],
