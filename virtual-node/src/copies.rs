@@ -730,13 +730,21 @@ impl Copies {
                 }
             }
         };
-        // Gone between our create and get: the next pass creates it.
-        let Some(actual) = actual else { return Ok(true) };
+        // Gone between our create and get: created once more (a failure is retried), so it
+        // is never reported current while it does not exist.
+        let Some(actual) = actual else {
+            self.limit.acquire().await;
+            api.create(&PostParams::default(), &desired)
+                .await
+                .map_err(Error::on("lower", "create", what))?;
+            return Ok(true);
+        };
         match judge(&self.cluster_id, &desired, &actual) {
             Verdict::Current => Ok(true),
             Verdict::Conflict => Ok(false),
             Verdict::Stale => {
                 self.limit.acquire().await;
+                let fresh = desired.clone();
                 let mut update = desired;
                 update.meta_mut().resource_version = actual.resource_version();
                 match api.replace(&name, &PostParams::default(), &update).await {
@@ -745,14 +753,20 @@ impl Copies {
                         Ok(true)
                     }
                     // Immutable content (an immutable object, a Secret's type) changes by
-                    // replacement: deleted here, created again by the next pass.
+                    // replacement: deleted and created again at once, so a pod is never
+                    // created below while its source is missing. A create refused because
+                    // the old copy is still there fails this pass; the retry creates it.
                     Err(e) if code(&e) == Some(422) => {
                         let deleted = delete_exact(&api, &name, actual.uid(), None)
                             .await
-                            .map_err(Error::on("lower", "delete", what))?;
+                            .map_err(Error::on("lower", "delete", what.clone()))?;
                         if deleted == Deleted::Accepted {
                             tracing::info!(kind = %K::KIND, copy = %format!("{ns}/{name}"), "replacing a copy whose content is immutable");
                         }
+                        self.limit.acquire().await;
+                        api.create(&PostParams::default(), &fresh)
+                            .await
+                            .map_err(Error::on("lower", "create", what))?;
                         Ok(true)
                     }
                     Err(e) => Err(Error::on("lower", "update", what)(e)),
