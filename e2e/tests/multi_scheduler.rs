@@ -10,8 +10,10 @@
 //! Pods are created as the webhook leaves them: lower constraints in the stash, the virtual
 //! node toleration and label requirement upstream, and a preference for vn-a (the cheap
 //! cluster). The standalone mode (`--mode=scheduler`, as `tensile-standalone`) runs the same
-//! burst without any kube-scheduler. One scene runs at a time; each cleans up its pods. The
-//! `multi-scheduler` binary must be built (`make test` builds every binary first).
+//! burst without any kube-scheduler. The burst as Deployments, stashed by the webhook, is also
+//! timed through the extender and through the default scheduler with the descheduler. One
+//! scene runs at a time; each cleans up its pods. The `multi-scheduler` and `descheduler`
+//! binaries must be built (`make test` builds every binary first).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -20,14 +22,18 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::{Value, json};
+use tensile_common::exclusion::Location;
 use tensile_common::names;
 use tensile_common::stash::Stash;
+use tensile_e2e::check::{Namespaces, apply, kubectl, webhook_registration};
+use tensile_e2e::descheduler::DeschedulerProcess;
 use tensile_e2e::in_process;
 use tensile_e2e::multi_scheduler::{CONFIG_V1BETA1, ExtenderProcess, StandaloneProcess, scheduler_config};
 use tensile_e2e::process::Service;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::wait::must;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
+use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tensile_webhook::{Certificates, Options, Policy};
 
 const ZONE: &str = "topology.kubernetes.io/zone";
 const GPU: &str = "example.com/gpu";
@@ -619,4 +625,215 @@ async fn with_the_extender_down_its_pods_wait_and_default_scheduler_pods_still_s
     )
     .await;
     clean_up(&api).await;
+}
+
+/// The burst as Deployments, pods as users write them (the webhook stashes their lower
+/// constraints): its pods under `scheduler` (`None`: the default scheduler).
+fn deployments(ns: &str, scheduler: Option<&str>) -> [String; 3] {
+    let deployment = |name: &str, replicas: u32, requests: Value, gpu: bool| {
+        let limits: serde_json::Map<String, Value> = requests
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| k.contains('/'))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let (selector, tolerations) = if gpu {
+            (
+                json!({ZONE: "zone-c"}),
+                json!([{"key": "gpu", "operator": "Equal", "value": "yes", "effect": "NoSchedule"}]),
+            )
+        } else {
+            (json!({}), json!([]))
+        };
+        json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {
+                "replicas": replicas,
+                "selector": {"matchLabels": {"app": name}},
+                "template": {
+                    "metadata": {"labels": {"app": name, names::VIRTUAL_POD_LABEL: names::VIRTUAL_POD_VALUE}},
+                    "spec": {
+                        "schedulerName": scheduler,
+                        "terminationGracePeriodSeconds": 1,
+                        "nodeSelector": selector,
+                        "tolerations": tolerations,
+                        "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                            {"weight": 100, "preference": {"matchExpressions": [
+                                {"key": names::HOSTNAME_LABEL, "operator": "In", "values": [VN_A]}]}}]}},
+                        "containers": [{"name": "app", "image": "nginx",
+                                        "resources": {"requests": requests, "limits": limits}}],
+                    },
+                },
+            },
+        })
+        .to_string()
+    };
+    [
+        deployment("small", 8, json!({"cpu": "500m"}), false),
+        deployment("big", 3, json!({"cpu": "6"}), false),
+        deployment("gpu", 2, json!({"cpu": "1", GPU: "1"}), true),
+    ]
+}
+
+/// Applies the burst as Deployments and waits until its 13 pods run, none left elsewhere;
+/// returns the time to all Running and the pods refused below meanwhile.
+async fn deployments_running(ns: &str, scheduler: Option<&str>) -> (Duration, BTreeSet<String>) {
+    let api: Api<Pod> = Api::namespaced(bed().upper.client().await.unwrap(), ns);
+    let started = Instant::now();
+    for deployment in deployments(ns, scheduler) {
+        apply(bed().upper.kubeconfig(), &deployment).await;
+    }
+    let mut refused = BTreeSet::new();
+    loop {
+        let now = api.list(&ListParams::default()).await.unwrap().items;
+        refused.extend(now.iter().filter(|p| lower_refused(p)).map(name_of));
+        let live: Vec<&Pod> = now
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .collect();
+        if live.len() == 13 && live.iter().all(|p| running(p)) {
+            return (started.elapsed(), refused);
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(180),
+            "not all Running after 180 s: {:?}",
+            live.iter()
+                .map(|p| format!("{} on {:?} running={}", name_of(p), node_of(p), running(p)))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+#[tokio::test]
+async fn the_burst_as_deployments_runs_sooner_through_the_extender_than_through_the_default_scheduler_and_the_descheduler()
+ {
+    let _scene = SCENE.lock().await;
+    let bed = bed();
+    let (via_extender, via_descheduler) = ("deploy-extender", "deploy-descheduler");
+    for ns in [via_extender, via_descheduler] {
+        bed.upper.create_namespace(ns).await.unwrap();
+        kubectl(
+            bed.upper.kubeconfig(),
+            &[
+                "label",
+                "namespace",
+                ns,
+                "tensile-e2e=deploy-burst",
+                "--overwrite",
+            ],
+        )
+        .await;
+    }
+    let port = free_port().unwrap();
+    let config = "tensile-webhook-deploy-burst";
+    apply(
+        bed.upper.kubeconfig(),
+        &webhook_registration(config, port, Namespaces::Labelled("deploy-burst"), None),
+    )
+    .await;
+    let mut options = Options::new(
+        ([127, 0, 0, 1], port).into(),
+        Certificates::SelfSigned {
+            names: vec!["127.0.0.1".into()],
+        },
+    );
+    options.client = Some(bed.upper.client().await.unwrap());
+    options.webhook_config_name = Some(config.to_owned());
+    options.policy = Policy::default();
+    options.exclusions = Some(Location {
+        namespace: via_descheduler.to_owned(),
+        name: "exclusions".to_owned(),
+    });
+    let webhook = BED
+        .handle()
+        .unwrap()
+        .spawn(tensile_webhook::start(options))
+        .await
+        .unwrap()
+        .unwrap();
+    must(
+        "the webhook ready",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || async {
+            if webhook.state.ready.get() {
+                Ok(())
+            } else {
+                Err("not ready".to_owned())
+            }
+        },
+    )
+    .await;
+
+    let (extender_time, refused) = deployments_running(via_extender, Some(SCHEDULER)).await;
+    assert!(
+        refused.is_empty(),
+        "refused below through the extender: {refused:?}"
+    );
+    let extender_api: Api<Pod> = Api::namespaced(bed.upper.client().await.unwrap(), via_extender);
+    kubectl(
+        bed.upper.kubeconfig(),
+        &[
+            "-n",
+            via_extender,
+            "delete",
+            "deployments",
+            "--all",
+            "--wait=false",
+        ],
+    )
+    .await;
+    clean_up(&extender_api).await;
+
+    let descheduler = DeschedulerProcess::start(
+        &bed.upper,
+        &[
+            "--node-selector=type=virtual-kubelet".to_owned(),
+            format!("--exclusions-configmap={via_descheduler}/exclusions"),
+            "--unschedulable-threshold=3".to_owned(),
+            "--descheduling-interval=5s".to_owned(),
+        ],
+        "deploy-burst",
+    )
+    .unwrap();
+    descheduler.wait_ready(Duration::from_secs(30)).await.unwrap();
+    let (descheduler_time, refused) = deployments_running(via_descheduler, None).await;
+    assert!(
+        !refused.is_empty(),
+        "the default scheduler's placement was refused below and moved"
+    );
+    println!(
+        "the burst as Deployments, to all Running: {:.1} s through the extender; {:.1} s through the \
+         default scheduler and the descheduler ({} pods refused below and moved)",
+        extender_time.as_secs_f64(),
+        descheduler_time.as_secs_f64(),
+        refused.len()
+    );
+    assert!(
+        extender_time < descheduler_time,
+        "the filter saves the detour through a refusal"
+    );
+    let api: Api<Pod> = Api::namespaced(bed.upper.client().await.unwrap(), via_descheduler);
+    kubectl(
+        bed.upper.kubeconfig(),
+        &[
+            "-n",
+            via_descheduler,
+            "delete",
+            "deployments",
+            "--all",
+            "--wait=false",
+        ],
+    )
+    .await;
+    clean_up(&api).await;
+    drop(descheduler);
+    kubectl(
+        bed.upper.kubeconfig(),
+        &["delete", "mutatingwebhookconfiguration", config],
+    )
+    .await;
 }
