@@ -101,6 +101,36 @@ impl Flood {
     pub fn still_open(&self) -> usize {
         self.open.load(Ordering::SeqCst)
     }
+
+    /// Panics unless the server let in at least `silent` connections and, half a second
+    /// later, keeps at most `cap` of them open.
+    pub async fn assert_capped(&self, silent: usize, cap: usize) {
+        assert!(self.opened() >= silent, "the flood got in: {}", self.opened());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            self.still_open() <= cap,
+            "at most the cap stays open: {} of {}",
+            self.still_open(),
+            self.opened()
+        );
+    }
+
+    /// Panics unless the server closes every flood connection within `within`.
+    pub async fn assert_all_closed_within(&self, within: Duration) {
+        crate::wait::until(
+            "every flood connection closed by the idle deadline",
+            within,
+            Duration::from_millis(200),
+            || async {
+                match self.still_open() {
+                    0 => Ok(()),
+                    n => Err(format!("{n} still open")),
+                }
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
 }
 
 impl Drop for Flood {

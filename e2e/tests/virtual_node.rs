@@ -546,31 +546,12 @@ async fn the_kubelet_api_caps_and_cuts_idle_and_slow_clients_while_logs_work() {
     .await;
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], vn.kubelet_port));
     let flood = tensile_e2e::flood::Flood::open(addr, 64, 16).await;
-    assert!(flood.opened() >= 64, "the flood got in: {}", flood.opened());
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(
-        flood.still_open() <= 16,
-        "at most the cap stays open: {} of {}",
-        flood.still_open(),
-        flood.opened()
-    );
+    flood.assert_capped(64, 16).await;
     for _ in 0..3 {
         let logs = kubectl(up(), &["-n", "flood", "logs", "talker", "--tail=1"]).await;
         assert!(logs.starts_with("flood/talker app line "), "{logs}");
     }
-    tensile_e2e::wait::until(
-        "every flood connection closed by the idle deadline",
-        Duration::from_secs(10),
-        Duration::from_millis(200),
-        || async {
-            match flood.still_open() {
-                0 => Ok(()),
-                n => Err(format!("{n} still open")),
-            }
-        },
-    )
-    .await
-    .unwrap();
+    flood.assert_all_closed_within(Duration::from_secs(10)).await;
 }
 
 /// A lower namespace the lower admin deletes is created again for the next pod: the virtual

@@ -437,14 +437,7 @@ async fn idle_and_slow_clients_are_capped_and_cut_while_reviews_are_answered() {
     assert!(out.ok, "{}", out.stderr);
 
     let flood = tensile_e2e::flood::Flood::open(running.address, 64, 16).await;
-    assert!(flood.opened() >= 64, "the flood got in: {}", flood.opened());
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(
-        flood.still_open() <= 16,
-        "at most the cap stays open: {} of {}",
-        flood.still_open(),
-        flood.opened()
-    );
+    flood.assert_capped(64, 16).await;
     for i in 0..5 {
         let name = format!("during-{i}");
         let out = c
@@ -461,19 +454,7 @@ async fn idle_and_slow_clients_are_capped_and_cut_while_reviews_are_answered() {
         assert!(out.ok, "review {i} during the flood: {}", out.stderr);
         assert!(stash_of(&get_pod(c, ns, &name).await).tolerations.len() >= 2);
     }
-    until(
-        "every flood connection closed by the idle deadline",
-        Duration::from_secs(10),
-        Duration::from_millis(200),
-        || async {
-            match flood.still_open() {
-                0 => Ok(()),
-                n => Err(format!("{n} still open")),
-            }
-        },
-    )
-    .await
-    .unwrap();
+    flood.assert_all_closed_within(Duration::from_secs(10)).await;
     running.stop().await;
     let _ = c
         .kubectl(&["delete", "mutatingwebhookconfiguration", config])
