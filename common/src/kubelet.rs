@@ -1,64 +1,17 @@
-//! Pieces of the kubelet API shared by every endpoint that serves it: the TLS serving
-//! loop ([`serve_tls`]), plain-text and streamed responses, and the query options of
+//! Pieces of the kubelet API shared by every endpoint that serves it (served by
+//! [`crate::serve`]): plain-text and streamed responses, and the query options of
 //! `containerLogs`, parsed exactly as the kubelet parses them.
 
 use std::convert::Infallible;
-use std::future::Future;
-use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
-use hyper::body::{Frame, Incoming};
-use hyper::{Request, Response, StatusCode};
+use hyper::body::Frame;
+use hyper::{Response, StatusCode};
 use jiff::{SignedDuration, Timestamp};
-use tokio::net::TcpListener;
 
 /// Response body of every kubelet API handler.
 pub type Body = BoxBody<Bytes, Infallible>;
-
-/// Serves HTTP/1.1 over TLS until the future is dropped. `handler` gets each request and
-/// whether the caller presented a client certificate the TLS configuration verified.
-pub async fn serve_tls<H, Fut>(listener: TcpListener, config: Arc<rustls::ServerConfig>, handler: H)
-where
-    H: Fn(Request<Incoming>, bool) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = Response<Body>> + Send + 'static,
-{
-    let acceptor = tokio_rustls::TlsAcceptor::from(config);
-    loop {
-        let (tcp, peer) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!("kubelet API accept: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let acceptor = acceptor.clone();
-        let handler = handler.clone();
-        tokio::spawn(async move {
-            let tls = match acceptor.accept(tcp).await {
-                Ok(t) => t,
-                Err(e) => {
-                    tracing::debug!(%peer, "kubelet API handshake refused: {e}");
-                    return;
-                }
-            };
-            let authenticated = tls.get_ref().1.peer_certificates().is_some_and(|c| !c.is_empty());
-            let service = hyper::service::service_fn(move |req| {
-                let response = handler(req, authenticated);
-                async move { Ok::<_, Infallible>(response.await) }
-            });
-            let io = hyper_util::rt::TokioIo::new(tls);
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(io, service)
-                .await
-            {
-                tracing::debug!(%peer, "kubelet API connection: {e}");
-            }
-        });
-    }
-}
 
 /// A plain-text response.
 pub fn text(status: StatusCode, body: impl Into<String>) -> Response<Body> {

@@ -30,7 +30,10 @@ pub(super) async fn bind(client_ca_pem: Option<&str>) -> Result<(TcpListener, Ar
 
 pub(super) async fn serve(listener: TcpListener, config: Arc<rustls::ServerConfig>, inner: Arc<Inner>) {
     // The TLS configuration already refused callers without the apiserver's certificate.
-    tensile_common::kubelet::serve_tls(listener, config, move |req, _authenticated| {
+    let (limits, counters) = (Default::default(), Default::default());
+    // Never cancelled: the simulator's task is dropped with it.
+    let stop = tokio_util::sync::CancellationToken::new();
+    tensile_common::serve::serve(listener, config, limits, counters, stop, move |req, _peer| {
         let inner = inner.clone();
         async move { route(&inner, req) }
     })
