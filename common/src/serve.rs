@@ -370,6 +370,17 @@ async fn connection<H, Fut, B>(
     }
 }
 
+/// A plain-text response (one line of what went wrong, or `ok`).
+pub fn text(status: hyper::StatusCode, body: impl Into<String>) -> Response<http_body_util::Full<Bytes>> {
+    let mut response = Response::new(http_body_util::Full::new(Bytes::from(body.into())));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
 /// Why a request body was not read.
 #[derive(Debug, thiserror::Error)]
 pub enum BodyError {

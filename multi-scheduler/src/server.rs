@@ -13,7 +13,7 @@ use http_body_util::Full;
 use k8s_openapi::api::core::v1::Node;
 use kube::runtime::reflector::{ObjectRef, Store};
 use tensile_common::exclusion::Exclusions;
-use tensile_common::serve::{self, BodyError};
+use tensile_common::serve::{self, BodyError, text};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -46,16 +46,6 @@ impl View for NodeStore {
 }
 
 type Body = Full<Bytes>;
-
-fn text(status: StatusCode, body: impl Into<String>) -> Response<Body> {
-    let mut response = Response::new(Full::new(Bytes::from(body.into())));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    response
-}
 
 fn json(bytes: Vec<u8>) -> Response<Body> {
     let mut r = Response::new(Full::new(Bytes::from(bytes)));

@@ -15,7 +15,8 @@ use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::Api;
 use kube::core::DynamicObject;
 use kube::core::admission::AdmissionRequest;
-use tensile_common::{names, serve};
+use tensile_common::names;
+use tensile_common::serve::{self, text};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
@@ -46,16 +47,6 @@ type Body = Full<Bytes>;
 /// How long a review's body may take to arrive; the apiserver's own webhook timeout is at
 /// most 30 s and its bodies arrive at once.
 const BODY_DEADLINE: Duration = Duration::from_secs(10);
-
-fn text(status: StatusCode, body: impl Into<String>) -> Response<Body> {
-    let mut response = Response::new(Full::new(Bytes::from(body.into())));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    response
-}
 
 fn health(state: &State, path: &str) -> Option<Response<Body>> {
     match path {
