@@ -826,37 +826,45 @@ fn is_events(resource: &kube::discovery::ApiResource) -> bool {
     resource.plural == "events" && matches!(resource.group.as_str(), "" | "events.k8s.io")
 }
 
-/// Whether lower namespace `ns` holds nothing of anyone's: every namespaced kind the lower
-/// cluster serves (discovery, so Roles, NetworkPolicies, LimitRanges and custom resources
-/// count) is listed, and only what the cluster itself leaves ([`left_by_the_cluster`],
-/// service-account token Secrets) is ignored.
-async fn namespace_is_empty(ctx: &Context, ns: &str) -> Result<bool, kube::Error> {
+/// The kinds an emptiness check lists: every namespaced kind the lower cluster serves that
+/// can be listed (discovery, so Roles, NetworkPolicies, LimitRanges and custom resources
+/// count), events aside. Read once per collection pass.
+async fn namespaced_kinds(ctx: &Context) -> Result<Vec<kube::discovery::ApiResource>, kube::Error> {
     use kube::discovery::{Scope, verbs};
     let discovery = kube::Discovery::new(ctx.lower.clone()).run().await?;
-    for group in discovery.groups() {
-        for (resource, caps) in group.recommended_resources() {
-            if caps.scope != Scope::Namespaced
-                || !caps.supports_operation(verbs::LIST)
-                || is_events(&resource)
-            {
-                continue;
-            }
-            let fields = if resource.group.is_empty() && resource.plural == "secrets" {
-                "type!=kubernetes.io/service-account-token"
-            } else {
-                ""
-            };
-            let params = kube::api::ListParams::default().fields(fields).limit(10);
-            let api: Api<kube::core::DynamicObject> = Api::namespaced_with(ctx.lower.clone(), ns, &resource);
-            let list = api.list_metadata(&params).await?;
-            let held = list
-                .items
-                .iter()
-                .any(|o| !left_by_the_cluster(&resource, o.metadata.name.as_deref().unwrap_or_default()));
-            if held || list.metadata.continue_.as_deref().is_some_and(|c| !c.is_empty()) {
-                tracing::debug!(namespace = %ns, kind = %resource.kind, "namespace collection: not empty");
-                return Ok(false);
-            }
+    Ok(discovery
+        .groups()
+        .flat_map(|g| g.recommended_resources())
+        .filter(|(r, caps)| {
+            caps.scope == Scope::Namespaced && caps.supports_operation(verbs::LIST) && !is_events(r)
+        })
+        .map(|(r, _)| r)
+        .collect())
+}
+
+/// Whether lower namespace `ns` holds nothing of anyone's among `kinds`: only what the
+/// cluster itself leaves ([`left_by_the_cluster`], service-account token Secrets) is ignored.
+async fn namespace_is_empty(
+    ctx: &Context,
+    ns: &str,
+    kinds: &[kube::discovery::ApiResource],
+) -> Result<bool, kube::Error> {
+    for resource in kinds {
+        let fields = if resource.group.is_empty() && resource.plural == "secrets" {
+            "type!=kubernetes.io/service-account-token"
+        } else {
+            ""
+        };
+        let params = kube::api::ListParams::default().fields(fields).limit(10);
+        let api: Api<kube::core::DynamicObject> = Api::namespaced_with(ctx.lower.clone(), ns, resource);
+        let list = api.list_metadata(&params).await?;
+        let held = list
+            .items
+            .iter()
+            .any(|o| !left_by_the_cluster(resource, o.metadata.name.as_deref().unwrap_or_default()));
+        if held || list.metadata.continue_.as_deref().is_some_and(|c| !c.is_empty()) {
+            tracing::debug!(namespace = %ns, kind = %resource.kind, "namespace collection: not empty");
+            return Ok(false);
         }
     }
     Ok(true)
@@ -877,20 +885,33 @@ pub async fn collect_namespaces(ctx: &Context, empty_before: &mut std::collectio
             return;
         }
     };
+    let hosts_upper_pods = |name: &str| {
+        ctx.upper_pods
+            .state()
+            .iter()
+            .any(|p| p.namespace().as_deref() == Some(name))
+    };
     let mut empty_now = std::collections::HashSet::new();
+    let mut kinds = None;
     for ns in ours {
         let name = ns.metadata.name.clone().unwrap_or_default();
         if ns.metadata.deletion_timestamp.is_some()
             || !ctx.translation.identity.owns(&ns.metadata)
-            || ctx
-                .upper_pods
-                .state()
-                .iter()
-                .any(|p| p.namespace().as_deref() == Some(name.as_str()))
+            || hosts_upper_pods(&name)
         {
             continue;
         }
-        match namespace_is_empty(ctx, &name).await {
+        if kinds.is_none() {
+            match namespaced_kinds(ctx).await {
+                Ok(found) => kinds = Some(found),
+                Err(e) => {
+                    tracing::warn!("namespace collection: discovering the lower cluster's kinds: {e}");
+                    return;
+                }
+            }
+        }
+        let kinds = kinds.as_deref().unwrap_or_default();
+        match namespace_is_empty(ctx, &name, kinds).await {
             Ok(true) => {}
             Ok(false) => continue,
             Err(e) => {
@@ -904,13 +925,7 @@ pub async fn collect_namespaces(ctx: &Context, empty_before: &mut std::collectio
         }
         // There is no delete-if-empty: look once more right before deleting, so what was
         // put there since the last pass (by anyone) keeps the namespace.
-        if !matches!(namespace_is_empty(ctx, &name).await, Ok(true))
-            || ctx
-                .upper_pods
-                .state()
-                .iter()
-                .any(|p| p.namespace().as_deref() == Some(name.as_str()))
-        {
+        if !matches!(namespace_is_empty(ctx, &name, kinds).await, Ok(true)) || hosts_upper_pods(&name) {
             continue;
         }
         if let Ok(mut known) = ctx.known_namespaces.lock() {
