@@ -136,6 +136,61 @@ async fn gone_below(ns: &str, kind: &str, name: &str, secs: u64) {
     }
 }
 
+/// A pod spec tail mounting claim `data` at `/data`.
+const USES_DATA: &str = r#"  volumes: [{name: data, persistentVolumeClaim: {claimName: data}}]
+  containers: [{name: app, image: db, volumeMounts: [{name: data, mountPath: /data}]}]"#;
+
+/// Storage for a 500Mi claim `data` in namespace `ns`. Below: class `class`, binding at once,
+/// with one `capacity` volume `disk`. Upstream: class `class` for the virtual nodes'
+/// provisioner, and the claim. Both classes allow expansion when `expandable`. Returns the
+/// upper manifest (class and claim), which a test may apply again.
+async fn data_claim(ns: &str, class: &str, disk: &str, capacity: &str, expandable: bool) -> String {
+    let expansion = if expandable {
+        ", allowVolumeExpansion: true"
+    } else {
+        ""
+    };
+    apply(
+        low(),
+        &format!(
+            r#"
+apiVersion: v1
+kind: List
+items:
+- {{apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {{name: {class}}},
+   provisioner: kubernetes.io/no-provisioner, volumeBindingMode: Immediate{expansion}}}
+- apiVersion: v1
+  kind: PersistentVolume
+  metadata: {{name: {disk}}}
+  spec:
+    capacity: {{storage: {capacity}}}
+    accessModes: [ReadWriteOnce]
+    storageClassName: {class}
+    hostPath: {{path: /tmp/{disk}}}
+"#
+        ),
+    )
+    .await;
+    let upper = format!(
+        r#"
+apiVersion: v1
+kind: List
+items:
+- {{apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {{name: {class}}},
+   provisioner: virtual-node.tensile.io, volumeBindingMode: WaitForFirstConsumer{expansion}}}
+- apiVersion: v1
+  kind: PersistentVolumeClaim
+  metadata: {{name: data, namespace: {ns}}}
+  spec:
+    accessModes: [ReadWriteOnce]
+    storageClassName: {class}
+    resources: {{requests: {{storage: 500Mi}}}}
+"#
+    );
+    apply(up(), &upper).await;
+    upper
+}
+
 /// A pod spec tail mounting ConfigMap `name`.
 fn mounts_config_map(name: &str) -> String {
     format!(
@@ -1055,43 +1110,8 @@ async fn a_retained_volume_keeps_its_lower_claim_and_a_new_claim_of_the_name_nev
     let _vn = virtual_node("vn-retain").await;
     bed.upper.create_namespace("retain").await.unwrap();
     bed.lower.create_namespace("retain").await.unwrap();
-    apply(
-        low(),
-        r#"
-apiVersion: v1
-kind: List
-items:
-- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: keep},
-   provisioner: kubernetes.io/no-provisioner, volumeBindingMode: Immediate}
-- apiVersion: v1
-  kind: PersistentVolume
-  metadata: {name: retain-disk}
-  spec:
-    capacity: {storage: 1Gi}
-    accessModes: [ReadWriteOnce]
-    storageClassName: keep
-    hostPath: {path: /tmp/retain-disk}
-"#,
-    )
-    .await;
-    let claim = r#"
-apiVersion: v1
-kind: List
-items:
-- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: keep},
-   provisioner: virtual-node.tensile.io, volumeBindingMode: WaitForFirstConsumer}
-- apiVersion: v1
-  kind: PersistentVolumeClaim
-  metadata: {name: data, namespace: retain}
-  spec:
-    accessModes: [ReadWriteOnce]
-    storageClassName: keep
-    resources: {requests: {storage: 500Mi}}
-"#;
-    apply(up(), claim).await;
-    let uses_data = r#"  volumes: [{name: data, persistentVolumeClaim: {claimName: data}}]
-  containers: [{name: app, image: db, volumeMounts: [{name: data, mountPath: /data}]}]"#;
-    apply(up(), &pod("retain", "first", "vn-retain", uses_data)).await;
+    let claim = data_claim("retain", "keep", "retain-disk", "1Gi", false).await;
+    apply(up(), &pod("retain", "first", "vn-retain", USES_DATA)).await;
     running_below("retain", "first").await;
     let claim_of = |what: &'static str| async move {
         kubectl(up(), &["-n", "retain", "get", "pvc", "data", "-o", what]).await
@@ -1177,8 +1197,8 @@ items:
         "the upper volume stays, as Kubernetes retains it"
     );
 
-    apply(up(), claim).await;
-    apply(up(), &pod("retain", "second", "vn-retain", uses_data)).await;
+    apply(up(), &claim).await;
+    apply(up(), &pod("retain", "second", "vn-retain", USES_DATA)).await;
     // The new claim gets no volume from the old lower claim, so the upper scheduler keeps
     // waiting for its volume: the pod stays unbound and nothing starts below.
     tokio::time::sleep(Duration::from_secs(6)).await;
@@ -1222,46 +1242,8 @@ async fn an_upper_claim_expansion_reaches_the_lower_claim() {
     let _vn = virtual_node("vn-grow").await;
     bed.upper.create_namespace("grow").await.unwrap();
     bed.lower.create_namespace("grow").await.unwrap();
-    apply(
-        low(),
-        r#"
-apiVersion: v1
-kind: List
-items:
-- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: grow},
-   provisioner: kubernetes.io/no-provisioner, volumeBindingMode: Immediate, allowVolumeExpansion: true}
-- apiVersion: v1
-  kind: PersistentVolume
-  metadata: {name: grow-disk}
-  spec:
-    capacity: {storage: 5Gi}
-    accessModes: [ReadWriteOnce]
-    storageClassName: grow
-    hostPath: {path: /tmp/grow-disk}
-"#,
-    )
-    .await;
-    apply(
-        up(),
-        r#"
-apiVersion: v1
-kind: List
-items:
-- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: grow},
-   provisioner: virtual-node.tensile.io, volumeBindingMode: WaitForFirstConsumer, allowVolumeExpansion: true}
-- apiVersion: v1
-  kind: PersistentVolumeClaim
-  metadata: {name: data, namespace: grow}
-  spec:
-    accessModes: [ReadWriteOnce]
-    storageClassName: grow
-    resources: {requests: {storage: 500Mi}}
-"#,
-    )
-    .await;
-    let uses_data = r#"  volumes: [{name: data, persistentVolumeClaim: {claimName: data}}]
-  containers: [{name: app, image: db, volumeMounts: [{name: data, mountPath: /data}]}]"#;
-    apply(up(), &pod("grow", "db", "vn-grow", uses_data)).await;
+    data_claim("grow", "grow", "grow-disk", "5Gi", true).await;
+    apply(up(), &pod("grow", "db", "vn-grow", USES_DATA)).await;
     running_below("grow", "db").await;
     eventually(
         up(),
@@ -1317,46 +1299,8 @@ async fn a_claim_is_made_below_its_volume_shows_upstream_and_keeps_later_pods_on
     let _other = virtual_node("vn-pv-2").await;
     bed.upper.create_namespace("pv").await.unwrap();
     bed.lower.create_namespace("pv").await.unwrap();
-    apply(
-        low(),
-        r#"
-apiVersion: v1
-kind: List
-items:
-- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: standard},
-   provisioner: kubernetes.io/no-provisioner, volumeBindingMode: Immediate}
-- apiVersion: v1
-  kind: PersistentVolume
-  metadata: {name: lower-disk}
-  spec:
-    capacity: {storage: 1Gi}
-    accessModes: [ReadWriteOnce]
-    storageClassName: standard
-    hostPath: {path: /tmp/lower-disk}
-"#,
-    )
-    .await;
-    apply(
-        up(),
-        r#"
-apiVersion: v1
-kind: List
-items:
-- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: standard},
-   provisioner: virtual-node.tensile.io, volumeBindingMode: WaitForFirstConsumer}
-- apiVersion: v1
-  kind: PersistentVolumeClaim
-  metadata: {name: data, namespace: pv}
-  spec:
-    accessModes: [ReadWriteOnce]
-    storageClassName: standard
-    resources: {requests: {storage: 500Mi}}
-"#,
-    )
-    .await;
-    let uses_data = r#"  volumes: [{name: data, persistentVolumeClaim: {claimName: data}}]
-  containers: [{name: app, image: db, volumeMounts: [{name: data, mountPath: /data}]}]"#;
-    apply(up(), &pod("pv", "writer", "vn-pv", uses_data)).await;
+    data_claim("pv", "standard", "lower-disk", "1Gi", false).await;
+    apply(up(), &pod("pv", "writer", "vn-pv", USES_DATA)).await;
     running_below("pv", "writer").await;
 
     let lower_claim = kubectl(
@@ -1433,7 +1377,7 @@ spec:
   nodeSelector: {{type: virtual-kubelet}}
   tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
   terminationGracePeriodSeconds: 1
-{uses_data}
+{USES_DATA}
 "#
         ),
     )

@@ -88,6 +88,15 @@ async fn wait_ready(node: &str) {
     .await;
 }
 
+/// The jsonpath of condition `kind`'s `fields`, joined by `/`.
+fn condition(kind: &str, fields: &[&str]) -> String {
+    let parts: Vec<String> = fields
+        .iter()
+        .map(|f| format!(r#"{{.status.conditions[?(@.type=="{kind}")].{f}}}"#))
+        .collect();
+    format!("jsonpath={}", parts.join("/"))
+}
+
 const READY: &str = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#;
 
 fn pod(ns: &str, name: &str, node: &str, restart: &str, annotations: &str, cpu: &str) -> String {
@@ -817,7 +826,7 @@ async fn a_lower_namespace_of_someone_else_is_refused_unless_shared() {
     namespace("theirs").await;
     bed.lower_a.create_namespace("theirs").await.unwrap();
     apply(up(), &pod("theirs", "p", "vn-theirs", "Always", "", "10m")).await;
-    let synced = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].status}/{.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#;
+    let synced = &condition("tensile.io/LowerPodSynced", &["status", "reason"]);
     eventually(
         up(),
         "LowerPodSynced=False/Conflict",
@@ -835,7 +844,7 @@ async fn a_lower_namespace_of_someone_else_is_refused_unless_shared() {
             "pod",
             "p",
             "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
+            &condition("tensile.io/LowerPodSynced", &["message"]),
         ],
     )
     .await;
@@ -888,7 +897,7 @@ async fn a_pod_the_lower_cluster_cannot_place_shows_unschedulable_upstream() {
     namespace("sched").await;
     // 6 CPUs fit the virtual node's aggregate (12) but no single 4-CPU lower node.
     apply(up(), &pod("sched", "wide", "vn-sched", "Always", "", "6")).await;
-    let cond = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodScheduled")].status}/{.status.conditions[?(@.type=="tensile.io/LowerPodScheduled")].reason}"#;
+    let cond = &condition("tensile.io/LowerPodScheduled", &["status", "reason"]);
     eventually(
         up(),
         "LowerPodScheduled=False/Unschedulable",
@@ -906,7 +915,7 @@ async fn a_pod_the_lower_cluster_cannot_place_shows_unschedulable_upstream() {
             "pod",
             "wide",
             "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodScheduled")].message}"#,
+            &condition("tensile.io/LowerPodScheduled", &["message"]),
         ],
     )
     .await;
@@ -1526,7 +1535,7 @@ spec:
     )
     .await;
     assert!(tolerations.contains("dedicated"), "{tolerations}");
-    let synced = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].status}/{.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#;
+    let synced = &condition("tensile.io/LowerPodSynced", &["status", "reason"]);
     eventually(
         up(),
         "the hand-written stash refused",
