@@ -19,6 +19,7 @@
 //! pod already stashed, passes unchanged.
 
 pub mod ca_bundle;
+pub mod ca_secret;
 pub mod metrics;
 pub mod mutate;
 pub mod policy;
@@ -58,6 +59,8 @@ pub enum Error {
     Client(String),
     #[error("invalid flags: {0}")]
     Flags(String),
+    #[error(transparent)]
+    CaSecret(#[from] ca_secret::Error),
     #[error("waiting for a shutdown signal: {0}")]
     Signal(#[source] std::io::Error),
 }
@@ -97,6 +100,11 @@ pub struct Args {
         default_value = "localhost,127.0.0.1"
     )]
     pub self_signed_names: Vec<String>,
+    /// Secret (`namespace/name`) holding the CA that signs the generated certificate, shared
+    /// by every replica (created with a new CA when missing), so the `caBundle` verifies all
+    /// of them. Without it each replica makes its own CA: run one replica only.
+    #[arg(long, env = "WEBHOOK_CA_SECRET")]
+    pub ca_secret: Option<ca_secret::SecretRef>,
     /// MutatingWebhookConfiguration whose webhooks get the generated CA as `caBundle`.
     #[arg(long, env = "WEBHOOK_CONFIG_NAME")]
     pub webhook_config_name: Option<String>,
@@ -216,6 +224,12 @@ pub enum Certificates {
     },
     /// Generated at start for these names; its CA goes into the registration's caBundle.
     SelfSigned { names: Vec<String> },
+    /// Generated at start for these names, signed by the CA kept in Secret `secret` (made
+    /// when missing): every replica given the same Secret serves under one CA.
+    SharedCa {
+        names: Vec<String>,
+        secret: ca_secret::SecretRef,
+    },
 }
 
 /// Everything a running webhook needs (the library form of [`Args`]).
@@ -310,6 +324,15 @@ pub async fn start(options: Options) -> Result<Running> {
         Certificates::SelfSigned { names } => {
             let generated = tls::self_signed(names)?;
             (tls::CertResolver::new(generated.key), Some(generated.ca_pem))
+        }
+        Certificates::SharedCa { names, secret } => {
+            let client = options.client.clone().ok_or_else(|| {
+                Error::Client(format!(
+                    "reading the shared CA in Secret {secret} needs a Kubernetes client"
+                ))
+            })?;
+            let ca = ca_secret::load_or_create(client, &secret.namespace, &secret.name).await?;
+            (tls::CertResolver::new(ca.issue(names)?), Some(ca.cert_pem))
         }
     };
     let tls_config = tls::server_config(resolver)?;
@@ -439,9 +462,12 @@ async fn client(args: &Args) -> Result<Option<kube::Client>> {
     match kubeconfig::client(args.kubeconfig.as_deref(), &options).await {
         Ok(client) => Ok(Some(client)),
         Err(ConfigError::NoInCluster { source }) => {
-            if args.tls_cert_file.is_none() && args.webhook_config_name.is_some() {
+            if args.tls_cert_file.is_none()
+                && (args.webhook_config_name.is_some() || args.ca_secret.is_some())
+            {
                 return Err(Error::Client(format!(
-                    "no --kubeconfig and not in a cluster ({source}); one is needed to write the caBundle"
+                    "no --kubeconfig and not in a cluster ({source}); one is needed to write the caBundle \
+                     and to read the --ca-secret"
                 )));
             }
             tracing::warn!(error = %source, "no --kubeconfig and not in a cluster: pods are not pinned to their PVC's node");
@@ -460,8 +486,14 @@ pub async fn run(args: Args) -> Result<()> {
             key: key.clone(),
             reload_every: Duration::from_secs(args.tls_reload_seconds.max(1)),
         },
-        _ => Certificates::SelfSigned {
-            names: args.self_signed_names.clone(),
+        _ => match &args.ca_secret {
+            Some(secret) => Certificates::SharedCa {
+                names: args.self_signed_names.clone(),
+                secret: secret.clone(),
+            },
+            None => Certificates::SelfSigned {
+                names: args.self_signed_names.clone(),
+            },
         },
     };
     let options = Options {
