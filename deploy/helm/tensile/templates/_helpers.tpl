@@ -1,0 +1,153 @@
+{{/* Chart name, truncated to the 63 characters of a label value. */}}
+{{- define "tensile.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Release-qualified name; components append "-<component>". */}}
+{{- define "tensile.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels of every object. Call with (dict "root" $ "component" "webhook"). */}}
+{{- define "tensile.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+{{ include "tensile.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: tensile
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Labels a component's Deployment selects its pods by. */}}
+{{- define "tensile.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tensile.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* The image, tag defaulting to the appVersion. */}}
+{{- define "tensile.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* The exclusions ConfigMap the descheduler writes and the webhook and multi-scheduler read. */}}
+{{- define "tensile.exclusions" -}}
+{{ .Release.Namespace }}/{{ include "tensile.fullname" . }}-exclusions
+{{- end -}}
+
+{{/* Flags every daemon takes the same way. */}}
+{{- define "tensile.commonArgs" -}}
+- --admin-addr=0.0.0.0:{{ .Values.adminPort }}
+- --log-format={{ .Values.logFormat }}
+- --log-level={{ .Values.logLevel }}
+{{- end -}}
+
+{{/* Leader-election flags when replicas > 1. Call with (dict "root" $ "replicas" n). */}}
+{{- define "tensile.leaderArgs" -}}
+{{- if gt (int .replicas) 1 -}}
+- --leader-elect
+- --leader-elect-resource-namespace={{ .root.Release.Namespace }}
+{{- end -}}
+{{- end -}}
+
+{{/* Probes on the admin port. */}}
+{{- define "tensile.probes" -}}
+livenessProbe:
+  httpGet: {path: /healthz, port: admin}
+  periodSeconds: 10
+  failureThreshold: 3
+readinessProbe:
+  httpGet: {path: /readyz, port: admin}
+  periodSeconds: 5
+  failureThreshold: 2
+{{- end -}}
+
+{{/* Pod-level settings shared by every component. Call with (dict "root" $ "c" .Values.webhook). */}}
+{{- define "tensile.podSpec" -}}
+securityContext:
+  runAsNonRoot: true
+  seccompProfile: {type: RuntimeDefault}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets: {{ toYaml . | nindent 2 }}
+{{- end }}
+{{- with .c.nodeSelector }}
+nodeSelector: {{ toYaml . | nindent 2 }}
+{{- end }}
+{{- with .c.tolerations }}
+tolerations: {{ toYaml . | nindent 2 }}
+{{- end }}
+{{- with .c.affinity }}
+affinity: {{ toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* A PodDisruptionBudget keeping one replica up, when there are several. The policy/v1beta1
+     API serves 1.20; policy/v1 from 1.21 (v1beta1 is gone in 1.25). */}}
+{{- define "tensile.pdb" -}}
+{{- if gt (int .replicas) 1 }}
+---
+apiVersion: {{ if .root.Capabilities.APIVersions.Has "policy/v1/PodDisruptionBudget" }}policy/v1{{ else }}policy/v1beta1{{ end }}
+kind: PodDisruptionBudget
+metadata:
+  name: {{ .name }}
+  namespace: {{ .root.Release.Namespace }}
+  labels: {{- include "tensile.labels" (dict "root" .root "component" .component) | nindent 4 }}
+spec:
+  minAvailable: 1
+  selector:
+    matchLabels: {{- include "tensile.selectorLabels" (dict "root" .root "component" .component) | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{/* A ServiceMonitor of the admin port. */}}
+{{- define "tensile.serviceMonitor" -}}
+{{- if .root.Values.serviceMonitor.enabled }}
+---
+apiVersion: monitoring.coreos.com/v1
+kind: ServiceMonitor
+metadata:
+  name: {{ .name }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "tensile.labels" (dict "root" .root "component" .component) | nindent 4 }}
+    {{- with .root.Values.serviceMonitor.labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  selector:
+    matchLabels: {{- include "tensile.selectorLabels" (dict "root" .root "component" .component) | nindent 6 }}
+  endpoints:
+  - port: admin
+    path: /metrics
+    interval: {{ .root.Values.serviceMonitor.interval }}
+{{- end }}
+{{- end -}}
+
+{{/* A Service of the admin port (metrics), and of `port` when given. */}}
+{{- define "tensile.adminService" -}}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ .name }}
+  namespace: {{ .root.Release.Namespace }}
+  labels: {{- include "tensile.labels" (dict "root" .root "component" .component) | nindent 4 }}
+spec:
+  selector: {{- include "tensile.selectorLabels" (dict "root" .root "component" .component) | nindent 4 }}
+  ports:
+  - {name: admin, port: {{ .root.Values.adminPort }}, targetPort: admin}
+  {{- if .port }}
+  - {name: https, port: 443, targetPort: https}
+  {{- end }}
+{{- end -}}
