@@ -65,6 +65,11 @@ pub const CONDITION_LOWER_SYNCED: &str = "tensile.io/LowerPodSynced";
 /// Lower pod annotations listing the label and annotation keys copied from the upper pod,
 /// so an update removes only keys that came from upstream, never ones the lower cluster
 /// added (its admission webhooks, for example).
+/// On a ConfigMap or Secret copy: the upper object's resourceVersion it was made from, and a
+/// digest of what was written (content, labels, annotations), so the copy is judged current
+/// without holding the upper content, and an edit below is still seen.
+pub const COPY_UPPER_VERSION: &str = "tensile.io/upper-version";
+pub const COPY_DIGEST: &str = "tensile.io/copy-digest";
 pub const COPIED_LABELS: &str = "tensile.io/copied-labels";
 pub const COPIED_ANNOTATIONS: &str = "tensile.io/copied-annotations";
 /// Annotation on a Service copied into a lower cluster: the upper Service's selector (JSON).
@@ -85,6 +90,11 @@ pub const FIELD_MANAGER: &str = "tensile-virtual-node";
 
 /// The node label every node carries with its own name; exclusions are `NotIn` on it.
 pub const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
+/// The scheduler the apiserver names when a pod names none.
+pub const DEFAULT_SCHEDULER: &str = "default-scheduler";
+/// The multi-scheduler's name: of its own scheduler, or of the second kube-scheduler that
+/// runs with its extender.
+pub const MULTI_SCHEDULER: &str = "tensile-scheduler";
 /// Pod annotation (kubernetes-sigs/descheduler's name) that lets the descheduler move a pod
 /// it would otherwise leave alone: a bare pod.
 pub const DESCHEDULER_EVICT: &str = "descheduler.alpha.kubernetes.io/evict";

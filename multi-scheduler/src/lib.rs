@@ -78,7 +78,7 @@ pub struct Args {
     #[arg(
         long = "scheduler-name",
         env = "TENSILE_SCHEDULER_NAME",
-        default_value = "tensile-scheduler"
+        default_value = tensile_common::names::MULTI_SCHEDULER
     )]
     pub scheduler_name: String,
     /// Address to serve the extender's HTTPS on.

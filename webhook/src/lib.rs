@@ -165,6 +165,11 @@ pub struct Args {
     #[arg(long, env = "WEBHOOK_EXCLUSIONS_CONFIGMAP",
           default_value = tensile_common::exclusion::DEFAULT_LOCATION)]
     pub exclusions_configmap: tensile_common::exclusion::Location,
+    /// The `schedulerName` given to opted-in pods at CREATE (for example `tensile-scheduler`,
+    /// the multi-scheduler's); pods that name a scheduler other than `default-scheduler` keep
+    /// theirs. Unset: schedulerName is left alone.
+    #[arg(long, env = "WEBHOOK_SCHEDULER_NAME", value_parser = scheduler_name)]
+    pub scheduler_name: Option<String>,
     #[command(flatten)]
     pub client: tensile_common::kubeconfig::ClientArgs,
     #[command(flatten)]
@@ -209,7 +214,28 @@ impl Args {
                 )),
                 None => None,
             },
+            scheduler_name: self.scheduler_name.clone(),
         })
+    }
+}
+
+/// A scheduler name is a DNS-1123 subdomain, as the apiserver validates `spec.schedulerName`;
+/// checked at start so a typo fails the daemon, not every pod it admits.
+fn scheduler_name(s: &str) -> std::result::Result<String, String> {
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    if s.len() <= 253 && s.split('.').all(label_ok) {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "{s:?} is not a valid scheduler name (lowercase letters, digits, '-' and '.', at most 253 characters)"
+        ))
     }
 }
 

@@ -141,6 +141,7 @@ struct SpecMembers {
     affinity: Option<AffinityMembers>,
     tolerations: Option<Vec<Toleration>>,
     volumes: Option<Vec<VolumeMembers>>,
+    scheduler_name: Option<String>,
 }
 
 /// Only node affinity is read; pod (anti-)affinity stays on the upper pod untouched.
@@ -221,23 +222,45 @@ impl Stashing<'_> {
         let review = self.review;
         let namespace = review.request.namespace.as_deref().unwrap_or_default();
         match plan(self.object, self.pod, namespace, policy, claims, excluded) {
-            // `with_patch` is the only way to set the patch type; the patch itself is
-            // written by `plan`, straight from the typed values.
-            Ok((patch, warnings)) => match allow(review).with_patch(Patch::default()) {
-                Ok(mut response) => {
-                    response.patch = Some(patch);
-                    if !warnings.is_empty() {
-                        response.warnings = Some(warnings);
-                    }
-                    Outcome {
-                        response,
-                        verdict: Verdict::Mutated,
-                    }
-                }
-                Err(e) => deny(review, format!("cannot encode the patch: {e}")),
-            },
+            Ok((patch, warnings)) => patched(review, patch, warnings),
             Err(message) => deny(review, message),
         }
+    }
+}
+
+fn encode(ops: &[Op<'_>]) -> Result<Vec<u8>, String> {
+    let mut patch = Vec::with_capacity(2048);
+    serde_json::to_writer(&mut patch, ops).map_err(|e| format!("cannot encode the patch: {e}"))?;
+    Ok(patch)
+}
+
+/// The review allowed with `patch` (JSON patch text).
+fn patched(review: &Review, patch: Vec<u8>, warnings: Vec<String>) -> Outcome {
+    // `with_patch` is the only way to set the patch type; the patch itself is written
+    // straight from the typed values.
+    match allow(review).with_patch(Patch::default()) {
+        Ok(mut response) => {
+            response.patch = Some(patch);
+            if !warnings.is_empty() {
+                response.warnings = Some(warnings);
+            }
+            Outcome {
+                response,
+                verdict: Verdict::Mutated,
+            }
+        }
+        Err(e) => deny(review, format!("cannot encode the patch: {e}")),
+    }
+}
+
+/// The scheduler the policy hands opted-in pods, for a pod left to the default scheduler
+/// (the apiserver defaults an absent name before admission, so both forms are met).
+fn scheduler_op<'a>(spec: Option<&SpecMembers>, policy: &'a Policy) -> Option<Op<'a>> {
+    let name = policy.scheduler_name.as_deref()?;
+    let current = spec.and_then(|s| s.scheduler_name.as_deref());
+    match current {
+        None | Some(names::DEFAULT_SCHEDULER) => Some(add(&["spec", "schedulerName"], New::Name(name))),
+        Some(_) => None,
     }
 }
 
@@ -284,7 +307,15 @@ pub fn judge<'a>(review: &'a Review, policy: &Policy) -> Judgement<'a> {
                 return unchanged(allow(review));
             }
             if let Some(text) = pod.annotation(names::CLUSTER_SELECTOR) {
-                return Judgement::Decided(stashed(review, Some(text)));
+                let outcome = stashed(review, Some(text));
+                // A pod written with its stash still goes to the configured scheduler.
+                return Judgement::Decided(match scheduler_op(pod.spec.as_ref(), policy) {
+                    Some(op) if outcome.verdict == Verdict::Unchanged => match encode(&[op]) {
+                        Ok(patch) => patched(review, patch, Vec::new()),
+                        Err(message) => deny(review, message),
+                    },
+                    _ => outcome,
+                });
             }
             Judgement::Stash(Stashing { review, object, pod })
         }
@@ -400,6 +431,8 @@ enum New<'a> {
     /// A new `affinity` holding only node affinity.
     Affinity(&'a NodeAffinity),
     Tolerations(&'a [Toleration]),
+    /// A plain string member (`schedulerName`).
+    Name(&'a str),
 }
 
 impl Serialize for New<'_> {
@@ -426,6 +459,7 @@ impl Serialize for New<'_> {
                 map.end()
             }
             New::Tolerations(tolerations) => tolerations.serialize(serializer),
+            New::Name(name) => serializer.serialize_str(name),
         }
     }
 }
@@ -750,9 +784,8 @@ fn plan(
             New::Tolerations(&upper_tolerations),
         ));
     }
-    let mut patch = Vec::with_capacity(2048);
-    serde_json::to_writer(&mut patch, &ops).map_err(|e| format!("cannot encode the patch: {e}"))?;
-    Ok((patch, warnings))
+    ops.extend(scheduler_op(Some(&spec), policy));
+    Ok((encode(&ops)?, warnings))
 }
 
 #[cfg(test)]

@@ -749,3 +749,60 @@ fn with_a_stash_key_every_stash_is_signed_for_its_namespace() {
         "no key, no signature"
     );
 }
+
+#[test]
+fn with_a_scheduler_name_opted_in_pods_of_the_default_scheduler_move_to_it() {
+    let policy = Policy {
+        scheduler_name: Some("tensile-scheduler".into()),
+        ..Policy::default()
+    };
+    // The apiserver has defaulted the name before admission; an absent one is met too.
+    for spec in [
+        json!({"containers": containers(), "schedulerName": "default-scheduler"}),
+        json!({"containers": containers()}),
+    ] {
+        let (outcome, after) = run(opted_in(spec), &policy);
+        assert_eq!(outcome.verdict, Verdict::Mutated);
+        assert_eq!(after["spec"]["schedulerName"], "tensile-scheduler");
+        assert!(stash_of(&after).tolerations.is_empty());
+    }
+    // A pod that names a scheduler of its own keeps it.
+    let own = json!({"containers": containers(), "schedulerName": "gpu-scheduler"});
+    let (_, after) = run(opted_in(own), &policy);
+    assert_eq!(after["spec"]["schedulerName"], "gpu-scheduler");
+    // Pods that did not opt in are left alone.
+    let other = pod(
+        json!({"app": "x"}),
+        json!({"containers": containers(), "schedulerName": "default-scheduler"}),
+    );
+    let (outcome, after) = run(other, &policy);
+    assert_eq!(outcome.verdict, Verdict::Unchanged);
+    assert_eq!(after["spec"]["schedulerName"], "default-scheduler");
+    // Without the flag, schedulerName is never touched.
+    let (_, after) = run(
+        opted_in(json!({"containers": containers(), "schedulerName": "default-scheduler"})),
+        &Policy::default(),
+    );
+    assert_eq!(after["spec"]["schedulerName"], "default-scheduler");
+}
+
+#[test]
+fn a_pod_written_with_its_stash_still_moves_to_the_configured_scheduler() {
+    let policy = Policy {
+        scheduler_name: Some("tensile-scheduler".into()),
+        ..Policy::default()
+    };
+    let mut object = opted_in(json!({"containers": containers(), "schedulerName": "default-scheduler"}));
+    object["metadata"]["annotations"] = json!({names::CLUSTER_SELECTOR: Stash::default().encode().unwrap()});
+    let (outcome, after) = run(object.clone(), &policy);
+    assert_eq!(outcome.verdict, Verdict::Mutated);
+    assert_eq!(
+        ops(&outcome),
+        vec![("add".to_owned(), "/spec/schedulerName".to_owned())]
+    );
+    assert_eq!(after["spec"]["schedulerName"], "tensile-scheduler");
+    // A broken stash is still refused, whatever the scheduler.
+    object["metadata"]["annotations"][names::CLUSTER_SELECTOR] = json!("{not json");
+    let (outcome, _) = run(object, &policy);
+    assert_eq!(outcome.verdict, Verdict::Denied);
+}

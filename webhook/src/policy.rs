@@ -69,6 +69,10 @@ pub struct Policy {
     /// Signs every stash written (`tensile.io/stash-signature`), so virtual nodes holding
     /// the same key apply only stashes this webhook wrote.
     pub stash_key: Option<std::sync::Arc<tensile_common::stash::StashKey>>,
+    /// The `schedulerName` opted-in pods get at CREATE (the multi-scheduler's, say), so
+    /// workloads need no edit. Only a pod left to the default scheduler is moved: one that
+    /// names a scheduler of its own keeps it.
+    pub scheduler_name: Option<String>,
 }
 
 impl Default for Policy {
@@ -82,6 +86,7 @@ impl Default for Policy {
             not_ready_seconds: 300,
             unreachable_seconds: 300,
             stash_key: None,
+            scheduler_name: None,
         }
     }
 }
