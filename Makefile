@@ -60,7 +60,7 @@ bench: kube-bins
 # descheduler.
 demo: tools
 	@echo "demo: building virtual-node, webhook, descheduler and demo (the first build compiles about 200 crates: about 10 minutes on 2 cores)"
-	$(CARGO) build -p tensile-virtual-node -p tensile-webhook -p tensile-descheduler -p tensile-e2e --bins
+	$(CARGO) build -p tensile-virtual-node -p tensile-webhook -p tensile-descheduler -p tensile-multi-scheduler -p tensile-e2e --bins
 	@bash scripts/kube-bins.sh --check || echo "demo: the first run builds the Kubernetes control plane from source: about 7 minutes on 2 cores"
 	@bash scripts/kube-bins.sh >/dev/null
 	$(CARGO) run -q -p tensile-e2e --bin demo -- --dir $(DEMO_DIR) up

@@ -8,6 +8,11 @@
 //! nodes and the descheduler are their real binaries, run as child processes that die with
 //! the demo.
 //!
+//! With [`DemoOptions::multi_scheduler`], the `multi-scheduler` extender runs too, behind a
+//! second kube-scheduler started from the shipped KubeSchedulerConfiguration, and the webhook
+//! hands opted-in pods to it (`--scheduler-name`): a pod no lower node can hold is never
+//! bound to that lower cluster's virtual node in the first place.
+//!
 //! A running demo listens on a Unix socket in its directory ([`CONTROL_SOCKET`]); `demo stop
 //! lower-a` and `demo start lower-a` ([`send_command`]) stop and restart a lower cluster's
 //! apiserver through it, so its virtual node can be watched going NotReady and back.
@@ -21,6 +26,9 @@ use kube::api::{Api, ListParams};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
+use tensile_common::names;
+
+use crate::multi_scheduler::{CONFIG_V1BETA1, ExtenderProcess, scheduler_config};
 use crate::process::Service;
 use crate::testbed::{ClusterSpec, Testbed};
 use crate::{Error, Result, free_port, io_err};
@@ -52,6 +60,9 @@ pub struct DemoOptions {
     pub control_command: String,
     /// How long the workload may take to run.
     pub workload_timeout: Duration,
+    /// Opted-in pods are placed by a second kube-scheduler with the multi-scheduler's
+    /// extender, which only picks virtual nodes whose lower cluster has a node that fits.
+    pub multi_scheduler: bool,
 }
 
 impl DemoOptions {
@@ -72,6 +83,7 @@ impl DemoOptions {
             toleration_seconds: 30,
             control_command: "demo".to_owned(),
             workload_timeout: Duration::from_secs(180),
+            multi_scheduler: false,
         }
     }
 }
@@ -101,6 +113,8 @@ pub struct Demo {
     webhook: Daemon,
     virtual_nodes: Vec<(String, Daemon)>,
     descheduler: Daemon,
+    /// The multi-scheduler's extender and the kube-scheduler that asks it, when switched on.
+    multi_scheduler: Option<(Daemon, Service)>,
     control: UnixListener,
     testbed: Testbed,
     options: DemoOptions,
@@ -119,7 +133,15 @@ impl Demo {
         let virtual_node_bin = crate::bins::suite_binary("virtual-node")?;
         let webhook_bin = crate::bins::suite_binary("webhook")?;
         let descheduler_bin = crate::bins::suite_binary("descheduler")?;
-        for bin in [&virtual_node_bin, &webhook_bin, &descheduler_bin] {
+        let mut bins = vec![
+            virtual_node_bin.clone(),
+            webhook_bin.clone(),
+            descheduler_bin.clone(),
+        ];
+        if options.multi_scheduler {
+            bins.push(crate::bins::suite_binary("multi-scheduler")?);
+        }
+        for bin in &bins {
             if let Some(newer) = newer_source(bin) {
                 progress(&format!(
                     "warning: {} is older than {}; rebuild it to run the current code",
@@ -163,7 +185,7 @@ impl Demo {
         kubectl_ok(&upper_kc, &["apply", "-f", &registration.display().to_string()]).await?;
         let admin = format!("127.0.0.1:{}", free_port()?);
         let secs = options.toleration_seconds.to_string();
-        let args = [
+        let mut args = vec![
             "--address=127.0.0.1".to_owned(),
             format!("--port={port}"),
             format!("--admin-addr={admin}"),
@@ -173,6 +195,9 @@ impl Demo {
             format!("--not-ready-toleration-seconds={secs}"),
             format!("--unreachable-toleration-seconds={secs}"),
         ];
+        if options.multi_scheduler {
+            args.push(format!("--scheduler-name={}", names::MULTI_SCHEDULER));
+        }
         let mut webhook = Daemon {
             service: start_daemon("webhook", &webhook_bin, &args, &logs.join("webhook.log"))?,
             admin,
@@ -223,6 +248,28 @@ impl Demo {
         wait_admin_ready(&mut descheduler, "the descheduler").await?;
         progress("descheduler running");
 
+        let multi_scheduler = if options.multi_scheduler {
+            let extender = ExtenderProcess::start(upper, &[], "demo").map_err(|e| demo_err(e.to_string()))?;
+            let config = scheduler_config(CONFIG_V1BETA1, &upper_kc, &extender.url, &extender.ca_file)
+                .map_err(|e| demo_err(e.to_string()))?;
+            let config_path = dir.join("tensile-scheduler.yaml");
+            std::fs::write(&config_path, config).map_err(io_err(&config_path))?;
+            let mut extender = Daemon {
+                service: extender.service,
+                admin: extender.admin_addr,
+            };
+            wait_admin_ready(&mut extender, "the multi-scheduler's extender").await?;
+            let scheduler = upper.start_scheduler(&config_path, names::MULTI_SCHEDULER)?;
+            progress(&format!(
+                "multi-scheduler extender running behind kube-scheduler {} ({})",
+                names::MULTI_SCHEDULER,
+                shown(&config_path)
+            ));
+            Some((extender, scheduler))
+        } else {
+            None
+        };
+
         progress(&format!("applying {}", shown(&options.manifest)));
         kubectl_ok(
             &upper_kc,
@@ -233,6 +280,7 @@ impl Demo {
             webhook,
             virtual_nodes,
             descheduler,
+            multi_scheduler,
             control,
             testbed,
             options,
@@ -299,6 +347,10 @@ impl Demo {
         exited(&mut self.webhook.service)
             .or_else(|| exited(&mut self.descheduler.service))
             .or_else(|| {
+                let (extender, scheduler) = self.multi_scheduler.as_mut()?;
+                exited(&mut extender.service).or_else(|| exited(scheduler))
+            })
+            .or_else(|| {
                 self.virtual_nodes
                     .iter_mut()
                     .find_map(|(_, d)| exited(&mut d.service))
@@ -330,6 +382,10 @@ impl Demo {
         let mut pids: Vec<u32> = self.webhook.service.pid().into_iter().collect();
         pids.extend(self.virtual_nodes.iter().filter_map(|(_, d)| d.service.pid()));
         pids.extend(self.descheduler.service.pid());
+        if let Some((extender, scheduler)) = &self.multi_scheduler {
+            pids.extend(extender.service.pid());
+            pids.extend(scheduler.pid());
+        }
         for cluster in self.testbed.clusters() {
             pids.extend(cluster.pids());
         }
@@ -385,18 +441,35 @@ impl Demo {
                     format!("{up} -n {NAMESPACE} get pods -o wide"),
                 ],
             ),
-            (
-                format!(
-                    "A pod only {last} can place: the upper scheduler puts it on {first} (enough CPUs in all, \
-                     none on one node), {first} refuses it, and {DESCHEDULE_AFTER} s later the descheduler moves it \
-                     (a Descheduled event says why)"
-                ),
-                vec![
-                    format!("{up} apply -f {}", shown(&move_manifest())),
-                    format!("{up} -n {NAMESPACE} get pods -l app=big -o wide -w"),
-                    format!("{up} -n {NAMESPACE} get events --field-selector reason=Descheduled -w"),
-                ],
-            ),
+            if self.multi_scheduler.is_some() {
+                (
+                    format!(
+                        "A pod only {last} can place: {first} has enough CPUs in all but none on one node, so the \
+                         multi-scheduler's filter rules it out and the pod goes straight to {last}, never refused \
+                         below (the scheduler's events say why {first} was passed over)"
+                    ),
+                    vec![
+                        format!("{up} apply -f {}", shown(&move_manifest())),
+                        format!("{up} -n {NAMESPACE} get pods -l app=big -o wide -w"),
+                        format!(
+                            "{up} -n {NAMESPACE} get pods -l app=big -o jsonpath='{{.items[*].spec.schedulerName}}'"
+                        ),
+                    ],
+                )
+            } else {
+                (
+                    format!(
+                        "A pod only {last} can place: the upper scheduler puts it on {first} (enough CPUs in all, \
+                         none on one node), {first} refuses it, and {DESCHEDULE_AFTER} s later the descheduler moves it \
+                         (a Descheduled event says why)"
+                    ),
+                    vec![
+                        format!("{up} apply -f {}", shown(&move_manifest())),
+                        format!("{up} -n {NAMESPACE} get pods -l app=big -o wide -w"),
+                        format!("{up} -n {NAMESPACE} get events --field-selector reason=Descheduled -w"),
+                    ],
+                )
+            },
             (
                 format!(
                     "Stop {first}'s apiserver: its node goes NotReady (about 15 s), {secs} s later its pods move \
@@ -451,6 +524,15 @@ impl Demo {
             daemon(format!("virtual-node {name}"), d);
         }
         daemon("descheduler".into(), &self.descheduler);
+        if let Some((extender, scheduler)) = &self.multi_scheduler {
+            daemon("multi-scheduler".into(), extender);
+            out.push_str(&format!(
+                "  {:<22} pid {:<8} {}\n",
+                format!("kube-scheduler {}", names::MULTI_SCHEDULER),
+                scheduler.pid().unwrap_or(0),
+                shown(scheduler.log_path())
+            ));
+        }
         out.push_str(&format!(
             "  control planes         {}\n",
             shown(&self.dir.join("logs"))
@@ -620,7 +702,11 @@ async fn wait_admin_ready(daemon: &mut Daemon, what: &str) -> Result<()> {
         if let Some(failure) = exited(&mut daemon.service) {
             return Err(demo_err(failure));
         }
-        if http_get(&daemon.admin, "/readyz").await.is_ok_and(|b| b == "ok") {
+        // `ok`, or `ok: <why>` from a daemon that says what it is ready for.
+        if http_get(&daemon.admin, "/readyz")
+            .await
+            .is_ok_and(|b| b == "ok" || b.starts_with("ok: "))
+        {
             return Ok(());
         }
         if Instant::now() > deadline {
@@ -708,10 +794,16 @@ pub fn shown(path: &Path) -> String {
 fn newer_source(binary: &Path) -> Option<PathBuf> {
     let built = binary.metadata().and_then(|m| m.modified()).ok()?;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut stack: Vec<PathBuf> = ["common/src", "virtual-node/src", "webhook/src", "descheduler/src"]
-        .iter()
-        .map(|d| root.join(d))
-        .collect();
+    let mut stack: Vec<PathBuf> = [
+        "common/src",
+        "virtual-node/src",
+        "webhook/src",
+        "descheduler/src",
+        "multi-scheduler/src",
+    ]
+    .iter()
+    .map(|d| root.join(d))
+    .collect();
     while let Some(dir) = stack.pop() {
         for entry in std::fs::read_dir(&dir).ok()?.flatten() {
             let path = entry.path();

@@ -13,9 +13,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde_json::Value;
+use tensile_common::names;
 use tensile_common::stash::Stash;
 use tensile_e2e::check::{eventually, kubectl};
-use tensile_e2e::demo::{DEPLOYMENT, Demo, DemoOptions, NAMESPACE, UPPER};
+use tensile_e2e::demo::{DEPLOYMENT, Demo, DemoOptions, NAMESPACE, UPPER, move_manifest};
 use tensile_e2e::process::pid_alive;
 
 const READY: &str = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}/{.status.conditions[?(@.type=="Ready")].reason}"#;
@@ -39,8 +40,12 @@ async fn shell(command: &str) -> std::process::Output {
         .unwrap()
 }
 
+/// One demo at a time: each starts three clusters.
+static ONE_DEMO: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test]
 async fn the_demo_runs_its_workload_below_shows_it_above_and_cleans_up() {
+    let _one = ONE_DEMO.lock().await;
     let dir = tensile_e2e::target_dir().join("e2e-logs").join("demo");
     let mut options = DemoOptions::new(&dir);
     options.control_command = format!("{} --dir {}", env!("CARGO_BIN_EXE_demo"), dir.display());
@@ -297,4 +302,114 @@ async fn the_demo_runs_its_workload_below_shows_it_above_and_cleans_up() {
             .is_err(),
         "no demo answers any more"
     );
+}
+
+/// `demo --multi-scheduler`: the webhook hands the workload to the second kube-scheduler, and
+/// the pod only lower-b can hold goes straight there: lower-a's aggregate has room, no node
+/// of it does, and the filter knows it. No refusal below, no descheduling, no replacement.
+#[tokio::test]
+async fn the_demo_with_the_multi_scheduler_puts_the_pod_only_lower_b_holds_there_without_a_refusal() {
+    let _one = ONE_DEMO.lock().await;
+    let dir = tensile_e2e::target_dir()
+        .join("e2e-logs")
+        .join("demo-multi-scheduler");
+    let mut options = DemoOptions::new(&dir);
+    options.multi_scheduler = true;
+    let demo = Demo::start(options, &|m| eprintln!("demo: {m}"))
+        .await
+        .unwrap_or_else(|e| panic!("the demo did not start: {e}"));
+    let summary = demo.summary();
+    assert!(summary.contains("multi-scheduler"), "{summary}");
+    assert!(summary.contains("never refused below"), "{summary}");
+    let up = demo.kubeconfig(UPPER);
+
+    let workload = pods(&up).await;
+    assert_eq!(workload.len(), 4, "the Deployment's 4 replicas");
+    for pod in &workload {
+        assert_eq!(
+            pod["spec"]["schedulerName"],
+            names::MULTI_SCHEDULER,
+            "{}",
+            name(pod)
+        );
+        assert_eq!(pod["status"]["phase"], "Running", "{}", name(pod));
+    }
+
+    kubectl(&up, &["apply", "-f", &move_manifest().display().to_string()]).await;
+    let seen = std::cell::RefCell::new(BTreeSet::<String>::new());
+    let refused = std::cell::RefCell::new(BTreeSet::<String>::new());
+    tensile_e2e::wait::must(
+        "the pod only lower-b holds Running there",
+        Duration::from_secs(90),
+        Duration::from_millis(300),
+        || async {
+            let big: Vec<Value> = pods(&up)
+                .await
+                .into_iter()
+                .filter(|p| p["metadata"]["labels"]["app"] == "big")
+                .collect();
+            for pod in &big {
+                seen.borrow_mut().insert(name(pod));
+                let conditions = pod["status"]["conditions"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default();
+                if conditions
+                    .iter()
+                    .any(|c| c["type"] == names::CONDITION_LOWER_SCHEDULED && c["status"] == "False")
+                {
+                    refused.borrow_mut().insert(name(pod));
+                }
+            }
+            match big.as_slice() {
+                [pod] if pod["spec"]["nodeName"] == "lower-b" && pod["status"]["phase"] == "Running" => {
+                    Ok(())
+                }
+                other => Err(format!(
+                    "{:?}",
+                    other
+                        .iter()
+                        .map(|p| (name(p), p["spec"]["nodeName"].clone()))
+                        .collect::<Vec<_>>()
+                )),
+            }
+        },
+    )
+    .await;
+    let (seen, refused) = (seen.into_inner(), refused.into_inner());
+    assert!(refused.is_empty(), "refused below: {refused:?}");
+    assert_eq!(seen.len(), 1, "one pod, never replaced: {seen:?}");
+    let descheduled = kubectl(
+        &up,
+        &[
+            "-n",
+            NAMESPACE,
+            "get",
+            "events",
+            "--field-selector",
+            "reason=Descheduled",
+            "-o",
+            "name",
+        ],
+    )
+    .await;
+    assert_eq!(descheduled.trim(), "", "nothing was descheduled");
+
+    let pids = demo.pids();
+    drop(demo);
+    tensile_e2e::wait::until(
+        "every process gone",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || async {
+            let alive: Vec<u32> = pids.iter().copied().filter(|p| pid_alive(*p)).collect();
+            if alive.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{alive:?}"))
+            }
+        },
+    )
+    .await
+    .unwrap();
 }

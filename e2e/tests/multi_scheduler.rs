@@ -707,31 +707,19 @@ async fn deployments_running(ns: &str, scheduler: Option<&str>) -> (Duration, BT
     }
 }
 
-#[tokio::test]
-async fn the_burst_as_deployments_runs_sooner_through_the_extender_than_through_the_default_scheduler_and_the_descheduler()
- {
-    let _scene = SCENE.lock().await;
+/// Registers a webhook for the namespaces labelled `tensile-e2e=<label>` and starts it with
+/// `policy`; returns it ready, with the registration's name.
+async fn start_webhook(
+    label: &str,
+    policy: Policy,
+    exclusions: Option<Location>,
+) -> (tensile_webhook::Running, String) {
     let bed = bed();
-    let (via_extender, via_descheduler) = ("deploy-extender", "deploy-descheduler");
-    for ns in [via_extender, via_descheduler] {
-        bed.upper.create_namespace(ns).await.unwrap();
-        kubectl(
-            bed.upper.kubeconfig(),
-            &[
-                "label",
-                "namespace",
-                ns,
-                "tensile-e2e=deploy-burst",
-                "--overwrite",
-            ],
-        )
-        .await;
-    }
     let port = free_port().unwrap();
-    let config = "tensile-webhook-deploy-burst";
+    let config = format!("tensile-webhook-{label}");
     apply(
         bed.upper.kubeconfig(),
-        &webhook_registration(config, port, Namespaces::Labelled("deploy-burst"), None),
+        &webhook_registration(&config, port, Namespaces::Labelled(label), None),
     )
     .await;
     let mut options = Options::new(
@@ -741,12 +729,9 @@ async fn the_burst_as_deployments_runs_sooner_through_the_extender_than_through_
         },
     );
     options.client = Some(bed.upper.client().await.unwrap());
-    options.webhook_config_name = Some(config.to_owned());
-    options.policy = Policy::default();
-    options.exclusions = Some(Location {
-        namespace: via_descheduler.to_owned(),
-        name: "exclusions".to_owned(),
-    });
+    options.webhook_config_name = Some(config.clone());
+    options.policy = policy;
+    options.exclusions = exclusions;
     let webhook = BED
         .handle()
         .unwrap()
@@ -767,13 +752,67 @@ async fn the_burst_as_deployments_runs_sooner_through_the_extender_than_through_
         },
     )
     .await;
+    (webhook, config)
+}
 
-    let (extender_time, refused) = deployments_running(via_extender, Some(SCHEDULER)).await;
+/// The Deployments name no scheduler: the webhook's `--scheduler-name` hands their opted-in
+/// pods to the second kube-scheduler, so workloads need no edit.
+#[tokio::test]
+async fn the_burst_as_deployments_runs_sooner_through_the_extender_than_through_the_default_scheduler_and_the_descheduler()
+ {
+    let _scene = SCENE.lock().await;
+    let bed = bed();
+    let (via_extender, via_descheduler) = ("deploy-extender", "deploy-descheduler");
+    for ns in [via_extender, via_descheduler] {
+        bed.upper.create_namespace(ns).await.unwrap();
+        kubectl(
+            bed.upper.kubeconfig(),
+            &[
+                "label",
+                "namespace",
+                ns,
+                &format!("tensile-e2e={ns}"),
+                "--overwrite",
+            ],
+        )
+        .await;
+    }
+    let to_the_extender = Policy {
+        scheduler_name: Some(SCHEDULER.to_owned()),
+        ..Policy::default()
+    };
+    let (webhook_extender, config_extender) = start_webhook(via_extender, to_the_extender, None).await;
+    let exclusions = Location {
+        namespace: via_descheduler.to_owned(),
+        name: "exclusions".to_owned(),
+    };
+    let (webhook_default, config_default) =
+        start_webhook(via_descheduler, Policy::default(), Some(exclusions)).await;
+
+    let (extender_time, refused) = deployments_running(via_extender, None).await;
+    let extender_api: Api<Pod> = Api::namespaced(bed.upper.client().await.unwrap(), via_extender);
+    let schedulers: BTreeSet<String> = extender_api
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(|p| {
+            p.spec
+                .as_ref()
+                .and_then(|s| s.scheduler_name.clone())
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(
+        schedulers,
+        BTreeSet::from([SCHEDULER.to_owned()]),
+        "the webhook gave every opted-in pod the multi-scheduler's name"
+    );
     assert!(
         refused.is_empty(),
         "refused below through the extender: {refused:?}"
     );
-    let extender_api: Api<Pod> = Api::namespaced(bed.upper.client().await.unwrap(), via_extender);
     kubectl(
         bed.upper.kubeconfig(),
         &[
@@ -831,9 +870,15 @@ async fn the_burst_as_deployments_runs_sooner_through_the_extender_than_through_
     .await;
     clean_up(&api).await;
     drop(descheduler);
-    kubectl(
-        bed.upper.kubeconfig(),
-        &["delete", "mutatingwebhookconfiguration", config],
-    )
-    .await;
+    for (webhook, config) in [
+        (webhook_extender, config_extender),
+        (webhook_default, config_default),
+    ] {
+        kubectl(
+            bed.upper.kubeconfig(),
+            &["delete", "mutatingwebhookconfiguration", &config],
+        )
+        .await;
+        webhook.stop().await;
+    }
 }

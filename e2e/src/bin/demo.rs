@@ -38,6 +38,10 @@ enum Command {
         /// The workload to apply to the upper cluster.
         #[arg(long, env = "DEMO_MANIFEST")]
         manifest: Option<PathBuf>,
+        /// Place opted-in pods with the multi-scheduler: its extender behind a second
+        /// kube-scheduler, and the webhook handing pods to it.
+        #[arg(long, env = "DEMO_MULTI_SCHEDULER")]
+        multi_scheduler: bool,
     },
     /// Stop a lower cluster's apiserver in the running demo: its virtual node goes NotReady.
     Stop {
@@ -69,8 +73,15 @@ fn say(message: &str) {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    match cli.command.unwrap_or(Command::Up { manifest: None }) {
-        Command::Up { manifest } => up(&cli.dir, manifest).await,
+    let default = Command::Up {
+        manifest: None,
+        multi_scheduler: std::env::var("DEMO_MULTI_SCHEDULER").is_ok_and(|v| v == "1" || v == "true"),
+    };
+    match cli.command.unwrap_or(default) {
+        Command::Up {
+            manifest,
+            multi_scheduler,
+        } => up(&cli.dir, manifest, multi_scheduler).await,
         Command::Stop { cluster } => control(&cli.dir, &format!("stop {cluster}")).await,
         Command::Start { cluster } => control(&cli.dir, &format!("start {cluster}")).await,
     }
@@ -82,8 +93,9 @@ async fn control(dir: &Path, command: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn up(dir: &Path, manifest: Option<PathBuf>) -> anyhow::Result<()> {
+async fn up(dir: &Path, manifest: Option<PathBuf>, multi_scheduler: bool) -> anyhow::Result<()> {
     let mut options = DemoOptions::new(dir);
+    options.multi_scheduler = multi_scheduler;
     if let Some(m) = manifest {
         options.manifest = m;
     }
