@@ -118,6 +118,45 @@ pub fn watched<K: Watched>(
     (cache, feed)
 }
 
+/// A cache of every `K` the client sees, narrowed by `config`, metadata only: the apiserver sends only
+/// metadata (a metadata watch), and each object is kept as `K::default()` with that metadata,
+/// `managedFields` dropped. For kinds whose content is read only when it is needed (fetched
+/// then), so neither the process nor the wire carries the content of objects it never uses.
+/// Every event wakes `changed`; the future keeps the cache current.
+pub fn watched_metadata<K: Watched + Default>(
+    client: kube::Client,
+    config: watcher::Config,
+    changed: &Arc<Notify>,
+) -> (Cache<K>, impl Future<Output = ()> + Send + 'static) {
+    let (store, writer) = reflector::store::<K>();
+    let (tx, synced) = watch::channel(false);
+    let header = |partial: kube::core::PartialObjectMeta<K>| {
+        let mut object = K::default();
+        *object.meta_mut() = partial.metadata;
+        object.meta_mut().managed_fields = None;
+        object
+    };
+    let api = Api::<kube::core::PartialObjectMeta<K>>::all(client);
+    let events = watcher(api, config).map_ok(move |event| match event {
+        watcher::Event::Apply(o) => watcher::Event::Apply(header(o)),
+        watcher::Event::Delete(o) => watcher::Event::Delete(header(o)),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitApply(o) => watcher::Event::InitApply(header(o)),
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    });
+    let changed = changed.clone();
+    let feed = reflector(writer, events)
+        .backoff(WatchBackoff::default())
+        .for_each(move |event| {
+            if matches!(event, Ok(watcher::Event::InitDone)) {
+                tx.send_replace(true);
+            }
+            changed.notify_one();
+            futures::future::ready(())
+        });
+    (Cache { store, synced }, feed)
+}
+
 /// Retry delays of a failed watch: 200 ms doubling to 2 s, from the start again after a
 /// success. kube's default grows to 30 s, which leaves a recovered cluster unseen for that
 /// long; a daemon must notice recovery as quickly as it notices loss.

@@ -9,6 +9,11 @@
 //! copy while any lower pod of the cluster references it. A lower object of the same name
 //! without our mark is never touched; the pod that needs it is not started below.
 //!
+//! ConfigMaps and Secrets are watched upstream by metadata only: the process holds no upper
+//! content it does not copy. The content is read (one GET) when a copy is written; a copy is
+//! judged current from its annotations ([`is_current`]): the upper version it was made from,
+//! and a digest of what was written, which an edit below no longer matches.
+//!
 //! Two paths keep the model true. Before a pod is created below, [`Copies::prepare`] makes
 //! every copy it references exist with current content. [`Copies::run`] resyncs from the
 //! watch caches on every change and every second: it follows upper edits, repairs copies
@@ -259,6 +264,9 @@ pub trait Reflected:
     + fmt::Debug
 {
     const KIND: Kind;
+    /// The upper cache holds only metadata: the content is fetched when a copy is written,
+    /// and copies carry the upper version and a digest (see [`is_current`]).
+    const FETCHED: bool = false;
     /// The copy's content: the payload of `upper`, plus any annotations of its own (the rest
     /// of the metadata is set by the caller).
     fn payload(upper: &Self) -> Self;
@@ -274,6 +282,7 @@ fn empty_as_none<T: PartialEq + Default>(v: &Option<T>) -> Option<&T> {
 
 impl Reflected for ConfigMap {
     const KIND: Kind = Kind::ConfigMap;
+    const FETCHED: bool = true;
     fn payload(upper: &Self) -> Self {
         ConfigMap {
             data: upper.data.clone(),
@@ -291,6 +300,7 @@ impl Reflected for ConfigMap {
 
 impl Reflected for Secret {
     const KIND: Kind = Kind::Secret;
+    const FETCHED: bool = true;
     fn payload(upper: &Self) -> Self {
         Secret {
             data: upper.data.clone(),
@@ -490,8 +500,69 @@ pub fn desired<K: Reflected>(cluster_id: &str, upper: &K) -> K {
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     annotations.extend(meta.annotations.take().unwrap_or_default());
+    if K::FETCHED {
+        annotations.remove(names::COPY_DIGEST);
+        match &upper.meta().resource_version {
+            Some(version) => annotations.insert(names::COPY_UPPER_VERSION.to_owned(), version.clone()),
+            None => annotations.remove(names::COPY_UPPER_VERSION),
+        };
+    }
     meta.annotations = (!annotations.is_empty()).then_some(annotations);
+    if K::FETCHED {
+        let digest = digest(&copy);
+        copy.meta_mut()
+            .annotations
+            .get_or_insert_default()
+            .insert(names::COPY_DIGEST.to_owned(), digest);
+    }
     copy
+}
+
+/// A digest of what a copy holds: its content, labels and annotations (its own digest
+/// aside), with empty and null members dropped as the apiserver drops them, so a copy read
+/// back digests as it was written.
+pub fn digest<K: Reflected>(copy: &K) -> String {
+    fn prune(v: &mut serde_json::Value) -> bool {
+        match v {
+            serde_json::Value::Null => false,
+            serde_json::Value::Object(map) => {
+                map.retain(|_, v| prune(v));
+                !map.is_empty()
+            }
+            serde_json::Value::Array(items) => !items.is_empty(),
+            _ => true,
+        }
+    }
+    let meta = copy.meta();
+    let annotations: BTreeMap<&String, &String> = meta
+        .annotations
+        .iter()
+        .flatten()
+        .filter(|(k, _)| k.as_str() != names::COPY_DIGEST)
+        .collect();
+    let mut written = serde_json::json!({
+        "payload": K::payload(copy),
+        "labels": meta.labels,
+        "annotations": annotations,
+    });
+    prune(&mut written);
+    let bytes = serde_json::to_vec(&written).unwrap_or_default();
+    let sum = ring::digest::digest(&ring::digest::SHA256, &bytes);
+    sum.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Whether `copy` (ours) holds what `upper` holds now. Of a fetched kind only the upper
+/// metadata is at hand: the copy is current when it was made from this version of the upper
+/// object and still digests as written.
+pub fn is_current<K: Reflected>(cluster_id: &str, upper: &K, copy: &K) -> bool {
+    if K::FETCHED {
+        let annotation = |key: &str| copy.meta().annotations.as_ref().and_then(|a| a.get(key));
+        upper.meta().resource_version.is_some()
+            && annotation(names::COPY_UPPER_VERSION) == upper.meta().resource_version.as_ref()
+            && annotation(names::COPY_DIGEST) == Some(&digest(copy))
+    } else {
+        judge(cluster_id, &desired(cluster_id, upper), copy) == Verdict::Current
+    }
 }
 
 /// How `actual` (the lower object of the copy's name) stands against `desired`.
@@ -610,7 +681,7 @@ pub fn plan<K: Reflected>(
         };
         if model.needed.contains(&key) {
             since.remove(&key);
-            if judge(model.cluster_id, &desired(model.cluster_id, &*source), copy) != Verdict::Current {
+            if !is_current(model.cluster_id, &*source, copy) {
                 writes.push(Write::Update {
                     upper: source,
                     copy: copy.clone(),
@@ -652,6 +723,8 @@ pub fn plan<K: Reflected>(
 
 /// The reflection of ConfigMaps, Secrets, Services and Endpoints for one virtual node.
 pub struct Copies {
+    /// Reads the content of a fetched kind's upper object when its copy is written.
+    pub upper: kube::Client,
     pub lower: kube::Client,
     pub cluster_id: String,
     /// The lower cluster's name, for messages.
@@ -692,6 +765,28 @@ pub struct ServiceStores {
     pub include_system: bool,
 }
 
+/// How [`Copies::ensure`] left a copy.
+#[derive(Debug, PartialEq, Eq)]
+enum Ensured {
+    /// It exists below with current content.
+    Current,
+    /// A foreign lower object holds its name.
+    Conflict,
+    /// The upper object is gone (a fetched kind, deleted since the watch showed it).
+    UpperGone,
+}
+
+impl Ensured {
+    /// `Some(true)` current, `Some(false)` blocked, `None` no upper object.
+    fn found(self) -> Option<bool> {
+        match self {
+            Ensured::Current => Some(true),
+            Ensured::Conflict => Some(false),
+            Ensured::UpperGone => None,
+        }
+    }
+}
+
 /// A copy: its kind, namespace and name.
 pub type Key = (Kind, String, String);
 
@@ -704,13 +799,29 @@ fn lookup<K: Reflected>(store: &Store<K>) -> impl Fn(&str, &str) -> Option<Arc<K
 
 impl Copies {
     /// Makes the lower copy of `upper` exist with current content. `cached` is what the
-    /// lower watch shows under that name (ours only). False when a foreign object holds the
-    /// name.
-    async fn ensure<K: Reflected>(&self, upper: &K, cached: Option<Arc<K>>) -> Result<bool, Error> {
-        let desired = desired(&self.cluster_id, upper);
+    /// lower watch shows under that name (ours only). Of a fetched kind, `upper` is metadata
+    /// and the content is read first.
+    async fn ensure<K: Reflected>(&self, upper: &K, cached: Option<Arc<K>>) -> Result<Ensured, Error> {
         let ns = upper.namespace().unwrap_or_default();
         let name = upper.name_any();
         let what = format!("{} {ns}/{name}", K::KIND);
+        let fetched;
+        let upper = if K::FETCHED {
+            match Api::<K>::namespaced(self.upper.clone(), &ns)
+                .get_opt(&name)
+                .await
+                .map_err(Error::on("upper", "get", what.clone()))?
+            {
+                Some(full) => {
+                    fetched = full;
+                    &fetched
+                }
+                None => return Ok(Ensured::UpperGone),
+            }
+        } else {
+            upper
+        };
+        let desired = desired(&self.cluster_id, upper);
         let api: Api<K> = Api::namespaced(self.lower.clone(), &ns);
         let actual = match cached {
             Some(a) => Some(a),
@@ -719,7 +830,7 @@ impl Copies {
                 match api.create(&PostParams::default(), &desired).await {
                     Ok(_) => {
                         tracing::info!(kind = %K::KIND, copy = %format!("{ns}/{name}"), "created below");
-                        return Ok(true);
+                        return Ok(Ensured::Current);
                     }
                     Err(e) if code(&e) == Some(409) => api
                         .get_opt(&name)
@@ -737,11 +848,11 @@ impl Copies {
             api.create(&PostParams::default(), &desired)
                 .await
                 .map_err(Error::on("lower", "create", what))?;
-            return Ok(true);
+            return Ok(Ensured::Current);
         };
         match judge(&self.cluster_id, &desired, &actual) {
-            Verdict::Current => Ok(true),
-            Verdict::Conflict => Ok(false),
+            Verdict::Current => Ok(Ensured::Current),
+            Verdict::Conflict => Ok(Ensured::Conflict),
             Verdict::Stale => {
                 self.limit.acquire().await;
                 let fresh = desired.clone();
@@ -750,7 +861,7 @@ impl Copies {
                 match api.replace(&name, &PostParams::default(), &update).await {
                     Ok(_) => {
                         tracing::info!(kind = %K::KIND, copy = %format!("{ns}/{name}"), "updated below");
-                        Ok(true)
+                        Ok(Ensured::Current)
                     }
                     // Immutable content (an immutable object, a Secret's type) changes by
                     // replacement: deleted and created again at once, so a pod is never
@@ -767,7 +878,7 @@ impl Copies {
                         api.create(&PostParams::default(), &fresh)
                             .await
                             .map_err(Error::on("lower", "create", what))?;
-                        Ok(true)
+                        Ok(Ensured::Current)
                     }
                     Err(e) => Err(Error::on("lower", "update", what)(e)),
                 }
@@ -795,7 +906,10 @@ impl Copies {
                     let at = ObjectRef::new(&r.name).within(&ns);
                     self.upper_config_maps.synced().await;
                     match self.upper_config_maps.get(&at) {
-                        Some(upper) => Some(self.ensure(&*upper, self.lower_config_maps.get(&at)).await?),
+                        Some(upper) => self
+                            .ensure(&*upper, self.lower_config_maps.get(&at))
+                            .await?
+                            .found(),
                         None => None,
                     }
                 }
@@ -803,7 +917,7 @@ impl Copies {
                     let at = ObjectRef::new(&r.name).within(&ns);
                     self.upper_secrets.synced().await;
                     match self.upper_secrets.get(&at) {
-                        Some(upper) => Some(self.ensure(&*upper, self.lower_secrets.get(&at)).await?),
+                        Some(upper) => self.ensure(&*upper, self.lower_secrets.get(&at)).await?.found(),
                         None => None,
                     }
                 }
@@ -992,7 +1106,7 @@ impl Copies {
     /// [`Copies::ensure`] for the resync: a conflict is remembered (retried in 30 s) and
     /// reported once as a Warning event on the upper object.
     async fn ensure_quietly<K: Reflected>(&self, upper: Arc<K>, cached: Option<Arc<K>>) -> Result<(), Error> {
-        if !self.ensure(&*upper, cached).await? {
+        if self.ensure(&*upper, cached).await? == Ensured::Conflict {
             let key = (K::KIND, upper.namespace().unwrap_or_default(), upper.name_any());
             let first = match self.conflicts.lock() {
                 Ok(mut c) => c.insert(key.clone(), Instant::now()).is_none(),
@@ -1151,7 +1265,7 @@ mod tests {
     /// Upper ConfigMap `shop/cfg` with `data`.
     fn upper_cfg(data: serde_json::Value) -> Arc<ConfigMap> {
         config_map(
-            json!({"metadata": {"name": "cfg", "namespace": "shop", "uid": "up",
+            json!({"metadata": {"name": "cfg", "namespace": "shop", "uid": "up", "resourceVersion": "7",
             "labels": {"app": "web"},
             "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{}", "note": "n"}},
             "data": data}),
@@ -1224,8 +1338,73 @@ mod tests {
         let annotations = copy.metadata.annotations.clone().unwrap_or_default();
         assert_eq!(annotations.get("note").map(String::as_str), Some("n"));
         assert!(!annotations.contains_key("kubectl.kubernetes.io/last-applied-configuration"));
-        assert_eq!(copy.data.unwrap_or_default()["k"], "v");
+        assert_eq!(copy.data.clone().unwrap_or_default()["k"], "v");
         assert!(copy.metadata.uid.is_none() && copy.metadata.resource_version.is_none());
+        assert_eq!(
+            annotations.get(names::COPY_UPPER_VERSION).map(String::as_str),
+            Some("7")
+        );
+        assert_eq!(annotations.get(names::COPY_DIGEST), Some(&digest(&copy)));
+    }
+
+    /// What the upper cache holds of a ConfigMap: its metadata only.
+    fn header(upper: &ConfigMap) -> Arc<ConfigMap> {
+        Arc::new(ConfigMap {
+            metadata: upper.metadata.clone(),
+            ..ConfigMap::default()
+        })
+    }
+
+    #[test]
+    fn a_copy_is_judged_from_the_upper_metadata_alone() {
+        let upper = upper_cfg(json!({"k": "v"}));
+        let mut pass = Pass::new(&["cfg"], &[]);
+        assert_eq!(pass.plan(&[header(&upper)], &[copy_of(&upper)]), []);
+        // A newer upper version: rewritten (its content is read then).
+        let mut newer = (*header(&upper)).clone();
+        newer.metadata.resource_version = Some("8".into());
+        let newer = Arc::new(newer);
+        assert_eq!(
+            pass.plan(std::slice::from_ref(&newer), &[copy_of(&upper)]),
+            [Write::Update {
+                upper: newer,
+                copy: copy_of(&upper)
+            }]
+        );
+        // A copy written before copies carried their upper version: rewritten once.
+        let mut older = (*copy_of(&upper)).clone();
+        older.metadata.annotations = Some(BTreeMap::from([("note".to_owned(), "n".to_owned())]));
+        let older = Arc::new(older);
+        assert_eq!(
+            pass.plan(&[header(&upper)], std::slice::from_ref(&older)).len(),
+            1
+        );
+    }
+
+    #[test]
+    fn a_copy_read_back_from_the_apiserver_digests_as_written() {
+        // Written with an empty `binaryData` and read back with server fields and without
+        // the empty member, as the apiserver returns it.
+        let mut upper = (*upper_cfg(json!({"k": "v"}))).clone();
+        upper.binary_data = Some(BTreeMap::new());
+        let written = desired("c1", &upper);
+        let mut read: serde_json::Value = serde_json::to_value(&written).unwrap();
+        read.as_object_mut().unwrap().remove("binaryData");
+        read["metadata"]["uid"] = json!("low");
+        read["metadata"]["resourceVersion"] = json!("99");
+        read["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
+        read["metadata"]["managedFields"] =
+            json!([{"manager": "tensile-virtual-node", "operation": "Update"}]);
+        let read: ConfigMap = serde_json::from_value(read).unwrap();
+        assert!(is_current("c1", &*header(&upper), &read));
+        // A label edited below no longer digests as written.
+        let mut relabelled = read.clone();
+        relabelled
+            .metadata
+            .labels
+            .get_or_insert_default()
+            .insert("app".into(), "other".into());
+        assert!(!is_current("c1", &*header(&upper), &relabelled));
     }
 
     #[test]

@@ -493,17 +493,18 @@ async fn compose(
         watcher::Config::default().labels(&identity.selector()),
     );
 
-    // ConfigMaps and Secrets: every upper one that may travel (never service-account
-    // tokens), and the copies of this upper cluster below.
+    // ConfigMaps and Secrets: the metadata of every upper one that may travel (never
+    // service-account tokens; the content is read when a copy is written), and the copies of
+    // this upper cluster below.
     let copies_changed = Arc::new(tokio::sync::Notify::new());
     let copy_marks = format!("{}={}", tensile_common::names::MARK_CLUSTER, identity.cluster_id);
-    let (upper_config_maps, upper_config_maps_watch) = watched::<ConfigMap>(
-        Api::all(upper.clone()),
+    let (upper_config_maps, upper_config_maps_watch) = cache::watched_metadata::<ConfigMap>(
+        upper.clone(),
         watcher::Config::default(),
         &copies_changed,
     );
-    let (upper_secrets, upper_secrets_watch) = watched::<Secret>(
-        Api::all(upper.clone()),
+    let (upper_secrets, upper_secrets_watch) = cache::watched_metadata::<Secret>(
+        upper.clone(),
         watcher::Config::default().fields("type!=kubernetes.io/service-account-token"),
         &copies_changed,
     );
@@ -596,6 +597,7 @@ async fn compose(
     let lower_limit = ratelimit::TokenBucket::new(args.lower.client_qps, args.lower.client_burst);
     let upper_limit = ratelimit::TokenBucket::new(args.upper.upper_qps, args.upper.upper_burst);
     let copies = Arc::new(copies::Copies {
+        upper: upper.clone(),
         lower: lower.clone(),
         cluster_id: identity.cluster_id.clone(),
         cluster_name: lower_name.clone(),
