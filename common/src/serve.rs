@@ -13,7 +13,13 @@
 //!   response (`kubectl logs -f`) is a request in progress for as long as it streams.
 //! * **header and HTTP/2 limits**: header bytes per request, concurrent streams per
 //!   connection, flow-control windows (how much a client can make the server buffer);
-//! * **body reads with a size cap and a deadline** ([`read_body`]), for handlers.
+//! * **body budgets** ([`Bodies::read`], for handlers): a body is read whole within a size
+//!   cap and a deadline, and the bytes it holds count against its connection's budget
+//!   ([`Limits::connection_body_bytes`]) and the server's ([`Limits::server_body_bytes`]) until
+//!   the handler drops it. HTTP/2 lets one connection upload on hundreds of streams at once and
+//!   a handler reading a body frees flow-control window as it goes, so without a budget one
+//!   client could make the server hold `streams x max body` bytes. A body that finds no room
+//!   within its deadline is refused as [`BodyError::Busy`].
 //!
 //! Each handler gets the request and the [`Peer`] (its address and, when the TLS
 //! configuration verifies client certificates, the certificate it presented).
@@ -29,13 +35,14 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use rustls::pki_types::CertificateDer;
 use tokio::net::TcpListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 /// How much a server lets its clients hold.
@@ -54,6 +61,11 @@ pub struct Limits {
     /// HTTP/2 flow-control window of one connection: the request bytes a client can send
     /// before a handler reads them.
     pub connection_window: u32,
+    /// Bytes of request bodies the handlers may hold at once for one connection; at least
+    /// the largest body a handler accepts.
+    pub connection_body_bytes: usize,
+    /// Bytes of request bodies the handlers may hold at once for the whole server.
+    pub server_body_bytes: usize,
 }
 
 impl Default for Limits {
@@ -67,9 +79,16 @@ impl Default for Limits {
             max_header_bytes: 64 * 1024,
             max_streams: 250,
             connection_window: 1024 * 1024,
+            connection_body_bytes: 8 * 1024 * 1024,
+            server_body_bytes: 64 * 1024 * 1024,
         }
     }
 }
+
+/// Largest HTTP/2 frame a client may send (the protocol's default): a handler waiting for
+/// body budget holds at most one frame per stream, so one connection makes the server hold at
+/// most `connection_body_bytes + max_streams x this + connection_window` of request bodies.
+pub const H2_FRAME_BYTES: u32 = 16 * 1024;
 
 /// Who sent a request.
 #[derive(Clone, Debug)]
@@ -78,6 +97,8 @@ pub struct Peer {
     /// The certificate chain the client presented, leaf first, when the TLS configuration
     /// verified it; `None` without one.
     pub certificates: Option<Arc<Vec<CertificateDer<'static>>>>,
+    /// Where the request bodies of this connection are read, within its budget.
+    pub bodies: Bodies,
 }
 
 /// Connection counts, for a server's metrics and for tests.
@@ -91,6 +112,10 @@ pub struct Counters {
     pub refused: AtomicU64,
     /// Connections closed by the handshake or idle deadline.
     pub timed_out: AtomicU64,
+    /// KiB of request bodies handlers hold now.
+    pub body_kib_held: AtomicU64,
+    /// Request bodies refused because their connection or the server held its budget.
+    pub bodies_refused: AtomicU64,
 }
 
 /// One open connection as the cap sees it.
@@ -154,6 +179,7 @@ pub async fn serve<H, Fut, B>(
 {
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let table = Arc::new(Mutex::new(Table::default()));
+    let server_bodies = Arc::new(Semaphore::new(kib(limits.server_body_bytes)));
     let limits = Arc::new(limits);
     loop {
         let (tcp, addr) = tokio::select! {
@@ -199,10 +225,15 @@ pub async fn serve<H, Fut, B>(
             table.clone(),
         );
         let stopping = stop.clone();
+        let bodies = Bodies {
+            connection: Arc::new(Semaphore::new(kib(limits.connection_body_bytes))),
+            server: server_bodies.clone(),
+            counters: counters.clone(),
+        };
         tokio::spawn(async move {
             let activity = Activity { busy, idle_since };
             connection(
-                tcp, addr, acceptor, handler, &limits, &counters, activity, close, stopping,
+                tcp, addr, acceptor, handler, &limits, &counters, activity, close, stopping, bodies,
             )
             .await;
             table.lock().unwrap_or_else(|e| e.into_inner()).slots.remove(&id);
@@ -284,6 +315,7 @@ async fn connection<H, Fut, B>(
     activity: Activity,
     close: CancellationToken,
     stopping: CancellationToken,
+    bodies: Bodies,
 ) where
     H: Fn(Request<Incoming>, Peer) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<B>> + Send + 'static,
@@ -311,7 +343,11 @@ async fn connection<H, Fut, B>(
         .peer_certificates()
         .filter(|c| !c.is_empty())
         .map(|c| Arc::new(c.iter().map(|c| c.clone().into_owned()).collect::<Vec<_>>()));
-    let peer = Peer { addr, certificates };
+    let peer = Peer {
+        addr,
+        certificates,
+        bodies,
+    };
     let service_activity = activity.clone();
     let service = hyper::service::service_fn(move |request: Request<Incoming>| {
         let progress = service_activity.start();
@@ -337,6 +373,7 @@ async fn connection<H, Fut, B>(
         .http2()
         .timer(TokioTimer::new())
         .max_concurrent_streams(limits.max_streams)
+        .max_frame_size(H2_FRAME_BYTES)
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
         .initial_connection_window_size(limits.connection_window)
         .initial_stream_window_size(limits.connection_window.min(256 * 1024))
@@ -388,21 +425,122 @@ pub enum BodyError {
     TooLarge(usize),
     #[error("request body not received within {0:?}")]
     TooSlow(Duration),
+    #[error("the server holds as many request bodies as it may; try again (waited {0:?})")]
+    Busy(Duration),
     #[error("reading the request body: {0}")]
     Read(String),
 }
 
-/// Reads a whole request body of at most `max_bytes` within `deadline`.
-pub async fn read_body<B>(body: B, max_bytes: usize, deadline: Duration) -> Result<Bytes, BodyError>
-where
-    B: Body<Data = Bytes>,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    match tokio::time::timeout(deadline, Limited::new(body, max_bytes).collect()).await {
-        Err(_) => Err(BodyError::TooSlow(deadline)),
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(BodyError::TooLarge(max_bytes)),
-        Ok(Err(e)) => Err(BodyError::Read(e.to_string())),
+/// Budgets are counted in KiB, a semaphore permit each.
+fn kib(bytes: usize) -> usize {
+    bytes.div_ceil(1024).min(Semaphore::MAX_PERMITS)
+}
+
+/// The request-body budgets of one connection: its own, and the server's it shares.
+#[derive(Clone, Debug)]
+pub struct Bodies {
+    connection: Arc<Semaphore>,
+    server: Arc<Semaphore>,
+    counters: Arc<Counters>,
+}
+
+impl Bodies {
+    /// Budgets of their own, for a handler called outside [`serve`] (tests).
+    pub fn unshared(connection_bytes: usize, server_bytes: usize) -> Bodies {
+        Bodies {
+            connection: Arc::new(Semaphore::new(kib(connection_bytes))),
+            server: Arc::new(Semaphore::new(kib(server_bytes))),
+            counters: Arc::default(),
+        }
+    }
+
+    /// Reads a whole request body of at most `max_bytes` within `deadline`, each KiB taken
+    /// from the connection's budget and then the server's as it arrives; the bytes stay
+    /// counted until the returned [`HeldBody`] is dropped.
+    pub async fn read<B>(&self, body: B, max_bytes: usize, deadline: Duration) -> Result<HeldBody, BodyError>
+    where
+        B: Body<Data = Bytes>,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let until = tokio::time::Instant::now() + deadline;
+        let mut body = std::pin::pin!(body);
+        let mut buf = bytes::BytesMut::new();
+        let mut held = HeldBody {
+            bytes: Bytes::new(),
+            connection: None,
+            server: None,
+            kib: 0,
+            counters: self.counters.clone(),
+        };
+        loop {
+            let frame = match tokio::time::timeout_at(until, body.frame()).await {
+                Err(_) => return Err(BodyError::TooSlow(deadline)),
+                Ok(None) => break,
+                Ok(Some(Err(e))) => return Err(BodyError::Read(e.into().to_string())),
+                Ok(Some(Ok(frame))) => frame,
+            };
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            let len = buf.len() + data.len();
+            if len > max_bytes {
+                return Err(BodyError::TooLarge(max_bytes));
+            }
+            let more = kib(len) - held.kib;
+            if more > 0 {
+                let more = u32::try_from(more).map_err(|_| BodyError::TooLarge(max_bytes))?;
+                for (budget, slot) in [
+                    (&self.connection, &mut held.connection),
+                    (&self.server, &mut held.server),
+                ] {
+                    let permit =
+                        match tokio::time::timeout_at(until, budget.clone().acquire_many_owned(more)).await {
+                            Ok(Ok(permit)) => permit,
+                            _ => {
+                                self.counters.bodies_refused.fetch_add(1, Ordering::Relaxed);
+                                return Err(BodyError::Busy(deadline));
+                            }
+                        };
+                    match slot {
+                        Some(p) => p.merge(permit),
+                        None => *slot = Some(permit),
+                    }
+                }
+                held.kib += more as usize;
+                self.counters
+                    .body_kib_held
+                    .fetch_add(u64::from(more), Ordering::Relaxed);
+            }
+            buf.extend_from_slice(&data);
+        }
+        held.bytes = buf.freeze();
+        Ok(held)
+    }
+}
+
+/// A request body read whole, counted against its budgets until dropped.
+#[derive(Debug)]
+pub struct HeldBody {
+    bytes: Bytes,
+    connection: Option<OwnedSemaphorePermit>,
+    server: Option<OwnedSemaphorePermit>,
+    kib: usize,
+    counters: Arc<Counters>,
+}
+
+impl std::ops::Deref for HeldBody {
+    type Target = Bytes;
+
+    fn deref(&self) -> &Bytes {
+        &self.bytes
+    }
+}
+
+impl Drop for HeldBody {
+    fn drop(&mut self) {
+        self.counters
+            .body_kib_held
+            .fetch_sub(self.kib as u64, Ordering::Relaxed);
     }
 }
 
@@ -454,17 +592,69 @@ mod tests {
         assert_eq!(counters.refused.load(Ordering::Relaxed), 1);
     }
 
+    fn full(bytes: usize) -> http_body_util::Full<Bytes> {
+        http_body_util::Full::new(Bytes::from(vec![7u8; bytes]))
+    }
+
     #[tokio::test]
     async fn bodies_are_capped_in_size() {
-        let body = http_body_util::Full::new(Bytes::from(vec![0u8; 100]));
+        let bodies = Bodies::unshared(1 << 20, 1 << 20);
         assert!(matches!(
-            read_body(body, 10, Duration::from_secs(1)).await,
+            bodies.read(full(100), 10, Duration::from_secs(1)).await,
             Err(BodyError::TooLarge(10))
         ));
         let body = http_body_util::Full::new(Bytes::from_static(b"ok"));
-        assert_eq!(
-            read_body(body, 10, Duration::from_secs(1)).await.ok(),
-            Some(Bytes::from_static(b"ok"))
-        );
+        let held = bodies.read(body, 10, Duration::from_secs(1)).await.unwrap();
+        assert_eq!(&held[..], b"ok");
+    }
+
+    #[tokio::test]
+    async fn a_connection_holds_its_budget_of_bodies_at_most_and_gets_it_back_on_drop() {
+        let server = Arc::new(Semaphore::new(kib(64 << 10)));
+        let counters = Arc::new(Counters::default());
+        let connection = |bytes| Bodies {
+            connection: Arc::new(Semaphore::new(kib(bytes))),
+            server: server.clone(),
+            counters: counters.clone(),
+        };
+        let (one, other) = (connection(16 << 10), connection(16 << 10));
+        let wait = Duration::from_millis(200);
+        let first = one.read(full(10 << 10), 16 << 10, wait).await.unwrap();
+        assert_eq!(counters.body_kib_held.load(Ordering::Relaxed), 10);
+        // The same connection has 6 KiB left: a second 10 KiB body waits, then is refused.
+        assert!(matches!(
+            one.read(full(10 << 10), 16 << 10, wait).await,
+            Err(BodyError::Busy(_))
+        ));
+        // Another connection has its own budget.
+        let second = other.read(full(10 << 10), 16 << 10, wait).await.unwrap();
+        assert_eq!(counters.body_kib_held.load(Ordering::Relaxed), 20);
+        drop(first);
+        assert!(one.read(full(10 << 10), 16 << 10, wait).await.is_ok());
+        drop(second);
+        assert_eq!(counters.body_kib_held.load(Ordering::Relaxed), 0);
+        assert_eq!(counters.bodies_refused.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test]
+    async fn the_server_budget_bounds_every_connection_together() {
+        let server = Arc::new(Semaphore::new(kib(24 << 10)));
+        let counters = Arc::new(Counters::default());
+        let connections: Vec<Bodies> = (0..3)
+            .map(|_| Bodies {
+                connection: Arc::new(Semaphore::new(kib(16 << 10))),
+                server: server.clone(),
+                counters: counters.clone(),
+            })
+            .collect();
+        let wait = Duration::from_millis(200);
+        let a = connections[0].read(full(12 << 10), 16 << 10, wait).await.unwrap();
+        let b = connections[1].read(full(12 << 10), 16 << 10, wait).await.unwrap();
+        assert!(matches!(
+            connections[2].read(full(1 << 10), 16 << 10, wait).await,
+            Err(BodyError::Busy(_))
+        ));
+        drop((a, b));
+        assert!(connections[2].read(full(1 << 10), 16 << 10, wait).await.is_ok());
     }
 }

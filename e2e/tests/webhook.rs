@@ -619,3 +619,105 @@ async fn a_certificate_rotated_on_disk_is_picked_up_without_restart() {
         .kubectl(&["delete", "mutatingwebhookconfiguration", config])
         .await;
 }
+
+/// One HTTP/2 client cannot make the webhook hold more than a connection's budget of
+/// request bodies: of 300 uploads of 6 MiB bodies that never finish, 250 at a time (the
+/// advertised stream cap) are served, the webhook takes at most its per-connection budget
+/// (plus the connection's flow-control window), the apiserver's reviews keep being answered,
+/// and each upload is refused (or reset) at its deadline, after which the budget is whole
+/// again.
+#[tokio::test]
+async fn one_http2_client_gets_the_stream_cap_and_a_connection_budget_of_bodies_while_reviews_are_answered() {
+    init();
+    let c = upper();
+    let ns = "wh-h2";
+    namespace(c, ns).await;
+    let port = free_port().unwrap();
+    let opts = options(
+        port,
+        Certificates::SelfSigned {
+            names: vec!["127.0.0.1".into()],
+        },
+    );
+    let limits = opts.limits.clone();
+    let running = start_webhook(opts).await;
+    let config = "tensile-webhook-h2";
+    let out = apply(c, &registration(config, port, ns, running.ca_pem.as_deref())).await;
+    assert!(out.ok, "{}", out.stderr);
+
+    let uploads = tensile_e2e::flood::Uploads::open(running.address, "/mutate", 300, 6 << 20)
+        .await
+        .unwrap();
+    // The server says how many streams it serves at once; the client queues the rest.
+    assert_eq!(uploads.advertised_streams, limits.max_streams as usize);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let held = || {
+        running
+            .state
+            .connections
+            .body_kib_held
+            .load(std::sync::atomic::Ordering::SeqCst)
+            * 1024
+    };
+    assert!(
+        held() as usize <= limits.connection_body_bytes,
+        "held {} bytes",
+        held()
+    );
+    // What one connection can make the server hold: the budget, a frame in hand per stream
+    // waiting for budget, and the flow-control window (with a little slack for frames in
+    // flight).
+    let ceiling = limits.connection_body_bytes
+        + limits.max_streams as usize * tensile_common::serve::H2_FRAME_BYTES as usize
+        + limits.connection_window as usize
+        + (256 << 10);
+    eprintln!(
+        "one HTTP/2 client, {} streams: the webhook took {} bytes of bodies, holds {} (ceiling {ceiling})",
+        uploads.opened,
+        uploads.sent_bytes(),
+        held()
+    );
+    assert!(
+        uploads.sent_bytes() as usize <= ceiling,
+        "the server took {} bytes",
+        uploads.sent_bytes()
+    );
+    for i in 0..3 {
+        let name = format!("during-{i}");
+        let out = c
+            .kubectl(&[
+                "-n",
+                ns,
+                "run",
+                &name,
+                "--image=nginx",
+                "--restart=Never",
+                "--labels=virtual-pod=true",
+            ])
+            .await;
+        assert!(out.ok, "review {i} during the uploads: {}", out.stderr);
+        assert!(stash_of(&get_pod(c, ns, &name).await).tolerations.len() >= 2);
+    }
+    tensile_e2e::wait::must(
+        "every upload ended at its deadline (the queued ones after a second deadline)",
+        Duration::from_secs(45),
+        Duration::from_millis(200),
+        || async {
+            let answered = uploads.answered();
+            if answered.len() == uploads.opened {
+                Ok(answered)
+            } else {
+                Err(format!("{} of {} answered", answered.len(), uploads.opened))
+            }
+        },
+    )
+    .await
+    .into_iter()
+    .for_each(|status| assert!(matches!(status, 0 | 408 | 503), "status {status}"));
+    assert_eq!(held(), 0, "every body given back");
+    drop(uploads);
+    running.stop().await;
+    let _ = c
+        .kubectl(&["delete", "mutatingwebhookconfiguration", config])
+        .await;
+}

@@ -80,7 +80,7 @@ impl Verb {
 }
 
 /// Routes one request.
-pub async fn handle<B>(state: Arc<State>, request: Request<B>) -> Response<Body>
+pub async fn handle<B>(state: Arc<State>, request: Request<B>, bodies: serve::Bodies) -> Response<Body>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -97,7 +97,7 @@ where
         }
     };
     let started = Instant::now();
-    let (result, response) = answer(&state, verb, request).await;
+    let (result, response) = answer(&state, verb, request, &bodies).await;
     state.metrics.request(verb.name(), result);
     state
         .metrics
@@ -107,7 +107,12 @@ where
     response
 }
 
-async fn answer<B>(state: &State, verb: Verb, request: Request<B>) -> (&'static str, Response<Body>)
+async fn answer<B>(
+    state: &State,
+    verb: Verb,
+    request: Request<B>,
+    bodies: &serve::Bodies,
+) -> (&'static str, Response<Body>)
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -136,12 +141,16 @@ where
             .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
         return ("content_type", r);
     }
-    let body = match serve::read_body(request.into_body(), state.max_body_bytes, state.body_deadline).await {
+    let body = match bodies
+        .read(request.into_body(), state.max_body_bytes, state.body_deadline)
+        .await
+    {
         Ok(b) => b,
         Err(e) => {
             let status = match e {
                 BodyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
                 BodyError::TooSlow(_) => StatusCode::REQUEST_TIMEOUT,
+                BodyError::Busy(_) => StatusCode::SERVICE_UNAVAILABLE,
                 BodyError::Read(_) => StatusCode::BAD_REQUEST,
             };
             let mut r = text(status, format!("{e}\n"));
@@ -201,7 +210,7 @@ pub async fn serve_https(
         serve::Limits::default(),
         counters,
         stop,
-        move |request, _peer| handle(state.clone(), request),
+        move |request, peer| handle(state.clone(), request, peer.bodies),
     )
     .await
 }
@@ -242,7 +251,7 @@ mod tests {
             .header(header::CONTENT_TYPE, content_type)
             .body(Full::new(Bytes::from(body.to_owned())))
             .unwrap();
-        let response = handle(state(), request).await;
+        let response = handle(state(), request, serve::Bodies::unshared(1 << 20, 1 << 20)).await;
         let status = response.status().as_u16();
         let body = response.into_body().collect().await.unwrap().to_bytes();
         (status, String::from_utf8(body.to_vec()).unwrap())

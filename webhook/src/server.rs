@@ -61,11 +61,11 @@ fn health(state: &State, path: &str) -> Option<Response<Body>> {
 }
 
 /// Routes one request of the HTTPS port.
-pub async fn handle(state: Arc<State>, request: Request<Incoming>) -> Response<Body> {
+pub async fn handle(state: Arc<State>, request: Request<Incoming>, bodies: serve::Bodies) -> Response<Body> {
     if request.uri().path() == "/mutate" {
         let started = Instant::now();
         let response = if request.method() == Method::POST {
-            admit(&state, request).await
+            admit(&state, request, &bodies).await
         } else {
             state.metrics.error("method");
             let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "only POST is served at /mutate\n");
@@ -93,7 +93,7 @@ fn is_json(value: Option<&header::HeaderValue>) -> bool {
     essence.eq_ignore_ascii_case("application/json")
 }
 
-async fn admit(state: &State, request: Request<Incoming>) -> Response<Body> {
+async fn admit(state: &State, request: Request<Incoming>, bodies: &serve::Bodies) -> Response<Body> {
     let metrics = &state.metrics;
     let content_type = request.headers().get(header::CONTENT_TYPE);
     let limit = state.max_body_bytes;
@@ -104,7 +104,7 @@ async fn admit(state: &State, request: Request<Incoming>) -> Response<Body> {
             .unwrap_or("none")
             .to_owned();
         // Read the body anyway (within the limit) so the keep-alive connection stays usable.
-        let _ = serve::read_body(request.into_body(), limit, BODY_DEADLINE).await;
+        let _ = bodies.read(request.into_body(), limit, BODY_DEADLINE).await;
         return text(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             format!("content type must be application/json, got {got}\n"),
@@ -129,7 +129,7 @@ async fn admit(state: &State, request: Request<Incoming>) -> Response<Body> {
         metrics.error("too_large");
         return too_large();
     }
-    let body = match serve::read_body(request.into_body(), limit, BODY_DEADLINE).await {
+    let body = match bodies.read(request.into_body(), limit, BODY_DEADLINE).await {
         Ok(body) => body,
         Err(serve::BodyError::TooLarge(_)) => {
             metrics.error("too_large");
@@ -138,6 +138,10 @@ async fn admit(state: &State, request: Request<Incoming>) -> Response<Body> {
         Err(e @ serve::BodyError::TooSlow(_)) => {
             metrics.error("body_timeout");
             return text(StatusCode::REQUEST_TIMEOUT, format!("{e}\n"));
+        }
+        Err(e @ serve::BodyError::Busy(_)) => {
+            metrics.error("body_budget");
+            return text(StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n"));
         }
         Err(e) => {
             metrics.error("body");
@@ -294,8 +298,8 @@ pub async fn serve_https(
     stop: CancellationToken,
 ) {
     let counters = state.connections.clone();
-    serve::serve(listener, tls, limits, counters, stop, move |request, _peer| {
-        handle(state.clone(), request)
+    serve::serve(listener, tls, limits, counters, stop, move |request, peer| {
+        handle(state.clone(), request, peer.bodies)
     })
     .await
 }
