@@ -1,5 +1,7 @@
 //! The kubelet API of the virtual node, over TLS on `--kubelet-port`: the upper apiserver
-//! proxies `kubectl logs` here, and we forward to the lower cluster's `pods/log`.
+//! proxies `kubectl logs` here, and we forward to the lower cluster's `pods/log`;
+//! `kubectl exec`, `attach` and `port-forward` are spliced to the lower apiserver
+//! ([`crate::streams`]).
 //!
 //! Callers must present a client certificate signed by `--client-verify-ca` (the upper
 //! apiserver's kubelet-client CA); a caller without one gets 401. Serving without
@@ -7,8 +9,9 @@
 //! `system:anonymous`).
 //!
 //! Authorisation is the kubelet's: the caller (certificate CN as user, O as groups) must be
-//! allowed the node's subresource (`nodes/proxy` for `containerLogs`, the verb from the
-//! method) by a SubjectAccessReview on the upper cluster, cached like the kubelet caches it
+//! allowed the node's subresource (`nodes/proxy` for `containerLogs`, `exec`, `attach` and
+//! `portForward`, `nodes/stats` for `/stats`, `nodes/metrics` for `/metrics`, the verb from
+//! the method) by a SubjectAccessReview on the upper cluster, cached like the kubelet caches it
 //! (allowed 5 min, denied 30 s). A certificate from the same CA is therefore not enough: on
 //! kubeadm every kubelet has one, and none may read another node's logs.
 //! `--kubelet-authorization=always-allow` skips the review.
@@ -20,6 +23,8 @@ use std::time::{Duration, Instant};
 
 use tensile_common::cache::Cache;
 use tensile_common::serve::{self, Peer};
+
+use crate::streams;
 
 use bytes::Bytes;
 use futures::AsyncReadExt;
@@ -259,6 +264,7 @@ pub struct KubeletState {
     pub node: String,
     pub upper_pods: Cache<Pod>,
     pub lower: kube::Client,
+    pub metrics: Arc<crate::metrics::Metrics>,
     pub require_client_cert: bool,
     pub authorizer: Authorizer,
 }
@@ -301,7 +307,7 @@ async fn route(state: &KubeletState, peer: &Peer, req: Request<Incoming>) -> Res
         user,
         groups,
         verb: verb(req.method()),
-        subresource: "proxy",
+        subresource: subresource(&segments),
     };
     match state.authorizer.allows(&state.node, &attributes).await {
         Ok(true) => {}
@@ -321,6 +327,23 @@ async fn route(state: &KubeletState, peer: &Peer, req: Request<Incoming>) -> Res
             );
         }
     }
+    if let Some(target) = streams::parse_path(&segments) {
+        let target = match target {
+            Ok(t) => t,
+            Err(e) => return streams::refusal(StatusCode::BAD_REQUEST, e),
+        };
+        if !matches!(*req.method(), http::Method::GET | http::Method::POST) {
+            return streams::refusal(
+                StatusCode::METHOD_NOT_ALLOWED,
+                format!("{path}: {} takes GET or POST", target.kind.name()),
+            );
+        }
+        if let Err(e) = runs_here(state, &target.namespace, &target.pod, target.uid.as_deref()) {
+            state.metrics.stream_refused(target.kind.name(), "not_on_node");
+            return streams::refusal(StatusCode::NOT_FOUND, e);
+        }
+        return streams::splice(&state.lower, &state.metrics, &target, req).await;
+    }
     match segments.as_slice() {
         ["containerLogs", ns, pod, container] if req.method() == http::Method::GET => {
             match LogOptions::from_query(req.uri().query().unwrap_or("")) {
@@ -336,6 +359,32 @@ async fn route(state: &KubeletState, peer: &Peer, req: Request<Incoming>) -> Res
             StatusCode::NOT_FOUND,
             format!("{path}: not served by this virtual node"),
         ),
+    }
+}
+
+/// The kubelet's subresource for a path (`nodes/<subresource>` is what is authorised).
+fn subresource(segments: &[&str]) -> &'static str {
+    match segments.first() {
+        Some(&"stats") => "stats",
+        Some(&"metrics") => "metrics",
+        _ => "proxy",
+    }
+}
+
+/// Whether upper pod `ns/pod` is bound to this node (and, when the path names one, has
+/// `uid`); `Err` says why not.
+fn runs_here(state: &KubeletState, ns: &str, pod: &str, uid: Option<&str>) -> Result<(), String> {
+    let found = state.upper_pods.get(&ObjectRef::new(pod).within(ns));
+    let bound = found
+        .as_ref()
+        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(state.node.as_str()));
+    match (bound, uid) {
+        (None, _) => Err(format!("pod {ns}/{pod} is not on node {}", state.node)),
+        (Some(p), Some(uid)) if p.metadata.uid.as_deref() != Some(uid) => Err(format!(
+            "pod {ns}/{pod} on node {} has another UID than {uid}",
+            state.node
+        )),
+        (Some(_), _) => Ok(()),
     }
 }
 

@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod node;
 pub mod pods;
 pub mod ratelimit;
+pub mod streams;
 pub mod translate;
 pub mod volumes;
 
@@ -692,6 +693,7 @@ async fn compose(
         node: identity.node.clone(),
         upper_pods: upper_pods.clone(),
         lower: lower.clone(),
+        metrics: metrics.clone(),
         require_client_cert: matches!(auth, ClientAuth::Ca(_)),
         authorizer,
     });

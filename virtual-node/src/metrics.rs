@@ -16,6 +16,17 @@ pub struct ApiLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StreamLabels {
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabels {
+    pub kind: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
     pub outcome: String,
 }
@@ -29,6 +40,22 @@ pub struct Metrics {
     pub lower_ready: Gauge,
     pub copies: Gauge,
     pub events_dropped: Counter,
+    /// exec/attach/port-forward sessions spliced now: each holds one upper and one lower
+    /// connection and one task, so a leak shows here.
+    pub stream_sessions: Family<StreamLabels, Gauge>,
+    pub stream_sessions_total: Family<StreamLabels, Counter>,
+    pub stream_refusals: Family<RefusalLabels, Counter>,
+}
+
+/// One spliced session, counted in [`Metrics::stream_sessions`] until dropped.
+pub struct StreamSession {
+    open: Gauge,
+}
+
+impl Drop for StreamSession {
+    fn drop(&mut self) {
+        self.open.dec();
+    }
 }
 
 impl Metrics {
@@ -44,6 +71,9 @@ impl Metrics {
             lower_ready: Gauge::default(),
             copies: Gauge::default(),
             events_dropped: Counter::default(),
+            stream_sessions: Family::default(),
+            stream_sessions_total: Family::default(),
+            stream_refusals: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("tensile_virtual_node");
         r.register(
@@ -86,7 +116,40 @@ impl Metrics {
             "Events not sent because the event queue was full",
             m.events_dropped.clone(),
         );
+        r.register(
+            "stream_sessions",
+            "exec, attach and port-forward sessions spliced to the lower cluster now",
+            m.stream_sessions.clone(),
+        );
+        r.register(
+            "stream_sessions_started",
+            "exec, attach and port-forward sessions spliced to the lower cluster",
+            m.stream_sessions_total.clone(),
+        );
+        r.register(
+            "stream_refusals",
+            "exec, attach and port-forward requests refused, by reason",
+            m.stream_refusals.clone(),
+        );
         m
+    }
+
+    /// Counts a spliced session of `kind` until the returned guard is dropped.
+    pub fn stream_opened(&self, kind: &str) -> StreamSession {
+        let labels = StreamLabels { kind: kind.into() };
+        self.stream_sessions_total.get_or_create(&labels).inc();
+        let open = self.stream_sessions.get_or_create(&labels).clone();
+        open.inc();
+        StreamSession { open }
+    }
+
+    pub fn stream_refused(&self, kind: &str, reason: &str) {
+        self.stream_refusals
+            .get_or_create(&RefusalLabels {
+                kind: kind.into(),
+                reason: reason.into(),
+            })
+            .inc();
     }
 
     pub fn observe_reconcile(&self, took: Duration, ok: bool) {

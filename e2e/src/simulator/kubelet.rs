@@ -1,4 +1,5 @@
-//! The simulated kubelet's HTTPS endpoint: `containerLogs` for every simulated pod.
+//! The simulated kubelet's HTTPS endpoint: `containerLogs`, `exec`, `attach` and
+//! `portForward` ([`super::streams`]) for every simulated pod.
 //!
 //! It serves on 127.0.0.1 with a self-signed certificate (the apiserver does not verify
 //! kubelet certificates unless told to) and, when given the apiserver's kubelet-client CA,
@@ -40,9 +41,12 @@ pub(super) async fn serve(listener: TcpListener, config: Arc<rustls::ServerConfi
     .await
 }
 
-fn route(inner: &Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
+fn route(inner: &Arc<Inner>, mut req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_owned();
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    if let Some(response) = super::streams::route(inner, &mut req, &segments) {
+        return response;
+    }
     match (req.method(), segments.as_slice()) {
         (&http::Method::GET, ["healthz"]) => text(StatusCode::OK, "ok"),
         (&http::Method::GET, ["containerLogs", ns, pod, container]) => {
@@ -64,7 +68,7 @@ fn route(inner: &Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
     }
 }
 
-fn lookup(inner: &Inner, ns: &str, pod: &str) -> Option<Pod> {
+pub(super) fn lookup(inner: &Inner, ns: &str, pod: &str) -> Option<Pod> {
     inner
         .pods
         .read()
@@ -73,7 +77,7 @@ fn lookup(inner: &Inner, ns: &str, pod: &str) -> Option<Pod> {
         .cloned()
 }
 
-fn container_status<'a>(pod: &'a Pod, container: &str) -> Option<&'a ContainerStatus> {
+pub(super) fn container_status<'a>(pod: &'a Pod, container: &str) -> Option<&'a ContainerStatus> {
     let status = pod.status.as_ref()?;
     status
         .container_statuses
@@ -84,7 +88,7 @@ fn container_status<'a>(pod: &'a Pod, container: &str) -> Option<&'a ContainerSt
 }
 
 /// The log source of the current (or, with `previous`, the last terminated) run.
-fn source(
+pub(super) fn source(
     pod: &Pod,
     ns: &str,
     name: &str,

@@ -9,12 +9,17 @@
 //!   `restartPolicy: Never`/`OnFailure` pods complete; the `tensile.io/sim` annotation
 //!   ([`Behavior`]) chooses timings, failures and restarts. Graceful deletion ends with a
 //!   delete of grace 0 and a UID precondition, as a kubelet does.
-//! * One TLS kubelet endpoint serves `containerLogs` for every simulated node.
+//! * One TLS kubelet endpoint serves `containerLogs`, `exec`, `attach` and `portForward`
+//!   for every simulated node (over WebSocket and SPDY, as kubectl speaks them; see
+//!   [`exec`] for what a simulated container can run).
 
 mod behavior;
+pub mod exec;
 mod kubelet;
 mod logs;
 mod pods;
+pub mod spdy;
+mod streams;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,0 +1,499 @@
+//! `kubectl exec`, `attach` and `port-forward` on pods that run below a virtual node: an upper
+//! cluster, a lower cluster with simulated kubelets (which speak WebSocket and SPDY as real
+//! ones do), a virtual node in process. Every command is the upper cluster's kubectl.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use tensile_e2e::check::{apply, eventually};
+use tensile_e2e::in_process::{self, admin_get};
+use tensile_e2e::shared::Shared;
+use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+struct Bed {
+    upper: TestCluster,
+    _lower: TestCluster,
+    _sim: NodeSimulator,
+    node: in_process::VirtualNode,
+}
+
+static BED: Shared<Bed> = Shared::new();
+
+const NODE: &str = "vn-exec";
+const NS: &str = "streams";
+
+fn bed() -> &'static Bed {
+    BED.get(|| async {
+        let (upper, lower) = tokio::join!(
+            TestCluster::start(ClusterOptions::new("exec", "upper")),
+            TestCluster::start(ClusterOptions::new("exec", "lower")),
+        );
+        let (upper, lower) = (upper?, lower?);
+        let sim = NodeSimulator::start(
+            lower.client().await?,
+            SimulatorOptions::new("lower", Some(lower.kubelet_client_ca_pem())),
+            vec![NodeConfig::new("low-0"), NodeConfig::new("low-1")],
+        )
+        .await?;
+        let node = in_process::VirtualNode::start(&upper, NODE, &lower).map_err(|e| {
+            tensile_e2e::Error::Cluster {
+                cluster: NODE.into(),
+                message: e.to_string(),
+            }
+        })?;
+        upper.create_namespace(NS).await?;
+        Ok(Bed {
+            upper,
+            _lower: lower,
+            _sim: sim,
+            node,
+        })
+    })
+    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
+}
+
+fn up() -> &'static Path {
+    bed().upper.kubeconfig()
+}
+
+/// A pod on `node` with ports 8080 and 9090 and one literal env entry.
+fn pod_manifest(ns: &str, name: &str, node: &str) -> String {
+    format!(
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  nodeSelector: {{kubernetes.io/hostname: {node}}}
+  tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+  containers:
+  - name: app
+    image: busybox
+    env: [{{name: GREETING, value: hello-from-below}}]
+    ports: [{{containerPort: 8080}}, {{containerPort: 9090}}]
+"#
+    )
+}
+
+/// Creates pod `name` on the shared virtual node and waits until it runs.
+async fn running_pod(kubeconfig: &Path, ns: &str, name: &str, node: &str) {
+    apply(kubeconfig, &pod_manifest(ns, name, node)).await;
+    eventually(
+        kubeconfig,
+        &format!("{name} Running"),
+        90,
+        &["-n", ns, "get", "pod", name, "-o", "jsonpath={.status.phase}"],
+        "Running",
+    )
+    .await;
+}
+
+/// Which transport kubectl uses: its default (WebSocket first) or SPDY only.
+#[derive(Clone, Copy, Debug)]
+enum Via {
+    WebSocket,
+    Spdy,
+}
+
+struct Run {
+    code: i32,
+    stdout: Vec<u8>,
+    stderr: String,
+}
+
+impl Run {
+    fn out(&self) -> String {
+        String::from_utf8_lossy(&self.stdout).into_owned()
+    }
+}
+
+fn kubectl_command(kubeconfig: &Path, via: Via, args: &[&str]) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new("kubectl");
+    cmd.arg("--kubeconfig").arg(kubeconfig).args(args);
+    let off = matches!(via, Via::Spdy).then_some("false").unwrap_or("true");
+    cmd.env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", off)
+        .env("KUBECTL_PORT_FORWARD_WEBSOCKETS", off)
+        .kill_on_drop(true);
+    cmd
+}
+
+/// Runs kubectl with `stdin` fed to it, within 60 s.
+async fn kubectl_run(kubeconfig: &Path, via: Via, args: &[&str], stdin: Option<Vec<u8>>) -> Run {
+    let mut cmd = kubectl_command(kubeconfig, via, args);
+    cmd.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    if let Some(data) = stdin {
+        let mut pipe = child.stdin.take().unwrap();
+        tokio::spawn(async move {
+            let _ = pipe.write_all(&data).await;
+            drop(pipe);
+        });
+    }
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| panic!("kubectl {args:?} did not finish in 60 s"))
+        .unwrap();
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: out.stdout,
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+async fn exec(via: Via, pod: &str, command: &[&str], stdin: Option<Vec<u8>>) -> Run {
+    let mut args = vec!["-n", NS, "exec"];
+    if stdin.is_some() {
+        args.push("-i");
+    }
+    args.push(pod);
+    args.push("--");
+    args.extend_from_slice(command);
+    kubectl_run(up(), via, &args, stdin).await
+}
+
+/// A gauge or counter value from the virtual node's admin `/metrics`.
+async fn metric(admin: &str, line_prefix: &str) -> f64 {
+    let (_, body) = admin_get(admin, "/metrics")
+        .await
+        .expect("admin endpoint answers");
+    body.lines()
+        .find(|l| l.starts_with(line_prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+const OPEN_EXEC: &str = r#"tensile_virtual_node_stream_sessions{kind="exec"} "#;
+
+#[tokio::test]
+async fn kubectl_exec_runs_the_command_below_over_websocket_and_spdy() {
+    let bed = bed();
+    running_pod(up(), NS, "runner", NODE).await;
+    for via in [Via::WebSocket, Via::Spdy] {
+        let hi = exec(via, "runner", &["echo", "hi"], None).await;
+        assert_eq!(
+            (hi.code, hi.out().as_str()),
+            (0, "hi\n"),
+            "{via:?}: {}",
+            hi.stderr
+        );
+        let env = exec(via, "runner", &["env"], None).await;
+        assert!(
+            env.out().contains("GREETING=hello-from-below\n") && env.out().contains("HOSTNAME=runner\n"),
+            "{via:?}: {}",
+            env.out()
+        );
+        let exit = exec(via, "runner", &["sh", "-c", "exit 3"], None).await;
+        assert_eq!(
+            exit.code, 3,
+            "{via:?}: kubectl exits with the command's code: {}",
+            exit.stderr
+        );
+        assert!(
+            exit.stderr.contains("command terminated with exit code 3"),
+            "{}",
+            exit.stderr
+        );
+
+        // 1 MiB through stdin comes back byte for byte.
+        let data: Vec<u8> = (0..(1 << 20))
+            .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        let started = Instant::now();
+        let cat = exec(via, "runner", &["cat"], Some(data.clone())).await;
+        assert_eq!(cat.code, 0, "{via:?}: {}", cat.stderr);
+        assert_eq!(cat.stdout.len(), data.len(), "{via:?}: bytes back");
+        assert!(cat.stdout == data, "{via:?}: the bytes are identical");
+        eprintln!("{via:?}: 1 MiB through cat in {:?}", started.elapsed());
+
+        let unknown = exec(via, "runner", &["ls"], None).await;
+        assert_eq!(unknown.code, 127, "{}", unknown.stderr);
+    }
+
+    // A wrong container name gets kubectl's usual error from the upper apiserver.
+    let wrong = kubectl_run(
+        up(),
+        Via::WebSocket,
+        &["-n", NS, "exec", "runner", "-c", "nope", "--", "echo"],
+        None,
+    )
+    .await;
+    assert_ne!(wrong.code, 0);
+    assert!(
+        wrong
+            .stderr
+            .contains("container nope is not valid for pod runner")
+            || wrong.stderr.contains("container not found (\"nope\")"),
+        "{}",
+        wrong.stderr
+    );
+    // Sessions end with the command: nothing stays open in the virtual node.
+    assert_eq!(metric(&bed.node.admin_addr, OPEN_EXEC).await, 0.0);
+}
+
+#[tokio::test]
+async fn kubectl_exec_with_a_tty_gets_a_terminal() {
+    bed();
+    running_pod(up(), NS, "terminal", NODE).await;
+    let line = format!(
+        "kubectl --kubeconfig {} -n {NS} exec -it terminal -- env",
+        up().display()
+    );
+    for via in [Via::WebSocket, Via::Spdy] {
+        let off = if matches!(via, Via::Spdy) { "false" } else { "true" };
+        let out = tokio::time::timeout(
+            Duration::from_secs(60),
+            tokio::process::Command::new("script")
+                .args(["-qec", &line, "/dev/null"])
+                .env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", off)
+                .stdin(Stdio::null())
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{via:?}: {text}");
+        assert!(
+            text.contains("TERM=xterm\r\n"),
+            "{via:?}: a tty, in cooked mode: {text:?}"
+        );
+        assert!(!text.contains("Unable to use a TTY"), "{via:?}: {text}");
+    }
+}
+
+#[tokio::test]
+async fn twenty_concurrent_execs_all_complete() {
+    bed();
+    running_pod(up(), NS, "busy", NODE).await;
+    let started = Instant::now();
+    let runs = futures::future::join_all((0..20).map(|i| async move {
+        let via = if i % 2 == 0 { Via::WebSocket } else { Via::Spdy };
+        let word = format!("exec-{i}");
+        let run = exec(via, "busy", &["echo", &word], None).await;
+        (word, run)
+    }))
+    .await;
+    for (word, run) in runs {
+        assert_eq!((run.code, run.out()), (0, format!("{word}\n")), "{}", run.stderr);
+    }
+    eprintln!("20 concurrent execs in {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn kubectl_attach_follows_the_lower_container() {
+    bed();
+    running_pod(up(), NS, "attached", NODE).await;
+    for via in [Via::WebSocket, Via::Spdy] {
+        let mut cmd = kubectl_command(up(), via, &["-n", NS, "attach", "attached", "-c", "app"]);
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let mut stdout = child.stdout.take().unwrap();
+        let mut seen = String::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut buf = [0u8; 4096];
+        while seen
+            .lines()
+            .filter(|l| l.starts_with("streams/attached app line "))
+            .count()
+            < 2
+        {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, stdout.read(&mut buf)).await {
+                Ok(Ok(n)) if n > 0 => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
+                _ => {
+                    let _ = child.kill().await;
+                    let mut err = String::new();
+                    let _ = child.stderr.take().unwrap().read_to_string(&mut err).await;
+                    panic!("{via:?}: attach showed {seen:?}; stderr {err}");
+                }
+            }
+        }
+        child.kill().await.unwrap();
+    }
+}
+
+/// `kubectl port-forward` in the background until dropped.
+struct Forward {
+    child: tokio::process::Child,
+}
+
+impl Forward {
+    async fn start(via: Via, pod: &str, mappings: &[String]) -> Forward {
+        let mut args = vec!["-n", NS, "port-forward", pod];
+        args.extend(mappings.iter().map(String::as_str));
+        let mut cmd = kubectl_command(up(), via, &args);
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let mut stdout = child.stdout.take().unwrap();
+        let mut seen = String::new();
+        let mut buf = [0u8; 1024];
+        let want = mappings.len();
+        while seen.matches("Forwarding from 127.0.0.1:").count() < want {
+            match tokio::time::timeout(Duration::from_secs(30), stdout.read(&mut buf)).await {
+                Ok(Ok(n)) if n > 0 => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
+                _ => {
+                    let mut err = String::new();
+                    let _ = child.kill().await;
+                    let _ = child.stderr.take().unwrap().read_to_string(&mut err).await;
+                    panic!("{via:?}: port-forward said {seen:?}; stderr {err}");
+                }
+            }
+        }
+        // Keep draining what it prints ("Handling connection for …").
+        tokio::spawn(async move {
+            let mut buf = [0u8; 1024];
+            while let Ok(n) = stdout.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        });
+        Forward { child }
+    }
+}
+
+impl Drop for Forward {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+    }
+}
+
+async fn http_get(port: u16) -> String {
+    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    tcp.write_all(b"GET / HTTP/1.1\r\nHost: pod\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    tokio::time::timeout(Duration::from_secs(20), tcp.read_to_string(&mut out))
+        .await
+        .unwrap()
+        .unwrap();
+    out
+}
+
+async fn echo(port: u16, data: &[u8]) -> Vec<u8> {
+    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    tcp.write_all(data).await.unwrap();
+    let mut back = vec![0u8; data.len()];
+    tokio::time::timeout(Duration::from_secs(20), tcp.read_exact(&mut back))
+        .await
+        .unwrap()
+        .unwrap();
+    back
+}
+
+#[tokio::test]
+async fn kubectl_port_forward_reaches_the_lower_pods_ports() {
+    bed();
+    running_pod(up(), NS, "server", NODE).await;
+    for via in [Via::WebSocket, Via::Spdy] {
+        let (a, b) = (free_port().unwrap(), free_port().unwrap());
+        let forward = Forward::start(via, "server", &[format!("{a}:8080")]).await;
+        for round in 0..2 {
+            let answer = http_get(a).await;
+            assert!(
+                answer.starts_with("HTTP/1.1 200 OK") && answer.ends_with("streams/server port 8080\n"),
+                "{via:?} round {round}: {answer:?}"
+            );
+        }
+        drop(forward);
+        // Two ports at once: HTTP on one, an echo of 256 KiB on the other.
+        let forward = Forward::start(via, "server", &[format!("{a}:8080"), format!("{b}:9090")]).await;
+        let data: Vec<u8> = (0..256 * 1024u32).map(|i| (i % 251) as u8).collect();
+        let (answer, back) = tokio::join!(http_get(a), echo(b, &data));
+        assert!(
+            answer.ends_with("streams/server port 8080\n"),
+            "{via:?}: {answer:?}"
+        );
+        assert!(back == data, "{via:?}: the echo is identical");
+        drop(forward);
+    }
+}
+
+#[tokio::test]
+async fn a_lower_apiserver_killed_mid_session_ends_it_and_leaks_nothing() {
+    let bed = bed();
+    // A lower cluster of its own: its apiserver is killed.
+    let lower = TestCluster::start(ClusterOptions::new("exec", "lower-kill"))
+        .await
+        .unwrap();
+    let _sim = NodeSimulator::start(
+        lower.client().await.unwrap(),
+        SimulatorOptions::new("lower-kill", Some(lower.kubelet_client_ca_pem())),
+        vec![NodeConfig::new("kill-0")],
+    )
+    .await
+    .unwrap();
+    let node = in_process::VirtualNode::start(&bed.upper, "vn-kill", &lower).unwrap();
+    running_pod(up(), NS, "doomed", "vn-kill").await;
+    for via in [Via::WebSocket, Via::Spdy] {
+        let mut cmd = kubectl_command(up(), via, &["-n", NS, "exec", "-i", "doomed", "--", "cat"]);
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        let mut stdout = child.stdout.take().unwrap();
+        stdin.write_all(b"before\n").await.unwrap();
+        let mut buf = [0u8; 7];
+        tokio::time::timeout(Duration::from_secs(30), stdout.read_exact(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&buf, b"before\n", "{via:?}: the session works");
+        assert_eq!(metric(&node.admin_addr, OPEN_EXEC).await, 1.0, "{via:?}");
+
+        lower.stop_apiserver();
+        let ended = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
+        let status = ended
+            .unwrap_or_else(|_| panic!("{via:?}: kubectl still runs 30 s after the kill"))
+            .unwrap();
+        assert!(!status.success(), "{via:?}: the session ends with an error");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while metric(&node.admin_addr, OPEN_EXEC).await != 0.0 {
+            assert!(
+                Instant::now() < deadline,
+                "{via:?}: the spliced session is released"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        drop(stdin);
+        lower.start_apiserver().await.unwrap();
+        // The lower cluster is back: a new session works.
+        let again = tensile_e2e::wait::must(
+            "exec after the restart",
+            Duration::from_secs(60),
+            Duration::from_secs(1),
+            || async {
+                let r = exec(via, "doomed", &["echo", "back"], None).await;
+                if r.code == 0 && r.out() == "back\n" {
+                    Ok(())
+                } else {
+                    Err(r.stderr)
+                }
+            },
+        );
+        again.await;
+    }
+    let refused = metric(
+        &node.admin_addr,
+        r#"tensile_virtual_node_stream_sessions_started_total{kind="exec"} "#,
+    )
+    .await;
+    assert!(refused >= 3.0, "sessions are counted: {refused}");
+}
