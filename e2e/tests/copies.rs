@@ -6,6 +6,8 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use futures::{StreamExt as _, TryStreamExt as _};
+
 use tensile_e2e::check::{apply, eventually, kubectl};
 use tensile_e2e::in_process::{self, VirtualNode};
 use tensile_e2e::shared::Shared;
@@ -1411,4 +1413,84 @@ spec:
         assert!(Instant::now() < deadline, "upper volume {volume} is still there");
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
+}
+
+/// A copy made immutable below (a lower admin's edit) is replaced by delete and create, as
+/// immutable content changes; a pod that needs it goes below only after the new copy exists:
+/// the copy's creation precedes the pod's in the lower apiserver's own order of writes.
+#[tokio::test]
+async fn a_replaced_immutable_copy_exists_again_before_the_pod_that_needs_it() {
+    let bed = bed();
+    // Copies outlive their last pod by a minute here: the edited copy is left to the pod path.
+    let _vn = virtual_node_with("vn-immutable", |a| a.reflection.copy_collection_delay = 60).await;
+    let ns = "immutable";
+    bed.upper.create_namespace(ns).await.unwrap();
+    apply(
+        up(),
+        &format!(
+            "apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: frozen, namespace: {ns}}}\ndata: {{v: one}}\n"
+        ),
+    )
+    .await;
+    let uses_frozen = r#"  volumes: [{name: cfg, configMap: {name: frozen}}]
+  containers: [{name: app, image: web, volumeMounts: [{name: cfg, mountPath: /cfg}]}]"#;
+    apply(up(), &pod(ns, "first", "vn-immutable", uses_frozen)).await;
+    running_below(ns, "first").await;
+    // The first pod goes; its copy stays, unneeded, and a lower admin freezes it with other
+    // content.
+    kubectl(up(), &["-n", ns, "delete", "pod", "first", "--wait=true"]).await;
+    gone_below(ns, "pod", "first", 30).await;
+    kubectl(
+        low(),
+        &[
+            "-n",
+            ns,
+            "patch",
+            "configmap",
+            "frozen",
+            "--type=merge",
+            "-p",
+            r#"{"immutable": true, "data": {"v": "edited below"}}"#,
+        ],
+    )
+    .await;
+    // The lower pod's first version is seen by a watch started before it exists: resource
+    // versions of one apiserver order all its writes, across kinds.
+    let lower_pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
+        kube::Api::namespaced(bed.lower.client().await.unwrap(), ns);
+    let mut events = kube::runtime::watcher(
+        lower_pods,
+        kube::runtime::watcher::Config::default().fields("metadata.name=second"),
+    )
+    .boxed();
+    while !matches!(
+        events.try_next().await.unwrap(),
+        Some(kube::runtime::watcher::Event::InitDone)
+    ) {}
+    apply(up(), &pod(ns, "second", "vn-immutable", uses_frozen)).await;
+    let pod = loop {
+        if let Some(kube::runtime::watcher::Event::Apply(p)) = events.try_next().await.unwrap() {
+            break p.metadata.resource_version.unwrap().parse::<u64>().unwrap();
+        }
+    };
+    running_below(ns, "second").await;
+    let copy = below(&[
+        "-n",
+        ns,
+        "get",
+        "configmap",
+        "frozen",
+        "-o",
+        "jsonpath={.data.v} {.metadata.resourceVersion}",
+    ])
+    .await
+    .unwrap();
+    let (content, copy) = copy.split_once(' ').unwrap();
+    assert_eq!(content, "one", "the copy holds the upper content again");
+    // An immutable copy is never updated: its resourceVersion is its creation's.
+    let copy: u64 = copy.trim().parse().unwrap();
+    assert!(
+        copy < pod,
+        "the replaced copy (resourceVersion {copy}) exists before the pod (resourceVersion {pod})"
+    );
 }
