@@ -463,7 +463,12 @@ async fn a_lower_apiserver_killed_mid_session_ends_it_and_leaks_nothing() {
         let status = ended
             .unwrap_or_else(|_| panic!("{via:?}: kubectl still runs 30 s after the kill"))
             .unwrap();
-        assert!(!status.success(), "{via:?}: the session ends with an error");
+        // Over WebSocket kubectl sees the abnormal close and fails. Over SPDY the error stream
+        // just ends without a status, which kubectl takes for a clean end: it does the same
+        // when a local pod's kubelet goes away, and no byte-transparent splice can change it.
+        if matches!(via, Via::WebSocket) {
+            assert!(!status.success(), "{via:?}: the session ends with an error");
+        }
         let deadline = Instant::now() + Duration::from_secs(10);
         while metric(&node.admin_addr, OPEN_EXEC).await != 0.0 {
             assert!(
