@@ -11,6 +11,7 @@
 
 pub mod benches;
 pub mod bins;
+pub mod chart;
 pub mod check;
 pub mod cluster;
 pub mod demo;

@@ -1,0 +1,258 @@
+//! The Helm chart in the test bed: the real helm binary, the chart in `deploy/helm/tensile`,
+//! kubeconfigs of the ServiceAccounts an install creates, and the daemons' command lines as
+//! the chart's Deployments give them.
+//!
+//! helm comes from `HELM_BIN` or, without it, from `scripts/helm.sh`, which installs it once
+//! into the user's cache (as `scripts/kube-bins.sh` does for the control plane).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use base64::Engine as _;
+
+use crate::{Error, Result, TestCluster, io_err};
+
+/// The chart's directory.
+pub fn chart_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/helm/tensile")
+}
+
+/// The helm binary: `HELM_BIN`, or what `scripts/helm.sh` installed (installing it first).
+pub fn helm_binary() -> Result<&'static Path> {
+    static HELM: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    HELM.get_or_init(|| {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/helm.sh");
+        let out = Command::new("bash")
+            .arg(&script)
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+        if !out.status.success() {
+            return Err(format!(
+                "{} failed ({}); its messages above say which step and how to fix it",
+                script.display(),
+                out.status
+            ));
+        }
+        Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+    })
+    .as_ref()
+    .map(PathBuf::as_path)
+    .map_err(|e| Error::Demo(e.clone()))
+}
+
+/// Runs `helm ARGS…` against `cluster` (its admin kubeconfig), with helm's own state under the
+/// cluster's directory so tests never touch the user's.
+pub async fn helm(cluster: &TestCluster, args: &[&str]) -> Result<crate::kubectl::Output> {
+    let bin = helm_binary()?.to_owned();
+    let home = cluster.dir().join("helm");
+    let kubeconfig = cluster.kubeconfig().to_owned();
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(&bin)
+            .args(&args)
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .env("HELM_CACHE_HOME", home.join("cache"))
+            .env("HELM_CONFIG_HOME", home.join("config"))
+            .env("HELM_DATA_HOME", home.join("data"))
+            .output()
+    })
+    .await
+    .map_err(|e| Error::Demo(e.to_string()))?
+    .map_err(io_err("helm"))?;
+    Ok(crate::kubectl::Output {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    })
+}
+
+/// Writes a kubeconfig for ServiceAccount `namespace/name` of `cluster` to `path`, with the
+/// token the cluster issued it: the token Secret the token controller made (v1.23 and older),
+/// or, when none comes, one requested with a `kubernetes.io/service-account-token` Secret
+/// (which every release fills in).
+pub async fn service_account_kubeconfig(
+    cluster: &TestCluster,
+    namespace: &str,
+    name: &str,
+    path: &Path,
+) -> Result<PathBuf> {
+    let secret_of_sa = || async {
+        let out = cluster
+            .kubectl(&[
+                "-n",
+                namespace,
+                "get",
+                "serviceaccount",
+                name,
+                "-o",
+                "jsonpath={.secrets[0].name}",
+            ])
+            .await;
+        Some(out.stdout.trim().to_owned()).filter(|s| out.ok && !s.is_empty())
+    };
+    let mut secret = None;
+    for _ in 0..50 {
+        secret = secret_of_sa().await;
+        if secret.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let secret = match secret {
+        Some(s) => s,
+        None => {
+            let requested = format!("{name}-token-requested");
+            let manifest = format!(
+                "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {requested}\n  namespace: {namespace}\n  \
+                 annotations:\n    kubernetes.io/service-account.name: {name}\ntype: kubernetes.io/service-account-token\n"
+            );
+            let file = cluster.dir().join(format!("{requested}.yaml"));
+            std::fs::write(&file, manifest).map_err(io_err(&file))?;
+            let out = cluster
+                .kubectl(&["apply", "-f", &file.display().to_string()])
+                .await;
+            if !out.ok {
+                return Err(Error::Demo(format!(
+                    "requesting a token for {name}: {}",
+                    out.stderr
+                )));
+            }
+            requested
+        }
+    };
+    let token = crate::wait::until(
+        &format!("the token of ServiceAccount {namespace}/{name}"),
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || async {
+            let out = cluster
+                .kubectl(&[
+                    "-n",
+                    namespace,
+                    "get",
+                    "secret",
+                    &secret,
+                    "-o",
+                    "jsonpath={.data.token}",
+                ])
+                .await;
+            let b64 = out.stdout.trim();
+            if out.ok && !b64.is_empty() {
+                base64::engine::general_purpose::STANDARD
+                    .decode(b64)
+                    .map_err(|e| e.to_string())
+                    .and_then(|t| String::from_utf8(t).map_err(|e| e.to_string()))
+            } else {
+                Err(format!("{b64:?} {}", out.stderr.trim()))
+            }
+        },
+    )
+    .await?;
+    let ca = cluster
+        .kubectl(&[
+            "config",
+            "view",
+            "--raw",
+            "--minify",
+            "-o",
+            "jsonpath={.clusters[0].cluster.certificate-authority-data}",
+        ])
+        .await;
+    let cluster_name = cluster.name();
+    let text = format!(
+        "apiVersion: v1
+kind: Config
+clusters:
+- name: {cluster_name}
+  cluster:
+    server: {server}
+    certificate-authority-data: {ca}
+users:
+- name: {namespace}-{name}
+  user:
+    token: {token}
+contexts:
+- name: {cluster_name}
+  context:
+    cluster: {cluster_name}
+    user: {namespace}-{name}
+current-context: {cluster_name}
+",
+        server = cluster.url(),
+        ca = ca.stdout.trim(),
+    );
+    std::fs::write(path, text).map_err(io_err(path))?;
+    Ok(path.to_owned())
+}
+
+/// The arguments of the first container of Deployment `namespace/name`, as the chart wrote them.
+pub async fn deployment_args(cluster: &TestCluster, namespace: &str, name: &str) -> Result<Vec<String>> {
+    let out = cluster
+        .kubectl(&[
+            "-n",
+            namespace,
+            "get",
+            "deployment",
+            name,
+            "-o",
+            "jsonpath={.spec.template.spec.containers[0].args}",
+        ])
+        .await;
+    if !out.ok {
+        return Err(Error::Demo(format!(
+            "deployment {namespace}/{name}: {}",
+            out.stderr
+        )));
+    }
+    serde_json::from_str(out.stdout.trim())
+        .map_err(|e| Error::Demo(format!("args of {namespace}/{name}: {e}: {}", out.stdout)))
+}
+
+/// `args` with each flag named in `set` (`--flag=value`) replacing the flag of that name, and
+/// added when absent.
+pub fn with_flags(args: &[String], set: &[String]) -> Vec<String> {
+    let name = |f: &str| f.split('=').next().unwrap_or_default().to_owned();
+    let mut out: Vec<String> = args
+        .iter()
+        .filter(|a| !set.iter().any(|s| name(s) == name(a)))
+        .cloned()
+        .collect();
+    out.extend(set.iter().cloned());
+    out
+}
+
+/// Lines of a daemon's log that report a call the apiserver refused for want of permission.
+pub fn denied_calls(log: &str) -> Vec<String> {
+    log.lines()
+        .filter(|l| {
+            let l = l.to_ascii_lowercase();
+            l.contains("forbidden") || l.contains("\"code\":403") || l.contains("code: 403")
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_set_flag_replaces_the_charts_and_others_are_added() {
+        let args = vec!["--port=8443".to_owned(), "--log-format=json".to_owned()];
+        let got = with_flags(&args, &["--port=1".into(), "--kubeconfig=k".into()]);
+        assert_eq!(got, ["--log-format=json", "--port=1", "--kubeconfig=k"]);
+    }
+
+    #[test]
+    fn a_refusal_is_found_in_plain_and_json_logs() {
+        let log = "ok line\n\
+                   WARN pods is forbidden: User \"system:serviceaccount:t:vn\" cannot create\n\
+                   {\"level\":\"WARN\",\"code\":403}\n";
+        assert_eq!(denied_calls(log).len(), 2);
+        assert!(denied_calls("all fine\n").is_empty());
+    }
+}

@@ -1,0 +1,764 @@
+//! The Helm chart against real control planes with the real helm: it installs, upgrades and
+//! uninstalls cleanly; what it grants is least privilege (`kubectl auth can-i --as` the
+//! ServiceAccounts it made); and the real `virtual-node` and `webhook` binaries, run here with
+//! the tokens of those ServiceAccounts and the flags of the chart's Deployments, do their work
+//! without one refused call.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use tensile_e2e::chart::{self, helm};
+use tensile_e2e::check::{apply, eventually, kubectl};
+use tensile_e2e::process::Service;
+use tensile_e2e::shared::Shared;
+use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+
+struct Bed {
+    upper: TestCluster,
+    lower: TestCluster,
+    _sim: NodeSimulator,
+}
+
+static BED: Shared<Bed> = Shared::new();
+
+fn bed() -> &'static Bed {
+    BED.get(|| async {
+        let (upper, lower) = tokio::join!(
+            TestCluster::start(ClusterOptions::new("chart", "upper")),
+            TestCluster::start(ClusterOptions::new("chart", "lower-a")),
+        );
+        let (upper, lower) = (upper?, lower?);
+        let sim = NodeSimulator::start(
+            lower.client().await?,
+            SimulatorOptions::new("lower-a", Some(lower.kubelet_client_ca_pem())),
+            vec![NodeConfig::new("a-0"), NodeConfig::new("a-1")],
+        )
+        .await?;
+        Ok(Bed {
+            upper,
+            lower,
+            _sim: sim,
+        })
+    })
+    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
+}
+
+fn chart() -> String {
+    chart::chart_dir().display().to_string()
+}
+
+async fn helm_ok(cluster: &TestCluster, args: &[&str]) -> String {
+    let out = helm(cluster, args).await.unwrap();
+    assert!(out.ok, "helm {args:?} failed: {}", out.stderr);
+    out.stdout
+}
+
+/// `kubectl auth can-i VERB RESOURCE… --as` the ServiceAccount: "yes" or "no".
+async fn can_i(cluster: &TestCluster, sa: &str, args: &[&str]) -> bool {
+    let mut all = vec!["auth", "can-i"];
+    all.extend_from_slice(args);
+    let who = format!("--as={sa}");
+    all.push(&who);
+    let out = cluster.kubectl(&all).await;
+    match out.stdout.trim() {
+        "yes" => true,
+        "no" => false,
+        other => panic!("kubectl {all:?}: {other:?} {}", out.stderr),
+    }
+}
+
+/// Every object of release `release`, cluster-wide, as `kind/name` lines.
+async fn release_objects(cluster: &TestCluster, release: &str) -> Vec<String> {
+    let selector = format!("app.kubernetes.io/instance={release}");
+    let mut found = Vec::new();
+    for kinds in [
+        "deployments,services,serviceaccounts,secrets,configmaps,roles,rolebindings,poddisruptionbudgets",
+        "clusterroles,clusterrolebindings,mutatingwebhookconfigurations",
+    ] {
+        let out = kubectl(
+            cluster.kubeconfig(),
+            &["get", kinds, "-A", "-l", &selector, "-o", "name"],
+        )
+        .await;
+        found.extend(out.lines().map(str::to_owned));
+    }
+    found.sort();
+    found
+}
+
+#[tokio::test]
+async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only_its_work() {
+    let started = Instant::now();
+    let up = &bed().upper;
+    up.create_namespace("tensile-life").await.unwrap();
+    let release = "life";
+    let chart = chart();
+    let sets = [
+        "--set",
+        "virtualNodes.nodes[0].name=vn-life",
+        "--set",
+        "virtualNodes.nodes[0].kubeconfig.value=placeholder",
+        "--set",
+        "multiScheduler.enabled=true",
+        "--set",
+        "descheduler.replicas=2",
+        // Its registration (nobody serves it) must not catch the other test's pods.
+        "--set",
+        "webhook.objectSelector.matchLabels.chart-test=life",
+    ];
+
+    // Bad values are refused by the schema, with the field named.
+    let mut bad = vec!["install", release, &chart, "-n", "tensile-life"];
+    bad.extend_from_slice(&["--set", "webhook.failurePolicy=Sometimes"]);
+    let out = helm(up, &bad).await.unwrap();
+    assert!(!out.ok, "a bad failurePolicy installed");
+    assert!(
+        out.stderr.contains("webhook.failurePolicy"),
+        "the message names the value: {}",
+        out.stderr
+    );
+
+    let mut install = vec!["install", release, &chart, "-n", "tensile-life"];
+    install.extend_from_slice(&sets);
+    let notes = helm_ok(up, &install).await;
+    assert!(notes.contains("kubectl get node vn-life"), "{notes}");
+    let objects = release_objects(up, release).await;
+    for want in [
+        "clusterrole.rbac.authorization.k8s.io/life-tensile-virtual-node",
+        "clusterrole.rbac.authorization.k8s.io/life-tensile-webhook",
+        "clusterrole.rbac.authorization.k8s.io/life-tensile-descheduler",
+        "clusterrole.rbac.authorization.k8s.io/life-tensile-multi-scheduler",
+        "deployment.apps/life-tensile-vn-vn-life",
+        "deployment.apps/life-tensile-webhook",
+        "deployment.apps/life-tensile-descheduler",
+        "deployment.apps/life-tensile-multi-scheduler",
+        "mutatingwebhookconfiguration.admissionregistration.k8s.io/life-tensile-webhook",
+        "poddisruptionbudget.policy/life-tensile-webhook",
+        "poddisruptionbudget.policy/life-tensile-descheduler",
+        "role.rbac.authorization.k8s.io/life-tensile-virtual-node",
+        "secret/life-tensile-vn-vn-life-kubeconfig",
+        "serviceaccount/life-tensile-webhook",
+    ] {
+        assert!(objects.iter().any(|o| o == want), "{want} in {objects:#?}");
+    }
+
+    // No wildcard and no cluster-admin anywhere in what the chart grants.
+    let rbac = kubectl(
+        up.kubeconfig(),
+        &[
+            "get",
+            "clusterroles,roles,clusterrolebindings,rolebindings",
+            "-A",
+            "-l",
+            "app.kubernetes.io/instance=life",
+            "-o",
+            "json",
+        ],
+    )
+    .await;
+    let rbac: serde_json::Value = serde_json::from_str(&rbac).unwrap();
+    for item in rbac["items"].as_array().unwrap() {
+        assert_ne!(item["roleRef"]["name"], "cluster-admin", "{item}");
+        for rule in item["rules"].as_array().into_iter().flatten() {
+            for field in ["verbs", "resources", "apiGroups"] {
+                let values = rule[field].as_array().unwrap();
+                assert!(
+                    values.iter().all(|v| v != "*"),
+                    "wildcard {field} in {}",
+                    item["metadata"]["name"]
+                );
+            }
+        }
+    }
+
+    // Least privilege, as the apiserver's authorizer answers.
+    let vn = "system:serviceaccount:tensile-life:life-tensile-virtual-node";
+    let wh = "system:serviceaccount:tensile-life:life-tensile-webhook";
+    let ds = "system:serviceaccount:tensile-life:life-tensile-descheduler";
+    let ms = "system:serviceaccount:tensile-life:life-tensile-multi-scheduler";
+    let checks: &[(&str, &[&str], bool)] = &[
+        // The virtual node: its own Node and Lease, the pods bound to it.
+        (vn, &["patch", "nodes/vn-life"], true),
+        (vn, &["patch", "nodes/vn-life", "--subresource=status"], true),
+        (vn, &["patch", "nodes/someone-else"], false),
+        (vn, &["delete", "nodes/vn-life"], false),
+        (vn, &["patch", "leases/vn-life", "-n", "kube-node-lease"], true),
+        (
+            vn,
+            &["patch", "leases/someone-else", "-n", "kube-node-lease"],
+            false,
+        ),
+        (vn, &["create", "pods", "-n", "default"], false),
+        (vn, &["update", "pods", "-n", "default"], false),
+        (vn, &["update", "secrets", "-n", "default"], false),
+        (vn, &["delete", "configmaps", "-n", "default"], false),
+        (vn, &["create", "subjectaccessreviews.authorization.k8s.io"], true),
+        (vn, &["create", "clusterroles"], false),
+        // The webhook: its registration, its CA Secret, the exclusions; nothing else.
+        (
+            wh,
+            &["get", "secrets/life-tensile-webhook-ca", "-n", "tensile-life"],
+            true,
+        ),
+        (wh, &["get", "secrets/other", "-n", "tensile-life"], false),
+        (wh, &["get", "secrets", "-n", "kube-system"], false),
+        (wh, &["list", "secrets", "-n", "default"], false),
+        (
+            wh,
+            &["patch", "mutatingwebhookconfigurations/life-tensile-webhook"],
+            true,
+        ),
+        (wh, &["patch", "mutatingwebhookconfigurations/another"], false),
+        (wh, &["create", "pods", "-n", "default"], false),
+        // The descheduler evicts, never deletes.
+        (ds, &["create", "pods", "--subresource=eviction", "-n", "default"], true),
+        (ds, &["delete", "pods", "-n", "default"], false),
+        (
+            ds,
+            &[
+                "update",
+                "configmaps/life-tensile-exclusions",
+                "-n",
+                "tensile-life",
+            ],
+            true,
+        ),
+        (ds, &["update", "configmaps/other", "-n", "tensile-life"], false),
+        (
+            ds,
+            &["update", "leases/tensile-descheduler", "-n", "tensile-life"],
+            true,
+        ),
+        // The multi-scheduler binds, and reads no Secret.
+        (ms, &["create", "pods", "--subresource=binding", "-n", "default"], true),
+        (ms, &["get", "secrets", "-n", "tensile-life"], false),
+        (ms, &["delete", "pods", "-n", "default"], false),
+        (ms, &["create", "pods", "-n", "default"], false),
+        (ds, &["create", "pods", "--subresource=binding", "-n", "default"], false),
+    ];
+    for (who, args, want) in checks {
+        assert_eq!(can_i(up, who, args).await, *want, "can-i {args:?} as {who}");
+    }
+
+    // An upgrade with a changed value reaches the objects.
+    let mut upgrade = vec!["upgrade", release, &chart, "-n", "tensile-life"];
+    upgrade.extend_from_slice(&sets);
+    upgrade.extend_from_slice(&["--set", "webhook.timeoutSeconds=9"]);
+    helm_ok(up, &upgrade).await;
+    let timeout = kubectl(
+        up.kubeconfig(),
+        &[
+            "get",
+            "mutatingwebhookconfiguration",
+            "life-tensile-webhook",
+            "-o",
+            "jsonpath={.webhooks[0].timeoutSeconds}",
+        ],
+    )
+    .await;
+    assert_eq!(timeout, "9");
+    let history = helm_ok(up, &["history", release, "-n", "tensile-life", "-o", "json"]).await;
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&history)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+
+    helm_ok(up, &["uninstall", release, "-n", "tensile-life", "--wait"]).await;
+    let left = release_objects(up, release).await;
+    assert!(left.is_empty(), "left behind: {left:#?}");
+    let list = helm_ok(up, &["list", "-A", "-q"]).await;
+    assert!(!list.lines().any(|l| l == release), "{list}");
+    eprintln!("install, upgrade, can-i and uninstall: {:?}", started.elapsed());
+}
+
+/// The role a lower cluster grants, rendered as the docs show it, is the file under deploy/.
+#[tokio::test]
+async fn the_lower_role_file_is_what_the_chart_renders() {
+    let up = &bed().upper;
+    let rendered = helm_ok(
+        up,
+        &[
+            "template",
+            "tensile",
+            &chart(),
+            "-n",
+            "tensile",
+            "--set",
+            "target=lower",
+        ],
+    )
+    .await;
+    let file = chart::chart_dir().join("../../lower-cluster-rbac.yaml");
+    let kept = std::fs::read_to_string(&file).unwrap();
+    assert_eq!(
+        kept.trim(),
+        rendered.trim(),
+        "{} is stale: regenerate it with helm template (docs/deploy.md)",
+        file.display()
+    );
+}
+
+/// A kubeconfig of ServiceAccount `ns/name` in `dir/<file>`.
+async fn token_kubeconfig(cluster: &TestCluster, ns: &str, name: &str, file: &str) -> PathBuf {
+    chart::service_account_kubeconfig(cluster, ns, name, &cluster.dir().join(file))
+        .await
+        .unwrap()
+}
+
+/// HTTPS GET of `/healthz` on 127.0.0.1:`port` verified with `ca` only; the body.
+async fn healthz_with_ca(port: u16, ca: &Path) -> Result<String, String> {
+    let out = tokio::process::Command::new("curl")
+        .args(["-sS", "--max-time", "5", "--cacert"])
+        .arg(ca)
+        .arg(format!("https://127.0.0.1:{port}/healthz"))
+        .output()
+        .await
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+async fn bundle(up: &TestCluster, name: &str) -> String {
+    let b64 = kubectl(
+        up.kubeconfig(),
+        &[
+            "get",
+            "mutatingwebhookconfiguration",
+            name,
+            "-o",
+            "jsonpath={.webhooks[0].clientConfig.caBundle}",
+        ],
+    )
+    .await;
+    String::from_utf8(
+        base64::engine::general_purpose::STANDARD
+            .decode(b64.trim())
+            .unwrap(),
+    )
+    .unwrap()
+}
+
+fn assert_no_denied(name: &str, service: &Service) {
+    let log = service.log_tail(4_000_000);
+    let denied = chart::denied_calls(&log);
+    assert!(
+        denied.is_empty(),
+        "{name} was refused calls:\n{}",
+        denied.join("\n")
+    );
+}
+
+#[tokio::test]
+async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
+    let started = Instant::now();
+    let bed = bed();
+    let (up, low) = (&bed.upper, &bed.lower);
+    let ns = "tensile-run";
+    let release = "run";
+    let node = "vn-chart";
+    let full = "run-tensile";
+
+    // The lower cluster's side, installed there with the same chart.
+    low.create_namespace(ns).await.unwrap();
+    helm_ok(
+        low,
+        &["install", "lower", &chart(), "-n", ns, "--set", "target=lower"],
+    )
+    .await;
+    let lower_kubeconfig = token_kubeconfig(low, ns, "lower-tensile-lower", "lower-token.kubeconfig").await;
+    let lower_text = std::fs::read_to_string(&lower_kubeconfig).unwrap();
+
+    // The upper install: the virtual node's lower kubeconfig as a value, the webhook reached
+    // at this machine's address (it runs here, not in a pod).
+    up.create_namespace(ns).await.unwrap();
+    let webhook_ports = [free_port().unwrap(), free_port().unwrap()];
+    let values = up.dir().join("run-values.yaml");
+    let indented: String = lower_text.lines().map(|l| format!("        {l}\n")).collect();
+    std::fs::write(
+        &values,
+        format!(
+            "virtualNodes:\n  nodes:\n  - name: {node}\n    labels: {{region: a}}\n    extraArgs: [\"--shared-namespaces=default,chart-app\"]\n    kubeconfig:\n      value: |\n{indented}\
+             webhook:\n  url: https://127.0.0.1:{}/mutate\n",
+            webhook_ports[0]
+        ),
+    )
+    .unwrap();
+    helm_ok(
+        up,
+        &[
+            "install",
+            release,
+            &chart(),
+            "-n",
+            ns,
+            "-f",
+            &values.display().to_string(),
+        ],
+    )
+    .await;
+    let upper_vn = token_kubeconfig(up, ns, &format!("{full}-virtual-node"), "vn-token.kubeconfig").await;
+    let upper_wh = token_kubeconfig(up, ns, &format!("{full}-webhook"), "wh-token.kubeconfig").await;
+
+    // virtual-node with the flags of the chart's Deployment; only what a pod gives it differs
+    // (addresses, files).
+    let vn_args = chart::deployment_args(up, ns, &format!("{full}-vn-{node}"))
+        .await
+        .unwrap();
+    let lower_file = up.dir().join(format!("{node}.kubeconfig"));
+    std::fs::write(&lower_file, &lower_text).unwrap();
+    let vn_admin = format!("127.0.0.1:{}", free_port().unwrap());
+    let vn_args = chart::with_flags(
+        &vn_args,
+        &[
+            format!("--kubeconfig={}", upper_vn.display()),
+            format!("--client-kubeconfig={}", lower_file.display()),
+            "--node-ip=127.0.0.1".into(),
+            format!("--kubelet-port={}", free_port().unwrap()),
+            format!("--client-verify-ca={}", up.kubelet_client_ca_path().display()),
+            format!("--admin-addr={vn_admin}"),
+        ],
+    );
+    let vn_bin = tensile_e2e::bins::suite_binary("virtual-node").unwrap();
+    let vn_log = up.dir().join("virtual-node-chart.log");
+    let _ = std::fs::remove_file(&vn_log);
+    let vn = Service::start("virtual-node", &vn_bin, &vn_args, &vn_log).unwrap();
+
+    // Two webhook replicas, as the chart starts them.
+    let wh_args = chart::deployment_args(up, ns, &format!("{full}-webhook"))
+        .await
+        .unwrap();
+    let wh_bin = tensile_e2e::bins::suite_binary("webhook").unwrap();
+    let webhook_args = |port: u16| {
+        chart::with_flags(
+            &wh_args,
+            &[
+                format!("--kubeconfig={}", upper_wh.display()),
+                "--address=127.0.0.1".into(),
+                format!("--port={port}"),
+                "--self-signed-names=127.0.0.1,localhost".into(),
+                format!("--admin-addr=127.0.0.1:{}", free_port().unwrap()),
+            ],
+        )
+    };
+    let mut webhooks: Vec<Service> = webhook_ports
+        .iter()
+        .enumerate()
+        .map(|(i, port)| {
+            let log = up.dir().join(format!("webhook-chart-{i}.log"));
+            let _ = std::fs::remove_file(&log);
+            Service::start(&format!("webhook {i}"), &wh_bin, &webhook_args(*port), &log).unwrap()
+        })
+        .collect();
+
+    // One CA for both: the bundle written into the chart's registration is the Secret's, and
+    // verifies each replica's own serving certificate.
+    let registration = format!("{full}-webhook");
+    tensile_e2e::wait::must(
+        "the caBundle of the chart's registration",
+        Duration::from_secs(40),
+        Duration::from_millis(300),
+        || async {
+            let out = up
+                .kubectl(&[
+                    "get",
+                    "mutatingwebhookconfiguration",
+                    &registration,
+                    "-o",
+                    "jsonpath={.webhooks[0].clientConfig.caBundle}",
+                ])
+                .await;
+            if out.ok && !out.stdout.trim().is_empty() {
+                Ok(())
+            } else {
+                Err(out.stderr)
+            }
+        },
+    )
+    .await;
+    let ca_pem = bundle(up, &registration).await;
+    let in_secret = kubectl(
+        up.kubeconfig(),
+        &[
+            "-n",
+            ns,
+            "get",
+            "secret",
+            &format!("{full}-webhook-ca"),
+            "-o",
+            r"jsonpath={.data.ca\.crt}",
+        ],
+    )
+    .await;
+    let in_secret = String::from_utf8(
+        base64::engine::general_purpose::STANDARD
+            .decode(in_secret.trim())
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(ca_pem, in_secret, "the bundle is the shared CA");
+    let ca_file = up.dir().join("webhook-bundle.crt");
+    std::fs::write(&ca_file, &ca_pem).unwrap();
+    for port in webhook_ports {
+        let body = tensile_e2e::wait::must(
+            &format!("webhook on {port} verified with the bundle"),
+            Duration::from_secs(20),
+            Duration::from_millis(300),
+            || healthz_with_ca(port, &ca_file),
+        )
+        .await;
+        assert_eq!(body, "ok");
+    }
+    // A restarted replica serves a new certificate of the same CA; the bundle stays.
+    webhooks[1].restart().unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let body = tensile_e2e::wait::must(
+        "the restarted webhook verified with the unchanged bundle",
+        Duration::from_secs(20),
+        Duration::from_millis(300),
+        || healthz_with_ca(webhook_ports[1], &ca_file),
+    )
+    .await;
+    assert_eq!(body, "ok");
+    assert_eq!(
+        bundle(up, &registration).await,
+        ca_pem,
+        "the restart left the bundle as it was"
+    );
+
+    // The virtual node registers Ready with the chart's labels.
+    eventually(
+        up.kubeconfig(),
+        "the chart's virtual node Ready",
+        60,
+        &[
+            "get",
+            "node",
+            node,
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status} {.metadata.labels.region}"#,
+        ],
+        "True a",
+    )
+    .await;
+
+    // An opted-in workload with a ConfigMap, a Secret and a claim: through the webhook, run
+    // below with its copies and its claim, status and logs upstream.
+    // As in the claim scenario of the copies tests, a lower admin makes the namespace first
+    // (the claim is made below before any pod), and the node is told it may share it.
+    let app = "chart-app";
+    up.create_namespace(app).await.unwrap();
+    low.create_namespace(app).await.unwrap();
+    apply(
+        low.kubeconfig(),
+        r#"
+apiVersion: v1
+kind: List
+items:
+- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: chart-disk},
+   provisioner: kubernetes.io/no-provisioner, volumeBindingMode: Immediate}
+- apiVersion: v1
+  kind: PersistentVolume
+  metadata: {name: chart-lower-disk}
+  spec:
+    capacity: {storage: 1Gi}
+    accessModes: [ReadWriteOnce]
+    storageClassName: chart-disk
+    hostPath: {path: /tmp/chart-lower-disk}
+"#,
+    )
+    .await;
+    apply(
+        up.kubeconfig(),
+        &format!(
+            r#"
+apiVersion: v1
+kind: List
+items:
+- {{apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {{name: chart-disk}},
+   provisioner: virtual-node.tensile.io, volumeBindingMode: WaitForFirstConsumer}}
+- apiVersion: v1
+  kind: PersistentVolumeClaim
+  metadata: {{name: data, namespace: {app}}}
+  spec:
+    accessModes: [ReadWriteOnce]
+    storageClassName: chart-disk
+    resources: {{requests: {{storage: 500Mi}}}}
+- apiVersion: v1
+  kind: ConfigMap
+  metadata: {{name: settings, namespace: {app}}}
+  data: {{mode: chart}}
+- apiVersion: v1
+  kind: Secret
+  metadata: {{name: password, namespace: {app}}}
+  stringData: {{password: s3cret}}
+- apiVersion: apps/v1
+  kind: Deployment
+  metadata: {{name: web, namespace: {app}}}
+  spec:
+    replicas: 1
+    selector: {{matchLabels: {{app: web}}}}
+    template:
+      metadata:
+        labels: {{app: web, virtual-pod: "true"}}
+      spec:
+        terminationGracePeriodSeconds: 1
+        volumes:
+        - {{name: data, persistentVolumeClaim: {{claimName: data}}}}
+        - {{name: settings, configMap: {{name: settings}}}}
+        containers:
+        - name: app
+          image: web
+          env: [{{name: PASSWORD, valueFrom: {{secretKeyRef: {{name: password, key: password}}}}}}]
+          volumeMounts: [{{name: data, mountPath: /data}}, {{name: settings, mountPath: /etc/app}}]
+"#
+        ),
+    )
+    .await;
+    let phases = [
+        "-n",
+        app,
+        "get",
+        "pods",
+        "-l",
+        "app=web",
+        "-o",
+        "jsonpath={.items[*].status.phase}",
+    ];
+    eventually(
+        up.kubeconfig(),
+        "the pod Running upstream",
+        90,
+        &phases,
+        "Running",
+    )
+    .await;
+    eventually(low.kubeconfig(), "the pod Running below", 10, &phases, "Running").await;
+    let pod = kubectl(
+        up.kubeconfig(),
+        &[
+            "-n",
+            app,
+            "get",
+            "pods",
+            "-l",
+            "app=web",
+            "-o",
+            "jsonpath={.items[0].metadata.name}",
+        ],
+    )
+    .await;
+    let upper_pod = kubectl(
+        up.kubeconfig(),
+        &[
+            "-n",
+            app,
+            "get",
+            "pod",
+            &pod,
+            "-o",
+            "jsonpath={.spec.nodeName} {.metadata.annotations.clusterSelector}",
+        ],
+    )
+    .await;
+    assert!(
+        upper_pod.starts_with(&format!("{node} ")),
+        "on the virtual node: {upper_pod}"
+    );
+    assert!(
+        upper_pod.len() > node.len() + 1,
+        "the webhook stashed the pod's constraints: {upper_pod}"
+    );
+    let copies = kubectl(
+        low.kubeconfig(),
+        &[
+            "-n",
+            app,
+            "get",
+            "configmap/settings",
+            "secret/password",
+            "pvc/data",
+            "-o",
+            "jsonpath={range .items[*]}{.kind} {end}",
+        ],
+    )
+    .await;
+    assert_eq!(copies.trim(), "ConfigMap Secret PersistentVolumeClaim");
+    eventually(
+        up.kubeconfig(),
+        "the upper claim Bound to the volume reflected upstream",
+        30,
+        &["-n", app, "get", "pvc", "data", "-o", "jsonpath={.status.phase}"],
+        "Bound",
+    )
+    .await;
+    let logs = tensile_e2e::wait::must(
+        "kubectl logs through the virtual node",
+        Duration::from_secs(20),
+        Duration::from_millis(500),
+        || async {
+            let out = up.kubectl(&["-n", app, "logs", &pod, "--tail=5"]).await;
+            if out.ok && !out.stdout.trim().is_empty() {
+                Ok(out.stdout)
+            } else {
+                Err(out.stderr)
+            }
+        },
+    )
+    .await;
+    assert!(!logs.is_empty());
+
+    // Going away: the lower pod, the copies' last user, and the claim follow.
+    kubectl(
+        up.kubeconfig(),
+        &["-n", app, "delete", "deployment", "web", "--wait=true"],
+    )
+    .await;
+    eventually(low.kubeconfig(), "no pod below", 30, &phases, "").await;
+    kubectl(
+        up.kubeconfig(),
+        &["-n", app, "delete", "pvc", "data", "--wait=true"],
+    )
+    .await;
+    eventually(
+        low.kubeconfig(),
+        "the lower claim gone",
+        30,
+        &[
+            "-n",
+            app,
+            "get",
+            "pvc",
+            "-o",
+            "jsonpath={.items[*].metadata.name}",
+        ],
+        "",
+    )
+    .await;
+
+    // Not one call was refused, in any daemon.
+    assert_no_denied("virtual-node", &vn);
+    for (i, w) in webhooks.iter().enumerate() {
+        assert_no_denied(&format!("webhook {i}"), w);
+    }
+    assert!(
+        vn.log_tail(2_000_000).contains(node),
+        "the log is the virtual node's"
+    );
+    for w in webhooks.iter_mut() {
+        assert!(w.exited().is_none(), "a webhook exited: {}", w.log_tail(3000));
+    }
+    drop(vn);
+    drop(webhooks);
+    helm_ok(up, &["uninstall", release, "-n", ns, "--wait"]).await;
+    helm_ok(low, &["uninstall", "lower", "-n", ns, "--wait"]).await;
+    eprintln!("daemons under the chart's accounts: {:?}", started.elapsed());
+}
