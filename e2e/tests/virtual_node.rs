@@ -1638,3 +1638,87 @@ spec:
     );
     assert_eq!(parts[2], "", "no upper selector went down: {below}");
 }
+
+/// `kubectl logs -f` on a container that has gone quiet: once kubectl is gone, the virtual
+/// node closes its stream to the lower cluster at once instead of holding it until the
+/// container writes again (it never will). The node's `stream_sessions{kind="logs"}` gauge
+/// counts the open lower log streams.
+#[tokio::test]
+async fn a_followed_log_of_a_quiet_container_is_closed_below_when_kubectl_goes() {
+    let bed = bed();
+    let vn = VirtualNode::start("vn-quiet", &bed.lower_a);
+    wait_ready("vn-quiet").await;
+    namespace("quiet").await;
+    let sim = format!("{}: \"lines=1\"", tensile_common::names::SIM_BEHAVIOR);
+    apply(up(), &pod("quiet", "hush", "vn-quiet", "Always", &sim, "10m")).await;
+    eventually(
+        up(),
+        "Running",
+        60,
+        &[
+            "-n",
+            "quiet",
+            "get",
+            "pod",
+            "hush",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+        "Running",
+    )
+    .await;
+    let open_streams = || async {
+        let metrics = tensile_e2e::in_process::admin_get(&vn.admin_addr, "/metrics")
+            .await
+            .map(|(_, body)| body)
+            .unwrap_or_default();
+        metrics
+            .lines()
+            .find(|l| l.starts_with("tensile_virtual_node_stream_sessions{kind=\"logs\"}"))
+            .and_then(|l| l.split_whitespace().last()?.parse::<i64>().ok())
+            .unwrap_or(0)
+    };
+    let mut follow = tokio::process::Command::new("kubectl")
+        .args(["--kubeconfig", &up().display().to_string()])
+        .args(["-n", "quiet", "logs", "-f", "hush"])
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stdout = tokio::io::BufReader::new(follow.stdout.take().unwrap());
+    let mut first = String::new();
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        tokio::io::AsyncBufReadExt::read_line(&mut stdout, &mut first),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(first, "quiet/hush app line 0\n");
+    tensile_e2e::wait::must(
+        "one lower log stream open while kubectl follows",
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || async {
+            match open_streams().await {
+                1 => Ok(()),
+                n => Err(format!("{n} open")),
+            }
+        },
+    )
+    .await;
+    // The container stays quiet; kubectl goes.
+    follow.kill().await.unwrap();
+    tensile_e2e::wait::must(
+        "the lower log stream closed after kubectl went",
+        Duration::from_secs(5),
+        Duration::from_millis(200),
+        || async {
+            match open_streams().await {
+                0 => Ok(()),
+                n => Err(format!("{n} still open")),
+            }
+        },
+    )
+    .await;
+}

@@ -420,7 +420,11 @@ async fn logs(state: &KubeletState, ns: &str, pod: &str, container: &str, o: Log
         Err(e) => return text(StatusCode::BAD_GATEWAY, format!("lower cluster: {e}")),
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(8);
+    // A followed log holds a lower connection for as long as it streams: counted, so a
+    // stream left open after its caller went shows.
+    let session = o.follow.then(|| state.metrics.stream_opened("logs"));
     tokio::spawn(async move {
+        let _session = session;
         let mut buf = vec![0u8; 16 * 1024];
         loop {
             let read = tokio::select! {

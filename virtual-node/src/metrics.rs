@@ -118,7 +118,7 @@ impl Metrics {
         );
         r.register(
             "stream_sessions",
-            "exec, attach and port-forward sessions spliced to the lower cluster now",
+            "exec, attach and port-forward sessions spliced to the lower cluster now, and followed logs (kind logs) streaming from it",
             m.stream_sessions.clone(),
         );
         r.register(

@@ -12,6 +12,7 @@
 //! | `restarts` | how many times an ending container is restarted (`Always`, or `OnFailure` with a non-zero exit); after that it waits in `CrashLoopBackOff` | unlimited |
 //! | `backoff` | delay before a restart | `500ms` |
 //! | `stop` | how long a container takes to stop after a graceful delete (capped by the grace period) | `0s` |
+//! | `lines` | log lines a container run writes (one a second from its start); then it is quiet | unlimited |
 //!
 //! Durations take `ms`, `s` or `m`. Example: `tensile.io/sim: "run=2s,exit=3,reason=OOMKilled"`.
 
@@ -44,6 +45,7 @@ pub struct Behavior {
     pub restarts: Option<u32>,
     pub backoff: Duration,
     pub stop: Duration,
+    pub log_lines: Option<u64>,
 }
 
 impl Default for Behavior {
@@ -56,6 +58,7 @@ impl Default for Behavior {
             restarts: None,
             backoff: Duration::from_millis(500),
             stop: Duration::ZERO,
+            log_lines: None,
         }
     }
 }
@@ -90,9 +93,10 @@ impl Behavior {
                 "restarts" => b.restarts = Some(value.parse().map_err(|_| bad("not a count"))?),
                 "backoff" => b.backoff = duration(value).map_err(|e| bad(&e))?,
                 "stop" => b.stop = duration(value).map_err(|e| bad(&e))?,
+                "lines" => b.log_lines = Some(value.parse().map_err(|_| bad("not a count"))?),
                 other => {
                     return Err(format!(
-                        "unknown key {other:?} (known: start, run, exit, reason, restarts, backoff, stop)"
+                        "unknown key {other:?} (known: start, run, exit, reason, restarts, backoff, stop, lines)"
                     ));
                 }
             }
@@ -165,8 +169,10 @@ mod tests {
 
     #[test]
     fn every_key_parses() {
-        let b = Behavior::parse("start=2s, run=1.5s,exit=3,reason=OOMKilled,restarts=2,backoff=10ms,stop=1m")
-            .unwrap();
+        let b = Behavior::parse(
+            "start=2s, run=1.5s,exit=3,reason=OOMKilled,restarts=2,backoff=10ms,stop=1m,lines=4",
+        )
+        .unwrap();
         assert_eq!(b.start, Duration::from_secs(2));
         assert_eq!(b.run, Some(Duration::from_millis(1500)));
         assert_eq!(b.exit, 3);
@@ -174,6 +180,7 @@ mod tests {
         assert_eq!(b.restarts, Some(2));
         assert_eq!(b.backoff, Duration::from_millis(10));
         assert_eq!(b.stop, Duration::from_secs(60));
+        assert_eq!(b.log_lines, Some(4));
     }
 
     #[test]

@@ -118,6 +118,13 @@ pub(super) fn source(
     } else {
         status.state.as_ref()
     };
+    let lines = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(tensile_common::names::SIM_BEHAVIOR))
+        .and_then(|b| super::behavior::Behavior::parse(b).ok())
+        .and_then(|b| b.log_lines);
     let make = |started: Option<Timestamp>, finished: Option<Timestamp>| {
         started.map(|started| LogSource {
             namespace: ns.to_owned(),
@@ -125,6 +132,7 @@ pub(super) fn source(
             container: container.to_owned(),
             started,
             finished,
+            lines,
         })
     };
     let found = state.and_then(|s| {

@@ -2,7 +2,8 @@
 //!
 //! A container writes line `i` at `startedAt + i` seconds, reading
 //! `<namespace>/<pod> <container> line <i>`, until it terminates. The kubelet's log options
-//! select from that sequence exactly as they would from a real log file.
+//! select from that sequence exactly as they would from a real log file. A container told to
+//! write only so many lines (`lines=N` in its behaviour) is quiet afterwards.
 
 use jiff::{SignedDuration, Timestamp};
 pub use tensile_common::kubelet::LogOptions;
@@ -16,6 +17,8 @@ pub struct LogSource {
     pub started: Timestamp,
     /// When the run ended; `None` while it runs.
     pub finished: Option<Timestamp>,
+    /// Lines the run writes at most; `None`: one a second for as long as it runs.
+    pub lines: Option<u64>,
 }
 
 impl LogSource {
@@ -43,7 +46,8 @@ impl LogSource {
             _ => now,
         };
         let secs = end.duration_since(self.started).as_secs();
-        if secs < 0 { 0 } else { secs as u64 + 1 }
+        let written = if secs < 0 { 0 } else { secs as u64 + 1 };
+        self.lines.map_or(written, |most| written.min(most))
     }
 
     /// The first line to send for `options` at `now`, and the end (exclusive) of what is
@@ -78,11 +82,22 @@ mod tests {
             container: "c".into(),
             started: Timestamp::from_second(1_000).unwrap(),
             finished: finished.map(|s| Timestamp::from_second(s).unwrap()),
+            lines: None,
         }
     }
 
     fn at(s: i64) -> Timestamp {
         Timestamp::from_second(s).unwrap()
+    }
+
+    #[test]
+    fn a_container_told_to_write_n_lines_is_quiet_afterwards() {
+        let quiet = LogSource {
+            lines: Some(2),
+            ..src(None)
+        };
+        assert_eq!(quiet.written_by(at(1_000)), 1);
+        assert_eq!(quiet.written_by(at(1_009)), 2);
     }
 
     #[test]
