@@ -213,7 +213,11 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
         (wh, &["patch", "mutatingwebhookconfigurations/another"], false),
         (wh, &["create", "pods", "-n", "default"], false),
         // The descheduler evicts, never deletes.
-        (ds, &["create", "pods", "--subresource=eviction", "-n", "default"], true),
+        (
+            ds,
+            &["create", "pods", "--subresource=eviction", "-n", "default"],
+            true,
+        ),
         (ds, &["delete", "pods", "-n", "default"], false),
         (
             ds,
@@ -232,11 +236,19 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
             true,
         ),
         // The multi-scheduler binds, and reads no Secret.
-        (ms, &["create", "pods", "--subresource=binding", "-n", "default"], true),
+        (
+            ms,
+            &["create", "pods", "--subresource=binding", "-n", "default"],
+            true,
+        ),
         (ms, &["get", "secrets", "-n", "tensile-life"], false),
         (ms, &["delete", "pods", "-n", "default"], false),
         (ms, &["create", "pods", "-n", "default"], false),
-        (ds, &["create", "pods", "--subresource=binding", "-n", "default"], false),
+        (
+            ds,
+            &["create", "pods", "--subresource=binding", "-n", "default"],
+            false,
+        ),
     ];
     for (who, args, want) in checks {
         assert_eq!(can_i(up, who, args).await, *want, "can-i {args:?} as {who}");
