@@ -502,3 +502,61 @@ async fn a_lower_apiserver_killed_mid_session_ends_it_and_leaks_nothing() {
     .await;
     assert!(refused >= 3.0, "sessions are counted: {refused}");
 }
+
+#[tokio::test]
+async fn node_and_pod_usage_of_the_lower_cluster_reach_the_upper_node_proxy() {
+    use tensile_e2e::simulator::stats::{CONTAINER_BYTES, CONTAINER_NANO_CORES, NODE_BYTES};
+    bed();
+    running_pod(up(), NS, "metered", NODE).await;
+    let base = format!("/api/v1/nodes/{NODE}/proxy");
+    let metrics =
+        tensile_e2e::check::kubectl(up(), &["get", "--raw", &format!("{base}/metrics/resource")]).await;
+    let value = |prefix: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{prefix} in {metrics}"))
+    };
+    let mine = r#"container_memory_working_set_bytes{container="app",namespace="streams",pod="metered"} "#;
+    assert_eq!(value(mine), CONTAINER_BYTES as f64, "{metrics}");
+    assert!(value(r#"pod_cpu_usage_seconds_total{namespace="streams",pod="metered"} "#) > 0.0);
+    // The node is the lower cluster: its two nodes and every container running on them
+    // (all of them this virtual node's).
+    let containers = metrics
+        .lines()
+        .filter(|l| l.starts_with("container_memory_working_set_bytes{"))
+        .count() as f64;
+    assert_eq!(
+        value("node_memory_working_set_bytes "),
+        2.0 * NODE_BYTES as f64 + containers * CONTAINER_BYTES as f64,
+        "{metrics}"
+    );
+    let summary =
+        tensile_e2e::check::kubectl(up(), &["get", "--raw", &format!("{base}/stats/summary")]).await;
+    let summary: serde_json::Value = serde_json::from_str(&summary).unwrap();
+    assert_eq!(summary["node"]["nodeName"], NODE);
+    let uid = tensile_e2e::check::kubectl(
+        up(),
+        &[
+            "-n",
+            NS,
+            "get",
+            "pod",
+            "metered",
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ],
+    )
+    .await;
+    let pod = summary["pods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["podRef"]["name"] == "metered")
+        .unwrap_or_else(|| panic!("metered in {summary}"));
+    assert_eq!(pod["podRef"]["uid"], uid.as_str(), "the upper UID");
+    assert_eq!(pod["cpu"]["usageNanoCores"], CONTAINER_NANO_CORES);
+    assert_eq!(pod["memory"]["workingSetBytes"], CONTAINER_BYTES);
+}

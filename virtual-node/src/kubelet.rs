@@ -345,6 +345,13 @@ async fn route(state: &KubeletState, peer: &Peer, req: Request<Incoming>) -> Res
         return streams::splice(&state.lower, &state.metrics, &target, req).await;
     }
     match segments.as_slice() {
+        ["stats", "summary"] | ["metrics", "resource"] if req.method() == http::Method::GET => {
+            match summary(state).await {
+                Ok(summary) if segments[0] == "stats" => json(&summary),
+                Ok(summary) => text(StatusCode::OK, crate::stats::resource_metrics(&summary)),
+                Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, e),
+            }
+        }
         ["containerLogs", ns, pod, container] if req.method() == http::Method::GET => {
             match LogOptions::from_query(req.uri().query().unwrap_or("")) {
                 Ok(options) => logs(state, ns, pod, container, options).await,
@@ -360,6 +367,65 @@ async fn route(state: &KubeletState, peer: &Peer, req: Request<Incoming>) -> Res
             format!("{path}: not served by this virtual node"),
         ),
     }
+}
+
+fn json(value: &serde_json::Value) -> Response<Body> {
+    let mut response = text(StatusCode::OK, value.to_string());
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// The node's summary from the lower nodes' summaries ([`crate::stats`]).
+async fn summary(state: &KubeletState) -> Result<serde_json::Value, String> {
+    let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(state.lower.clone())
+        .list_metadata(&Default::default())
+        .await
+        .map_err(|e| format!("the lower cluster cannot be reached: {e}"))?;
+    let fetches = nodes
+        .items
+        .iter()
+        .filter_map(|n| n.metadata.name.clone())
+        .map(|name| {
+            let lower = state.lower.clone();
+            async move {
+                let request = http::Request::get(format!("/api/v1/nodes/{name}/proxy/stats/summary"))
+                    .body(Vec::new())
+                    .map_err(|e| e.to_string())?;
+                let text = lower
+                    .request_text(request)
+                    .await
+                    .map_err(|e| format!("{name}: {e}"))?;
+                serde_json::from_str::<serde_json::Value>(&text).map_err(|e| format!("{name}: {e}"))
+            }
+        });
+    let mut summaries = Vec::new();
+    for result in futures::future::join_all(fetches).await {
+        match result {
+            Ok(s) => summaries.push(s),
+            // A node that does not answer counts as using nothing, as metrics-server skips it.
+            Err(e) => tracing::debug!(error = %e, "lower node summary"),
+        }
+    }
+    let time = jiff::Timestamp::now().to_string();
+    Ok(crate::stats::aggregate(
+        &state.node,
+        &summaries,
+        &time,
+        |ns, name| {
+            let pod = state.upper_pods.get(&ObjectRef::new(name).within(ns))?;
+            let bound = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(state.node.as_str());
+            bound.then(|| {
+                (
+                    ns.to_owned(),
+                    name.to_owned(),
+                    pod.metadata.uid.clone().unwrap_or_default(),
+                )
+            })
+        },
+    ))
 }
 
 /// The kubelet's subresource for a path (`nodes/<subresource>` is what is authorised).

@@ -29,19 +29,25 @@ pub(super) async fn bind(client_ca_pem: Option<&str>) -> Result<(TcpListener, Ar
     Ok((listener, config))
 }
 
-pub(super) async fn serve(listener: TcpListener, config: Arc<rustls::ServerConfig>, inner: Arc<Inner>) {
+/// Serves the kubelet API; `node` names the node whose `/stats` and `/metrics` these are.
+pub(super) async fn serve(
+    listener: TcpListener,
+    config: Arc<rustls::ServerConfig>,
+    inner: Arc<Inner>,
+    node: Option<String>,
+) {
     // The TLS configuration already refused callers without the apiserver's certificate.
     let (limits, counters) = (Default::default(), Default::default());
     // Never cancelled: the simulator's task is dropped with it.
     let stop = tokio_util::sync::CancellationToken::new();
     tensile_common::serve::serve(listener, config, limits, counters, stop, move |req, _peer| {
-        let inner = inner.clone();
-        async move { route(&inner, req) }
+        let (inner, node) = (inner.clone(), node.clone());
+        async move { route(&inner, node.as_deref(), req) }
     })
     .await
 }
 
-fn route(inner: &Arc<Inner>, mut req: Request<Incoming>) -> Response<Body> {
+fn route(inner: &Arc<Inner>, node: Option<&str>, mut req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_owned();
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     if let Some(response) = super::streams::route(inner, &mut req, &segments) {
@@ -49,6 +55,19 @@ fn route(inner: &Arc<Inner>, mut req: Request<Incoming>) -> Response<Body> {
     }
     match (req.method(), segments.as_slice()) {
         (&http::Method::GET, ["healthz"]) => text(StatusCode::OK, "ok"),
+        (&http::Method::GET, ["stats", "summary"]) => {
+            let summary = super::stats::summary(inner, node);
+            let mut r = text(StatusCode::OK, summary.to_string());
+            r.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/json"),
+            );
+            r
+        }
+        (&http::Method::GET, ["metrics", "resource"]) => text(
+            StatusCode::OK,
+            tensile_virtual_node::stats::resource_metrics(&super::stats::summary(inner, node)),
+        ),
         (&http::Method::GET, ["containerLogs", ns, pod, container]) => {
             let options = match LogOptions::from_query(req.uri().query().unwrap_or("")) {
                 Ok(o) => o,

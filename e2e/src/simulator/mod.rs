@@ -9,8 +9,10 @@
 //!   `restartPolicy: Never`/`OnFailure` pods complete; the `tensile.io/sim` annotation
 //!   ([`Behavior`]) chooses timings, failures and restarts. Graceful deletion ends with a
 //!   delete of grace 0 and a UID precondition, as a kubelet does.
-//! * One TLS kubelet endpoint serves `containerLogs`, `exec`, `attach` and `portForward`
-//!   for every simulated node (over WebSocket and SPDY, as kubectl speaks them; see
+//! * Each node has its own TLS kubelet endpoint serving `containerLogs`, `exec`, `attach`,
+//!   `portForward`, and the node's `/stats/summary` and `/metrics/resource` (every running
+//!   container uses exactly 10m of CPU and 16 MiB, the node 50m and 256 MiB more; see
+//!   [`stats`]); [`NodeSimulator::kubelet_port`] serves every node's pods (over WebSocket and SPDY, as kubectl speaks them; see
 //!   [`exec`] for what a simulated container can run).
 
 mod behavior;
@@ -19,6 +21,7 @@ mod kubelet;
 mod logs;
 mod pods;
 pub mod spdy;
+pub mod stats;
 mod streams;
 
 use std::collections::{BTreeMap, HashMap};
@@ -126,6 +129,8 @@ impl SimulatorOptions {
 
 struct NodeState {
     index: u32,
+    /// The node's own kubelet endpoint (its `/stats` and `/metrics` are the node's).
+    kubelet_port: u16,
     config: NodeConfig,
     heartbeat: Arc<AtomicBool>,
     wake: Arc<tokio::sync::Notify>,
@@ -135,6 +140,7 @@ pub(crate) struct Inner {
     client: kube::Client,
     options: SimulatorOptions,
     kubelet_port: u16,
+    server_config: Arc<rustls::ServerConfig>,
     kubelet_version: String,
     nodes: RwLock<HashMap<String, NodeState>>,
     /// Latest pod objects on simulated nodes, by (namespace, name), for the kubelet API.
@@ -170,6 +176,7 @@ impl NodeSimulator {
         let inner = Arc::new(Inner {
             client,
             kubelet_port,
+            server_config: server_config.clone(),
             kubelet_version,
             writes: tokio::sync::Semaphore::new(options.write_concurrency.max(1)),
             options,
@@ -182,6 +189,7 @@ impl NodeSimulator {
             listener,
             server_config,
             inner.clone(),
+            None,
         )));
         let watch = pods::watch(inner.clone());
         inner.track(tokio::spawn(watch));
@@ -211,6 +219,13 @@ impl NodeSimulator {
 
     /// Registers a node (creating it when absent) and starts its heartbeat.
     pub async fn add_node(&self, config: NodeConfig) -> Result<()> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(crate::io_err("127.0.0.1:0"))?;
+        let kubelet_port = listener
+            .local_addr()
+            .map_err(crate::io_err("kubelet listener"))?
+            .port();
         let heartbeat = Arc::new(AtomicBool::new(true));
         let wake = Arc::new(tokio::sync::Notify::new());
         let index = {
@@ -226,6 +241,7 @@ impl NodeSimulator {
                 config.name.clone(),
                 NodeState {
                     index,
+                    kubelet_port,
                     config: config.clone(),
                     heartbeat: heartbeat.clone(),
                     wake: wake.clone(),
@@ -233,6 +249,12 @@ impl NodeSimulator {
             );
             index
         };
+        self.inner.track(tokio::spawn(kubelet::serve(
+            listener,
+            self.inner.server_config.clone(),
+            self.inner.clone(),
+            Some(config.name.clone()),
+        )));
         self.inner.register(&config, index).await?;
         let inner = self.inner.clone();
         let task = tokio::spawn(async move { inner.heartbeat(config.name.clone(), heartbeat, wake).await });
@@ -292,6 +314,14 @@ impl Inner {
 
     pub(crate) fn is_simulated(&self, node: &str) -> bool {
         self.nodes.read().map(|n| n.contains_key(node)).unwrap_or(false)
+    }
+
+    fn node_kubelet_port(&self, node: &str) -> u16 {
+        self.nodes
+            .read()
+            .ok()
+            .and_then(|n| n.get(node).map(|n| n.kubelet_port))
+            .unwrap_or(self.kubelet_port)
     }
 
     fn node_index(&self, node: &str) -> Option<u32> {
@@ -362,7 +392,7 @@ impl Inner {
                 cond("Ready", "True", "KubeletReady", "kubelet is posting ready status"),
             ],
             "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.kubelet_port}},
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.node_kubelet_port(&config.name)}},
             "nodeInfo": {
                 "machineID": config.name, "systemUUID": config.name, "bootID": self.options.name,
                 "kernelVersion": "simulated", "osImage": "tensile node simulator",
