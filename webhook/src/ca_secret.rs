@@ -7,7 +7,9 @@
 //! `ca.key`); every replica, the first included, reads it back and signs its own serving
 //! certificate with it. Two replicas starting together race on the create: the loser gets
 //! 409 and reads the winner's CA. Restarting a replica leaves the Secret, hence the bundle,
-//! unchanged.
+//! unchanged. A Secret that exists without data (the Helm chart makes it, so that uninstalling
+//! the release removes it) is filled the same way: an update on its resourceVersion, whose
+//! loser gets 409 and reads the winner's.
 
 use std::path::Path;
 
@@ -130,10 +132,34 @@ pub async fn load_or_create(client: kube::Client, namespace: &str, name: &str) -
         name: name.to_owned(),
         source,
     };
-    if let Some(existing) = api.get_opt(name).await.map_err(err)? {
-        return from_secret(&existing, namespace, name);
+    let existing = api.get_opt(name).await.map_err(err)?;
+    if let Some(existing) = &existing
+        && existing.data.as_ref().is_some_and(|d| !d.is_empty())
+    {
+        return from_secret(existing, namespace, name);
     }
     let ca = SharedCa::generate()?;
+    let data = [
+        (
+            CA_CERT_KEY.to_owned(),
+            ByteString(ca.cert_pem.clone().into_bytes()),
+        ),
+        (CA_KEY_KEY.to_owned(), ByteString(ca.key_pem.clone().into_bytes())),
+    ];
+    if let Some(empty) = existing {
+        let mut filled = empty;
+        filled.data = Some(data.into());
+        return match api.replace(name, &PostParams::default(), &filled).await {
+            Ok(_) => {
+                tracing::info!(secret = %format!("{namespace}/{name}"), "filled the shared serving CA");
+                Ok(ca)
+            }
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                from_secret(&api.get(name).await.map_err(err)?, namespace, name)
+            }
+            Err(e) => Err(err(e)),
+        };
+    }
     let secret = Secret {
         metadata: ObjectMeta {
             name: Some(name.to_owned()),
@@ -148,16 +174,7 @@ pub async fn load_or_create(client: kube::Client, namespace: &str, name: &str) -
             ..Default::default()
         },
         type_: Some("Opaque".into()),
-        data: Some(
-            [
-                (
-                    CA_CERT_KEY.to_owned(),
-                    ByteString(ca.cert_pem.clone().into_bytes()),
-                ),
-                (CA_KEY_KEY.to_owned(), ByteString(ca.key_pem.clone().into_bytes())),
-            ]
-            .into(),
-        ),
+        data: Some(data.into()),
         ..Default::default()
     };
     match api.create(&PostParams::default(), &secret).await {
