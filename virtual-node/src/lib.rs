@@ -500,11 +500,8 @@ async fn compose(
     // this upper cluster below.
     let copies_changed = Arc::new(tokio::sync::Notify::new());
     let copy_marks = format!("{}={}", tensile_common::names::MARK_CLUSTER, identity.cluster_id);
-    let (upper_config_maps, upper_config_maps_watch) = cache::watched_metadata::<ConfigMap>(
-        upper.clone(),
-        watcher::Config::default(),
-        &copies_changed,
-    );
+    let (upper_config_maps, upper_config_maps_watch) =
+        cache::watched_metadata::<ConfigMap>(upper.clone(), watcher::Config::default(), &copies_changed);
     let (upper_secrets, upper_secrets_watch) = cache::watched_metadata::<Secret>(
         upper.clone(),
         watcher::Config::default().fields("type!=kubernetes.io/service-account-token"),
