@@ -565,3 +565,163 @@ async fn extender_over_https(
         "latency_ms": all.into_iter().collect::<Samples>().summary(),
     }))
 }
+
+/// Resident memory of process `pid` in bytes (`VmRSS`).
+fn rss(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .ok_or_else(|| anyhow::anyhow!("no VmRSS for {pid}"))
+}
+
+/// What the upper cluster's ConfigMaps and Secrets cost a virtual node that copies none of
+/// them: `objects` of each kind holding `bytes` of content each. The `virtual-node` binary's
+/// RSS before they exist, after they arrive, and after a restart with them in place; and,
+/// like for like in this process, what a cache of full objects (how the virtual node held
+/// them before) and a cache of their metadata (how it holds them now) add to its RSS.
+pub async fn copies(objects: usize, bytes: usize) -> anyhow::Result<serde_json::Value> {
+    use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+    let (upper, lower) = tokio::join!(
+        TestCluster::start(ClusterOptions::new("bench-copies", "upper")),
+        TestCluster::start(ClusterOptions::new("bench-copies", "lower")),
+    );
+    let (upper, lower) = (upper?, lower?);
+    let _sim = NodeSimulator::start(
+        lower.client().await?,
+        SimulatorOptions::new("bench-copies", Some(lower.kubelet_client_ca_pem())),
+        vec![NodeConfig::new("lower-0")],
+    )
+    .await?;
+    let ready = |name: &'static str| {
+        let kubeconfig = upper.kubeconfig().to_owned();
+        async move {
+            crate::wait::until(
+                "vn-copies Ready",
+                Duration::from_secs(60),
+                Duration::from_millis(200),
+                || async {
+                    let out = crate::kubectl::run(
+                        &kubeconfig,
+                        &[
+                            "get",
+                            "node",
+                            name,
+                            "-o",
+                            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
+                        ],
+                    )
+                    .await;
+                    if out.stdout.trim() == "True" {
+                        Ok(())
+                    } else {
+                        Err(out.stderr)
+                    }
+                },
+            )
+            .await
+        }
+    };
+    let settle = Duration::from_secs(5);
+    let vn = crate::in_process::VirtualNodeProcess::start(&upper, "vn-copies", &lower, &[], "copies")?;
+    ready("vn-copies").await?;
+    tokio::time::sleep(settle).await;
+    let pid = vn
+        .service
+        .pid()
+        .ok_or_else(|| anyhow::anyhow!("virtual-node exited"))?;
+    let empty = rss(pid)?;
+
+    upper.create_namespace("bulk").await?;
+    let client = upper.client().await?;
+    let content = "x".repeat(bytes);
+    let started = Instant::now();
+    futures::stream::iter(0..objects)
+        .map(|i| {
+            let (client, content) = (client.clone(), content.clone());
+            async move {
+                let secret: Secret = serde_json::from_value(json!({
+                    "metadata": {"name": format!("s-{i}")}, "stringData": {"v": content}}))?;
+                let map: ConfigMap = serde_json::from_value(json!({
+                    "metadata": {"name": format!("c-{i}")}, "data": {"v": content}}))?;
+                Api::<Secret>::namespaced(client.clone(), "bulk")
+                    .create(&PostParams::default(), &secret)
+                    .await?;
+                Api::<ConfigMap>::namespaced(client, "bulk")
+                    .create(&PostParams::default(), &map)
+                    .await?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(16)
+        .try_collect::<Vec<()>>()
+        .await?;
+    let created_secs = started.elapsed().as_secs_f64();
+    tokio::time::sleep(settle).await;
+    let with_objects = rss(pid)?;
+    drop(vn);
+    let vn =
+        crate::in_process::VirtualNodeProcess::start(&upper, "vn-copies", &lower, &[], "copies-restart")?;
+    ready("vn-copies").await?;
+    tokio::time::sleep(settle).await;
+    let pid = vn
+        .service
+        .pid()
+        .ok_or_else(|| anyhow::anyhow!("virtual-node exited"))?;
+    let restarted = rss(pid)?;
+    drop(vn);
+
+    // Like for like in this process: the metadata caches first, then full-object caches
+    // beside them (both stay, so freed memory is not reused across the two).
+    let me = std::process::id();
+    let changed = Arc::new(tokio::sync::Notify::new());
+    let tokens = || watcher::Config::default().fields("type!=kubernetes.io/service-account-token");
+    let before = rss(me)?;
+    let (meta_secrets, feed_a) =
+        tensile_common::cache::watched_metadata::<Secret>(client.clone(), tokens(), &changed);
+    let (meta_maps, feed_b) = tensile_common::cache::watched_metadata::<ConfigMap>(
+        client.clone(),
+        watcher::Config::default(),
+        &changed,
+    );
+    let feeds = [tokio::spawn(feed_a), tokio::spawn(feed_b)];
+    meta_secrets.synced().await;
+    meta_maps.synced().await;
+    let after_metadata = rss(me)?;
+    let (full_secrets, feed_c) =
+        tensile_common::cache::watched::<Secret>(Api::all(client.clone()), tokens(), &changed);
+    let (full_maps, feed_d) = tensile_common::cache::watched::<ConfigMap>(
+        Api::all(client.clone()),
+        watcher::Config::default(),
+        &changed,
+    );
+    let more = [tokio::spawn(feed_c), tokio::spawn(feed_d)];
+    full_secrets.synced().await;
+    full_maps.synced().await;
+    let after_full = rss(me)?;
+    for f in feeds.iter().chain(more.iter()) {
+        f.abort();
+    }
+    let mib = |b: u64| (b as f64 / 1048576.0 * 10.0).round() / 10.0;
+    let metadata_cost = after_metadata.saturating_sub(before);
+    let full_cost = after_full.saturating_sub(after_metadata);
+    Ok(json!({
+        "benchmark": "upper ConfigMaps and Secrets a virtual node copies none of: its memory",
+        "kubernetes": upper.version(),
+        "objects": {"secrets": objects, "config_maps": objects, "bytes_each": bytes,
+                    "content_mib": mib((2 * objects * bytes) as u64), "created_in_secs": created_secs},
+        "virtual_node_rss_mib": {
+            "before_the_objects": mib(empty),
+            "after_they_arrived": mib(with_objects),
+            "after_a_restart_with_them": mib(restarted),
+        },
+        "cache_in_process_mib": {
+            "metadata_only_now": mib(metadata_cost),
+            "full_objects_before": mib(full_cost),
+            "ratio_full_to_metadata": (full_cost as f64 / metadata_cost.max(1) as f64 * 10.0).round() / 10.0,
+        },
+        "cost": "a copy written reads its upper object once (one GET); the resync judges copies from metadata",
+    }))
+}

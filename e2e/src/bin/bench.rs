@@ -11,6 +11,9 @@
 //! several connections gives the throughput; an open loop at a fixed rate gives latency
 //! measured from each request's scheduled send time, so a stall is not hidden.
 //!
+//! `copies` (`--bench copies`): what the upper cluster's ConfigMaps and Secrets cost a virtual
+//! node's memory when it copies none of them.
+//!
 //! `multi-scheduler` (`--bench multi-scheduler`): the capacity shape of a 5,000-node lower
 //! cluster, the extender's filter in process for 100 such virtual nodes, and `POST /filter`
 //! over HTTPS.
@@ -59,6 +62,12 @@ struct Cli {
     /// Keep-alive connections for the extender's HTTPS run.
     #[arg(long, env = "BENCH_EXTENDER_CONNECTIONS", default_value_t = 8)]
     extender_connections: usize,
+    /// Upper Secrets and as many ConfigMaps for the copies benchmark.
+    #[arg(long, env = "BENCH_COPIES_OBJECTS", default_value_t = 1000)]
+    copies_objects: usize,
+    /// Bytes of content in each of them.
+    #[arg(long, env = "BENCH_COPIES_BYTES", default_value_t = 16384)]
+    copies_bytes: usize,
     /// Seconds of the extender's HTTPS run.
     #[arg(long, env = "BENCH_EXTENDER_SECS", default_value_t = 5)]
     extender_secs: u64,
@@ -70,6 +79,7 @@ enum Which {
     Webhook,
     VirtualNode,
     MultiScheduler,
+    Copies,
     All,
 }
 
@@ -119,6 +129,11 @@ fn main() -> anyhow::Result<()> {
             cli.webhook_rate.max(1),
         ))?;
         write_figures(&cli.out, "webhook.json", &figures)?;
+    }
+    if matches!(cli.bench, Which::Copies | Which::All) {
+        let rt = tokio::runtime::Runtime::new().context("async runtime")?;
+        let figures = rt.block_on(tensile_e2e::benches::copies(cli.copies_objects, cli.copies_bytes))?;
+        write_figures(&cli.out, "copies.json", &figures)?;
     }
     if matches!(cli.bench, Which::MultiScheduler | Which::All) {
         let rt = tokio::runtime::Runtime::new().context("async runtime")?;
