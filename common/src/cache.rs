@@ -89,9 +89,19 @@ pub fn reflect<K: Watched>(
     Cache<K>,
     impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
 ) {
+    cache_of(watcher(api, config))
+}
+
+/// A cache kept by the watch `events`, and the stream of objects they touch.
+fn cache_of<K: Watched>(
+    events: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+) -> (
+    Cache<K>,
+    impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+) {
     let (store, writer) = reflector::store::<K>();
     let (tx, synced) = watch::channel(false);
-    let stream = reflector(writer, watcher(api, config))
+    let stream = reflector(writer, events)
         .backoff(WatchBackoff::default())
         .inspect_ok(move |event| {
             if matches!(event, watcher::Event::InitDone) {
@@ -109,7 +119,17 @@ pub fn watched<K: Watched>(
     config: watcher::Config,
     changed: &Arc<Notify>,
 ) -> (Cache<K>, impl Future<Output = ()> + Send + 'static) {
-    let (cache, stream) = reflect(api, config);
+    feeding(reflect(api, config), changed)
+}
+
+/// The future that polls a cache's stream, waking `changed` on every object it touches.
+fn feeding<K: Watched>(
+    (cache, stream): (
+        Cache<K>,
+        impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+    ),
+    changed: &Arc<Notify>,
+) -> (Cache<K>, impl Future<Output = ()> + Send + 'static) {
     let changed = changed.clone();
     let feed = stream.for_each(move |_| {
         changed.notify_one();
@@ -128,8 +148,6 @@ pub fn watched_metadata<K: Watched + Default>(
     config: watcher::Config,
     changed: &Arc<Notify>,
 ) -> (Cache<K>, impl Future<Output = ()> + Send + 'static) {
-    let (store, writer) = reflector::store::<K>();
-    let (tx, synced) = watch::channel(false);
     let header = |partial: kube::core::PartialObjectMeta<K>| {
         let mut object = K::default();
         *object.meta_mut() = partial.metadata;
@@ -144,17 +162,7 @@ pub fn watched_metadata<K: Watched + Default>(
         watcher::Event::InitApply(o) => watcher::Event::InitApply(header(o)),
         watcher::Event::InitDone => watcher::Event::InitDone,
     });
-    let changed = changed.clone();
-    let feed = reflector(writer, events)
-        .backoff(WatchBackoff::default())
-        .for_each(move |event| {
-            if matches!(event, Ok(watcher::Event::InitDone)) {
-                tx.send_replace(true);
-            }
-            changed.notify_one();
-            futures::future::ready(())
-        });
-    (Cache { store, synced }, feed)
+    feeding(cache_of(events), changed)
 }
 
 /// Retry delays of a failed watch: 200 ms doubling to 2 s, from the start again after a

@@ -177,30 +177,7 @@ pub async fn virtual_node(pods: usize) -> anyhow::Result<serde_json::Value> {
     );
     let args = tensile_virtual_node::Args::try_parse_from(argv)?;
     let vn = tokio::spawn(tensile_virtual_node::run(args));
-    crate::wait::until(
-        "vn-bench Ready",
-        Duration::from_secs(60),
-        Duration::from_millis(200),
-        || async {
-            let out = crate::kubectl::run(
-                upper.kubeconfig(),
-                &[
-                    "get",
-                    "node",
-                    "vn-bench",
-                    "-o",
-                    r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
-                ],
-            )
-            .await;
-            if out.stdout.trim() == "True" {
-                Ok(())
-            } else {
-                Err(out.stderr)
-            }
-        },
-    )
-    .await?;
+    node_ready(&upper, "vn-bench").await?;
     upper.create_namespace("virtual").await?;
     // The lower side of the same pods, to split the time into virtual-node's own legs.
     let lower_seen: Arc<Mutex<Seen>> = Arc::default();
@@ -566,6 +543,34 @@ async fn extender_over_https(
     }))
 }
 
+/// Waits until node `name` of `upper` is Ready.
+async fn node_ready(upper: &TestCluster, name: &str) -> crate::Result<()> {
+    crate::wait::until(
+        &format!("{name} Ready"),
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async {
+            let out = crate::kubectl::run(
+                upper.kubeconfig(),
+                &[
+                    "get",
+                    "node",
+                    name,
+                    "-o",
+                    r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
+                ],
+            )
+            .await;
+            if out.stdout.trim() == "True" {
+                Ok(())
+            } else {
+                Err(out.stderr)
+            }
+        },
+    )
+    .await
+}
+
 /// Resident memory of process `pid` in bytes (`VmRSS`).
 fn rss(pid: u32) -> anyhow::Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
@@ -595,38 +600,9 @@ pub async fn copies(objects: usize, bytes: usize) -> anyhow::Result<serde_json::
         vec![NodeConfig::new("lower-0")],
     )
     .await?;
-    let ready = |name: &'static str| {
-        let kubeconfig = upper.kubeconfig().to_owned();
-        async move {
-            crate::wait::until(
-                "vn-copies Ready",
-                Duration::from_secs(60),
-                Duration::from_millis(200),
-                || async {
-                    let out = crate::kubectl::run(
-                        &kubeconfig,
-                        &[
-                            "get",
-                            "node",
-                            name,
-                            "-o",
-                            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
-                        ],
-                    )
-                    .await;
-                    if out.stdout.trim() == "True" {
-                        Ok(())
-                    } else {
-                        Err(out.stderr)
-                    }
-                },
-            )
-            .await
-        }
-    };
     let settle = Duration::from_secs(5);
     let vn = crate::in_process::VirtualNodeProcess::start(&upper, "vn-copies", &lower, &[], "copies")?;
-    ready("vn-copies").await?;
+    node_ready(&upper, "vn-copies").await?;
     tokio::time::sleep(settle).await;
     let pid = vn
         .service
@@ -664,7 +640,7 @@ pub async fn copies(objects: usize, bytes: usize) -> anyhow::Result<serde_json::
     drop(vn);
     let vn =
         crate::in_process::VirtualNodeProcess::start(&upper, "vn-copies", &lower, &[], "copies-restart")?;
-    ready("vn-copies").await?;
+    node_ready(&upper, "vn-copies").await?;
     tokio::time::sleep(settle).await;
     let pid = vn
         .service

@@ -40,6 +40,24 @@ async fn shell(command: &str) -> std::process::Output {
         .unwrap()
 }
 
+/// Waits until none of `pids` runs any more.
+async fn all_gone(pids: &[u32]) {
+    tensile_e2e::wait::must(
+        "every process gone",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || async {
+            let alive: Vec<u32> = pids.iter().copied().filter(|p| pid_alive(*p)).collect();
+            if alive.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{alive:?}"))
+            }
+        },
+    )
+    .await;
+}
+
 /// One demo at a time: each starts three clusters.
 static ONE_DEMO: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -281,21 +299,7 @@ async fn the_demo_runs_its_workload_below_shows_it_above_and_cleans_up() {
     assert!(pids.len() >= 3 * 3 + 3, "{pids:?}");
     let socket = demo.dir().join(tensile_e2e::demo::CONTROL_SOCKET);
     drop(demo);
-    tensile_e2e::wait::until(
-        "every process gone",
-        Duration::from_secs(10),
-        Duration::from_millis(100),
-        || async {
-            let alive: Vec<u32> = pids.iter().copied().filter(|p| pid_alive(*p)).collect();
-            if alive.is_empty() {
-                Ok(())
-            } else {
-                Err(format!("{alive:?}"))
-            }
-        },
-    )
-    .await
-    .unwrap();
+    all_gone(&pids).await;
     assert!(
         tensile_e2e::demo::send_command(socket.parent().unwrap(), "stop lower-a")
             .await
@@ -397,19 +401,5 @@ async fn the_demo_with_the_multi_scheduler_puts_the_pod_only_lower_b_holds_there
 
     let pids = demo.pids();
     drop(demo);
-    tensile_e2e::wait::until(
-        "every process gone",
-        Duration::from_secs(10),
-        Duration::from_millis(100),
-        || async {
-            let alive: Vec<u32> = pids.iter().copied().filter(|p| pid_alive(*p)).collect();
-            if alive.is_empty() {
-                Ok(())
-            } else {
-                Err(format!("{alive:?}"))
-            }
-        },
-    )
-    .await
-    .unwrap();
+    all_gone(&pids).await;
 }

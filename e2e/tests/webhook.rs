@@ -94,6 +94,27 @@ async fn start_webhook(options: Options) -> Running {
     tensile_webhook::start(options).await.unwrap()
 }
 
+/// Runs `n` opted-in pods in `ns` with kubectl while `what` goes on; each must be admitted and
+/// stashed.
+async fn stashed_while(c: &TestCluster, ns: &str, n: usize, what: &str) {
+    for i in 0..n {
+        let name = format!("during-{i}");
+        let out = c
+            .kubectl(&[
+                "-n",
+                ns,
+                "run",
+                &name,
+                "--image=nginx",
+                "--restart=Never",
+                "--labels=virtual-pod=true",
+            ])
+            .await;
+        assert!(out.ok, "review {i} during {what}: {}", out.stderr);
+        assert!(stash_of(&get_pod(c, ns, &name).await).tolerations.len() >= 2);
+    }
+}
+
 fn options(port: u16, certificates: Certificates) -> Options {
     let addr: SocketAddr = ([127, 0, 0, 1], port).into();
     Options::new(addr, certificates)
@@ -438,22 +459,7 @@ async fn idle_and_slow_clients_are_capped_and_cut_while_reviews_are_answered() {
 
     let flood = tensile_e2e::flood::Flood::open(running.address, 64, 16).await;
     flood.assert_capped(64, 16).await;
-    for i in 0..5 {
-        let name = format!("during-{i}");
-        let out = c
-            .kubectl(&[
-                "-n",
-                ns,
-                "run",
-                &name,
-                "--image=nginx",
-                "--restart=Never",
-                "--labels=virtual-pod=true",
-            ])
-            .await;
-        assert!(out.ok, "review {i} during the flood: {}", out.stderr);
-        assert!(stash_of(&get_pod(c, ns, &name).await).tolerations.len() >= 2);
-    }
+    stashed_while(c, ns, 5, "the flood").await;
     flood.assert_all_closed_within(Duration::from_secs(10)).await;
     running.stop().await;
     let _ = c
@@ -682,22 +688,7 @@ async fn one_http2_client_gets_the_stream_cap_and_a_connection_budget_of_bodies_
         "the server took {} bytes",
         uploads.sent_bytes()
     );
-    for i in 0..3 {
-        let name = format!("during-{i}");
-        let out = c
-            .kubectl(&[
-                "-n",
-                ns,
-                "run",
-                &name,
-                "--image=nginx",
-                "--restart=Never",
-                "--labels=virtual-pod=true",
-            ])
-            .await;
-        assert!(out.ok, "review {i} during the uploads: {}", out.stderr);
-        assert!(stash_of(&get_pod(c, ns, &name).await).tolerations.len() >= 2);
-    }
+    stashed_while(c, ns, 3, "the uploads").await;
     tensile_e2e::wait::must(
         "every upload ended at its deadline (the queued ones after a second deadline)",
         Duration::from_secs(45),
