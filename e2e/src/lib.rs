@@ -147,8 +147,58 @@ pub async fn wait_for_signal() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A port on 127.0.0.1 that nothing listens on now, for a server the caller starts soon.
+///
+/// It is taken below the kernel's ephemeral range (`ip_local_port_range`, 32768 and up by
+/// default): a port from that range can be taken, between this answer and the server's bind,
+/// by any outgoing connection (every API client makes them) or by a bind to port 0, and a
+/// control-plane component that loses that race fails to start. Each port is handed out once
+/// per process, starting at an offset derived from the process id, so test processes running
+/// side by side rarely try the same one.
 pub fn free_port() -> Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io_err("127.0.0.1:0"))?;
-    let port = listener.local_addr().map_err(io_err("127.0.0.1:0"))?.port();
-    Ok(port)
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const LOW: u32 = 10_000;
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    if ephemeral_low <= LOW + 1_000 {
+        // No room below the ephemeral range: let the kernel choose.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io_err("127.0.0.1:0"))?;
+        return Ok(listener.local_addr().map_err(io_err("127.0.0.1:0"))?.port());
+    }
+    let span = ephemeral_low - LOW;
+    let start = std::process::id().wrapping_mul(2_654_435_761) % span;
+    for _ in 0..span {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = u16::try_from(LOW + (start + n) % span).unwrap_or(u16::MAX);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(io_err("127.0.0.1")(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        format!("no free port in {LOW}..{ephemeral_low}"),
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn free_ports_are_distinct_bindable_and_below_the_ephemeral_range() {
+        let ports: Vec<u16> = (0..50).map(|_| super::free_port().unwrap()).collect();
+        let distinct: std::collections::BTreeSet<u16> = ports.iter().copied().collect();
+        assert_eq!(distinct.len(), ports.len(), "{ports:?}");
+        let ephemeral_low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|r| r.split_whitespace().next()?.parse().ok())
+            .unwrap_or(32_768);
+        for port in ports {
+            if ephemeral_low > 11_000 {
+                assert!((10_000..ephemeral_low).contains(&port), "{port}");
+            }
+            std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+        }
+    }
 }
