@@ -53,7 +53,7 @@ testbed: kube-bins
 
 # Benchmarks; figures are written as JSON under target/bench/.
 bench: kube-bins
-	$(CARGO) build --release -p tensile-virtual-node --bin virtual-node
+	$(CARGO) build --release -p tensile-virtual-node -p tensile-e2e --bins
 	$(CARGO) run --release -p tensile-e2e --bin bench -- --bench all --out target/bench
 
 # The whole suite on this machine with a sample workload, until Ctrl-C: an upper cluster,

@@ -82,6 +82,9 @@ impl<K> Watched for K where
 
 /// A cache of `api` narrowed by `config`, and the stream of objects its watch touches
 /// (which must be polled to keep the cache current, for example by a controller).
+///
+/// No cache keeps `metadata.managedFields`: field ownership is read by no decision, and on
+/// a pod it is often the largest part of the object.
 pub fn reflect<K: Watched>(
     api: Api<K>,
     config: watcher::Config,
@@ -89,7 +92,11 @@ pub fn reflect<K: Watched>(
     Cache<K>,
     impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
 ) {
-    cache_of(watcher(api, config))
+    cache_of(watcher(api, config).modify(without_managed_fields))
+}
+
+fn without_managed_fields<K: kube::Resource>(object: &mut K) {
+    object.meta_mut().managed_fields = None;
 }
 
 /// A cache kept by the watch `events`, and the stream of objects they touch.
@@ -120,6 +127,21 @@ pub fn watched<K: Watched>(
     changed: &Arc<Notify>,
 ) -> (Cache<K>, impl Future<Output = ()> + Send + 'static) {
     feeding(reflect(api, config), changed)
+}
+
+/// As [`watched`], with every object cut down by `trim` before the cache sees it: for
+/// caches whose readers need only part of each object.
+pub fn watched_trimmed<K: Watched>(
+    api: Api<K>,
+    config: watcher::Config,
+    trim: fn(&mut K),
+    changed: &Arc<Notify>,
+) -> (Cache<K>, impl Future<Output = ()> + Send + 'static) {
+    let events = watcher(api, config).modify(move |object: &mut K| {
+        without_managed_fields(object);
+        trim(object);
+    });
+    feeding(cache_of(events), changed)
 }
 
 /// The future that polls a cache's stream, waking `changed` on every object it touches.

@@ -15,13 +15,13 @@ use crate::stats::Samples;
 use crate::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
 
 #[derive(Default)]
-struct Seen {
+pub(crate) struct Seen {
     /// When our create call returned (pods we created).
-    created: HashMap<String, Instant>,
+    pub(crate) created: HashMap<String, Instant>,
     /// When a watch first showed the pod (pods created by someone else).
     first_seen: HashMap<String, Instant>,
     bound: HashMap<String, Instant>,
-    running: HashMap<String, Instant>,
+    pub(crate) running: HashMap<String, Instant>,
 }
 
 /// Figures of one burst: create `pods` pods, watch them get bound and Running.
@@ -34,7 +34,7 @@ async fn burst(
 }
 
 /// Records, per pod, when it was first seen, first seen bound and first seen Running.
-async fn observe(api: Api<Pod>, seen: Arc<Mutex<Seen>>) {
+pub(crate) async fn observe(api: Api<Pod>, seen: Arc<Mutex<Seen>>) {
     let mut stream = watcher(api, watcher::Config::default())
         .default_backoff()
         .applied_objects()
@@ -56,7 +56,7 @@ async fn observe(api: Api<Pod>, seen: Arc<Mutex<Seen>>) {
 }
 
 /// Percentiles of the time from `from` to `to`, per pod.
-fn between(from: &HashMap<String, Instant>, to: &HashMap<String, Instant>) -> serde_json::Value {
+pub(crate) fn between(from: &HashMap<String, Instant>, to: &HashMap<String, Instant>) -> serde_json::Value {
     from.iter()
         .filter_map(|(n, a)| {
             to.get(n)
@@ -131,10 +131,18 @@ async fn burst_into(
 
 /// `pods` pods through a virtual node versus the same pods created directly in the lower
 /// cluster (the baseline), in one run on one machine.
-pub async fn virtual_node(pods: usize) -> anyhow::Result<serde_json::Value> {
+pub async fn virtual_node(
+    pods: usize,
+    test_bed_qps: Option<(u32, u32)>,
+) -> anyhow::Result<serde_json::Value> {
+    let options = |name: &str| {
+        let mut o = ClusterOptions::new("bench", name);
+        o.kube_api_qps = test_bed_qps;
+        o
+    };
     let (upper, lower) = tokio::join!(
-        TestCluster::start(ClusterOptions::new("bench", "upper")),
-        TestCluster::start(ClusterOptions::new("bench", "lower")),
+        TestCluster::start(options("upper")),
+        TestCluster::start(options("lower"))
     );
     let (upper, lower) = (upper?, lower?);
     // Room for both bursts: the baseline's pods stay and count against the virtual node's
@@ -244,6 +252,7 @@ pub async fn virtual_node(pods: usize) -> anyhow::Result<serde_json::Value> {
     Ok(json!({
         "benchmark": "virtual-node: bound -> Running upstream vs. directly in the lower cluster",
         "kubernetes": upper.version(),
+        "test_bed_client_qps_burst": test_bed_qps,
         "lower_nodes": nodes,
         "baseline_direct_in_lower": baseline,
         "through_virtual_node": through,
@@ -259,7 +268,7 @@ pub async fn virtual_node(pods: usize) -> anyhow::Result<serde_json::Value> {
 
 /// Successful writes an apiserver has served so far, by `VERB resource[/subresource]`, from
 /// its own `apiserver_request_total`.
-async fn api_writes(client: &kube::Client) -> anyhow::Result<HashMap<String, f64>> {
+pub(crate) async fn api_writes(client: &kube::Client) -> anyhow::Result<HashMap<String, f64>> {
     let request = http::Request::get("/metrics").body(Vec::new())?;
     let text = client.request_text(request).await?;
     let mut writes: HashMap<String, f64> = HashMap::new();
@@ -544,7 +553,7 @@ async fn extender_over_https(
 }
 
 /// Waits until node `name` of `upper` is Ready.
-async fn node_ready(upper: &TestCluster, name: &str) -> crate::Result<()> {
+pub(crate) async fn node_ready(upper: &TestCluster, name: &str) -> crate::Result<()> {
     crate::wait::until(
         &format!("{name} Ready"),
         Duration::from_secs(60),
@@ -572,7 +581,7 @@ async fn node_ready(upper: &TestCluster, name: &str) -> crate::Result<()> {
 }
 
 /// Resident memory of process `pid` in bytes (`VmRSS`).
-fn rss(pid: u32) -> anyhow::Result<u64> {
+pub(crate) fn rss(pid: u32) -> anyhow::Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     status
         .lines()

@@ -20,6 +20,7 @@ pub mod ratelimit;
 pub mod stats;
 pub mod streams;
 pub mod translate;
+pub mod trim;
 pub mod volumes;
 
 use std::collections::BTreeMap;
@@ -483,11 +484,17 @@ async fn compose(
 
     // Lower caches: nodes and every running pod (capacity), and our own pods (controller).
     let changed = Arc::new(tokio::sync::Notify::new());
-    let (lower_nodes, lower_nodes_watch) =
-        watched(Api::all(lower.clone()), watcher::Config::default(), &changed);
-    let (lower_all_pods, lower_all_watch) = watched(
+    // The first two keep only what capacity and the collections read ([`trim`]).
+    let (lower_nodes, lower_nodes_watch) = cache::watched_trimmed(
+        Api::all(lower.clone()),
+        watcher::Config::default(),
+        trim::lower_node,
+        &changed,
+    );
+    let (lower_all_pods, lower_all_watch) = cache::watched_trimmed(
         Api::all(lower.clone()),
         watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
+        trim::lower_load,
         &changed,
     );
     let (lower_pods, lower_ours) = cache::reflect(

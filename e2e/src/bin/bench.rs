@@ -71,6 +71,23 @@ struct Cli {
     /// Seconds of the extender's HTTPS run.
     #[arg(long, env = "BENCH_EXTENDER_SECS", default_value_t = 5)]
     extender_secs: u64,
+    /// Pods of the scale benchmark (through the virtual node, and as many directly below).
+    #[arg(long, env = "BENCH_SCALE_PODS", default_value_t = 10_000)]
+    scale_pods: usize,
+    /// Simulated lower nodes under the scale benchmark's pods.
+    #[arg(long, env = "BENCH_SCALE_LOWER_NODES", default_value_t = 100)]
+    scale_lower_nodes: usize,
+    /// Lower cluster sizes of the scale benchmark's capacity part (comma-separated; none
+    /// skips it).
+    #[arg(long, env = "BENCH_SCALE_CAPACITY_NODES", value_delimiter = ',', default_values_t = [2000, 5000])]
+    scale_capacity_nodes: Vec<usize>,
+    /// Creates in flight at once in the scale benchmark.
+    #[arg(long, env = "BENCH_SCALE_CLIENTS", default_value_t = 64)]
+    scale_clients: usize,
+    /// Client QPS of the test bed's kube-scheduler and kube-controller-manager in the
+    /// virtual-node and scale benchmarks (burst twice that); 0 keeps their defaults (50).
+    #[arg(long, env = "BENCH_TEST_BED_QPS", default_value_t = 1000)]
+    test_bed_qps: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -80,6 +97,7 @@ enum Which {
     VirtualNode,
     MultiScheduler,
     Copies,
+    Scale,
     All,
 }
 
@@ -102,6 +120,7 @@ fn main() -> anyhow::Result<()> {
         format: tensile_common::telemetry::LogFormat::Plain,
     })?;
     std::fs::create_dir_all(&cli.out).with_context(|| format!("creating {}", cli.out.display()))?;
+    let test_bed_qps = (cli.test_bed_qps > 0).then_some((cli.test_bed_qps, 2 * cli.test_bed_qps));
     if matches!(cli.bench, Which::Simulator | Which::VirtualNode | Which::All) {
         let rt = tokio::runtime::Runtime::new().context("async runtime")?;
         rt.block_on(async {
@@ -110,7 +129,7 @@ fn main() -> anyhow::Result<()> {
                 write_figures(&cli.out, "simulator.json", &figures)?;
             }
             if matches!(cli.bench, Which::VirtualNode | Which::All) {
-                let figures = tensile_e2e::benches::virtual_node(cli.vn_pods).await?;
+                let figures = tensile_e2e::benches::virtual_node(cli.vn_pods, test_bed_qps).await?;
                 write_figures(&cli.out, "virtual-node.json", &figures)?;
             }
             Ok::<_, anyhow::Error>(())
@@ -142,6 +161,18 @@ fn main() -> anyhow::Result<()> {
             cli.extender_connections,
         ))?;
         write_figures(&cli.out, "multi-scheduler.json", &figures)?;
+    }
+    if matches!(cli.bench, Which::Scale | Which::All) {
+        let rt = tokio::runtime::Runtime::new().context("async runtime")?;
+        let scale = tensile_e2e::scale::Scale {
+            pods: cli.scale_pods,
+            lower_nodes: cli.scale_lower_nodes.max(1),
+            capacity_nodes: cli.scale_capacity_nodes.clone(),
+            clients: cli.scale_clients.max(1),
+            test_bed_qps,
+        };
+        let figures = rt.block_on(tensile_e2e::scale::scale(&scale))?;
+        write_figures(&cli.out, "scale.json", &figures)?;
     }
     Ok(())
 }

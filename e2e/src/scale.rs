@@ -1,0 +1,589 @@
+//! The `scale` benchmark: what one virtual node costs and how it keeps pace with many pods
+//! and a large lower cluster, measured on the `virtual-node` binary as a child process
+//! (`TENSILE_BIN_DIR` selects another build of it, to compare two versions in one way).
+//!
+//! * **Pods**: `pods` pods created upstream with `nodeName` set to the virtual node (no upper
+//!   scheduler in the way), against the same pods created directly in the lower cluster in the
+//!   same run, both placed by the lower scheduler over `lower_nodes` simulated nodes: created →
+//!   all Running, as a ratio. The virtual node's idle, peak and steady RSS and its CPU seconds
+//!   per pod. Then a restart with nothing changed: the writes each apiserver served meanwhile,
+//!   from its own `apiserver_request_total`.
+//! * **Capacity**: for each size in `capacity_nodes`, a virtual node started over a lower
+//!   cluster of that many nodes: seconds until its allocatable upstream counts them all, then
+//!   seconds until a cordon of a tenth of them shows, and its RSS.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+
+use crate::benches::{Seen, api_writes, between, node_ready, observe, rss};
+use crate::in_process::{VirtualNodeProcess, admin_get};
+use crate::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
+
+/// What the benchmark runs.
+#[derive(Clone, Debug)]
+pub struct Scale {
+    /// Pods through the virtual node, and as many directly below.
+    pub pods: usize,
+    /// Simulated lower nodes under the pods.
+    pub lower_nodes: usize,
+    /// Lower cluster sizes of the capacity part, ascending.
+    pub capacity_nodes: Vec<usize>,
+    /// Creates in flight at once.
+    pub clients: usize,
+    /// `--kube-api-qps`/`--kube-api-burst` of the test bed's scheduler and controller-manager.
+    pub test_bed_qps: Option<(u32, u32)>,
+}
+
+const NODE: &str = "vn-scale";
+
+pub async fn scale(s: &Scale) -> anyhow::Result<Value> {
+    let pods = pods(s).await?;
+    let mut capacity = Vec::new();
+    if !s.capacity_nodes.is_empty() {
+        capacity = self::capacity(s).await?;
+    }
+    Ok(json!({
+        "benchmark": "scale: pods through one virtual node vs directly below; capacity of large lower clusters",
+        "virtual_node_binary": crate::bins::suite_binary("virtual-node")?.display().to_string(),
+        "pods": pods,
+        "capacity": capacity,
+    }))
+}
+
+fn options(test: &str, name: &str, s: &Scale) -> ClusterOptions {
+    let mut options = ClusterOptions::new(test, name);
+    options.kube_api_qps = s.test_bed_qps;
+    options
+}
+
+/// CPU seconds (user and system) process `pid` has used so far.
+fn cpu_secs(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name: state is the first, utime the 12th, stime the 13th.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| -> anyhow::Result<f64> {
+        Ok(fields
+            .get(i)
+            .with_context(|| format!("/proc/{pid}/stat is short"))?
+            .parse::<f64>()?)
+    };
+    // USER_HZ is 100 on every Linux this runs on.
+    Ok((ticks(11)? + ticks(12)?) / 100.0)
+}
+
+/// Peak resident memory of process `pid` in bytes (`VmHWM`).
+fn peak_rss(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .with_context(|| format!("no VmHWM for {pid}"))
+}
+
+fn mib(bytes: u64) -> f64 {
+    (bytes as f64 / 1048576.0 * 10.0).round() / 10.0
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// Creates `pods` pods from `template` with `clients` creates in flight and waits until a
+/// watch shows them all Running: created → all Running, and per pod.
+async fn created_to_running(
+    api: Api<Pod>,
+    pods: usize,
+    clients: usize,
+    template: impl Fn(usize) -> Value,
+) -> anyhow::Result<Value> {
+    let seen: Arc<Mutex<Seen>> = Arc::default();
+    let watch = tokio::spawn(observe(api.clone(), seen.clone()));
+    let start = Instant::now();
+    futures::stream::iter(0..pods)
+        .map(|i| {
+            let (api, seen) = (api.clone(), seen.clone());
+            let pod: Result<Pod, _> = serde_json::from_value(template(i));
+            async move {
+                let pod = pod?;
+                let t = Instant::now();
+                api.create(&PostParams::default(), &pod).await?;
+                if let (Some(name), Ok(mut s)) = (pod.metadata.name, seen.lock()) {
+                    s.created.insert(name, t);
+                }
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(clients.max(1))
+        .try_collect::<()>()
+        .await?;
+    let created_secs = start.elapsed().as_secs_f64();
+    let deadline = Instant::now() + Duration::from_secs(900);
+    while seen.lock().map(|s| s.running.len()).unwrap_or(0) < pods {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "not all {pods} pods Running within 15 min"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let all_running_secs = start.elapsed().as_secs_f64();
+    watch.abort();
+    let s = seen.lock().map_err(|_| anyhow::anyhow!("lock poisoned"))?;
+    Ok(json!({
+        "pods": pods,
+        "creates_in_flight": clients,
+        "created_secs": round3(created_secs),
+        "creates_per_sec": round3(pods as f64 / created_secs),
+        "created_to_all_running_secs": round3(all_running_secs),
+        "all_running_after_last_create_secs": round3(all_running_secs - created_secs),
+        "created_to_running_ms": between(&s.created, &s.running),
+    }))
+}
+
+/// A gauge or counter from the virtual node's admin `/metrics`, summed over its label sets.
+async fn metric_sum(admin: &str, name: &str) -> Option<f64> {
+    let (_, body) = admin_get(admin, "/metrics").await?;
+    let sum = body
+        .lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    Some(sum)
+}
+
+/// Writes an apiserver served between two readings, by kind, and those on pods.
+fn writes_between(
+    before: &std::collections::HashMap<String, f64>,
+    after: &std::collections::HashMap<String, f64>,
+) -> Value {
+    let mut by_kind = serde_json::Map::new();
+    let mut pods = 0.0;
+    for (k, a) in after {
+        let n = a - before.get(k).copied().unwrap_or(0.0);
+        if n > 0.0 {
+            by_kind.insert(k.clone(), json!(n));
+            if k.split_once(' ')
+                .is_some_and(|(_, r)| r == "pods" || r.starts_with("pods/"))
+            {
+                pods += n;
+            }
+        }
+    }
+    json!({"pod_writes": pods, "all_writes_by_kind": by_kind})
+}
+
+async fn pods(s: &Scale) -> anyhow::Result<Value> {
+    let (upper, lower) = tokio::join!(
+        TestCluster::start(options("bench-scale", "upper", s)),
+        TestCluster::start(options("bench-scale", "lower", s)),
+    );
+    let (upper, lower) = (upper?, lower?);
+    // Room for both runs: the direct pods stay, as other tenants' pods would.
+    let per_node = (2 * s.pods).div_ceil(s.lower_nodes.max(1)) + 10;
+    let sim = NodeSimulator::start(
+        lower.client().await?,
+        SimulatorOptions::new("bench-scale", Some(lower.kubelet_client_ca_pem())),
+        Vec::new(),
+    )
+    .await?;
+    futures::stream::iter(0..s.lower_nodes)
+        .map(|i| sim.add_node(NodeConfig::new(&format!("lower-{i}")).resource("pods", &per_node.to_string())))
+        .buffer_unordered(16)
+        .try_collect::<()>()
+        .await?;
+    let container =
+        json!([{"name": "c", "image": "x", "resources": {"requests": {"cpu": "1m", "memory": "1Mi"}}}]);
+
+    lower.create_namespace("direct").await?;
+    let direct = created_to_running(
+        Api::namespaced(lower.client().await?, "direct"),
+        s.pods,
+        s.clients,
+        |i| json!({"metadata": {"name": format!("p-{i}")}, "spec": {"containers": container}}),
+    )
+    .await?;
+
+    let vn = VirtualNodeProcess::start(&upper, NODE, &lower, &[], "scale")?;
+    node_ready(&upper, NODE).await?;
+    upper.create_namespace("virtual").await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let pid = vn.pid().context("virtual-node exited")?;
+    let idle = rss(pid)?;
+    let cpu_before = cpu_secs(pid)?;
+    let started = Instant::now();
+    let through = created_to_running(
+        Api::namespaced(upper.client().await?, "virtual"),
+        s.pods,
+        s.clients,
+        |i| {
+            json!({"metadata": {"name": format!("p-{i}")}, "spec": {
+                "nodeName": NODE,
+                "tolerations": [{"key": "virtual-kubelet.io/provider", "operator": "Exists"}],
+                "containers": container}})
+        },
+    )
+    .await?;
+    let cpu_at_running = cpu_secs(pid)? - cpu_before;
+    let at_running = started.elapsed();
+    // Settled: what it holds once the burst's work is done.
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let steady = rss(pid)?;
+    let peak = peak_rss(pid)?;
+    let cpu_settled = cpu_secs(pid)? - cpu_before;
+    let settled_wall = started.elapsed();
+
+    // A restart with nothing changed.
+    let (upper_client, lower_client) = (upper.client().await?, lower.client().await?);
+    let (upper_before, lower_before) = (api_writes(&upper_client).await?, api_writes(&lower_client).await?);
+    vn.signal("TERM")?;
+    let mut vn = vn;
+    vn.exit_within(Duration::from_secs(60))
+        .await
+        .context("virtual-node did not stop within 60 s of SIGTERM")?;
+    drop(vn);
+    let restarted_at = Instant::now();
+    let vn = VirtualNodeProcess::start(&upper, NODE, &lower, &[], "scale-restart")?;
+    let pid = vn.pid().context("virtual-node exited")?;
+    // Caught up: every pod reconciled once since the start.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let reconciled = metric_sum(&vn.admin_addr, "tensile_virtual_node_reconcile_seconds_count")
+            .await
+            .unwrap_or(0.0);
+        if reconciled >= s.pods as f64 {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the restarted virtual node reconciled {reconciled} pods in 300 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let caught_up = restarted_at.elapsed();
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let restart_cpu = cpu_secs(pid)?;
+    let restart_rss = rss(pid)?;
+    let restart_peak = peak_rss(pid)?;
+    let (upper_after, lower_after) = (api_writes(&upper_client).await?, api_writes(&lower_client).await?);
+    let profile = heap_profile_of(&upper, &lower).await?;
+    drop(vn);
+    drop(sim);
+
+    let ratio = through["created_to_all_running_secs"]
+        .as_f64()
+        .unwrap_or(f64::NAN)
+        / direct["created_to_all_running_secs"].as_f64().unwrap_or(f64::NAN);
+    Ok(json!({
+        "kubernetes": upper.version(),
+        "pods": s.pods,
+        "lower_nodes": s.lower_nodes,
+        "test_bed_client_qps_burst": s.test_bed_qps,
+        "direct_in_lower": direct,
+        "through_virtual_node": through,
+        "created_to_all_running_ratio": round3(ratio),
+        "virtual_node": {
+            "rss_mib": {"idle": mib(idle), "peak": mib(peak), "steady": mib(steady)},
+            "cpu_secs": {"to_all_running": round3(cpu_at_running), "settled": round3(cpu_settled),
+                         "settled_after_secs": round3(settled_wall.as_secs_f64())},
+            "cpu_ms_per_pod": round3(cpu_settled * 1000.0 / s.pods as f64),
+            "all_running_after_secs": round3(at_running.as_secs_f64()),
+        },
+        "restart_with_nothing_changed": {
+            "every_pod_reconciled_after_secs": round3(caught_up.as_secs_f64()),
+            "cpu_secs": round3(restart_cpu),
+            "rss_mib": {"steady": mib(restart_rss), "peak": mib(restart_peak)},
+            "upper_apiserver": writes_between(&upper_before, &upper_after),
+            "lower_apiserver": writes_between(&lower_before, &lower_after),
+            "note": "writes from SIGTERM until 15 s after every pod was reconciled once; node status and lease writes are the heartbeat's",
+        },
+        "heap_by_component": profile,
+    }))
+}
+
+/// Sum of the `pods` allocatable the upper cluster shows for the virtual node.
+async fn allocatable_pods(nodes: &Api<Node>) -> Option<i64> {
+    let node = nodes.get_opt(NODE).await.ok()??;
+    node.status?.allocatable?.get("pods")?.0.parse().ok()
+}
+
+/// Waits until the virtual node's allocatable shows `pods` pods; seconds from `from`.
+async fn allocatable_shows(nodes: &Api<Node>, pods: i64, from: Instant) -> anyhow::Result<f64> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        if allocatable_pods(nodes).await == Some(pods) {
+            return Ok(from.elapsed().as_secs_f64());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "allocatable pods never reached {pods} (last {:?})",
+            allocatable_pods(nodes).await
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn set_unschedulable(
+    api: &Api<Node>,
+    names: &[String],
+    on: bool,
+    clients: usize,
+) -> anyhow::Result<()> {
+    futures::stream::iter(names)
+        .map(|name| async move {
+            api.patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"unschedulable": on}})),
+            )
+            .await
+            .with_context(|| format!("cordoning {name}"))
+            .map(|_| ())
+        })
+        .buffer_unordered(clients.max(1))
+        .try_collect::<()>()
+        .await
+}
+
+async fn capacity(s: &Scale) -> anyhow::Result<Vec<Value>> {
+    // Neither cluster needs a scheduler or controller-manager: the lower nodes stay as their
+    // simulated kubelets post them, and the virtual node manages its upper Node itself.
+    let (upper, lower) = tokio::join!(
+        TestCluster::start(options("bench-scale-capacity", "upper", s).apiserver_only()),
+        TestCluster::start(options("bench-scale-capacity", "lower", s).apiserver_only()),
+    );
+    let (upper, lower) = (upper?, lower?);
+    // Kubelet-like heartbeats: a Lease a minute, status every ten, so thousands of simulated
+    // nodes do not take the cores the virtual node is measured on.
+    let mut sim_options = SimulatorOptions::new("bench-scale-capacity", Some(lower.kubelet_client_ca_pem()));
+    sim_options.lease_renew = Duration::from_secs(60);
+    sim_options.status_period = Duration::from_secs(600);
+    let sim = NodeSimulator::start(lower.client().await?, sim_options, Vec::new()).await?;
+    let lower_nodes: Api<Node> = Api::all(lower.client().await?);
+    let upper_nodes: Api<Node> = Api::all(upper.client().await?);
+    let per_node: i64 = 110;
+    let mut sizes = s.capacity_nodes.clone();
+    sizes.sort_unstable();
+    let mut out = Vec::new();
+    let mut registered = 0usize;
+    for size in sizes {
+        let t = Instant::now();
+        futures::stream::iter(registered..size)
+            .map(|i| sim.add_node(NodeConfig::new(&format!("n-{i:05}"))))
+            .buffer_unordered(32)
+            .try_collect::<()>()
+            .await?;
+        let registration_secs = t.elapsed().as_secs_f64();
+        registered = registered.max(size);
+        // Let the registrations' own status writes settle before the clock starts.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+
+        let started = Instant::now();
+        let vn = VirtualNodeProcess::start(&upper, NODE, &lower, &[], &format!("capacity-{size}"))?;
+        let full_secs = allocatable_shows(&upper_nodes, size as i64 * per_node, started).await?;
+        let pid = vn.pid().context("virtual-node exited")?;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let rss_full = rss(pid)?;
+        let cordoned: Vec<String> = (0..size).step_by(10).map(|i| format!("n-{i:05}")).collect();
+        let t = Instant::now();
+        set_unschedulable(&lower_nodes, &cordoned, true, s.clients).await?;
+        let cordon_write_secs = t.elapsed().as_secs_f64();
+        let done = Instant::now();
+        let shown_secs =
+            allocatable_shows(&upper_nodes, (size - cordoned.len()) as i64 * per_node, done).await?;
+        let rss_end = rss(pid)?;
+        let peak = peak_rss(pid)?;
+        drop(vn);
+        set_unschedulable(&lower_nodes, &cordoned, false, s.clients).await?;
+        out.push(json!({
+            "lower_nodes": size,
+            "registration_secs": round3(registration_secs),
+            "full_allocatable_after_start_secs": round3(full_secs),
+            "cordoned_nodes": cordoned.len(),
+            "cordon_writes_secs": round3(cordon_write_secs),
+            "cordon_shown_after_writes_secs": round3(shown_secs),
+            "rss_mib": {"all_counted": mib(rss_full), "after_cordon": mib(rss_end), "peak": mib(peak)},
+        }));
+    }
+    drop(sim);
+    // Keep the clusters until the measurements are taken.
+    drop((upper, lower));
+    Ok(out)
+}
+
+/// Runs the `heap-profile` binary (built beside this one) against `upper` and `lower` and
+/// returns its figures.
+async fn heap_profile_of(upper: &TestCluster, lower: &TestCluster) -> anyhow::Result<Value> {
+    let exe = std::env::current_exe()?;
+    let program = exe.with_file_name("heap-profile");
+    let out = tokio::process::Command::new(&program)
+        .arg(format!("--upper-kubeconfig={}", upper.kubeconfig().display()))
+        .arg(format!("--lower-kubeconfig={}", lower.kubeconfig().display()))
+        .arg(format!("--node={NODE}"))
+        .kill_on_drop(true)
+        .output()
+        .await
+        .with_context(|| {
+            format!(
+                "running {} (`cargo build --release -p tensile-e2e --bins`)",
+                program.display()
+            )
+        })?;
+    anyhow::ensure!(
+        out.status.success(),
+        "heap-profile failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// A cache of whole objects, `managedFields` included, as the virtual node kept every cache
+/// before trimming; the future keeps it current.
+fn whole<K: tensile_common::cache::Watched>(
+    api: Api<K>,
+    config: kube::runtime::watcher::Config,
+) -> (
+    kube::runtime::reflector::Store<K>,
+    impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    use kube::runtime::{WatchStreamExt as _, reflector, watcher};
+    let (store, writer) = reflector::store::<K>();
+    let feed = reflector(writer, watcher(api, config))
+        .applied_objects()
+        .for_each(|_| async {});
+    (store, feed)
+}
+
+/// Where a virtual node's heap goes at this scale, cache by cache: each cache the virtual
+/// node keeps, built in this process from the same clusters, as it keeps it now (trimmed) and
+/// as it kept it before (whole objects), measured as live bytes of this process's allocator.
+/// Every cache stays until the end, so no measurement reuses another's freed memory.
+///
+/// `allocated` reads the live bytes: the `heap-profile` binary counts every allocation for
+/// this, which the `bench` binary does not (counting would slow its other benchmarks).
+pub async fn heap_profile(
+    upper_client: kube::Client,
+    lower_client: kube::Client,
+    node: &str,
+    allocated: fn() -> usize,
+) -> anyhow::Result<Value> {
+    use k8s_openapi::api::core::v1::Namespace;
+    use kube::runtime::watcher::Config;
+    use tensile_common::cache;
+    use tensile_virtual_node::trim;
+
+    let cluster_id = Api::<Namespace>::all(upper_client.clone())
+        .get("kube-system")
+        .await?
+        .metadata
+        .uid
+        .context("kube-system has no uid")?;
+    let ours = format!(
+        "{}={cluster_id},{}={node}",
+        tensile_common::names::MARK_CLUSTER,
+        tensile_common::names::MARK_NODE
+    );
+    let on_node = format!("spec.nodeName={node}");
+    let unfinished = "status.phase!=Succeeded,status.phase!=Failed";
+    let changed = Arc::new(tokio::sync::Notify::new());
+    let mut feeds = Vec::new();
+    let mut out = serde_json::Map::new();
+    let settle = || tokio::time::sleep(Duration::from_secs(1));
+
+    type Measure = (&'static str, usize, usize, usize);
+    let mut rows: Vec<Measure> = Vec::new();
+    // Upper pods of the node and lower pods of the node: whole, without managedFields, now.
+    for (name, client, config) in [
+        (
+            "upper pods of the node",
+            upper_client.clone(),
+            Config::default().fields(&on_node),
+        ),
+        (
+            "lower pods of the node",
+            lower_client.clone(),
+            Config::default().labels(&ours),
+        ),
+        (
+            "unfinished lower pods (the load)",
+            lower_client.clone(),
+            Config::default().fields(unfinished),
+        ),
+    ] {
+        let before = allocated();
+        let (now_cache, feed) = if name.starts_with("unfinished") {
+            let (c, f) = cache::watched_trimmed::<Pod>(
+                Api::all(client.clone()),
+                config.clone(),
+                trim::lower_load,
+                &changed,
+            );
+            (c, futures::future::FutureExt::boxed(f))
+        } else {
+            let (c, f) = cache::watched::<Pod>(Api::all(client.clone()), config.clone(), &changed);
+            (c, futures::future::FutureExt::boxed(f))
+        };
+        feeds.push(tokio::spawn(feed));
+        now_cache.synced().await;
+        settle().await;
+        let now = allocated().saturating_sub(before);
+        let before = allocated();
+        let (whole_store, feed) = whole::<Pod>(Api::all(client), config);
+        feeds.push(tokio::spawn(feed));
+        whole_store.wait_until_ready().await?;
+        settle().await;
+        let then = allocated().saturating_sub(before);
+        rows.push((name, now_cache.state().len(), now, then));
+    }
+    {
+        let before = allocated();
+        let (now_cache, feed) = cache::watched_trimmed::<Node>(
+            Api::all(lower_client.clone()),
+            Config::default(),
+            trim::lower_node,
+            &changed,
+        );
+        feeds.push(tokio::spawn(feed));
+        now_cache.synced().await;
+        settle().await;
+        let now = allocated().saturating_sub(before);
+        let before = allocated();
+        let (whole_store, feed) = whole::<Node>(Api::all(lower_client.clone()), Config::default());
+        feeds.push(tokio::spawn(feed));
+        whole_store.wait_until_ready().await?;
+        settle().await;
+        let then = allocated().saturating_sub(before);
+        rows.push(("lower nodes", now_cache.state().len(), now, then));
+    }
+    for f in &feeds {
+        f.abort();
+    }
+    let (mut total_now, mut total_then) = (0, 0);
+    for (name, objects, now, then) in rows {
+        total_now += now;
+        total_then += then;
+        out.insert(
+            name.into(),
+            json!({"objects": objects, "now_mib": mib(now as u64), "before_mib": mib(then as u64),
+                   "now_bytes_per_object": now / objects.max(1), "before_bytes_per_object": then / objects.max(1)}),
+        );
+    }
+    out.insert(
+        "all_pod_and_node_caches".into(),
+        json!({"now_mib": mib(total_now as u64), "before_mib": mib(total_then as u64)}),
+    );
+    out.insert(
+        "how".into(),
+        json!("live bytes of the bench process's allocator after each cache synced, the same watches the virtual node opens"),
+    );
+    Ok(Value::Object(out))
+}
