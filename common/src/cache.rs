@@ -57,28 +57,18 @@ where
     }
 }
 
-/// The bound every watched kind meets.
-pub trait Watched:
-    kube::Resource<DynamicType = ()>
-    + Clone
-    + std::fmt::Debug
-    + serde::de::DeserializeOwned
-    + Send
-    + Sync
-    + 'static
+/// The bound every kind a cache keeps meets.
+pub trait Stored: kube::Resource<DynamicType = ()> + Clone + std::fmt::Debug + Send + Sync + 'static {}
+
+impl<K> Stored for K where
+    K: kube::Resource<DynamicType = ()> + Clone + std::fmt::Debug + Send + Sync + 'static
 {
 }
 
-impl<K> Watched for K where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static
-{
-}
+/// The bound every watched kind meets: stored, and read from the apiserver.
+pub trait Watched: Stored + serde::de::DeserializeOwned {}
+
+impl<K> Watched for K where K: Stored + serde::de::DeserializeOwned {}
 
 /// A cache of `api` narrowed by `config`, and the stream of objects its watch touches
 /// (which must be polled to keep the cache current, for example by a controller).
@@ -100,7 +90,7 @@ fn without_managed_fields<K: kube::Resource>(object: &mut K) {
 }
 
 /// A cache kept by the watch `events`, and the stream of objects they touch.
-fn cache_of<K: Watched>(
+fn cache_of<K: Stored>(
     events: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
 ) -> (
     Cache<K>,
@@ -129,6 +119,26 @@ pub fn watched<K: Watched>(
     feeding(reflect(api, config), changed)
 }
 
+/// A cache of what `summary` makes of each `K` of `api` narrowed by `config`: for readers
+/// that need a digest of each object, which then costs neither the memory of the object nor
+/// its recomputation on every read. Every event wakes `changed`; the future keeps the cache
+/// current.
+pub fn watched_summaries<K: Watched, S: Stored>(
+    api: Api<K>,
+    config: watcher::Config,
+    summary: fn(K) -> S,
+    changed: &Arc<Notify>,
+) -> (Cache<S>, impl Future<Output = ()> + Send + 'static) {
+    let events = watcher(api, config).map_ok(move |event| match event {
+        watcher::Event::Apply(o) => watcher::Event::Apply(summary(o)),
+        watcher::Event::Delete(o) => watcher::Event::Delete(summary(o)),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitApply(o) => watcher::Event::InitApply(summary(o)),
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    });
+    feeding(cache_of(events), changed)
+}
+
 /// As [`watched`], with every object cut down by `trim` before the cache sees it: for
 /// caches whose readers need only part of each object.
 pub fn watched_trimmed<K: Watched>(
@@ -145,7 +155,7 @@ pub fn watched_trimmed<K: Watched>(
 }
 
 /// The future that polls a cache's stream, waking `changed` on every object it touches.
-fn feeding<K: Watched>(
+fn feeding<K: Stored>(
     (cache, stream): (
         Cache<K>,
         impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
@@ -170,21 +180,14 @@ pub fn watched_metadata<K: Watched + Default>(
     config: watcher::Config,
     changed: &Arc<Notify>,
 ) -> (Cache<K>, impl Future<Output = ()> + Send + 'static) {
-    let header = |partial: kube::core::PartialObjectMeta<K>| {
+    fn header<K: Watched + Default>(partial: kube::core::PartialObjectMeta<K>) -> K {
         let mut object = K::default();
         *object.meta_mut() = partial.metadata;
         object.meta_mut().managed_fields = None;
         object
-    };
+    }
     let api = Api::<kube::core::PartialObjectMeta<K>>::all(client);
-    let events = watcher(api, config).map_ok(move |event| match event {
-        watcher::Event::Apply(o) => watcher::Event::Apply(header(o)),
-        watcher::Event::Delete(o) => watcher::Event::Delete(header(o)),
-        watcher::Event::Init => watcher::Event::Init,
-        watcher::Event::InitApply(o) => watcher::Event::InitApply(header(o)),
-        watcher::Event::InitDone => watcher::Event::InitDone,
-    });
-    feeding(cache_of(events), changed)
+    watched_summaries(api, config, header::<K>, changed)
 }
 
 /// Retry delays of a failed watch: 200 ms doubling to 2 s, from the start again after a

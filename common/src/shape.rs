@@ -28,11 +28,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::core::v1::{Node, Pod, Taint};
+use k8s_openapi::api::core::v1::{Node, Taint};
 use serde::{Deserialize, Serialize};
 
 use crate::quantity::ResourceMap;
-use crate::resources::{is_terminal, pod_requests};
 
 /// The version [`Shape::v`] carries in the current form.
 pub const VERSION: u32 = 2;
@@ -239,12 +238,13 @@ fn scheduling_taints(node: &Node) -> Vec<Taint> {
 
 type GroupKey = (BTreeMap<String, String>, Vec<(String, Option<String>, String)>);
 
-/// Builds the shape of the usable `nodes`, charging each the requests of the non-terminal
-/// `pods` bound to it, grouped by the values of `label_keys` and by taints, with at most
-/// `cap` frontier vectors per group (at least one).
+/// Builds the shape of the usable `nodes`, charging each the requests of the unfinished pods
+/// bound to it (`pods`: each one's node and effective requests, see
+/// [`pod_requests`](crate::resources::pod_requests)), grouped by the values of `label_keys`
+/// and by taints, with at most `cap` frontier vectors per group (at least one).
 pub fn build<'a>(
     nodes: impl IntoIterator<Item = &'a Node>,
-    pods: impl IntoIterator<Item = &'a Pod>,
+    pods: impl IntoIterator<Item = (&'a str, &'a ResourceMap)>,
     label_keys: &[String],
     cap: usize,
     at: jiff::Timestamp,
@@ -275,10 +275,9 @@ pub fn build<'a>(
             .unwrap_or_default();
         free.insert(name, ((labels, taint_key), taints, alloc));
     }
-    for pod in pods.into_iter().filter(|p| !is_terminal(p)) {
-        let node = pod.spec.as_ref().and_then(|s| s.node_name.as_ref());
-        if let Some((_, _, f)) = node.and_then(|n| free.get_mut(n)) {
-            f.saturating_sub(&pod_requests(pod));
+    for (node, requests) in pods {
+        if let Some((_, _, f)) = free.get_mut(node) {
+            f.saturating_sub(requests);
         }
     }
     let nodes = free.len();
@@ -326,6 +325,8 @@ pub fn build<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::resources::{is_terminal, pod_requests};
+    use k8s_openapi::api::core::v1::Pod;
     use serde_json::json;
 
     fn node(name: &str, zone: &str, cpu: &str, memory: &str, taint: Option<&str>) -> Node {
@@ -394,7 +395,23 @@ mod tests {
             pod("a2", "1", "Running"),
             pod("b1", "3", "Pending"),
         ];
-        let s = build(&nodes, &pods, &keys(), DEFAULT_GROUP_CAP, at());
+        let loads: Vec<(String, ResourceMap)> = pods
+            .iter()
+            .filter(|p| !is_terminal(p))
+            .map(|p| {
+                (
+                    p.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap(),
+                    pod_requests(p),
+                )
+            })
+            .collect();
+        let s = build(
+            &nodes,
+            loads.iter().map(|(n, r)| (n.as_str(), r)),
+            &keys(),
+            DEFAULT_GROUP_CAP,
+            at(),
+        );
         assert_eq!(s.v, VERSION);
         assert_eq!(s.at.as_deref(), Some("2024-05-01T10:00:00Z"));
         assert_eq!(s.nodes, 3);

@@ -313,7 +313,8 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
 /// Sum of the `pods` allocatable the upper cluster shows for the virtual node.
 async fn allocatable_pods(nodes: &Api<Node>) -> Option<i64> {
     let node = nodes.get_opt(NODE).await.ok()??;
-    node.status?.allocatable?.get("pods")?.0.parse().ok()
+    let milli = tensile_common::quantity::parse_milli(&node.status?.allocatable?.get("pods")?.0).ok()?;
+    i64::try_from(milli / 1000).ok()
 }
 
 /// Waits until the virtual node's allocatable shows `pods` pods; seconds from `from`.
@@ -497,78 +498,112 @@ pub async fn heap_profile(
     let changed = Arc::new(tokio::sync::Notify::new());
     let mut feeds = Vec::new();
     let mut out = serde_json::Map::new();
-    let settle = || tokio::time::sleep(Duration::from_secs(1));
 
-    type Measure = (&'static str, usize, usize, usize);
-    let mut rows: Vec<Measure> = Vec::new();
-    // Upper pods of the node and lower pods of the node: whole, without managedFields, now.
-    for (name, client, config) in [
-        (
-            "upper pods of the node",
-            upper_client.clone(),
-            Config::default().fields(&on_node),
-        ),
-        (
-            "lower pods of the node",
-            lower_client.clone(),
-            Config::default().labels(&ours),
-        ),
-        (
-            "unfinished lower pods (the load)",
-            lower_client.clone(),
-            Config::default().fields(unfinished),
-        ),
-    ] {
-        let before = allocated();
-        let (now_cache, feed) = if name.starts_with("unfinished") {
-            let (c, f) = cache::watched_trimmed::<Pod>(
-                Api::all(client.clone()),
-                config.clone(),
-                trim::lower_load,
-                &changed,
-            );
-            (c, futures::future::FutureExt::boxed(f))
-        } else {
-            let (c, f) = cache::watched::<Pod>(Api::all(client.clone()), config.clone(), &changed);
-            (c, futures::future::FutureExt::boxed(f))
-        };
-        feeds.push(tokio::spawn(feed));
-        now_cache.synced().await;
-        settle().await;
-        let now = allocated().saturating_sub(before);
-        let before = allocated();
-        let (whole_store, feed) = whole::<Pod>(Api::all(client), config);
-        feeds.push(tokio::spawn(feed));
-        whole_store.wait_until_ready().await?;
-        settle().await;
-        let then = allocated().saturating_sub(before);
-        rows.push((name, now_cache.state().len(), now, then));
-    }
+    // Each cache: (objects, live bytes once synced).
+    async fn cost<Fut>(
+        allocated: fn() -> usize,
+        feeds: &mut Vec<tokio::task::JoinHandle<()>>,
+        open: Fut,
+    ) -> anyhow::Result<(usize, usize)>
+    where
+        Fut: std::future::Future<Output = anyhow::Result<(usize, tokio::task::JoinHandle<()>)>>,
     {
         let before = allocated();
-        let (now_cache, feed) = cache::watched_trimmed::<Node>(
-            Api::all(lower_client.clone()),
+        let (objects, feed) = open.await?;
+        feeds.push(feed);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        Ok((objects, allocated().saturating_sub(before)))
+    }
+    async fn kept<K: tensile_common::cache::Stored>(
+        (cache, feed): (
+            cache::Cache<K>,
+            impl std::future::Future<Output = ()> + Send + 'static,
+        ),
+    ) -> anyhow::Result<(usize, tokio::task::JoinHandle<()>)> {
+        let feed = tokio::spawn(feed);
+        cache.synced().await;
+        Ok((cache.state().len(), feed))
+    }
+    async fn whole_objects<K: tensile_common::cache::Watched>(
+        api: Api<K>,
+        config: Config,
+    ) -> anyhow::Result<(usize, tokio::task::JoinHandle<()>)> {
+        let (store, feed) = whole(api, config);
+        let feed = tokio::spawn(feed);
+        store.wait_until_ready().await?;
+        Ok((store.state().len(), feed))
+    }
+
+    let pods = |client: &kube::Client| Api::<Pod>::all(client.clone());
+    let mut rows = Vec::new();
+    let f = &mut feeds;
+    let now = cost(
+        allocated,
+        f,
+        kept(cache::watched(
+            pods(&upper_client),
+            Config::default().fields(&on_node),
+            &changed,
+        )),
+    )
+    .await?;
+    let then = cost(
+        allocated,
+        f,
+        whole_objects(pods(&upper_client), Config::default().fields(&on_node)),
+    )
+    .await?;
+    rows.push(("upper pods of the node", now, then));
+    let now = cost(
+        allocated,
+        f,
+        kept(cache::watched(
+            pods(&lower_client),
+            Config::default().labels(&ours),
+            &changed,
+        )),
+    )
+    .await?;
+    let then = cost(
+        allocated,
+        f,
+        whole_objects(pods(&lower_client), Config::default().labels(&ours)),
+    )
+    .await?;
+    rows.push(("lower pods of the node", now, then));
+    let load = || Config::default().fields(unfinished);
+    let now = cost(
+        allocated,
+        f,
+        kept(cache::watched_summaries(
+            pods(&lower_client),
+            load(),
+            trim::PodLoad::of,
+            &changed,
+        )),
+    )
+    .await?;
+    let then = cost(allocated, f, whole_objects(pods(&lower_client), load())).await?;
+    rows.push(("unfinished lower pods (the load)", now, then));
+    let nodes = || Api::<Node>::all(lower_client.clone());
+    let now = cost(
+        allocated,
+        f,
+        kept(cache::watched_trimmed(
+            nodes(),
             Config::default(),
             trim::lower_node,
             &changed,
-        );
-        feeds.push(tokio::spawn(feed));
-        now_cache.synced().await;
-        settle().await;
-        let now = allocated().saturating_sub(before);
-        let before = allocated();
-        let (whole_store, feed) = whole::<Node>(Api::all(lower_client.clone()), Config::default());
-        feeds.push(tokio::spawn(feed));
-        whole_store.wait_until_ready().await?;
-        settle().await;
-        let then = allocated().saturating_sub(before);
-        rows.push(("lower nodes", now_cache.state().len(), now, then));
-    }
+        )),
+    )
+    .await?;
+    let then = cost(allocated, f, whole_objects(nodes(), Config::default())).await?;
+    rows.push(("lower nodes", now, then));
     for f in &feeds {
         f.abort();
     }
     let (mut total_now, mut total_then) = (0, 0);
-    for (name, objects, now, then) in rows {
+    for (name, (objects, now), (_, then)) in rows {
         total_now += now;
         total_then += then;
         out.insert(

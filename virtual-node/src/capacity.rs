@@ -12,13 +12,13 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Node;
 use tensile_common::quantity::ResourceMap;
-use tensile_common::resources::{is_terminal, pod_requests};
 use tensile_common::shape::{self, Group, Shape, covers, usable};
 use tokio::time::Instant;
 
 use crate::translate::Identity;
+use crate::trim::PodLoad;
 
 /// How the capacity shape is formed.
 #[derive(Clone, Debug, clap::Args)]
@@ -48,10 +48,10 @@ fn allocatable(node: &Node) -> ResourceMap {
         .unwrap_or_default()
 }
 
-/// Computes the capacity from the lower nodes and all lower pods.
+/// Computes the capacity from the lower nodes and the load of every lower pod.
 pub fn compute<'a>(
     nodes: impl IntoIterator<Item = &'a Node>,
-    pods: impl IntoIterator<Item = &'a Pod>,
+    pods: impl IntoIterator<Item = &'a PodLoad>,
     identity: &Identity,
 ) -> Capacity {
     let mut out = Capacity::default();
@@ -71,13 +71,9 @@ pub fn compute<'a>(
     }
     let mut foreign = ResourceMap::default();
     for pod in pods {
-        let on_usable = pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.node_name.as_ref())
-            .is_some_and(|n| counted.contains(n));
-        if on_usable && !is_terminal(pod) && !identity.owns(&pod.metadata) {
-            foreign.add(&pod_requests(pod));
+        let on_usable = pod.node.as_ref().is_some_and(|n| counted.contains(n));
+        if on_usable && !pod.terminal && !identity.owns(&pod.metadata) {
+            foreign.add(&pod.requests);
         }
     }
     out.allocatable = out.capacity.clone();
@@ -233,18 +229,20 @@ mod tests {
         .unwrap()
     }
 
-    fn pod(node: &str, cpu: &str, ours: bool, phase: &str) -> Pod {
+    fn pod(node: &str, cpu: &str, ours: bool, phase: &str) -> PodLoad {
         let labels = if ours {
             json!({names::MARK_CLUSTER: "c", names::MARK_NODE: "vn"})
         } else {
             json!({})
         };
-        serde_json::from_value(json!({
-            "metadata": {"name": "p", "labels": labels},
-            "spec": {"nodeName": node, "containers": [{"name": "c", "resources": {"requests": {"cpu": cpu}}}]},
-            "status": {"phase": phase},
-        }))
-        .unwrap()
+        PodLoad::of(
+            serde_json::from_value(json!({
+                "metadata": {"name": "p", "labels": labels},
+                "spec": {"nodeName": node, "containers": [{"name": "c", "resources": {"requests": {"cpu": cpu}}}]},
+                "status": {"phase": phase},
+            }))
+            .unwrap(),
+        )
     }
 
     fn id() -> Identity {

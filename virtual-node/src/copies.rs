@@ -48,6 +48,7 @@ use tensile_common::names;
 use crate::metrics::Metrics;
 use crate::ratelimit::TokenBucket;
 use crate::translate;
+use crate::trim::PodLoad;
 
 /// The kinds of object that travel with a pod.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -243,13 +244,6 @@ pub fn upper_references(pod: &Pod) -> Vec<Reference> {
     };
     let service_account = translate::service_account(spec);
     references(spec, |v| !translate::is_upper_token_volume(v, &service_account))
-}
-
-fn lower_references(pod: &Pod) -> Vec<Reference> {
-    pod.spec
-        .as_ref()
-        .map(|s| references(s, |_| true))
-        .unwrap_or_default()
 }
 
 /// What is reflected of an object's payload and how a copy is compared.
@@ -585,7 +579,7 @@ pub fn judge<K: Reflected>(cluster_id: &str, desired: &K, actual: &K) -> Verdict
 pub fn needs(
     cluster_id: &str,
     upper_pods: &[Arc<Pod>],
-    lower_pods: &[Arc<Pod>],
+    lower_pods: &[Arc<PodLoad>],
     services: Option<(&[Arc<Service>], bool)>,
 ) -> (BTreeSet<Key>, BTreeSet<Key>) {
     let mut needed: BTreeSet<Key> = BTreeSet::new();
@@ -603,9 +597,9 @@ pub fn needs(
     for pod in lower_pods.iter().filter(|p| owns(cluster_id, &p.metadata)) {
         let ns = pod.namespace().unwrap_or_default();
         used_below.extend(
-            lower_references(pod)
-                .into_iter()
-                .map(|r| (r.kind, ns.clone(), r.name)),
+            pod.references
+                .iter()
+                .map(|(kind, name)| (*kind, ns.clone(), name.clone())),
         );
         namespaces.insert(ns);
     }
@@ -737,7 +731,7 @@ pub struct Copies {
     /// Upper pods bound to this node.
     pub upper_pods: Cache<Pod>,
     /// Lower pods that have not finished (every owner; filtered by mark here).
-    pub lower_pods: Cache<Pod>,
+    pub lower_pods: Cache<PodLoad>,
     pub limit: TokenBucket,
     pub metrics: Arc<Metrics>,
     /// How long a copy stays after its last reference went.
@@ -1544,7 +1538,10 @@ mod tests {
         let (needed, used_below) = needs(
             "c1",
             &[upper_pod, Arc::new(finished)],
-            &[Arc::new(lower_pod), Arc::new(foreign_pod)],
+            &[
+                Arc::new(PodLoad::of(lower_pod)),
+                Arc::new(PodLoad::of(foreign_pod)),
+            ],
             Some((&services, false)),
         );
         let k = |kind, ns: &str, name: &str| (kind, ns.to_owned(), name.to_owned());

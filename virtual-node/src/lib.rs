@@ -491,10 +491,10 @@ async fn compose(
         trim::lower_node,
         &changed,
     );
-    let (lower_all_pods, lower_all_watch) = cache::watched_trimmed(
-        Api::all(lower.clone()),
+    let (lower_all_pods, lower_all_watch) = cache::watched_summaries(
+        Api::<Pod>::all(lower.clone()),
         watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
-        trim::lower_load,
+        trim::PodLoad::of,
         &changed,
     );
     let (lower_pods, lower_ours) = cache::reflect(

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use tensile_common::cache::Cache;
@@ -18,6 +18,7 @@ use tokio::time::Instant;
 use crate::capacity::{self, Capacity, ShapePublisher};
 use crate::metrics::Metrics;
 use crate::translate::Identity;
+use crate::trim::PodLoad;
 
 /// Settings of the node loop.
 #[derive(Clone, Debug)]
@@ -207,7 +208,8 @@ pub struct NodeLoop {
     pub lower: kube::Client,
     pub settings: NodeSettings,
     pub lower_nodes: Cache<Node>,
-    pub lower_pods: Cache<Pod>,
+    /// Every unfinished lower pod's load.
+    pub lower_pods: Cache<PodLoad>,
     /// Woken when lower nodes or pods change.
     pub changed: Arc<Notify>,
     pub metrics: Arc<Metrics>,
@@ -390,7 +392,9 @@ impl NodeLoop {
             let pods = self.lower_pods.state();
             shape::build(
                 nodes.iter().map(|n| n.as_ref()),
-                pods.iter().map(|p| p.as_ref()),
+                pods.iter()
+                    .filter(|p| !p.terminal)
+                    .filter_map(|p| Some((p.node.as_deref()?, &p.requests))),
                 &self.settings.shape_label_keys,
                 shape::DEFAULT_GROUP_CAP,
                 wall,

@@ -47,6 +47,7 @@ use crate::copies::Blocked;
 use crate::metrics::Metrics;
 use crate::ratelimit::TokenBucket;
 use crate::translate::{self, Identity};
+use crate::trim::PodLoad;
 
 /// The provisioner name of upper StorageClasses whose claims virtual nodes provision.
 pub const PROVISIONER: &str = "virtual-node.tensile.io";
@@ -71,7 +72,7 @@ pub struct View<'a> {
     /// Lower claims carrying this node's marks.
     pub lower_claims: &'a [Arc<PersistentVolumeClaim>],
     /// Lower pods that have not finished.
-    pub lower_pods: &'a [Arc<Pod>],
+    pub lower_pods: &'a [Arc<PodLoad>],
     /// Whether each lower StorageClass read so far binds on first consumer.
     pub classes: &'a HashMap<String, bool>,
 }
@@ -339,7 +340,7 @@ pub fn plan(view: &View<'_>) -> Vec<Write> {
         let in_use = view
             .lower_pods
             .iter()
-            .any(|p| p.namespace().as_deref() == Some(key.0.as_str()) && claims(p).contains(&key.1));
+            .any(|p| p.namespace().as_deref() == Some(key.0.as_str()) && p.claims.contains(&key.1));
         if !in_use {
             writes.push(Write::DeleteLowerClaim {
                 namespace: key.0,
@@ -468,7 +469,7 @@ pub struct Volumes {
     pub lower_claims: Cache<PersistentVolumeClaim>,
     pub upper_pods: Cache<Pod>,
     /// Lower pods that have not finished.
-    pub lower_pods: Cache<Pod>,
+    pub lower_pods: Cache<PodLoad>,
     pub upper_limit: TokenBucket,
     pub lower_limit: TokenBucket,
     pub metrics: Arc<Metrics>,
@@ -760,7 +761,7 @@ mod tests {
         upper_claims: Vec<Arc<PersistentVolumeClaim>>,
         upper_volumes: Vec<Arc<PersistentVolume>>,
         lower_claims: Vec<Arc<PersistentVolumeClaim>>,
-        lower_pods: Vec<Arc<Pod>>,
+        lower_pods: Vec<Arc<PodLoad>>,
         classes: HashMap<String, bool>,
     }
 
@@ -1077,7 +1078,7 @@ mod tests {
     fn a_lower_claim_whose_upper_claim_is_gone_is_deleted_once_no_lower_pod_uses_it() {
         let mut world = World {
             lower_claims: vec![lower_claim_made(bound("1Gi"))],
-            lower_pods: vec![pod_using_data("Running")],
+            lower_pods: vec![Arc::new(PodLoad::of(Pod::clone(&pod_using_data("Running"))))],
             ..Default::default()
         };
         assert_eq!(world.plan(), [], "a running lower pod keeps its data");
