@@ -710,3 +710,308 @@ pub async fn copies(objects: usize, bytes: usize) -> anyhow::Result<serde_json::
         "cost": "a copy written reads its upper object once (one GET); the resync judges copies from metadata",
     }))
 }
+
+/// What the `streams` benchmark does: sizes of each part.
+pub struct StreamsBench {
+    /// Line round trips in one open `exec -i -- cat`, per side and transport.
+    pub round_trips: usize,
+    /// Whole `kubectl exec -- echo hi` runs, per side and transport.
+    pub commands: usize,
+    /// MiB pushed through the port-forwarded echo in each round.
+    pub forward_mib: u64,
+    /// Port-forward rounds, per side and transport.
+    pub forward_rounds: usize,
+    /// HTTP requests on the forwarded port 8080, per side and transport.
+    pub http_requests: usize,
+}
+
+/// Rounded to 3 decimals, for the figures.
+fn r3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// `through / direct`, rounded.
+fn ratio(through: f64, direct: f64) -> f64 {
+    r3(through / direct)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn summary_ms(s: &Samples) -> serde_json::Value {
+    json!({"p50": r3(s.percentile(0.5)), "p99": r3(s.percentile(0.99)), "max": r3(s.max()), "n": s.len()})
+}
+
+/// One side of the comparison: the kubeconfig and the pod kubectl names there.
+struct Side<'a> {
+    kubeconfig: &'a std::path::Path,
+    ns: &'a str,
+    pod: &'a str,
+}
+
+/// `kubectl exec` and `kubectl port-forward` through a virtual node (the `virtual-node`
+/// binary) against the same commands on the same lower pod with the lower cluster's
+/// kubeconfig, over WebSocket and over SPDY, the two sides interleaved so background load
+/// hits both alike.
+pub async fn streams(bench: &StreamsBench) -> anyhow::Result<serde_json::Value> {
+    use crate::streams::{Cat, Forward, Via, echo_throughput, http_get, kubectl_run, pod_manifest};
+    use anyhow::Context as _;
+    const NODE: &str = "vn-streams";
+    const NS: &str = "streams";
+    const POD: &str = "bench";
+    let (upper, lower) = tokio::join!(
+        TestCluster::start(ClusterOptions::new("bench-streams", "upper")),
+        TestCluster::start(ClusterOptions::new("bench-streams", "lower")),
+    );
+    let (upper, lower) = (upper?, lower?);
+    let _sim = NodeSimulator::start(
+        lower.client().await?,
+        SimulatorOptions::new("bench-streams", Some(lower.kubelet_client_ca_pem())),
+        vec![NodeConfig::new("lower-0"), NodeConfig::new("lower-1")],
+    )
+    .await?;
+    let vn = crate::in_process::VirtualNodeProcess::start(&upper, NODE, &lower, &[], "streams")?;
+    node_ready(&upper, NODE).await?;
+    upper.create_namespace(NS).await?;
+    let pods: Api<Pod> = Api::namespaced(upper.client().await?, NS);
+    let pod: Pod = serde_yaml::from_str(&pod_manifest(NS, POD, NODE)).context("the pod manifest")?;
+    pods.create(&PostParams::default(), &pod).await?;
+    let phase = |p: &Pod| {
+        p.status
+            .as_ref()
+            .and_then(|s| s.phase.clone())
+            .unwrap_or_default()
+    };
+    let uid = crate::wait::until(
+        "the upper pod Running",
+        Duration::from_secs(90),
+        Duration::from_millis(200),
+        || {
+            let pods = pods.clone();
+            async move {
+                let p = pods.get(POD).await.map_err(|e| e.to_string())?;
+                match (phase(&p).as_str(), p.metadata.uid) {
+                    ("Running", Some(uid)) => Ok(uid),
+                    (other, _) => Err(format!("phase {other:?}")),
+                }
+            }
+        },
+    )
+    .await?;
+    // The lower pod is found by the upper UID the virtual node marks it with.
+    let lower_pods: Api<Pod> = Api::all(lower.client().await?);
+    let selector = format!("{}={uid}", tensile_common::names::MARK_UPPER_UID);
+    let (lower_ns, lower_name) = crate::wait::until(
+        "the lower pod Running",
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || {
+            let (lower_pods, selector) = (lower_pods.clone(), selector.clone());
+            async move {
+                let list = lower_pods
+                    .list(&kube::api::ListParams::default().labels(&selector))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                match list.items.as_slice() {
+                    [p] if phase(p) == "Running" => Ok((
+                        p.metadata.namespace.clone().unwrap_or_default(),
+                        p.metadata.name.clone().unwrap_or_default(),
+                    )),
+                    other => Err(format!(
+                        "{} lower pods, phase {:?}",
+                        other.len(),
+                        other.first().map(phase)
+                    )),
+                }
+            }
+        },
+    )
+    .await?;
+    let through = Side {
+        kubeconfig: upper.kubeconfig(),
+        ns: NS,
+        pod: POD,
+    };
+    let direct = Side {
+        kubeconfig: lower.kubeconfig(),
+        ns: &lower_ns,
+        pod: &lower_name,
+    };
+    let sides = [&through, &direct];
+    // Alternate which side goes first, so neither always runs right after the other.
+    let order = |i: usize| if i.is_multiple_of(2) { [0, 1] } else { [1, 0] };
+
+    let mut per_transport = serde_json::Map::new();
+    let mut ratios = serde_json::Map::new();
+    for via in Via::BOTH {
+        // (a) One open `exec -i -- cat`: a line out and back.
+        let mut cats = [
+            Cat::start(through.kubeconfig, via, through.ns, through.pod).await?,
+            Cat::start(direct.kubeconfig, via, direct.ns, direct.pod).await?,
+        ];
+        let within = Duration::from_secs(10);
+        for i in 0..10 {
+            for cat in &mut cats {
+                cat.round_trip(format!("warm-{i:05}\n").as_bytes(), within)
+                    .await?;
+            }
+        }
+        let mut round_trips: [Vec<f64>; 2] = Default::default();
+        for i in 0..bench.round_trips {
+            for side in order(i) {
+                let took = cats[side]
+                    .round_trip(format!("line-{i:05}\n").as_bytes(), within)
+                    .await
+                    .with_context(|| format!("{via:?} round trip {i}, side {side}"))?;
+                round_trips[side].push(ms(took));
+            }
+        }
+        drop(cats);
+        let [rt_through, rt_direct] = round_trips.map(Samples::new);
+
+        // (b) Whole `kubectl exec -- echo hi` runs, kubectl's start-up included.
+        let mut commands: [Vec<f64>; 2] = Default::default();
+        for i in 0..=bench.commands {
+            for side in order(i) {
+                let s = sides[side];
+                let started = Instant::now();
+                let run = kubectl_run(
+                    s.kubeconfig,
+                    via,
+                    &["-n", s.ns, "exec", s.pod, "--", "echo", "hi"],
+                    None,
+                )
+                .await?;
+                let took = started.elapsed();
+                anyhow::ensure!(
+                    run.code == 0 && run.out() == "hi\n",
+                    "{via:?}: exec -- echo hi on side {side}: {} {:?} {}",
+                    run.code,
+                    run.out(),
+                    run.stderr
+                );
+                // The first run of each side is a warm-up.
+                if i > 0 {
+                    commands[side].push(ms(took));
+                }
+            }
+        }
+        let [cmd_through, cmd_direct] = commands.map(Samples::new);
+
+        // port-forward: the echo on 9090 and HTTP on 8080, one kubectl per side.
+        let mut ports = Vec::new();
+        let mut forwards = Vec::new();
+        for s in sides {
+            let (http, echo) = (free_port()?, free_port()?);
+            forwards.push(
+                Forward::start(
+                    s.kubeconfig,
+                    via,
+                    s.ns,
+                    s.pod,
+                    &[format!("{http}:8080"), format!("{echo}:9090")],
+                )
+                .await?,
+            );
+            ports.push((http, echo));
+        }
+        let bytes = bench.forward_mib * 1024 * 1024;
+        let forward_within = Duration::from_secs(300);
+        for &(_, echo) in &ports {
+            echo_throughput(echo, 1024 * 1024, forward_within).await?;
+        }
+        let mut rates: [Vec<f64>; 2] = Default::default();
+        for round in 0..bench.forward_rounds {
+            for side in order(round) {
+                let took = echo_throughput(ports[side].1, bytes, forward_within)
+                    .await
+                    .with_context(|| format!("{via:?} port-forward round {round}, side {side}"))?;
+                rates[side].push(r3(bytes as f64 / 1e6 / took.as_secs_f64()));
+            }
+        }
+        let mut http: [Vec<f64>; 2] = Default::default();
+        for i in 0..=bench.http_requests {
+            for side in order(i) {
+                let started = Instant::now();
+                let answer = http_get(ports[side].0).await?;
+                let took = started.elapsed();
+                anyhow::ensure!(
+                    answer.starts_with("HTTP/1.1 200 OK") && answer.ends_with(" port 8080\n"),
+                    "{via:?}: HTTP on side {side}: {answer:?}"
+                );
+                if i > 0 {
+                    http[side].push(ms(took));
+                }
+            }
+        }
+        drop(forwards);
+        let [rate_through, rate_direct] = rates.clone().map(Samples::new);
+        let [http_through, http_direct] = http.map(Samples::new);
+
+        per_transport.insert(
+            via.name().into(),
+            json!({
+                "exec_round_trip_ms": {"through": summary_ms(&rt_through), "direct": summary_ms(&rt_direct)},
+                "exec_command_ms": {"through": summary_ms(&cmd_through), "direct": summary_ms(&cmd_direct)},
+                "port_forward_mb_per_sec": {
+                    "through": {"median": rate_through.percentile(0.5), "rounds": rates[0]},
+                    "direct": {"median": rate_direct.percentile(0.5), "rounds": rates[1]},
+                    "mib_per_round": bench.forward_mib,
+                },
+                "port_forward_http_ms": {"through": summary_ms(&http_through), "direct": summary_ms(&http_direct)},
+            }),
+        );
+        ratios.insert(
+            via.name().into(),
+            json!({
+                "exec_round_trip_p50": ratio(rt_through.percentile(0.5), rt_direct.percentile(0.5)),
+                "exec_round_trip_p99": ratio(rt_through.percentile(0.99), rt_direct.percentile(0.99)),
+                "exec_command_p50": ratio(cmd_through.percentile(0.5), cmd_direct.percentile(0.5)),
+                "port_forward_mb_per_sec": ratio(rate_through.percentile(0.5), rate_direct.percentile(0.5)),
+                "port_forward_http_p50": ratio(http_through.percentile(0.5), http_direct.percentile(0.5)),
+            }),
+        );
+    }
+    let kubectl = crate::kubectl::run(upper.kubeconfig(), &["version", "--client", "-o", "json"]).await;
+    let kubectl = serde_json::from_str::<serde_json::Value>(&kubectl.stdout)
+        .ok()
+        .and_then(|v| v["clientVersion"]["gitVersion"].as_str().map(str::to_owned))
+        .unwrap_or_default();
+    let open = crate::in_process::admin_get(&vn.admin_addr, "/metrics")
+        .await
+        .map(|(_, body)| {
+            body.lines()
+                .filter(|l| l.starts_with("tensile_virtual_node_stream_sessions{"))
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    drop(vn);
+    Ok(json!({
+        "benchmark": "exec and port-forward through a virtual node vs directly against the same lower pod",
+        "kubernetes": upper.version(),
+        "kubectl": kubectl,
+        "pod": {"through": format!("{NS}/{POD} (upper)"), "direct": format!("{lower_ns}/{lower_name} (lower)")},
+        "sizes": {"round_trips": bench.round_trips, "round_trip_warm_up": 10, "commands": bench.commands,
+                  "forward_mib": bench.forward_mib, "forward_rounds": bench.forward_rounds,
+                  "http_requests": bench.http_requests},
+        "websocket": per_transport.get("websocket"),
+        "spdy": per_transport.get("spdy"),
+        "ratios": ratios,
+        "sessions_gauge_at_end": open,
+        "note": "through = the upper cluster's kubectl, upper apiserver, virtual-node process, lower apiserver, \
+                 simulated kubelet; direct = the lower cluster's kubectl against the same lower pod (lower \
+                 apiserver, simulated kubelet). Ratios are through/direct: above 1 is slower through for \
+                 latencies, below 1 is slower through for MB/s. exec_round_trip_ms: one line written to an \
+                 open `kubectl exec -i -- cat` and read back, after 10 warm-up lines (kubectl's stdin and \
+                 stdout pipes included, no process start). exec_command_ms: the wall time of a whole \
+                 `kubectl exec POD -- echo hi`, kubectl's start-up, kubeconfig load and session set-up \
+                 included, after one warm-up run. port_forward_mb_per_sec: MB (10^6 bytes) per second each \
+                 way, forward_mib MiB written to and read back at once from the echo on port 9090 over \
+                 one TCP connection to `kubectl port-forward`, checked byte for byte, after a 1 MiB warm-up; \
+                 median of the rounds. port_forward_http_ms: a new connection, GET / and the whole answer \
+                 on the forwarded port 8080 (a new port-forward stream each). Through and direct runs \
+                 alternate; every process shares the machine's cores.",
+    }))
+}

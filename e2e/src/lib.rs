@@ -28,6 +28,7 @@ pub mod scale;
 pub mod shared;
 pub mod simulator;
 pub mod stats;
+pub mod streams;
 pub mod testbed;
 pub mod tls;
 pub mod wait;

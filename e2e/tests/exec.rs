@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use tensile_e2e::check::{apply, eventually};
 use tensile_e2e::in_process::{self, admin_get};
 use tensile_e2e::shared::Shared;
+use tensile_e2e::streams::{Forward, Run, Via, echo, http_get, kubectl_command, kubectl_run, pod_manifest};
 use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -59,25 +60,6 @@ fn up() -> &'static Path {
     bed().upper.kubeconfig()
 }
 
-/// A pod on `node` with ports 8080 and 9090 and one literal env entry.
-fn pod_manifest(ns: &str, name: &str, node: &str) -> String {
-    format!(
-        r#"
-apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: {ns}}}
-spec:
-  nodeSelector: {{kubernetes.io/hostname: {node}}}
-  tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
-  containers:
-  - name: app
-    image: busybox
-    env: [{{name: GREETING, value: hello-from-below}}]
-    ports: [{{containerPort: 8080}}, {{containerPort: 9090}}]
-"#
-    )
-}
-
 /// Creates pod `name` on the shared virtual node and waits until it runs.
 async fn running_pod(kubeconfig: &Path, ns: &str, name: &str, node: &str) {
     apply(kubeconfig, &pod_manifest(ns, name, node)).await;
@@ -91,64 +73,6 @@ async fn running_pod(kubeconfig: &Path, ns: &str, name: &str, node: &str) {
     .await;
 }
 
-/// Which transport kubectl uses: its default (WebSocket first) or SPDY only.
-#[derive(Clone, Copy, Debug)]
-enum Via {
-    WebSocket,
-    Spdy,
-}
-
-struct Run {
-    code: i32,
-    stdout: Vec<u8>,
-    stderr: String,
-}
-
-impl Run {
-    fn out(&self) -> String {
-        String::from_utf8_lossy(&self.stdout).into_owned()
-    }
-}
-
-fn kubectl_command(kubeconfig: &Path, via: Via, args: &[&str]) -> tokio::process::Command {
-    let mut cmd = tokio::process::Command::new("kubectl");
-    cmd.arg("--kubeconfig").arg(kubeconfig).args(args);
-    let off = matches!(via, Via::Spdy).then_some("false").unwrap_or("true");
-    cmd.env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", off)
-        .env("KUBECTL_PORT_FORWARD_WEBSOCKETS", off)
-        .kill_on_drop(true);
-    cmd
-}
-
-/// Runs kubectl with `stdin` fed to it, within 60 s.
-async fn kubectl_run(kubeconfig: &Path, via: Via, args: &[&str], stdin: Option<Vec<u8>>) -> Run {
-    let mut cmd = kubectl_command(kubeconfig, via, args);
-    cmd.stdin(if stdin.is_some() {
-        Stdio::piped()
-    } else {
-        Stdio::null()
-    })
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
-    let mut child = cmd.spawn().unwrap();
-    if let Some(data) = stdin {
-        let mut pipe = child.stdin.take().unwrap();
-        tokio::spawn(async move {
-            let _ = pipe.write_all(&data).await;
-            drop(pipe);
-        });
-    }
-    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
-        .await
-        .unwrap_or_else(|_| panic!("kubectl {args:?} did not finish in 60 s"))
-        .unwrap();
-    Run {
-        code: out.status.code().unwrap_or(-1),
-        stdout: out.stdout,
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
-
 async fn exec(via: Via, pod: &str, command: &[&str], stdin: Option<Vec<u8>>) -> Run {
     let mut args = vec!["-n", NS, "exec"];
     if stdin.is_some() {
@@ -157,7 +81,7 @@ async fn exec(via: Via, pod: &str, command: &[&str], stdin: Option<Vec<u8>>) -> 
     args.push(pod);
     args.push("--");
     args.extend_from_slice(command);
-    kubectl_run(up(), via, &args, stdin).await
+    kubectl_run(up(), via, &args, stdin).await.unwrap()
 }
 
 /// A gauge or counter value from the virtual node's admin `/metrics`.
@@ -226,7 +150,8 @@ async fn kubectl_exec_runs_the_command_below_over_websocket_and_spdy() {
         &["-n", NS, "exec", "runner", "-c", "nope", "--", "echo"],
         None,
     )
-    .await;
+    .await
+    .unwrap();
     assert_ne!(wrong.code, 0);
     assert!(
         wrong
@@ -249,12 +174,11 @@ async fn kubectl_exec_with_a_tty_gets_a_terminal() {
         up().display()
     );
     for via in [Via::WebSocket, Via::Spdy] {
-        let off = if matches!(via, Via::Spdy) { "false" } else { "true" };
         let out = tokio::time::timeout(
             Duration::from_secs(60),
             tokio::process::Command::new("script")
                 .args(["-qec", &line, "/dev/null"])
-                .env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", off)
+                .env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", via.websockets_env())
                 .stdin(Stdio::null())
                 .kill_on_drop(true)
                 .output(),
@@ -325,87 +249,17 @@ async fn kubectl_attach_follows_the_lower_container() {
     }
 }
 
-/// `kubectl port-forward` in the background until dropped.
-struct Forward {
-    child: tokio::process::Child,
-}
-
-impl Forward {
-    async fn start(via: Via, pod: &str, mappings: &[String]) -> Forward {
-        let mut args = vec!["-n", NS, "port-forward", pod];
-        args.extend(mappings.iter().map(String::as_str));
-        let mut cmd = kubectl_command(up(), via, &args);
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = cmd.spawn().unwrap();
-        let mut stdout = child.stdout.take().unwrap();
-        let mut seen = String::new();
-        let mut buf = [0u8; 1024];
-        let want = mappings.len();
-        while seen.matches("Forwarding from 127.0.0.1:").count() < want {
-            match tokio::time::timeout(Duration::from_secs(30), stdout.read(&mut buf)).await {
-                Ok(Ok(n)) if n > 0 => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
-                _ => {
-                    let mut err = String::new();
-                    let _ = child.kill().await;
-                    let _ = child.stderr.take().unwrap().read_to_string(&mut err).await;
-                    panic!("{via:?}: port-forward said {seen:?}; stderr {err}");
-                }
-            }
-        }
-        // Keep draining what it prints ("Handling connection for …").
-        tokio::spawn(async move {
-            let mut buf = [0u8; 1024];
-            while let Ok(n) = stdout.read(&mut buf).await {
-                if n == 0 {
-                    break;
-                }
-            }
-        });
-        Forward { child }
-    }
-}
-
-impl Drop for Forward {
-    fn drop(&mut self) {
-        let _ = self.child.start_kill();
-    }
-}
-
-async fn http_get(port: u16) -> String {
-    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    tcp.write_all(b"GET / HTTP/1.1\r\nHost: pod\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut out = String::new();
-    tokio::time::timeout(Duration::from_secs(20), tcp.read_to_string(&mut out))
-        .await
-        .unwrap()
-        .unwrap();
-    out
-}
-
-async fn echo(port: u16, data: &[u8]) -> Vec<u8> {
-    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    tcp.write_all(data).await.unwrap();
-    let mut back = vec![0u8; data.len()];
-    tokio::time::timeout(Duration::from_secs(20), tcp.read_exact(&mut back))
-        .await
-        .unwrap()
-        .unwrap();
-    back
-}
-
 #[tokio::test]
 async fn kubectl_port_forward_reaches_the_lower_pods_ports() {
     bed();
     running_pod(up(), NS, "server", NODE).await;
     for via in [Via::WebSocket, Via::Spdy] {
         let (a, b) = (free_port().unwrap(), free_port().unwrap());
-        let forward = Forward::start(via, "server", &[format!("{a}:8080")]).await;
+        let forward = Forward::start(up(), via, NS, "server", &[format!("{a}:8080")])
+            .await
+            .unwrap();
         for round in 0..2 {
-            let answer = http_get(a).await;
+            let answer = http_get(a).await.unwrap();
             assert!(
                 answer.starts_with("HTTP/1.1 200 OK") && answer.ends_with("streams/server port 8080\n"),
                 "{via:?} round {round}: {answer:?}"
@@ -413,9 +267,18 @@ async fn kubectl_port_forward_reaches_the_lower_pods_ports() {
         }
         drop(forward);
         // Two ports at once: HTTP on one, an echo of 256 KiB on the other.
-        let forward = Forward::start(via, "server", &[format!("{a}:8080"), format!("{b}:9090")]).await;
+        let forward = Forward::start(
+            up(),
+            via,
+            NS,
+            "server",
+            &[format!("{a}:8080"), format!("{b}:9090")],
+        )
+        .await
+        .unwrap();
         let data: Vec<u8> = (0..256 * 1024u32).map(|i| (i % 251) as u8).collect();
         let (answer, back) = tokio::join!(http_get(a), echo(b, &data));
+        let (answer, back) = (answer.unwrap(), back.unwrap());
         assert!(
             answer.ends_with("streams/server port 8080\n"),
             "{via:?}: {answer:?}"

@@ -14,6 +14,11 @@
 //! `copies` (`--bench copies`): what the upper cluster's ConfigMaps and Secrets cost a virtual
 //! node's memory when it copies none of them.
 //!
+//! `streams` (`--bench streams`): `kubectl exec` (a line's round trip in an open session, and a
+//! whole command) and `kubectl port-forward` (MB/s through an echo, and an HTTP round trip)
+//! through a virtual node versus the same against the lower pod directly, over WebSocket and
+//! SPDY, reported as ratios.
+//!
 //! `multi-scheduler` (`--bench multi-scheduler`): the capacity shape of a 5,000-node lower
 //! cluster, the extender's filter in process for 100 such virtual nodes, and `POST /filter`
 //! over HTTPS.
@@ -68,6 +73,19 @@ struct Cli {
     /// Bytes of content in each of them.
     #[arg(long, env = "BENCH_COPIES_BYTES", default_value_t = 16384)]
     copies_bytes: usize,
+    /// Line round trips in one open `kubectl exec -i -- cat`, per side and transport, for the
+    /// streams benchmark.
+    #[arg(long, env = "BENCH_STREAMS_ROUND_TRIPS", default_value_t = 200)]
+    streams_round_trips: usize,
+    /// Whole `kubectl exec -- echo hi` runs per side and transport.
+    #[arg(long, env = "BENCH_STREAMS_COMMANDS", default_value_t = 20)]
+    streams_commands: usize,
+    /// MiB through the port-forwarded echo in each round.
+    #[arg(long, env = "BENCH_STREAMS_FORWARD_MIB", default_value_t = 64)]
+    streams_forward_mib: u64,
+    /// Port-forward rounds per side and transport.
+    #[arg(long, env = "BENCH_STREAMS_FORWARD_ROUNDS", default_value_t = 3)]
+    streams_forward_rounds: usize,
     /// Seconds of the extender's HTTPS run.
     #[arg(long, env = "BENCH_EXTENDER_SECS", default_value_t = 5)]
     extender_secs: u64,
@@ -97,6 +115,7 @@ enum Which {
     VirtualNode,
     MultiScheduler,
     Copies,
+    Streams,
     Scale,
     All,
 }
@@ -153,6 +172,19 @@ fn main() -> anyhow::Result<()> {
         let rt = tokio::runtime::Runtime::new().context("async runtime")?;
         let figures = rt.block_on(tensile_e2e::benches::copies(cli.copies_objects, cli.copies_bytes))?;
         write_figures(&cli.out, "copies.json", &figures)?;
+    }
+    if matches!(cli.bench, Which::Streams | Which::All) {
+        let rt = tokio::runtime::Runtime::new().context("async runtime")?;
+        let figures = rt.block_on(tensile_e2e::benches::streams(
+            &tensile_e2e::benches::StreamsBench {
+                round_trips: cli.streams_round_trips.max(1),
+                commands: cli.streams_commands.max(1),
+                forward_mib: cli.streams_forward_mib.max(1),
+                forward_rounds: cli.streams_forward_rounds.max(1),
+                http_requests: 50,
+            },
+        ))?;
+        write_figures(&cli.out, "streams.json", &figures)?;
     }
     if matches!(cli.bench, Which::MultiScheduler | Which::All) {
         let rt = tokio::runtime::Runtime::new().context("async runtime")?;
