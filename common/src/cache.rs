@@ -89,6 +89,22 @@ fn without_managed_fields<K: kube::Resource>(object: &mut K) {
     object.meta_mut().managed_fields = None;
 }
 
+/// As [`reflect`], with every object cut down by `trim` before the cache or the stream sees
+/// it: for caches whose readers need only part of each object.
+pub fn reflect_trimmed<K: Watched>(
+    api: Api<K>,
+    config: watcher::Config,
+    trim: fn(&mut K),
+) -> (
+    Cache<K>,
+    impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+) {
+    cache_of(watcher(api, config).modify(move |object: &mut K| {
+        without_managed_fields(object);
+        trim(object);
+    }))
+}
+
 /// A cache kept by the watch `events`, and the stream of objects they touch.
 fn cache_of<K: Stored>(
     events: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
@@ -139,19 +155,14 @@ pub fn watched_summaries<K: Watched, S: Stored>(
     feeding(cache_of(events), changed)
 }
 
-/// As [`watched`], with every object cut down by `trim` before the cache sees it: for
-/// caches whose readers need only part of each object.
+/// As [`watched`], with every object cut down by `trim` (see [`reflect_trimmed`]).
 pub fn watched_trimmed<K: Watched>(
     api: Api<K>,
     config: watcher::Config,
     trim: fn(&mut K),
     changed: &Arc<Notify>,
 ) -> (Cache<K>, impl Future<Output = ()> + Send + 'static) {
-    let events = watcher(api, config).modify(move |object: &mut K| {
-        without_managed_fields(object);
-        trim(object);
-    });
-    feeding(cache_of(events), changed)
+    feeding(reflect_trimmed(api, config, trim), changed)
 }
 
 /// The future that polls a cache's stream, waking `changed` on every object it touches.

@@ -149,6 +149,27 @@ fn build(config: kube::Config, options: &ClientOptions) -> Result<kube::Client, 
     })
 }
 
+fn stream_client(config: &kube::Config, options: &ClientOptions) -> Result<kube::Client, kube::Error> {
+    use kube::client::ConfigExt as _;
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(config.connect_timeout);
+    let https = config.rustls_https_connector_with_connector(http)?;
+    let hyper =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build(https);
+    let service = tower::ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .option_layer(options.fence.clone().map(|leadership| FenceLayer { leadership }))
+        .layer(DeadlineLayer {
+            deadline: options.request_timeout,
+        })
+        .service(hyper);
+    Ok(kube::Client::new(service, config.default_namespace.clone()))
+}
+
 /// Loads `path` and builds a client for it.
 pub async fn client_from_file(path: &Path, options: &ClientOptions) -> Result<kube::Client, Error> {
     client(Some(path), options).await
@@ -194,6 +215,23 @@ impl ClientSource {
         let mut source = self.clone();
         source.options.fence = Some(leadership);
         source
+    }
+
+    /// A new client for interactive streams (exec, attach, port-forward, followed logs),
+    /// sharing no connection with any other. Its connections send every write at once
+    /// (`TCP_NODELAY`): kube's own connector leaves Nagle's algorithm on, and a stream that
+    /// relays a small write while the previous one is unacknowledged then waits for the
+    /// peer's delayed acknowledgement (40 ms on Linux) on every request-and-answer. It has
+    /// the connect timeout and the per-call deadline (until the answer's head, or the `101`
+    /// of an upgrade), and no retries.
+    pub fn stream_client(&self) -> Result<kube::Client, Error> {
+        stream_client(&self.config, &self.options).map_err(|source| match &self.path {
+            Some(path) => Error::Client {
+                path: path.clone(),
+                source,
+            },
+            None => Error::InClusterClient { source },
+        })
     }
 
     /// A new client, sharing no connection with any other.

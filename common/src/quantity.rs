@@ -112,7 +112,14 @@ impl ResourceMap {
 
     pub fn add(&mut self, other: &ResourceMap) {
         for (k, v) in &other.0 {
-            *self.0.entry(k.clone()).or_insert(0) += v;
+            // The name is cloned only when it is new here: sums over thousands of pods add
+            // the same few names again and again.
+            match self.0.get_mut(k) {
+                Some(e) => *e += v,
+                None => {
+                    self.0.insert(k.clone(), *v);
+                }
+            }
         }
     }
 
@@ -126,8 +133,12 @@ impl ResourceMap {
     /// Per resource, the larger of the two.
     pub fn max_with(&mut self, other: &ResourceMap) {
         for (k, v) in &other.0 {
-            let e = self.0.entry(k.clone()).or_insert(0);
-            *e = (*e).max(*v);
+            match self.0.get_mut(k) {
+                Some(e) => *e = (*e).max(*v),
+                None => {
+                    self.0.insert(k.clone(), (*v).max(0));
+                }
+            }
         }
     }
 

@@ -19,7 +19,7 @@ pub(crate) struct Seen {
     /// When our create call returned (pods we created).
     pub(crate) created: HashMap<String, Instant>,
     /// When a watch first showed the pod (pods created by someone else).
-    first_seen: HashMap<String, Instant>,
+    pub(crate) first_seen: HashMap<String, Instant>,
     bound: HashMap<String, Instant>,
     pub(crate) running: HashMap<String, Instant>,
 }
@@ -68,7 +68,7 @@ pub(crate) fn between(from: &HashMap<String, Instant>, to: &HashMap<String, Inst
 
 /// Percentiles, over the pods seen on both sides, of (upper bound → lower created) +
 /// (lower Running → upper Running).
-fn own_legs(upper: &Seen, lower: &Seen) -> serde_json::Value {
+pub(crate) fn own_legs(upper: &Seen, lower: &Seen) -> serde_json::Value {
     upper
         .bound
         .iter()

@@ -21,7 +21,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
-use crate::benches::{Seen, api_writes, between, node_ready, observe, rss};
+use crate::benches::{Seen, api_writes, between, node_ready, observe, own_legs, rss};
 use crate::in_process::{VirtualNodeProcess, admin_get};
 use crate::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
 
@@ -100,14 +100,15 @@ fn round3(x: f64) -> f64 {
 }
 
 /// Creates `pods` pods from `template` with `clients` creates in flight and waits until a
-/// watch shows them all Running: created → all Running, and per pod.
+/// watch shows them all Running: created → all Running, and per pod. `seen` records what the
+/// watch saw, per pod.
 async fn created_to_running(
     api: Api<Pod>,
     pods: usize,
     clients: usize,
+    seen: Arc<Mutex<Seen>>,
     template: impl Fn(usize) -> Value,
 ) -> anyhow::Result<Value> {
-    let seen: Arc<Mutex<Seen>> = Arc::default();
     let watch = tokio::spawn(observe(api.clone(), seen.clone()));
     let start = Instant::now();
     futures::stream::iter(0..pods)
@@ -209,6 +210,7 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
         Api::namespaced(lower.client().await?, "direct"),
         s.pods,
         s.clients,
+        Arc::default(),
         |i| json!({"metadata": {"name": format!("p-{i}")}, "spec": {"containers": container}}),
     )
     .await?;
@@ -220,11 +222,19 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
     let pid = vn.pid().context("virtual-node exited")?;
     let idle = rss(pid)?;
     let cpu_before = cpu_secs(pid)?;
+    // The same pods below, to tell the virtual node's own legs from the lower cluster's.
+    let lower_seen: Arc<Mutex<Seen>> = Arc::default();
+    let lower_watch = tokio::spawn(observe(
+        Api::namespaced(lower.client().await?, "virtual"),
+        lower_seen.clone(),
+    ));
+    let upper_seen: Arc<Mutex<Seen>> = Arc::default();
     let started = Instant::now();
     let through = created_to_running(
         Api::namespaced(upper.client().await?, "virtual"),
         s.pods,
         s.clients,
+        upper_seen.clone(),
         |i| {
             json!({"metadata": {"name": format!("p-{i}")}, "spec": {
                 "nodeName": NODE,
@@ -235,6 +245,19 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
     .await?;
     let cpu_at_running = cpu_secs(pid)? - cpu_before;
     let at_running = started.elapsed();
+    lower_watch.abort();
+    let legs = {
+        let (u, l) = (
+            upper_seen.lock().map_err(|_| anyhow::anyhow!("lock poisoned"))?,
+            lower_seen.lock().map_err(|_| anyhow::anyhow!("lock poisoned"))?,
+        );
+        json!({
+            "upper_created_to_lower_created_ms": between(&u.created, &l.first_seen),
+            "lower_created_to_lower_running_ms": between(&l.first_seen, &l.running),
+            "lower_running_to_upper_running_ms": between(&l.running, &u.running),
+            "virtual_node_own_ms": own_legs(&u, &l),
+        })
+    };
     // Settled: what it holds once the burst's work is done.
     tokio::time::sleep(Duration::from_secs(15)).await;
     let steady = rss(pid)?;
@@ -290,6 +313,7 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
         "test_bed_client_qps_burst": s.test_bed_qps,
         "direct_in_lower": direct,
         "through_virtual_node": through,
+        "through_virtual_node_legs": legs,
         "created_to_all_running_ratio": round3(ratio),
         "virtual_node": {
             "rss_mib": {"idle": mib(idle), "peak": mib(peak), "steady": mib(steady)},

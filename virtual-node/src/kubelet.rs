@@ -263,6 +263,8 @@ fn verb(method: &http::Method) -> &'static str {
 pub struct KubeletState {
     pub node: String,
     pub upper_pods: Cache<Pod>,
+    /// The lower client of the kubelet API (logs, streams, usage): a
+    /// [`stream_client`](tensile_common::kubeconfig::ClientSource::stream_client).
     pub lower: kube::Client,
     pub metrics: Arc<crate::metrics::Metrics>,
     pub require_client_cert: bool,

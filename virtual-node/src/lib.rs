@@ -356,6 +356,9 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         lower_source = lower_source.fenced(leadership.clone());
     }
     let lower = lower_source.client()?;
+    // The kubelet API's own lower client: exec, attach, port-forward and logs are relayed
+    // write by write ([`kubeconfig::ClientSource::stream_client`]).
+    let lower_streams = lower_source.stream_client()?;
     let auth = match (&args.kubelet.client_verify_ca, args.kubelet.no_verify_clients) {
         (Some(ca), _) => ClientAuth::Ca(ca.clone()),
         (None, true) => ClientAuth::None,
@@ -413,6 +416,7 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         &args,
         upper_source,
         lower,
+        lower_streams,
         metrics,
         &mut tasks,
         readiness.clone(),
@@ -449,6 +453,7 @@ async fn compose(
     args: &Args,
     upper_source: kubeconfig::ClientSource,
     lower: kube::Client,
+    lower_streams: kube::Client,
     metrics: Arc<metrics::Metrics>,
     tasks: &mut Supervisor,
     readiness: Readiness,
@@ -484,7 +489,7 @@ async fn compose(
 
     // Lower caches: nodes and every running pod (capacity), and our own pods (controller).
     let changed = Arc::new(tokio::sync::Notify::new());
-    // The first two keep only what capacity and the collections read ([`trim`]).
+    // Each keeps only what its readers read ([`trim`]).
     let (lower_nodes, lower_nodes_watch) = cache::watched_trimmed(
         Api::all(lower.clone()),
         watcher::Config::default(),
@@ -497,9 +502,10 @@ async fn compose(
         trim::PodLoad::of,
         &changed,
     );
-    let (lower_pods, lower_ours) = cache::reflect(
+    let (lower_pods, lower_ours) = cache::reflect_trimmed(
         Api::<Pod>::all(lower.clone()),
         watcher::Config::default().labels(&identity.selector()),
+        trim::lower_pod,
     );
 
     // ConfigMaps and Secrets: the metadata of every upper one that may travel (never
@@ -697,7 +703,7 @@ async fn compose(
     let kubelet_state = Arc::new(KubeletState {
         node: identity.node.clone(),
         upper_pods: upper_pods.clone(),
-        lower: lower.clone(),
+        lower: lower_streams,
         metrics: metrics.clone(),
         require_client_cert: matches!(auth, ClientAuth::Ca(_)),
         authorizer,

@@ -2,8 +2,9 @@
 //! with what the virtual node needs, not with what the apiservers send.
 //!
 //! No cache keeps `metadata.managedFields` ([`tensile_common::cache`]). The upper pods of this
-//! node and its lower pods are otherwise kept whole: the pod controller translates and
-//! compares them. The cache of every unfinished lower pod (the load on the lower nodes, other
+//! node are otherwise kept whole: the pod controller translates them. Its lower pods keep
+//! their metadata and status and, of their spec, what an update follows ([`lower_pod`]). The
+//! cache of every unfinished lower pod (the load on the lower nodes, other
 //! tenants' pods included) keeps a [`PodLoad`] of each: what capacity, the capacity shape,
 //! copy collection and claim collection read, computed once when the pod arrives. The lower
 //! node cache keeps a [`lower_node`]: what capacity and the shape read.
@@ -17,7 +18,7 @@
 use std::borrow::Cow;
 
 use k8s_openapi::NamespaceResourceScope;
-use k8s_openapi::api::core::v1::{Node, NodeSpec, NodeStatus, Pod};
+use k8s_openapi::api::core::v1::{Container, Node, NodeSpec, NodeStatus, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use tensile_common::names;
 use tensile_common::quantity::ResourceMap;
@@ -102,6 +103,31 @@ impl kube::Resource for PodLoad {
     fn meta_mut(&mut self) -> &mut ObjectMeta {
         &mut self.metadata
     }
+}
+
+/// A lower pod of this node as the pod controller reads it: its metadata and status, and of
+/// its spec what an update follows below (each container's and init container's image,
+/// `activeDeadlineSeconds`, tolerations) and the node it runs on. Volumes, environment,
+/// probes, affinity and the rest were decided when the pod was created and are not read.
+pub fn lower_pod(pod: &mut Pod) {
+    let images = |containers: Vec<Container>| -> Vec<Container> {
+        containers
+            .into_iter()
+            .map(|c| Container {
+                name: c.name,
+                image: c.image,
+                ..Default::default()
+            })
+            .collect()
+    };
+    pod.spec = pod.spec.take().map(|s| PodSpec {
+        containers: images(s.containers),
+        init_containers: s.init_containers.map(images),
+        active_deadline_seconds: s.active_deadline_seconds,
+        tolerations: s.tolerations,
+        node_name: s.node_name,
+        ..Default::default()
+    });
 }
 
 /// A lower node as capacity and the capacity shape read it: name, labels, cordon, taints,
@@ -294,6 +320,85 @@ mod tests {
         assert_eq!(
             tensile_common::shape::build(&small_nodes, kept, &keys, 5, at),
             tensile_common::shape::build(&nodes, whole.iter().map(|(n, r)| (n.as_str(), r)), &keys, 5, at)
+        );
+    }
+
+    #[test]
+    fn the_pod_controller_decides_the_same_on_a_trimmed_lower_pod() {
+        let t = crate::translate::tests::translation();
+        let upper: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "web-1", "namespace": "shop", "uid": "u-1", "labels": {"app": "web"},
+                "annotations": {"note": "new",
+                    "clusterSelector": r#"{"tolerations":[{"key":"gpu","operator":"Exists"}]}"#}},
+            "spec": {"nodeName": "vn", "activeDeadlineSeconds": 60,
+                "tolerations": [{"key": "a", "operator": "Exists"}],
+                "containers": [{"name": "app", "image": "nginx:2", "env": [{"name": "X", "value": "1"}],
+                    "volumeMounts": [{"name": "data", "mountPath": "/d"}]}],
+                "initContainers": [{"name": "init", "image": "busybox:2"}],
+                "volumes": [{"name": "data", "emptyDir": {}}]},
+            "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]}
+        }))
+        .unwrap();
+        let desired = t.lower_pod(&upper).unwrap();
+        // The lower pod as the lower apiserver returns it: made from an older upper pod
+        // (images, deadline, tolerations, an annotation), defaulted and running.
+        let mut actual = serde_json::to_value(&desired).unwrap();
+        actual["metadata"]["uid"] = json!("l-1");
+        actual["metadata"]["resourceVersion"] = json!("12");
+        actual["metadata"]["annotations"]["note"] = json!("old");
+        actual["metadata"]["managedFields"] =
+            json!([{"manager": "tensile-virtual-node", "operation": "Update"}]);
+        actual["spec"]["containers"][0]["image"] = json!("nginx:1");
+        actual["spec"]["initContainers"][0]["image"] = json!("busybox:1");
+        actual["spec"]["activeDeadlineSeconds"] = json!(null);
+        actual["spec"]["nodeName"] = json!("low-0");
+        actual["spec"]["tolerations"] = json!([{"key": "node.kubernetes.io/not-ready", "operator": "Exists",
+            "effect": "NoExecute", "tolerationSeconds": 300}]);
+        actual["status"] = json!({"phase": "Running", "hostIP": "10.1.0.1", "podIP": "10.0.0.9",
+            "startTime": "2024-01-01T00:00:00Z",
+            "conditions": [{"type": "Ready", "status": "True"}, {"type": "PodScheduled", "status": "True"}],
+            "containerStatuses": [{"name": "app", "ready": true, "restartCount": 2, "image": "nginx:1",
+                "imageID": "sha", "state": {"running": {"startedAt": "2024-01-01T00:00:01Z"}}}]});
+        let full: Pod = serde_json::from_value(actual).unwrap();
+        let mut small = full.clone();
+        lower_pod(&mut small);
+        assert!(small.spec.as_ref().unwrap().volumes.is_none());
+
+        let patch = t.update_patch(&desired, &full);
+        let p = patch
+            .as_ref()
+            .expect("the fixture differs in every followed field");
+        for path in [
+            "/metadata/annotations/note",
+            "/spec/containers",
+            "/spec/initContainers",
+            "/spec/activeDeadlineSeconds",
+            "/spec/tolerations",
+        ] {
+            assert!(p.pointer(path).is_some(), "{path} in {p}");
+        }
+        assert_eq!(t.update_patch(&desired, &small), patch);
+        assert_eq!(
+            crate::translate::upper_status(&upper, &small, "10.1.0.1"),
+            crate::translate::upper_status(&upper, &full, "10.1.0.1")
+        );
+        let view = crate::pods::View {
+            translation: &t,
+            run_daemonset_pods: false,
+            warmed_up: true,
+            cluster_name: "lower-a",
+        };
+        assert_eq!(
+            crate::pods::decide(&upper, Some(&small), &view),
+            crate::pods::decide(&upper, Some(&full), &view)
+        );
+        let mut deleted = upper.clone();
+        deleted.metadata.deletion_timestamp = full.metadata.creation_timestamp.clone().or(Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
+        ));
+        assert_eq!(
+            crate::pods::decide(&deleted, Some(&small), &view),
+            crate::pods::decide(&deleted, Some(&full), &view)
         );
     }
 }
