@@ -581,9 +581,10 @@ pub async fn heap_profile(
     let now = cost(
         allocated,
         f,
-        kept(cache::watched(
+        kept(cache::watched_trimmed(
             pods(&lower_client),
             Config::default().labels(&ours),
+            trim::lower_pod,
             &changed,
         )),
     )
