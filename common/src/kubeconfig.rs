@@ -217,6 +217,17 @@ impl ClientSource {
         source
     }
 
+    /// A client that could not be built, named by where its configuration came from.
+    fn client_error(&self, source: kube::Error) -> Error {
+        match &self.path {
+            Some(path) => Error::Client {
+                path: path.clone(),
+                source,
+            },
+            None => Error::InClusterClient { source },
+        }
+    }
+
     /// A new client for interactive streams (exec, attach, port-forward, followed logs),
     /// sharing no connection with any other. Its connections send every write at once
     /// (`TCP_NODELAY`): kube's own connector leaves Nagle's algorithm on, and a stream that
@@ -225,24 +236,12 @@ impl ClientSource {
     /// the connect timeout and the per-call deadline (until the answer's head, or the `101`
     /// of an upgrade), and no retries.
     pub fn stream_client(&self) -> Result<kube::Client, Error> {
-        stream_client(&self.config, &self.options).map_err(|source| match &self.path {
-            Some(path) => Error::Client {
-                path: path.clone(),
-                source,
-            },
-            None => Error::InClusterClient { source },
-        })
+        stream_client(&self.config, &self.options).map_err(|source| self.client_error(source))
     }
 
     /// A new client, sharing no connection with any other.
     pub fn client(&self) -> Result<kube::Client, Error> {
-        build(self.config.clone(), &self.options).map_err(|source| match &self.path {
-            Some(path) => Error::Client {
-                path: path.clone(),
-                source,
-            },
-            None => Error::InClusterClient { source },
-        })
+        build(self.config.clone(), &self.options).map_err(|source| self.client_error(source))
     }
 }
 

@@ -19,9 +19,74 @@ pub(crate) struct Seen {
     /// When our create call returned (pods we created).
     pub(crate) created: HashMap<String, Instant>,
     /// When a watch first showed the pod (pods created by someone else).
-    pub(crate) first_seen: HashMap<String, Instant>,
+    first_seen: HashMap<String, Instant>,
     bound: HashMap<String, Instant>,
     pub(crate) running: HashMap<String, Instant>,
+}
+
+/// An upper and a lower cluster of benchmark `test`, started at once: each with the test
+/// bed's client throttle `test_bed_qps` (see [`ClusterOptions::kube_api_qps`]) and then as
+/// `adjust` makes it.
+pub(crate) async fn clusters(
+    test: &str,
+    test_bed_qps: Option<(u32, u32)>,
+    adjust: fn(ClusterOptions) -> ClusterOptions,
+) -> anyhow::Result<(TestCluster, TestCluster)> {
+    let options = |name: &str| {
+        let mut o = ClusterOptions::new(test, name);
+        o.kube_api_qps = test_bed_qps;
+        adjust(o)
+    };
+    let (upper, lower) = tokio::join!(
+        TestCluster::start(options("upper")),
+        TestCluster::start(options("lower"))
+    );
+    Ok((upper?, lower?))
+}
+
+/// The legs of the pods a virtual node ran, from the upper and the lower cluster's watches.
+pub(crate) fn legs(upper: &Mutex<Seen>, lower: &Mutex<Seen>) -> anyhow::Result<serde_json::Value> {
+    let (u, l) = (
+        upper.lock().map_err(|_| anyhow::anyhow!("lock poisoned"))?,
+        lower.lock().map_err(|_| anyhow::anyhow!("lock poisoned"))?,
+    );
+    Ok(json!({
+        "upper_bound_to_lower_created_ms": between(&u.bound, &l.first_seen),
+        "lower_created_to_lower_bound_ms": between(&l.first_seen, &l.bound),
+        "lower_bound_to_lower_running_ms": between(&l.bound, &l.running),
+        "lower_running_to_upper_running_ms": between(&l.running, &u.running),
+        // Per pod, the time spent in the virtual node's two legs together: what it adds
+        // to the lower cluster's own created → Running.
+        "virtual_node_own_ms": own_legs(&u, &l),
+    }))
+}
+
+/// Creates `pods` pods from `template`, `in_flight` at a time, recording in `seen` when
+/// each create returned.
+pub(crate) async fn create_all(
+    api: &Api<Pod>,
+    pods: usize,
+    in_flight: usize,
+    seen: &Arc<Mutex<Seen>>,
+    template: impl Fn(usize) -> serde_json::Value,
+) -> anyhow::Result<()> {
+    futures::stream::iter(0..pods)
+        .map(|i| {
+            let (api, seen) = (api.clone(), seen.clone());
+            let pod: Result<Pod, _> = serde_json::from_value(template(i));
+            async move {
+                let pod = pod?;
+                let t = Instant::now();
+                api.create(&PostParams::default(), &pod).await?;
+                if let (Some(name), Ok(mut s)) = (pod.metadata.name, seen.lock()) {
+                    s.created.insert(name, t);
+                }
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(in_flight.max(1))
+        .try_collect::<()>()
+        .await
 }
 
 /// Figures of one burst: create `pods` pods, watch them get bound and Running.
@@ -68,7 +133,7 @@ pub(crate) fn between(from: &HashMap<String, Instant>, to: &HashMap<String, Inst
 
 /// Percentiles, over the pods seen on both sides, of (upper bound → lower created) +
 /// (lower Running → upper Running).
-pub(crate) fn own_legs(upper: &Seen, lower: &Seen) -> serde_json::Value {
+fn own_legs(upper: &Seen, lower: &Seen) -> serde_json::Value {
     upper
         .bound
         .iter()
@@ -92,24 +157,7 @@ async fn burst_into(
 ) -> anyhow::Result<serde_json::Value> {
     let watch = tokio::spawn(observe(api.clone(), seen.clone()));
     let start = Instant::now();
-    futures::stream::iter(0..pods)
-        .map(|i| {
-            let api = api.clone();
-            let seen = seen.clone();
-            let pod: Result<Pod, _> = serde_json::from_value(template(i));
-            async move {
-                let pod = pod?;
-                let t = Instant::now();
-                api.create(&PostParams::default(), &pod).await?;
-                if let (Some(name), Ok(mut s)) = (pod.metadata.name, seen.lock()) {
-                    s.created.insert(name, t);
-                }
-                Ok::<_, anyhow::Error>(())
-            }
-        })
-        .buffer_unordered(32)
-        .try_collect::<()>()
-        .await?;
+    create_all(&api, pods, 32, &seen, template).await?;
     let created_secs = start.elapsed().as_secs_f64();
     let deadline = Instant::now() + Duration::from_secs(600);
     while seen.lock().map(|s| s.running.len()).unwrap_or(0) < pods && Instant::now() < deadline {
@@ -135,16 +183,7 @@ pub async fn virtual_node(
     pods: usize,
     test_bed_qps: Option<(u32, u32)>,
 ) -> anyhow::Result<serde_json::Value> {
-    let options = |name: &str| {
-        let mut o = ClusterOptions::new("bench", name);
-        o.kube_api_qps = test_bed_qps;
-        o
-    };
-    let (upper, lower) = tokio::join!(
-        TestCluster::start(options("upper")),
-        TestCluster::start(options("lower"))
-    );
-    let (upper, lower) = (upper?, lower?);
+    let (upper, lower) = clusters("bench", test_bed_qps, |o| o).await?;
     // Room for both bursts: the baseline's pods stay and count against the virtual node's
     // allocatable (they are foreign to it), exactly as in production.
     let nodes = (2 * pods).div_ceil(100).max(1);
@@ -219,21 +258,7 @@ pub async fn virtual_node(
         })
         .filter(|(_, v)| v.as_f64().is_some_and(|v| v > 0.0))
         .collect();
-    let legs = {
-        let (u, l) = (
-            upper_seen.lock().map_err(|_| anyhow::anyhow!("lock poisoned"))?,
-            lower_seen.lock().map_err(|_| anyhow::anyhow!("lock poisoned"))?,
-        );
-        json!({
-            "upper_bound_to_lower_created_ms": between(&u.bound, &l.first_seen),
-            "lower_created_to_lower_bound_ms": between(&l.first_seen, &l.bound),
-            "lower_bound_to_lower_running_ms": between(&l.bound, &l.running),
-            "lower_running_to_upper_running_ms": between(&l.running, &u.running),
-            // Per pod, the time spent in the virtual node's two legs together: what it adds
-            // to the lower cluster's own created → Running.
-            "virtual_node_own_ms": own_legs(&u, &l),
-        })
-    };
+    let legs = legs(&upper_seen, &lower_seen)?;
 
     let ratio = through["burst_secs"].as_f64().unwrap_or(f64::NAN)
         / baseline["burst_secs"].as_f64().unwrap_or(f64::NAN);
@@ -580,15 +605,21 @@ pub(crate) async fn node_ready(upper: &TestCluster, name: &str) -> crate::Result
     .await
 }
 
-/// Resident memory of process `pid` in bytes (`VmRSS`).
-pub(crate) fn rss(pid: u32) -> anyhow::Result<u64> {
+/// A memory figure of process `pid` in bytes: `field` of `/proc/<pid>/status` (`VmRSS`,
+/// `VmHWM`).
+pub(crate) fn proc_memory(pid: u32, field: &str) -> anyhow::Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map(|kb| kb * 1024)
-        .ok_or_else(|| anyhow::anyhow!("no VmRSS for {pid}"))
+        .ok_or_else(|| anyhow::anyhow!("no {field} for {pid}"))
+}
+
+/// Resident memory of process `pid` in bytes.
+pub(crate) fn rss(pid: u32) -> anyhow::Result<u64> {
+    proc_memory(pid, "VmRSS")
 }
 
 /// What the upper cluster's ConfigMaps and Secrets cost a virtual node that copies none of
@@ -598,11 +629,7 @@ pub(crate) fn rss(pid: u32) -> anyhow::Result<u64> {
 /// them before) and a cache of their metadata (how it holds them now) add to its RSS.
 pub async fn copies(objects: usize, bytes: usize) -> anyhow::Result<serde_json::Value> {
     use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-    let (upper, lower) = tokio::join!(
-        TestCluster::start(ClusterOptions::new("bench-copies", "upper")),
-        TestCluster::start(ClusterOptions::new("bench-copies", "lower")),
-    );
-    let (upper, lower) = (upper?, lower?);
+    let (upper, lower) = clusters("bench-copies", None, |o| o).await?;
     let _sim = NodeSimulator::start(
         lower.client().await?,
         SimulatorOptions::new("bench-copies", Some(lower.kubelet_client_ca_pem())),
@@ -760,11 +787,7 @@ pub async fn streams(bench: &StreamsBench) -> anyhow::Result<serde_json::Value> 
     const NODE: &str = "vn-streams";
     const NS: &str = "streams";
     const POD: &str = "bench";
-    let (upper, lower) = tokio::join!(
-        TestCluster::start(ClusterOptions::new("bench-streams", "upper")),
-        TestCluster::start(ClusterOptions::new("bench-streams", "lower")),
-    );
-    let (upper, lower) = (upper?, lower?);
+    let (upper, lower) = clusters("bench-streams", None, |o| o).await?;
     let _sim = NodeSimulator::start(
         lower.client().await?,
         SimulatorOptions::new("bench-streams", Some(lower.kubelet_client_ca_pem())),

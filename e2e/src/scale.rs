@@ -18,10 +18,10 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch, PatchParams};
 use serde_json::{Value, json};
 
-use crate::benches::{Seen, api_writes, between, node_ready, observe, own_legs, rss};
+use crate::benches::{Seen, api_writes, between, clusters, create_all, legs, node_ready, observe, rss};
 use crate::in_process::{VirtualNodeProcess, admin_get};
 use crate::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
 
@@ -56,12 +56,6 @@ pub async fn scale(s: &Scale) -> anyhow::Result<Value> {
     }))
 }
 
-fn options(test: &str, name: &str, s: &Scale) -> ClusterOptions {
-    let mut options = ClusterOptions::new(test, name);
-    options.kube_api_qps = s.test_bed_qps;
-    options
-}
-
 /// CPU seconds (user and system) process `pid` has used so far.
 fn cpu_secs(pid: u32) -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
@@ -80,15 +74,9 @@ fn cpu_secs(pid: u32) -> anyhow::Result<f64> {
     Ok((ticks(11)? + ticks(12)?) / 100.0)
 }
 
-/// Peak resident memory of process `pid` in bytes (`VmHWM`).
+/// Peak resident memory of process `pid` in bytes.
 fn peak_rss(pid: u32) -> anyhow::Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .with_context(|| format!("no VmHWM for {pid}"))
+    crate::benches::proc_memory(pid, "VmHWM")
 }
 
 fn mib(bytes: u64) -> f64 {
@@ -111,23 +99,7 @@ async fn created_to_running(
 ) -> anyhow::Result<Value> {
     let watch = tokio::spawn(observe(api.clone(), seen.clone()));
     let start = Instant::now();
-    futures::stream::iter(0..pods)
-        .map(|i| {
-            let (api, seen) = (api.clone(), seen.clone());
-            let pod: Result<Pod, _> = serde_json::from_value(template(i));
-            async move {
-                let pod = pod?;
-                let t = Instant::now();
-                api.create(&PostParams::default(), &pod).await?;
-                if let (Some(name), Ok(mut s)) = (pod.metadata.name, seen.lock()) {
-                    s.created.insert(name, t);
-                }
-                anyhow::Ok(())
-            }
-        })
-        .buffer_unordered(clients.max(1))
-        .try_collect::<()>()
-        .await?;
+    create_all(&api, pods, clients, &seen, template).await?;
     let created_secs = start.elapsed().as_secs_f64();
     let deadline = Instant::now() + Duration::from_secs(900);
     while seen.lock().map(|s| s.running.len()).unwrap_or(0) < pods {
@@ -184,11 +156,7 @@ fn writes_between(
 }
 
 async fn pods(s: &Scale) -> anyhow::Result<Value> {
-    let (upper, lower) = tokio::join!(
-        TestCluster::start(options("bench-scale", "upper", s)),
-        TestCluster::start(options("bench-scale", "lower", s)),
-    );
-    let (upper, lower) = (upper?, lower?);
+    let (upper, lower) = clusters("bench-scale", s.test_bed_qps, |o| o).await?;
     // Room for both runs: the direct pods stay, as other tenants' pods would.
     let per_node = (2 * s.pods).div_ceil(s.lower_nodes.max(1)) + 10;
     let sim = NodeSimulator::start(
@@ -246,18 +214,7 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
     let cpu_at_running = cpu_secs(pid)? - cpu_before;
     let at_running = started.elapsed();
     lower_watch.abort();
-    let legs = {
-        let (u, l) = (
-            upper_seen.lock().map_err(|_| anyhow::anyhow!("lock poisoned"))?,
-            lower_seen.lock().map_err(|_| anyhow::anyhow!("lock poisoned"))?,
-        );
-        json!({
-            "upper_created_to_lower_created_ms": between(&u.created, &l.first_seen),
-            "lower_created_to_lower_running_ms": between(&l.first_seen, &l.running),
-            "lower_running_to_upper_running_ms": between(&l.running, &u.running),
-            "virtual_node_own_ms": own_legs(&u, &l),
-        })
-    };
+    let legs = legs(&upper_seen, &lower_seen)?;
     // Settled: what it holds once the burst's work is done.
     tokio::time::sleep(Duration::from_secs(15)).await;
     let steady = rss(pid)?;
@@ -382,11 +339,12 @@ async fn set_unschedulable(
 async fn capacity(s: &Scale) -> anyhow::Result<Vec<Value>> {
     // Neither cluster needs a scheduler or controller-manager: the lower nodes stay as their
     // simulated kubelets post them, and the virtual node manages its upper Node itself.
-    let (upper, lower) = tokio::join!(
-        TestCluster::start(options("bench-scale-capacity", "upper", s).apiserver_only()),
-        TestCluster::start(options("bench-scale-capacity", "lower", s).apiserver_only()),
-    );
-    let (upper, lower) = (upper?, lower?);
+    let (upper, lower) = clusters(
+        "bench-scale-capacity",
+        s.test_bed_qps,
+        ClusterOptions::apiserver_only,
+    )
+    .await?;
     // Kubelet-like heartbeats: a Lease a minute, status every ten, so thousands of simulated
     // nodes do not take the cores the virtual node is measured on.
     let mut sim_options = SimulatorOptions::new("bench-scale-capacity", Some(lower.kubelet_client_ca_pem()));
