@@ -4,10 +4,16 @@
 //! kube's own `Store::wait_until_ready` wakes only the waiter that polled last; a [`Cache`]
 //! broadcasts instead, so any number of components can wait on the same cache.
 
+use std::borrow::Cow;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt, TryStreamExt};
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Pod, PodSpec, PodStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store, reflector};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -105,6 +111,25 @@ pub fn reflect_trimmed<K: Watched>(
     }))
 }
 
+/// As [`reflect`], with each object replaced by what `summary` makes of it before the cache
+/// or the stream sees it (see [`watched_summaries`]).
+pub fn reflect_summaries<K: Watched, S: Stored>(
+    api: Api<K>,
+    config: watcher::Config,
+    summary: fn(K) -> S,
+) -> (
+    Cache<S>,
+    impl Stream<Item = Result<S, watcher::Error>> + Send + 'static,
+) {
+    cache_of(watcher(api, config).map_ok(move |event| match event {
+        watcher::Event::Apply(o) => watcher::Event::Apply(summary(o)),
+        watcher::Event::Delete(o) => watcher::Event::Delete(summary(o)),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitApply(o) => watcher::Event::InitApply(summary(o)),
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    }))
+}
+
 /// A cache kept by the watch `events`, and the stream of objects they touch.
 fn cache_of<K: Stored>(
     events: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
@@ -145,14 +170,7 @@ pub fn watched_summaries<K: Watched, S: Stored>(
     summary: fn(K) -> S,
     changed: &Arc<Notify>,
 ) -> (Cache<S>, impl Future<Output = ()> + Send + 'static) {
-    let events = watcher(api, config).map_ok(move |event| match event {
-        watcher::Event::Apply(o) => watcher::Event::Apply(summary(o)),
-        watcher::Event::Delete(o) => watcher::Event::Delete(summary(o)),
-        watcher::Event::Init => watcher::Event::Init,
-        watcher::Event::InitApply(o) => watcher::Event::InitApply(summary(o)),
-        watcher::Event::InitDone => watcher::Event::InitDone,
-    });
-    feeding(cache_of(events), changed)
+    feeding(reflect_summaries(api, config, summary), changed)
 }
 
 /// As [`watched`], with every object cut down by `trim` (see [`reflect_trimmed`]).
@@ -201,6 +219,190 @@ pub fn watched_metadata<K: Watched + Default>(
     watched_summaries(api, config, header::<K>, changed)
 }
 
+/// An object kept as its metadata (without `managedFields`) and the compact JSON of the rest,
+/// decoded again by [`Packed::unpack`] when a reader needs it.
+///
+/// The Rust form of an API object is several times its JSON: k8s-openapi's structs hold every
+/// optional field inline (an empty pod is 2 KiB, a container 2 KiB, a volume 3 KiB), so a
+/// running pod of about 2 KiB of JSON costs 11 KiB decoded. A cache whose objects are read one
+/// at a time, by a reconcile, keeps them packed; readers that scan every object read the
+/// metadata, or a summary kept beside it.
+#[derive(Clone)]
+pub struct Packed<K> {
+    pub metadata: ObjectMeta,
+    body: Box<[u8]>,
+    kind: PhantomData<fn() -> K>,
+}
+
+impl<K> Packed<K>
+where
+    K: kube::Resource<DynamicType = ()> + serde::Serialize + serde::de::DeserializeOwned,
+{
+    /// Packs `object`: its metadata apart, the rest as JSON.
+    pub fn pack(mut object: K) -> Self {
+        let mut metadata = std::mem::take(object.meta_mut());
+        metadata.managed_fields = None;
+        // Encoding an API object into a vector cannot fail (string keys, no I/O); an empty
+        // body would make `unpack` say so rather than produce a wrong object.
+        let body = serde_json::to_vec(&object).unwrap_or_default();
+        Packed {
+            metadata,
+            body: body.into_boxed_slice(),
+            kind: PhantomData,
+        }
+    }
+
+    /// The object again, as it was packed (`managedFields` aside).
+    pub fn unpack(&self) -> Result<K, serde_json::Error> {
+        let mut object: K = serde_json::from_slice(&self.body)?;
+        *object.meta_mut() = self.metadata.clone();
+        Ok(object)
+    }
+
+    /// Bytes of the packed part.
+    pub fn packed_len(&self) -> usize {
+        self.body.len()
+    }
+}
+
+impl<K> std::fmt::Debug for Packed<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Packed")
+            .field("metadata", &self.metadata)
+            .field("packed_bytes", &self.body.len())
+            .finish()
+    }
+}
+
+impl<K> kube::Resource for Packed<K>
+where
+    K: kube::Resource<DynamicType = ()>,
+{
+    type DynamicType = ();
+    type Scope = K::Scope;
+
+    fn kind(dt: &()) -> Cow<'_, str> {
+        K::kind(dt)
+    }
+    fn group(dt: &()) -> Cow<'_, str> {
+        K::group(dt)
+    }
+    fn version(dt: &()) -> Cow<'_, str> {
+        K::version(dt)
+    }
+    fn plural(dt: &()) -> Cow<'_, str> {
+        K::plural(dt)
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// Read from the apiserver as `K`, then packed: a watch of `Packed<K>` never keeps the decoded
+/// object.
+impl<'de, K> serde::Deserialize<'de> for Packed<K>
+where
+    K: kube::Resource<DynamicType = ()> + serde::Serialize + serde::de::DeserializeOwned,
+{
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        K::deserialize(deserializer).map(Packed::pack)
+    }
+}
+
+/// A pod decoded without `metadata.managedFields`: the apiserver sends them with every pod
+/// and no reader uses them, and on a pod they are a third of the JSON and most of the
+/// allocations of decoding it (each entry is a tree of maps). Watches of pods read
+/// `LeanPod`s, which skip those bytes instead of building them and dropping them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LeanPod(pub Pod);
+
+impl kube::Resource for LeanPod {
+    type DynamicType = ();
+    type Scope = k8s_openapi::NamespaceResourceScope;
+
+    fn kind(dt: &()) -> Cow<'_, str> {
+        Pod::kind(dt)
+    }
+    fn group(dt: &()) -> Cow<'_, str> {
+        Pod::group(dt)
+    }
+    fn version(dt: &()) -> Cow<'_, str> {
+        Pod::version(dt)
+    }
+    fn plural(dt: &()) -> Cow<'_, str> {
+        Pod::plural(dt)
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.0.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.0.metadata
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for LeanPod {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        /// Every field of a pod but `metadata.managedFields` (unknown fields are skipped).
+        #[derive(serde::Deserialize)]
+        struct Wire {
+            #[serde(default)]
+            metadata: Meta,
+            #[serde(default)]
+            spec: Option<PodSpec>,
+            #[serde(default)]
+            status: Option<PodStatus>,
+        }
+        #[derive(Default, serde::Deserialize)]
+        #[serde(default, rename_all = "camelCase")]
+        struct Meta {
+            annotations: Option<BTreeMap<String, String>>,
+            creation_timestamp: Option<Time>,
+            deletion_grace_period_seconds: Option<i64>,
+            deletion_timestamp: Option<Time>,
+            finalizers: Option<Vec<String>>,
+            generate_name: Option<String>,
+            generation: Option<i64>,
+            labels: Option<BTreeMap<String, String>>,
+            name: Option<String>,
+            namespace: Option<String>,
+            owner_references: Option<Vec<OwnerReference>>,
+            resource_version: Option<String>,
+            self_link: Option<String>,
+            uid: Option<String>,
+        }
+        let Wire {
+            metadata: m,
+            spec,
+            status,
+        } = Wire::deserialize(deserializer)?;
+        let metadata = ObjectMeta {
+            annotations: m.annotations,
+            creation_timestamp: m.creation_timestamp,
+            deletion_grace_period_seconds: m.deletion_grace_period_seconds,
+            deletion_timestamp: m.deletion_timestamp,
+            finalizers: m.finalizers,
+            generate_name: m.generate_name,
+            generation: m.generation,
+            labels: m.labels,
+            managed_fields: None,
+            name: m.name,
+            namespace: m.namespace,
+            owner_references: m.owner_references,
+            resource_version: m.resource_version,
+            self_link: m.self_link,
+            uid: m.uid,
+        };
+        Ok(LeanPod(Pod {
+            metadata,
+            spec,
+            status,
+        }))
+    }
+}
+
 /// Retry delays of a failed watch: 200 ms doubling to 2 s, from the start again after a
 /// success. kube's default grows to 30 s, which leaves a recovered cluster unseen for that
 /// long; a daemon must notice recovery as quickly as it notices loss.
@@ -235,5 +437,50 @@ mod tests {
         assert_eq!(ms, [200, 400, 800, 1600, 2000, 2000, 2000]);
         b.reset();
         assert_eq!(b.next(), Some(Duration::from_millis(200)));
+    }
+
+    #[test]
+    fn a_lean_pod_is_the_pod_without_managed_fields() {
+        use k8s_openapi::api::core::v1::Pod;
+        let json = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "p", "generateName": "p-", "namespace": "n", "uid": "u",
+                "resourceVersion": "9", "generation": 2, "selfLink": "/api/v1/p",
+                "creationTimestamp": "2024-01-01T00:00:00Z", "deletionTimestamp": "2024-01-01T00:01:00Z",
+                "deletionGracePeriodSeconds": 30, "labels": {"a": "b"}, "annotations": {"c": "d"},
+                "finalizers": ["f"], "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                    "name": "rs", "uid": "o", "controller": true}],
+                "managedFields": [{"manager": "kubectl", "operation": "Update", "fieldsType": "FieldsV1",
+                    "fieldsV1": {"f:metadata": {"f:labels": {"f:a": {}}}}}]},
+            "spec": {"containers": [{"name": "c", "image": "i"}], "nodeName": "vn"},
+            "status": {"phase": "Running", "podIP": "10.0.0.1"},
+        });
+        let mut whole: Pod = serde_json::from_value(json.clone()).unwrap();
+        assert!(whole.metadata.managed_fields.is_some());
+        whole.metadata.managed_fields = None;
+        let lean: LeanPod = serde_json::from_value(json).unwrap();
+        assert_eq!(lean.0, whole);
+        let bare: LeanPod = serde_json::from_value(serde_json::json!({"metadata": {"name": "q"}})).unwrap();
+        assert_eq!(bare.0.metadata.name.as_deref(), Some("q"));
+    }
+
+    #[test]
+    fn a_packed_pod_unpacks_to_the_same_pod_without_managed_fields() {
+        use k8s_openapi::api::core::v1::Pod;
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "n", "uid": "u", "labels": {"a": "b"},
+                "managedFields": [{"manager": "kubectl", "operation": "Update"}]},
+            "spec": {"containers": [{"name": "c", "image": "i"}], "nodeName": "vn"},
+            "status": {"phase": "Running", "podIP": "10.0.0.1"},
+        }))
+        .unwrap();
+        let packed = Packed::pack(pod.clone());
+        let mut expected = pod;
+        expected.metadata.managed_fields = None;
+        assert_eq!(packed.unpack().unwrap(), expected);
+        assert_eq!(packed.metadata, expected.metadata);
+        assert!(packed.packed_len() < 200, "{} bytes", packed.packed_len());
+        let read: Packed<Pod> = serde_json::from_value(serde_json::to_value(&expected).unwrap()).unwrap();
+        assert_eq!(read.unpack().unwrap(), expected);
     }
 }

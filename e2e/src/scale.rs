@@ -517,14 +517,16 @@ pub async fn heap_profile(
     }
 
     let pods = |client: &kube::Client| Api::<Pod>::all(client.clone());
+    let lean_pods = |client: &kube::Client| Api::<cache::LeanPod>::all(client.clone());
     let mut rows = Vec::new();
     let f = &mut feeds;
     let now = cost(
         allocated,
         f,
-        kept(cache::watched(
-            pods(&upper_client),
+        kept(cache::watched_summaries(
+            lean_pods(&upper_client),
             Config::default().fields(&on_node),
+            |pod| trim::UpperPod::of(pod.0),
             &changed,
         )),
     )
@@ -539,10 +541,10 @@ pub async fn heap_profile(
     let now = cost(
         allocated,
         f,
-        kept(cache::watched_trimmed(
-            pods(&lower_client),
+        kept(cache::watched_summaries(
+            lean_pods(&lower_client),
             Config::default().labels(&ours),
-            trim::lower_pod,
+            |pod| trim::packed_lower_pod(pod.0),
             &changed,
         )),
     )
@@ -559,9 +561,9 @@ pub async fn heap_profile(
         allocated,
         f,
         kept(cache::watched_summaries(
-            pods(&lower_client),
+            lean_pods(&lower_client),
             load(),
-            trim::PodLoad::of,
+            |pod| trim::PodLoad::of(pod.0),
             &changed,
         )),
     )

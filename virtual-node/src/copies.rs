@@ -48,7 +48,7 @@ use tensile_common::names;
 use crate::metrics::Metrics;
 use crate::ratelimit::TokenBucket;
 use crate::translate;
-use crate::trim::PodLoad;
+use crate::trim::{PodLoad, UpperPod};
 
 /// The kinds of object that travel with a pod.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -578,18 +578,18 @@ pub fn judge<K: Reflected>(cluster_id: &str, desired: &K, actual: &K) -> Verdict
 /// `default/kubernetes` count, when Services are reflected.
 pub fn needs(
     cluster_id: &str,
-    upper_pods: &[Arc<Pod>],
+    upper_pods: &[Arc<UpperPod>],
     lower_pods: &[Arc<PodLoad>],
     services: Option<(&[Arc<Service>], bool)>,
 ) -> (BTreeSet<Key>, BTreeSet<Key>) {
     let mut needed: BTreeSet<Key> = BTreeSet::new();
     let mut namespaces: BTreeSet<String> = BTreeSet::new();
-    for pod in upper_pods.iter().filter(|p| !translate::is_terminal(p)) {
+    for pod in upper_pods.iter().filter(|p| !p.terminal) {
         let ns = pod.namespace().unwrap_or_default();
         needed.extend(
-            upper_references(pod)
-                .into_iter()
-                .map(|r| (r.kind, ns.clone(), r.name)),
+            pod.references
+                .iter()
+                .map(|(kind, name)| (*kind, ns.clone(), name.clone())),
         );
         namespaces.insert(ns);
     }
@@ -729,7 +729,7 @@ pub struct Copies {
     pub lower_config_maps: Cache<ConfigMap>,
     pub lower_secrets: Cache<Secret>,
     /// Upper pods bound to this node.
-    pub upper_pods: Cache<Pod>,
+    pub upper_pods: Cache<UpperPod>,
     /// Lower pods that have not finished (every owner; filtered by mark here).
     pub lower_pods: Cache<PodLoad>,
     pub limit: TokenBucket,
@@ -1507,9 +1507,9 @@ mod tests {
 
     #[test]
     fn what_pods_need_follows_their_references_and_services_their_namespaces() {
-        let upper_pod = Arc::new(pod(
+        let upper_pod = Arc::new(UpperPod::of(pod(
             json!({"volumes": [{"name": "v", "configMap": {"name": "c1"}}]}),
-        ));
+        )));
         let mut finished = pod(json!({"volumes": [{"name": "v", "configMap": {"name": "old"}}]}));
         finished.status = Some(k8s_openapi::api::core::v1::PodStatus {
             phase: Some("Succeeded".into()),
@@ -1537,7 +1537,7 @@ mod tests {
         .collect();
         let (needed, used_below) = needs(
             "c1",
-            &[upper_pod, Arc::new(finished)],
+            &[upper_pod, Arc::new(UpperPod::of(finished))],
             &[
                 Arc::new(PodLoad::of(lower_pod)),
                 Arc::new(PodLoad::of(foreign_pod)),

@@ -262,7 +262,7 @@ fn verb(method: &http::Method) -> &'static str {
 /// What a request handler needs.
 pub struct KubeletState {
     pub node: String,
-    pub upper_pods: Cache<Pod>,
+    pub upper_pods: Cache<crate::trim::UpperPod>,
     /// The lower client of the kubelet API (logs, streams, usage): a
     /// [`stream_client`](tensile_common::kubeconfig::ClientSource::stream_client).
     pub lower: kube::Client,
@@ -418,12 +418,12 @@ async fn summary(state: &KubeletState) -> Result<serde_json::Value, String> {
         &time,
         |ns, name| {
             let pod = state.upper_pods.get(&ObjectRef::new(name).within(ns))?;
-            let bound = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(state.node.as_str());
+            let bound = pod.node.as_deref() == Some(state.node.as_str());
             bound.then(|| {
                 (
                     ns.to_owned(),
                     name.to_owned(),
-                    pod.metadata.uid.clone().unwrap_or_default(),
+                    pod.packed.metadata.uid.clone().unwrap_or_default(),
                 )
             })
         },
@@ -445,10 +445,10 @@ fn runs_here(state: &KubeletState, ns: &str, pod: &str, uid: Option<&str>) -> Re
     let found = state.upper_pods.get(&ObjectRef::new(pod).within(ns));
     let bound = found
         .as_ref()
-        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(state.node.as_str()));
+        .filter(|p| p.node.as_deref() == Some(state.node.as_str()));
     match (bound, uid) {
         (None, _) => Err(format!("pod {ns}/{pod} is not on node {}", state.node)),
-        (Some(p), Some(uid)) if p.metadata.uid.as_deref() != Some(uid) => Err(format!(
+        (Some(p), Some(uid)) if p.packed.metadata.uid.as_deref() != Some(uid) => Err(format!(
             "pod {ns}/{pod} on node {} has another UID than {uid}",
             state.node
         )),
@@ -460,7 +460,7 @@ async fn logs(state: &KubeletState, ns: &str, pod: &str, container: &str, o: Log
     let bound_here = state
         .upper_pods
         .get(&ObjectRef::new(pod).within(ns))
-        .is_some_and(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(state.node.as_str()));
+        .is_some_and(|p| p.node.as_deref() == Some(state.node.as_str()));
     if !bound_here {
         return text(
             StatusCode::NOT_FOUND,

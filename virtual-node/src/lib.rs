@@ -31,14 +31,14 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Endpoints, Namespace, Node, PersistentVolume, PersistentVolumeClaim, Pod, Secret, Service,
+    ConfigMap, Endpoints, Namespace, Node, PersistentVolume, PersistentVolumeClaim, Secret, Service,
 };
 use kube::api::Api;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{Controller, controller, watcher};
 use tensile_common::admin::{self, AdminArgs, Readiness};
-use tensile_common::cache::{self, watched};
+use tensile_common::cache::{self, LeanPod, watched};
 use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
 use tensile_common::leader::{self, LeaderArgs, Leadership};
 use tensile_common::runtime::{self, CancellationToken, Supervisor};
@@ -497,15 +497,15 @@ async fn compose(
         &changed,
     );
     let (lower_all_pods, lower_all_watch) = cache::watched_summaries(
-        Api::<Pod>::all(lower.clone()),
+        Api::<LeanPod>::all(lower.clone()),
         watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
-        trim::PodLoad::of,
+        |pod| trim::PodLoad::of(pod.0),
         &changed,
     );
-    let (lower_pods, lower_ours) = cache::reflect_trimmed(
-        Api::<Pod>::all(lower.clone()),
+    let (lower_pods, lower_ours) = cache::reflect_summaries(
+        Api::<LeanPod>::all(lower.clone()),
         watcher::Config::default().labels(&identity.selector()),
-        trim::lower_pod,
+        |pod| trim::packed_lower_pod(pod.0),
     );
 
     // ConfigMaps and Secrets: the metadata of every upper one that may travel (never
@@ -576,9 +576,10 @@ async fn compose(
     let (lower_claims, lower_claims_watch) =
         watched::<PersistentVolumeClaim>(Api::all(lower.clone()), node_marks(), &volumes_changed);
 
-    let (upper_pods, upper_pod_events) = cache::reflect(
-        Api::<Pod>::all(upper.clone()),
+    let (upper_pods, upper_pod_events) = cache::reflect_summaries(
+        Api::<LeanPod>::all(upper.clone()),
         watcher::Config::default().fields(&format!("spec.nodeName={}", identity.node)),
+        |pod| trim::UpperPod::of(pod.0),
     );
     let resync = futures::stream::unfold((), |()| async {
         tokio::time::sleep(Duration::from_secs(60)).await;
@@ -586,7 +587,7 @@ async fn compose(
     });
     let controller = Controller::for_stream(upper_pod_events, upper_pods.store().clone())
         .with_config(controller::Config::default().concurrency(args.pod_sync_workers))
-        .watches_stream(lower_ours, |lower: Pod| {
+        .watches_stream(lower_ours, |lower: trim::LowerPod| {
             let ns = lower.metadata.namespace.clone().unwrap_or_default();
             lower
                 .metadata

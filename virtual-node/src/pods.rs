@@ -23,6 +23,7 @@ use crate::copies::{Blocked, Copies};
 use crate::metrics::Metrics;
 use crate::ratelimit::TokenBucket;
 use crate::translate::{self, Translation};
+use crate::trim::{LowerPod, UpperPod};
 
 /// What one reconcile needs.
 pub struct Context {
@@ -30,8 +31,8 @@ pub struct Context {
     pub lower: kube::Client,
     pub translation: Translation,
     /// Lower pods carrying this node's marks.
-    pub lower_pods: Cache<Pod>,
-    pub upper_pods: Cache<Pod>,
+    pub lower_pods: Cache<LowerPod>,
+    pub upper_pods: Cache<UpperPod>,
     pub host_ip: String,
     pub events: crate::events::Events,
     pub metrics: Arc<Metrics>,
@@ -99,6 +100,9 @@ pub enum Error {
     Api(#[from] ApiError),
     #[error("the reconcile took longer than {0:?}; retrying")]
     Timeout(Duration),
+    /// A cached object no longer decodes: the watch's next event replaces it.
+    #[error("the cached {0} does not decode: {1}")]
+    Cache(&'static str, serde_json::Error),
 }
 
 impl Error {
@@ -112,38 +116,42 @@ impl Error {
     }
 }
 
-fn key(pod: &Pod) -> String {
+fn key(pod: &impl Resource) -> String {
     format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any())
 }
 
-pub async fn reconcile(upper: Arc<Pod>, ctx: Arc<Context>) -> Result<Action, Error> {
+pub async fn reconcile(upper: Arc<UpperPod>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     ctx.metrics.in_flight.inc();
-    let result = tokio::time::timeout(ctx.reconcile_timeout, reconcile_inner(&upper, &ctx))
-        .await
-        .unwrap_or(Err(Error::Timeout(ctx.reconcile_timeout)));
+    let result = match upper.pod() {
+        Ok(pod) => tokio::time::timeout(ctx.reconcile_timeout, reconcile_inner(&pod, &ctx))
+            .await
+            .unwrap_or(Err(Error::Timeout(ctx.reconcile_timeout))),
+        Err(e) => Err(Error::Cache("upper pod", e)),
+    };
     ctx.metrics.in_flight.dec();
     ctx.metrics.observe_reconcile(started.elapsed(), result.is_ok());
     match &result {
-        Ok(_) => ctx.retries.forget(&retry_key(&upper)),
-        Err(e) => tracing::warn!(pod = %key(&upper), "reconcile failed: {e}"),
+        Ok(_) => ctx.retries.forget(&retry_key(&*upper)),
+        Err(e) => tracing::warn!(pod = %key(&*upper), "reconcile failed: {e}"),
     }
     result
 }
 
-fn retry_key(pod: &Pod) -> String {
+fn retry_key(pod: &impl Resource) -> String {
     pod.uid().unwrap_or_else(|| key(pod))
 }
 
 /// A failed pod is retried after a delay that doubles per failure in a row (1 s up to
 /// 5 min): a lower cluster refusing a thousand pods (a quota, an admission policy) sees a
 /// few creates a second, not hundreds.
-pub fn error_policy(pod: Arc<Pod>, err: &Error, ctx: Arc<Context>) -> Action {
+pub fn error_policy(pod: Arc<UpperPod>, err: &Error, ctx: Arc<Context>) -> Action {
     match err {
         Error::Api(e) => ctx.metrics.api_error(e.cluster, e.verb),
         Error::Timeout(_) => ctx.metrics.api_error("both", "reconcile-timeout"),
+        Error::Cache(..) => ctx.metrics.api_error("both", "cache-decode"),
     }
-    Action::requeue(ctx.retries.next_delay(&retry_key(&pod)))
+    Action::requeue(ctx.retries.next_delay(&retry_key(&*pod)))
 }
 
 /// What a reconcile does for one upper pod, decided from the objects alone.
@@ -282,7 +290,9 @@ async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
     let lower = ctx
         .lower_pods
         .get(&ObjectRef::new(&name).within(&ns))
-        .filter(|l| ctx.translation.identity.owns(&l.metadata));
+        .filter(|l| ctx.translation.identity.owns(&l.metadata))
+        .map(|l| l.unpack().map_err(|e| Error::Cache("lower pod", e)))
+        .transpose()?;
     let lower_pods: Api<Pod> = Api::namespaced(ctx.lower.clone(), &ns);
     let view = View {
         translation: &ctx.translation,
@@ -290,7 +300,7 @@ async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
         warmed_up: ctx.started.elapsed() >= ctx.lost_grace,
         cluster_name: &ctx.cluster_name,
     };
-    match (decide(upper, lower.as_deref(), &view), lower) {
+    match (decide(upper, lower.as_ref(), &view), lower) {
         (Step::DeleteStale, Some(l)) => {
             delete_lower(ctx, &lower_pods, &l, None).await?;
             Ok(Action::requeue(Duration::from_secs(1)))
@@ -608,7 +618,7 @@ async fn delete_exact(
     api: &Api<Pod>,
     limit: &TokenBucket,
     cluster: &'static str,
-    pod: &Pod,
+    pod: &impl Resource,
     grace: Option<i64>,
 ) -> Result<(), Error> {
     limit.acquire().await;
@@ -619,8 +629,13 @@ async fn delete_exact(
 }
 
 /// Deletes a lower pod we own, with the given grace; a pod without our marks is never touched.
-async fn delete_lower(ctx: &Context, api: &Api<Pod>, lower: &Pod, grace: Option<i64>) -> Result<(), Error> {
-    if !ctx.translation.identity.owns(&lower.metadata) {
+async fn delete_lower(
+    ctx: &Context,
+    api: &Api<Pod>,
+    lower: &impl Resource,
+    grace: Option<i64>,
+) -> Result<(), Error> {
+    if !ctx.translation.identity.owns(lower.meta()) {
         return Ok(());
     }
     delete_exact(api, &ctx.lower_limit, "lower", lower, grace).await
@@ -730,7 +745,7 @@ pub fn forget_stale_holds(ctx: &Context) {
         held.retain(|_, since| since.elapsed() < 10 * FIRST_STATUS_DELAY);
     }
     let bound: std::collections::HashSet<String> =
-        ctx.upper_pods.state().iter().map(|p| retry_key(p)).collect();
+        ctx.upper_pods.state().iter().map(|p| retry_key(&**p)).collect();
     ctx.retries.retain(|key| bound.contains(key));
 }
 
@@ -790,7 +805,7 @@ pub async fn collect_orphans(ctx: &Context) -> usize {
         if !ctx.translation.identity.owns(&lower.metadata) || lower.metadata.deletion_timestamp.is_some() {
             continue;
         }
-        let Some(uid) = translate::upper_uid(&lower) else {
+        let Some(uid) = translate::upper_uid(&*lower) else {
             continue;
         };
         let upper = ctx
@@ -800,9 +815,9 @@ pub async fn collect_orphans(ctx: &Context) -> usize {
             continue;
         }
         let api: Api<Pod> = Api::namespaced(ctx.lower.clone(), &lower.namespace().unwrap_or_default());
-        match delete_lower(ctx, &api, &lower, None).await {
+        match delete_lower(ctx, &api, &*lower, None).await {
             Ok(()) => {
-                tracing::info!(pod = %key(&lower), "deleted a lower pod whose upper pod is gone");
+                tracing::info!(pod = %key(&*lower), "deleted a lower pod whose upper pod is gone");
                 deleted += 1;
             }
             Err(e) => tracing::warn!("orphan collection: {e}"),
@@ -991,7 +1006,7 @@ mod tests {
         };
         assert!(!lost);
         assert!(t.identity.owns(&desired.metadata));
-        assert_eq!(translate::upper_uid(&desired), Some("u1"));
+        assert_eq!(translate::upper_uid(&*desired), Some("u1"));
         assert_eq!(desired.spec.as_ref().and_then(|s| s.node_name.clone()), None);
     }
 

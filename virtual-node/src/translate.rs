@@ -48,9 +48,9 @@ impl Identity {
 }
 
 /// The upper pod UID a lower pod of ours was made for.
-pub fn upper_uid(lower: &Pod) -> Option<&str> {
+pub fn upper_uid(lower: &impl kube::Resource) -> Option<&str> {
     lower
-        .metadata
+        .meta()
         .labels
         .as_ref()
         .and_then(|l| l.get(names::MARK_UPPER_UID))

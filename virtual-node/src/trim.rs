@@ -2,8 +2,9 @@
 //! with what the virtual node needs, not with what the apiservers send.
 //!
 //! No cache keeps `metadata.managedFields` ([`tensile_common::cache`]). The upper pods of this
-//! node are otherwise kept whole: the pod controller translates them. Its lower pods keep
-//! their metadata and status and, of their spec, what an update follows ([`lower_pod`]). The
+//! node are otherwise kept whole, since the pod controller translates them, but packed, with
+//! what the passes over every pod read beside them ([`UpperPod`]). Its lower pods keep their
+//! metadata and status and, of their spec, what an update follows ([`lower_pod`]), packed too. The
 //! cache of every unfinished lower pod (the load on the lower nodes, other
 //! tenants' pods included) keeps a [`PodLoad`] of each: what capacity, the capacity shape,
 //! copy collection and claim collection read, computed once when the pod arrives. The lower
@@ -20,6 +21,7 @@ use std::borrow::Cow;
 use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::core::v1::{Container, Node, NodeSpec, NodeStatus, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use tensile_common::cache::Packed;
 use tensile_common::names;
 use tensile_common::quantity::ResourceMap;
 use tensile_common::resources::{is_terminal, pod_requests};
@@ -128,6 +130,85 @@ pub fn lower_pod(pod: &mut Pod) {
         node_name: s.node_name,
         ..Default::default()
     });
+}
+
+/// A lower pod of this node as its cache keeps it: [`lower_pod`], packed ([`Packed`]).
+pub type LowerPod = Packed<Pod>;
+
+/// What the cache of this node's lower pods makes of each.
+pub fn packed_lower_pod(mut pod: Pod) -> LowerPod {
+    lower_pod(&mut pod);
+    Packed::pack(pod)
+}
+
+/// An upper pod bound to this node as its cache keeps it: the whole pod, packed (the pod
+/// controller reads one at a time and translates all of it), and beside it what the passes
+/// over every pod read (copy and claim collection, the kubelet API's lookups), computed once
+/// when the pod arrives.
+#[derive(Clone, Debug)]
+pub struct UpperPod {
+    pub packed: Packed<Pod>,
+    /// The node it is bound to.
+    pub node: Option<String>,
+    /// Finished (Succeeded or Failed).
+    pub terminal: bool,
+    /// The ConfigMaps and Secrets it references, its own service-account token aside.
+    pub references: Vec<(Kind, String)>,
+    /// The claims it mounts.
+    pub claims: Vec<String>,
+}
+
+impl UpperPod {
+    pub fn of(pod: Pod) -> Self {
+        let references = crate::copies::upper_references(&pod)
+            .into_iter()
+            .map(|r| (r.kind, r.name))
+            .collect();
+        UpperPod {
+            node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+            terminal: crate::translate::is_terminal(&pod),
+            references,
+            claims: crate::volumes::claims(&pod),
+            packed: Packed::pack(pod),
+        }
+    }
+
+    /// The whole pod.
+    pub fn pod(&self) -> Result<Pod, serde_json::Error> {
+        self.packed.unpack()
+    }
+}
+
+impl kube::Resource for UpperPod {
+    type DynamicType = ();
+    type Scope = NamespaceResourceScope;
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        "Pod".into()
+    }
+    fn group(_: &()) -> Cow<'_, str> {
+        "".into()
+    }
+    fn version(_: &()) -> Cow<'_, str> {
+        "v1".into()
+    }
+    fn plural(_: &()) -> Cow<'_, str> {
+        "pods".into()
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.packed.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.packed.metadata
+    }
+}
+
+/// The pod controller's bound asks every kind it runs on to be readable; an upper pod is
+/// read as a pod (without `managedFields`), then kept as [`UpperPod::of`] keeps it.
+impl<'de> serde::Deserialize<'de> for UpperPod {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        tensile_common::cache::LeanPod::deserialize(deserializer).map(|pod| UpperPod::of(pod.0))
+    }
 }
 
 /// A lower node as capacity and the capacity shape read it: name, labels, cordon, taints,
@@ -259,6 +340,28 @@ mod tests {
     }
 
     #[test]
+    fn an_upper_pod_is_kept_whole_and_its_summary_holds_what_the_passes_read() {
+        for phase in ["Running", "Succeeded"] {
+            let full = rich_pod(phase, "vn", false);
+            let kept = UpperPod::of(full.clone());
+            let mut expected = full.clone();
+            expected.metadata.managed_fields = None;
+            assert_eq!(kept.pod().unwrap(), expected, "{phase}");
+            assert_eq!(kept.terminal, crate::translate::is_terminal(&full), "{phase}");
+            assert_eq!(kept.node.as_deref(), Some("vn"));
+            let refs: Vec<(Kind, String)> = crate::copies::upper_references(&full)
+                .into_iter()
+                .map(|r| (r.kind, r.name))
+                .collect();
+            assert_eq!(kept.references, refs);
+            assert_eq!(refs.len(), 10, "the fixture references every kind of source");
+            assert_eq!(kept.claims, ["claim-1"]);
+            let read: UpperPod = serde_json::from_value(serde_json::to_value(&full).unwrap()).unwrap();
+            assert_eq!(read.pod().unwrap(), expected);
+        }
+    }
+
+    #[test]
     fn capacity_and_shape_agree_on_full_and_trimmed_objects() {
         let node = |name: &str, cordoned: bool| -> Node {
             serde_json::from_value(json!({
@@ -363,6 +466,10 @@ mod tests {
         let mut small = full.clone();
         lower_pod(&mut small);
         assert!(small.spec.as_ref().unwrap().volumes.is_none());
+        // The cache holds it packed: unpacked, it is the trimmed pod without managedFields.
+        let unpacked = packed_lower_pod(full.clone()).unpack().unwrap();
+        small.metadata.managed_fields = None;
+        assert_eq!(unpacked, small);
 
         let patch = t.update_patch(&desired, &full);
         let p = patch

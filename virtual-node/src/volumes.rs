@@ -46,8 +46,8 @@ use tensile_common::names;
 use crate::copies::Blocked;
 use crate::metrics::Metrics;
 use crate::ratelimit::TokenBucket;
-use crate::translate::{self, Identity};
-use crate::trim::PodLoad;
+use crate::translate::Identity;
+use crate::trim::{PodLoad, UpperPod};
 
 /// The provisioner name of upper StorageClasses whose claims virtual nodes provision.
 pub const PROVISIONER: &str = "virtual-node.tensile.io";
@@ -65,7 +65,7 @@ pub fn claims(pod: &Pod) -> Vec<String> {
 pub struct View<'a> {
     pub identity: &'a Identity,
     /// Upper pods bound to this node.
-    pub upper_pods: &'a [Arc<Pod>],
+    pub upper_pods: &'a [Arc<UpperPod>],
     pub upper_claims: &'a [Arc<PersistentVolumeClaim>],
     /// Upper volumes carrying this node's marks.
     pub upper_volumes: &'a [Arc<PersistentVolume>],
@@ -291,9 +291,9 @@ pub fn plan(view: &View<'_>) -> Vec<Write> {
         view.upper_volumes.iter().map(|v| (v.name_any(), v)).collect();
 
     let mut handled = BTreeSet::new();
-    for pod in view.upper_pods.iter().filter(|p| !translate::is_terminal(p)) {
+    for pod in view.upper_pods.iter().filter(|p| !p.terminal) {
         let ns = pod.namespace().unwrap_or_default();
-        handled.extend(claims(pod).into_iter().map(|c| (ns.clone(), c)));
+        handled.extend(pod.claims.iter().map(|c| (ns.clone(), c.clone())));
     }
     handled.extend(
         view.upper_claims
@@ -467,7 +467,7 @@ pub struct Volumes {
     pub upper_volumes: Cache<PersistentVolume>,
     /// Lower claims carrying this node's marks.
     pub lower_claims: Cache<PersistentVolumeClaim>,
-    pub upper_pods: Cache<Pod>,
+    pub upper_pods: Cache<UpperPod>,
     /// Lower pods that have not finished.
     pub lower_pods: Cache<PodLoad>,
     pub upper_limit: TokenBucket,
@@ -757,7 +757,7 @@ mod tests {
     /// The caches one pass sees, built by each test.
     #[derive(Default)]
     struct World {
-        upper_pods: Vec<Arc<Pod>>,
+        upper_pods: Vec<Arc<UpperPod>>,
         upper_claims: Vec<Arc<PersistentVolumeClaim>>,
         upper_volumes: Vec<Arc<PersistentVolume>>,
         lower_claims: Vec<Arc<PersistentVolumeClaim>>,
@@ -781,12 +781,12 @@ mod tests {
     }
 
     /// A pod in `shop` mounting claim `data`, with `phase`.
-    fn pod_using_data(phase: &str) -> Arc<Pod> {
-        Arc::new(claims_of(json!({
+    fn pod_using_data(phase: &str) -> Arc<UpperPod> {
+        Arc::new(UpperPod::of(claims_of(json!({
             "metadata": {"name": "db-0", "namespace": "shop"},
             "spec": {"nodeName": "vn", "containers": [{"name": "db"}],
                      "volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}]},
-            "status": {"phase": phase}})))
+            "status": {"phase": phase}}))))
     }
 
     /// Upper claim `shop/data` (uid `pvc-u`) of class `fast`, asking 1Gi, with `extra` merged.
@@ -1078,7 +1078,7 @@ mod tests {
     fn a_lower_claim_whose_upper_claim_is_gone_is_deleted_once_no_lower_pod_uses_it() {
         let mut world = World {
             lower_claims: vec![lower_claim_made(bound("1Gi"))],
-            lower_pods: vec![Arc::new(PodLoad::of(Pod::clone(&pod_using_data("Running"))))],
+            lower_pods: vec![Arc::new(PodLoad::of(pod_using_data("Running").pod().unwrap()))],
             ..Default::default()
         };
         assert_eq!(world.plan(), [], "a running lower pod keeps its data");
