@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use clap::Parser as _;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
@@ -199,10 +200,24 @@ pub async fn virtual_node(
 
     // Baseline: straight into the lower cluster, placed by its scheduler.
     lower.create_namespace("baseline").await?;
+    // The virtual node runs in this process: its CPU is the bench process's.
+    let groups = || {
+        vec![
+            ("upper_control_plane", upper.pids()),
+            ("lower_control_plane", lower.pids()),
+            ("etcd_shared", upper.etcd_pid().into_iter().collect()),
+            (
+                "bench_clients_simulated_kubelets_and_virtual_node",
+                vec![std::process::id()],
+            ),
+        ]
+    };
+    let baseline_cpu = CpuUse::start(groups())?;
     let baseline = burst(Api::namespaced(lower.client().await?, "baseline"), pods, |i| {
         json!({"metadata": {"name": format!("direct-{i}")}, "spec": {"containers": [{"name": "c", "image": "x"}]}})
     })
     .await?;
+    let baseline_cpu = baseline_cpu.report()?;
 
     // BENCH_VN_ARGS adds virtual-node flags (for example `--pod-sync-workers 128`).
     let argv = [
@@ -234,6 +249,7 @@ pub async fn virtual_node(
     ));
     let upper_seen: Arc<Mutex<Seen>> = Arc::default();
     let writes_before = api_writes(&upper.client().await?).await?;
+    let through_cpu = CpuUse::start(groups())?;
     let through = burst_into(
         Api::namespaced(upper.client().await?, "virtual"),
         pods,
@@ -246,6 +262,7 @@ pub async fn virtual_node(
         },
     )
     .await?;
+    let through_cpu = through_cpu.report()?;
     let writes_after = api_writes(&upper.client().await?).await?;
     vn.abort();
     lower_watch.abort();
@@ -282,6 +299,8 @@ pub async fn virtual_node(
         "baseline_direct_in_lower": baseline,
         "through_virtual_node": through,
         "through_virtual_node_legs": legs,
+        "cpu_during_burst": {"direct_in_lower": baseline_cpu, "through_virtual_node": through_cpu,
+            "note": "both clusters share one etcd and the machine's cores; pods through the virtual node are written to both apiservers"},
         "upper_writes_per_pod": upper_writes_per_pod,
         "burst_time_ratio": ratio,
         "p50_overhead_ms": overhead_p50,
@@ -493,7 +512,6 @@ async fn extender_over_https(
     duration: Duration,
     connections: usize,
 ) -> anyhow::Result<serde_json::Value> {
-    use anyhow::Context as _;
     use http_body_util::{BodyExt as _, Full};
     use tensile_multi_scheduler::extender::{FactsCache, Score};
     use tensile_multi_scheduler::server::{State, serve_https};
@@ -603,6 +621,83 @@ pub(crate) async fn node_ready(upper: &TestCluster, name: &str) -> crate::Result
         },
     )
     .await
+}
+
+/// CPU seconds (user and system) process `pid` has used so far.
+pub fn cpu_secs(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name: state is the first, utime the 12th, stime the 13th.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| -> anyhow::Result<f64> {
+        Ok(fields
+            .get(i)
+            .with_context(|| format!("/proc/{pid}/stat is short"))?
+            .parse::<f64>()?)
+    };
+    // USER_HZ is 100 on every Linux this runs on.
+    Ok((ticks(11)? + ticks(12)?) / 100.0)
+}
+
+/// Busy and total CPU seconds of the whole machine so far, from `/proc/stat`.
+fn machine_cpu() -> anyhow::Result<(f64, f64)> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let ticks: Vec<f64> = stat
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix("cpu "))
+        .context("/proc/stat has no cpu line")?
+        .split_whitespace()
+        .map(|t| t.parse::<f64>().unwrap_or(0.0))
+        .collect();
+    let total: f64 = ticks.iter().take(8).sum();
+    // idle and iowait are the 4th and 5th.
+    let idle = ticks.get(3).copied().unwrap_or(0.0) + ticks.get(4).copied().unwrap_or(0.0);
+    Ok(((total - idle) / 100.0, total / 100.0))
+}
+
+/// Where the machine's CPU goes during one phase: process groups by name, and the machine.
+pub struct CpuUse {
+    groups: Vec<(&'static str, Vec<u32>)>,
+    start: Vec<f64>,
+    machine: (f64, f64),
+}
+
+impl CpuUse {
+    pub fn start(groups: Vec<(&'static str, Vec<u32>)>) -> anyhow::Result<CpuUse> {
+        let start = groups.iter().map(|(_, pids)| group_cpu(pids)).collect();
+        Ok(CpuUse {
+            groups,
+            start,
+            machine: machine_cpu()?,
+        })
+    }
+
+    /// CPU seconds of each group since the start, and the machine's busy fraction.
+    pub fn report(&self) -> anyhow::Result<serde_json::Value> {
+        let (busy, total) = machine_cpu()?;
+        let mut by = serde_json::Map::new();
+        for ((name, pids), start) in self.groups.iter().zip(&self.start) {
+            by.insert((*name).into(), json!(round3(group_cpu(pids) - start)));
+        }
+        by.insert("machine_busy".into(), json!(round3(busy - self.machine.0)));
+        Ok(json!({
+            "cpu_secs": by,
+            "machine_busy_fraction": round3((busy - self.machine.0) / (total - self.machine.1).max(0.01)),
+        }))
+    }
+}
+
+/// CPU seconds of the processes `pids` (those still running).
+fn group_cpu(pids: &[u32]) -> f64 {
+    pids.iter().filter_map(|p| cpu_secs(*p).ok()).sum()
+}
+
+/// `x` to three decimals.
+pub fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
 }
 
 /// A memory figure of process `pid` in bytes: `field` of `/proc/<pid>/status` (`VmRSS`,
@@ -783,7 +878,6 @@ struct Side<'a> {
 /// hits both alike.
 pub async fn streams(bench: &StreamsBench) -> anyhow::Result<serde_json::Value> {
     use crate::streams::{Cat, Forward, Via, echo_throughput, http_get, kubectl_run, pod_manifest};
-    use anyhow::Context as _;
     const NODE: &str = "vn-streams";
     const NS: &str = "streams";
     const POD: &str = "bench";

@@ -85,7 +85,7 @@ pub struct TestCluster {
     others: Mutex<Vec<Service>>,
     ready_timeout: Duration,
     binaries: &'static Binaries,
-    _etcd: Arc<Etcd>,
+    etcd: Arc<Etcd>,
 }
 
 impl std::fmt::Debug for TestCluster {
@@ -180,7 +180,7 @@ impl TestCluster {
             others: Mutex::new(Vec::new()),
             ready_timeout: options.ready_timeout,
             binaries,
-            _etcd: etcd,
+            etcd,
         };
         cluster.wait_apiserver_ready().await?;
 
@@ -304,6 +304,11 @@ impl TestCluster {
     /// Runs real kubectl with this cluster's kubeconfig.
     pub async fn kubectl(&self, args: &[&str]) -> crate::kubectl::Output {
         crate::kubectl::run(&self.kubeconfig, args).await
+    }
+
+    /// PID of the etcd this cluster stores in (shared with the other clusters of the process).
+    pub fn etcd_pid(&self) -> Option<u32> {
+        self.etcd.pid()
     }
 
     /// PIDs of the cluster's own processes (not the shared etcd).

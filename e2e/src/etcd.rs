@@ -79,6 +79,11 @@ impl Etcd {
         )))
     }
 
+    /// The etcd process, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.service.lock().ok().and_then(|s| s.pid())
+    }
+
     pub fn url(&self) -> &str {
         &self.url
     }

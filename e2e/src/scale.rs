@@ -21,7 +21,9 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::{Value, json};
 
-use crate::benches::{Seen, api_writes, between, clusters, create_all, legs, node_ready, observe, rss};
+use crate::benches::{
+    CpuUse, Seen, api_writes, between, clusters, cpu_secs, create_all, legs, node_ready, observe, round3, rss,
+};
 use crate::in_process::{VirtualNodeProcess, admin_get};
 use crate::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
 
@@ -56,24 +58,6 @@ pub async fn scale(s: &Scale) -> anyhow::Result<Value> {
     }))
 }
 
-/// CPU seconds (user and system) process `pid` has used so far.
-fn cpu_secs(pid: u32) -> anyhow::Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // Fields after the command name: state is the first, utime the 12th, stime the 13th.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    let ticks = |i: usize| -> anyhow::Result<f64> {
-        Ok(fields
-            .get(i)
-            .with_context(|| format!("/proc/{pid}/stat is short"))?
-            .parse::<f64>()?)
-    };
-    // USER_HZ is 100 on every Linux this runs on.
-    Ok((ticks(11)? + ticks(12)?) / 100.0)
-}
-
 /// Peak resident memory of process `pid` in bytes.
 fn peak_rss(pid: u32) -> anyhow::Result<u64> {
     crate::benches::proc_memory(pid, "VmHWM")
@@ -81,10 +65,6 @@ fn peak_rss(pid: u32) -> anyhow::Result<u64> {
 
 fn mib(bytes: u64) -> f64 {
     (bytes as f64 / 1048576.0 * 10.0).round() / 10.0
-}
-
-fn round3(x: f64) -> f64 {
-    (x * 1000.0).round() / 1000.0
 }
 
 /// Creates `pods` pods from `template` with `clients` creates in flight and waits until a
@@ -174,6 +154,21 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
         json!([{"name": "c", "image": "x", "resources": {"requests": {"cpu": "1m", "memory": "1Mi"}}}]);
 
     lower.create_namespace("direct").await?;
+    let etcd = upper.etcd_pid();
+    let groups = |vn: Option<u32>| {
+        let mut g = vec![
+            ("upper_control_plane", upper.pids()),
+            ("lower_control_plane", lower.pids()),
+            ("etcd_shared", etcd.into_iter().collect()),
+            (
+                "bench_clients_watches_and_simulated_kubelets",
+                vec![std::process::id()],
+            ),
+        ];
+        g.extend(vn.map(|pid| ("virtual_node", vec![pid])));
+        g
+    };
+    let direct_cpu = CpuUse::start(groups(None))?;
     let direct = created_to_running(
         Api::namespaced(lower.client().await?, "direct"),
         s.pods,
@@ -182,6 +177,7 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
         |i| json!({"metadata": {"name": format!("p-{i}")}, "spec": {"containers": container}}),
     )
     .await?;
+    let direct_cpu = direct_cpu.report()?;
 
     let vn = VirtualNodeProcess::start(&upper, NODE, &lower, &[], "scale")?;
     node_ready(&upper, NODE).await?;
@@ -197,6 +193,7 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
         lower_seen.clone(),
     ));
     let upper_seen: Arc<Mutex<Seen>> = Arc::default();
+    let through_cpu = CpuUse::start(groups(Some(pid)))?;
     let started = Instant::now();
     let through = created_to_running(
         Api::namespaced(upper.client().await?, "virtual"),
@@ -213,6 +210,7 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
     .await?;
     let cpu_at_running = cpu_secs(pid)? - cpu_before;
     let at_running = started.elapsed();
+    let through_cpu = through_cpu.report()?;
     lower_watch.abort();
     let legs = legs(&upper_seen, &lower_seen)?;
     // Settled: what it holds once the burst's work is done.
@@ -271,6 +269,11 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
         "direct_in_lower": direct,
         "through_virtual_node": through,
         "through_virtual_node_legs": legs,
+        "cpu_while_creating_until_all_running": {
+            "direct_in_lower": direct_cpu,
+            "through_virtual_node": through_cpu,
+            "note": "both clusters share one etcd and the machine's cores; pods through the virtual node are written to both apiservers",
+        },
         "created_to_all_running_ratio": round3(ratio),
         "virtual_node": {
             "rss_mib": {"idle": mib(idle), "peak": mib(peak), "steady": mib(steady)},
