@@ -28,6 +28,36 @@ use tensile_common::resources::{is_terminal, pod_requests};
 
 use crate::copies::Kind;
 
+/// Makes `$kept`, a form of a pod that a cache keeps, a pod to the API machinery (a store's
+/// keys, a controller's object references), its metadata at `self.$($meta).+`.
+macro_rules! pod_resource {
+    ($kept:ty, $($meta:ident).+) => {
+        impl kube::Resource for $kept {
+            type DynamicType = ();
+            type Scope = NamespaceResourceScope;
+
+            fn kind(dt: &()) -> Cow<'_, str> {
+                Pod::kind(dt)
+            }
+            fn group(dt: &()) -> Cow<'_, str> {
+                Pod::group(dt)
+            }
+            fn version(dt: &()) -> Cow<'_, str> {
+                Pod::version(dt)
+            }
+            fn plural(dt: &()) -> Cow<'_, str> {
+                Pod::plural(dt)
+            }
+            fn meta(&self) -> &ObjectMeta {
+                &self.$($meta).+
+            }
+            fn meta_mut(&mut self) -> &mut ObjectMeta {
+                &mut self.$($meta).+
+            }
+        }
+    };
+}
+
 /// What a lower pod puts on its node and which objects it needs below: what the cache of
 /// every unfinished lower pod keeps of each.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -83,29 +113,7 @@ impl PodLoad {
     }
 }
 
-impl kube::Resource for PodLoad {
-    type DynamicType = ();
-    type Scope = NamespaceResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        "Pod".into()
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        "".into()
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        "v1".into()
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        "pods".into()
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+pod_resource!(PodLoad, metadata);
 
 /// A lower pod of this node as the pod controller reads it: its metadata and status, and of
 /// its spec what an update follows below (each container's and init container's image,
@@ -179,29 +187,7 @@ impl UpperPod {
     }
 }
 
-impl kube::Resource for UpperPod {
-    type DynamicType = ();
-    type Scope = NamespaceResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        "Pod".into()
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        "".into()
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        "v1".into()
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        "pods".into()
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.packed.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.packed.metadata
-    }
-}
+pod_resource!(UpperPod, packed.metadata);
 
 /// The pod controller's bound asks every kind it runs on to be readable; an upper pod is
 /// read as a pod (without `managedFields`), then kept as [`UpperPod::of`] keeps it.
