@@ -312,6 +312,38 @@ where
     }
 }
 
+/// Makes `$kept`, a form in which a cache keeps objects of kind `$kind`, an object of that
+/// kind to the API machinery (a store's keys, a controller's object references), its
+/// metadata at `self.$($meta).+`.
+#[macro_export]
+macro_rules! kept_as {
+    ($kept:ty, $kind:ty, $($meta:tt).+) => {
+        impl kube::Resource for $kept {
+            type DynamicType = ();
+            type Scope = <$kind as kube::Resource>::Scope;
+
+            fn kind(dt: &()) -> std::borrow::Cow<'_, str> {
+                <$kind as kube::Resource>::kind(dt)
+            }
+            fn group(dt: &()) -> std::borrow::Cow<'_, str> {
+                <$kind as kube::Resource>::group(dt)
+            }
+            fn version(dt: &()) -> std::borrow::Cow<'_, str> {
+                <$kind as kube::Resource>::version(dt)
+            }
+            fn plural(dt: &()) -> std::borrow::Cow<'_, str> {
+                <$kind as kube::Resource>::plural(dt)
+            }
+            fn meta(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                &self.$($meta).+
+            }
+            fn meta_mut(&mut self) -> &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                &mut self.$($meta).+
+            }
+        }
+    };
+}
+
 /// A pod decoded without `metadata.managedFields`: the apiserver sends them with every pod
 /// and no reader uses them, and on a pod they are a third of the JSON and most of the
 /// allocations of decoding it (each entry is a tree of maps). Watches of pods read
@@ -319,29 +351,7 @@ where
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct LeanPod(pub Pod);
 
-impl kube::Resource for LeanPod {
-    type DynamicType = ();
-    type Scope = k8s_openapi::NamespaceResourceScope;
-
-    fn kind(dt: &()) -> Cow<'_, str> {
-        Pod::kind(dt)
-    }
-    fn group(dt: &()) -> Cow<'_, str> {
-        Pod::group(dt)
-    }
-    fn version(dt: &()) -> Cow<'_, str> {
-        Pod::version(dt)
-    }
-    fn plural(dt: &()) -> Cow<'_, str> {
-        Pod::plural(dt)
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.0.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.0.metadata
-    }
-}
+crate::kept_as!(LeanPod, Pod, 0.metadata);
 
 impl<'de> serde::Deserialize<'de> for LeanPod {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {

@@ -16,9 +16,6 @@
 //! The unit tests below hold the decisions to that: each is computed on the full objects and
 //! on what the caches keep, and must agree.
 
-use std::borrow::Cow;
-
-use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::core::v1::{Container, Node, NodeSpec, NodeStatus, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use tensile_common::cache::Packed;
@@ -27,36 +24,6 @@ use tensile_common::quantity::ResourceMap;
 use tensile_common::resources::{is_terminal, pod_requests};
 
 use crate::copies::Kind;
-
-/// Makes `$kept`, a form of a pod that a cache keeps, a pod to the API machinery (a store's
-/// keys, a controller's object references), its metadata at `self.$($meta).+`.
-macro_rules! pod_resource {
-    ($kept:ty, $($meta:ident).+) => {
-        impl kube::Resource for $kept {
-            type DynamicType = ();
-            type Scope = NamespaceResourceScope;
-
-            fn kind(dt: &()) -> Cow<'_, str> {
-                Pod::kind(dt)
-            }
-            fn group(dt: &()) -> Cow<'_, str> {
-                Pod::group(dt)
-            }
-            fn version(dt: &()) -> Cow<'_, str> {
-                Pod::version(dt)
-            }
-            fn plural(dt: &()) -> Cow<'_, str> {
-                Pod::plural(dt)
-            }
-            fn meta(&self) -> &ObjectMeta {
-                &self.$($meta).+
-            }
-            fn meta_mut(&mut self) -> &mut ObjectMeta {
-                &mut self.$($meta).+
-            }
-        }
-    };
-}
 
 /// What a lower pod puts on its node and which objects it needs below: what the cache of
 /// every unfinished lower pod keeps of each.
@@ -113,7 +80,7 @@ impl PodLoad {
     }
 }
 
-pod_resource!(PodLoad, metadata);
+tensile_common::kept_as!(PodLoad, Pod, metadata);
 
 /// A lower pod of this node as the pod controller reads it: its metadata and status, and of
 /// its spec what an update follows below (each container's and init container's image,
@@ -187,7 +154,7 @@ impl UpperPod {
     }
 }
 
-pod_resource!(UpperPod, packed.metadata);
+tensile_common::kept_as!(UpperPod, Pod, packed.metadata);
 
 /// The pod controller's bound asks every kind it runs on to be readable; an upper pod is
 /// read as a pod (without `managedFields`), then kept as [`UpperPod::of`] keeps it.
