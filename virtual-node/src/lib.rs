@@ -672,6 +672,7 @@ async fn compose(
         known_priority_classes: Default::default(),
         first_status_held: Default::default(),
         retries: Default::default(),
+        settled: Default::default(),
         reconcile_timeout: Duration::from_secs(args.reconcile_timeout),
     });
 

@@ -57,6 +57,8 @@ pub struct Context {
     pub known_priority_classes: std::sync::Mutex<std::collections::HashSet<String>>,
     /// Failures in a row per pod, for the retry delay.
     pub retries: Backoff,
+    /// Pods whose last reconcile found nothing to do, and on which versions.
+    pub settled: Settled,
     /// One reconcile's deadline.
     pub reconcile_timeout: Duration,
 }
@@ -94,6 +96,49 @@ impl Backoff {
     }
 }
 
+/// The upper and lower pod versions on which each pod's last reconcile found both pods
+/// agreeing (nothing to patch below, no status to write up), by upper UID. A run on the same
+/// two versions, as the periodic resync and the 5-minute requeue bring, decides the same: it
+/// is answered from here without decoding either pod. Any change to either pod is a new
+/// version, and a lower pod gone from the cache is no version at all, so both run in full.
+#[derive(Debug, Default)]
+pub struct Settled(std::sync::Mutex<std::collections::HashMap<String, (String, String)>>);
+
+impl Settled {
+    fn versions(upper: &impl Resource, lower: &impl Resource) -> Option<(String, String)> {
+        Some((
+            upper.meta().resource_version.clone()?,
+            lower.meta().resource_version.clone()?,
+        ))
+    }
+
+    /// Whether `upper` and `lower` are the versions last found settled.
+    pub fn holds(&self, upper: &impl Resource, lower: &impl Resource) -> bool {
+        let (Some(uid), Some(versions)) = (upper.uid(), Self::versions(upper, lower)) else {
+            return false;
+        };
+        self.0
+            .lock()
+            .is_ok_and(|settled| settled.get(&uid) == Some(&versions))
+    }
+
+    /// Remembers that `upper` and `lower` agree.
+    pub fn record(&self, upper: &impl Resource, lower: &impl Resource) {
+        if let (Some(uid), Some(versions)) = (upper.uid(), Self::versions(upper, lower))
+            && let Ok(mut settled) = self.0.lock()
+        {
+            settled.insert(uid, versions);
+        }
+    }
+
+    /// Keeps only the pods (by UID) `keep` says are still bound here.
+    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
+        if let Ok(mut settled) = self.0.lock() {
+            settled.retain(|uid, _| keep(uid));
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(transparent)]
@@ -123,11 +168,19 @@ fn key(pod: &impl Resource) -> String {
 pub async fn reconcile(upper: Arc<UpperPod>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     ctx.metrics.in_flight.inc();
-    let result = match upper.pod() {
-        Ok(pod) => tokio::time::timeout(ctx.reconcile_timeout, reconcile_inner(&pod, &ctx))
-            .await
-            .unwrap_or(Err(Error::Timeout(ctx.reconcile_timeout))),
-        Err(e) => Err(Error::Cache("upper pod", e)),
+    let lower = ctx
+        .lower_pods
+        .get(&ObjectRef::new(&upper.name_any()).within(&upper.namespace().unwrap_or_default()))
+        .filter(|l| ctx.translation.identity.owns(&l.metadata));
+    let result = if lower.is_some_and(|l| ctx.settled.holds(&*upper, &*l)) {
+        Ok(Action::requeue(STATUS_RECHECK))
+    } else {
+        match upper.pod() {
+            Ok(pod) => tokio::time::timeout(ctx.reconcile_timeout, reconcile_inner(&pod, &ctx))
+                .await
+                .unwrap_or(Err(Error::Timeout(ctx.reconcile_timeout))),
+            Err(e) => Err(Error::Cache("upper pod", e)),
+        }
     };
     ctx.metrics.in_flight.dec();
     ctx.metrics.observe_reconcile(started.elapsed(), result.is_ok());
@@ -356,6 +409,7 @@ async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
             create_lower(ctx, upper, &lower_pods, &desired).await
         }
         (Step::Sync { patch }, Some(l)) => {
+            let agree = patch.is_none();
             if let Some(patch) = patch {
                 ctx.lower_limit.acquire().await;
                 let params = PatchParams {
@@ -368,7 +422,11 @@ async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
                     event(ctx, upper, EventType::Warning, "LowerUpdateFailed", &msg);
                 }
             }
-            write_status(ctx, upper, &l).await
+            let (action, written) = write_status(ctx, upper, &l).await?;
+            if agree && !written {
+                ctx.settled.record(upper, &l);
+            }
+            Ok(action)
         }
         // Steps about a lower pod always come with one.
         (Step::DeleteStale | Step::StopLower { .. } | Step::Sync { .. }, None) => {
@@ -687,16 +745,19 @@ async fn patch_upper_status(ctx: &Context, upper: &Pod, mut status: serde_json::
 /// shortens everyone's wait.
 const FIRST_STATUS_DELAY: Duration = Duration::from_secs(2);
 
+/// How often a pod whose status is current is looked at again without any event.
+const STATUS_RECHECK: Duration = Duration::from_secs(300);
+
 /// Writes the upper status the lower pod implies, unless it is the first and may still wait;
-/// says when to look again.
-async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<Action, Error> {
-    let again = Action::requeue(Duration::from_secs(300));
+/// says when to look again, and whether the status was not yet current (written or held).
+async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(Action, bool), Error> {
+    let again = Action::requeue(STATUS_RECHECK);
     let (mut status, differs) = translate::upper_status(upper, lower, &ctx.host_ip);
     if !differs {
-        return Ok(again);
+        return Ok((again, false));
     }
     if let Some(wait) = first_status_wait(ctx, upper, lower) {
-        return Ok(Action::requeue(wait));
+        return Ok((Action::requeue(wait), true));
     }
     // The lower pod exists and is ours: the sync condition says so.
     if let Some(conds) = status.get_mut("conditions").and_then(|c| c.as_array_mut()) {
@@ -712,7 +773,7 @@ async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<Action,
         }
     }
     patch_upper_status(ctx, upper, status).await?;
-    Ok(again)
+    Ok((again, true))
 }
 
 /// How much longer the first status write for `upper` may wait: only while the lower pod is
@@ -747,6 +808,7 @@ pub fn forget_stale_holds(ctx: &Context) {
     let bound: std::collections::HashSet<String> =
         ctx.upper_pods.state().iter().map(|p| retry_key(&**p)).collect();
     ctx.retries.retain(|key| bound.contains(key));
+    ctx.settled.retain(|uid| bound.contains(uid));
 }
 
 async fn set_condition(
@@ -1160,6 +1222,27 @@ mod tests {
             panic!("a new image is patched below");
         };
         assert!(patch.to_string().contains("nginx:2"), "{patch}");
+    }
+
+    #[test]
+    fn a_settled_pod_is_skipped_only_while_neither_pod_changes() {
+        let settled = Settled::default();
+        let at = |uid: &str, rv: &str| -> Pod {
+            serde_json::from_value(json!({"metadata": {"name": "p", "uid": uid, "resourceVersion": rv}}))
+                .unwrap()
+        };
+        let (upper, lower) = (at("u", "10"), at("l", "11"));
+        assert!(!settled.holds(&upper, &lower), "nothing recorded yet");
+        settled.record(&upper, &lower);
+        assert!(settled.holds(&upper, &lower));
+        assert!(!settled.holds(&at("u", "12"), &lower), "the upper pod changed");
+        assert!(!settled.holds(&upper, &at("l", "13")), "the lower pod changed");
+        assert!(
+            !settled.holds(&at("v", "10"), &lower),
+            "another pod of the same name"
+        );
+        settled.retain(|uid| uid != "u");
+        assert!(!settled.holds(&upper, &lower), "no longer bound here");
     }
 
     #[test]
