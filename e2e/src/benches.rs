@@ -202,15 +202,11 @@ pub async fn virtual_node(
     lower.create_namespace("baseline").await?;
     // The virtual node runs in this process: its CPU is the bench process's.
     let groups = || {
-        vec![
-            ("upper_control_plane", upper.pids()),
-            ("lower_control_plane", lower.pids()),
-            ("etcd_shared", upper.etcd_pid().into_iter().collect()),
-            (
-                "bench_clients_simulated_kubelets_and_virtual_node",
-                vec![std::process::id()],
-            ),
-        ]
+        cpu_groups(
+            &upper,
+            &lower,
+            "bench_clients_simulated_kubelets_and_virtual_node",
+        )
     };
     let baseline_cpu = CpuUse::start(groups())?;
     let baseline = burst(Api::namespaced(lower.client().await?, "baseline"), pods, |i| {
@@ -688,6 +684,21 @@ impl CpuUse {
             "machine_busy_fraction": round3((busy - self.machine.0) / (total - self.machine.1).max(0.01)),
         }))
     }
+}
+
+/// The process groups whose CPU a phase reports: both control planes, the etcd they share,
+/// and this process, named for what it runs.
+pub fn cpu_groups(
+    upper: &TestCluster,
+    lower: &TestCluster,
+    this_process: &'static str,
+) -> Vec<(&'static str, Vec<u32>)> {
+    vec![
+        ("upper_control_plane", upper.pids()),
+        ("lower_control_plane", lower.pids()),
+        ("etcd_shared", upper.etcd_pid().into_iter().collect()),
+        (this_process, vec![std::process::id()]),
+    ]
 }
 
 /// CPU seconds of the processes `pids` (those still running).

@@ -22,7 +22,8 @@ use kube::api::{Api, Patch, PatchParams};
 use serde_json::{Value, json};
 
 use crate::benches::{
-    CpuUse, Seen, api_writes, between, clusters, cpu_secs, create_all, legs, node_ready, observe, round3, rss,
+    CpuUse, Seen, api_writes, between, clusters, cpu_groups, cpu_secs, create_all, legs, node_ready, observe,
+    round3, rss,
 };
 use crate::in_process::{VirtualNodeProcess, admin_get};
 use crate::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
@@ -154,17 +155,8 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
         json!([{"name": "c", "image": "x", "resources": {"requests": {"cpu": "1m", "memory": "1Mi"}}}]);
 
     lower.create_namespace("direct").await?;
-    let etcd = upper.etcd_pid();
     let groups = |vn: Option<u32>| {
-        let mut g = vec![
-            ("upper_control_plane", upper.pids()),
-            ("lower_control_plane", lower.pids()),
-            ("etcd_shared", etcd.into_iter().collect()),
-            (
-                "bench_clients_watches_and_simulated_kubelets",
-                vec![std::process::id()],
-            ),
-        ];
+        let mut g = cpu_groups(&upper, &lower, "bench_clients_watches_and_simulated_kubelets");
         g.extend(vn.map(|pid| ("virtual_node", vec![pid])));
         g
     };

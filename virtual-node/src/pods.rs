@@ -168,20 +168,9 @@ fn key(pod: &impl Resource) -> String {
 pub async fn reconcile(upper: Arc<UpperPod>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     ctx.metrics.in_flight.inc();
-    let lower = ctx
-        .lower_pods
-        .get(&ObjectRef::new(&upper.name_any()).within(&upper.namespace().unwrap_or_default()))
-        .filter(|l| ctx.translation.identity.owns(&l.metadata));
-    let result = if lower.is_some_and(|l| ctx.settled.holds(&*upper, &*l)) {
-        Ok(Action::requeue(STATUS_RECHECK))
-    } else {
-        match upper.pod() {
-            Ok(pod) => tokio::time::timeout(ctx.reconcile_timeout, reconcile_inner(&pod, &ctx))
-                .await
-                .unwrap_or(Err(Error::Timeout(ctx.reconcile_timeout))),
-            Err(e) => Err(Error::Cache("upper pod", e)),
-        }
-    };
+    let result = tokio::time::timeout(ctx.reconcile_timeout, reconcile_inner(&upper, &ctx))
+        .await
+        .unwrap_or(Err(Error::Timeout(ctx.reconcile_timeout)));
     ctx.metrics.in_flight.dec();
     ctx.metrics.observe_reconcile(started.elapsed(), result.is_ok());
     match &result {
@@ -336,14 +325,19 @@ pub fn decide(upper: &Pod, lower: Option<&Pod>, view: &View<'_>) -> Step {
 }
 
 /// Performs the step [`decide`] chose.
-async fn reconcile_inner(upper: &Pod, ctx: &Context) -> Result<Action, Error> {
+async fn reconcile_inner(kept: &UpperPod, ctx: &Context) -> Result<Action, Error> {
     ctx.lower_pods.synced().await;
-    let ns = upper.namespace().unwrap_or_default();
-    let name = upper.name_any();
+    let ns = kept.namespace().unwrap_or_default();
+    let name = kept.name_any();
     let lower = ctx
         .lower_pods
         .get(&ObjectRef::new(&name).within(&ns))
-        .filter(|l| ctx.translation.identity.owns(&l.metadata))
+        .filter(|l| ctx.translation.identity.owns(&l.metadata));
+    if lower.as_ref().is_some_and(|l| ctx.settled.holds(kept, &**l)) {
+        return Ok(Action::requeue(STATUS_RECHECK));
+    }
+    let upper = &kept.pod().map_err(|e| Error::Cache("upper pod", e))?;
+    let lower = lower
         .map(|l| l.unpack().map_err(|e| Error::Cache("lower pod", e)))
         .transpose()?;
     let lower_pods: Api<Pod> = Api::namespaced(ctx.lower.clone(), &ns);
