@@ -8,10 +8,12 @@
 //!    `tensile.io/deschedule-count`.
 //! 2. It is created under a name derived from the old pod's UID, so a retry after a crash
 //!    finds it (by label, or as a name conflict) instead of making a second one.
-//! 3. The old pod is evicted with its UID as precondition.
+//! 3. The old pod is evicted with its UID and resourceVersion as preconditions.
 //!
 //! The old pod never ran (it is Pending below), so running both for a moment loses nothing,
 //! and at no point is there no pod: a restart at any step finishes the move exactly once.
+//! When the eviction does not happen (a crash, a refusal, a 409 because the old pod changed)
+//! and the old pod is placed below meanwhile, [`crate::pairs`] ends the pair with one pod.
 //! The name changes because the old pod holds its name until the virtual node has deleted
 //! its lower pod; waiting for that would leave a window in which only a record of the pod
 //! exists.
@@ -174,7 +176,7 @@ pub async fn replace(
         }
     }
     crash_point(crash_at, Step::Created);
-    let evicted = evict::evict(api, &ns, &name, &uid).await?;
+    let evicted = evict::evict(api, pod).await?;
     crash_point(crash_at, Step::Evicted);
     Ok(evicted)
 }

@@ -8,16 +8,29 @@
 //! moves unless a rule protects it; its workload's exclusion record gains the node that
 //! refused it. A workload whose record already counts the maximum of moves is given up on,
 //! once, with a warning.
+//!
+//! Only pods the suite is responsible for are judged: opted in with the webhook's label, in
+//! a namespace the webhook serves. A lower create failure another cluster could resolve
+//! (`tensile.io/LowerPodSynced=False`, reason `CreateFailed`) is a refusal like the lower
+//! scheduler's.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use jiff::{SignedDuration, Timestamp};
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use tensile_common::exclusion::{Exclusions, Record};
 use tensile_common::names;
 
 use crate::fit;
+use crate::job::{self, JobRisk};
+
+/// `tensile.io/LowerPodSynced` reasons that another lower cluster could resolve: the lower
+/// apiserver refused the create (quota, LimitRange, PodSecurity, an admission webhook).
+/// Never `Conflict` (a lower object of that name is not ours) nor `StashNotTrusted` or
+/// `InvalidPod` (no cluster would run it).
+pub const CREATE_FAILURES: &[&str] = &["CreateFailed"];
 
 /// The rules' knobs, from the flags.
 #[derive(Clone, Debug)]
@@ -34,6 +47,10 @@ pub struct Settings {
     pub max_moves_per_owner: u32,
     /// How long a node stays excluded for a workload.
     pub exclusion_ttl: Duration,
+    /// The label (key, value) that opts a pod in, as the webhook's `--pod-label`.
+    pub pod_label: (String, String),
+    /// Namespaces the webhook never serves, as its `--exclude-namespaces`.
+    pub excluded_namespaces: BTreeSet<String>,
 }
 
 impl Default for Settings {
@@ -45,6 +62,11 @@ impl Default for Settings {
             evict_system_critical: false,
             max_moves_per_owner: 3,
             exclusion_ttl: Duration::from_secs(600),
+            pod_label: (
+                names::VIRTUAL_POD_LABEL.to_owned(),
+                names::VIRTUAL_POD_VALUE.to_owned(),
+            ),
+            excluded_namespaces: BTreeSet::from(["kube-system".to_owned()]),
         }
     }
 }
@@ -119,6 +141,9 @@ pub enum Skip {
     NoOtherNode(Vec<String>),
     /// The workload was given up on and has not expired yet.
     Exhausted,
+    /// Its Job tracks it by finalizer and does not ignore evictions: a move would count as a
+    /// failure of the Job. The text says what to add to the Job.
+    JobWouldFail(String),
 }
 
 impl Skip {
@@ -134,6 +159,7 @@ impl Skip {
             Skip::BarePod => "bare_pod",
             Skip::NoOtherNode(_) => "no_other_node",
             Skip::Exhausted => "exhausted",
+            Skip::JobWouldFail(_) => "job_would_fail",
         }
     }
 }
@@ -154,6 +180,7 @@ impl std::fmt::Display for Skip {
             ),
             Skip::NoOtherNode(why) => write!(f, "no other virtual node would take it: {}", why.join("; ")),
             Skip::Exhausted => write!(f, "its workload was given up on"),
+            Skip::JobWouldFail(why) => write!(f, "{why}"),
         }
     }
 }
@@ -204,23 +231,24 @@ fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
         .map(String::as_str)
 }
 
-/// The lower refusal the pod shows, if it shows one of `reasons`.
+/// The lower refusal the pod shows: `LowerPodScheduled=False` with one of `reasons`, or
+/// `LowerPodSynced=False` with one of [`CREATE_FAILURES`].
 pub fn refusal(pod: &Pod, reasons: &[String]) -> Option<Refusal> {
     let node = pod.spec.as_ref()?.node_name.clone()?;
-    let c = pod
-        .status
-        .as_ref()?
-        .conditions
-        .iter()
-        .flatten()
-        .find(|c| c.type_ == names::CONDITION_LOWER_SCHEDULED)?;
-    let reason = c.reason.clone().unwrap_or_default();
-    if c.status != "False" || !reasons.contains(&reason) {
-        return None;
-    }
+    let conditions = pod.status.as_ref()?.conditions.as_deref().unwrap_or_default();
+    let refused = |type_: &str, qualifies: &dyn Fn(&str) -> bool| {
+        conditions
+            .iter()
+            .find(|c| c.type_ == type_)
+            .filter(|c| c.status == "False" && qualifies(c.reason.as_deref().unwrap_or_default()))
+    };
+    let c = refused(names::CONDITION_LOWER_SCHEDULED, &|r| {
+        reasons.iter().any(|q| q == r)
+    })
+    .or_else(|| refused(names::CONDITION_LOWER_SYNCED, &|r| CREATE_FAILURES.contains(&r)))?;
     Some(Refusal {
         node,
-        reason,
+        reason: c.reason.clone().unwrap_or_default(),
         message: c.message.clone().unwrap_or_default(),
         since: c
             .last_transition_time
@@ -230,9 +258,53 @@ pub fn refusal(pod: &Pod, reasons: &[String]) -> Option<Refusal> {
     })
 }
 
+/// Whether the suite is responsible for the pod: opted in with the webhook's label, in a
+/// namespace the webhook serves. Other pods on a virtual node are never moved: their
+/// replacements would get no exclusion, so moving them could only repeat.
+pub fn responsible(pod: &Pod, settings: &Settings) -> bool {
+    let (key, value) = &settings.pod_label;
+    let opted_in = pod
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(key))
+        .is_some_and(|v| v == value);
+    let served = pod
+        .metadata
+        .namespace
+        .as_ref()
+        .is_none_or(|ns| !settings.excluded_namespaces.contains(ns));
+    opted_in && served
+}
+
+/// A move of a pod that a Job tracks by finalizer goes ahead only when the Job ignores
+/// evictions ([`crate::job`]); otherwise the pod stays, and the skip says what to add to the
+/// Job. `job` is the pod's Job as read right now (`None`: unreadable). Pods not tracked by
+/// finalizer (1.20 to 1.25, or any pod not of a Job) are not affected.
+pub fn with_job(verdict: Verdict, pod: &Pod, job: Option<&Job>) -> Verdict {
+    let Verdict::Move(m) = verdict else {
+        return verdict;
+    };
+    if job::tracking_job(pod).is_none() {
+        return Verdict::Move(m);
+    }
+    match job::judge(pod, job, m.workload.key()) {
+        JobRisk::Ignored => Verdict::Move(m),
+        JobRisk::WouldFail(why) => Verdict::Skip {
+            node: m.refusal.node,
+            why: Skip::JobWouldFail(why),
+        },
+    }
+}
+
 fn after(t: Timestamp, d: Duration) -> Timestamp {
     let d = SignedDuration::try_from(d).unwrap_or(SignedDuration::MAX);
     t.saturating_add(d).unwrap_or(Timestamp::MAX)
+}
+
+fn before(t: Timestamp, d: Duration) -> Timestamp {
+    let d = SignedDuration::try_from(d).unwrap_or(SignedDuration::MAX);
+    t.saturating_sub(d).unwrap_or(Timestamp::MIN)
 }
 
 /// The protections that hold whatever the nodes and records say.
@@ -301,7 +373,7 @@ fn protected(pod: &Pod, settings: &Settings) -> Result<Workload, Skip> {
 /// Decides what to do with `pod`.
 pub fn judge(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
     let pending = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending");
-    if !pending || pod.metadata.deletion_timestamp.is_some() {
+    if !pending || pod.metadata.deletion_timestamp.is_some() || !responsible(pod, settings) {
         return Verdict::Ignore;
     }
     let Some(refusal) = refusal(pod, &settings.reasons) else {
@@ -336,8 +408,20 @@ pub fn judge(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
         .map(|r| r.active(now).map(|n| (n.to_owned(), r.nodes[n])).collect())
         .unwrap_or_default();
     let adds = !nodes.contains_key(&refusal.node);
+    // A pod created after its workload's record excluded the node escaped the exclusion
+    // (its template bypasses the webhook, or the webhook had not seen the record): moving
+    // it again is the loop the bound is for, so it counts. A pod that was already there
+    // when the node was excluded (a sibling of the first refused pod) moves once for free.
+    let escaped = nodes.get(&refusal.node).is_some_and(|until| {
+        let excluded_at = before(*until, settings.exclusion_ttl);
+        pod.metadata
+            .creation_timestamp
+            .as_ref()
+            .is_none_or(|created| created.0 >= excluded_at)
+    });
+    let counts = adds || escaped;
     let moves = stored.map_or(0, |r| r.moves);
-    if adds && moves >= settings.max_moves_per_owner {
+    if counts && moves >= settings.max_moves_per_owner {
         return match stored {
             Some(r) if r.exhausted.is_some() => skip(Skip::Exhausted),
             _ => {
@@ -399,14 +483,14 @@ pub fn judge(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
     let mut record = stored.cloned().unwrap_or_else(|| new_record(pod, &workload, now));
     let expires = nodes.values().copied().max().unwrap_or(now).max(record.expires);
     record.nodes = nodes;
-    record.moves = moves + u32::from(adds);
+    record.moves = moves + u32::from(counts);
     record.expires = expires;
     record.exhausted = None;
     Verdict::Move(Move {
         refusal,
         workload,
         record,
-        record_changed: adds || dropped || stored.is_none(),
+        record_changed: counts || dropped || stored.is_none(),
         targets: usable,
     })
 }
@@ -509,6 +593,7 @@ mod tests {
     fn refused(since: &str) -> serde_json::Value {
         json!({
             "metadata": {"name": "web-1-x", "namespace": "shop", "uid": "pod-uid",
+                "labels": {"virtual-pod": "true"},
                 "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-1", "uid": "rs-uid", "controller": true}]},
             "spec": {
                 "nodeName": "vn-a",
@@ -739,18 +824,185 @@ mod tests {
 
     #[test]
     fn a_second_pod_of_a_workload_already_kept_off_the_node_moves_without_counting_a_move() {
+        // vn-a was excluded at 09:55 (until 10:05, TTL 10 min); this pod is older than that.
         let ex = record(&[("vn-a", "2024-05-01T10:05:00Z")], 1, false);
-        let Verdict::Move(m) = judge_with(
-            &pod(refused("2024-05-01T09:00:00Z")),
-            &["vn-a", "vn-b"],
-            &ex,
-            NOW,
-            &Settings::default(),
-        ) else {
+        let mut v = refused("2024-05-01T09:00:00Z");
+        v["metadata"]["creationTimestamp"] = json!("2024-05-01T09:50:00Z");
+        let Verdict::Move(m) = judge_with(&pod(v), &["vn-a", "vn-b"], &ex, NOW, &Settings::default()) else {
             panic!("moves")
         };
         assert_eq!(m.record.moves, 1);
         assert!(!m.record_changed, "nothing to write");
+    }
+
+    #[test]
+    fn a_pod_that_escaped_its_workloads_exclusion_counts_every_move_until_it_is_given_up_on() {
+        // A replacement created after vn-a was excluded (its template bypassed the webhook)
+        // and refused by vn-a again: every such move counts, so the loop ends at the bound.
+        let mut v = refused("2024-05-01T09:59:00Z");
+        v["metadata"]["creationTimestamp"] = json!("2024-05-01T09:56:00Z");
+        let escaped = pod(v);
+        let mut moves = 1;
+        let mut ex = record(&[("vn-a", "2024-05-01T10:05:00Z")], moves, false);
+        loop {
+            match judge_with(&escaped, &["vn-a", "vn-b"], &ex, NOW, &Settings::default()) {
+                Verdict::Move(m) => {
+                    assert_eq!(m.record.moves, moves + 1, "the move counts");
+                    assert!(m.record_changed, "the count is written");
+                    moves = m.record.moves;
+                    ex.records.insert("rs-uid".into(), m.record);
+                }
+                Verdict::GiveUp(g) => {
+                    assert_eq!(g.record.moves, 3, "given up at --max-moves-per-owner");
+                    break;
+                }
+                other => panic!("{other:?}"),
+            }
+            assert!(moves <= 3, "the loop has a bound");
+        }
+    }
+
+    #[test]
+    fn pods_the_suite_does_not_serve_are_never_moved() {
+        let mut v = refused("2024-05-01T09:00:00Z");
+        v["metadata"]["labels"] = json!({"app": "web"});
+        assert_eq!(judged(&pod(v)), Verdict::Ignore, "not opted in");
+        let mut v = refused("2024-05-01T09:00:00Z");
+        v["metadata"]["labels"] = json!({"virtual-pod": "false"});
+        assert_eq!(judged(&pod(v)), Verdict::Ignore, "opted out by value");
+        let mut v = refused("2024-05-01T09:00:00Z");
+        v["metadata"]["namespace"] = json!("kube-system");
+        assert_eq!(
+            judged(&pod(v.clone())),
+            Verdict::Ignore,
+            "a namespace the webhook skips"
+        );
+        let settings = Settings {
+            excluded_namespaces: BTreeSet::from(["tensile".to_owned()]),
+            ..Settings::default()
+        };
+        let moved = judge_with(&pod(v), &["vn-a", "vn-b"], &Exclusions::default(), NOW, &settings);
+        assert!(
+            matches!(moved, Verdict::Move(_)),
+            "kube-system served when the flag says so: {moved:?}"
+        );
+        let mut v = refused("2024-05-01T09:00:00Z");
+        v["metadata"]["labels"] = json!({"tensile": "yes"});
+        let settings = Settings {
+            pod_label: ("tensile".into(), "yes".into()),
+            ..Settings::default()
+        };
+        let moved = judge_with(&pod(v), &["vn-a", "vn-b"], &Exclusions::default(), NOW, &settings);
+        assert!(matches!(moved, Verdict::Move(_)), "{moved:?}");
+    }
+
+    /// A pod whose lower create failed with `reason` since `since`.
+    fn create_failed(reason: &str, since: &str) -> serde_json::Value {
+        let mut v = refused(since);
+        v["status"]["conditions"] = json!([
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "tensile.io/LowerPodSynced", "status": "False", "reason": reason,
+             "message": "lower cluster vn-a rejected the pod: pods \"web-1-x\" is forbidden: exceeded quota: compute, requested: cpu=3, used: cpu=8, limited: cpu=10",
+             "lastTransitionTime": since}]);
+        v
+    }
+
+    #[test]
+    fn a_lower_create_failure_another_cluster_could_resolve_is_a_refusal_after_the_same_threshold() {
+        let Verdict::Move(m) = judged(&pod(create_failed("CreateFailed", "2024-05-01T09:58:00Z"))) else {
+            panic!("a create failure moves")
+        };
+        assert_eq!(m.refusal.node, "vn-a");
+        assert_eq!(m.refusal.reason, "CreateFailed");
+        assert!(
+            m.refusal.message.contains("exceeded quota"),
+            "{}",
+            m.refusal.message
+        );
+        assert_eq!(m.targets, vec!["vn-b"]);
+        assert_eq!(
+            judged(&pod(create_failed("CreateFailed", "2024-05-01T09:59:30Z"))),
+            Verdict::WaitUntil(t("2024-05-01T10:00:30Z")),
+            "the threshold holds as for the lower scheduler's refusals"
+        );
+    }
+
+    #[test]
+    fn conflicts_untrusted_stashes_and_other_sync_failures_never_move() {
+        for reason in [
+            "Conflict",
+            "StashNotTrusted",
+            "InvalidPod",
+            "ReferenceMissing",
+            "DaemonSetPod",
+        ] {
+            assert_eq!(
+                judged(&pod(create_failed(reason, "2024-05-01T09:00:00Z"))),
+                Verdict::Ignore,
+                "{reason}"
+            );
+        }
+    }
+
+    /// A pod of Job `batch` refused below, as `finalizer` or not (1.26+ or 1.20).
+    fn job_pod(finalizer: bool) -> Pod {
+        let mut v = refused("2024-05-01T09:00:00Z");
+        v["metadata"]["ownerReferences"] = json!([{"apiVersion": "batch/v1", "kind": "Job", "name": "batch",
+            "uid": "job-uid", "controller": true, "blockOwnerDeletion": true}]);
+        v["spec"]["restartPolicy"] = json!("Never");
+        if finalizer {
+            v["metadata"]["finalizers"] = json!(["batch.kubernetes.io/job-tracking"]);
+        }
+        pod(v)
+    }
+
+    fn job(policy: serde_json::Value) -> Job {
+        let mut v = json!({"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": "batch", "namespace": "shop", "uid": "job-uid"},
+            "spec": {"backoffLimit": 0, "template": {"spec": {"restartPolicy": "Never",
+                "containers": [{"name": "c", "image": "busybox"}]}}}});
+        if !policy.is_null() {
+            v["spec"]["podFailurePolicy"] = policy;
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn a_job_pod_as_1_20_writes_it_moves_as_before() {
+        let p = job_pod(false);
+        let v = with_job(judged(&p), &p, None);
+        let Verdict::Move(m) = v else {
+            panic!("no tracking finalizer: a deleted Pending pod is no failure: {v:?}")
+        };
+        assert_eq!(m.workload.describe("x"), "Job/batch");
+    }
+
+    #[test]
+    fn a_job_pod_tracked_by_finalizer_stays_unless_its_job_ignores_evictions() {
+        let p = job_pod(true);
+        let v = with_job(judged(&p), &p, Some(&job(json!(null))));
+        let Verdict::Skip {
+            why: Skip::JobWouldFail(why),
+            node,
+        } = v
+        else {
+            panic!("a move would fail the Job: {v:?}")
+        };
+        assert_eq!(node, "vn-a");
+        assert!(
+            why.contains("onPodConditions: [{type: DisruptionTarget}]"),
+            "{why}"
+        );
+        let ignores = job(json!({"rules": [
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]}));
+        assert!(matches!(
+            with_job(judged(&p), &p, Some(&ignores)),
+            Verdict::Move(_)
+        ));
+        assert!(
+            matches!(with_job(judged(&p), &p, None), Verdict::Skip { .. }),
+            "an unreadable Job keeps the pod"
+        );
     }
 
     #[test]

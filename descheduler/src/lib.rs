@@ -20,12 +20,19 @@
 //! loop ([`rounds`]) runs them on every pod or node change, when a refusal reaches the
 //! threshold, and every `--descheduling-interval`, within per-round and per-workload caps.
 //! `--dry-run` writes nothing and logs and counts what it would do.
+//!
+//! Only pods the suite is responsible for are touched: opted in with `--pod-label`, outside
+//! `--exclude-namespaces` (the webhook's flags of the same names and defaults). Pods that a
+//! Job tracks by finalizer move only when the Job ignores evictions ([`job`]); every
+//! bare-pod move ends with one pod ([`pairs`]).
 
 pub mod bare;
 pub mod decide;
 pub mod evict;
 pub mod fit;
+pub mod job;
 pub mod metrics;
+pub mod pairs;
 pub mod rounds;
 pub mod store;
 
@@ -128,6 +135,21 @@ pub struct Args {
     #[arg(long = "max-moves-per-owner", env = "TENSILE_MAX_MOVES_PER_OWNER", default_value_t = 3,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub max_moves_per_owner: u32,
+    /// Label (`key=value`) that opts a pod in; only such pods are moved. The webhook's
+    /// `--pod-label`: set both alike.
+    #[arg(long = "pod-label", env = "TENSILE_POD_LABEL", default_value = "virtual-pod=true",
+          value_parser = parse_label)]
+    pub pod_label: (String, String),
+    /// Namespaces whose pods are never moved (comma-separated). The webhook's
+    /// `--exclude-namespaces`: set both alike, since a pod the webhook does not serve gets
+    /// no exclusion and its replacement would land on the same node again.
+    #[arg(
+        long = "exclude-namespaces",
+        env = "TENSILE_EXCLUDE_NAMESPACES",
+        value_delimiter = ',',
+        default_value = "kube-system"
+    )]
+    pub exclude_namespaces: Vec<String>,
     /// Move bare pods even without the `descheduler.alpha.kubernetes.io/evict` annotation.
     #[arg(long = "recreate-bare-pods", env = "TENSILE_RECREATE_BARE_PODS")]
     pub recreate_bare_pods: bool,
@@ -156,6 +178,14 @@ pub struct Args {
     pub log: LogArgs,
 }
 
+/// A `key=value` label.
+pub fn parse_label(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.trim().to_owned())),
+        _ => Err(format!("{s:?} is not key=value")),
+    }
+}
+
 /// Seconds as a plain number, or a duration as client-go's flags write it (`30s`, `1m30s`).
 pub fn parse_seconds(s: &str) -> Result<Duration, String> {
     match s.trim().parse::<u64>() {
@@ -179,6 +209,13 @@ impl Args {
             evict_system_critical: self.evict_system_critical_pods,
             max_moves_per_owner: self.max_moves_per_owner,
             exclusion_ttl: self.exclusion_ttl,
+            pod_label: self.pod_label.clone(),
+            excluded_namespaces: self
+                .exclude_namespaces
+                .iter()
+                .map(|n| n.trim().to_owned())
+                .filter(|n| !n.is_empty())
+                .collect(),
         }
     }
 
@@ -286,10 +323,20 @@ fn compose(
     leading: String,
 ) {
     let changed = Arc::new(tokio::sync::Notify::new());
-    // Candidates are Pending; the watch never carries the cluster's running pods.
+    // Candidates are Pending and opted in; the watch never carries the cluster's running
+    // pods, nor pods the suite does not serve.
+    let (key, value) = &args.pod_label;
     let (pods, pods_watch) = watched::<Pod>(
         Api::all(client.clone()),
-        watcher::Config::default().fields("status.phase=Pending"),
+        watcher::Config::default()
+            .fields("status.phase=Pending")
+            .labels(&format!("{key}={value}")),
+        &changed,
+    );
+    // Bare pods' replacements in any phase: each pair must end with one pod.
+    let (replacements, replacements_watch) = watched::<Pod>(
+        Api::all(client.clone()),
+        watcher::Config::default().labels(tensile_common::names::REPLACES),
         &changed,
     );
     let (nodes, nodes_watch) = watched::<Node>(
@@ -313,6 +360,7 @@ fn compose(
     let mut descheduler = Descheduler::new(
         client,
         pods.clone(),
+        replacements.clone(),
         nodes.clone(),
         store,
         args.settings(),
@@ -334,6 +382,7 @@ fn compose(
     tasks.spawn_graceful("the descheduling loop", move |stop| async move {
         let synced = async {
             pods.synced().await;
+            replacements.synced().await;
             nodes.synced().await;
             exclusions_cache.synced().await;
         };
@@ -344,6 +393,7 @@ fn compose(
         descheduler.run(stop).await
     });
     tasks.spawn("the pod watch", pods_watch);
+    tasks.spawn("the replacements watch", replacements_watch);
     tasks.spawn("the node watch", nodes_watch);
     tasks.spawn("the exclusions watch", exclusions_watch);
 }
@@ -370,6 +420,8 @@ mod tests {
             "--recreate-bare-pods",
             "--exclusions-configmap=tensile/exclusions",
             "--leader-elect",
+            "--pod-label=tensile=yes",
+            "--exclude-namespaces=kube-system,tensile",
         ])
         .unwrap();
         assert_eq!(args.descheduling_interval, Duration::from_secs(10));
@@ -381,6 +433,11 @@ mod tests {
         let c = args.caps();
         assert_eq!((c.per_node, c.per_namespace, c.total, c.per_owner), (2, 3, 4, 1));
         assert_eq!(args.exclusions_configmap.to_string(), "tensile/exclusions");
+        assert_eq!(s.pod_label, ("tensile".to_owned(), "yes".to_owned()));
+        assert_eq!(
+            s.excluded_namespaces.iter().collect::<Vec<_>>(),
+            ["kube-system", "tensile"]
+        );
     }
 
     #[test]
@@ -396,6 +453,9 @@ mod tests {
             "kube-system/tensile-exclusions"
         );
         assert!(!args.dry_run);
+        // The webhook's defaults: the same pods are opted in, the same namespaces left out.
+        assert_eq!(s.pod_label, ("virtual-pod".to_owned(), "true".to_owned()));
+        assert_eq!(s.excluded_namespaces.iter().collect::<Vec<_>>(), ["kube-system"]);
     }
 
     #[test]
@@ -404,6 +464,7 @@ mod tests {
             ("--max-moves-per-owner=0", "max-moves-per-owner"),
             ("--exclusion-ttl=soon", "not a duration"),
             ("--exclusions-configmap=nope", "namespace/name"),
+            ("--pod-label=virtual-pod", "key=value"),
         ] {
             let err = Args::try_parse_from(["descheduler", flag])
                 .unwrap_err()

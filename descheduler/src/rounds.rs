@@ -2,16 +2,23 @@
 //! pending pod, and performs what it says within the round's caps. A round runs when a pod
 //! or node changes, when a refusal reaches the threshold, and every
 //! `--descheduling-interval` regardless.
+//!
+//! The round's list of pods only sets the order: each pod is judged as the cache holds it
+//! right before acting on it (earlier moves of the round take time: a record write waits
+//! for its watch), and its eviction requires the resourceVersion it was judged at. A round
+//! also ends every bare-pod pair that still has two pods ([`crate::pairs`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use jiff::Timestamp;
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
 use kube::Resource as _;
-use kube::api::Api;
+use kube::api::{Api, ListParams};
 use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::ObjectRef;
 use tensile_common::cache::Cache;
 use tensile_common::exclusion::Exclusions;
 use tensile_common::runtime::CancellationToken;
@@ -19,9 +26,11 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::bare;
-use crate::decide::{self, Budget, GiveUp, Move, Settings, Verdict, Workload};
+use crate::decide::{self, Budget, GiveUp, Move, Settings, Skip, Verdict, Workload};
 use crate::evict::{self, Evicted};
+use crate::job;
 use crate::metrics::{Metrics, NodeLabels, ReasonLabels, ResultLabels};
+use crate::pairs::{self, PairStep};
 use crate::store::Store;
 
 /// The per-round caps (`0`: none).
@@ -36,7 +45,10 @@ pub struct Caps {
 /// Everything a round needs.
 pub struct Descheduler {
     pub client: kube::Client,
+    /// Pending pods that opted in.
     pub pods: Cache<Pod>,
+    /// Bare pods' replacements (label `tensile.io/replaces`), in any phase.
+    pub replacements: Cache<Pod>,
     pub nodes: Cache<Node>,
     pub store: Store,
     pub settings: Settings,
@@ -49,6 +61,8 @@ pub struct Descheduler {
     pub changed: Arc<Notify>,
     pub(crate) backoff: Mutex<HashMap<String, (u32, Instant)>>,
     pub(crate) told: Mutex<HashSet<(String, &'static str)>>,
+    /// Replacements (UIDs) whose original is gone: their pair is over for good.
+    pub(crate) settled: Mutex<HashSet<String>>,
     /// For tests: abort the process at this step of a bare-pod move.
     pub crash_at: Option<bare::Step>,
 }
@@ -64,6 +78,7 @@ impl Descheduler {
     pub fn new(
         client: kube::Client,
         pods: Cache<Pod>,
+        replacements: Cache<Pod>,
         nodes: Cache<Node>,
         store: Store,
         settings: Settings,
@@ -77,6 +92,7 @@ impl Descheduler {
         Self {
             client,
             pods,
+            replacements,
             nodes,
             store,
             settings,
@@ -88,6 +104,7 @@ impl Descheduler {
             changed,
             backoff: Mutex::default(),
             told: Mutex::default(),
+            settled: Mutex::default(),
             crash_at: None,
         }
     }
@@ -117,7 +134,7 @@ impl Descheduler {
     /// One round; returns when the next refusal reaches the threshold, if one is waiting.
     pub async fn round(&self) -> Option<Timestamp> {
         let started = std::time::Instant::now();
-        let now = Timestamp::now();
+        self.settle_pairs().await;
         let nodes: BTreeMap<String, Node> = self
             .nodes
             .state()
@@ -139,38 +156,56 @@ impl Descheduler {
         let mut due: Option<Timestamp> = None;
         let mut candidates: BTreeMap<String, i64> = nodes.keys().map(|n| (n.clone(), 0)).collect();
         let mut skipped: BTreeMap<&'static str, i64> = BTreeMap::new();
-        for pod in &pods {
+        for listed in &pods {
+            // Judged as the cache holds it now, not as the round found it.
+            let Some(pod) = self.current(listed) else {
+                continue;
+            };
+            let now = Timestamp::now();
             let view = decide::View {
                 nodes: &nodes,
                 exclusions: &exclusions,
                 now,
             };
-            let verdict = decide::judge(pod, &view, &self.settings);
+            let mut verdict = decide::judge(&pod, &view, &self.settings);
+            if let (Verdict::Move(_), Some(job)) = (&verdict, job::tracking_job(&pod)) {
+                let job = self.job(&pod, job).await;
+                verdict = decide::with_job(verdict, &pod, job.as_ref());
+            }
             match verdict {
                 Verdict::Ignore => {}
                 Verdict::WaitUntil(at) => due = Some(due.map_or(at, |d| d.min(at))),
                 Verdict::Skip { node, why } => {
                     *candidates.entry(node.clone()).or_default() += 1;
                     *skipped.entry(why.label()).or_default() += 1;
-                    if self.first_time(pod, why.label()) {
-                        tracing::info!(pod = %key(pod), virtual_node = %node, "left in place: {why}");
+                    if self.first_time(&pod, why.label()) {
+                        tracing::info!(pod = %key(&pod), virtual_node = %node, "left in place: {why}");
+                        if let (Skip::JobWouldFail(note), false) = (&why, self.dry_run) {
+                            self.event(
+                                pod.object_ref(&()),
+                                EventType::Warning,
+                                "JobPodNotMoved",
+                                &format!("the lower cluster of {node} cannot place the pod, but it is not moved: {note}"),
+                            )
+                            .await;
+                        }
                     }
                 }
                 Verdict::Move(m) => {
                     *candidates.entry(m.refusal.node.clone()).or_default() += 1;
-                    if self.backing_off(pod) {
+                    if self.backing_off(&pod) {
                         continue;
                     }
                     let ns = pod.metadata.namespace.clone().unwrap_or_default();
                     if let Err(cap) = budget.take(&ns, &m.refusal.node, m.workload.key()) {
                         self.metrics
                             .moved("limited", &m.refusal.reason, &m.refusal.node, &ns);
-                        tracing::debug!(pod = %key(pod), "not moved this round: {cap} reached");
+                        tracing::debug!(pod = %key(&pod), "not moved this round: {cap} reached");
                         continue;
                     }
-                    self.perform(pod, &m, now, &mut exclusions).await;
+                    self.perform(&pod, &m, now, &mut exclusions).await;
                 }
-                Verdict::GiveUp(g) => self.give_up(pod, &g, now, &mut exclusions).await,
+                Verdict::GiveUp(g) => self.give_up(&pod, &g, now, &mut exclusions).await,
             }
         }
         for (node, n) in candidates {
@@ -189,13 +224,16 @@ impl Descheduler {
             "bare_pod",
             "no_other_node",
             "exhausted",
+            "job_would_fail",
         ] {
             self.metrics
                 .skipped
                 .get_or_create(&ReasonLabels { reason: label.into() })
                 .set(skipped.get(label).copied().unwrap_or(0));
         }
-        self.metrics.exclusions.set(exclusions.live(now) as i64);
+        self.metrics
+            .exclusions
+            .set(exclusions.live(Timestamp::now()) as i64);
         self.metrics
             .cycle_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -207,7 +245,6 @@ impl Descheduler {
     async fn perform(&self, pod: &Pod, m: &Move, now: Timestamp, exclusions: &mut Exclusions) {
         let ns = pod.metadata.namespace.clone().unwrap_or_default();
         let name = pod.metadata.name.clone().unwrap_or_default();
-        let uid = pod.metadata.uid.clone().unwrap_or_default();
         let owner = m.workload.describe(&name);
         let node = &m.refusal.node;
         if self.dry_run {
@@ -260,9 +297,7 @@ impl Descheduler {
         }
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
         let result = match &m.workload {
-            Workload::Owned { .. } => evict::evict(&api, &ns, &name, &uid)
-                .await
-                .map_err(|e| e.to_string()),
+            Workload::Owned { .. } => evict::evict(&api, pod).await.map_err(|e| e.to_string()),
             Workload::Bare { .. } => bare::replace(&api, pod, m, self.crash_at)
                 .await
                 .map_err(|e| e.to_string()),
@@ -286,11 +321,145 @@ impl Descheduler {
             Ok(Evicted::Gone) => {
                 tracing::debug!(pod = %format!("{ns}/{name}"), "already gone");
             }
+            Ok(Evicted::Changed(why)) => {
+                self.metrics.moved("changed", &m.refusal.reason, node, &ns);
+                tracing::info!(pod = %format!("{ns}/{name}"), "not evicted: the pod changed since it was judged; judged again next round ({why})");
+            }
             Ok(Evicted::Refused(why)) => {
                 self.metrics.moved("limited", &m.refusal.reason, node, &ns);
                 tracing::info!(pod = %format!("{ns}/{name}"), "eviction refused for now: {why}");
             }
             Err(e) => self.failed(pod, &m.refusal.reason, node, &e).await,
+        }
+    }
+
+    /// The pod as the cache holds it now (`None`: gone).
+    fn current(&self, listed: &Pod) -> Option<Arc<Pod>> {
+        let name = listed.metadata.name.as_deref()?;
+        let mut reference = ObjectRef::<Pod>::new(name);
+        if let Some(ns) = listed.metadata.namespace.as_deref() {
+            reference = reference.within(ns);
+        }
+        self.pods.get(&reference)
+    }
+
+    /// The Job `name` of the pod's namespace, read now (`None` if it cannot be read: the pod
+    /// then stays, and the next round reads it again).
+    async fn job(&self, pod: &Pod, name: &str) -> Option<Job> {
+        let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
+        let api: Api<Job> = Api::namespaced(self.client.clone(), ns);
+        match api.get_opt(name).await {
+            Ok(job) => job,
+            Err(e) => {
+                tracing::warn!(pod = %key(pod), "reading Job {ns}/{name}: {e}");
+                None
+            }
+        }
+    }
+
+    /// Ends every bare-pod pair that still has two pods (see [`crate::pairs`]).
+    async fn settle_pairs(&self) {
+        let replacements = self.replacements.state();
+        if let Ok(mut settled) = self.settled.lock() {
+            let live: HashSet<&str> = replacements
+                .iter()
+                .filter_map(|p| p.metadata.uid.as_deref())
+                .collect();
+            settled.retain(|uid| live.contains(uid.as_str()));
+        }
+        for replacement in replacements {
+            let uid = replacement.metadata.uid.clone().unwrap_or_default();
+            if self.settled.lock().is_ok_and(|s| s.contains(&uid))
+                || !decide::responsible(&replacement, &self.settings)
+            {
+                continue;
+            }
+            let original = match self.original(&replacement).await {
+                Ok(original) => original,
+                Err(e) => {
+                    tracing::warn!(pod = %key(&replacement), "looking for the pod it replaces: {e}");
+                    continue;
+                }
+            };
+            match pairs::settle(original.as_ref(), &replacement) {
+                PairStep::Settled => {
+                    if let Ok(mut s) = self.settled.lock() {
+                        s.insert(uid);
+                    }
+                }
+                PairStep::Wait => {}
+                PairStep::EvictOriginal => {
+                    if let Some(original) = &original {
+                        self.end_pair(original, &replacement, false).await;
+                    }
+                }
+                PairStep::RemoveReplacement => {
+                    if let Some(original) = &original {
+                        self.end_pair(&replacement, original, true).await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The pod `replacement` replaces, if a pod of that UID still exists.
+    async fn original(&self, replacement: &Pod) -> Result<Option<Pod>, kube::Error> {
+        let Some(old) = pairs::replaced_uid(replacement) else {
+            return Ok(None);
+        };
+        let ns = replacement.metadata.namespace.as_deref().unwrap_or_default();
+        let pending = self
+            .pods
+            .state()
+            .into_iter()
+            .find(|p| p.metadata.uid.as_deref() == Some(old));
+        if let Some(p) = pending {
+            return Ok(Some((*p).clone()));
+        }
+        // Not Pending (it runs, or it is gone): look among the pods sharing its labels.
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
+        let lp = ListParams::default().labels(&pairs::original_selector(replacement));
+        let found = api.list(&lp).await?;
+        Ok(found
+            .items
+            .into_iter()
+            .find(|p| p.metadata.uid.as_deref() == Some(old)))
+    }
+
+    /// Evicts `victim`, one pod of a pair, so that `keeper` is the only one left.
+    async fn end_pair(&self, victim: &Pod, keeper: &Pod, victim_is_replacement: bool) {
+        let (ns, name) = (
+            victim.metadata.namespace.clone().unwrap_or_default(),
+            victim.metadata.name.clone().unwrap_or_default(),
+        );
+        let keeper_name = keeper.metadata.name.clone().unwrap_or_default();
+        let note = if victim_is_replacement {
+            format!(
+                "{keeper_name}, which this pod replaces, was placed below after all; this copy is removed so that the pod runs once"
+            )
+        } else {
+            format!("its replacement {keeper_name} exists; the move is finished by evicting this pod")
+        };
+        if self.dry_run {
+            tracing::info!(pod = %format!("{ns}/{name}"), "dry run: would evict: {note}");
+            return;
+        }
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
+        match evict::evict(&api, victim).await {
+            Ok(Evicted::Accepted) => {
+                tracing::info!(pod = %format!("{ns}/{name}"), "evicted: {note}");
+                let reason = if victim_is_replacement {
+                    "ReplacementRemoved"
+                } else {
+                    "Descheduled"
+                };
+                self.event(victim.object_ref(&()), EventType::Normal, reason, &note)
+                    .await;
+            }
+            Ok(other) => {
+                tracing::info!(pod = %format!("{ns}/{name}"), "not evicted now ({other:?}); judged again next round")
+            }
+            Err(e) => tracing::warn!(pod = %format!("{ns}/{name}"), "evicting one pod of a pair: {e}"),
         }
     }
 
