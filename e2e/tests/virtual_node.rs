@@ -1474,16 +1474,24 @@ async fn webhook_for(
 
 /// With a stash key shared by the webhook and the virtual node, the webhook's stash is applied
 /// below and a stash written by hand is not: its pod is refused with the reason, and nothing
-/// is created below with the tolerations it asked for.
+/// is created below with the tolerations it asked for. The webhook's signature binds the stash
+/// to its pod: copied onto another pod of the namespace, it is refused the same way. A bare
+/// `generateName` pod is named by the webhook and runs. The virtual node holds two keys, as
+/// during a rotation: a stash signed with the old one is applied too.
 #[tokio::test]
 async fn with_a_stash_key_only_the_webhooks_stash_is_applied_below() {
+    use tensile_common::stash::{Holder, StashKey};
     let bed = bed();
     let dir = tempfile::tempdir().unwrap();
-    let key_file = dir.path().join("stash.key");
+    // Key ids are the files' names.
+    let key_file = dir.path().join("new");
     std::fs::write(&key_file, "k".repeat(48)).unwrap();
-    let key = std::sync::Arc::new(tensile_common::stash::StashKey::from_file(&key_file).unwrap());
+    let old_file = dir.path().join("old");
+    std::fs::write(&old_file, "o".repeat(48)).unwrap();
+    let key = std::sync::Arc::new(StashKey::from_file(&key_file).unwrap());
+    let old_key = StashKey::from_file(&old_file).unwrap();
     let _vn = VirtualNode::start_with("vn-signed", &bed.lower_a, |args| {
-        args.stash_key_file = Some(key_file.clone());
+        args.stash_key_file = vec![old_file.clone(), key_file.clone()];
     });
     wait_ready("vn-signed").await;
     let ns = "signed";
@@ -1547,6 +1555,104 @@ spec:
     let below =
         tensile_e2e::kubectl::run(bed.lower_a.kubeconfig(), &["-n", ns, "get", "pod", "by-hand"]).await;
     assert!(!below.ok && below.stderr.contains("NotFound"), "{}", below.stdout);
+
+    // The webhook's stash and signature, as the apiserver stored them, copied onto another
+    // pod of the namespace (not opted in: the webhook leaves it as written).
+    let annotation = |pod: &str, key: &str| {
+        let path = format!("jsonpath={{.metadata.annotations.{}}}", key.replace('.', "\\."));
+        let pod = pod.to_owned();
+        async move { kubectl(up(), &["-n", ns, "get", "pod", &pod, "-o", &path]).await }
+    };
+    let stash = annotation("by-webhook", tensile_common::names::CLUSTER_SELECTOR).await;
+    let signature = annotation("by-webhook", tensile_common::names::STASH_SIGNATURE).await;
+    assert!(
+        signature.starts_with("v2:new:"),
+        "signed with the webhook's key: {signature}"
+    );
+    let quoted = |s: &str| serde_json::to_string(s).unwrap();
+    let copied = format!(
+        "{}: {}, {}: {}",
+        tensile_common::names::CLUSTER_SELECTOR,
+        quoted(&stash),
+        tensile_common::names::STASH_SIGNATURE,
+        quoted(&signature)
+    );
+    apply(up(), &manifest("replayed", "app: x", &copied)).await;
+    eventually(
+        up(),
+        "the replayed signature refused",
+        60,
+        &["-n", ns, "get", "pod", "replayed", "-o", synced],
+        "False/StashNotTrusted",
+    )
+    .await;
+    let message = kubectl(
+        up(),
+        &[
+            "-n",
+            ns,
+            "get",
+            "pod",
+            "replayed",
+            "-o",
+            &condition("tensile.io/LowerPodSynced", &["message"]),
+        ],
+    )
+    .await;
+    assert!(
+        message.contains("pod name replayed") && message.contains("made for another pod"),
+        "{message}"
+    );
+    let below =
+        tensile_e2e::kubectl::run(bed.lower_a.kubeconfig(), &["-n", ns, "get", "pod", "replayed"]).await;
+    assert!(!below.ok && below.stderr.contains("NotFound"), "{}", below.stdout);
+
+    // A stash signed with the old key of the rotation, for its pod, is applied.
+    let old_stash = r#"{"tolerations":[{"key":"dedicated","operator":"Exists"}]}"#;
+    let old_signed = format!(
+        "{}: {}, {}: {}",
+        tensile_common::names::CLUSTER_SELECTOR,
+        quoted(old_stash),
+        tensile_common::names::STASH_SIGNATURE,
+        quoted(&old_key.sign(ns, Holder::Name("by-old-key"), old_stash))
+    );
+    apply(up(), &manifest("by-old-key", "app: x", &old_signed)).await;
+
+    // A bare generateName pod: the webhook names it and binds the signature to that name.
+    let generated =
+        manifest("unused", "virtual-pod: \"true\"", "").replace("name: unused", "generateName: gen-");
+    let file = dir.path().join("generated.yaml");
+    std::fs::write(&file, &generated).unwrap();
+    let file = file.display().to_string();
+    let out =
+        tensile_e2e::kubectl::run(up(), &["create", "-f", &file, "-o", "jsonpath={.metadata.name}"]).await;
+    assert!(out.ok, "{}", out.stderr);
+    let gen_name = out.stdout.trim().to_owned();
+    assert!(gen_name.starts_with("gen-") && gen_name.len() == 9, "{gen_name}");
+    for pod in ["by-old-key", gen_name.as_str()] {
+        eventually(
+            up(),
+            &format!("{pod} Running"),
+            60,
+            &["-n", ns, "get", "pod", pod, "-o", "jsonpath={.status.phase}"],
+            "Running",
+        )
+        .await;
+        let tolerations = kubectl(
+            bed.lower_a.kubeconfig(),
+            &[
+                "-n",
+                ns,
+                "get",
+                "pod",
+                pod,
+                "-o",
+                "jsonpath={.spec.tolerations[*].key}",
+            ],
+        )
+        .await;
+        assert!(tolerations.contains("dedicated"), "{pod}: {tolerations}");
+    }
 }
 
 #[tokio::test]

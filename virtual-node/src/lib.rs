@@ -69,10 +69,15 @@ pub struct Args {
     /// Pod labels kept in the upper cluster only (comma-separated keys).
     #[arg(long = "ignore-labels", env = "TENSILE_IGNORE_LABELS", value_delimiter = ',')]
     pub ignore_labels: Vec<String>,
-    /// The webhook's stash key (the same file as its `--stash-key-file`): only stashes it
-    /// signed are applied below. Without it every stash is trusted, as written.
-    #[arg(long = "stash-key-file", env = "TENSILE_STASH_KEY_FILE")]
-    pub stash_key_file: Option<PathBuf>,
+    /// The webhook's stash keys, each named by its file name (repeat the flag, or separate
+    /// with commas; two during a rotation): only stashes signed for their pod with one of
+    /// them are applied below. Without any, every stash is trusted, as written.
+    #[arg(
+        long = "stash-key-file",
+        env = "TENSILE_STASH_KEY_FILE",
+        value_delimiter = ','
+    )]
+    pub stash_key_file: Vec<PathBuf>,
     /// Pods reconciled at once. Each reconcile mostly waits on the API, so a burst of
     /// thousands of pods needs many in flight (docs/virtual-node.md has the figures).
     #[arg(long = "pod-sync-workers", env = "TENSILE_POD_SYNC_WORKERS", default_value_t = 128,
@@ -332,9 +337,11 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         )
         .map_err(Error::Flags)?;
     let leadership = Leadership::of(&election);
-    let stash_key = match &args.stash_key_file {
-        Some(path) => Some(Arc::new(tensile_common::stash::StashKey::from_file(path)?)),
-        None => {
+    let stash_key = match args.stash_key_file.as_slice() {
+        [_, ..] => Some(Arc::new(tensile_common::stash::StashKeys::from_files(
+            &args.stash_key_file,
+        )?)),
+        [] => {
             tracing::warn!(
                 "no --stash-key-file: stashes (clusterSelector) are applied below whoever wrote them"
             );
@@ -462,7 +469,7 @@ async fn compose(
     kubelet_listener: tokio::net::TcpListener,
     auth: ClientAuth,
     authorizer: kubelet::Authorizer,
-    stash_key: Option<Arc<tensile_common::stash::StashKey>>,
+    stash_key: Option<Arc<tensile_common::stash::StashKeys>>,
 ) -> Result<(), Error> {
     let upper = upper_source.client()?;
     let cluster_id = match &args.upper.cluster_id {

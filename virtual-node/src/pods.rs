@@ -303,7 +303,7 @@ pub fn decide(upper: &Pod, lower: Option<&Pod>, view: &View<'_>) -> Step {
         Ok(d) => d,
         Err(e) => {
             let reason = match e {
-                translate::Error::UntrustedStash => "StashNotTrusted",
+                translate::Error::UntrustedStash(_) => "StashNotTrusted",
                 _ => "InvalidPod",
             };
             return Step::Refuse {

@@ -62,11 +62,10 @@ pub enum Error {
     #[error("annotation clusterSelector: {0}")]
     Stash(#[from] tensile_common::stash::Error),
     #[error(
-        "annotation clusterSelector is not signed by the webhook (annotation {sig} missing or wrong): \
-         a stash written or edited by hand is never applied below",
-        sig = names::STASH_SIGNATURE
+        "annotation clusterSelector is not trusted: {0}; only a stash the webhook signed for this \
+         pod is applied below"
     )]
-    UntrustedStash,
+    UntrustedStash(#[source] tensile_common::stash::Untrusted),
     #[error("pod has no uid")]
     NoUid,
 }
@@ -77,8 +76,9 @@ pub struct Translation {
     pub identity: Identity,
     /// Labels kept upstream only: stripped on the way down, never compared.
     pub ignore_labels: Vec<String>,
-    /// With a key, only stashes the webhook signed are applied (`--stash-key-file`).
-    pub stash_key: Option<std::sync::Arc<tensile_common::stash::StashKey>>,
+    /// With keys, only stashes the webhook signed for their pod are applied
+    /// (`--stash-key-file`, one or more).
+    pub stash_key: Option<std::sync::Arc<tensile_common::stash::StashKeys>>,
 }
 
 /// The service account a pod runs as upstream.
@@ -156,15 +156,8 @@ impl Translation {
     /// The pod to create below for `upper`.
     pub fn lower_pod(&self, upper: &Pod) -> Result<Pod, Error> {
         let uid = upper.metadata.uid.as_deref().ok_or(Error::NoUid)?;
-        if let Some(key) = &self.stash_key {
-            let annotations = upper.metadata.annotations.as_ref();
-            if let Some(text) = annotations.and_then(|a| a.get(names::CLUSTER_SELECTOR)) {
-                let namespace = upper.metadata.namespace.as_deref().unwrap_or_default();
-                let signature = annotations.and_then(|a| a.get(names::STASH_SIGNATURE));
-                if !signature.is_some_and(|sig| key.verify(namespace, text, sig)) {
-                    return Err(Error::UntrustedStash);
-                }
-            }
+        if let Some(keys) = &self.stash_key {
+            keys.check(&upper.metadata).map_err(Error::UntrustedStash)?;
         }
         let stash = Stash::from_annotations(upper.metadata.annotations.as_ref())?.unwrap_or_default();
         let mut spec: PodSpec = upper.spec.clone().unwrap_or_default();
@@ -824,10 +817,13 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn with_a_stash_key_only_a_stash_the_webhook_signed_is_applied() {
-        let key = std::sync::Arc::new(tensile_common::stash::StashKey::new(&[3u8; 32]));
+    fn with_a_stash_key_only_a_stash_the_webhook_signed_for_the_pod_is_applied() {
+        use tensile_common::stash::{Holder, StashKey, StashKeys, Untrusted};
+        let key = StashKey::new("k1", &[3u8; 32]).unwrap();
         let t = Translation {
-            stash_key: Some(key.clone()),
+            stash_key: Some(std::sync::Arc::new(StashKeys::new(vec![
+                StashKey::new("k1", &[3u8; 32]).unwrap(),
+            ]))),
             ..translation()
         };
         let stash = r#"{"tolerations":[{"key":"node-role.kubernetes.io/master","operator":"Exists"}]}"#;
@@ -841,15 +837,27 @@ pub(crate) mod tests {
             pod
         };
         let ns = upper().metadata.namespace.unwrap_or_default();
+        // The pod's controller is ReplicaSet `rs`.
+        let web = Holder::Controller("rs");
         assert!(
-            matches!(t.lower_pod(&with(None)), Err(Error::UntrustedStash)),
+            matches!(
+                t.lower_pod(&with(None)),
+                Err(Error::UntrustedStash(Untrusted::Missing))
+            ),
             "written by hand"
         );
         assert!(matches!(
-            t.lower_pod(&with(Some(key.sign("elsewhere", stash)))),
-            Err(Error::UntrustedStash)
+            t.lower_pod(&with(Some(key.sign("elsewhere", web, stash)))),
+            Err(Error::UntrustedStash(Untrusted::Mismatch { .. }))
         ));
-        let lower = t.lower_pod(&with(Some(key.sign(&ns, stash)))).unwrap();
+        let replayed = t
+            .lower_pod(&with(Some(key.sign(&ns, Holder::Controller("rs-other"), stash))))
+            .unwrap_err();
+        assert!(
+            replayed.to_string().contains("controller uid rs"),
+            "another workload's signature: {replayed}"
+        );
+        let lower = t.lower_pod(&with(Some(key.sign(&ns, web, stash)))).unwrap();
         assert_eq!(lower.spec.unwrap().tolerations.unwrap().len(), 1);
         assert!(
             !lower

@@ -142,8 +142,9 @@ pub struct Args {
     /// `tolerationSeconds` for `node.kubernetes.io/unreachable` on the upper pod.
     #[arg(long, env = "WEBHOOK_UNREACHABLE_TOLERATION_SECONDS", default_value_t = 300)]
     pub unreachable_toleration_seconds: i64,
-    /// A secret (at least 32 bytes) to sign every stash with; virtual nodes given the same
-    /// file (their `--stash-key-file`) apply only stashes signed with it.
+    /// A secret (at least 32 bytes) to sign every stash with, named by the file's name (the key
+    /// id every signature carries); virtual nodes holding a key of that id (their
+    /// `--stash-key-file`) apply only stashes signed for their pod.
     #[arg(long, env = "WEBHOOK_STASH_KEY_FILE")]
     pub stash_key_file: Option<PathBuf>,
     /// Largest request body accepted at `/mutate`.

@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use serde_json::value::RawValue;
 use tensile_common::names;
-use tensile_common::stash::Stash;
+use tensile_common::stash::{Holder, Stash, generated_name};
 
 use crate::policy::{Policy, VirtualNodeConstraint};
 use crate::raw::{self, Level};
@@ -121,6 +121,9 @@ struct PodMembers {
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct MetadataMembers {
+    /// Read to bind the stash's signature to a pod without a controller.
+    name: Option<String>,
+    generate_name: Option<String>,
     labels: Option<BTreeMap<String, String>>,
     annotations: Option<BTreeMap<String, String>>,
     /// Read only for the controller's UID, and never a reason to refuse a pod: malformed
@@ -221,7 +224,8 @@ impl Stashing<'_> {
     ) -> Outcome {
         let review = self.review;
         let namespace = review.request.namespace.as_deref().unwrap_or_default();
-        match plan(self.object, self.pod, namespace, policy, claims, excluded) {
+        let uid = review.request.uid.as_str();
+        match plan(self.object, self.pod, namespace, uid, policy, claims, excluded) {
             Ok((patch, warnings)) => patched(review, patch, warnings),
             Err(message) => deny(review, message),
         }
@@ -431,7 +435,7 @@ enum New<'a> {
     /// A new `affinity` holding only node affinity.
     Affinity(&'a NodeAffinity),
     Tolerations(&'a [Toleration]),
-    /// A plain string member (`schedulerName`).
+    /// A plain string member (`schedulerName`, `metadata.name`).
     Name(&'a str),
 }
 
@@ -569,11 +573,15 @@ fn toleration(key: &str, effect: &str, seconds: Option<i64>) -> Toleration {
     }
 }
 
-/// The patch and warnings for a pod that opted in and carries no stash.
+/// The patch and warnings for a pod that opted in and carries no stash; `request_uid` is the
+/// admission request's, which names a bare `generateName` pod whose stash is signed.
+// One call site; the arguments are the review's parts and the outside knowledge.
+#[allow(clippy::too_many_arguments)]
 fn plan(
     object: &RawValue,
     pod: PodMembers,
     namespace: &str,
+    request_uid: &str,
     policy: &Policy,
     claims: &dyn ClaimNodes,
     excluded: &dyn ExcludedNodes,
@@ -726,10 +734,37 @@ fn plan(
         spec.tolerations.take().unwrap_or_default(),
     );
     let stash_text = stash.encode().map_err(|e| e.to_string())?;
-    let signature = policy
-        .stash_key
-        .as_ref()
-        .map(|key| key.sign(namespace, &stash_text));
+    // The signature binds the stash to the pod's controller, or to the name of a bare pod.
+    // A bare `generateName` pod is named here, as the apiserver would name it, since its name
+    // is only given after mutating admission.
+    let mut given_name = None;
+    let signature = match &policy.stash_key {
+        None => None,
+        Some(key) => {
+            let name = metadata
+                .as_ref()
+                .and_then(|m| m.name.as_deref())
+                .filter(|n| !n.is_empty());
+            let prefix = metadata
+                .as_ref()
+                .and_then(|m| m.generate_name.as_deref())
+                .filter(|n| !n.is_empty());
+            let holder = match (&controller_uid, name, prefix) {
+                (Some(uid), _, _) => Holder::Controller(uid),
+                (None, Some(name), _) => Holder::Name(name),
+                (None, None, Some(prefix)) => {
+                    Holder::Name(given_name.insert(generated_name(prefix, request_uid)).as_str())
+                }
+                (None, None, None) => {
+                    return Err(
+                        "the pod has no controller, name or generateName to bind its stash signature to"
+                            .into(),
+                    );
+                }
+            };
+            Some(key.sign(namespace, holder, &stash_text))
+        }
+    };
 
     // The patch touches only the fields that change. The decoded pod tells when a field
     // differs; when it reads the same, the raw field decides.
@@ -785,6 +820,9 @@ fn plan(
         ));
     }
     ops.extend(scheduler_op(Some(&spec), policy));
+    if let Some(name) = &given_name {
+        ops.push(add(&["metadata", "name"], New::Name(name)));
+    }
     Ok((encode(&ops)?, warnings))
 }
 

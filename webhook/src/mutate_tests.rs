@@ -721,32 +721,110 @@ fn malformed_owner_references_are_the_apiservers_to_refuse_and_mean_no_exclusion
     }
 }
 
-#[test]
-fn with_a_stash_key_every_stash_is_signed_for_its_namespace() {
-    let key = std::sync::Arc::new(tensile_common::stash::StashKey::new(&[5u8; 32]));
+fn signing() -> (Policy, tensile_common::stash::StashKeys) {
+    let key = tensile_common::stash::StashKey::new("k1", &[5u8; 32]).unwrap();
     let policy = Policy {
-        stash_key: Some(key.clone()),
+        stash_key: Some(std::sync::Arc::new(key)),
         ..Policy::default()
     };
+    let keys = tensile_common::stash::StashKeys::new(vec![
+        tensile_common::stash::StashKey::new("k1", &[5u8; 32]).unwrap(),
+    ]);
+    (policy, keys)
+}
+
+fn metadata(pod: &Value) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+    serde_json::from_value(pod["metadata"].clone()).unwrap()
+}
+
+#[test]
+fn with_a_stash_key_every_stash_is_signed_for_its_pods_controller_or_name() {
+    use tensile_common::stash::Untrusted;
+    let (policy, keys) = signing();
     let tolerations = json!([{"key": "gpu", "operator": "Exists"}]);
+    let controlled = |uid: &str| {
+        let mut object = opted_in(json!({"containers": containers(), "tolerations": tolerations}));
+        object["metadata"]["ownerReferences"] = json!([
+            {"apiVersion": "v1", "kind": "ConfigMap", "name": "x", "uid": "not-the-controller"},
+            {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web", "uid": uid, "controller": true}]);
+        object
+    };
     // Without annotations, and with some: the signature goes in either way.
-    let bare = opted_in(json!({"containers": containers(), "tolerations": tolerations}));
-    let mut annotated = bare.clone();
+    let mut annotated = controlled("rs-web");
     annotated["metadata"]["annotations"] = json!({"team": "red"});
-    for object in [bare, annotated] {
+    for object in [controlled("rs-web"), annotated] {
         let (_, after) = run(object, &policy);
-        let annotations = &after["metadata"]["annotations"];
-        let stash = annotations[names::CLUSTER_SELECTOR].as_str().unwrap();
-        let signature = annotations[names::STASH_SIGNATURE].as_str().unwrap();
-        assert!(key.verify("team", stash, signature), "{after}");
+        let signature = after["metadata"]["annotations"][names::STASH_SIGNATURE]
+            .as_str()
+            .unwrap();
+        assert!(signature.starts_with("v2:k1:"), "{signature}");
+        assert_eq!(keys.check(&metadata(&after)), Ok(()), "{after}");
         assert_eq!(stash_of(&after).tolerations.len(), 1);
+        assert_eq!(after["metadata"]["name"], "p", "a controlled pod keeps its name");
+        // The same annotations on a pod of another workload, or on a bare pod, of the namespace.
+        let mut replayed = controlled("rs-other");
+        replayed["metadata"]["annotations"] = after["metadata"]["annotations"].clone();
+        assert!(matches!(
+            keys.check(&metadata(&replayed)),
+            Err(Untrusted::Mismatch { .. })
+        ));
+        replayed["metadata"]
+            .as_object_mut()
+            .unwrap()
+            .remove("ownerReferences");
+        assert!(matches!(
+            keys.check(&metadata(&replayed)),
+            Err(Untrusted::Mismatch { .. })
+        ));
     }
+    // A bare pod is bound to its name.
+    let (_, after) = run(opted_in(json!({"containers": containers()})), &policy);
+    assert_eq!(keys.check(&metadata(&after)), Ok(()));
+    let mut renamed = after.clone();
+    renamed["metadata"]["name"] = json!("q");
+    assert!(matches!(
+        keys.check(&metadata(&renamed)),
+        Err(Untrusted::Mismatch { .. })
+    ));
+    // Without a key, no signature.
     let (_, unsigned) = run(opted_in(json!({"containers": containers()})), &Policy::default());
     assert!(
         unsigned["metadata"]["annotations"]
             .get(names::STASH_SIGNATURE)
             .is_none(),
         "no key, no signature"
+    );
+}
+
+#[test]
+fn a_bare_generate_name_pod_whose_stash_is_signed_is_named_by_the_webhook() {
+    let (policy, keys) = signing();
+    let mut object = opted_in(json!({"containers": containers()}));
+    let meta = object["metadata"].as_object_mut().unwrap();
+    meta.remove("name");
+    meta.insert("generateName".into(), json!("job-"));
+    let (outcome, after) = run(object.clone(), &policy);
+    assert_eq!(outcome.verdict, Verdict::Mutated);
+    // Named as the apiserver would, from the request's uid, and the signature bound to it.
+    let want = tensile_common::stash::generated_name("job-", "uid-7");
+    assert_eq!(after["metadata"]["name"], json!(want));
+    assert!(ops(&outcome).contains(&("add".to_owned(), "/metadata/name".to_owned())));
+    assert_eq!(keys.check(&metadata(&after)), Ok(()));
+    // The name the apiserver would have picked instead does not verify.
+    let mut other = after.clone();
+    other["metadata"]["name"] = json!("job-zzzzz");
+    assert!(keys.check(&metadata(&other)).is_err());
+    // Without signing the apiserver names it, as always.
+    let (_, after) = run(object.clone(), &Policy::default());
+    assert!(after["metadata"].get("name").is_none());
+    // A pod with no controller, name or generateName cannot be bound: refused, saying so.
+    object["metadata"].as_object_mut().unwrap().remove("generateName");
+    let (outcome, _) = run(object, &policy);
+    assert_eq!(outcome.verdict, Verdict::Denied);
+    let message = outcome.response.result.message;
+    assert!(
+        message.contains("no controller, name or generateName"),
+        "{message}"
     );
 }
 

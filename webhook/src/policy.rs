@@ -66,8 +66,9 @@ pub struct Policy {
     pub not_ready_seconds: i64,
     /// `tolerationSeconds` of the upper pod's unreachable toleration.
     pub unreachable_seconds: i64,
-    /// Signs every stash written (`tensile.io/stash-signature`), so virtual nodes holding
-    /// the same key apply only stashes this webhook wrote.
+    /// Signs every stash written (`tensile.io/stash-signature`) for the pod's namespace and
+    /// controller (or name, for a bare pod), so virtual nodes holding the same key apply only
+    /// stashes this webhook wrote for that pod.
     pub stash_key: Option<std::sync::Arc<tensile_common::stash::StashKey>>,
     /// The `schedulerName` opted-in pods get at CREATE (the multi-scheduler's, say), so
     /// workloads need no edit. Only a pod left to the default scheduler is moved: one that
