@@ -316,6 +316,129 @@ async fn the_lower_role_file_is_what_the_chart_renders() {
     );
 }
 
+/// The stash keys reach both components: the webhook mounts and signs with `signWith` only,
+/// every virtual node mounts and accepts each key (two during a rotation), all from the chart's
+/// Secret; bad key values are refused with the value named.
+#[tokio::test]
+async fn the_stash_keys_reach_the_webhook_and_every_virtual_node() {
+    let up = &bed().upper;
+    let (old, new) = ("o".repeat(40), "n".repeat(40));
+    let (old_set, new_set) = (
+        format!("stashKeys.keys.old={old}"),
+        format!("stashKeys.keys.new={new}"),
+    );
+    let chart = chart();
+    let mut rendered = vec!["template", "keys", chart.as_str()];
+    let base = [
+        "-n",
+        "tensile",
+        "--set",
+        "virtualNodes.nodes[0].name=a",
+        "--set",
+        "virtualNodes.nodes[0].kubeconfig.value=x",
+        "--set",
+        "virtualNodes.nodes[1].name=b",
+        "--set",
+        "virtualNodes.nodes[1].kubeconfig.value=y",
+        "--set",
+        &old_set,
+        "--set",
+        &new_set,
+    ];
+    rendered.extend_from_slice(&base);
+    rendered.extend_from_slice(&["--set", "stashKeys.signWith=new"]);
+    let text = helm_ok(up, &rendered).await;
+    let objects: Vec<serde_json::Value> = text
+        .split("\n---")
+        .filter_map(|doc| serde_yaml::from_str::<serde_json::Value>(doc).ok())
+        .filter(|v| v.is_object())
+        .collect();
+    let find = |kind: &str, name: &str| {
+        objects
+            .iter()
+            .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("{kind} {name} rendered"))
+            .clone()
+    };
+    let secret = find("Secret", "keys-tensile-stash-keys");
+    let decode = |v: &serde_json::Value| {
+        String::from_utf8(
+            base64::engine::general_purpose::STANDARD
+                .decode(v.as_str().unwrap())
+                .unwrap(),
+        )
+        .unwrap()
+    };
+    assert_eq!(decode(&secret["data"]["old"]), old);
+    assert_eq!(decode(&secret["data"]["new"]), new);
+    let stash_args = |deployment: &serde_json::Value| -> Vec<String> {
+        deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|a| a.as_str())
+            .filter(|a| a.starts_with("--stash-key-file="))
+            .map(str::to_owned)
+            .collect()
+    };
+    let mounted = |deployment: &serde_json::Value| -> Vec<String> {
+        let volumes = deployment["spec"]["template"]["spec"]["volumes"]
+            .as_array()
+            .unwrap();
+        let volume = volumes.iter().find(|v| v["name"] == "stash-keys").unwrap();
+        assert_eq!(volume["secret"]["secretName"], "keys-tensile-stash-keys");
+        let mounts = deployment["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+            .as_array()
+            .unwrap();
+        assert!(
+            mounts
+                .iter()
+                .any(|m| m["name"] == "stash-keys" && m["mountPath"] == "/etc/tensile/stash-keys")
+        );
+        volume["secret"]["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["key"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let webhook = find("Deployment", "keys-tensile-webhook");
+    assert_eq!(
+        stash_args(&webhook),
+        ["--stash-key-file=/etc/tensile/stash-keys/new"]
+    );
+    assert_eq!(
+        mounted(&webhook),
+        ["new"],
+        "the webhook holds only the key it signs with"
+    );
+    for node in ["a", "b"] {
+        let vn = find("Deployment", &format!("keys-tensile-vn-{node}"));
+        assert_eq!(
+            stash_args(&vn),
+            [
+                "--stash-key-file=/etc/tensile/stash-keys/new",
+                "--stash-key-file=/etc/tensile/stash-keys/old"
+            ]
+        );
+        assert_eq!(mounted(&vn), ["new", "old"]);
+    }
+
+    // Refused: a short key (by the schema), a signing key the nodes do not accept, keys
+    // accepted with nothing signing.
+    for (set, says) in [
+        ("stashKeys.keys.new=short", "stashKeys.keys.new"),
+        ("stashKeys.signWith=other", "stashKeys.signWith \"other\""),
+        ("stashKeys.signWith=", "signWith is empty"),
+    ] {
+        let mut bad = rendered.clone();
+        bad.extend_from_slice(&["--set", set]);
+        let out = helm(up, &bad).await.unwrap();
+        assert!(!out.ok, "{set} rendered");
+        assert!(out.stderr.contains(says), "{set}: {}", out.stderr);
+    }
+}
+
 /// A kubeconfig of ServiceAccount `ns/name` in `dir/<file>`.
 async fn token_kubeconfig(cluster: &TestCluster, ns: &str, name: &str, file: &str) -> PathBuf {
     chart::service_account_kubeconfig(cluster, ns, name, &cluster.dir().join(file))
@@ -399,8 +522,10 @@ async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
         &values,
         format!(
             "virtualNodes:\n  nodes:\n  - name: {node}\n    labels: {{region: a}}\n    extraArgs: [\"--shared-namespaces=default,chart-app\"]\n    kubeconfig:\n      value: |\n{indented}\
-             webhook:\n  url: https://127.0.0.1:{}/mutate\n",
-            webhook_ports[0]
+             webhook:\n  url: https://127.0.0.1:{}/mutate\n\
+             stashKeys:\n  signWith: chart-key\n  keys: {{chart-key: {}}}\n",
+            webhook_ports[0],
+            "c".repeat(48)
         ),
     )
     .unwrap();
@@ -420,6 +545,43 @@ async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
     let upper_vn = token_kubeconfig(up, ns, &format!("{full}-virtual-node"), "vn-token.kubeconfig").await;
     let upper_wh = token_kubeconfig(up, ns, &format!("{full}-webhook"), "wh-token.kubeconfig").await;
 
+    // The stash key as a pod of the chart finds it: its Secret's entry, a file named by its id.
+    let key_dir = up.dir().join("stash-keys");
+    std::fs::create_dir_all(&key_dir).unwrap();
+    let key = kubectl(
+        up.kubeconfig(),
+        &[
+            "-n",
+            ns,
+            "get",
+            "secret",
+            &format!("{full}-stash-keys"),
+            "-o",
+            "jsonpath={.data.chart-key}",
+        ],
+    )
+    .await;
+    let key_file = key_dir.join("chart-key");
+    std::fs::write(
+        &key_file,
+        base64::engine::general_purpose::STANDARD
+            .decode(key.trim())
+            .unwrap(),
+    )
+    .unwrap();
+    let local_key = |args: &[String]| -> String {
+        let charted: Vec<&String> = args
+            .iter()
+            .filter(|a| a.starts_with("--stash-key-file="))
+            .collect();
+        assert_eq!(
+            charted,
+            ["--stash-key-file=/etc/tensile/stash-keys/chart-key"],
+            "the chart gives the key"
+        );
+        format!("--stash-key-file={}", key_file.display())
+    };
+
     // virtual-node with the flags of the chart's Deployment; only what a pod gives it differs
     // (addresses, files).
     let vn_args = chart::deployment_args(up, ns, &format!("{full}-vn-{node}"))
@@ -437,6 +599,7 @@ async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
             format!("--kubelet-port={}", free_port().unwrap()),
             format!("--client-verify-ca={}", up.kubelet_client_ca_path().display()),
             format!("--admin-addr={vn_admin}"),
+            local_key(&vn_args),
         ],
     );
     let vn_bin = tensile_e2e::bins::suite_binary("virtual-node").unwrap();
@@ -458,6 +621,7 @@ async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
                 format!("--port={port}"),
                 "--self-signed-names=127.0.0.1,localhost".into(),
                 format!("--admin-addr=127.0.0.1:{}", free_port().unwrap()),
+                local_key(&wh_args),
             ],
         )
     };
@@ -677,13 +841,13 @@ items:
             "pod",
             &pod,
             "-o",
-            "jsonpath={.spec.nodeName} {.metadata.annotations.clusterSelector}",
+            r"jsonpath={.spec.nodeName} {.metadata.annotations.tensile\.io/stash-signature} {.metadata.annotations.clusterSelector}",
         ],
     )
     .await;
     assert!(
-        upper_pod.starts_with(&format!("{node} ")),
-        "on the virtual node: {upper_pod}"
+        upper_pod.starts_with(&format!("{node} v2:chart-key:")),
+        "on the virtual node, its stash signed with the chart's key (the node verified it): {upper_pod}"
     );
     assert!(
         upper_pod.len() > node.len() + 1,

@@ -151,3 +151,24 @@ spec:
   - {name: https, port: 443, targetPort: https}
   {{- end }}
 {{- end -}}
+
+{{/* The stash key ids every virtual node accepts, as a JSON list: stashKeys.accept, or every
+     id of stashKeys.keys. */}}
+{{- define "tensile.stashAccept" -}}
+{{- $sk := .Values.stashKeys -}}
+{{- if $sk.accept -}}
+{{ toJson $sk.accept }}
+{{- else -}}
+{{ keys $sk.keys | sortAlpha | toJson }}
+{{- end -}}
+{{- end -}}
+
+{{/* The Secret holding the stash keys. */}}
+{{- define "tensile.stashSecret" -}}
+{{ .Values.stashKeys.existingSecret | default (printf "%s-stash-keys" (include "tensile.fullname" .)) }}
+{{- end -}}
+
+{{/* Where a pod finds the stash keys it mounts. */}}
+{{- define "tensile.stashDir" -}}
+/etc/tensile/stash-keys
+{{- end -}}
