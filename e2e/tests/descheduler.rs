@@ -915,3 +915,75 @@ async fn a_bare_pod_move_killed_at_each_step_ends_with_exactly_one_pod_running_i
         drop(restarted);
     }
 }
+
+#[tokio::test]
+async fn a_bare_pod_placed_below_after_its_replacement_was_made_ends_as_one_pod_the_original() {
+    let scene = Scene::start("ds-pair", 1).await;
+    apply(up(), &scene.bare_pod("solo")).await;
+    let original = {
+        let mut found = None;
+        while found.is_none() {
+            found = scene.pods("app=solo").await.first().map(uid);
+        }
+        found.unwrap()
+    };
+    // The move stops after the replacement is made: the original is never evicted.
+    let mut crashing =
+        DeschedulerProcess::start(&bed().upper, &scene.flags(&["--crash-at=created"]), "pair-crash").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while crashing.service.exited().is_none() {
+        assert!(Instant::now() < deadline, "no crash: {}", crashing.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(crashing.log().contains("aborting"), "{}", crashing.log());
+
+    // Room appears in lower-a: its scheduler places the original after all.
+    let ns = scene.ns.clone();
+    BED.handle()
+        .unwrap()
+        .spawn(async move {
+            let node = NodeConfig::new(&format!("{ns}-a-big"))
+                .resource("cpu", "4")
+                .label(LOWER_KEY, &ns);
+            bed().sim_a.add_node(node).await.unwrap();
+        })
+        .await
+        .unwrap();
+    wait("the original and its replacement both running", 90, || async {
+        let pods = scene.pods("app=solo").await;
+        let runs = |vn: &str, want_original: bool| {
+            pods.iter()
+                .any(|p| node_of(p) == vn && phase(p) == "Running" && (uid(p) == original) == want_original)
+        };
+        if runs(&scene.vn_a, true) && runs(&scene.vn_b, false) {
+            Ok(())
+        } else {
+            Err(format!("{pods:?}"))
+        }
+    })
+    .await;
+
+    // A descheduler running again ends the pair: the original, which runs, stays alone.
+    let _d = scene.descheduler(&[], "pair").await;
+    let mut counts = BTreeSet::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let pods = scene.pods("app=solo").await;
+        counts.insert(pods.iter().filter(|p| !terminating(p)).count());
+        if pods.len() == 1 {
+            let p = &pods[0];
+            assert_eq!(uid(p), original, "the original is kept: {pods:?}");
+            assert_eq!((node_of(p), phase(p)), (scene.vn_a.as_str(), "Running"));
+            break;
+        }
+        assert!(Instant::now() < deadline, "still two pods: {pods:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!counts.contains(&0), "there was always a pod: {counts:?}");
+    let removed = events(&scene.ns, "ReplacementRemoved").await;
+    assert_eq!(removed.len(), 1, "{removed:?}");
+    // And it stays one pod: nothing moves the original again.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let pods = scene.pods("app=solo").await;
+    assert_eq!(pods.iter().map(uid).collect::<Vec<_>>(), vec![original]);
+}
