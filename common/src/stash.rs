@@ -302,7 +302,7 @@ impl StashKeys {
 
 /// Hex digits to bytes; `None` for an odd length or a non-hex digit.
 fn decode_hex(hex: &str) -> Option<Vec<u8>> {
-    if hex.len() % 2 != 0 {
+    if !hex.len().is_multiple_of(2) {
         return None;
     }
     (0..hex.len())
