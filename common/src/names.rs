@@ -62,19 +62,27 @@ pub const CONDITION_LOWER_SCHEDULED: &str = "tensile.io/LowerPodScheduled";
 /// Upper pod condition: whether the lower pod exists and matches (reasons `Conflict`,
 /// `CreateFailed`, `DaemonSetPod`, `LowerPodLost`).
 pub const CONDITION_LOWER_SYNCED: &str = "tensile.io/LowerPodSynced";
-/// Lower pod annotations listing the label and annotation keys copied from the upper pod,
-/// so an update removes only keys that came from upstream, never ones the lower cluster
-/// added (its admission webhooks, for example).
+/// Lower pod annotation: the ConfigMaps and Secrets its upper pod references
+/// (`ConfigMap/name,Secret/name`), written at create. Copies follow these, never the lower
+/// pod's spec, into which lower admission may inject references (a ServiceAccount's
+/// imagePullSecrets, a mesh's CA ConfigMap) that no upper pod named.
+pub const LOWER_POD_REFERENCES: &str = "tensile.io/references";
 /// On a ConfigMap or Secret copy: the upper object's resourceVersion it was made from, and a
 /// digest of what was written (content, labels, annotations), so the copy is judged current
 /// without holding the upper content, and an edit below is still seen.
 pub const COPY_UPPER_VERSION: &str = "tensile.io/upper-version";
 pub const COPY_DIGEST: &str = "tensile.io/copy-digest";
+/// Lower pod annotations listing the label and annotation keys copied from the upper pod,
+/// so an update removes only keys that came from upstream, never ones the lower cluster
+/// added (its admission webhooks, for example).
 pub const COPIED_LABELS: &str = "tensile.io/copied-labels";
 pub const COPIED_ANNOTATIONS: &str = "tensile.io/copied-annotations";
 /// Annotation on a Service copied into a lower cluster: the upper Service's selector (JSON).
 /// The copy itself has none; its endpoints are the upper ones, reflected.
 pub const SERVICE_SELECTOR: &str = "tensile.io/service-selector";
+/// Node condition: whether some lower node is Ready and schedulable (reason
+/// `NoUsableLowerNodes` when none is; the node then offers no room, and stays Ready).
+pub const CONDITION_LOWER_NODES_USABLE: &str = "tensile.io/LowerNodesUsable";
 /// Node annotation: the capacity shape of the lower cluster (JSON, see `crate::shape`).
 pub const NODE_CAPACITY_SHAPE: &str = "tensile.io/capacity-shape";
 /// Node label the virtual node bumps (a counter) when its capacity shape grows: the upper
@@ -128,10 +136,12 @@ mod tests {
             MARK_UPPER_UID,
             CONDITION_LOWER_SCHEDULED,
             CONDITION_LOWER_SYNCED,
+            CONDITION_LOWER_NODES_USABLE,
             NODE_CAPACITY_SHAPE,
             NODE_SHAPE_GENERATION,
             NODE_EXTRA_LABELS,
             SERVICE_SELECTOR,
+            LOWER_POD_REFERENCES,
             DESCHEDULE,
             EXCLUDED_NODES,
             REPLACES,

@@ -171,6 +171,16 @@ impl Cat {
     }
 }
 
+impl Cat {
+    /// Waits up to `within` for kubectl to end (its session closed); `None` while it runs.
+    pub async fn ended_within(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        tokio::time::timeout(within, self.child.wait())
+            .await
+            .ok()
+            .and_then(Result::ok)
+    }
+}
+
 impl Drop for Cat {
     fn drop(&mut self) {
         let _ = self.child.start_kill();

@@ -10,13 +10,15 @@ use std::time::{Duration, Instant};
 use tensile_e2e::check::{apply, eventually};
 use tensile_e2e::in_process::{self, admin_get};
 use tensile_e2e::shared::Shared;
-use tensile_e2e::streams::{Forward, Run, Via, echo, http_get, kubectl_command, kubectl_run, pod_manifest};
+use tensile_e2e::streams::{
+    Cat, Forward, Run, Via, echo, http_get, kubectl_command, kubectl_run, pod_manifest,
+};
 use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 struct Bed {
     upper: TestCluster,
-    _lower: TestCluster,
+    lower: TestCluster,
     _sim: NodeSimulator,
     node: in_process::VirtualNode,
 }
@@ -48,7 +50,7 @@ fn bed() -> &'static Bed {
         upper.create_namespace(NS).await?;
         Ok(Bed {
             upper,
-            _lower: lower,
+            lower,
             _sim: sim,
             node,
         })
@@ -422,4 +424,61 @@ async fn node_and_pod_usage_of_the_lower_cluster_reach_the_upper_node_proxy() {
     assert_eq!(pod["podRef"]["uid"], uid.as_str(), "the upper UID");
     assert_eq!(pod["cpu"]["usageNanoCores"], CONTAINER_NANO_CORES);
     assert_eq!(pod["memory"]["workingSetBytes"], CONTAINER_BYTES);
+}
+
+/// Spliced sessions are bounded as a kubelet bounds them: one silent for the idle timeout is
+/// closed, one past the cap is refused saying why, and every one ends when the virtual node
+/// stops (a deposed or stopped replica keeps no session open).
+#[tokio::test]
+async fn stream_sessions_close_when_idle_are_capped_and_end_with_the_node() {
+    let bed = bed();
+    let mut args = in_process::options(&bed.upper, "vn-limits", &bed.lower).unwrap();
+    args.kubelet.stream_idle_timeout_seconds = 3;
+    args.kubelet.max_stream_sessions = 1;
+    let node = in_process::VirtualNode::run(args);
+    running_pod(up(), NS, "limited", "vn-limits").await;
+
+    // SPDY: kubectl's WebSocket client pings every 5 s, which is traffic, at a kubelet too.
+    let mut idle = Cat::start(up(), Via::Spdy, NS, "limited").await.unwrap();
+    let silent = Instant::now();
+    assert!(
+        idle.ended_within(Duration::from_secs(20)).await.is_some(),
+        "a silent session is closed"
+    );
+    assert!(
+        silent.elapsed() >= Duration::from_secs(2),
+        "not before the idle timeout"
+    );
+    drop(idle);
+
+    // One session talks the whole time, so it never idles out.
+    let busy = Cat::start(up(), Via::Spdy, NS, "limited").await.unwrap();
+    let (stop_talking, mut stop) = tokio::sync::oneshot::channel::<()>();
+    let talker = tokio::spawn(async move {
+        let mut busy = busy;
+        loop {
+            busy.round_trip(b"still here\n", Duration::from_secs(10))
+                .await
+                .unwrap();
+            tokio::select! {
+                _ = &mut stop => return busy,
+                _ = tokio::time::sleep(Duration::from_millis(300)) => {}
+            }
+        }
+    });
+    let refused = exec(Via::Spdy, "limited", &["echo", "hi"], None).await;
+    assert!(
+        refused.code != 0 && refused.stderr.contains("--kubelet-max-stream-sessions"),
+        "a session past the cap is refused: {} {}",
+        refused.out(),
+        refused.stderr
+    );
+    stop_talking.send(()).unwrap();
+    let mut busy = talker.await.unwrap();
+
+    drop(node);
+    assert!(
+        busy.ended_within(Duration::from_secs(15)).await.is_some(),
+        "the session ends with the virtual node"
+    );
 }

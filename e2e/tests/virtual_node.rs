@@ -1145,9 +1145,39 @@ async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resu
     .await;
     assert_eq!(reason, "LowerClusterUnreachable");
     eprintln!("Ready=False {took:?} after the lower apiserver stopped");
+    // The node lifecycle controller marks the node's pods not Ready; the virtual node, which
+    // cannot see below, writes no status from its stale cache over that.
+    let pod_ready = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#;
+    eventually(
+        up(),
+        "survivor marked not Ready",
+        60,
+        &["-n", "outage", "get", "pod", "survivor", "-o", pod_ready],
+        "False",
+    )
+    .await;
+    let marked = Instant::now();
+    while marked.elapsed() < Duration::from_secs(12) {
+        let ready = kubectl(up(), &["-n", "outage", "get", "pod", "survivor", "-o", pod_ready]).await;
+        assert_eq!(
+            ready,
+            "False",
+            "status written from the stale cache {:?} into the outage",
+            marked.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 
     bed.lower_b.start_apiserver().await.unwrap();
     wait_ready("vn-outage").await;
+    eventually(
+        up(),
+        "survivor Ready again",
+        60,
+        &["-n", "outage", "get", "pod", "survivor", "-o", pod_ready],
+        "True",
+    )
+    .await;
     // Statuses resume: a new pod runs and an existing one keeps reporting.
     apply(up(), &pod("outage", "newcomer", "vn-outage", "Always", "", "10m")).await;
     eventually(

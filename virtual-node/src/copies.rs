@@ -236,6 +236,34 @@ pub fn drop_absent(spec: &mut PodSpec, absent: &Absent) {
     }
 }
 
+/// The [`names::LOWER_POD_REFERENCES`] text of `refs`: `Kind/name`, comma-separated, each
+/// once, in order. Names of ConfigMaps and Secrets hold neither `/` nor `,`.
+pub fn encode_references<'a>(refs: impl IntoIterator<Item = (Kind, &'a str)>) -> String {
+    let mut seen = BTreeSet::new();
+    refs.into_iter()
+        .filter(|(kind, _)| matches!(kind, Kind::ConfigMap | Kind::Secret))
+        .filter(|r| seen.insert(*r))
+        .map(|(kind, name)| format!("{kind}/{name}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The references a [`names::LOWER_POD_REFERENCES`] text lists; entries of another form
+/// (edited by hand) are skipped, so they keep nothing below.
+pub fn decode_references(text: &str) -> Vec<(Kind, String)> {
+    text.split(',')
+        .filter_map(|entry| {
+            let (kind, name) = entry.split_once('/')?;
+            let kind = match kind {
+                "ConfigMap" => Kind::ConfigMap,
+                "Secret" => Kind::Secret,
+                _ => return None,
+            };
+            (!name.is_empty()).then(|| (kind, name.to_owned()))
+        })
+        .collect()
+}
+
 /// The references of an upper pod that travel with it (the upper cluster's service-account
 /// token volumes stay behind, see [`translate`]).
 pub fn upper_references(pod: &Pod) -> Vec<Reference> {
@@ -576,11 +604,14 @@ pub fn judge<K: Reflected>(cluster_id: &str, desired: &K, actual: &K) -> Verdict
 /// (and its Endpoints) while such pods run in its namespace; `used_below` is the part running
 /// lower pods account for. `services`: the upper Services and whether kube-system's and
 /// `default/kubernetes` count, when Services are reflected.
+/// `usable` says whether the pod path judged a lower namespace usable (ours, or shared):
+/// Services follow upper pods only into those, never into a namespace the pod path refused.
 pub fn needs(
     cluster_id: &str,
     upper_pods: &[Arc<UpperPod>],
     lower_pods: &[Arc<PodLoad>],
     services: Option<(&[Arc<Service>], bool)>,
+    usable: impl Fn(&str) -> bool,
 ) -> (BTreeSet<Key>, BTreeSet<Key>) {
     let mut needed: BTreeSet<Key> = BTreeSet::new();
     let mut namespaces: BTreeSet<String> = BTreeSet::new();
@@ -591,7 +622,9 @@ pub fn needs(
                 .iter()
                 .map(|(kind, name)| (*kind, ns.clone(), name.clone())),
         );
-        namespaces.insert(ns);
+        if usable(&ns) {
+            namespaces.insert(ns);
+        }
     }
     let mut used_below: BTreeSet<Key> = BTreeSet::new();
     for pod in lower_pods.iter().filter(|p| owns(cluster_id, &p.metadata)) {
@@ -741,6 +774,8 @@ pub struct Copies {
     pub conflicts: Mutex<HashMap<Key, Instant>>,
     /// Services and their Endpoints, when their reflection is enabled.
     pub services: Option<ServiceStores>,
+    /// Lower namespaces the pod path judged usable (shared with it).
+    pub usable_namespaces: Arc<Mutex<std::collections::HashSet<String>>>,
     /// Reports conflicts found by the resync on the upper object.
     pub events: crate::events::Events,
     /// How long one resync pass may take; a pass stuck past it is dropped and the next
@@ -986,6 +1021,7 @@ impl Copies {
             upper_services
                 .as_deref()
                 .zip(self.services.as_ref().map(|s| s.include_system)),
+            |ns| self.usable_namespaces.lock().is_ok_and(|u| u.contains(ns)),
         );
         let mut work: Vec<Pending<'_>> = Vec::new();
         {
@@ -1543,6 +1579,7 @@ mod tests {
                 Arc::new(PodLoad::of(foreign_pod)),
             ],
             Some((&services, false)),
+            |ns| ns != "refused",
         );
         let k = |kind, ns: &str, name: &str| (kind, ns.to_owned(), name.to_owned());
         assert_eq!(used_below, BTreeSet::from([k(Kind::Secret, "other", "s1")]));
@@ -1558,5 +1595,22 @@ mod tests {
             ]),
             "finished pods need nothing; Services only where pods are"
         );
+        // An upper pod in a lower namespace the pod path refused brings no Service there.
+        let mut refused = pod(json!({}));
+        refused.metadata.namespace = Some("refused".into());
+        let (needed, _) = needs(
+            "c1",
+            &[Arc::new(UpperPod::of(refused))],
+            &[],
+            Some((
+                &[Arc::new(
+                    serde_json::from_value(json!({"metadata": {"name": "db", "namespace": "refused"}}))
+                        .unwrap(),
+                )],
+                false,
+            )),
+            |ns| ns != "refused",
+        );
+        assert!(needed.is_empty(), "{needed:?}");
     }
 }

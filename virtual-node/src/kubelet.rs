@@ -27,7 +27,7 @@ use tensile_common::serve::{self, Peer};
 use crate::streams;
 
 use bytes::Bytes;
-use futures::AsyncReadExt;
+use futures::{AsyncReadExt, StreamExt};
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use k8s_openapi::api::authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec};
@@ -263,12 +263,20 @@ fn verb(method: &http::Method) -> &'static str {
 pub struct KubeletState {
     pub node: String,
     pub upper_pods: Cache<crate::trim::UpperPod>,
+    /// This node's lower pods (our marks): a call goes below only to the lower pod made for
+    /// the upper pod named in the path.
+    pub lower_pods: Cache<crate::trim::LowerPod>,
+    /// The lower nodes' summaries of the last `/stats/summary` fan-out, shared by the scrapes
+    /// of the next [`SUMMARY_TTL`].
+    pub summaries: tokio::sync::Mutex<Option<(Instant, Arc<Vec<serde_json::Value>>)>>,
     /// The lower client of the kubelet API (logs, streams, usage): a
     /// [`stream_client`](tensile_common::kubeconfig::ClientSource::stream_client).
     pub lower: kube::Client,
     pub metrics: Arc<crate::metrics::Metrics>,
     pub require_client_cert: bool,
     pub authorizer: Authorizer,
+    /// Bounds of spliced exec, attach and port-forward sessions.
+    pub sessions: streams::Sessions,
 }
 
 pub async fn serve(
@@ -279,6 +287,8 @@ pub async fn serve(
     state: Arc<KubeletState>,
     stop: tokio_util::sync::CancellationToken,
 ) {
+    // Every spliced session ends with the server, also when this future is dropped.
+    let _sessions = state.sessions.stop.clone().drop_guard();
     serve::serve(listener, config, limits, counters, stop, move |req, peer| {
         let state = state.clone();
         async move { route(&state, &peer, req).await }
@@ -340,11 +350,16 @@ async fn route(state: &KubeletState, peer: &Peer, req: Request<Incoming>) -> Res
                 format!("{path}: {} takes GET or POST", target.kind.name()),
             );
         }
-        if let Err(e) = runs_here(state, &target.namespace, &target.pod, target.uid.as_deref()) {
+        let path = PodPath {
+            namespace: &target.namespace,
+            name: &target.pod,
+            uid: target.uid.as_deref(),
+        };
+        if let Err(e) = resolve_in(state, path) {
             state.metrics.stream_refused(target.kind.name(), "not_on_node");
             return streams::refusal(StatusCode::NOT_FOUND, e);
         }
-        return streams::splice(&state.lower, &state.metrics, &target, req).await;
+        return streams::splice(&state.lower, &state.metrics, &state.sessions, &target, req).await;
     }
     match segments.as_slice() {
         ["stats", "summary"] | ["metrics", "resource"] if req.method() == http::Method::GET => {
@@ -380,16 +395,29 @@ fn json(value: &serde_json::Value) -> Response<Body> {
     response
 }
 
-/// The node's summary from the lower nodes' summaries ([`crate::stats`]).
-async fn summary(state: &KubeletState) -> Result<serde_json::Value, String> {
+/// How long the lower nodes' summaries of one fan-out answer later scrapes: metrics-server
+/// and `kubectl top` scrape every 15 s or more, so a scrape storm costs one fan-out.
+pub const SUMMARY_TTL: Duration = Duration::from_secs(5);
+/// Lower nodes asked for their summary at once.
+pub const SUMMARY_CONCURRENCY: usize = 8;
+
+/// The lower nodes' summaries, from the last fan-out when it is younger than [`SUMMARY_TTL`].
+/// Concurrent scrapes wait on one fan-out instead of each starting their own.
+async fn lower_summaries(state: &KubeletState) -> Result<Arc<Vec<serde_json::Value>>, String> {
+    let mut last = state.summaries.lock().await;
+    if let Some((at, summaries)) = last.as_ref()
+        && at.elapsed() < SUMMARY_TTL
+    {
+        return Ok(summaries.clone());
+    }
     let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(state.lower.clone())
         .list_metadata(&Default::default())
         .await
         .map_err(|e| format!("the lower cluster cannot be reached: {e}"))?;
     let fetches = nodes
         .items
-        .iter()
-        .filter_map(|n| n.metadata.name.clone())
+        .into_iter()
+        .filter_map(|n| n.metadata.name)
         .map(|name| {
             let lower = state.lower.clone();
             async move {
@@ -403,29 +431,50 @@ async fn summary(state: &KubeletState) -> Result<serde_json::Value, String> {
                 serde_json::from_str::<serde_json::Value>(&text).map_err(|e| format!("{name}: {e}"))
             }
         });
+    let results: Vec<_> = futures::stream::iter(fetches)
+        .buffer_unordered(SUMMARY_CONCURRENCY)
+        .collect()
+        .await;
     let mut summaries = Vec::new();
-    for result in futures::future::join_all(fetches).await {
+    for result in results {
         match result {
             Ok(s) => summaries.push(s),
             // A node that does not answer counts as using nothing, as metrics-server skips it.
             Err(e) => tracing::debug!(error = %e, "lower node summary"),
         }
     }
+    let summaries = Arc::new(summaries);
+    *last = Some((Instant::now(), summaries.clone()));
+    Ok(summaries)
+}
+
+/// The node's summary from the lower nodes' summaries ([`crate::stats`]). A lower pod's
+/// figures are shown only for the lower pod this node made for an upper pod bound here
+/// ([`resolve`]), never for another tenant's pod of the same name.
+async fn summary(state: &KubeletState) -> Result<serde_json::Value, String> {
+    let summaries = lower_summaries(state).await?;
     let time = jiff::Timestamp::now().to_string();
     Ok(crate::stats::aggregate(
         &state.node,
         &summaries,
         &time,
-        |ns, name| {
-            let pod = state.upper_pods.get(&ObjectRef::new(name).within(ns))?;
-            let bound = pod.node.as_deref() == Some(state.node.as_str());
-            bound.then(|| {
-                (
-                    ns.to_owned(),
-                    name.to_owned(),
-                    pod.packed.metadata.uid.clone().unwrap_or_default(),
-                )
-            })
+        |ns, name, lower_uid| {
+            let upper = state.upper_pods.get(&ObjectRef::new(name).within(ns))?;
+            let lower = state.lower_pods.get(&ObjectRef::new(name).within(ns))?;
+            if lower.metadata.uid.as_deref() != Some(lower_uid) {
+                return None;
+            }
+            let path = PodPath {
+                namespace: ns,
+                name,
+                uid: None,
+            };
+            resolve(&state.node, Some(&upper), Some(&lower), path).ok()?;
+            Some((
+                ns.to_owned(),
+                name.to_owned(),
+                upper.packed.metadata.uid.clone().unwrap_or_default(),
+            ))
         },
     ))
 }
@@ -439,33 +488,70 @@ fn subresource(segments: &[&str]) -> &'static str {
     }
 }
 
-/// Whether upper pod `ns/pod` is bound to this node (and, when the path names one, has
-/// `uid`); `Err` says why not.
-fn runs_here(state: &KubeletState, ns: &str, pod: &str, uid: Option<&str>) -> Result<(), String> {
-    let found = state.upper_pods.get(&ObjectRef::new(pod).within(ns));
-    let bound = found
-        .as_ref()
-        .filter(|p| p.node.as_deref() == Some(state.node.as_str()));
-    match (bound, uid) {
-        (None, _) => Err(format!("pod {ns}/{pod} is not on node {}", state.node)),
-        (Some(p), Some(uid)) if p.packed.metadata.uid.as_deref() != Some(uid) => Err(format!(
-            "pod {ns}/{pod} on node {} has another UID than {uid}",
-            state.node
-        )),
-        (Some(_), _) => Ok(()),
+/// How a kubelet API call names a pod: upper namespace, name and, when the path has one,
+/// UID.
+#[derive(Clone, Copy, Debug)]
+pub struct PodPath<'a> {
+    pub namespace: &'a str,
+    pub name: &'a str,
+    pub uid: Option<&'a str>,
+}
+
+/// The lower pod that runs upper pod `path` for this node, or why there is none. The upper
+/// pod must be bound here (with the path's UID, when it names one), and the lower pod of that
+/// name must carry this node's marks and the upper pod's UID: an upper pod named like another
+/// tenant's lower pod (bound here by hand, refused below as a conflict) reaches nothing, and
+/// neither does a lower pod left from an earlier upper pod of the same name. The answer for
+/// "none" is a kubelet's for a pod it does not run, and no lower call is made.
+pub fn resolve(
+    node: &str,
+    upper: Option<&crate::trim::UpperPod>,
+    lower: Option<&crate::trim::LowerPod>,
+    path: PodPath<'_>,
+) -> Result<(), String> {
+    let PodPath { namespace, name, uid } = path;
+    let not_here = || format!("pod {namespace}/{name} is not running on node {node}");
+    let upper = upper
+        .filter(|p| p.node.as_deref() == Some(node))
+        .ok_or_else(not_here)?;
+    let upper_uid = upper.packed.metadata.uid.as_deref();
+    if let Some(uid) = uid
+        && upper_uid != Some(uid)
+    {
+        return Err(format!(
+            "pod {namespace}/{name} on node {node} has another UID than {uid}"
+        ));
     }
+    let lower = lower.ok_or_else(not_here)?;
+    if upper_uid.is_none() || crate::translate::upper_uid(lower) != upper_uid {
+        return Err(not_here());
+    }
+    Ok(())
+}
+
+fn resolve_in(state: &KubeletState, path: PodPath<'_>) -> Result<(), String> {
+    resolve(
+        &state.node,
+        state
+            .upper_pods
+            .get(&ObjectRef::new(path.name).within(path.namespace))
+            .as_deref(),
+        state
+            .lower_pods
+            .get(&ObjectRef::new(path.name).within(path.namespace))
+            .as_deref(),
+        path,
+    )
 }
 
 async fn logs(state: &KubeletState, ns: &str, pod: &str, container: &str, o: LogOptions) -> Response<Body> {
-    let bound_here = state
-        .upper_pods
-        .get(&ObjectRef::new(pod).within(ns))
-        .is_some_and(|p| p.node.as_deref() == Some(state.node.as_str()));
-    if !bound_here {
-        return text(
-            StatusCode::NOT_FOUND,
-            format!("pod {ns}/{pod} is not on node {}", state.node),
-        );
+    let path = PodPath {
+        namespace: ns,
+        name: pod,
+        uid: None,
+    };
+    if let Err(e) = resolve_in(state, path) {
+        return text(StatusCode::NOT_FOUND, e);
     }
     let params = LogParams {
         container: Some(container.to_owned()),
@@ -513,4 +599,96 @@ async fn logs(state: &KubeletState, ns: &str, pod: &str, container: &str, o: Log
         }
     });
     streamed(rx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trim::{UpperPod, packed_lower_pod};
+    use serde_json::json;
+    use tensile_common::names;
+
+    fn upper(node: &str, uid: &str) -> UpperPod {
+        UpperPod::of(
+            serde_json::from_value(json!({
+                "metadata": {"name": "web", "namespace": "ns", "uid": uid},
+                "spec": {"nodeName": node, "containers": [{"name": "app"}]},
+            }))
+            .unwrap(),
+        )
+    }
+
+    fn lower(upper_uid: Option<&str>) -> crate::trim::LowerPod {
+        let mut labels = json!({names::MARK_CLUSTER: "c", names::MARK_NODE: "vn"});
+        if let Some(uid) = upper_uid {
+            labels[names::MARK_UPPER_UID] = json!(uid);
+        }
+        packed_lower_pod(
+            serde_json::from_value(json!({
+                "metadata": {"name": "web", "namespace": "ns", "uid": "lower-1", "labels": labels},
+                "spec": {"containers": [{"name": "app"}]},
+            }))
+            .unwrap(),
+        )
+    }
+
+    const PATH: PodPath<'static> = PodPath {
+        namespace: "ns",
+        name: "web",
+        uid: None,
+    };
+
+    #[test]
+    fn only_the_lower_pod_made_for_the_upper_pod_bound_here_is_reached() {
+        let ours = lower(Some("u-1"));
+        assert_eq!(
+            resolve("vn", Some(&upper("vn", "u-1")), Some(&ours), PATH),
+            Ok(())
+        );
+        let with_uid = PodPath {
+            uid: Some("u-1"),
+            ..PATH
+        };
+        assert_eq!(
+            resolve("vn", Some(&upper("vn", "u-1")), Some(&ours), with_uid),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn an_upper_pod_named_like_a_foreign_or_stale_lower_pod_reaches_nothing() {
+        let not_here = Err("pod ns/web is not running on node vn".to_owned());
+        // Another tenant's pod of the same name is not in this node's cache at all.
+        assert_eq!(resolve("vn", Some(&upper("vn", "u-1")), None, PATH), not_here);
+        // A lower pod of ours made for an earlier upper pod of the same name.
+        assert_eq!(
+            resolve("vn", Some(&upper("vn", "u-2")), Some(&lower(Some("u-1"))), PATH),
+            not_here
+        );
+        // A lower pod with our node marks but no upper UID.
+        assert_eq!(
+            resolve("vn", Some(&upper("vn", "u-1")), Some(&lower(None)), PATH),
+            not_here
+        );
+        // An upper pod bound elsewhere, or none.
+        assert_eq!(
+            resolve(
+                "vn",
+                Some(&upper("other", "u-1")),
+                Some(&lower(Some("u-1"))),
+                PATH
+            ),
+            not_here
+        );
+        assert_eq!(resolve("vn", None, Some(&lower(Some("u-1"))), PATH), not_here);
+        // The path names another UID than the upper pod's.
+        let stale = PodPath {
+            uid: Some("u-0"),
+            ..PATH
+        };
+        assert_eq!(
+            resolve("vn", Some(&upper("vn", "u-1")), Some(&lower(Some("u-1"))), stale),
+            Err("pod ns/web on node vn has another UID than u-0".to_owned())
+        );
+    }
 }

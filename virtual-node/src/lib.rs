@@ -188,6 +188,15 @@ pub struct KubeletArgs {
     #[arg(long = "kubelet-idle-timeout-seconds", env = "TENSILE_KUBELET_IDLE_TIMEOUT_SECONDS",
           default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub idle_timeout_seconds: u64,
+    /// Exec, attach and port-forward sessions at once at most; more are refused (503).
+    #[arg(long = "kubelet-max-stream-sessions", env = "TENSILE_KUBELET_MAX_STREAM_SESSIONS",
+          default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_stream_sessions: u32,
+    /// Seconds an exec, attach or port-forward session may pass without a byte either way
+    /// before it is closed (the kubelet's --streaming-connection-idle-timeout, 4 h).
+    #[arg(long = "stream-idle-timeout-seconds", env = "TENSILE_STREAM_IDLE_TIMEOUT_SECONDS",
+          default_value_t = 14400, value_parser = clap::value_parser!(u64).range(1..))]
+    pub stream_idle_timeout_seconds: u64,
 }
 
 /// See [`KubeletArgs::authorization`].
@@ -577,6 +586,11 @@ async fn compose(
         watcher::Config::default(),
         &volumes_changed,
     );
+    let (upper_classes, upper_classes_watch) = watched::<k8s_openapi::api::storage::v1::StorageClass>(
+        Api::all(upper.clone()),
+        watcher::Config::default(),
+        &volumes_changed,
+    );
     let node_marks = || watcher::Config::default().labels(&identity.selector());
     let (upper_volumes, upper_volumes_watch) =
         watched::<PersistentVolume>(Api::all(upper.clone()), node_marks(), &volumes_changed);
@@ -616,6 +630,8 @@ async fn compose(
     );
     let lower_limit = ratelimit::TokenBucket::new(args.lower.client_qps, args.lower.client_burst);
     let upper_limit = ratelimit::TokenBucket::new(args.upper.upper_qps, args.upper.upper_burst);
+    // Lower namespaces the pod path judged usable; Service reflection keeps to them.
+    let usable_namespaces: Arc<std::sync::Mutex<std::collections::HashSet<String>>> = Arc::default();
     let copies = Arc::new(copies::Copies {
         upper: upper.clone(),
         lower: lower.clone(),
@@ -633,6 +649,7 @@ async fn compose(
         unreferenced_since: Default::default(),
         conflicts: Default::default(),
         services,
+        usable_namespaces: usable_namespaces.clone(),
         events: events.clone(),
         pass_deadline: Duration::from_secs(args.reconcile_timeout),
     });
@@ -650,9 +667,11 @@ async fn compose(
         lower_limit: lower_limit.clone(),
         metrics: metrics.clone(),
         classes: Default::default(),
+        upper_classes,
         refused_expansions: Default::default(),
         pass_deadline: Duration::from_secs(args.reconcile_timeout),
     });
+    let lower_health = Arc::new(node::LowerHealth::default());
     let ctx = Arc::new(pods::Context {
         upper: upper.clone(),
         lower: lower.clone(),
@@ -674,13 +693,14 @@ async fn compose(
         started: Instant::now(),
         lost_grace: Duration::from_secs(10),
         cluster_name: lower_name,
-        known_namespaces: Default::default(),
+        known_namespaces: usable_namespaces,
         shared_namespaces: args.reflection.shared_namespaces.clone(),
         known_priority_classes: Default::default(),
         first_status_held: Default::default(),
         retries: Default::default(),
         settled: Default::default(),
         reconcile_timeout: Duration::from_secs(args.reconcile_timeout),
+        lower_health: lower_health.clone(),
     });
 
     let mut settings = NodeSettings::new(
@@ -708,14 +728,21 @@ async fn compose(
         changed,
         metrics: metrics.clone(),
         upper_node,
+        lower_health,
     };
     let kubelet_state = Arc::new(KubeletState {
         node: identity.node.clone(),
         upper_pods: upper_pods.clone(),
+        lower_pods: lower_pods.clone(),
+        summaries: Default::default(),
         lower: lower_streams,
         metrics: metrics.clone(),
         require_client_cert: matches!(auth, ClientAuth::Ca(_)),
         authorizer,
+        sessions: streams::Sessions::new(
+            args.kubelet.max_stream_sessions as usize,
+            Duration::from_secs(args.kubelet.stream_idle_timeout_seconds),
+        ),
     });
     let kubelet_limits = tensile_common::serve::Limits {
         max_connections: args.kubelet.max_connections as usize,
@@ -747,7 +774,12 @@ async fn compose(
                 lower_pods.synced().await;
                 lower_all.synced().await;
             };
-            if stop.run_until_cancelled(synced).await.is_none() {
+            // Heartbeats start as soon as this replica acts, before the caches finish listing.
+            if stop
+                .run_until_cancelled(node_loop.beat_until(synced))
+                .await
+                .is_none()
+            {
                 return;
             }
             readiness.say(true, leading);
@@ -791,7 +823,12 @@ async fn compose(
     });
     tasks.spawn("the copy resync", copies.run(copies_changed));
     tasks.spawn("the claim and volume watches", async move {
-        tokio::join!(upper_claims_watch, upper_volumes_watch, lower_claims_watch);
+        tokio::join!(
+            upper_claims_watch,
+            upper_volumes_watch,
+            lower_claims_watch,
+            upper_classes_watch
+        );
     });
     tasks.spawn("the volume resync", volumes.run(volumes_changed));
     tasks.spawn_graceful("the kubelet API", move |stop| {

@@ -20,6 +20,28 @@ use crate::metrics::Metrics;
 use crate::translate::Identity;
 use crate::trim::PodLoad;
 
+/// Whether the lower cluster answers, as the node loop last judged it (Ready), shared with
+/// the pod controller: while it does not, no status comes up from the stale cache.
+#[derive(Debug)]
+pub struct LowerHealth(std::sync::atomic::AtomicBool);
+
+impl Default for LowerHealth {
+    /// Reachable until a probe says otherwise: the caches synced from it at start.
+    fn default() -> Self {
+        LowerHealth(std::sync::atomic::AtomicBool::new(true))
+    }
+}
+
+impl LowerHealth {
+    pub fn reachable(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn set(&self, reachable: bool) {
+        self.0.store(reachable, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Settings of the node loop.
 #[derive(Clone, Debug)]
 pub struct NodeSettings {
@@ -59,23 +81,24 @@ impl NodeSettings {
 /// The Ready verdict of one round. `probe`: whether the lower apiserver answered; `failures`:
 /// failed probes in a row, this one included; `was_ready`: the previous verdict; and how many
 /// usable lower nodes the caches show. One failed probe may be a blip; two in a row are an
-/// outage.
+/// outage. Ready says only whether the lower cluster answers: a lower cluster whose nodes are
+/// all cordoned or not Ready still runs its pods, so it is shown as no room (capacity and
+/// allocatable zero) and a condition that says why, never as NotReady, which would make the
+/// upper node lifecycle controller evict every pod of the node.
 fn judge(probe: Result<(), String>, failures: u32, was_ready: bool, usable_nodes: usize) -> Health {
+    let nodes_usable = usable_nodes > 0;
     match probe {
-        Ok(()) if usable_nodes == 0 => Health {
-            ready: false,
-            reason: "NoUsableLowerNodes",
-            message: "the lower cluster has no Ready schedulable node".into(),
-        },
         Ok(()) => Health {
             ready: true,
             reason: "LowerClusterReady",
             message: format!("the lower cluster answers and has {usable_nodes} usable node(s)"),
+            nodes_usable,
         },
         Err(e) => Health {
             ready: failures < 2 && was_ready,
             reason: "LowerClusterUnreachable",
             message: format!("the lower cluster's apiserver does not answer: {e}"),
+            nodes_usable,
         },
     }
 }
@@ -102,6 +125,8 @@ struct Health {
     ready: bool,
     reason: &'static str,
     message: String,
+    /// Some lower node is Ready and schedulable (the `tensile.io/LowerNodesUsable` condition).
+    nodes_usable: bool,
 }
 
 /// What one round of the node loop sees.
@@ -215,6 +240,8 @@ pub struct NodeLoop {
     pub metrics: Arc<Metrics>,
     /// Watch of our own upper Node: when it vanishes, the node is registered again at once.
     pub upper_node: Cache<Node>,
+    /// Set from each round's Ready verdict, for the pod controller.
+    pub lower_health: Arc<LowerHealth>,
 }
 
 /// The merge patch that brings `node` to `labels` (every label the virtual node sets), with
@@ -278,6 +305,34 @@ pub fn metadata_patch(
         patch["metadata"]["resourceVersion"] = json!(node.metadata.resource_version);
     }
     (patch != json!({})).then_some(patch)
+}
+
+/// Resources every virtual node states, at zero when no lower node offers them, so that a
+/// lower cluster without usable nodes shows no room instead of the last figures.
+const STATED_RESOURCES: [&str; 3] = ["cpu", "memory", "pods"];
+
+/// The `capacity` or `allocatable` map of a status patch: `now`, the resources every node
+/// states at zero when absent, and a removal (`null`) for each resource the Node shows that
+/// no lower node offers any more (a strategic merge keeps keys a patch leaves out).
+fn resources_patch(
+    now: &tensile_common::quantity::ResourceMap,
+    shown: Option<&BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>,
+) -> Value {
+    let mut out: serde_json::Map<String, Value> =
+        now.to_strings().into_iter().map(|(k, v)| (k, json!(v))).collect();
+    for name in STATED_RESOURCES {
+        out.entry(name).or_insert_with(|| json!("0"));
+    }
+    for name in shown.into_iter().flat_map(|m| m.keys()) {
+        out.entry(name.clone()).or_insert(Value::Null);
+    }
+    Value::Object(out)
+}
+
+/// When each condition of the node last changed (RFC 3339).
+struct Since {
+    ready: String,
+    nodes_usable: String,
 }
 
 use tensile_common::api::now;
@@ -503,7 +558,7 @@ impl NodeLoop {
         &self,
         cap: &Capacity,
         health: &Health,
-        ready_since: &str,
+        since: &Since,
         started: &str,
         version: &str,
     ) -> Value {
@@ -512,11 +567,29 @@ impl NodeLoop {
             json!({"type": kind, "status": status, "reason": reason, "message": message,
                    "lastHeartbeatTime": now, "lastTransitionTime": since})
         };
+        let shown = self
+            .upper_node
+            .get(&kube::runtime::reflector::ObjectRef::new(self.name()));
+        let shown = shown.as_ref().and_then(|n| n.status.as_ref());
+        let (usable, usable_reason, usable_message) = if health.nodes_usable {
+            (
+                "True",
+                "UsableLowerNodes",
+                "the lower cluster has a Ready schedulable node",
+            )
+        } else {
+            (
+                "False",
+                "NoUsableLowerNodes",
+                "no lower node is Ready and schedulable (cordoned or not Ready): the node offers no room until one is; its pods keep running below",
+            )
+        };
         json!({"status": {
-            "capacity": cap.capacity.to_strings(),
-            "allocatable": cap.allocatable.to_strings(),
+            "capacity": resources_patch(&cap.capacity, shown.and_then(|s| s.capacity.as_ref())),
+            "allocatable": resources_patch(&cap.allocatable, shown.and_then(|s| s.allocatable.as_ref())),
             "conditions": [
-                cond("Ready", if health.ready { "True" } else { "False" }, health.reason, &health.message, ready_since),
+                cond("Ready", if health.ready { "True" } else { "False" }, health.reason, &health.message, &since.ready),
+                cond(names::CONDITION_LOWER_NODES_USABLE, usable, usable_reason, usable_message, &since.nodes_usable),
                 cond("MemoryPressure", "False", "LowerClusterHasNoPressure", "memory pressure is handled by the lower cluster", started),
                 cond("DiskPressure", "False", "LowerClusterHasNoPressure", "disk pressure is handled by the lower cluster", started),
                 cond("PIDPressure", "False", "LowerClusterHasNoPressure", "PID pressure is handled by the lower cluster", started),
@@ -535,18 +608,11 @@ impl NodeLoop {
     }
 
     async fn renew_lease(&self) -> Result<(), kube::Error> {
+        if self.renew_existing_lease().await? {
+            return Ok(());
+        }
         let leases: Api<Lease> = Api::namespaced(self.upper(), "kube-node-lease");
         let micro = tensile_common::api::now_micro();
-        let renew =
-            json!({"spec": {"renewTime": micro, "holderIdentity": self.name(), "leaseDurationSeconds": 40}});
-        match leases
-            .patch(self.name(), &PatchParams::default(), &Patch::Merge(&renew))
-            .await
-        {
-            Ok(_) => return Ok(()),
-            Err(kube::Error::Api(s)) if s.code == 404 => {}
-            Err(e) => return Err(e),
-        }
         let node = Api::<Node>::all(self.upper()).get(self.name()).await?;
         let lease: Lease = serde_json::from_value(json!({
             "metadata": {"name": self.name(), "namespace": "kube-node-lease",
@@ -562,11 +628,56 @@ impl NodeLoop {
         }
     }
 
+    /// Keeps an already registered node's Lease renewed until `synced` completes (the caches
+    /// listed): on a large lower cluster the first list can outlast the upper node-monitor
+    /// grace, and a restart or failover would then flap the node NotReady. The Lease is
+    /// renewed only while the lower apiserver answers its probe (a lower cluster that does not
+    /// answer is not vouched for); a Lease that does not exist yet is left to registration,
+    /// which waits for the caches.
+    pub async fn beat_until(&self, synced: impl std::future::Future<Output = ()>) {
+        tokio::pin!(synced);
+        loop {
+            if self.probe().await.is_ok() {
+                match self.renew_existing_lease().await {
+                    Ok(true) => tracing::debug!(node = self.name(), "lease renewed while the caches list"),
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(node = self.name(), "lease: {e}");
+                        self.reconnect_after(&e);
+                    }
+                }
+            }
+            tokio::select! {
+                _ = &mut synced => return,
+                _ = tokio::time::sleep(self.settings.lease_period) => {}
+            }
+        }
+    }
+
+    /// Renews the node's Lease if it exists (`false` when it does not).
+    async fn renew_existing_lease(&self) -> Result<bool, kube::Error> {
+        let leases: Api<Lease> = Api::namespaced(self.upper(), "kube-node-lease");
+        let renew = json!({"spec": {"renewTime": tensile_common::api::now_micro(),
+                                    "holderIdentity": self.name(), "leaseDurationSeconds": 40}});
+        match leases
+            .patch(self.name(), &PatchParams::default(), &Patch::Merge(&renew))
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Runs forever: probe, recompute, patch status on change or when due, renew the lease,
     /// and recreate the Node if someone deleted it.
     pub async fn run(self, stop: tensile_common::runtime::CancellationToken) {
         let started = now();
-        let mut ready_since = started.clone();
+        let mut since = Since {
+            ready: started.clone(),
+            nodes_usable: started.clone(),
+        };
+        let mut was_usable = None;
         let mut version = String::new();
         let mut state = Heartbeat::default();
         loop {
@@ -592,8 +703,12 @@ impl NodeLoop {
             let round = state.round(&seen, self.settings.status_period, self.settings.lease_period);
             let (health, cap) = (round.health, seen.capacity);
             self.metrics.lower_ready.set(i64::from(health.ready));
+            self.lower_health.set(health.ready);
+            if was_usable.replace(health.nodes_usable) != Some(health.nodes_usable) {
+                since.nodes_usable = now();
+            }
             if round.ready_changed {
-                ready_since = now();
+                since.ready = now();
                 tracing::info!(
                     node = self.name(),
                     ready = health.ready,
@@ -622,7 +737,7 @@ impl NodeLoop {
             }
             if state.registered && round.write_status {
                 let nodes: Api<Node> = Api::all(self.upper());
-                let body = self.status_body(&cap, &health, &ready_since, &started, &version);
+                let body = self.status_body(&cap, &health, &since, &started, &version);
                 match nodes
                     .patch_status(self.name(), &PatchParams::default(), &Patch::Strategic(&body))
                     .await
@@ -723,10 +838,43 @@ mod tests {
     }
 
     #[test]
-    fn a_lower_cluster_without_usable_nodes_is_not_ready_and_says_why() {
+    fn a_lower_cluster_without_usable_nodes_stays_ready_and_says_it_has_no_room() {
         let h = judge(Ok(()), 0, true, 0);
-        assert!(!h.ready);
-        assert_eq!(h.reason, "NoUsableLowerNodes");
+        assert!(h.ready, "cordoned lower nodes still run their pods");
+        assert!(!h.nodes_usable);
+        assert!(judge(Ok(()), 0, true, 2).nodes_usable);
+    }
+
+    #[test]
+    fn resources_no_lower_node_offers_are_zero_or_removed() {
+        let shown: BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity> = [
+            ("cpu", "8"),
+            ("memory", "16Gi"),
+            ("pods", "220"),
+            ("nvidia.com/gpu", "2"),
+        ]
+        .into_iter()
+        .map(|(k, v)| {
+            (
+                k.to_owned(),
+                k8s_openapi::apimachinery::pkg::api::resource::Quantity(v.into()),
+            )
+        })
+        .collect();
+        let none = tensile_common::quantity::ResourceMap::default();
+        assert_eq!(
+            resources_patch(&none, Some(&shown)),
+            json!({"cpu": "0", "memory": "0", "pods": "0", "nvidia.com/gpu": null})
+        );
+        let pairs = [
+            ("cpu".to_owned(), "4".to_owned()),
+            ("pods".to_owned(), "110".to_owned()),
+        ];
+        let (some, _) = tensile_common::quantity::ResourceMap::parse(pairs.iter().map(|(k, v)| (k, v)));
+        assert_eq!(
+            resources_patch(&some, None),
+            json!({"cpu": "4", "memory": "0", "pods": "110"})
+        );
     }
 
     #[test]

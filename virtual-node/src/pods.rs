@@ -50,7 +50,7 @@ pub struct Context {
     /// Upper pods (by UID) whose first status write is held back, and since when.
     pub first_status_held: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
     /// Lower namespaces known to exist and usable.
-    pub known_namespaces: std::sync::Mutex<std::collections::HashSet<String>>,
+    pub known_namespaces: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     /// Lower namespaces pods may share with others (`--shared-namespaces`; `*`: any).
     pub shared_namespaces: Vec<String>,
     /// Lower PriorityClasses known to exist.
@@ -61,6 +61,8 @@ pub struct Context {
     pub settled: Settled,
     /// One reconcile's deadline.
     pub reconcile_timeout: Duration,
+    /// Whether the lower cluster answers, as the node loop last judged it.
+    pub lower_health: Arc<crate::node::LowerHealth>,
 }
 
 /// Per-key retry delays: 1 s doubling to 5 min, forgotten on success.
@@ -245,7 +247,12 @@ pub fn decide(upper: &Pod, lower: Option<&Pod>, view: &View<'_>) -> Step {
     if let Some(l) = lower
         && translate::upper_uid(l) != Some(upper_uid.as_str())
     {
-        return Step::DeleteStale;
+        // One delete starts it; while it terminates there is nothing to send again.
+        return if l.metadata.deletion_timestamp.is_some() {
+            Step::AwaitLowerGone
+        } else {
+            Step::DeleteStale
+        };
     }
     // Deletion flows down, then up: the lower pod stops with the same grace; once it is
     // gone, the upper pod is released. A grace shortened upstream while the lower pod is
@@ -299,28 +306,29 @@ pub fn decide(upper: &Pod, lower: Option<&Pod>, view: &View<'_>) -> Step {
             };
         }
     }
-    let desired = match view.translation.lower_pod(upper) {
-        Ok(d) => d,
-        Err(e) => {
+    // The translation (and the stash's signature with it) guards the create only: a pod
+    // that runs below always gets its status, even when its stash is no longer trusted (a
+    // key turned on or rotated later); nothing of such a stash goes below.
+    match (lower, view.translation.lower_pod(upper)) {
+        (None, Ok(desired)) => Step::Create {
+            desired: Box::new(desired),
+            lost,
+        },
+        (None, Err(e)) => {
             let reason = match e {
                 translate::Error::UntrustedStash(_) => "StashNotTrusted",
                 _ => "InvalidPod",
             };
-            return Step::Refuse {
+            Step::Refuse {
                 reason,
                 event: reason,
                 message: e.to_string(),
-            };
+            }
         }
-    };
-    match lower {
-        None => Step::Create {
-            desired: Box::new(desired),
-            lost,
-        },
-        Some(l) => Step::Sync {
+        (Some(l), Ok(desired)) => Step::Sync {
             patch: view.translation.update_patch(&desired, l),
         },
+        (Some(_), Err(_)) => Step::Sync { patch: None },
     }
 }
 
@@ -333,7 +341,11 @@ async fn reconcile_inner(kept: &UpperPod, ctx: &Context) -> Result<Action, Error
         .lower_pods
         .get(&ObjectRef::new(&name).within(&ns))
         .filter(|l| ctx.translation.identity.owns(&l.metadata));
-    if lower.as_ref().is_some_and(|l| ctx.settled.holds(kept, &**l)) {
+    // While the lower cluster does not answer, its cache is stale: the status it implies is
+    // not written (it would undo the node lifecycle controller's marking of the pods not
+    // ready), nor is a settled pod taken as current; the pod is looked at again shortly.
+    let reachable = ctx.lower_health.reachable();
+    if reachable && lower.as_ref().is_some_and(|l| ctx.settled.holds(kept, &**l)) {
         return Ok(Action::requeue(STATUS_RECHECK));
     }
     let upper = &kept.pod().map_err(|e| Error::Cache("upper pod", e))?;
@@ -402,6 +414,7 @@ async fn reconcile_inner(kept: &UpperPod, ctx: &Context) -> Result<Action, Error
             }
             create_lower(ctx, upper, &lower_pods, &desired).await
         }
+        (Step::Sync { .. }, Some(_)) if !reachable => Ok(Action::requeue(UNREACHABLE_RECHECK)),
         (Step::Sync { patch }, Some(l)) => {
             let agree = patch.is_none();
             if let Some(patch) = patch {
@@ -505,9 +518,18 @@ async fn create_in_namespace(
 ) -> Result<Action, Error> {
     let name = upper.name_any();
     let ns = upper.namespace().unwrap_or_default();
+    let claims = crate::volumes::claims(upper);
+    // Nothing is written below for a pod that is refused: a same-named pod of someone else
+    // is looked for before any copy or claim is made (a pod that needs none finds it with
+    // its create).
+    if (!claims.is_empty() || !crate::copies::upper_references(upper).is_empty())
+        && let Some(action) = foreign_pod_below(ctx, upper, lower_pods).await?
+    {
+        return Ok(action);
+    }
     // What the pod references is below before the pod is.
     let mut blocked = ctx.copies.prepare(upper).await?;
-    for claim in crate::volumes::claims(upper) {
+    for claim in claims {
         if blocked.is_err() {
             break;
         }
@@ -523,6 +545,15 @@ async fn create_in_namespace(
     let mut desired = desired.clone();
     if let Some(spec) = desired.spec.as_mut() {
         crate::copies::drop_absent(spec, &absent);
+        // The references that travelled, recorded: copies follow them, not what lower
+        // admission adds to the spec.
+        let travelled = crate::copies::references(spec, |_| true);
+        let record = crate::copies::encode_references(travelled.iter().map(|r| (r.kind, r.name.as_str())));
+        desired
+            .metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(names::LOWER_POD_REFERENCES.to_owned(), record);
         // A PriorityClass only the upper cluster has would fail the create below (the
         // Priority admission plugin refuses unknown names): the pod runs there at the lower
         // cluster's default priority instead.
@@ -557,23 +588,7 @@ async fn create_in_namespace(
                 Some(p) if ctx.translation.identity.owns(&p.metadata) => {
                     Ok(Action::requeue(Duration::from_secs(1)))
                 }
-                Some(_) => {
-                    let msg = format!(
-                        "lower cluster {} already has a pod {ns}/{name} not created by this virtual node; it is left untouched",
-                        ctx.cluster_name
-                    );
-                    set_condition(
-                        ctx,
-                        upper,
-                        names::CONDITION_LOWER_SYNCED,
-                        "False",
-                        "Conflict",
-                        &msg,
-                    )
-                    .await?;
-                    event(ctx, upper, EventType::Warning, "LowerPodConflict", &msg);
-                    Ok(Action::requeue(Duration::from_secs(30)))
-                }
+                Some(_) => pod_conflict(ctx, upper).await,
                 None => Ok(Action::requeue(Duration::from_secs(1))),
             }
         }
@@ -597,6 +612,54 @@ async fn create_in_namespace(
             Err(verb_err)
         }
     }
+}
+
+/// The answer when the lower cluster has a same-named pod without this node's marks: it is
+/// left untouched, and the upper pod says so (condition and event).
+async fn pod_conflict(ctx: &Context, upper: &Pod) -> Result<Action, Error> {
+    let (ns, name) = (upper.namespace().unwrap_or_default(), upper.name_any());
+    let msg = format!(
+        "lower cluster {} already has a pod {ns}/{name} not created by this virtual node; it is left untouched",
+        ctx.cluster_name
+    );
+    if !synced_says(upper, |c| c.message.as_deref() == Some(msg.as_str())) {
+        event(ctx, upper, EventType::Warning, "LowerPodConflict", &msg);
+    }
+    set_condition(
+        ctx,
+        upper,
+        names::CONDITION_LOWER_SYNCED,
+        "False",
+        "Conflict",
+        &msg,
+    )
+    .await?;
+    Ok(Action::requeue(Duration::from_secs(30)))
+}
+
+/// `Some` (the conflict answer) when the lower cluster has a pod of `upper`'s name that is
+/// not this node's: from the cache of every unfinished lower pod, else one read (a finished
+/// pod holds the name too).
+async fn foreign_pod_below(
+    ctx: &Context,
+    upper: &Pod,
+    lower_pods: &Api<Pod>,
+) -> Result<Option<Action>, Error> {
+    let (ns, name) = (upper.namespace().unwrap_or_default(), upper.name_any());
+    let identity = &ctx.translation.identity;
+    let cached = ctx.copies.lower_pods.get(&ObjectRef::new(&name).within(&ns));
+    let foreign = match cached {
+        Some(load) => !identity.owns(&load.metadata),
+        None => lower_pods
+            .get_metadata_opt(&name)
+            .await
+            .map_err(Error::api("lower", "get", format!("pod {ns}/{name}")))?
+            .is_some_and(|p| !identity.owns(&p.metadata)),
+    };
+    if foreign {
+        return pod_conflict(ctx, upper).await.map(Some);
+    }
+    Ok(None)
 }
 
 async fn ensure_namespace(ctx: &Context, ns: &str) -> Result<Result<(), Blocked>, Error> {
@@ -738,6 +801,9 @@ async fn patch_upper_status(ctx: &Context, upper: &Pod, mut status: serde_json::
 /// burst the upper apiserver's write latency is what status waits on, so every write saved
 /// shortens everyone's wait.
 const FIRST_STATUS_DELAY: Duration = Duration::from_secs(2);
+
+/// How often a pod of a lower cluster that does not answer is looked at again.
+const UNREACHABLE_RECHECK: Duration = Duration::from_secs(5);
 
 /// How often a pod whose status is current is looked at again without any event.
 const STATUS_RECHECK: Duration = Duration::from_secs(300);
@@ -1180,6 +1246,34 @@ mod tests {
         };
         assert_eq!(reason, "InvalidPod");
         assert!(!message.is_empty());
+    }
+
+    #[test]
+    fn a_running_pod_whose_stash_is_no_longer_accepted_keeps_its_status_coming_up() {
+        let t = translation();
+        let running = upper(json!({}));
+        let below = lower_of(&running, json!({"status": {"phase": "Running"}}));
+        // The stash is replaced by one that does not verify (a key turned on or rotated
+        // later, an edit): nothing of it goes below, the status still comes up.
+        let edited = upper(json!({"metadata": {"annotations": {names::CLUSTER_SELECTOR: "{not json"}}}));
+        assert_eq!(
+            decide(&edited, Some(&below), &view(&t)),
+            Step::Sync { patch: None }
+        );
+    }
+
+    #[test]
+    fn a_stale_lower_pod_gets_one_delete_then_is_awaited() {
+        let t = translation();
+        let old = upper(json!({"metadata": {"uid": "u0"}}));
+        let stopping = lower_of(
+            &old,
+            json!({"metadata": {"deletionTimestamp": "2024-01-01T00:00:01Z"}}),
+        );
+        assert_eq!(
+            decide(&upper(json!({})), Some(&stopping), &view(&t)),
+            Step::AwaitLowerGone
+        );
     }
 
     #[test]

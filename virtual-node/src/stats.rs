@@ -52,12 +52,12 @@ impl Usage {
 pub type Upper = (String, String, String);
 
 /// One summary for the virtual node `node` from the lower nodes' `summaries`; `upper` maps a
-/// lower pod's namespace and name to its upper identity (`None`: not this node's).
+/// lower pod's namespace, name and UID to its upper identity (`None`: not this node's).
 pub fn aggregate(
     node: &str,
     summaries: &[Value],
     time: &str,
-    upper: impl Fn(&str, &str) -> Option<Upper>,
+    upper: impl Fn(&str, &str, &str) -> Option<Upper>,
 ) -> Value {
     let mut total = Usage::default();
     let mut pods = Vec::new();
@@ -72,10 +72,14 @@ pub fn aggregate(
             .flatten()
         {
             let reference = &pod["podRef"];
-            let (Some(ns), Some(name)) = (reference["namespace"].as_str(), reference["name"].as_str()) else {
+            let (Some(ns), Some(name), Some(lower_uid)) = (
+                reference["namespace"].as_str(),
+                reference["name"].as_str(),
+                reference["uid"].as_str(),
+            ) else {
                 continue;
             };
-            let Some((ns, name, uid)) = upper(ns, name) else {
+            let Some((ns, name, uid)) = upper(ns, name, lower_uid) else {
                 continue;
             };
             let mut pod = pod.clone();
@@ -208,7 +212,8 @@ mod tests {
             lower("a", &[("ns", "mine", 7), ("ns", "foreign", 9)]),
             lower("b", &[]),
         ];
-        let s = aggregate("vn", &summaries, "t", |ns, name| {
+        let s = aggregate("vn", &summaries, "t", |ns, name, lower_uid| {
+            assert_eq!(lower_uid, "lower-uid", "the lower pod's UID is passed on");
             (name == "mine").then(|| (ns.to_owned(), name.to_owned(), "upper-uid".to_owned()))
         });
         assert_eq!(s["node"]["nodeName"], "vn");

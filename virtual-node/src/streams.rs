@@ -257,14 +257,120 @@ pub fn lower_refusal(kind: Kind, code: u16, body: &[u8]) -> (StatusCode, String)
     }
 }
 
+/// What bounds spliced sessions: how many at once, how long one may stay silent, and the
+/// token that ends every one (cancelled when the kubelet API stops, so no session outlives
+/// the process's leadership or a shutdown).
+#[derive(Clone, Debug)]
+pub struct Sessions {
+    pub slots: Arc<tokio::sync::Semaphore>,
+    pub idle: std::time::Duration,
+    pub stop: tokio_util::sync::CancellationToken,
+}
+
+impl Sessions {
+    pub fn new(max: usize, idle: std::time::Duration) -> Self {
+        Sessions {
+            slots: Arc::new(tokio::sync::Semaphore::new(max)),
+            idle,
+            stop: tokio_util::sync::CancellationToken::new(),
+        }
+    }
+}
+
+/// An upgraded connection that records when bytes last went through it either way.
+struct Watched<T> {
+    inner: T,
+    last: Arc<std::sync::Mutex<tokio::time::Instant>>,
+}
+
+impl<T> Watched<T> {
+    fn touch(&self) {
+        if let Ok(mut last) = self.last.lock() {
+            *last = tokio::time::Instant::now();
+        }
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<T> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(polled, std::task::Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.touch();
+        }
+        polled
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<T> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let polled = std::pin::Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(polled, std::task::Poll::Ready(Ok(n)) if n > 0) {
+            self.touch();
+        }
+        polled
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Resolves once `last` is `idle` old.
+async fn silent_for(last: &std::sync::Mutex<tokio::time::Instant>, idle: std::time::Duration) {
+    loop {
+        let since = last
+            .lock()
+            .map(|l| *l)
+            .unwrap_or_else(|_| tokio::time::Instant::now());
+        let deadline = since + idle;
+        if tokio::time::Instant::now() >= deadline {
+            return;
+        }
+        tokio::time::sleep_until(deadline).await;
+    }
+}
+
 /// Opens the upgrade below for `target` and, once the lower side answered `101`, answers
-/// the upper caller the same and splices the two connections in a task of its own.
+/// the upper caller the same and splices the two connections in a task of its own. At most
+/// `sessions.slots` sessions run at once (more are refused, 503); a session with no byte
+/// either way for `sessions.idle` is closed, as the kubelet's
+/// `--streaming-connection-idle-timeout` closes one; all end when `sessions.stop` fires.
 pub async fn splice(
     lower: &kube::Client,
     metrics: &Arc<Metrics>,
+    sessions: &Sessions,
     target: &Target,
     mut req: Request<Incoming>,
 ) -> Response<Body> {
+    let Ok(slot) = sessions.slots.clone().try_acquire_owned() else {
+        metrics.stream_refused(target.kind.name(), "too_many_sessions");
+        return refusal(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "the virtual node runs as many {} sessions as it may (--kubelet-max-stream-sessions); try again later",
+                target.kind.name()
+            ),
+        );
+    };
     if !is_upgrade(req.headers()) {
         return refusal(
             StatusCode::BAD_REQUEST,
@@ -330,8 +436,9 @@ pub async fn splice(
     let session = metrics.stream_opened(target.kind.name());
     let label = format!("{}/{}", target.namespace, target.pod);
     let kind = target.kind.name();
+    let (idle, stop) = (sessions.idle, sessions.stop.clone());
     tokio::spawn(async move {
-        let _session = session;
+        let (_session, _slot) = (session, slot);
         let upper_io = match upper_upgrade.await {
             Ok(io) => io,
             Err(e) => {
@@ -339,17 +446,29 @@ pub async fn splice(
                 return;
             }
         };
-        let mut upper_io = hyper_util::rt::TokioIo::new(upper_io);
+        let last = Arc::new(std::sync::Mutex::new(tokio::time::Instant::now()));
+        let mut upper_io = Watched {
+            inner: hyper_util::rt::TokioIo::new(upper_io),
+            last: last.clone(),
+        };
         let mut lower_io = hyper_util::rt::TokioIo::new(lower_io);
         // On EOF from one side the other side's write half is shut down and the other
         // direction goes on (a half-close passes through); an error ends both.
-        match tokio::io::copy_bidirectional_with_sizes(&mut upper_io, &mut lower_io, 64 * 1024, 64 * 1024)
-            .await
-        {
-            Ok((up, down)) => {
-                tracing::debug!(pod = %label, kind, to_lower = up, to_upper = down, "stream session ended")
+        let copy =
+            tokio::io::copy_bidirectional_with_sizes(&mut upper_io, &mut lower_io, 64 * 1024, 64 * 1024);
+        tokio::select! {
+            copied = copy => match copied {
+                Ok((up, down)) => {
+                    tracing::debug!(pod = %label, kind, to_lower = up, to_upper = down, "stream session ended")
+                }
+                Err(e) => tracing::debug!(pod = %label, kind, error = %e, "stream session ended with an error"),
+            },
+            _ = silent_for(&last, idle) => {
+                tracing::info!(pod = %label, kind, idle_seconds = idle.as_secs(), "stream session closed: idle");
             }
-            Err(e) => tracing::debug!(pod = %label, kind, error = %e, "stream session ended with an error"),
+            _ = stop.cancelled() => {
+                tracing::info!(pod = %label, kind, "stream session closed: the kubelet API stopped");
+            }
         }
     });
     let mut response = Response::new(http_body_util::Full::new(Bytes::new()).boxed());

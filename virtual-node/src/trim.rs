@@ -37,7 +37,8 @@ pub struct PodLoad {
     pub requests: ResourceMap,
     /// Finished (Succeeded or Failed): it holds nothing on its node.
     pub terminal: bool,
-    /// The ConfigMaps and Secrets it references, from any source.
+    /// The ConfigMaps and Secrets its upper pod referenced ([`names::LOWER_POD_REFERENCES`]);
+    /// for a lower pod without that record, what its spec names.
     pub references: Vec<(Kind, String)>,
     /// The claims it mounts.
     pub claims: Vec<String>,
@@ -47,12 +48,22 @@ impl PodLoad {
     pub fn of(pod: Pod) -> Self {
         let requests = pod_requests(&pod);
         let terminal = is_terminal(&pod);
+        // What its upper pod referenced, as recorded at create; a lower pod made before the
+        // record existed counts what its spec names.
+        let recorded = pod
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(names::LOWER_POD_REFERENCES))
+            .map(|text| crate::copies::decode_references(text));
         let (references, claims) = match &pod.spec {
             Some(spec) => (
-                crate::copies::references(spec, |_| true)
-                    .into_iter()
-                    .map(|r| (r.kind, r.name))
-                    .collect(),
+                recorded.unwrap_or_else(|| {
+                    crate::copies::references(spec, |_| true)
+                        .into_iter()
+                        .map(|r| (r.kind, r.name))
+                        .collect()
+                }),
                 crate::volumes::claims(&pod),
             ),
             None => Default::default(),
@@ -290,6 +301,31 @@ mod tests {
             );
             assert!(load.metadata.annotations.is_none() && load.metadata.managed_fields.is_none());
         }
+    }
+
+    #[test]
+    fn a_lower_pods_load_counts_only_what_its_upper_pod_referenced() {
+        // Lower admission injected an image pull secret and a CA ConfigMap no upper pod named.
+        let mut full = rich_pod("Running", "low-0", true);
+        let spec = full.spec.as_mut().unwrap();
+        spec.image_pull_secrets = Some(vec![k8s_openapi::api::core::v1::LocalObjectReference {
+            name: "injected-pull".into(),
+        }]);
+        full.metadata.annotations = Some(
+            [(
+                names::LOWER_POD_REFERENCES.to_owned(),
+                "ConfigMap/cm-1,Secret/s-1".to_owned(),
+            )]
+            .into(),
+        );
+        let load = PodLoad::of(full);
+        assert_eq!(
+            load.references,
+            [
+                (Kind::ConfigMap, "cm-1".to_owned()),
+                (Kind::Secret, "s-1".to_owned())
+            ]
+        );
     }
 
     #[test]

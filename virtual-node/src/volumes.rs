@@ -75,6 +75,21 @@ pub struct View<'a> {
     pub lower_pods: &'a [Arc<PodLoad>],
     /// Whether each lower StorageClass read so far binds on first consumer.
     pub classes: &'a HashMap<String, bool>,
+    /// The upper StorageClasses: a reflected volume takes its class's `reclaimPolicy`.
+    pub upper_classes: &'a [Arc<StorageClass>],
+}
+
+/// The reclaim policy of volumes of upper class `class`: the class's `reclaimPolicy`, and
+/// `Delete` (Kubernetes' default) for a class without one, no class, or a class not found.
+pub fn reclaim_policy(upper_classes: &[Arc<StorageClass>], class: Option<&str>) -> String {
+    class
+        .and_then(|class| {
+            upper_classes
+                .iter()
+                .find(|c| c.metadata.name.as_deref() == Some(class))
+        })
+        .and_then(|c| c.reclaim_policy.clone())
+        .unwrap_or_else(|| "Delete".to_owned())
 }
 
 /// One write of a resync pass.
@@ -203,11 +218,13 @@ fn ready_below(lower: &PersistentVolumeClaim, classes: &HashMap<String, bool>) -
     }
 }
 
-/// The upper volume standing for the lower claim `lower` of `upper`.
+/// The upper volume standing for the lower claim `lower` of `upper`, with reclaim policy
+/// `reclaim` (its upper class's, [`reclaim_policy`]).
 pub fn upper_volume(
     identity: &Identity,
     upper: &PersistentVolumeClaim,
     lower: &PersistentVolumeClaim,
+    reclaim: String,
 ) -> PersistentVolume {
     use k8s_openapi::api::core::v1::{
         CSIPersistentVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectReference,
@@ -238,7 +255,7 @@ pub fn upper_volume(
             access_modes,
             volume_mode: spec.volume_mode,
             storage_class_name: spec.storage_class_name,
-            persistent_volume_reclaim_policy: Some("Delete".into()),
+            persistent_volume_reclaim_policy: Some(reclaim),
             claim_ref: Some(ObjectReference {
                 api_version: Some("v1".into()),
                 kind: Some("PersistentVolumeClaim".into()),
@@ -418,7 +435,15 @@ fn claim_writes(
     match volume {
         None => match ready_below(lower, view.classes) {
             Some(true) => writes.push(Write::CreateVolume {
-                volume: Box::new(upper_volume(view.identity, upper, lower)),
+                volume: Box::new(upper_volume(
+                    view.identity,
+                    upper,
+                    lower,
+                    reclaim_policy(
+                        view.upper_classes,
+                        upper.spec.as_ref().and_then(|s| s.storage_class_name.as_deref()),
+                    ),
+                )),
             }),
             Some(false) => {}
             None => writes.extend(
@@ -476,6 +501,8 @@ pub struct Volumes {
     /// Whether each lower StorageClass binds on first consumer (a class's binding mode is
     /// immutable, so one read each).
     pub classes: std::sync::Mutex<HashMap<String, bool>>,
+    /// The upper StorageClasses (their reclaim policies).
+    pub upper_classes: Cache<StorageClass>,
     /// Expansions the lower cluster refused (`ns/name=size`), not asked again.
     pub refused_expansions: std::sync::Mutex<BTreeSet<String>>,
     /// How long one resync pass may take; a pass stuck past it is dropped and the next
@@ -573,12 +600,13 @@ impl Volumes {
     /// One resync pass; true when it learnt a StorageClass's binding mode.
     async fn sync(&self) -> bool {
         let classes = self.classes.lock().map(|c| c.clone()).unwrap_or_default();
-        let (upper_pods, upper_claims, upper_volumes, lower_claims, lower_pods) = (
+        let (upper_pods, upper_claims, upper_volumes, lower_claims, lower_pods, upper_classes) = (
             self.upper_pods.state(),
             self.upper_claims.state(),
             self.upper_volumes.state(),
             self.lower_claims.state(),
             self.lower_pods.state(),
+            self.upper_classes.state(),
         );
         let writes = plan(&View {
             identity: &self.identity,
@@ -588,6 +616,7 @@ impl Volumes {
             lower_claims: &lower_claims,
             lower_pods: &lower_pods,
             classes: &classes,
+            upper_classes: &upper_classes,
         });
         let learned = std::sync::atomic::AtomicBool::new(false);
         futures::stream::iter(writes)
@@ -763,6 +792,7 @@ mod tests {
         lower_claims: Vec<Arc<PersistentVolumeClaim>>,
         lower_pods: Vec<Arc<PodLoad>>,
         classes: HashMap<String, bool>,
+        upper_classes: Vec<Arc<StorageClass>>,
     }
 
     impl World {
@@ -776,6 +806,7 @@ mod tests {
                 lower_claims: &self.lower_claims,
                 lower_pods: &self.lower_pods,
                 classes: &self.classes,
+                upper_classes: &self.upper_classes,
             })
         }
     }
@@ -817,7 +848,7 @@ mod tests {
     }
 
     fn volume_for(upper: &PersistentVolumeClaim, lower: &PersistentVolumeClaim) -> Arc<PersistentVolume> {
-        let mut v = upper_volume(&translation().identity, upper, lower);
+        let mut v = upper_volume(&translation().identity, upper, lower, "Delete".into());
         v.metadata.uid = Some("pv-u".into());
         Arc::new(v)
     }
@@ -960,6 +991,45 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(world.plan(), []);
+    }
+
+    #[test]
+    fn a_reflected_volume_takes_the_reclaim_policy_of_its_upper_class() {
+        let class = |name: &str, policy: Option<&str>| -> Arc<StorageClass> {
+            Arc::new(
+                serde_json::from_value(json!({"metadata": {"name": name}, "provisioner": PROVISIONER,
+                                              "reclaimPolicy": policy}))
+                .unwrap(),
+            )
+        };
+        let policy = |classes: Vec<Arc<StorageClass>>| {
+            let world = World {
+                upper_pods: vec![pod_using_data("Pending")],
+                upper_claims: vec![upper_claim(json!({}))],
+                lower_claims: vec![lower_claim_made(bound("2Gi"))],
+                upper_classes: classes,
+                ..Default::default()
+            };
+            let writes = world.plan();
+            let [Write::CreateVolume { volume }] = writes.as_slice() else {
+                panic!("{writes:?}")
+            };
+            volume
+                .spec
+                .clone()
+                .unwrap_or_default()
+                .persistent_volume_reclaim_policy
+        };
+        assert_eq!(
+            policy(vec![class("fast", Some("Retain"))]).as_deref(),
+            Some("Retain")
+        );
+        assert_eq!(policy(vec![class("fast", None)]).as_deref(), Some("Delete"));
+        assert_eq!(
+            policy(vec![class("slow", Some("Retain"))]).as_deref(),
+            Some("Delete"),
+            "another class's policy is not taken"
+        );
     }
 
     #[test]
