@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod node;
 pub mod pods;
 pub mod ratelimit;
+pub mod refs;
 pub mod stats;
 pub mod streams;
 pub mod translate;

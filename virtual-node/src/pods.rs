@@ -19,9 +19,10 @@ use serde_json::json;
 use tensile_common::api::ApiError;
 use tensile_common::names;
 
-use crate::copies::{Blocked, Copies};
+use crate::copies::Copies;
 use crate::metrics::Metrics;
 use crate::ratelimit::TokenBucket;
+use crate::refs::{self, Blocked};
 use crate::translate::{self, Translation};
 use crate::trim::{LowerPod, UpperPod};
 
@@ -518,11 +519,11 @@ async fn create_in_namespace(
 ) -> Result<Action, Error> {
     let name = upper.name_any();
     let ns = upper.namespace().unwrap_or_default();
-    let claims = crate::volumes::claims(upper);
+    let claims = refs::claims(upper);
     // Nothing is written below for a pod that is refused: a same-named pod of someone else
     // is looked for before any copy or claim is made (a pod that needs none finds it with
     // its create).
-    if (!claims.is_empty() || !crate::copies::upper_references(upper).is_empty())
+    if (!claims.is_empty() || !refs::upper_references(upper).is_empty())
         && let Some(action) = foreign_pod_below(ctx, upper, lower_pods).await?
     {
         return Ok(action);
@@ -544,11 +545,11 @@ async fn create_in_namespace(
     // Optional references that did not travel must not meet a same-named lower object.
     let mut desired = desired.clone();
     if let Some(spec) = desired.spec.as_mut() {
-        crate::copies::drop_absent(spec, &absent);
+        refs::drop_absent(spec, &absent);
         // The references that travelled, recorded: copies follow them, not what lower
         // admission adds to the spec.
-        let travelled = crate::copies::references(spec, |_| true);
-        let record = crate::copies::encode_references(travelled.iter().map(|r| (r.kind, r.name.as_str())));
+        let travelled = refs::references(spec, |_| true);
+        let record = refs::encode_references(travelled.iter().map(|r| (r.kind, r.name.as_str())));
         desired
             .metadata
             .annotations

@@ -23,7 +23,7 @@ use tensile_common::names;
 use tensile_common::quantity::ResourceMap;
 use tensile_common::resources::{is_terminal, pod_requests};
 
-use crate::copies::Kind;
+use crate::refs::{self, Kind};
 
 /// What a lower pod puts on its node and which objects it needs below: what the cache of
 /// every unfinished lower pod keeps of each.
@@ -55,16 +55,16 @@ impl PodLoad {
             .annotations
             .as_ref()
             .and_then(|a| a.get(names::LOWER_POD_REFERENCES))
-            .map(|text| crate::copies::decode_references(text));
+            .map(|text| refs::decode_references(text));
         let (references, claims) = match &pod.spec {
             Some(spec) => (
                 recorded.unwrap_or_else(|| {
-                    crate::copies::references(spec, |_| true)
+                    refs::references(spec, |_| true)
                         .into_iter()
                         .map(|r| (r.kind, r.name))
                         .collect()
                 }),
-                crate::volumes::claims(&pod),
+                refs::claims(&pod),
             ),
             None => Default::default(),
         };
@@ -146,7 +146,7 @@ pub struct UpperPod {
 
 impl UpperPod {
     pub fn of(pod: Pod) -> Self {
-        let references = crate::copies::upper_references(&pod)
+        let references = refs::upper_references(&pod)
             .into_iter()
             .map(|r| (r.kind, r.name))
             .collect();
@@ -154,7 +154,7 @@ impl UpperPod {
             node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
             terminal: crate::translate::is_terminal(&pod),
             references,
-            claims: crate::volumes::claims(&pod),
+            claims: refs::claims(&pod),
             packed: Packed::pack(pod),
         }
     }
@@ -286,13 +286,13 @@ mod tests {
             assert_eq!(load.terminal, is_terminal(&full), "{phase}");
             assert_eq!(identity().owns(&load.metadata), identity().owns(&full.metadata));
             assert_eq!(identity().owns(&load.metadata), ours);
-            let refs: Vec<(Kind, String)> = crate::copies::references(full.spec.as_ref().unwrap(), |_| true)
+            let refs: Vec<(Kind, String)> = refs::references(full.spec.as_ref().unwrap(), |_| true)
                 .into_iter()
                 .map(|r| (r.kind, r.name))
                 .collect();
             assert_eq!(load.references, refs);
             assert_eq!(refs.len(), 10, "the fixture references every kind of source");
-            assert_eq!(load.claims, crate::volumes::claims(&full));
+            assert_eq!(load.claims, refs::claims(&full));
             assert_eq!(load.claims, ["claim-1"]);
             assert_eq!(load.node, full.spec.as_ref().and_then(|s| s.node_name.clone()));
             assert_eq!(
@@ -338,7 +338,7 @@ mod tests {
             assert_eq!(kept.pod().unwrap(), expected, "{phase}");
             assert_eq!(kept.terminal, crate::translate::is_terminal(&full), "{phase}");
             assert_eq!(kept.node.as_deref(), Some("vn"));
-            let refs: Vec<(Kind, String)> = crate::copies::upper_references(&full)
+            let refs: Vec<(Kind, String)> = refs::upper_references(&full)
                 .into_iter()
                 .map(|r| (r.kind, r.name))
                 .collect();

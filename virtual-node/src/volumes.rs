@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
@@ -43,23 +43,14 @@ use tensile_common::api::{Deleted, code, delete_exact};
 use tensile_common::cache::Cache;
 use tensile_common::names;
 
-use crate::copies::Blocked;
 use crate::metrics::Metrics;
 use crate::ratelimit::TokenBucket;
+use crate::refs::Blocked;
 use crate::translate::Identity;
 use crate::trim::{PodLoad, UpperPod};
 
 /// The provisioner name of upper StorageClasses whose claims virtual nodes provision.
 pub const PROVISIONER: &str = "virtual-node.tensile.io";
-
-/// The claims a pod spec mounts.
-pub fn claims(pod: &Pod) -> Vec<String> {
-    pod.spec
-        .iter()
-        .flat_map(|s| s.volumes.iter().flatten())
-        .filter_map(|v| v.persistent_volume_claim.as_ref().map(|c| c.claim_name.clone()))
-        .collect()
-}
 
 /// What one resync pass decides from: snapshots of the watch caches.
 pub struct View<'a> {
@@ -767,7 +758,9 @@ impl Volumes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::refs::claims;
     use crate::translate::tests::translation;
+    use k8s_openapi::api::core::v1::Pod;
 
     fn claims_of(pod: serde_json::Value) -> Pod {
         serde_json::from_value(pod).unwrap()
