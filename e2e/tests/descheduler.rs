@@ -987,3 +987,62 @@ async fn a_bare_pod_placed_below_after_its_replacement_was_made_ends_as_one_pod_
     let pods = scene.pods("app=solo").await;
     assert_eq!(pods.iter().map(uid).collect::<Vec<_>>(), vec![original]);
 }
+
+#[tokio::test]
+async fn a_pod_whose_create_lower_a_refuses_for_quota_moves_to_lower_b() {
+    let scene = Scene::start("ds-quota", 1).await;
+    let ns = &scene.ns;
+    // A first small pod makes the virtual node create the namespace in lower-a.
+    let mut warm = scene.template("warm", "100m", json!({}), json!({}));
+    warm["apiVersion"] = json!("v1");
+    warm["kind"] = json!("Pod");
+    warm["metadata"]["name"] = json!("warm");
+    warm["metadata"]["namespace"] = json!(ns);
+    apply(up(), &warm.to_string()).await;
+    wait("the first pod running in lower-a", 60, || async {
+        let pods = scene.pods("app=warm").await;
+        if pods.iter().any(|p| node_of(p) == scene.vn_a && phase(p) == "Running") {
+            Ok(())
+        } else {
+            Err(format!("{pods:?}"))
+        }
+    })
+    .await;
+    // Lower-a's quota then refuses a 1.5-CPU pod that any of its nodes would hold.
+    let quota = json!({
+        "apiVersion": "v1", "kind": "ResourceQuota",
+        "metadata": {"name": "cap", "namespace": ns},
+        "spec": {"hard": {"requests.cpu": "1"}},
+    })
+    .to_string();
+    apply(bed().lower_a.kubeconfig(), &quota).await;
+    let _d = scene.descheduler(&[], "quota").await;
+    apply(up(), &scene.deployment("web", 1, "1500m", json!({}))).await;
+    let mut refused_on_a = false;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let pods = scene.pods("app=web").await;
+        refused_on_a |= pods.iter().any(|p| {
+            node_of(p) == scene.vn_a
+                && p["status"]["conditions"].as_array().is_some_and(|c| {
+                    c.iter().any(|c| {
+                        c["type"] == "tensile.io/LowerPodSynced" && c["reason"] == "CreateFailed"
+                    })
+                })
+        });
+        let live: Vec<&Value> = pods.iter().filter(|p| !terminating(p)).collect();
+        if live.len() == 1 && node_of(live[0]) == scene.vn_b && phase(live[0]) == "Running" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not moved: {pods:?}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(refused_on_a, "the pod was first refused by lower-a's quota");
+    let moved = events(ns, "Descheduled").await;
+    assert!(
+        moved
+            .iter()
+            .any(|e| e["message"].as_str().unwrap_or_default().contains("quota")),
+        "{moved:?}"
+    );
+}
