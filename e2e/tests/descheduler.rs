@@ -1001,7 +1001,10 @@ async fn a_pod_whose_create_lower_a_refuses_for_quota_moves_to_lower_b() {
     apply(up(), &warm.to_string()).await;
     wait("the first pod running in lower-a", 60, || async {
         let pods = scene.pods("app=warm").await;
-        if pods.iter().any(|p| node_of(p) == scene.vn_a && phase(p) == "Running") {
+        if pods
+            .iter()
+            .any(|p| node_of(p) == scene.vn_a && phase(p) == "Running")
+        {
             Ok(())
         } else {
             Err(format!("{pods:?}"))
@@ -1025,9 +1028,8 @@ async fn a_pod_whose_create_lower_a_refuses_for_quota_moves_to_lower_b() {
         refused_on_a |= pods.iter().any(|p| {
             node_of(p) == scene.vn_a
                 && p["status"]["conditions"].as_array().is_some_and(|c| {
-                    c.iter().any(|c| {
-                        c["type"] == "tensile.io/LowerPodSynced" && c["reason"] == "CreateFailed"
-                    })
+                    c.iter()
+                        .any(|c| c["type"] == "tensile.io/LowerPodSynced" && c["reason"] == "CreateFailed")
                 })
         });
         let live: Vec<&Value> = pods.iter().filter(|p| !terminating(p)).collect();
