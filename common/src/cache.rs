@@ -140,7 +140,7 @@ fn cache_of<K: Stored>(
     let (store, writer) = reflector::store::<K>();
     let (tx, synced) = watch::channel(false);
     let stream = reflector(writer, events)
-        .backoff(WatchBackoff::default())
+        .backoff(watch_backoff())
         .inspect_ok(move |event| {
             if matches!(event, watcher::Event::InitDone) {
                 tx.send_replace(true);
@@ -413,26 +413,17 @@ impl<'de> serde::Deserialize<'de> for LeanPod {
     }
 }
 
-/// Retry delays of a failed watch: 200 ms doubling to 2 s, from the start again after a
-/// success. kube's default grows to 30 s, which leaves a recovered cluster unseen for that
-/// long; a daemon must notice recovery as quickly as it notices loss.
-#[derive(Clone, Debug, Default)]
-pub struct WatchBackoff(u32);
-
-impl Iterator for WatchBackoff {
-    type Item = Duration;
-
-    fn next(&mut self) -> Option<Duration> {
-        let delay = Duration::from_millis(200 << self.0.min(4)).min(Duration::from_secs(2));
-        self.0 = self.0.saturating_add(1);
-        Some(delay)
-    }
-}
-
-impl kube::runtime::utils::Backoff for WatchBackoff {
-    fn reset(&mut self) {
-        self.0 = 0;
-    }
+/// Retry delays of a failed watch: 200 ms doubling to 2 s (`backon`'s exponential backoff),
+/// from the start again after a success. kube's default grows to 30 s, which leaves a
+/// recovered cluster unseen for that long; a daemon must notice recovery as quickly as it
+/// notices loss.
+pub fn watch_backoff() -> kube::runtime::watcher::ExponentialBackoff {
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(200))
+        .with_max_delay(Duration::from_secs(2))
+        .with_factor(2.0)
+        .without_max_times()
+        .into()
 }
 
 #[cfg(test)]
@@ -442,7 +433,7 @@ mod tests {
     #[test]
     fn watch_retries_grow_to_two_seconds_and_start_over_after_a_success() {
         use kube::runtime::utils::Backoff as _;
-        let mut b = WatchBackoff::default();
+        let mut b = watch_backoff();
         let ms: Vec<u128> = b.by_ref().take(7).map(|d| d.as_millis()).collect();
         assert_eq!(ms, [200, 400, 800, 1600, 2000, 2000, 2000]);
         b.reset();

@@ -46,7 +46,7 @@ use tensile_common::api::{Deleted, code, delete_exact};
 use tensile_common::names;
 
 use crate::metrics::Metrics;
-use crate::ratelimit::TokenBucket;
+use crate::ratelimit::WriteLimit;
 use crate::refs::{Absent, Blocked, Kind, upper_references};
 use crate::trim::{PodLoad, UpperPod};
 
@@ -532,7 +532,7 @@ pub struct Copies {
     pub upper_pods: Cache<UpperPod>,
     /// Lower pods that have not finished (every owner; filtered by mark here).
     pub lower_pods: Cache<PodLoad>,
-    pub limit: TokenBucket,
+    pub limit: WriteLimit,
     pub metrics: Arc<Metrics>,
     /// How long a copy stays after its last reference went.
     pub gc_delay: Duration,

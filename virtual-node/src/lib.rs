@@ -629,8 +629,8 @@ async fn compose(
         ),
         metrics.clone(),
     );
-    let lower_limit = ratelimit::TokenBucket::new(args.lower.client_qps, args.lower.client_burst);
-    let upper_limit = ratelimit::TokenBucket::new(args.upper.upper_qps, args.upper.upper_burst);
+    let lower_limit = ratelimit::WriteLimit::new(args.lower.client_qps, args.lower.client_burst);
+    let upper_limit = ratelimit::WriteLimit::new(args.upper.upper_qps, args.upper.upper_burst);
     // Lower namespaces the pod path judged usable; Service reflection keeps to them.
     let usable_namespaces: Arc<std::sync::Mutex<std::collections::HashSet<String>>> = Arc::default();
     let copies = Arc::new(copies::Copies {

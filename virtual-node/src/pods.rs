@@ -21,7 +21,7 @@ use tensile_common::names;
 
 use crate::copies::Copies;
 use crate::metrics::Metrics;
-use crate::ratelimit::TokenBucket;
+use crate::ratelimit::WriteLimit;
 use crate::refs::{self, Blocked};
 use crate::translate::{self, Translation};
 use crate::trim::{LowerPod, UpperPod};
@@ -38,8 +38,8 @@ pub struct Context {
     pub events: crate::events::Events,
     pub metrics: Arc<Metrics>,
     pub run_daemonset_pods: bool,
-    pub upper_limit: TokenBucket,
-    pub lower_limit: TokenBucket,
+    pub upper_limit: WriteLimit,
+    pub lower_limit: WriteLimit,
     /// ConfigMaps and Secrets the pods reference.
     pub copies: Arc<Copies>,
     /// Claims the pods mount.
@@ -66,23 +66,35 @@ pub struct Context {
     pub lower_health: Arc<crate::node::LowerHealth>,
 }
 
-/// Per-key retry delays: 1 s doubling to 5 min, forgotten on success.
+/// Per-key retry delays: 1 s doubling to 5 min (`backon`'s exponential backoff, one per
+/// failing key), forgotten on success.
 #[derive(Debug, Default)]
-pub struct Backoff(std::sync::Mutex<std::collections::HashMap<String, u32>>);
+pub struct Backoff(std::sync::Mutex<std::collections::HashMap<String, backon::ExponentialBackoff>>);
 
 impl Backoff {
     const FIRST: Duration = Duration::from_secs(1);
     const MAX: Duration = Duration::from_secs(300);
+
+    fn delays() -> backon::ExponentialBackoff {
+        use backon::BackoffBuilder;
+        backon::ExponentialBuilder::default()
+            .with_min_delay(Self::FIRST)
+            .with_max_delay(Self::MAX)
+            .with_factor(2.0)
+            .without_max_times()
+            .build()
+    }
 
     /// The delay before retrying `key` after one more failure.
     pub fn next_delay(&self, key: &str) -> Duration {
         let Ok(mut failures) = self.0.lock() else {
             return Self::MAX;
         };
-        let n = failures.entry(key.to_owned()).or_insert(0);
-        let delay = Self::FIRST.saturating_mul(1u32 << (*n).min(16)).min(Self::MAX);
-        *n = n.saturating_add(1);
-        delay
+        failures
+            .entry(key.to_owned())
+            .or_insert_with(Self::delays)
+            .next()
+            .unwrap_or(Self::MAX)
     }
 
     /// Keeps only the counts of keys `keep` says are still live.
@@ -732,7 +744,7 @@ async fn ensure_namespace_below(ctx: &Context, ns: &str) -> Result<Result<(), Bl
 /// a newer pod of the same name (409) both mean there is nothing of ours left to delete.
 async fn delete_exact(
     api: &Api<Pod>,
-    limit: &TokenBucket,
+    limit: &WriteLimit,
     cluster: &'static str,
     pod: &impl Resource,
     grace: Option<i64>,

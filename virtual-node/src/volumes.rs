@@ -44,7 +44,7 @@ use tensile_common::cache::Cache;
 use tensile_common::names;
 
 use crate::metrics::Metrics;
-use crate::ratelimit::TokenBucket;
+use crate::ratelimit::WriteLimit;
 use crate::refs::Blocked;
 use crate::translate::Identity;
 use crate::trim::{PodLoad, UpperPod};
@@ -486,8 +486,8 @@ pub struct Volumes {
     pub upper_pods: Cache<UpperPod>,
     /// Lower pods that have not finished.
     pub lower_pods: Cache<PodLoad>,
-    pub upper_limit: TokenBucket,
-    pub lower_limit: TokenBucket,
+    pub upper_limit: WriteLimit,
+    pub lower_limit: WriteLimit,
     pub metrics: Arc<Metrics>,
     /// Whether each lower StorageClass binds on first consumer (a class's binding mode is
     /// immutable, so one read each).
