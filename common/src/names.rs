@@ -40,6 +40,10 @@ pub const TAINT_NODE_UNREACHABLE: &str = "node.kubernetes.io/unreachable";
 /// PVC annotation naming the node the scheduler chose for a delayed-binding volume.
 pub const PVC_SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
 
+/// Pod finalizer with which the Job controller tracks a pod (Kubernetes 1.26 and later): it
+/// counts such a pod, once deleted, only when the pod is terminal.
+pub const JOB_TRACKING_FINALIZER: &str = "batch.kubernetes.io/job-tracking";
+
 // --- virtual node ---
 
 /// Node label value of `kubernetes.io/role` on virtual nodes.

@@ -772,6 +772,10 @@ async fn delete_lower(
 /// Confirms the upper deletion as a kubelet does: grace 0 and the pod's UID (a mismatch means
 /// the pod was recreated: the new one is left alone).
 async fn release_upper(ctx: &Context, upper: &Pod) -> Result<(), Error> {
+    // A pod its Job tracks by finalizer is made terminal first (see the function).
+    if let Some(phase) = translate::terminal_phase_before_release(upper) {
+        patch_upper_status(ctx, upper, json!({"phase": phase})).await?;
+    }
     let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
     delete_exact(&api, &ctx.upper_limit, "upper", upper, Some(0)).await
 }

@@ -332,6 +332,42 @@ impl Translation {
     }
 }
 
+/// The phase a deleted, unfinished upper pod is given before its deletion is confirmed, as a
+/// 1.27+ kubelet makes a deleted pod terminal first: only for a pod its Job tracks by
+/// finalizer (Kubernetes 1.26+), since such a Job counts the pod (and applies its
+/// `podFailurePolicy`, which may ignore a `DisruptionTarget`) only once it is terminal, and
+/// would otherwise wait on it forever. `Succeeded` when every container ended with exit code
+/// 0 under a restart policy that lets them, `Failed` otherwise. `None` for other pods (1.20
+/// to 1.25 write no such finalizer) and for pods already terminal.
+pub fn terminal_phase_before_release(upper: &Pod) -> Option<&'static str> {
+    let tracked = upper
+        .metadata
+        .finalizers
+        .iter()
+        .flatten()
+        .any(|f| f == names::JOB_TRACKING_FINALIZER);
+    if !tracked || is_terminal(upper) {
+        return None;
+    }
+    let restart = upper
+        .spec
+        .as_ref()
+        .and_then(|s| s.restart_policy.as_deref())
+        .unwrap_or("Always");
+    let statuses = upper.status.as_ref().and_then(|s| s.container_statuses.as_ref());
+    let all_succeeded = restart != "Always"
+        && statuses.is_some_and(|list| {
+            !list.is_empty()
+                && list.iter().all(|c| {
+                    c.state
+                        .as_ref()
+                        .and_then(|s| s.terminated.as_ref())
+                        .is_some_and(|t| t.exit_code == 0)
+                })
+        });
+    Some(if all_succeeded { "Succeeded" } else { "Failed" })
+}
+
 /// True for pods a DaemonSet owns.
 pub fn is_daemonset_pod(pod: &Pod) -> bool {
     pod.metadata
@@ -877,6 +913,32 @@ pub(crate) mod tests {
             t.lower_pod(&plain).is_ok(),
             "a pod without a stash needs no signature"
         );
+    }
+
+    #[test]
+    fn a_deleted_pod_its_job_tracks_by_finalizer_is_made_terminal_first() {
+        // As 1.26+ writes a Job's pod: the tracking finalizer, here running when evicted.
+        let mut pod = upper();
+        pod.metadata.finalizers = Some(vec![names::JOB_TRACKING_FINALIZER.to_owned()]);
+        pod.spec.as_mut().unwrap().restart_policy = Some("Never".into());
+        pod.status = serde_json::from_value(json!({"phase": "Running",
+            "containerStatuses": [{"name": "app", "image": "i", "imageID": "", "ready": true,
+                                   "restartCount": 0, "state": {"running": {}}}]}))
+        .unwrap();
+        assert_eq!(terminal_phase_before_release(&pod), Some("Failed"));
+        let mut done = pod.clone();
+        done.status = serde_json::from_value(json!({"phase": "Running",
+            "containerStatuses": [{"name": "app", "image": "i", "imageID": "", "ready": false,
+                                   "restartCount": 0, "state": {"terminated": {"exitCode": 0}}}]}))
+        .unwrap();
+        assert_eq!(terminal_phase_before_release(&done), Some("Succeeded"));
+        let mut finished = pod.clone();
+        finished.status.as_mut().unwrap().phase = Some("Failed".into());
+        assert_eq!(terminal_phase_before_release(&finished), None, "already terminal");
+        // As 1.20 to 1.25 write it: no finalizer, released as before.
+        let mut untracked = pod.clone();
+        untracked.metadata.finalizers = None;
+        assert_eq!(terminal_phase_before_release(&untracked), None);
     }
 
     #[test]
