@@ -17,7 +17,10 @@ use serde::{Deserialize, Serialize};
 use tensile_common::exclusion::Exclusions;
 use tensile_common::names;
 
+use tensile_common::quantity::ResourceMap;
+
 use crate::filter::{self, Judgement, Options, PodFacts, ShapeFacts, Verdict};
+use crate::preempt::{self, BoundPods};
 
 /// The highest score an extender may give (`MaxExtenderPriority`).
 pub const MAX_SCORE: i64 = 10;
@@ -55,9 +58,8 @@ pub struct ExtenderFilterResult {
     #[serde(rename = "FailedNodes")]
     pub failed_nodes: BTreeMap<String, String>,
     /// Read from 1.21 on, where it takes precedence over `FailedNodes` and preemption skips
-    /// these nodes: the excluded ones (no preemption lifts an exclusion), also listed in
-    /// `FailedNodes` for 1.20. A shape rejection is not here: preempting upper pods can
-    /// free a lower node.
+    /// these nodes: the rejections no preemption of upper pods can resolve, also listed in
+    /// `FailedNodes` for 1.20.
     #[serde(rename = "FailedAndUnresolvableNodes")]
     pub failed_and_unresolvable_nodes: BTreeMap<String, String>,
     #[serde(rename = "Error")]
@@ -172,6 +174,8 @@ pub enum Outcome {
 /// Everything a request is judged with besides the request.
 pub struct Context<'a> {
     pub view: &'a dyn View,
+    /// The pods bound to nodes: what preempting some of them would free.
+    pub pods: &'a dyn BoundPods,
     pub facts: &'a FactsCache,
     pub exclusions: &'a Exclusions,
     pub options: Options,
@@ -219,6 +223,16 @@ fn candidates(args: &ExtenderArgs) -> Vec<Candidate<'_>> {
     }
 }
 
+/// What the filter knows of a candidate that is a virtual node (`None`: not one, or one
+/// the cache does not know yet).
+fn virtual_facts(candidate: &Candidate<'_>, ctx: &Context<'_>) -> Option<Arc<NodeFacts>> {
+    let facts = match candidate {
+        Candidate::Node(node) => Some(ctx.facts.facts(node)),
+        Candidate::Name(n) => ctx.view.node(n).map(|node| ctx.facts.facts(&node)),
+    };
+    facts.filter(|f| f.virtual_node)
+}
+
 /// The judgement of one node for the pod, with the exclusion applied first.
 fn judge_node(
     candidate: &Candidate<'_>,
@@ -227,11 +241,7 @@ fn judge_node(
     ctx: &Context<'_>,
 ) -> (Option<Judgement>, Outcome, Option<String>) {
     let name = candidate.name();
-    let facts = match candidate {
-        Candidate::Node(node) => Some(ctx.facts.facts(node)),
-        Candidate::Name(n) => ctx.view.node(n).map(|node| ctx.facts.facts(&node)),
-    };
-    let Some(facts) = facts.filter(|f| f.virtual_node) else {
+    let Some(facts) = virtual_facts(candidate, ctx) else {
         return (None, Outcome::Passed, None);
     };
     if let Some(message) = excluded.get(name) {
@@ -273,6 +283,12 @@ pub fn exclusions_for(pod: &Pod, exclusions: &Exclusions, now: jiff::Timestamp) 
 
 /// Answers `filter`: the passing candidates in the form they came, the rejected ones with
 /// the reason; and the outcome of each node, in order, for the metrics.
+///
+/// A rejected node is also in `FailedAndUnresolvableNodes` when no preemption of upper
+/// pods could resolve it (see [`crate::preempt`]): an exclusion, or a shape that holds the
+/// pod on no lower node even with every upper pod of lower priority bound there evicted.
+/// 1.21 and later skip those nodes in preemption; 1.20 reads only `FailedNodes`, which
+/// lists every rejected node.
 pub fn filter(args: &ExtenderArgs, ctx: &Context<'_>) -> (ExtenderFilterResult, Vec<Outcome>) {
     let pod = PodFacts::of(&args.pod);
     let excluded = exclusions_for(&args.pod, ctx.exclusions, ctx.options.now);
@@ -280,11 +296,21 @@ pub fn filter(args: &ExtenderArgs, ctx: &Context<'_>) -> (ExtenderFilterResult, 
     let mut outcomes = Vec::new();
     let mut passed_names = Vec::new();
     let mut passed_nodes = Vec::new();
+    // Read from the pod cache only when a shape rejects a node, once per request.
+    let mut evictable: Option<HashMap<String, ResourceMap>> = None;
     for candidate in candidates(args) {
         let (_, outcome, message) = judge_node(&candidate, &pod, &excluded, ctx);
         match message {
             Some(m) => {
-                if outcome == Outcome::Rejected("exclusion") {
+                let unresolvable = outcome == Outcome::Rejected("exclusion") || {
+                    let freed = evictable.get_or_insert_with(|| {
+                        preempt::evictable(&ctx.pods.bound(), preempt::priority_of(&args.pod))
+                    });
+                    virtual_facts(&candidate, ctx).is_some_and(|facts| {
+                        !preempt::resolvable(&pod, &facts, freed.get(candidate.name()), ctx)
+                    })
+                };
+                if unresolvable {
                     result
                         .failed_and_unresolvable_nodes
                         .insert(candidate.name().to_owned(), m.clone());
@@ -384,6 +410,14 @@ mod tests {
 
     struct Nodes(Vec<Node>);
 
+    pub(crate) struct NoPods;
+
+    impl BoundPods for NoPods {
+        fn bound(&self) -> Vec<Arc<crate::preempt::BoundPod>> {
+            Vec::new()
+        }
+    }
+
     impl View for Nodes {
         fn node(&self, name: &str) -> Option<Arc<Node>> {
             self.0
@@ -414,6 +448,7 @@ mod tests {
         let facts = FactsCache::default();
         let ctx = Context {
             view,
+            pods: &NoPods,
             facts: &facts,
             exclusions,
             options: Options {
@@ -435,7 +470,8 @@ mod tests {
                 "Nodes": null,
                 "NodeNames": ["vn-b", "worker-1"],
                 "FailedNodes": {"vn-a": "no lower node fits cpu=6 (largest free 2)"},
-                "FailedAndUnresolvableNodes": {},
+                // No upper pod is bound to vn-a: evicting nothing frees nothing.
+                "FailedAndUnresolvableNodes": {"vn-a": "no lower node fits cpu=6 (largest free 2)"},
                 "Error": "",
             })
         );
@@ -506,6 +542,7 @@ mod tests {
         let exclusions = Exclusions::default();
         let ctx = Context {
             view: &view,
+            pods: &NoPods,
             facts: &facts,
             exclusions: &exclusions,
             options: Options {

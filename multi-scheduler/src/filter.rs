@@ -175,6 +175,19 @@ impl ShapeFacts {
         out
     }
 
+    /// The shape as it would be at best if each lower node got `freed` back: `freed` added
+    /// to every frontier vector and every published maximum. Each lower node's free
+    /// resources after evicting upper pods are at most its own plus all they requested, so
+    /// a pod this shape rejects fits no lower node after that eviction, wherever the
+    /// evicted pods ran.
+    pub fn freeing(&self, freed: &ResourceMap) -> ShapeFacts {
+        let mut out = self.clone();
+        for v in out.free.iter_mut().flatten().chain(out.max.iter_mut().flatten()) {
+            v.add(freed);
+        }
+        out
+    }
+
     /// The shape a node publishes; `None` when it publishes none.
     pub fn of(node: &Node) -> Option<Result<Self, String>> {
         node.metadata

@@ -12,9 +12,10 @@
 //! Two modes share that filter and its score:
 //!
 //! * `--mode=extender` (default): an HTTPS kube-scheduler extender ([`extender`], [`server`])
-//!   behind a second stock kube-scheduler (`config/` holds its configuration). It reads
-//!   virtual Nodes and the exclusion records from watch caches, so answering makes no API
-//!   call, and keeps no state: several replicas may serve.
+//!   behind a second stock kube-scheduler (`config/` holds its configuration), which also
+//!   takes part in preemption ([`preempt`]). It reads virtual Nodes, bound pods and the
+//!   exclusion records from watch caches, so answering makes no API call, and keeps no
+//!   state: several replicas may serve.
 //! * `--mode=scheduler`: a standalone scheduler ([`scheduler`]) for pods with
 //!   `spec.schedulerName=<--scheduler-name>`, which places them only on virtual nodes: a
 //!   priority queue with per-pod backoff ([`queue`]), the upper checks kube-scheduler makes
@@ -24,6 +25,7 @@ pub mod extender;
 pub mod filter;
 pub mod metrics;
 pub mod place;
+pub mod preempt;
 pub mod queue;
 pub mod scheduler;
 pub mod server;
@@ -39,7 +41,7 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use tensile_common::admin::{self, AdminArgs, Readiness};
-use tensile_common::cache::watched;
+use tensile_common::cache::{watched, watched_summaries};
 use tensile_common::exclusion::{self, Location};
 use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
 use tensile_common::leader::{self, LeaderArgs, Leadership};
@@ -49,7 +51,8 @@ use tensile_common::tls;
 use tokio::sync::Notify;
 
 use crate::extender::{FactsCache, Score};
-use crate::server::{NodeStore, State};
+use crate::preempt::BoundPod;
+use crate::server::{BoundPodStore, NodeStore, State};
 
 /// How the multi-scheduler takes part in scheduling.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -249,6 +252,13 @@ async fn run_extender(args: Args, shutdown: CancellationToken) -> Result<(), Err
         watcher::Config::default().labels(&args.node_selector),
         &changed,
     );
+    // Bound, non-terminal pods, summarised: what preempting some of them would free.
+    let (pods, pods_watch) = watched_summaries::<Pod, BoundPod>(
+        Api::all(client.clone()),
+        watcher::Config::default().fields("spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"),
+        BoundPod::of,
+        &Arc::new(Notify::new()),
+    );
     let location = args.exclusions_configmap.clone();
     let (exclusions_cache, exclusions, exclusions_watch) = exclusion::follow(
         Api::<ConfigMap>::namespaced(client, &location.namespace),
@@ -256,6 +266,7 @@ async fn run_extender(args: Args, shutdown: CancellationToken) -> Result<(), Err
     );
     let state = Arc::new(State {
         nodes: Arc::new(NodeStore(nodes.store().clone())),
+        pods: Arc::new(BoundPodStore(pods.store().clone())),
         facts: FactsCache::default(),
         exclusions,
         max_age: max_age(&args),
@@ -273,6 +284,7 @@ async fn run_extender(args: Args, shutdown: CancellationToken) -> Result<(), Err
         "serving the extender"
     );
     tasks.spawn("the node watch", nodes_watch);
+    tasks.spawn("the bound pod watch", pods_watch);
     tasks.spawn("the exclusions watch", exclusions_watch);
     tasks.spawn(
         "the node facts clean-up",
@@ -280,8 +292,9 @@ async fn run_extender(args: Args, shutdown: CancellationToken) -> Result<(), Err
     );
     tasks.spawn("readiness", async move {
         nodes.synced().await;
+        pods.synced().await;
         exclusions_cache.synced().await;
-        readiness.say(true, "serving; virtual nodes and exclusions synced");
+        readiness.say(true, "serving; virtual nodes, bound pods and exclusions synced");
         futures::future::pending::<()>().await
     });
     tasks.spawn_graceful("the extender", move |stop| {
@@ -522,6 +535,10 @@ mod tests {
             let extender = &config["extenders"][0];
             assert_eq!(extender["filterVerb"], "filter");
             assert_eq!(extender["prioritizeVerb"], "prioritize");
+            assert_eq!(
+                extender["preemptVerb"], "preempt",
+                "{file}: preemption asks the extender"
+            );
             assert_eq!(extender["nodeCacheCapable"], true);
             assert_eq!(extender["enableHTTPS"], true);
             assert_eq!(extender["ignorable"], false);

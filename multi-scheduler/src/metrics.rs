@@ -8,8 +8,9 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::extender::Outcome;
+use crate::preempt::Decision;
 
-/// `verb`: `filter`, `prioritize` or `other` (a path that is neither); `result`: `ok` or
+/// `verb`: `filter`, `prioritize`, `preempt` or `other` (a path that is neither); `result`: `ok` or
 /// the kind of bad request (`method`, `content_type`, `body`, `decode`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
@@ -47,6 +48,15 @@ pub struct Metrics {
     pub binds: Family<ResultLabels, Counter>,
     /// Pods the scheduler mode holds in its queue.
     pub queue_pending: Gauge,
+    /// Preemption candidates the `preempt` verb answered for, by decision and reason.
+    pub preemption: Family<PreemptionLabels, Counter>,
+}
+
+/// `decision`: `kept` or `dropped`; `reason`: why (see [`crate::preempt::Decision`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PreemptionLabels {
+    pub decision: &'static str,
+    pub reason: &'static str,
 }
 
 fn latency() -> Histogram {
@@ -64,6 +74,7 @@ impl Metrics {
             fail_open: Family::default(),
             binds: Family::default(),
             queue_pending: Gauge::default(),
+            preemption: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("tensile_multischeduler");
         r.register(
@@ -96,7 +107,25 @@ impl Metrics {
             "Pods waiting in the scheduler mode's queue",
             m.queue_pending.clone(),
         );
+        r.register(
+            "preemption_nodes",
+            "Preemption candidates the preempt verb kept or dropped, by decision and reason",
+            m.preemption.clone(),
+        );
         m
+    }
+
+    /// Counts the decisions of one `preempt`.
+    pub fn preemption(&self, decisions: &[(String, Decision)]) {
+        for (_, d) in decisions {
+            let (decision, reason) = match d {
+                Decision::Kept(r) => ("kept", *r),
+                Decision::Dropped(r) => ("dropped", *r),
+            };
+            self.preemption
+                .get_or_create(&PreemptionLabels { decision, reason })
+                .inc();
+        }
     }
 
     pub fn bind(&self, result: &'static str) {

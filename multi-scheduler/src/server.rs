@@ -1,7 +1,8 @@
-//! HTTPS serving of the extender verbs, `POST /filter` and `POST /prioritize`.
+//! HTTPS serving of the extender verbs: `POST /filter`, `POST /prioritize` and
+//! `POST /preempt`.
 //!
 //! Every bad request gets a precise 4xx status and a one-line text body; only well-formed
-//! ExtenderArgs reach [`crate::extender`]. No API call happens on this path: nodes and
+//! ExtenderArgs reach [`crate::extender`], and ExtenderPreemptionArgs [`crate::preempt`]. No API call happens on this path: nodes and
 //! exclusions come from watch caches.
 
 use std::sync::Arc;
@@ -21,10 +22,12 @@ use tokio_util::sync::CancellationToken;
 use crate::extender::{self, Context, ExtenderArgs, FactsCache, Score, View};
 use crate::filter::Options;
 use crate::metrics::Metrics;
+use crate::preempt::{self, BoundPod, BoundPods, ExtenderPreemptionArgs};
 
 /// What every request shares.
 pub struct State {
     pub nodes: Arc<dyn View + Send + Sync>,
+    pub pods: Arc<dyn BoundPods + Send + Sync>,
     pub facts: FactsCache,
     pub exclusions: watch::Receiver<Arc<Exclusions>>,
     /// A shape older than this fails open.
@@ -42,6 +45,15 @@ pub struct NodeStore(pub Store<Node>);
 impl View for NodeStore {
     fn node(&self, name: &str) -> Option<Arc<Node>> {
         self.0.get(&ObjectRef::new(name))
+    }
+}
+
+/// The watch cache of bound pods, summarised.
+pub struct BoundPodStore(pub Store<BoundPod>);
+
+impl BoundPods for BoundPodStore {
+    fn bound(&self) -> Vec<Arc<BoundPod>> {
+        self.0.state()
     }
 }
 
@@ -68,6 +80,7 @@ fn is_json(value: Option<&header::HeaderValue>) -> bool {
 enum Verb {
     Filter,
     Prioritize,
+    Preempt,
 }
 
 impl Verb {
@@ -75,6 +88,7 @@ impl Verb {
         match self {
             Verb::Filter => "filter",
             Verb::Prioritize => "prioritize",
+            Verb::Preempt => "preempt",
         }
     }
 }
@@ -88,11 +102,14 @@ where
     let verb = match request.uri().path() {
         "/filter" => Verb::Filter,
         "/prioritize" => Verb::Prioritize,
+        "/preempt" => Verb::Preempt,
         path => {
             state.metrics.request("other", "not_found");
             return text(
                 StatusCode::NOT_FOUND,
-                format!("no such path: {path} (the verbs are POST /filter and POST /prioritize)\n"),
+                format!(
+                    "no such path: {path} (the verbs are POST /filter, POST /prioritize and POST /preempt)\n"
+                ),
             );
         }
     };
@@ -159,16 +176,10 @@ where
             return ("body", r);
         }
     };
-    let args = match ExtenderArgs::decode(&body) {
-        Ok(a) => a,
-        Err(e) => {
-            let line = e.to_string().replace('\n', " ");
-            return ("decode", text(StatusCode::BAD_REQUEST, format!("{line}\n")));
-        }
-    };
     let exclusions = state.exclusions.borrow().clone();
     let ctx = Context {
         view: state.nodes.as_ref(),
+        pods: state.pods.as_ref(),
         facts: &state.facts,
         exclusions: &exclusions,
         options: Options {
@@ -176,13 +187,36 @@ where
             max_age: state.max_age,
         },
     };
+    let bad = |e: &dyn std::fmt::Display| {
+        let line = e.to_string().replace('\n', " ");
+        ("decode", text(StatusCode::BAD_REQUEST, format!("{line}\n")))
+    };
     let encoded = match verb {
-        Verb::Filter => {
-            let (result, outcomes) = extender::filter(&args, &ctx);
-            state.metrics.outcomes(&outcomes);
+        Verb::Preempt => {
+            let args = match ExtenderPreemptionArgs::decode(&body) {
+                Ok(a) => a,
+                Err(e) => return bad(&e),
+            };
+            let (result, decisions) = preempt::preempt(&args, &ctx, ctx.pods);
+            state.metrics.preemption(&decisions);
+            for (node, decision) in &decisions {
+                tracing::debug!(node, ?decision, "preemption candidate");
+            }
             serde_json::to_vec(&result)
         }
-        Verb::Prioritize => serde_json::to_vec(&extender::prioritize(&args, &ctx, state.score)),
+        Verb::Filter | Verb::Prioritize => {
+            let args = match ExtenderArgs::decode(&body) {
+                Ok(a) => a,
+                Err(e) => return bad(&e),
+            };
+            if matches!(verb, Verb::Filter) {
+                let (result, outcomes) = extender::filter(&args, &ctx);
+                state.metrics.outcomes(&outcomes);
+                serde_json::to_vec(&result)
+            } else {
+                serde_json::to_vec(&extender::prioritize(&args, &ctx, state.score))
+            }
+        }
     };
     match encoded {
         Ok(bytes) => ("ok", json(bytes)),
@@ -224,6 +258,14 @@ mod tests {
 
     struct NoNodes;
 
+    struct NoPods;
+
+    impl BoundPods for NoPods {
+        fn bound(&self) -> Vec<Arc<BoundPod>> {
+            Vec::new()
+        }
+    }
+
     impl View for NoNodes {
         fn node(&self, _: &str) -> Option<Arc<Node>> {
             None
@@ -234,6 +276,7 @@ mod tests {
         let (_, exclusions) = watch::channel(Arc::new(Exclusions::default()));
         Arc::new(State {
             nodes: Arc::new(NoNodes),
+            pods: Arc::new(NoPods),
             facts: FactsCache::default(),
             exclusions,
             max_age: None,
@@ -273,6 +316,15 @@ mod tests {
             serde_json::from_str::<serde_json::Value>(&body).unwrap(),
             json!([{"Host": "a", "Score": 0}, {"Host": "b", "Score": 0}])
         );
+        let args = json!({"Pod": pod, "NodeNameToVictims": null,
+                          "NodeNameToMetaVictims": {"a": {"Pods": [{"UID": "u1"}], "NumPDBViolations": 0}}});
+        let (status, body) = call("POST", "/preempt", JSON, &args.to_string()).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&body).unwrap(),
+            json!({"NodeNameToMetaVictims": {"a": {"Pods": [{"UID": "u1"}], "NumPDBViolations": 0}}}),
+            "a node that is not a virtual node keeps its victims"
+        );
     }
 
     #[tokio::test]
@@ -311,6 +363,14 @@ mod tests {
                 "{\"Pod\": {}}",
                 400,
                 "ExtenderArgs has neither Nodes nor NodeNames",
+            ),
+            (
+                "POST",
+                "/preempt",
+                JSON,
+                "{\"Pod\": {}, \"NodeNames\": []}",
+                400,
+                "ExtenderPreemptionArgs has neither NodeNameToVictims nor NodeNameToMetaVictims",
             ),
         ];
         for (method, path, content_type, body, want, needle) in cases {
