@@ -545,12 +545,10 @@ pub struct Copies {
     pub usable_namespaces: Arc<Mutex<std::collections::HashSet<String>>>,
     /// Reports conflicts found by the resync on the upper object.
     pub events: crate::events::Events,
-    /// How long one resync pass may take; a pass stuck past it is dropped and the next
-    /// begins.
-    pub pass_deadline: Duration,
 }
 
 /// The watch caches of Service reflection.
+#[derive(Clone)]
 pub struct ServiceStores {
     pub upper_services: Cache<Service>,
     pub upper_endpoints: Cache<Endpoints>,
@@ -743,39 +741,6 @@ impl Copies {
             }
         }
         Ok(Ok(absent))
-    }
-
-    /// Resyncs every copy from the watch caches: on each `changed` notification and at least
-    /// every second, until dropped.
-    pub async fn run(self: Arc<Self>, changed: Arc<tokio::sync::Notify>) {
-        self.upper_config_maps.synced().await;
-        self.upper_secrets.synced().await;
-        self.lower_config_maps.synced().await;
-        self.lower_secrets.synced().await;
-        self.upper_pods.synced().await;
-        self.lower_pods.synced().await;
-        if let Some(s) = &self.services {
-            s.upper_services.synced().await;
-            s.upper_endpoints.synced().await;
-            s.lower_services.synced().await;
-            s.lower_endpoints.synced().await;
-        }
-        loop {
-            if tokio::time::timeout(self.pass_deadline, self.sync())
-                .await
-                .is_err()
-            {
-                self.metrics.api_error("lower", "copy-pass-timeout");
-                tracing::warn!(
-                    "a copy resync pass took longer than {:?}; the next one goes on",
-                    self.pass_deadline
-                );
-            }
-            tokio::select! {
-                _ = changed.notified() => tokio::time::sleep(Duration::from_millis(50)).await,
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-            }
-        }
     }
 
     /// One resync pass: the plan of every kind, then its writes, 16 at a time.

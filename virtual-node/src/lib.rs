@@ -8,6 +8,11 @@
 //! cluster: capacity from watched lower nodes and pods ([`capacity`]), Ready from a timed
 //! probe. The kubelet endpoint ([`kubelet`]) forwards `kubectl logs` to the lower cluster.
 //! Nothing without our marks is ever modified or deleted.
+//!
+//! The shape: the [`world`] builds and holds every watch cache behind one sync gate; pure
+//! planners decide ([`pods::decide`], the copy and volume plans, the heartbeat's judge in
+//! [`node`], [`translate`]) and are unit-tested on small objects; the controllers act on
+//! their plans; what a pod spec references is a leaf ([`refs`]) that all of them read.
 
 pub mod capacity;
 pub mod copies;
@@ -23,6 +28,7 @@ pub mod streams;
 pub mod translate;
 pub mod trim;
 pub mod volumes;
+pub mod world;
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -31,15 +37,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{
-    ConfigMap, Endpoints, Namespace, Node, PersistentVolume, PersistentVolumeClaim, Secret, Service,
-};
+use k8s_openapi::api::core::v1::Namespace;
 use kube::api::Api;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::{Controller, controller, watcher};
+use kube::runtime::{Controller, controller};
 use tensile_common::admin::{self, AdminArgs, Readiness};
-use tensile_common::cache::{self, LeanPod, watched};
 use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
 use tensile_common::leader::{self, LeaderArgs, Leadership};
 use tensile_common::runtime::{self, CancellationToken, Supervisor};
@@ -429,22 +432,22 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         },
     );
 
-    let result = compose(
-        &args,
+    let clients = Clients {
         upper_source,
         lower,
         lower_streams,
-        metrics,
-        &mut tasks,
-        readiness.clone(),
-        leading,
+    };
+    let serving = Serving {
         tls,
-        kubelet_listener,
+        listener: kubelet_listener,
         auth,
         authorizer,
-        stash_key,
-    )
-    .await;
+    };
+    let started = Started {
+        readiness: readiness.clone(),
+        leading,
+    };
+    let result = compose(&args, clients, serving, stash_key, metrics, started, &mut tasks).await;
     let outcome = match result {
         Ok(()) => tasks.run().await.map_err(Error::from),
         Err(e) => {
@@ -463,24 +466,52 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
 /// How long in-flight reconciles get to finish after SIGTERM.
 const DRAIN: Duration = runtime::DEFAULT_DRAIN;
 
-/// Builds the caches and components of one active virtual node and hands them to `tasks`.
-/// The components share one upper client; the node loop's heartbeat has its own.
-#[allow(clippy::too_many_arguments)]
-async fn compose(
-    args: &Args,
+/// The clients of one virtual node: the upper source (the heartbeat builds its own client
+/// from it), the lower client of the controllers, and the kubelet API's stream client.
+struct Clients {
     upper_source: kubeconfig::ClientSource,
     lower: kube::Client,
     lower_streams: kube::Client,
-    metrics: Arc<metrics::Metrics>,
-    tasks: &mut Supervisor,
-    readiness: Readiness,
-    leading: String,
+}
+
+/// How the kubelet API serves: TLS, its bound listener, who may call it.
+struct Serving {
     tls: Arc<rustls::ServerConfig>,
-    kubelet_listener: tokio::net::TcpListener,
+    listener: tokio::net::TcpListener,
     auth: ClientAuth,
     authorizer: kubelet::Authorizer,
+}
+
+/// What `/readyz` says once the node is registered.
+struct Started {
+    readiness: Readiness,
+    leading: String,
+}
+
+/// Builds the world (every cache, [`world`]) and the components of one active virtual node,
+/// and hands them to `tasks`. The components share one upper client; the node loop's
+/// heartbeat has its own.
+async fn compose(
+    args: &Args,
+    clients: Clients,
+    serving: Serving,
     stash_key: Option<Arc<tensile_common::stash::StashKeys>>,
+    metrics: Arc<metrics::Metrics>,
+    started: Started,
+    tasks: &mut Supervisor,
 ) -> Result<(), Error> {
+    let Clients {
+        upper_source,
+        lower,
+        lower_streams,
+    } = clients;
+    let Serving {
+        tls,
+        listener: kubelet_listener,
+        auth,
+        authorizer,
+    } = serving;
+    let Started { readiness, leading } = started;
     let upper = upper_source.client()?;
     let cluster_id = match &args.upper.cluster_id {
         Some(id) => id.clone(),
@@ -504,112 +535,29 @@ async fn compose(
         .unwrap_or_else(|| "lower".into());
     tracing::info!(node = %identity.node, cluster_id = %identity.cluster_id, "starting");
 
-    // Lower caches: nodes and every running pod (capacity), and our own pods (controller).
-    let changed = Arc::new(tokio::sync::Notify::new());
-    // Each keeps only what its readers read ([`trim`]).
-    let (lower_nodes, lower_nodes_watch) = cache::watched_trimmed(
-        Api::all(lower.clone()),
-        watcher::Config::default(),
-        trim::lower_node,
-        &changed,
-    );
-    let (lower_all_pods, lower_all_watch) = cache::watched_summaries(
-        Api::<LeanPod>::all(lower.clone()),
-        watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
-        |pod| trim::PodLoad::of(pod.0),
-        &changed,
-    );
-    let (lower_pods, lower_ours) = cache::reflect_summaries(
-        Api::<LeanPod>::all(lower.clone()),
-        watcher::Config::default().labels(&identity.selector()),
-        |pod| trim::packed_lower_pod(pod.0),
-    );
-
-    // ConfigMaps and Secrets: the metadata of every upper one that may travel (never
-    // service-account tokens; the content is read when a copy is written), and the copies of
-    // this upper cluster below.
-    let copies_changed = Arc::new(tokio::sync::Notify::new());
-    let copy_marks = format!("{}={}", tensile_common::names::MARK_CLUSTER, identity.cluster_id);
-    let (upper_config_maps, upper_config_maps_watch) =
-        cache::watched_metadata::<ConfigMap>(upper.clone(), watcher::Config::default(), &copies_changed);
-    let (upper_secrets, upper_secrets_watch) = cache::watched_metadata::<Secret>(
-        upper.clone(),
-        watcher::Config::default().fields("type!=kubernetes.io/service-account-token"),
-        &copies_changed,
-    );
-    let ours_below = || watcher::Config::default().labels(&copy_marks);
-    let (lower_config_maps, lower_config_maps_watch) =
-        watched::<ConfigMap>(Api::all(lower.clone()), ours_below(), &copies_changed);
-    let (lower_secrets, lower_secrets_watch) =
-        watched::<Secret>(Api::all(lower.clone()), ours_below(), &copies_changed);
-    let services = if args
-        .reflection
-        .enable_controllers
-        .contains(&Controllers::Services)
-    {
-        let (upper_services, upper_services_watch) = watched::<Service>(
-            Api::all(upper.clone()),
-            watcher::Config::default(),
-            &copies_changed,
-        );
-        let (upper_endpoints, upper_endpoints_watch) = watched::<Endpoints>(
-            Api::all(upper.clone()),
-            watcher::Config::default(),
-            &copies_changed,
-        );
-        let (lower_services, lower_services_watch) =
-            watched::<Service>(Api::all(lower.clone()), ours_below(), &copies_changed);
-        let (lower_endpoints, lower_endpoints_watch) =
-            watched::<Endpoints>(Api::all(lower.clone()), ours_below(), &copies_changed);
-        tasks.spawn("the Service and Endpoints watches", async move {
-            tokio::join!(
-                upper_services_watch,
-                upper_endpoints_watch,
-                lower_services_watch,
-                lower_endpoints_watch
-            );
-        });
-        Some(copies::ServiceStores {
-            upper_services,
-            upper_endpoints,
-            lower_services,
-            lower_endpoints,
-            include_system: args.reflection.reflect_system_services,
-        })
-    } else {
-        None
+    let scope = world::Scope {
+        services: args
+            .reflection
+            .enable_controllers
+            .contains(&Controllers::Services),
+        system_services: args.reflection.reflect_system_services,
     };
-
-    // Claims upstream, and the claims and volumes this node made.
-    let volumes_changed = Arc::new(tokio::sync::Notify::new());
-    let (upper_claims, upper_claims_watch) = watched::<PersistentVolumeClaim>(
-        Api::all(upper.clone()),
-        watcher::Config::default(),
-        &volumes_changed,
-    );
-    let (upper_classes, upper_classes_watch) = watched::<k8s_openapi::api::storage::v1::StorageClass>(
-        Api::all(upper.clone()),
-        watcher::Config::default(),
-        &volumes_changed,
-    );
-    let node_marks = || watcher::Config::default().labels(&identity.selector());
-    let (upper_volumes, upper_volumes_watch) =
-        watched::<PersistentVolume>(Api::all(upper.clone()), node_marks(), &volumes_changed);
-    let (lower_claims, lower_claims_watch) =
-        watched::<PersistentVolumeClaim>(Api::all(lower.clone()), node_marks(), &volumes_changed);
-
-    let (upper_pods, upper_pod_events) = cache::reflect_summaries(
-        Api::<LeanPod>::all(upper.clone()),
-        watcher::Config::default().fields(&format!("spec.nodeName={}", identity.node)),
-        |pod| trim::UpperPod::of(pod.0),
-    );
+    let (world, watches, signals) = world::World::build(&upper, &lower, &identity, &scope);
+    let world::Watches {
+        feeds,
+        upper_pod_events,
+        lower_pod_events,
+    } = watches;
+    for (name, feed) in feeds {
+        tasks.spawn(name, feed);
+    }
     let resync = futures::stream::unfold((), |()| async {
         tokio::time::sleep(Duration::from_secs(60)).await;
         Some(((), ()))
     });
-    let controller = Controller::for_stream(upper_pod_events, upper_pods.store().clone())
+    let controller = Controller::for_stream(upper_pod_events, world.upper_pods.store().clone())
         .with_config(controller::Config::default().concurrency(args.pod_sync_workers))
-        .watches_stream(lower_ours, |lower: trim::LowerPod| {
+        .watches_stream(lower_pod_events, |lower: trim::LowerPod| {
             let ns = lower.metadata.namespace.clone().unwrap_or_default();
             lower
                 .metadata
@@ -638,39 +586,37 @@ async fn compose(
         lower: lower.clone(),
         cluster_id: identity.cluster_id.clone(),
         cluster_name: lower_name.clone(),
-        upper_config_maps,
-        upper_secrets,
-        lower_config_maps,
-        lower_secrets,
-        upper_pods: upper_pods.clone(),
-        lower_pods: lower_all_pods.clone(),
+        upper_config_maps: world.upper_config_maps.clone(),
+        upper_secrets: world.upper_secrets.clone(),
+        lower_config_maps: world.lower_config_maps.clone(),
+        lower_secrets: world.lower_secrets.clone(),
+        upper_pods: world.upper_pods.clone(),
+        lower_pods: world.lower_load.clone(),
         limit: lower_limit.clone(),
         metrics: metrics.clone(),
         gc_delay: Duration::from_secs(args.reflection.copy_collection_delay),
         unreferenced_since: Default::default(),
         conflicts: Default::default(),
-        services,
+        services: world.services.clone(),
         usable_namespaces: usable_namespaces.clone(),
         events: events.clone(),
-        pass_deadline: Duration::from_secs(args.reconcile_timeout),
     });
     let volumes = Arc::new(volumes::Volumes {
         upper: upper.clone(),
         lower: lower.clone(),
         identity: identity.clone(),
         cluster_name: lower_name.clone(),
-        upper_claims,
-        upper_volumes,
-        lower_claims,
-        upper_pods: upper_pods.clone(),
-        lower_pods: lower_all_pods.clone(),
+        upper_claims: world.upper_claims.clone(),
+        upper_volumes: world.upper_volumes.clone(),
+        lower_claims: world.lower_claims.clone(),
+        upper_pods: world.upper_pods.clone(),
+        lower_pods: world.lower_load.clone(),
         upper_limit: upper_limit.clone(),
         lower_limit: lower_limit.clone(),
         metrics: metrics.clone(),
         classes: Default::default(),
-        upper_classes,
+        upper_classes: world.upper_classes.clone(),
         refused_expansions: Default::default(),
-        pass_deadline: Duration::from_secs(args.reconcile_timeout),
     });
     let lower_health = Arc::new(node::LowerHealth::default());
     let ctx = Arc::new(pods::Context {
@@ -681,8 +627,8 @@ async fn compose(
             ignore_labels: args.ignore_labels.clone(),
             stash_key: stash_key.clone(),
         },
-        lower_pods: lower_pods.clone(),
-        upper_pods: upper_pods.clone(),
+        lower_pods: world.lower_pods.clone(),
+        upper_pods: world.upper_pods.clone(),
         host_ip: args.kubelet.node_ip.to_string(),
         events,
         metrics: metrics.clone(),
@@ -712,11 +658,6 @@ async fn compose(
     settings.taint = !args.disable_taint;
     settings.extra_labels = args.node_labels.iter().cloned().collect::<BTreeMap<_, _>>();
     settings.shape_label_keys = args.shape.label_keys.clone();
-    let (upper_node, upper_node_watch) = watched::<Node>(
-        Api::all(upper.clone()),
-        watcher::Config::default().fields(&format!("metadata.name={}", identity.node)),
-        &changed,
-    );
     // The heartbeat has its own client: a partition's dead connections are then dropped with
     // it, without waiting on the pool the controllers share.
     let node_loop = NodeLoop {
@@ -724,17 +665,17 @@ async fn compose(
         upper_source,
         lower: lower.clone(),
         settings,
-        lower_nodes,
-        lower_pods: lower_all_pods.clone(),
-        changed,
+        lower_nodes: world.lower_nodes.clone(),
+        lower_pods: world.lower_load.clone(),
+        changed: signals.lower_changed.clone(),
         metrics: metrics.clone(),
-        upper_node,
+        upper_node: world.upper_node.clone(),
         lower_health,
     };
     let kubelet_state = Arc::new(KubeletState {
         node: identity.node.clone(),
-        upper_pods: upper_pods.clone(),
-        lower_pods: lower_pods.clone(),
+        upper_pods: world.upper_pods.clone(),
+        lower_pods: world.lower_pods.clone(),
         summaries: Default::default(),
         lower: lower_streams,
         metrics: metrics.clone(),
@@ -754,7 +695,8 @@ async fn compose(
     // Each component is its own task: a watch decoding a large object then runs on a
     // shallow stack, and a component that stops is named. The controller, the node loop
     // and collection finish the work in hand on SIGTERM; the rest stop at once.
-    let (controller_ctx, store) = (ctx.clone(), upper_pods.clone());
+    let resync_metrics = metrics.clone();
+    let (controller_ctx, store) = (ctx.clone(), world.upper_pods.clone());
     tasks.spawn_graceful("the pod controller", move |stop| {
         controller
             .graceful_shutdown_on(async move { stop.cancelled().await })
@@ -767,14 +709,9 @@ async fn compose(
     // The node is registered only once the pod watches have synced (a node without a
     // working pod path would attract pods it cannot run).
     {
-        let (upper_pods, lower_pods, lower_all) =
-            (upper_pods.clone(), lower_pods.clone(), lower_all_pods.clone());
+        let world = world.clone();
         tasks.spawn_graceful("the node loop", move |stop| async move {
-            let synced = async {
-                upper_pods.synced().await;
-                lower_pods.synced().await;
-                lower_all.synced().await;
-            };
+            let synced = world.pods_synced();
             // Heartbeats start as soon as this replica acts, before the caches finish listing.
             if stop
                 .run_until_cancelled(node_loop.beat_until(synced))
@@ -792,11 +729,10 @@ async fn compose(
         // Namespaces are judged empty on two passes in a row: at least one collection delay
         // apart, at most 30 s.
         let namespace_pass = Duration::from_secs(args.reflection.copy_collection_delay.clamp(1, 30));
-        let gc_ctx = ctx.clone();
+        let (gc_ctx, gc_world) = (ctx.clone(), world.clone());
         tasks.spawn_graceful("orphan collection", move |stop| async move {
             let pass = async {
-                gc_ctx.upper_pods.synced().await;
-                gc_ctx.lower_pods.synced().await;
+                gc_world.pods_synced().await;
                 let mut empty_before = Default::default();
                 loop {
                     pods::collect_orphans(&gc_ctx).await;
@@ -811,27 +747,41 @@ async fn compose(
         });
     }
     tasks.spawn("the event publisher", events_run);
-    tasks.spawn("the lower node watch", lower_nodes_watch);
-    tasks.spawn("the upper node watch", upper_node_watch);
-    tasks.spawn("the lower pod watch", lower_all_watch);
-    tasks.spawn("the ConfigMap and Secret watches", async move {
-        tokio::join!(
-            upper_config_maps_watch,
-            upper_secrets_watch,
-            lower_config_maps_watch,
-            lower_secrets_watch
-        );
-    });
-    tasks.spawn("the copy resync", copies.run(copies_changed));
-    tasks.spawn("the claim and volume watches", async move {
-        tokio::join!(
-            upper_claims_watch,
-            upper_volumes_watch,
-            lower_claims_watch,
-            upper_classes_watch
-        );
-    });
-    tasks.spawn("the volume resync", volumes.run(volumes_changed));
+    let pass_deadline = Duration::from_secs(args.reconcile_timeout);
+    tasks.spawn(
+        "the copy resync",
+        world::resync(
+            "copy resync pass",
+            ("lower", "copy-pass-timeout"),
+            world.clone(),
+            signals.copies_changed.clone(),
+            pass_deadline,
+            resync_metrics.clone(),
+            move || {
+                let copies = copies.clone();
+                async move {
+                    copies.sync().await;
+                    false
+                }
+            },
+        ),
+    );
+    tasks.spawn(
+        "the volume resync",
+        world::resync(
+            "volume resync pass",
+            ("both", "volume-pass-timeout"),
+            world,
+            signals.volumes_changed.clone(),
+            pass_deadline,
+            resync_metrics,
+            // A class's binding mode was read: the volumes waiting for it go at once.
+            move || {
+                let volumes = volumes.clone();
+                async move { volumes.sync().await }
+            },
+        ),
+    );
     tasks.spawn_graceful("the kubelet API", move |stop| {
         kubelet::serve(
             kubelet_listener,

@@ -28,7 +28,6 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
@@ -496,9 +495,6 @@ pub struct Volumes {
     pub upper_classes: Cache<StorageClass>,
     /// Expansions the lower cluster refused (`ns/name=size`), not asked again.
     pub refused_expansions: std::sync::Mutex<BTreeSet<String>>,
-    /// How long one resync pass may take; a pass stuck past it is dropped and the next
-    /// begins.
-    pub pass_deadline: Duration,
 }
 
 impl Volumes {
@@ -557,39 +553,8 @@ impl Volumes {
         }
     }
 
-    /// Resyncs from the watch caches on each `changed` notification and at least every
-    /// second, until dropped.
-    pub async fn run(self: Arc<Self>, changed: Arc<tokio::sync::Notify>) {
-        self.upper_claims.synced().await;
-        self.upper_volumes.synced().await;
-        self.lower_claims.synced().await;
-        self.upper_pods.synced().await;
-        self.lower_pods.synced().await;
-        loop {
-            let learned = match tokio::time::timeout(self.pass_deadline, self.sync()).await {
-                Ok(learned) => learned,
-                Err(_) => {
-                    self.metrics.api_error("both", "volume-pass-timeout");
-                    tracing::warn!(
-                        "a volume resync pass took longer than {:?}; the next one goes on",
-                        self.pass_deadline
-                    );
-                    false
-                }
-            };
-            if learned {
-                // A class's binding mode was read: the volumes waiting for it go now.
-                continue;
-            }
-            tokio::select! {
-                _ = changed.notified() => tokio::time::sleep(Duration::from_millis(50)).await,
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-            }
-        }
-    }
-
     /// One resync pass; true when it learnt a StorageClass's binding mode.
-    async fn sync(&self) -> bool {
+    pub async fn sync(&self) -> bool {
         let classes = self.classes.lock().map(|c| c.clone()).unwrap_or_default();
         let (upper_pods, upper_claims, upper_volumes, lower_claims, lower_pods, upper_classes) = (
             self.upper_pods.state(),

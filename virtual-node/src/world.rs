@@ -1,0 +1,276 @@
+//! The world: every watch cache a virtual node reads, built in one place, with one gate that
+//! opens once all of them have listed ([`World::synced`]). The pod controller, the node loop,
+//! the copy and volume resyncs and the kubelet API read the world; none builds a watch of its
+//! own. Each cache keeps only what its readers read ([`crate::trim`]).
+//!
+//! Building the world starts nothing: [`Watches`] holds the futures that keep the caches
+//! current (the caller runs them, each named) and the pod controller's trigger streams, and
+//! [`Signals`] the wake-ups each resync waits on.
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use futures::{FutureExt, StreamExt};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Endpoints, Node, PersistentVolume, PersistentVolumeClaim, Secret, Service,
+};
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::api::Api;
+use kube::runtime::watcher;
+use tensile_common::cache::{self, Cache, LeanPod, watched};
+use tokio::sync::Notify;
+
+use crate::copies::ServiceStores;
+use crate::translate::Identity;
+use crate::trim::{self, LowerPod, PodLoad, UpperPod};
+
+/// Every cache of one virtual node.
+#[derive(Clone)]
+pub struct World {
+    /// Upper pods bound to this node.
+    pub upper_pods: Cache<UpperPod>,
+    /// Lower pods carrying this node's marks.
+    pub lower_pods: Cache<LowerPod>,
+    /// Every unfinished lower pod (other tenants' too): the load on the lower nodes.
+    pub lower_load: Cache<PodLoad>,
+    pub lower_nodes: Cache<Node>,
+    /// This node's own upper Node.
+    pub upper_node: Cache<Node>,
+    /// Upper ConfigMaps and Secrets, metadata only (never service-account tokens).
+    pub upper_config_maps: Cache<ConfigMap>,
+    pub upper_secrets: Cache<Secret>,
+    /// Lower ConfigMaps and Secrets carrying this upper cluster's mark.
+    pub lower_config_maps: Cache<ConfigMap>,
+    pub lower_secrets: Cache<Secret>,
+    /// Services and Endpoints both sides, when their reflection is enabled.
+    pub services: Option<ServiceStores>,
+    pub upper_claims: Cache<PersistentVolumeClaim>,
+    pub upper_classes: Cache<StorageClass>,
+    /// Upper volumes and lower claims carrying this node's marks.
+    pub upper_volumes: Cache<PersistentVolume>,
+    pub lower_claims: Cache<PersistentVolumeClaim>,
+}
+
+/// What wakes each loop: lower nodes and pods (the node loop), what copies and volumes read.
+#[derive(Clone, Default)]
+pub struct Signals {
+    pub lower_changed: Arc<Notify>,
+    pub copies_changed: Arc<Notify>,
+    pub volumes_changed: Arc<Notify>,
+}
+
+/// The futures that keep the world current, and the pod controller's triggers.
+pub struct Watches {
+    /// Each named for the supervisor.
+    pub feeds: Vec<(&'static str, BoxFuture<'static, ()>)>,
+    /// Upper pods bound to this node, as they change.
+    pub upper_pod_events: BoxStream<'static, Result<UpperPod, watcher::Error>>,
+    /// This node's lower pods, as they change.
+    pub lower_pod_events: BoxStream<'static, Result<LowerPod, watcher::Error>>,
+}
+
+/// What the world watches beyond the pods and nodes.
+#[derive(Clone, Debug)]
+pub struct Scope {
+    /// Services and Endpoints are reflected.
+    pub services: bool,
+    /// With `services`: kube-system's Services and `default/kubernetes` too.
+    pub system_services: bool,
+}
+
+impl World {
+    /// The world of the node `identity` over `upper` and `lower`.
+    pub fn build(
+        upper: &kube::Client,
+        lower: &kube::Client,
+        identity: &Identity,
+        scope: &Scope,
+    ) -> (World, Watches, Signals) {
+        let signals = Signals::default();
+        let mut feeds: Vec<(&'static str, BoxFuture<'static, ()>)> = Vec::new();
+
+        let (lower_nodes, watch) = cache::watched_trimmed(
+            Api::all(lower.clone()),
+            watcher::Config::default(),
+            trim::lower_node,
+            &signals.lower_changed,
+        );
+        feeds.push(("the lower node watch", watch.boxed()));
+        let (lower_load, watch) = cache::watched_summaries(
+            Api::<LeanPod>::all(lower.clone()),
+            watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
+            |pod| PodLoad::of(pod.0),
+            &signals.lower_changed,
+        );
+        feeds.push(("the lower pod watch", watch.boxed()));
+        let (upper_node, watch) = watched::<Node>(
+            Api::all(upper.clone()),
+            watcher::Config::default().fields(&format!("metadata.name={}", identity.node)),
+            &signals.lower_changed,
+        );
+        feeds.push(("the upper node watch", watch.boxed()));
+        let (lower_pods, lower_pod_events) = cache::reflect_summaries(
+            Api::<LeanPod>::all(lower.clone()),
+            watcher::Config::default().labels(&identity.selector()),
+            |pod| trim::packed_lower_pod(pod.0),
+        );
+        let (upper_pods, upper_pod_events) = cache::reflect_summaries(
+            Api::<LeanPod>::all(upper.clone()),
+            watcher::Config::default().fields(&format!("spec.nodeName={}", identity.node)),
+            |pod| UpperPod::of(pod.0),
+        );
+
+        // ConfigMaps and Secrets: the metadata of every upper one that may travel (the
+        // content is read when a copy is written), and the copies of this upper cluster.
+        let copies = &signals.copies_changed;
+        let copy_marks = format!("{}={}", tensile_common::names::MARK_CLUSTER, identity.cluster_id);
+        let ours_below = || watcher::Config::default().labels(&copy_marks);
+        let (upper_config_maps, w1) =
+            cache::watched_metadata::<ConfigMap>(upper.clone(), watcher::Config::default(), copies);
+        let (upper_secrets, w2) = cache::watched_metadata::<Secret>(
+            upper.clone(),
+            watcher::Config::default().fields("type!=kubernetes.io/service-account-token"),
+            copies,
+        );
+        let (lower_config_maps, w3) = watched::<ConfigMap>(Api::all(lower.clone()), ours_below(), copies);
+        let (lower_secrets, w4) = watched::<Secret>(Api::all(lower.clone()), ours_below(), copies);
+        feeds.push((
+            "the ConfigMap and Secret watches",
+            async move {
+                tokio::join!(w1, w2, w3, w4);
+            }
+            .boxed(),
+        ));
+        let services = scope.services.then(|| {
+            let (upper_services, w1) =
+                watched::<Service>(Api::all(upper.clone()), watcher::Config::default(), copies);
+            let (upper_endpoints, w2) =
+                watched::<Endpoints>(Api::all(upper.clone()), watcher::Config::default(), copies);
+            let (lower_services, w3) = watched::<Service>(Api::all(lower.clone()), ours_below(), copies);
+            let (lower_endpoints, w4) = watched::<Endpoints>(Api::all(lower.clone()), ours_below(), copies);
+            feeds.push((
+                "the Service and Endpoints watches",
+                async move {
+                    tokio::join!(w1, w2, w3, w4);
+                }
+                .boxed(),
+            ));
+            ServiceStores {
+                upper_services,
+                upper_endpoints,
+                lower_services,
+                lower_endpoints,
+                include_system: scope.system_services,
+            }
+        });
+
+        // Claims and classes upstream, and the claims and volumes this node made.
+        let volumes = &signals.volumes_changed;
+        let node_marks = || watcher::Config::default().labels(&identity.selector());
+        let (upper_claims, w1) =
+            watched::<PersistentVolumeClaim>(Api::all(upper.clone()), watcher::Config::default(), volumes);
+        let (upper_classes, w2) =
+            watched::<StorageClass>(Api::all(upper.clone()), watcher::Config::default(), volumes);
+        let (upper_volumes, w3) = watched::<PersistentVolume>(Api::all(upper.clone()), node_marks(), volumes);
+        let (lower_claims, w4) =
+            watched::<PersistentVolumeClaim>(Api::all(lower.clone()), node_marks(), volumes);
+        feeds.push((
+            "the claim, class and volume watches",
+            async move {
+                tokio::join!(w1, w2, w3, w4);
+            }
+            .boxed(),
+        ));
+
+        let world = World {
+            upper_pods,
+            lower_pods,
+            lower_load,
+            lower_nodes,
+            upper_node,
+            upper_config_maps,
+            upper_secrets,
+            lower_config_maps,
+            lower_secrets,
+            services,
+            upper_claims,
+            upper_classes,
+            upper_volumes,
+            lower_claims,
+        };
+        let watches = Watches {
+            feeds,
+            upper_pod_events: upper_pod_events.boxed(),
+            lower_pod_events: lower_pod_events.boxed(),
+        };
+        (world, watches, signals)
+    }
+
+    /// Resolves once the pod caches have listed: the pod controller, registration and
+    /// collection wait for these.
+    pub async fn pods_synced(&self) {
+        self.upper_pods.synced().await;
+        self.lower_pods.synced().await;
+        self.lower_load.synced().await;
+    }
+
+    /// Resolves once every cache has listed: the one gate of the resyncs.
+    pub async fn synced(&self) {
+        self.pods_synced().await;
+        self.lower_nodes.synced().await;
+        self.upper_node.synced().await;
+        self.upper_config_maps.synced().await;
+        self.upper_secrets.synced().await;
+        self.lower_config_maps.synced().await;
+        self.lower_secrets.synced().await;
+        if let Some(s) = &self.services {
+            s.upper_services.synced().await;
+            s.upper_endpoints.synced().await;
+            s.lower_services.synced().await;
+            s.lower_endpoints.synced().await;
+        }
+        self.upper_claims.synced().await;
+        self.upper_classes.synced().await;
+        self.upper_volumes.synced().await;
+        self.lower_claims.synced().await;
+    }
+}
+
+/// The one resync loop of the copy and volume passes: once the world has listed, `pass` runs
+/// on every `changed` wake-up (50 ms later, so a burst of events is one pass) and at least
+/// every second; a pass stuck past `deadline` is dropped (counted as an API error of `side`
+/// and `timeout`) and the next begins. A pass that returns `true` learnt something the next
+/// pass needs at once.
+#[allow(clippy::too_many_arguments)]
+pub async fn resync<F, Fut>(
+    name: &'static str,
+    (side, timeout): (&'static str, &'static str),
+    world: World,
+    changed: Arc<Notify>,
+    deadline: std::time::Duration,
+    metrics: Arc<crate::metrics::Metrics>,
+    mut pass: F,
+) where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    world.synced().await;
+    loop {
+        let again = match tokio::time::timeout(deadline, pass()).await {
+            Ok(again) => again,
+            Err(_) => {
+                metrics.api_error(side, timeout);
+                tracing::warn!("a {name} took longer than {deadline:?}; the next one goes on");
+                false
+            }
+        };
+        if again {
+            continue;
+        }
+        tokio::select! {
+            _ = changed.notified() => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+        }
+    }
+}
