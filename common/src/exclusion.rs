@@ -1,41 +1,67 @@
-//! The exclusion record: which virtual nodes refused a workload, kept where the webhook (and
-//! later the multi-scheduler) can read it.
+//! The exclusion record: which virtual nodes refused a workload, kept where the webhook and
+//! the multi-scheduler can read it. Only the descheduler's leader writes records; every
+//! reader and the writer go through this module (the codec, [`follow`], [`store::Writer`]).
 //!
-//! One ConfigMap (by default `kube-system/tensile-exclusions`) holds one entry per workload,
-//! keyed by the UID of the pods' controller (a ReplicaSet, StatefulSet, Job…) or, for a bare
-//! pod, by the UID of the first pod of its line of replacements. The value is JSON:
+//! Each workload's record is an object of its own, an `ExclusionRecord`
+//! (`tensile.io/v1alpha1`, namespaced; its definition ships in the chart's `crds/`), in the
+//! namespace of `--exclusions-configmap`. The object is named after the record's key (the
+//! UID of the pods' controller, or for a bare pod the UID of the first pod of its line of
+//! replacements) and its `spec` is the record:
 //!
 //! ```json
-//! {"namespace":"web","kind":"ReplicaSet","name":"web-7d4b9","moves":1,
+//! {"key":"<uid>","namespace":"web","kind":"ReplicaSet","name":"web-7d4b9","moves":1,
 //!  "nodes":{"vn-a":"2024-05-01T10:10:00Z"},"expires":"2024-05-01T10:10:00Z"}
 //! ```
 //!
 //! `nodes` maps each excluded virtual node to the instant its exclusion ends; `moves` counts
 //! how many times a node was added, which bounds the moves of one workload; `exhausted` says
-//! when the descheduler gave up on it. An entry is dropped from the map once `expires` has
-//! passed. Only the descheduler's leader writes it; everyone else only reads it.
+//! when the descheduler gave up on it; past `expires` the record is void and the
+//! descheduler's leader deletes the object ([`store::Writer::sweep`]).
+//!
+//! Why a kind of our own: a change writes one object of a few hundred bytes, and every
+//! watcher receives that object, not the whole set; there is no size limit on the set (one
+//! ConfigMap held about 4–6k records before its 1 MiB limit); RBAC grants exactly these
+//! objects; and no component outside the suite lists them (kube-controller-manager
+//! watches every ConfigMap and every Lease of the cluster, so a ConfigMap or Lease per
+//! record would load it with the whole set).
+//!
+//! Until version 0.1 every record lived in one ConfigMap, `--exclusions-configmap` (by
+//! default `kube-system/tensile-exclusions`), keyed by the same keys with the same JSON
+//! (without `key`). Readers still honour the records of that ConfigMap (an object of the
+//! same key wins), nothing writes it any more, and the descheduler deletes it once it holds
+//! no live record, so an upgrade loses no exclusion.
+//!
+//! A record that does not decode (written by a newer release, or by hand) is counted in
+//! [`Exclusions::unreadable`], applied to nobody and left alone: no other record's write
+//! touches it, and the sweep deletes only records it can read.
 
+mod index;
+pub mod store;
+
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use futures::StreamExt;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::Api;
-use kube::runtime::watcher;
+use kube::runtime::{WatchStreamExt, watcher};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::cache::{self, Cache};
+pub use index::Index;
 
-/// Namespace and name of the exclusions ConfigMap.
+/// Where the records live: their namespace, and the name of the old ConfigMap of records
+/// that readers still honour (see the module doc).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Location {
     pub namespace: String,
     pub name: String,
 }
 
-/// Where the exclusions live unless a flag says otherwise.
+/// Where the records live unless a flag says otherwise.
 pub const DEFAULT_LOCATION: &str = "kube-system/tensile-exclusions";
 
 impl std::str::FromStr for Location {
@@ -93,32 +119,299 @@ impl Record {
     }
 }
 
-/// Every record, as the ConfigMap held them at `resource_version`.
+/// The API version and kind of the record objects.
+pub const VERSION: &str = "v1alpha1";
+pub const KIND: &str = "ExclusionRecord";
+pub const PLURAL: &str = "exclusionrecords";
+
+/// One record as the API stores it. `spec` is decoded per object (see [`decode`]), so one
+/// record that does not decode is skipped instead of failing the whole watch.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ExclusionRecord {
+    #[serde(rename = "apiVersion", default)]
+    pub api_version: String,
+    #[serde(default)]
+    pub kind: String,
+    #[serde(default)]
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    pub spec: serde_json::Value,
+}
+
+impl kube::Resource for ExclusionRecord {
+    type DynamicType = ();
+    type Scope = kube::core::NamespaceResourceScope;
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        KIND.into()
+    }
+    fn group(_: &()) -> Cow<'_, str> {
+        crate::names::API_GROUP.into()
+    }
+    fn version(_: &()) -> Cow<'_, str> {
+        VERSION.into()
+    }
+    fn plural(_: &()) -> Cow<'_, str> {
+        PLURAL.into()
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// The `spec` of a record object: its key and the record.
+#[derive(Serialize, Deserialize)]
+struct Spec {
+    key: String,
+    #[serde(flatten)]
+    record: Record,
+}
+
+/// The name of the object holding the record of `key`: the key itself when it is a valid
+/// object name (UIDs are), otherwise `h-` and a SHA-256 of it, so each key has one name.
+pub fn object_name(key: &str) -> String {
+    let valid = !key.is_empty()
+        && key.len() <= 63
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !key.starts_with('-')
+        && !key.ends_with('-')
+        && !key.starts_with("h-");
+    if valid {
+        return key.to_owned();
+    }
+    let digest = ring::digest::digest(&ring::digest::SHA256, key.as_bytes());
+    let hex: String = digest.as_ref()[..20].iter().map(|b| format!("{b:02x}")).collect();
+    format!("h-{hex}")
+}
+
+/// The object holding `record` for `key` in `namespace`, written by `manager`; at
+/// `resource_version` when it replaces one.
+pub fn encode(
+    namespace: &str,
+    key: &str,
+    record: &Record,
+    resource_version: Option<String>,
+    manager: &str,
+) -> Result<ExclusionRecord, serde_json::Error> {
+    let spec = serde_json::to_value(Spec {
+        key: key.to_owned(),
+        record: record.clone(),
+    })?;
+    Ok(ExclusionRecord {
+        api_version: format!("{}/{VERSION}", crate::names::API_GROUP),
+        kind: KIND.to_owned(),
+        metadata: ObjectMeta {
+            name: Some(object_name(key)),
+            namespace: Some(namespace.to_owned()),
+            resource_version,
+            labels: Some(BTreeMap::from([(
+                crate::names::MANAGED_BY.to_owned(),
+                manager.to_owned(),
+            )])),
+            ..Default::default()
+        },
+        spec,
+    })
+}
+
+/// The key and record an object holds; an error when its spec does not decode or its name
+/// is not the one its key gives (a record never applies under a key it was not written for).
+pub fn decode(object: &ExclusionRecord) -> Result<(String, Record), String> {
+    let spec = Spec::deserialize(&object.spec).map_err(|e| e.to_string())?;
+    let name = object.metadata.name.as_deref().unwrap_or_default();
+    if object_name(&spec.key) != name {
+        return Err(format!(
+            "named {name:?}, but its key {:?} names {:?}",
+            spec.key,
+            object_name(&spec.key)
+        ));
+    }
+    Ok((spec.key, spec.record))
+}
+
+/// How many shards a [`Records`] map has: a change copies at most one shard (a 256th of
+/// the records) while a reader still holds the previous version.
+const SHARDS: usize = 256;
+
+/// Records by key, cheap to clone and to change: the map is split into shards that clones
+/// share, and a change copies only the shard it touches when that shard is shared. Every
+/// change the watch shows is published as a new version without copying the whole set.
+#[derive(Clone)]
+pub struct Records<V: Clone> {
+    shards: Vec<Arc<BTreeMap<String, V>>>,
+    len: usize,
+}
+
+impl<V: Clone> Default for Records<V> {
+    fn default() -> Self {
+        let empty = Arc::new(BTreeMap::new());
+        Self {
+            shards: vec![empty; SHARDS],
+            len: 0,
+        }
+    }
+}
+
+fn shard_of(key: &str) -> usize {
+    // FNV-1a: stable across runs and processes, unlike std's random hasher.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    (h % SHARDS as u64) as usize
+}
+
+impl<V: Clone> Records<V> {
+    pub fn get(&self, key: &str) -> Option<&V> {
+        self.shards[shard_of(key)].get(key)
+    }
+
+    pub fn contains_key(&self, key: &str) -> bool {
+        self.get(key).is_some()
+    }
+
+    pub fn insert(&mut self, key: String, value: V) -> Option<V> {
+        let old = Arc::make_mut(&mut self.shards[shard_of(&key)]).insert(key, value);
+        if old.is_none() {
+            self.len += 1;
+        }
+        old
+    }
+
+    pub fn remove(&mut self, key: &str) -> Option<V> {
+        let shard = &mut self.shards[shard_of(key)];
+        if !shard.contains_key(key) {
+            return None;
+        }
+        let old = Arc::make_mut(shard).remove(key);
+        self.len -= 1;
+        old
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Every record, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &V)> {
+        self.shards.iter().flat_map(|s| s.iter())
+    }
+
+    pub fn values(&self) -> impl Iterator<Item = &V> {
+        self.iter().map(|(_, v)| v)
+    }
+
+    pub fn keys(&self) -> impl Iterator<Item = &String> {
+        self.iter().map(|(k, _)| k)
+    }
+}
+
+impl<V: Clone + PartialEq> PartialEq for Records<V> {
+    fn eq(&self, other: &Self) -> bool {
+        self.len == other.len
+            && self
+                .shards
+                .iter()
+                .zip(&other.shards)
+                .all(|(a, b)| Arc::ptr_eq(a, b) || a == b)
+    }
+}
+
+impl<V: Clone + Eq> Eq for Records<V> {}
+
+impl<V: Clone + std::fmt::Debug> std::fmt::Debug for Records<V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
+
+impl<V: Clone> std::ops::Index<&str> for Records<V> {
+    type Output = V;
+
+    fn index(&self, key: &str) -> &V {
+        match self.get(key) {
+            Some(v) => v,
+            None => panic!("no record {key:?}"),
+        }
+    }
+}
+
+impl<V: Clone> FromIterator<(String, V)> for Records<V> {
+    fn from_iter<I: IntoIterator<Item = (String, V)>>(iter: I) -> Self {
+        let mut out = Self::default();
+        for (k, v) in iter {
+            out.insert(k, v);
+        }
+        out
+    }
+}
+
+/// Every record a reader knows: the record objects, and those of the old ConfigMap that no
+/// object of the same key replaces.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Exclusions {
-    /// `None`: the ConfigMap does not exist.
+    pub records: Records<Record>,
+    /// Key → resourceVersion of the object holding its record (records from the old
+    /// ConfigMap have none): what the writer replaces and what the sweep deletes.
+    pub versions: Records<String>,
+    /// Records that did not decode, objects and old entries together (never applied).
+    pub unreadable: usize,
+    /// The old ConfigMap, when it exists: its resourceVersion, its records, and how many of
+    /// its entries did not decode.
+    pub legacy: Option<Legacy>,
+}
+
+/// The records of the old ConfigMap.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Legacy {
     pub resource_version: Option<String>,
-    pub records: BTreeMap<String, Record>,
-    /// Entries that did not decode (left alone, never applied).
+    pub records: Arc<BTreeMap<String, Record>>,
     pub unreadable: usize,
 }
 
-impl Exclusions {
+impl Legacy {
     /// Reads the ConfigMap's entries; an entry that does not decode is counted and skipped.
     pub fn from_config_map(cm: &ConfigMap) -> Self {
-        let mut out = Exclusions {
-            resource_version: cm.metadata.resource_version.clone(),
-            ..Default::default()
-        };
+        let mut records = BTreeMap::new();
+        let mut unreadable = 0;
         for (key, value) in cm.data.iter().flatten() {
             match serde_json::from_str::<Record>(value) {
                 Ok(record) => {
-                    out.records.insert(key.clone(), record);
+                    records.insert(key.clone(), record);
                 }
-                Err(_) => out.unreadable += 1,
+                Err(_) => unreadable += 1,
             }
         }
-        out
+        Legacy {
+            resource_version: cm.metadata.resource_version.clone(),
+            records: Arc::new(records),
+            unreadable,
+        }
+    }
+
+    /// Whether any of its records is still in force at `now`.
+    pub fn any_live(&self, now: Timestamp) -> bool {
+        self.records.values().any(|r| !r.is_expired(now))
+    }
+}
+
+impl Exclusions {
+    /// The records of an old exclusions ConfigMap alone (as a reader saw them before
+    /// records were objects).
+    pub fn from_config_map(cm: &ConfigMap) -> Self {
+        let mut index = Index::default();
+        index.legacy(Some(cm));
+        index.exclusions().clone()
     }
 
     /// The virtual nodes excluded for the workload `key` at `now`, sorted.
@@ -133,52 +426,127 @@ impl Exclusions {
     pub fn live(&self, now: Timestamp) -> usize {
         self.records.values().filter(|r| !r.is_expired(now)).count()
     }
+}
 
-    /// The ConfigMap data for these records, without those expired at `now`.
-    pub fn to_data(&self, now: Timestamp) -> Result<BTreeMap<String, String>, serde_json::Error> {
-        self.records
-            .iter()
-            .filter(|(_, r)| !r.is_expired(now))
-            .map(|(k, r)| Ok((k.clone(), serde_json::to_string(r)?)))
-            .collect()
+/// Waits until a reader has its first full view of the records (the objects, and the old
+/// ConfigMap).
+#[derive(Clone)]
+pub struct Synced(watch::Receiver<bool>);
+
+impl Synced {
+    /// Waits until both lists are in (forever if they never come).
+    pub async fn synced(&self) {
+        let mut rx = self.0.clone();
+        if rx.wait_for(|s| *s).await.is_err() {
+            futures::future::pending::<()>().await;
+        }
     }
 }
 
-/// Watches the exclusions ConfigMap. Returns its cache, a channel holding the decoded
-/// records after every change (empty while the ConfigMap does not exist), and the future
-/// that keeps both current.
+/// What one of the two watches of [`follow`] showed.
+enum Seen {
+    Record(watcher::Event<ExclusionRecord>),
+    Legacy(watcher::Event<ConfigMap>),
+}
+
+/// Watches the record objects in `api`'s namespace and the old ConfigMap `name` there.
+/// Returns a handle that says when both are read, a channel holding every record after
+/// every change, and the future that keeps it current. Each change costs a reader the
+/// record it changes (see [`Records`]), not the whole set.
 pub fn follow(
     api: Api<ConfigMap>,
     name: &str,
 ) -> (
-    Cache<ConfigMap>,
+    Synced,
     watch::Receiver<Arc<Exclusions>>,
     impl Future<Output = ()> + Send + 'static,
 ) {
-    let (cache, stream) = cache::reflect(
+    let namespace = api.namespace().unwrap_or("default").to_owned();
+    let client = kube::Client::from(api.clone());
+    let records: Api<ExclusionRecord> = Api::namespaced(client, &namespace);
+    let records = watcher(records, watcher::Config::default())
+        .backoff(crate::cache::watch_backoff())
+        .map(|e| e.map(Seen::Record));
+    let legacy = watcher(
         api,
         watcher::Config::default().fields(&format!("metadata.name={name}")),
-    );
+    )
+    .backoff(crate::cache::watch_backoff())
+    .map(|e| e.map(Seen::Legacy));
     let (tx, rx) = watch::channel(Arc::new(Exclusions::default()));
-    let store = cache.clone();
+    let (synced_tx, synced_rx) = watch::channel(false);
     let name = name.to_owned();
-    let feed = stream.for_each(move |_| {
-        let current = store
-            .state()
-            .into_iter()
-            .find(|cm| cm.metadata.name.as_deref() == Some(name.as_str()))
-            .map(|cm| Exclusions::from_config_map(&cm))
-            .unwrap_or_default();
-        tx.send_if_modified(|old| {
-            if **old == current {
-                return false;
+    let feed = async move {
+        let mut index = Index::default();
+        let mut events = std::pin::pin!(futures::stream::select(records, legacy));
+        let mut legacy_staged: Option<ConfigMap> = None;
+        let mut listed = (false, false);
+        let mut unreadable = 0;
+        while let Some(event) = events.next().await {
+            let changed = match event {
+                Ok(Seen::Record(event)) => match event {
+                    watcher::Event::Init => {
+                        index.restart();
+                        false
+                    }
+                    watcher::Event::InitApply(object) => {
+                        index.stage(&object);
+                        false
+                    }
+                    watcher::Event::InitDone => {
+                        index.listed();
+                        listed.0 = true;
+                        true
+                    }
+                    watcher::Event::Apply(object) => {
+                        index.apply(&object);
+                        true
+                    }
+                    watcher::Event::Delete(object) => {
+                        index.delete(&object);
+                        true
+                    }
+                },
+                Ok(Seen::Legacy(event)) => match event {
+                    watcher::Event::Init => {
+                        legacy_staged = None;
+                        false
+                    }
+                    watcher::Event::InitApply(cm) => {
+                        legacy_staged = Some(cm);
+                        false
+                    }
+                    watcher::Event::InitDone => {
+                        index.legacy(legacy_staged.take().as_ref());
+                        listed.1 = true;
+                        true
+                    }
+                    watcher::Event::Apply(cm) => {
+                        index.legacy(Some(&cm));
+                        true
+                    }
+                    watcher::Event::Delete(_) => {
+                        index.legacy(None);
+                        true
+                    }
+                },
+                Err(e) => {
+                    tracing::warn!(namespace = %namespace, configmap = %name, "watching the exclusion records: {e}");
+                    false
+                }
+            };
+            if changed && listed.0 && listed.1 {
+                let current = index.exclusions();
+                if current.unreadable != unreadable {
+                    unreadable = current.unreadable;
+                    tracing::warn!(namespace = %namespace, unreadable, "exclusion records that do not decode are skipped");
+                }
+                tx.send_replace(Arc::new(current.clone()));
+                synced_tx.send_replace(true);
             }
-            *old = Arc::new(current);
-            true
-        });
-        futures::future::ready(())
-    });
-    (cache, rx, feed)
+        }
+    };
+    (Synced(synced_rx), rx, feed)
 }
 
 mod time {
@@ -251,8 +619,20 @@ mod tests {
         }
     }
 
+    fn record(node: &str, until: &str) -> Record {
+        Record {
+            namespace: "web".into(),
+            kind: "ReplicaSet".into(),
+            name: "web-1".into(),
+            nodes: [(node.to_owned(), at(until))].into(),
+            moves: 1,
+            expires: at(until),
+            exhausted: None,
+        }
+    }
+
     #[test]
-    fn a_record_reads_back_as_written_and_only_unexpired_nodes_are_excluded() {
+    fn an_old_configmap_record_reads_as_written_and_only_unexpired_nodes_are_excluded() {
         let text = r#"{"namespace":"web","kind":"ReplicaSet","name":"web-1","moves":2,
             "nodes":{"vn-a":"2024-05-01T10:10:00Z","vn-c":"2024-05-01T10:00:00Z"},
             "expires":"2024-05-01T10:10:00Z"}"#;
@@ -265,12 +645,109 @@ mod tests {
             ex.excluded_nodes("uid-1", at("2024-05-01T10:10:00Z")).is_empty(),
             "an exclusion ends at its expiry"
         );
-        let data = ex.to_data(now).unwrap();
-        let again = Exclusions::from_config_map(&config_map(&[("uid-1", &data["uid-1"])]));
-        assert_eq!(again.records["uid-1"], ex.records["uid-1"]);
+        assert_eq!(ex.records["uid-1"].moves, 2);
+        assert!(ex.versions.is_empty(), "old records are in no object");
+    }
+
+    #[test]
+    fn a_record_object_reads_back_as_written_under_its_key() {
+        let r = record("vn-a", "2024-05-01T10:10:00Z");
+        let uid = "0b6f5c1e-7a0d-4f43-9b0e-2b1d3c4e5f60";
+        let object = encode("tensile", uid, &r, Some("7".into()), "tensile-descheduler").unwrap();
+        assert_eq!(
+            object.metadata.name.as_deref(),
+            Some(uid),
+            "a UID names its own object"
+        );
+        // What the apiserver sends back, as JSON.
+        let back: ExclusionRecord = serde_json::from_value(serde_json::to_value(&object).unwrap()).unwrap();
+        assert_eq!(back.api_version, "tensile.io/v1alpha1");
+        assert_eq!(decode(&back).unwrap(), (uid.to_owned(), r.clone()));
+        assert_eq!(back.spec["key"], uid);
+        assert_eq!(back.spec["nodes"]["vn-a"], "2024-05-01T10:10:00Z");
+        let size = serde_json::to_vec(&object).unwrap().len();
+        assert!(size < 600, "one record is a small object: {size} bytes");
+    }
+
+    #[test]
+    fn every_key_names_one_valid_object_and_odd_keys_are_hashed() {
+        for key in ["Upper", "a/b", "", "-x", "h-abc", &"x".repeat(64)] {
+            let name = object_name(key);
+            assert!(name.starts_with("h-") && name.len() == 42, "{key:?} -> {name}");
+            assert_eq!(name, object_name(key), "deterministic");
+        }
+        assert_ne!(object_name("a/b"), object_name("a/c"));
+        assert_eq!(object_name("abc-1"), "abc-1");
+    }
+
+    #[test]
+    fn an_object_whose_name_is_not_its_keys_or_whose_spec_is_not_a_record_does_not_decode() {
+        let mut object = encode("ns", "uid-1", &record("vn-a", "2024-05-01T10:10:00Z"), None, "m").unwrap();
+        object.metadata.name = Some("uid-2".into());
+        assert!(decode(&object).is_err());
+        object.metadata.name = Some("uid-1".into());
+        object.spec["nodes"] = serde_json::json!("vn-a");
+        assert!(decode(&object).is_err());
+        object.spec = serde_json::Value::Null;
+        assert!(decode(&object).is_err());
+    }
+
+    #[test]
+    fn records_split_in_shards_behave_as_one_map_and_clones_share_untouched_shards() {
+        let mut a: Records<u32> = (0..1000).map(|i| (format!("k{i}"), i)).collect();
+        assert_eq!(a.len(), 1000);
+        let b = a.clone();
+        a.insert("k5".into(), 50);
+        a.insert("new".into(), 1);
+        assert_eq!(a.remove("k7"), Some(7));
+        assert_eq!(a.remove("k7"), None);
+        assert_eq!((a.len(), b.len()), (1000, 1000));
+        assert_eq!((a["k5"], b["k5"]), (50, 5), "the clone keeps its version");
+        assert!(b.contains_key("k7") && !a.contains_key("k7"));
+        let shared = a
+            .shards
+            .iter()
+            .zip(&b.shards)
+            .filter(|(x, y)| Arc::ptr_eq(x, y))
+            .count();
         assert!(
-            ex.to_data(at("2024-05-01T11:00:00Z")).unwrap().is_empty(),
-            "expired entries are not written back"
+            shared >= SHARDS - 3,
+            "only the touched shards were copied: {shared} shared"
+        );
+        let mut c = b.clone();
+        assert_eq!(c, b);
+        c.insert("k5".into(), 5);
+        assert_eq!(c, b, "equal content");
+        c.insert("k5".into(), 6);
+        assert_ne!(c, b);
+        let mut keys: Vec<&String> = a.keys().collect();
+        keys.sort();
+        keys.dedup();
+        assert_eq!(keys.len(), 1000);
+    }
+
+    #[test]
+    fn the_chart_defines_the_kind_the_code_reads_and_writes() {
+        let crd: serde_json::Value = serde_yaml::from_str(include_str!(
+            "../../deploy/helm/tensile/crds/exclusionrecords.yaml"
+        ))
+        .unwrap();
+        let spec = &crd["spec"];
+        assert_eq!(
+            crd["metadata"]["name"],
+            format!("{PLURAL}.{}", crate::names::API_GROUP)
+        );
+        assert_eq!(spec["group"], crate::names::API_GROUP);
+        assert_eq!(spec["names"]["kind"], KIND);
+        assert_eq!(spec["names"]["plural"], PLURAL);
+        assert_eq!(spec["scope"], "Namespaced");
+        assert_eq!(spec["versions"][0]["name"], VERSION);
+        assert_eq!(spec["versions"][0]["served"], true);
+        assert_eq!(spec["versions"][0]["storage"], true);
+        let schema = &spec["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+        assert_eq!(
+            schema["x-kubernetes-preserve-unknown-fields"], true,
+            "the apiserver keeps records it cannot validate, so readers skip them instead of a write failing"
         );
     }
 

@@ -125,6 +125,10 @@ pub const REPLACES: &str = "tensile.io/replaces";
 pub const LINEAGE: &str = "tensile.io/lineage";
 /// Annotation on a bare pod's replacement: how many times the pod was moved.
 pub const DESCHEDULE_COUNT: &str = "tensile.io/deschedule-count";
+/// API group of the suite's own kinds (the exclusion record, `crate::exclusion`).
+pub const API_GROUP: &str = "tensile.io";
+/// Label on every exclusion record: the field manager that wrote it.
+pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 
 #[cfg(test)]
 mod tests {

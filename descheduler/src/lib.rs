@@ -159,8 +159,9 @@ pub struct Args {
         env = "TENSILE_EVICT_SYSTEM_CRITICAL_PODS"
     )]
     pub evict_system_critical_pods: bool,
-    /// The ConfigMap (`namespace/name`) holding the exclusion records; the webhook reads the
-    /// same one.
+    /// Where the exclusion records live (`namespace/name`): ExclusionRecord objects in that
+    /// namespace, and the old ConfigMap of that name, whose records are still honoured and
+    /// which is deleted once none is in force. The webhook reads the same.
     #[arg(long = "exclusions-configmap", env = "TENSILE_EXCLUSIONS_CONFIGMAP",
           default_value = exclusion::DEFAULT_LOCATION)]
     pub exclusions_configmap: Location,

@@ -39,6 +39,8 @@ pub struct Metrics {
     pub skipped: Family<ReasonLabels, Gauge>,
     pub exclusions: Gauge,
     pub exclusion_writes: Family<ResultLabels, Counter>,
+    pub exclusions_unreadable: Gauge,
+    pub exclusions_swept: Counter,
     pub gave_up: Family<ResultLabels, Counter>,
     pub cycle_seconds: Histogram,
     pub cycles: Counter,
@@ -52,6 +54,8 @@ impl Metrics {
             skipped: Family::default(),
             exclusions: Gauge::default(),
             exclusion_writes: Family::default(),
+            exclusions_unreadable: Gauge::default(),
+            exclusions_swept: Counter::default(),
             gave_up: Family::default(),
             cycle_seconds: Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0]),
             cycles: Counter::default(),
@@ -79,8 +83,18 @@ impl Metrics {
         );
         r.register(
             "exclusion_writes",
-            "Writes of the exclusions ConfigMap, by result",
+            "Writes of exclusion records, by result",
             m.exclusion_writes.clone(),
+        );
+        r.register(
+            "exclusions_unreadable",
+            "Exclusion records that do not decode (skipped, never applied, never deleted)",
+            m.exclusions_unreadable.clone(),
+        );
+        r.register(
+            "exclusions_swept",
+            "Expired exclusion records deleted",
+            m.exclusions_swept.clone(),
         );
         r.register(
             "owners_exhausted",

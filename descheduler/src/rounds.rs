@@ -141,6 +141,19 @@ impl Descheduler {
             .into_iter()
             .filter_map(|n| n.metadata.name.clone().map(|name| (name, (*n).clone())))
             .collect();
+        if !self.dry_run
+            && let Some(swept) = self.store.sweep_if_due(Timestamp::now()).await
+        {
+            match swept {
+                Ok(s) => {
+                    self.metrics.exclusions_swept.inc_by(s.records as u64);
+                    if s.legacy {
+                        tracing::info!("deleted the old exclusions ConfigMap: it held no record in force");
+                    }
+                }
+                Err(e) => tracing::warn!("deleting expired exclusion records: {e}"),
+            }
+        }
         let mut exclusions: Exclusions = (*self.store.current()).clone();
         let mut pods = self.pods.state();
         // The longest-refused first.
@@ -234,6 +247,9 @@ impl Descheduler {
         self.metrics
             .exclusions
             .set(exclusions.live(Timestamp::now()) as i64);
+        self.metrics
+            .exclusions_unreadable
+            .set(exclusions.unreadable as i64);
         self.metrics
             .cycle_seconds
             .observe(started.elapsed().as_secs_f64());

@@ -161,8 +161,9 @@ pub struct Args {
     /// How long a PVC read may take before the pod is admitted without a volume pin, in ms.
     #[arg(long, env = "WEBHOOK_PVC_TIMEOUT_MS", default_value_t = 2000)]
     pub pvc_timeout_ms: u64,
-    /// The descheduler's exclusions ConfigMap (`namespace/name`): a pod whose controller has
-    /// a record there gets `kubernetes.io/hostname NotIn` the excluded virtual nodes.
+    /// Where the descheduler's exclusion records live (`namespace/name`: ExclusionRecord
+    /// objects in that namespace, and the old ConfigMap of that name): a pod whose
+    /// controller has a record gets `kubernetes.io/hostname NotIn` the excluded virtual nodes.
     #[arg(long, env = "WEBHOOK_EXCLUSIONS_CONFIGMAP",
           default_value = tensile_common::exclusion::DEFAULT_LOCATION)]
     pub exclusions_configmap: tensile_common::exclusion::Location,
@@ -275,7 +276,7 @@ pub struct Options {
     /// Connection cap and deadlines of the HTTPS port.
     pub limits: tensile_common::serve::Limits,
     pub pvc_timeout: Duration,
-    /// The descheduler's exclusions ConfigMap, watched with `client`; `None`: not read.
+    /// Where the descheduler's exclusion records live, watched with `client`; `None`: not read.
     pub exclusions: Option<tensile_common::exclusion::Location>,
 }
 
