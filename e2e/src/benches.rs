@@ -382,6 +382,7 @@ pub async fn multi_scheduler(secs: u64, connections: usize) -> anyhow::Result<se
     let facts = FactsCache::default();
     let ctx = Context {
         view: view.as_ref(),
+        pods: &tensile_multi_scheduler::preempt::NoBoundPods,
         facts: &facts,
         exclusions: &exclusions,
         options: Options {
@@ -518,6 +519,7 @@ async fn extender_over_https(
         tokio::sync::watch::channel(Arc::new(tensile_common::exclusion::Exclusions::default()));
     let state = Arc::new(State {
         nodes: view,
+        pods: Arc::new(tensile_multi_scheduler::preempt::NoBoundPods),
         facts: FactsCache::default(),
         exclusions,
         max_age: None,

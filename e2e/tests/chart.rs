@@ -219,6 +219,33 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
             true,
         ),
         (ds, &["delete", "pods", "-n", "default"], false),
+        // The exclusion records: the descheduler writes and deletes them, the others read
+        // them; the old ConfigMap of records is only read, and deleted once empty.
+        (
+            ds,
+            &["update", "exclusionrecords.tensile.io", "-n", "tensile-life"],
+            true,
+        ),
+        (
+            ds,
+            &["delete", "exclusionrecords.tensile.io", "-n", "tensile-life"],
+            true,
+        ),
+        (
+            ds,
+            &["update", "exclusionrecords.tensile.io", "-n", "default"],
+            false,
+        ),
+        (
+            ds,
+            &[
+                "delete",
+                "configmaps/life-tensile-exclusions",
+                "-n",
+                "tensile-life",
+            ],
+            true,
+        ),
         (
             ds,
             &[
@@ -227,9 +254,29 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
                 "-n",
                 "tensile-life",
             ],
-            true,
+            false,
         ),
         (ds, &["update", "configmaps/other", "-n", "tensile-life"], false),
+        (
+            wh,
+            &["watch", "exclusionrecords.tensile.io", "-n", "tensile-life"],
+            true,
+        ),
+        (
+            wh,
+            &["create", "exclusionrecords.tensile.io", "-n", "tensile-life"],
+            false,
+        ),
+        (
+            ms,
+            &["list", "exclusionrecords.tensile.io", "-n", "tensile-life"],
+            true,
+        ),
+        (
+            ms,
+            &["update", "exclusionrecords.tensile.io", "-n", "tensile-life"],
+            false,
+        ),
         (
             ds,
             &["update", "leases/tensile-descheduler", "-n", "tensile-life"],
@@ -937,4 +984,113 @@ items:
     helm_ok(up, &["uninstall", release, "-n", ns, "--wait"]).await;
     helm_ok(low, &["uninstall", "lower", "-n", ns, "--wait"]).await;
     eprintln!("daemons under the chart's accounts: {:?}", started.elapsed());
+}
+
+/// The objects `helm template` renders for `sets` (on top of one virtual node), as JSON.
+async fn rendered(up: &TestCluster, release: &str, sets: &[&str]) -> Vec<serde_json::Value> {
+    let chart = chart();
+    let mut args = vec![
+        "template",
+        release,
+        &chart,
+        "-n",
+        "tensile",
+        "--set",
+        "virtualNodes.nodes[0].name=a",
+        "--set",
+        "virtualNodes.nodes[0].kubeconfig.value=x",
+    ];
+    args.extend_from_slice(sets);
+    let text = helm_ok(up, &args).await;
+    text.split("\n---")
+        .filter_map(|doc| serde_yaml::from_str::<serde_json::Value>(doc).ok())
+        .filter(|v| v.is_object())
+        .collect()
+}
+
+fn object<'a>(objects: &'a [serde_json::Value], kind: &str, name: &str) -> &'a serde_json::Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("{kind} {name} rendered"))
+}
+
+fn container_args(deployment: &serde_json::Value) -> Vec<String> {
+    deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|a| a.as_str().map(str::to_owned))
+        .collect()
+}
+
+/// Enabling the multi-scheduler hands the opted-in pods to it: the webhook sets their
+/// `schedulerName` to the multi-scheduler's (`--scheduler-name`), in either mode, and to
+/// nothing when it is off. In extender mode the multi-scheduler may read pods (what
+/// preempting them frees below).
+#[tokio::test]
+async fn enabling_the_multi_scheduler_makes_the_webhook_hand_it_the_opted_in_pods() {
+    let up = &bed().upper;
+    let name_flags = |objects: &[serde_json::Value]| -> Vec<String> {
+        container_args(object(objects, "Deployment", "ms-tensile-webhook"))
+            .into_iter()
+            .filter(|a| a.starts_with("--scheduler-name"))
+            .collect()
+    };
+    let off = rendered(up, "ms", &[]).await;
+    assert!(name_flags(&off).is_empty(), "{:?}", name_flags(&off));
+    for mode in ["scheduler", "extender"] {
+        let mode_set = format!("multiScheduler.mode={mode}");
+        let on = rendered(
+            up,
+            "ms",
+            &["--set", "multiScheduler.enabled=true", "--set", &mode_set],
+        )
+        .await;
+        assert_eq!(name_flags(&on), ["--scheduler-name=tensile-scheduler"], "{mode}");
+        let multi = container_args(object(&on, "Deployment", "ms-tensile-multi-scheduler"));
+        assert!(
+            multi.contains(&"--scheduler-name=tensile-scheduler".to_owned()),
+            "{multi:?}"
+        );
+        let role = object(&on, "ClusterRole", "ms-tensile-multi-scheduler");
+        let reads_pods = role["rules"].as_array().unwrap().iter().any(|r| {
+            r["resources"].as_array().unwrap().iter().any(|x| x == "pods")
+                && ["list", "watch"]
+                    .iter()
+                    .all(|v| r["verbs"].as_array().unwrap().iter().any(|x| x == v))
+        });
+        assert!(reads_pods, "{mode}: {role}");
+    }
+    let renamed = rendered(
+        up,
+        "ms",
+        &[
+            "--set",
+            "multiScheduler.enabled=true",
+            "--set",
+            "multiScheduler.schedulerName=placer",
+        ],
+    )
+    .await;
+    assert_eq!(name_flags(&renamed), ["--scheduler-name=placer"]);
+    let explicit = rendered(up, "ms", &["--set", "webhook.schedulerName=elsewhere"]).await;
+    assert_eq!(name_flags(&explicit), ["--scheduler-name=elsewhere"]);
+    let bad = helm(
+        up,
+        &[
+            "template",
+            "ms",
+            &chart(),
+            "--set",
+            "webhook.schedulerName=Not_A_Name",
+        ],
+    )
+    .await
+    .unwrap();
+    assert!(
+        !bad.ok && bad.stderr.contains("webhook.schedulerName"),
+        "{}",
+        bad.stderr
+    );
 }

@@ -69,6 +69,7 @@ fn bed() -> &'static Bed {
             start("lower-c")
         );
         let (upper, a, b, c) = (upper?, a?, b?, c?);
+        tensile_e2e::chart::install_exclusion_records(upper.kubeconfig()).await?;
         let mut sims = Vec::new();
         for (cluster, name) in [(&a, "lower-a"), (&b, "lower-b"), (&c, "lower-c")] {
             let options = SimulatorOptions::new(name, Some(cluster.kubelet_client_ca_pem()));
@@ -881,4 +882,280 @@ async fn the_burst_as_deployments_runs_sooner_through_the_extender_than_through_
         .await;
         webhook.stop().await;
     }
+}
+
+/// A pod of `pod` pinned upstream to the virtual node `node` (required node affinity on its
+/// hostname), at `priority_class` when given.
+fn pinned(name: &str, scheduler: &str, cpu: &str, node: &str, priority_class: Option<&str>) -> Pod {
+    let mut p = pod(name, Some(scheduler), json!({"cpu": cpu}), &Stash::default());
+    let spec = p.spec.as_mut().unwrap();
+    spec.affinity = Some(
+        serde_json::from_value(
+            json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": names::HOSTNAME_LABEL, "operator": "In", "values": [node]}]}]}}}),
+        )
+        .unwrap(),
+    );
+    spec.priority_class_name = priority_class.map(str::to_owned);
+    p
+}
+
+/// Waits until every pod of `api` is Running, or panics after 90 s.
+async fn all_running(api: &Api<Pod>, what: &str) {
+    must(
+        what,
+        Duration::from_secs(90),
+        Duration::from_millis(300),
+        || async {
+            let now = api
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .items;
+            let waiting: Vec<String> = now.iter().filter(|p| !running(p)).map(name_of).collect();
+            if waiting.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("not Running: {waiting:?}"))
+            }
+        },
+    )
+    .await;
+}
+
+/// A virtual node's allocatable CPUs, whole (rounded down).
+async fn allocatable_cpus(node: &str) -> u32 {
+    let node = Api::<Node>::all(bed().upper.client().await.unwrap())
+        .get(node)
+        .await
+        .unwrap();
+    let cpu = node.status.unwrap().allocatable.unwrap()["cpu"].0.clone();
+    let milli = tensile_common::quantity::parse_milli(&cpu).unwrap_or_else(|e| panic!("cpu {cpu}: {e}"));
+    u32::try_from(milli / 1000).unwrap()
+}
+
+/// kube-scheduler picks preemption victims by the virtual node's aggregate room. On vn-a
+/// (2-CPU lower nodes) no eviction can ever let a 6-CPU pod run below, so the extender's
+/// `preempt` drops vn-a and no pod there is evicted; on vn-b, evicting one 7-CPU pod frees
+/// a lower node for a 7-CPU pod, so that preemption goes ahead and the pod runs there.
+/// Kubernetes 1.20 reads no `FailedAndUnresolvableNodes`: the preempt verb is what saves
+/// vn-a's pods there.
+#[tokio::test]
+async fn preemption_evicts_nothing_where_no_lower_node_could_hold_the_pod_and_goes_ahead_where_one_could() {
+    use k8s_openapi::api::scheduling::v1::PriorityClass;
+    let _scene = SCENE.lock().await;
+    let bed = bed();
+    let client = bed.upper.client().await.unwrap();
+    let high: PriorityClass =
+        serde_json::from_value(json!({"metadata": {"name": "tensile-e2e-high"}, "value": 1000})).unwrap();
+    match Api::<PriorityClass>::all(client.clone())
+        .create(&PostParams::default(), &high)
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(e) => panic!("priority class: {e}"),
+    }
+    let ns = "preempt";
+    let api = namespace(ns).await;
+
+    // vn-a: one 1.6-CPU pod of priority 0 on each of its twelve 2-CPU lower nodes, so the
+    // aggregate has 4.8 CPUs left and every lower node 0.4.
+    let low: Vec<(Pod, &[&str])> = (0..12)
+        .map(|i| {
+            (
+                pinned(&format!("low-a-{i}"), SCHEDULER, "1600m", VN_A, None),
+                &[VN_A][..],
+            )
+        })
+        .collect();
+    create_all(&api, &low).await;
+    // vn-b: 7-CPU pods of priority 0 until its aggregate has less than 7 left (its lower
+    // nodes are 8 CPUs, and one of 16 when another scene added it).
+    let count = allocatable_cpus(VN_B).await / 7;
+    let fill: Vec<(Pod, &[&str])> = (0..count)
+        .map(|i| {
+            (
+                pinned(&format!("low-b-{i}"), SCHEDULER, "7", VN_B, None),
+                &[VN_B][..],
+            )
+        })
+        .collect();
+    create_all(&api, &fill).await;
+    all_running(&api, "the low-priority pods Running").await;
+
+    let uids = |pods: &[Pod], prefix: &str| -> BTreeSet<String> {
+        pods.iter()
+            .filter(|p| name_of(p).starts_with(prefix) && p.metadata.deletion_timestamp.is_none())
+            .filter_map(|p| p.metadata.uid.clone())
+            .collect()
+    };
+    let before = api.list(&ListParams::default()).await.unwrap().items;
+    let on_a = uids(&before, "low-a-");
+    assert_eq!(on_a.len(), 12);
+
+    let six = pinned("six-on-a", SCHEDULER, "6", VN_A, Some("tensile-e2e-high"));
+    api.create(&PostParams::default(), &six).await.unwrap();
+    let messages = must(
+        "a FailedScheduling event for the 6-CPU pod",
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+        || async {
+            let m = failed_scheduling(ns, "six-on-a").await;
+            if m.is_empty() {
+                Err("none yet".to_owned())
+            } else {
+                Ok(m)
+            }
+        },
+    )
+    .await;
+    // Preemption runs right after the failed attempt; give it and any eviction time to show.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let after = api.list(&ListParams::default()).await.unwrap().items;
+    assert_eq!(
+        uids(&after, "low-a-"),
+        on_a,
+        "no pod on vn-a evicted for a pod no lower node there can hold ({messages:?}); log:\n{}",
+        bed.extender.lock().unwrap().log()
+    );
+    let waiting = api.get("six-on-a").await.unwrap();
+    assert_eq!(node_of(&waiting), "");
+    let nominated = waiting
+        .status
+        .as_ref()
+        .and_then(|s| s.nominated_node_name.clone());
+    assert_eq!(nominated, None, "not nominated to vn-a either");
+    let admin = bed.extender.lock().unwrap().admin_addr.clone();
+    let metrics = in_process::admin_get(&admin, "/metrics")
+        .await
+        .unwrap_or_default()
+        .1;
+    let dropped = tensile_e2e::descheduler::metric_sum(
+        &metrics,
+        "tensile_multischeduler_preemption_nodes_total",
+        &[("decision", "dropped"), ("reason", "shape")],
+    );
+    assert!(dropped > 0.0, "kube-scheduler asked the preempt verb: {metrics}");
+    api.delete("six-on-a", &DeleteParams::default()).await.unwrap();
+
+    // Where evicting one pod frees a lower node, preemption goes ahead.
+    let on_b = uids(&after, "low-b-");
+    let seven = pinned("seven-on-b", SCHEDULER, "7", VN_B, Some("tensile-e2e-high"));
+    let started = Instant::now();
+    api.create(&PostParams::default(), &seven).await.unwrap();
+    must(
+        "the 7-CPU pod Running on vn-b after one eviction",
+        Duration::from_secs(90),
+        Duration::from_millis(300),
+        || async {
+            let p = api.get("seven-on-b").await.map_err(|e| e.to_string())?;
+            if node_of(&p) == VN_B && running(&p) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "on {:?}, phase {:?}",
+                    node_of(&p),
+                    p.status.as_ref().and_then(|s| s.phase.clone())
+                ))
+            }
+        },
+    )
+    .await;
+    let now = api.list(&ListParams::default()).await.unwrap().items;
+    let evicted = on_b.difference(&uids(&now, "low-b-")).count();
+    assert_eq!(evicted, 1, "one victim on vn-b");
+    assert_eq!(uids(&now, "low-a-"), on_a, "vn-a untouched");
+    println!(
+        "preemption: vn-a dropped ({dropped} drops), the 7-CPU pod Running on vn-b {:.1} s after creation",
+        started.elapsed().as_secs_f64()
+    );
+    clean_up(&api).await;
+}
+
+/// The standalone scheduler does not see the pods that inter-pod constraints refer to: a
+/// pod with one is refused once, with a condition and an event that say so and what to do,
+/// never bound as if it had none.
+#[tokio::test]
+async fn the_standalone_scheduler_refuses_a_pod_with_inter_pod_constraints_and_says_what_to_do() {
+    let _scene = SCENE.lock().await;
+    let bed = bed();
+    let standalone = StandaloneProcess::start(&bed.upper, STANDALONE, "standalone-refuse").unwrap();
+    standalone.wait_ready(Duration::from_secs(30)).await.unwrap();
+    let ns = "standalone-refuse";
+    let api = namespace(ns).await;
+    let mut spread = pod(
+        "spread",
+        Some(STANDALONE),
+        json!({"cpu": "100m"}),
+        &Stash::default(),
+    );
+    let spec = spread.spec.as_mut().unwrap();
+    spec.affinity.as_mut().unwrap().pod_anti_affinity = Some(
+        serde_json::from_value(json!({"requiredDuringSchedulingIgnoredDuringExecution": [
+            {"labelSelector": {"matchLabels": {names::VIRTUAL_POD_LABEL: names::VIRTUAL_POD_VALUE}},
+             "topologyKey": names::HOSTNAME_LABEL}]}))
+        .unwrap(),
+    );
+    let plain = pod(
+        "plain",
+        Some(STANDALONE),
+        json!({"cpu": "100m"}),
+        &Stash::default(),
+    );
+    create_all(&api, &[(spread, &[]), (plain, &[])]).await;
+    let condition = must(
+        "PodScheduled=False naming the constraint",
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+        || async {
+            let p = api.get("spread").await.map_err(|e| e.to_string())?;
+            let c = p
+                .status
+                .iter()
+                .flat_map(|s| s.conditions.iter().flatten())
+                .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+                .cloned();
+            match c {
+                Some(c)
+                    if c.message
+                        .as_deref()
+                        .is_some_and(|m| m.contains("required pod anti-affinity")) =>
+                {
+                    Ok(c)
+                }
+                other => Err(format!("{other:?}; node {:?}", node_of(&p))),
+            }
+        },
+    )
+    .await;
+    let message = condition.message.unwrap_or_default();
+    assert!(
+        message.contains("multi-scheduler extender"),
+        "says what to do: {message}"
+    );
+    let failed = failed_scheduling(ns, "spread").await;
+    assert!(
+        failed.iter().any(|m| m == &message),
+        "a Warning event with it: {failed:?}"
+    );
+    must(
+        "the plain pod bound",
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+        || async {
+            let p = api.get("plain").await.map_err(|e| e.to_string())?;
+            if node_of(&p).is_empty() {
+                Err("unbound".to_owned())
+            } else {
+                Ok(())
+            }
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(node_of(&api.get("spread").await.unwrap()), "", "never bound");
+    println!("standalone refusal: {message}");
+    clean_up(&api).await;
 }

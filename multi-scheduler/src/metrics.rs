@@ -24,7 +24,8 @@ pub struct VerbLabels {
 }
 
 /// `result` of a scheduling attempt (scheduler mode): `success`, `unschedulable`,
-/// `conflict` (bound by someone else, or gone) or `error`.
+/// `unsupported` (refused for inter-pod constraints), `conflict` (bound by someone else, or
+/// gone) or `error`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
     pub result: &'static str,

@@ -102,6 +102,62 @@ pub fn place(
     (placement, outcomes)
 }
 
+/// The inter-pod constraints of `pod` this scheduler does not honour, named as the pod
+/// spells them (`None`: it has none): required pod affinity and anti-affinity, topology
+/// spread constraints with `whenUnsatisfiable: DoNotSchedule`, and host ports. Each needs
+/// the pods of every node in view, which kube-scheduler's plugins have and this scheduler
+/// does not; placing such a pod anyway would silently break what it asked for. Preferences
+/// (preferred affinity terms, `ScheduleAnyway`) are not constraints, and are ignored.
+pub fn unsupported_constraints(pod: &Pod) -> Option<String> {
+    let spec = pod.spec.as_ref()?;
+    let affinity = spec.affinity.as_ref();
+    let required = |terms: Option<&Vec<k8s_openapi::api::core::v1::PodAffinityTerm>>| {
+        terms.is_some_and(|t| !t.is_empty())
+    };
+    let mut found = Vec::new();
+    if required(
+        affinity
+            .and_then(|a| a.pod_affinity.as_ref())
+            .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref()),
+    ) {
+        found.push("required pod affinity");
+    }
+    if required(
+        affinity
+            .and_then(|a| a.pod_anti_affinity.as_ref())
+            .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref()),
+    ) {
+        found.push("required pod anti-affinity");
+    }
+    if spec
+        .topology_spread_constraints
+        .iter()
+        .flatten()
+        .any(|c| c.when_unsatisfiable == "DoNotSchedule")
+    {
+        found.push("topology spread constraints (DoNotSchedule)");
+    }
+    let host_port = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .flat_map(|c| c.ports.iter().flatten())
+        .any(|p| p.host_port.is_some_and(|h| h > 0));
+    if host_port {
+        found.push("host ports");
+    }
+    (!found.is_empty()).then(|| found.join(", "))
+}
+
+/// The message a pod with [`unsupported_constraints`] gets, for the scheduler `name`.
+pub fn refusal(name: &str, constraints: &str) -> String {
+    format!(
+        "{name} places pods without the other pods in view, so it does not schedule a pod with {constraints}: \
+         remove them, or give the pod to a kube-scheduler that runs the multi-scheduler extender \
+         (its spec.schedulerName), whose plugins honour them"
+    )
+}
+
 /// Why the node refuses the pod by what the upper scheduler checks; `None`: it does not.
 fn upper_refusal(pod: &Pod, node: &Node, requests: &ResourceMap, requested: &ResourceMap) -> Option<String> {
     let ready = node
@@ -301,6 +357,52 @@ mod tests {
         assert_eq!(
             decide(&pod("6"), &nodes, &["12"], &[]),
             Placement::Unschedulable("0/1 nodes are available: 1 Insufficient cpu.".into())
+        );
+    }
+
+    #[test]
+    fn inter_pod_constraints_are_named_and_preferences_are_not() {
+        let with = |spec: Value| -> Pod {
+            let mut spec = spec;
+            spec["containers"] = json!([{"name": "c"}]);
+            serde_json::from_value(json!({"metadata": {"name": "p"}, "spec": spec})).unwrap()
+        };
+        let term =
+            json!([{"labelSelector": {"matchLabels": {"app": "web"}}, "topologyKey": names::HOSTNAME_LABEL}]);
+        assert_eq!(unsupported_constraints(&pod("1")), None);
+        let preferences = with(json!({
+            "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 1, "podAffinityTerm": term[0]}]}},
+            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway"}],
+        }));
+        assert_eq!(
+            unsupported_constraints(&preferences),
+            None,
+            "preferences are not constraints"
+        );
+        let all = with(json!({
+            "affinity": {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": term},
+                         "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": term}},
+            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}],
+            "initContainers": [{"name": "i", "ports": [{"containerPort": 80, "hostPort": 8080}]}],
+        }));
+        let named = unsupported_constraints(&all).unwrap();
+        assert_eq!(
+            named,
+            "required pod affinity, required pod anti-affinity, topology spread constraints (DoNotSchedule), host ports"
+        );
+        let mut ports = with(json!({}));
+        ports.spec.as_mut().unwrap().containers[0].ports =
+            serde_json::from_value(json!([{"containerPort": 80, "hostPort": 80}])).unwrap();
+        assert_eq!(unsupported_constraints(&ports).as_deref(), Some("host ports"));
+        let message = refusal("tensile-scheduler", &named);
+        assert!(
+            message.starts_with("tensile-scheduler places pods without the other pods in view"),
+            "{message}"
+        );
+        assert!(
+            message.contains("multi-scheduler extender"),
+            "says what to do: {message}"
         );
     }
 

@@ -76,6 +76,16 @@ pub trait BoundPods {
     fn bound(&self) -> Vec<Arc<BoundPod>>;
 }
 
+/// No pods bound anywhere: for callers without a pod cache (benches, tools). With it, a
+/// shape rejection counts as unresolvable, as if nothing could be evicted.
+pub struct NoBoundPods;
+
+impl BoundPods for NoBoundPods {
+    fn bound(&self) -> Vec<Arc<BoundPod>> {
+        Vec::new()
+    }
+}
+
 /// A pod's priority as kube-scheduler reads it (none: 0).
 pub fn priority_of(pod: &Pod) -> i32 {
     pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0)

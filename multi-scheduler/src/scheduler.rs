@@ -4,6 +4,11 @@
 //! Binding subresource with the pod's UID, `PodScheduled=False` plus a `FailedScheduling`
 //! event when no node takes the pod, a `Scheduled` event when one does.
 //!
+//! A pod with inter-pod constraints (required pod affinity or anti-affinity, topology
+//! spread with `DoNotSchedule`, host ports) is refused once, with the same condition and a
+//! Warning event that say which and what to do: this scheduler does not see the pods those
+//! need, and placing the pod anyway would silently break them.
+//!
 //! Between a bind and the virtual node's next shape, the pod's requests are held in a
 //! ledger: counted against the node's allocatable until the watch shows the pod bound, and
 //! taken out of the node's shape until a shape computed after the bind arrives, or the
@@ -31,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 use crate::extender::{FactsCache, Score, exclusions_for};
 use crate::filter::Options;
 use crate::metrics::Metrics;
-use crate::place::{Candidate, Placement, place};
+use crate::place::{Candidate, Placement, place, refusal, unsupported_constraints};
 use crate::queue::Queue;
 
 /// How long a placed pod stays in the ledger at most.
@@ -95,6 +100,9 @@ impl Scheduler {
     pub async fn run(self, stop: CancellationToken) {
         let mut queue = Queue::default();
         let mut placed: HashMap<String, Placed> = HashMap::new();
+        // UIDs of pods refused for constraints this scheduler does not honour: those are
+        // immutable, so the pods are told once and not tried again.
+        let mut refused: HashSet<String> = HashSet::new();
         loop {
             let wait = queue.next_due(Instant::now()).unwrap_or(Duration::from_secs(60));
             tokio::select! {
@@ -102,12 +110,13 @@ impl Scheduler {
                 _ = self.changed.notified() => queue.cluster_changed(Instant::now()),
                 _ = tokio::time::sleep(wait) => {}
             }
-            self.sync(&mut queue, &mut placed);
+            self.sync(&mut queue, &mut placed, &mut refused);
             while let Some(key) = queue.pop(Instant::now()) {
                 if stop.is_cancelled() {
                     return;
                 }
-                self.schedule_one(&key, &mut queue, &mut placed).await;
+                self.schedule_one(&key, &mut queue, &mut placed, &mut refused)
+                    .await;
             }
             self.metrics.queue_pending.set(queue.len() as i64);
         }
@@ -115,12 +124,17 @@ impl Scheduler {
 
     /// Queues every pod that is ours and unbound, forgets the rest, and drops ledger entries
     /// the caches now reflect.
-    fn sync(&self, queue: &mut Queue, placed: &mut HashMap<String, Placed>) {
+    fn sync(&self, queue: &mut Queue, placed: &mut HashMap<String, Placed>, refused: &mut HashSet<String>) {
         let pods = self.pods.state();
         let mut ours = HashSet::new();
+        let mut still_refused = HashSet::new();
         for pod in pods.iter().filter(|p| self.is_ours(p)) {
             let key = key_of(pod);
             if placed.contains_key(&uid(pod)) {
+                continue;
+            }
+            if refused.contains(&uid(pod)) {
+                still_refused.insert(uid(pod));
                 continue;
             }
             let created = pod
@@ -133,6 +147,7 @@ impl Scheduler {
             queue.add(&key, priority, created);
             ours.insert(key);
         }
+        *refused = still_refused;
         let gone: Vec<String> = queue.keys().filter(|k| !ours.contains(*k)).cloned().collect();
         for key in gone {
             queue.remove(&key);
@@ -166,7 +181,13 @@ impl Scheduler {
         out
     }
 
-    async fn schedule_one(&self, key: &str, queue: &mut Queue, placed: &mut HashMap<String, Placed>) {
+    async fn schedule_one(
+        &self,
+        key: &str,
+        queue: &mut Queue,
+        placed: &mut HashMap<String, Placed>,
+        refused: &mut HashSet<String>,
+    ) {
         let Some((ns, name)) = key.split_once('/') else {
             queue.remove(key);
             return;
@@ -179,6 +200,15 @@ impl Scheduler {
             queue.remove(key);
             return;
         };
+        if let Some(constraints) = unsupported_constraints(&pod) {
+            queue.remove(key);
+            refused.insert(uid(&pod));
+            self.metrics.bind("unsupported");
+            let message = refusal(&self.name, &constraints);
+            tracing::info!(pod = key, "{message}");
+            self.unschedulable(&pod, &message).await;
+            return;
+        }
         let nodes = self.nodes.state();
         let requested = self.requested(placed);
         let candidates: Vec<Candidate<'_>> = nodes
