@@ -19,6 +19,33 @@ pub fn chart_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/helm/tensile")
 }
 
+/// Installs the chart's ExclusionRecord definition into the cluster of `kubeconfig` (as
+/// `helm install` does) and waits until the apiserver serves it.
+pub async fn install_exclusion_records(kubeconfig: &Path) -> Result<()> {
+    let crd = chart_dir().join("crds/exclusionrecords.yaml");
+    let crd = crd.display().to_string();
+    let name = format!(
+        "crd/{}.{}",
+        tensile_common::exclusion::PLURAL,
+        tensile_common::names::API_GROUP
+    );
+    for args in [
+        vec!["apply", "-f", crd.as_str()],
+        vec![
+            "wait",
+            "--for=condition=established",
+            "--timeout=60s",
+            name.as_str(),
+        ],
+    ] {
+        let out = crate::kubectl::run(kubeconfig, &args).await;
+        if !out.ok {
+            return Err(Error::Demo(format!("kubectl {args:?}: {}", out.stderr)));
+        }
+    }
+    Ok(())
+}
+
 /// The helm binary: `HELM_BIN`, or what `scripts/helm.sh` installed (installing it first).
 pub fn helm_binary() -> Result<&'static Path> {
     static HELM: OnceLock<Result<PathBuf, String>> = OnceLock::new();

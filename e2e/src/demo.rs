@@ -178,6 +178,8 @@ impl Demo {
         let logs = dir.join("logs");
         let upper_kc = testbed.kubeconfig(UPPER);
 
+        // The kind of the descheduler's exclusion records, as the chart installs it.
+        crate::chart::install_exclusion_records(&upper_kc).await?;
         // The registration first: the webhook writes its generated CA into it.
         let port = free_port()?;
         let registration = dir.join("webhook.yaml");

@@ -6,7 +6,7 @@
 //! Each test plays in its own scene: its namespace, its own lower nodes (labelled with the
 //! test's name, which the pods' stashed nodeSelector requires below), its own two virtual
 //! nodes (labelled likewise, which the pods require upstream through an ignored selector
-//! key), its own webhook registration and exclusions ConfigMap. Tests can then run side by
+//! key), its own webhook registration and exclusion records. Tests can then run side by
 //! side on the shared clusters.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
 
@@ -44,6 +44,7 @@ fn bed() -> &'static Bed {
             TestCluster::start(ClusterOptions::new("descheduler", "lower-b")),
         );
         let (upper, lower_a, lower_b) = (upper?, lower_a?, lower_b?);
+        tensile_e2e::chart::install_exclusion_records(upper.kubeconfig()).await?;
         let sim_a = NodeSimulator::start(
             lower_a.client().await?,
             SimulatorOptions::new("lower-a", Some(lower_a.kubelet_client_ca_pem())),
@@ -573,6 +574,22 @@ async fn in_dry_run_nothing_moves_and_nothing_is_written_but_the_log_and_metrics
         .kubectl(&["-n", &scene.ns, "get", "configmap", "exclusions"])
         .await;
     assert!(!cm.ok, "no exclusion record written: {}", cm.stdout);
+    let records = kubectl(
+        up(),
+        &[
+            "-n",
+            &scene.ns,
+            "get",
+            "exclusionrecords.tensile.io",
+            "-o",
+            "name",
+        ],
+    )
+    .await;
+    assert!(
+        records.trim().is_empty(),
+        "no exclusion record written: {records}"
+    );
     let m = d.metrics().await;
     assert_eq!(metric_sum(&m, name, &[("result", "success")]), 0.0);
     let log = d.log();
@@ -1047,4 +1064,143 @@ async fn a_pod_whose_create_lower_a_refuses_for_quota_moves_to_lower_b() {
             .any(|e| e["message"].as_str().unwrap_or_default().contains("quota")),
         "{moved:?}"
     );
+}
+
+/// `n` live exclusion records of other workloads, created directly in `ns` (32 at a time);
+/// returns the bytes the same records took as entries of the old ConfigMap.
+async fn many_records(ns: &str, n: usize) -> usize {
+    use futures::{StreamExt as _, TryStreamExt as _};
+    use tensile_common::exclusion::{ExclusionRecord, Record, encode};
+    let api: kube::Api<ExclusionRecord> = kube::Api::namespaced(bed().upper.client().await.unwrap(), ns);
+    let until = jiff::Timestamp::now() + jiff::SignedDuration::from_hours(1);
+    let records: Vec<(String, Record)> = (0..n)
+        .map(|i| {
+            let key = format!("{i:08x}-0000-4000-8000-{i:012x}");
+            let record = Record {
+                namespace: ns.to_owned(),
+                kind: "ReplicaSet".into(),
+                name: format!("other-{i}-5d8c7f9b6"),
+                nodes: [("vn-elsewhere".to_owned(), until)].into(),
+                moves: 1,
+                expires: until,
+                exhausted: None,
+            };
+            (key, record)
+        })
+        .collect();
+    let old_bytes = records
+        .iter()
+        .map(|(k, r)| k.len() + serde_json::to_string(r).unwrap().len())
+        .sum();
+    futures::stream::iter(records)
+        .map(|(key, record)| {
+            let api = api.clone();
+            async move {
+                let object = encode(ns, &key, &record, None, "e2e").unwrap();
+                api.create(&kube::api::PostParams::default(), &object)
+                    .await
+                    .map(|_| ())
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<()>()
+        .await
+        .unwrap();
+    old_bytes
+}
+
+#[tokio::test]
+async fn with_eight_thousand_live_records_and_an_undecodable_one_a_pod_still_moves_and_the_undecodable_record_survives()
+ {
+    let scene = Scene::start("ds-many", 1).await;
+    let started = Instant::now();
+    let old_bytes = many_records(&scene.ns, 8000).await;
+    assert!(
+        old_bytes > 1024 * 1024,
+        "more than one ConfigMap could hold ({old_bytes} bytes of entries)"
+    );
+    println!(
+        "figure: 8,000 exclusion records created in {:.1} s ({old_bytes} bytes as ConfigMap entries)",
+        started.elapsed().as_secs_f64()
+    );
+    // A record that does not decode, as a newer release or a hand might write it.
+    apply(
+        up(),
+        &json!({
+            "apiVersion": "tensile.io/v1alpha1", "kind": "ExclusionRecord",
+            "metadata": {"name": "not-a-record", "namespace": scene.ns},
+            "spec": {"key": "not-a-record", "nodes": "every one"},
+        })
+        .to_string(),
+    )
+    .await;
+    let undecodable = |out: String| -> (String, String) {
+        let v: Value = serde_json::from_str(&out).unwrap();
+        (
+            v["metadata"]["resourceVersion"].to_string(),
+            v["spec"].to_string(),
+        )
+    };
+    let get_undecodable = || async {
+        undecodable(
+            kubectl(
+                up(),
+                &[
+                    "-n",
+                    &scene.ns,
+                    "get",
+                    "exclusionrecords.tensile.io",
+                    "not-a-record",
+                    "-o",
+                    "json",
+                ],
+            )
+            .await,
+        )
+    };
+    let before = get_undecodable().await;
+
+    let d = scene.descheduler(&[], "many").await;
+    apply(up(), &scene.deployment("web", 1, "3", json!({}))).await;
+    until_moved(&scene, "app=web", 1, 180).await;
+    for p in scene.pods("app=web").await {
+        assert_eq!(
+            p["metadata"]["annotations"]["tensile.io/excluded-nodes"],
+            scene.vn_a.as_str(),
+            "the webhook applied the exclusion: the replacement avoids vn-a"
+        );
+    }
+    let records = kubectl(
+        up(),
+        &[
+            "-n",
+            &scene.ns,
+            "get",
+            "exclusionrecords.tensile.io",
+            "-o",
+            "name",
+        ],
+    )
+    .await;
+    assert_eq!(
+        records.lines().count(),
+        8002,
+        "the 8,000, the undecodable one and the move's"
+    );
+    assert_eq!(
+        get_undecodable().await,
+        before,
+        "another record's write left the undecodable one as it was"
+    );
+    wait("the undecodable record counted", 30, || async {
+        let m = d.metrics().await;
+        let n = metric_sum(&m, "tensile_descheduler_exclusions_unreadable", &[]);
+        let live = metric_sum(&m, "tensile_descheduler_exclusions", &[]);
+        if n == 1.0 && live >= 8001.0 {
+            Ok(())
+        } else {
+            Err(format!("unreadable {n}, live {live}"))
+        }
+    })
+    .await;
 }
