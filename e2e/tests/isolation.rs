@@ -495,3 +495,61 @@ async fn heartbeats_start_before_the_lower_caches_finish_listing() {
     .await;
     assert_ne!(before, after, "the Lease was renewed");
 }
+
+/// A stash key turned on (or rotated) while pods run: a running pod whose stash no longer
+/// verifies keeps its status coming up (its container ends, the upper pod shows Succeeded),
+/// while nothing of that stash goes below.
+#[tokio::test]
+async fn a_stash_key_turned_on_later_never_freezes_a_running_pods_status() {
+    let bed = bed();
+    let node = "vn-keyed";
+    let first = in_process::VirtualNode::start(&bed.upper, node, &bed.lower).unwrap();
+    wait_ready(up(), node).await;
+    bed.upper.create_namespace("keyed").await.unwrap();
+    apply(
+        up(),
+        &format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata:
+  name: later
+  namespace: keyed
+  annotations:
+    tensile.io/sim: "run=25s,exit=0"
+    clusterSelector: '{{"tolerations":[{{"key":"batch","operator":"Exists"}}]}}'
+spec:
+  nodeName: {node}
+  restartPolicy: Never
+  tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+  containers: [{{name: app, image: busybox}}]
+"#
+        ),
+    )
+    .await;
+    running(up(), "keyed", "later").await;
+    drop(first);
+
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("turned-on");
+    std::fs::write(&key, "k".repeat(48)).unwrap();
+    let mut args = in_process::options(&bed.upper, node, &bed.lower).unwrap();
+    args.stash_key_file = vec![key];
+    let _keyed = in_process::VirtualNode::run(args);
+    eventually(
+        up(),
+        "Succeeded upstream",
+        90,
+        &[
+            "-n",
+            "keyed",
+            "get",
+            "pod",
+            "later",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+        "Succeeded",
+    )
+    .await;
+}

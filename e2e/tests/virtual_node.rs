@@ -1145,15 +1145,31 @@ async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resu
     .await;
     assert_eq!(reason, "LowerClusterUnreachable");
     eprintln!("Ready=False {took:?} after the lower apiserver stopped");
-    // The node lifecycle controller marks the node's pods not Ready; the virtual node, which
-    // cannot see below, writes no status from its stale cache over that.
+    // Someone marks the pod not Ready (the node lifecycle controller does so when a node goes
+    // Unknown); the virtual node, which cannot see below, writes no status from its stale
+    // cache over that.
     let pod_ready = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#;
     eventually(
         up(),
-        "survivor marked not Ready",
-        60,
+        "survivor Ready before the marking",
+        30,
         &["-n", "outage", "get", "pod", "survivor", "-o", pod_ready],
-        "False",
+        "True",
+    )
+    .await;
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "outage",
+            "patch",
+            "pod",
+            "survivor",
+            "--subresource=status",
+            "--type=strategic",
+            "-p",
+            r#"{"status":{"conditions":[{"type":"Ready","status":"False","reason":"NodeNotReady"}]}}"#,
+        ],
     )
     .await;
     let marked = Instant::now();

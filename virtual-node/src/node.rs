@@ -141,6 +141,13 @@ struct Observed {
     now: Instant,
 }
 
+/// The node loop's periods, as its decisions read them.
+struct Periods {
+    probe: Duration,
+    status: Duration,
+    lease: Duration,
+}
+
 /// What one round of the node loop does, in order; registration, status and lease writes
 /// happen only while the node is registered.
 #[derive(Debug, PartialEq)]
@@ -160,6 +167,8 @@ struct Round {
 #[derive(Default)]
 struct Heartbeat {
     failures: u32,
+    /// When the current run of failed probes began.
+    failing_since: Option<Instant>,
     last_health: Option<Health>,
     /// What the last status write sent.
     last_sent: Option<(Capacity, Health)>,
@@ -173,8 +182,20 @@ struct Heartbeat {
 }
 
 impl Heartbeat {
-    fn round(&mut self, seen: &Observed, status_period: Duration, lease_period: Duration) -> Round {
-        self.failures = if seen.probe.is_ok() { 0 } else { self.failures + 1 };
+    fn round(&mut self, seen: &Observed, periods: &Periods) -> Round {
+        // Failed probes count as an outage only when they span a probe period: rounds also
+        // run on watch events, and a broken watch wakes several at once.
+        if seen.probe.is_ok() {
+            self.failures = 0;
+            self.failing_since = None;
+        } else {
+            let since = *self.failing_since.get_or_insert(seen.now);
+            self.failures = if seen.now.duration_since(since) >= periods.probe {
+                self.failures.saturating_add(1).max(2)
+            } else {
+                1
+            };
+        }
         let was_ready = self.last_health.as_ref().is_some_and(|h| h.ready);
         let health = judge(
             seen.probe.clone(),
@@ -195,12 +216,12 @@ impl Heartbeat {
             self.last_sent.as_ref(),
             (&seen.capacity, &health),
             self.last_status
-                .is_none_or(|t| seen.now.duration_since(t) >= status_period),
+                .is_none_or(|t| seen.now.duration_since(t) >= periods.status),
             seen.upstream_ready,
         );
         let renew_lease = self
             .last_lease
-            .is_none_or(|t| seen.now.duration_since(t) >= lease_period);
+            .is_none_or(|t| seen.now.duration_since(t) >= periods.lease);
         Round {
             health,
             ready_changed,
@@ -700,7 +721,12 @@ impl NodeLoop {
                 upstream_ready: self.upstream_ready(),
                 now: Instant::now(),
             };
-            let round = state.round(&seen, self.settings.status_period, self.settings.lease_period);
+            let periods = Periods {
+                probe: self.settings.probe_period,
+                status: self.settings.status_period,
+                lease: self.settings.lease_period,
+            };
+            let round = state.round(&seen, &periods);
             let (health, cap) = (round.health, seen.capacity);
             self.metrics.lower_ready.set(i64::from(health.ready));
             self.lower_health.set(health.ready);
@@ -924,11 +950,16 @@ mod tests {
 
     const STATUS: Duration = Duration::from_secs(60);
     const LEASE: Duration = Duration::from_secs(10);
+    const PERIODS: Periods = Periods {
+        probe: Duration::from_secs(5),
+        status: STATUS,
+        lease: LEASE,
+    };
 
     /// A registered node whose first round wrote status and renewed its lease at `t0`.
     fn registered(t0: Instant) -> Heartbeat {
         let mut state = Heartbeat::default();
-        let first = state.round(&seen(Ok(()), 3, false, t0), STATUS, LEASE);
+        let first = state.round(&seen(Ok(()), 3, false, t0), &PERIODS);
         assert!(first.register && first.write_status && first.renew_lease && first.ready_changed);
         state.registered = true;
         state.status_written(seen(Ok(()), 3, false, t0).capacity, first.health, t0);
@@ -940,27 +971,37 @@ mod tests {
     fn a_quiet_ready_node_renews_its_lease_every_lease_period_and_its_status_every_status_period() {
         let t0 = Instant::now();
         let mut state = registered(t0);
-        let quiet = state.round(&seen(Ok(()), 3, true, t0 + Duration::from_secs(5)), STATUS, LEASE);
+        let quiet = state.round(&seen(Ok(()), 3, true, t0 + Duration::from_secs(5)), &PERIODS);
         assert!(!quiet.register && !quiet.write_status && !quiet.renew_lease && !quiet.ready_changed);
-        let lease = state.round(&seen(Ok(()), 3, true, t0 + LEASE), STATUS, LEASE);
+        let lease = state.round(&seen(Ok(()), 3, true, t0 + LEASE), &PERIODS);
         assert!(lease.renew_lease && !lease.write_status);
-        let status = state.round(&seen(Ok(()), 3, true, t0 + STATUS), STATUS, LEASE);
+        let status = state.round(&seen(Ok(()), 3, true, t0 + STATUS), &PERIODS);
         assert!(status.write_status);
     }
 
     #[test]
-    fn a_lower_outage_turns_the_node_not_ready_on_the_second_failed_probe_and_writes_at_once() {
+    fn a_lower_outage_turns_the_node_not_ready_once_failed_probes_span_a_probe_period() {
         let t0 = Instant::now();
         let mut state = registered(t0);
         let t = t0 + Duration::from_secs(1);
-        let blip = state.round(&seen(Err("timeout".into()), 3, true, t), STATUS, LEASE);
+        let blip = state.round(&seen(Err("timeout".into()), 3, true, t), &PERIODS);
         assert!(
             blip.health.ready && !blip.ready_changed,
             "one failed probe is a blip"
         );
-        let outage = state.round(&seen(Err("timeout".into()), 3, true, t), STATUS, LEASE);
+        // Rounds woken by watch events a moment later: still the same blip.
+        let soon = t + Duration::from_millis(300);
+        for _ in 0..3 {
+            let again = state.round(&seen(Err("timeout".into()), 3, true, soon), &PERIODS);
+            assert!(
+                again.health.ready,
+                "failures within one probe period are one blip"
+            );
+        }
+        let t = t + PERIODS.probe;
+        let outage = state.round(&seen(Err("timeout".into()), 3, true, t), &PERIODS);
         assert!(!outage.health.ready && outage.ready_changed && outage.write_status);
-        let back = state.round(&seen(Ok(()), 3, true, t), STATUS, LEASE);
+        let back = state.round(&seen(Ok(()), 3, true, t), &PERIODS);
         assert!(
             back.health.ready && back.ready_changed,
             "one good probe is enough to come back"
@@ -972,14 +1013,10 @@ mod tests {
         let t0 = Instant::now();
         let mut state = registered(t0);
         let t = t0 + Duration::from_secs(1);
-        assert!(
-            !state
-                .round(&seen(Ok(()), 3, true, t), STATUS, LEASE)
-                .deleted_upstream
-        );
-        let gone = state.round(&seen(Ok(()), 3, false, t), STATUS, LEASE);
+        assert!(!state.round(&seen(Ok(()), 3, true, t), &PERIODS).deleted_upstream);
+        let gone = state.round(&seen(Ok(()), 3, false, t), &PERIODS);
         assert!(gone.deleted_upstream && gone.register && gone.write_status && gone.renew_lease);
-        let again = state.round(&seen(Ok(()), 3, false, t), STATUS, LEASE);
+        let again = state.round(&seen(Ok(()), 3, false, t), &PERIODS);
         assert!(
             !again.deleted_upstream,
             "reported once, not every round until the watch shows it"
@@ -990,11 +1027,7 @@ mod tests {
     fn a_node_not_yet_in_the_watch_after_registering_is_not_taken_for_deleted() {
         let t0 = Instant::now();
         let mut state = registered(t0);
-        let round = state.round(
-            &seen(Ok(()), 3, false, t0 + Duration::from_secs(1)),
-            STATUS,
-            LEASE,
-        );
+        let round = state.round(&seen(Ok(()), 3, false, t0 + Duration::from_secs(1)), &PERIODS);
         assert!(!round.deleted_upstream && !round.register);
     }
 }
