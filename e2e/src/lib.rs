@@ -24,6 +24,7 @@ pub mod multi_scheduler;
 pub mod partition;
 pub mod pki;
 pub mod process;
+pub mod records;
 pub mod scale;
 pub mod shared;
 pub mod simulator;

@@ -19,6 +19,9 @@
 //! through a virtual node versus the same against the lower pod directly, over WebSocket and
 //! SPDY, reported as ratios.
 //!
+//! `exclusions` (`--bench exclusions`): moves per second and the latency of one exclusion
+//! record's write with 10,000 live records, against the old one-ConfigMap store.
+//!
 //! `multi-scheduler` (`--bench multi-scheduler`): the capacity shape of a 5,000-node lower
 //! cluster, the extender's filter in process for 100 such virtual nodes, and `POST /filter`
 //! over HTTPS.
@@ -55,6 +58,15 @@ struct Cli {
     /// Which benchmarks to run.
     #[arg(long, env = "BENCH", value_enum, default_value_t = Which::Simulator)]
     bench: Which,
+    /// Live exclusion records of the exclusions benchmark.
+    #[arg(long, env = "BENCH_EXCLUSIONS_LIVE", default_value_t = 10_000)]
+    exclusions_live: usize,
+    /// Moves (record write, then eviction) of the exclusions benchmark.
+    #[arg(long, env = "BENCH_EXCLUSIONS_MOVES", default_value_t = 300)]
+    exclusions_moves: usize,
+    /// Records in the old one-ConfigMap store compared with (it cannot hold 10,000).
+    #[arg(long, env = "BENCH_EXCLUSIONS_OLD", default_value_t = 3000)]
+    exclusions_old: usize,
     /// Keep-alive connections for the webhook throughput run.
     #[arg(long, env = "BENCH_WEBHOOK_CONNECTIONS", default_value_t = 16)]
     webhook_connections: usize,
@@ -117,6 +129,7 @@ enum Which {
     Copies,
     Streams,
     Scale,
+    Exclusions,
     All,
 }
 
@@ -193,6 +206,15 @@ fn main() -> anyhow::Result<()> {
             cli.extender_connections,
         ))?;
         write_figures(&cli.out, "multi-scheduler.json", &figures)?;
+    }
+    if matches!(cli.bench, Which::Exclusions | Which::All) {
+        let rt = tokio::runtime::Runtime::new().context("async runtime")?;
+        let figures = rt.block_on(tensile_e2e::records::exclusions(
+            cli.exclusions_live,
+            cli.exclusions_moves.max(1),
+            cli.exclusions_old,
+        ))?;
+        write_figures(&cli.out, "exclusions.json", &figures)?;
     }
     if matches!(cli.bench, Which::Scale | Which::All) {
         let rt = tokio::runtime::Runtime::new().context("async runtime")?;
