@@ -19,7 +19,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 struct Bed {
     upper: TestCluster,
     lower: TestCluster,
-    _sim: NodeSimulator,
+    sim: NodeSimulator,
     node: in_process::VirtualNode,
 }
 
@@ -51,7 +51,7 @@ fn bed() -> &'static Bed {
         Ok(Bed {
             upper,
             lower,
-            _sim: sim,
+            sim,
             node,
         })
     })
@@ -481,4 +481,25 @@ async fn stream_sessions_close_when_idle_are_capped_and_end_with_the_node() {
         busy.ended_within(Duration::from_secs(15)).await.is_some(),
         "the session ends with the virtual node"
     );
+}
+
+/// A storm of usage scrapes costs the lower cluster one fan-out per few seconds, never one
+/// request per lower node per scrape: 20 scrapes at once of a virtual node over two lower
+/// nodes ask the lower kubelets a handful of times, not 40.
+#[tokio::test]
+async fn a_storm_of_usage_scrapes_asks_the_lower_nodes_once_per_window() {
+    let bed = bed();
+    running_pod(up(), NS, "scraped", NODE).await;
+    let path = format!("/api/v1/nodes/{NODE}/proxy/stats/summary");
+    let before = bed.sim.summaries_served();
+    let args = ["get", "--raw", path.as_str()];
+    let scrapes = (0..20).map(|_| tensile_e2e::kubectl::run(up(), &args));
+    let answers = futures::future::join_all(scrapes).await;
+    let served = bed.sim.summaries_served() - before;
+    for answer in &answers {
+        assert!(answer.ok && answer.stdout.contains(NODE), "{}", answer.stderr);
+    }
+    // Two nodes per fan-out; a fan-out answers the scrapes of 5 s. Another test of this bed
+    // may scrape meanwhile: a few fan-outs at most, against 40 requests for 20 scrapes.
+    assert!(served <= 12, "20 scrapes asked the lower kubelets {served} times");
 }

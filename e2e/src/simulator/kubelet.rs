@@ -56,6 +56,9 @@ fn route(inner: &Arc<Inner>, node: Option<&str>, mut req: Request<Incoming>) -> 
     match (req.method(), segments.as_slice()) {
         (&http::Method::GET, ["healthz"]) => text(StatusCode::OK, "ok"),
         (&http::Method::GET, ["stats", "summary"]) => {
+            inner
+                .summaries_served
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let summary = super::stats::summary(inner, node);
             let mut r = text(StatusCode::OK, summary.to_string());
             r.headers_mut().insert(

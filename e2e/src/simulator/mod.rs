@@ -149,6 +149,8 @@ pub(crate) struct Inner {
     ips: Mutex<HashMap<String, std::collections::BTreeSet<u8>>>,
     writes: tokio::sync::Semaphore,
     tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// `/stats/summary` requests answered, every node's together.
+    pub(crate) summaries_served: std::sync::atomic::AtomicU64,
 }
 
 /// A running simulator. Dropping it stops every task (nodes and pods stay in the cluster).
@@ -157,6 +159,13 @@ pub struct NodeSimulator {
 }
 
 impl NodeSimulator {
+    /// How many `/stats/summary` requests the simulated kubelets answered so far.
+    pub fn summaries_served(&self) -> u64 {
+        self.inner
+            .summaries_served
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Starts the kubelet endpoint and the pod watch, then registers `nodes`.
     pub async fn start(
         client: kube::Client,
@@ -184,6 +193,7 @@ impl NodeSimulator {
             pods: RwLock::new(HashMap::new()),
             ips: Mutex::new(HashMap::new()),
             tasks: Mutex::new(Vec::new()),
+            summaries_served: Default::default(),
         });
         inner.track(tokio::spawn(kubelet::serve(
             listener,
