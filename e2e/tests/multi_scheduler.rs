@@ -924,25 +924,13 @@ async fn all_running(api: &Api<Pod>, what: &str) {
     .await;
 }
 
-/// A virtual node's allocatable CPUs, whole (rounded down).
-async fn allocatable_cpus(node: &str) -> u32 {
-    let node = Api::<Node>::all(bed().upper.client().await.unwrap())
-        .get(node)
-        .await
-        .unwrap();
-    let cpu = node.status.unwrap().allocatable.unwrap()["cpu"].0.clone();
-    let milli = tensile_common::quantity::parse_milli(&cpu).unwrap_or_else(|e| panic!("cpu {cpu}: {e}"));
-    u32::try_from(milli / 1000).unwrap()
-}
-
 /// kube-scheduler picks preemption victims by the virtual node's aggregate room. On vn-a
-/// (2-CPU lower nodes) no eviction can ever let a 6-CPU pod run below, so the extender's
-/// `preempt` drops vn-a and no pod there is evicted; on vn-b, evicting one 7-CPU pod frees
-/// a lower node for a 7-CPU pod, so that preemption goes ahead and the pod runs there.
-/// Kubernetes 1.20 reads no `FailedAndUnresolvableNodes`: the preempt verb is what saves
-/// vn-a's pods there.
+/// (2-CPU lower nodes) no eviction can ever let a 6-CPU pod run below, so none of its pods
+/// may be evicted for one. From 1.21 the extender's `preempt` verb drops vn-a; kube-scheduler
+/// v1.20.2 never calls it, so the shipped 1.20 configuration turns preemption off for the
+/// scheduler's pods, and the pod waits without a nomination.
 #[tokio::test]
-async fn preemption_evicts_nothing_where_no_lower_node_could_hold_the_pod_and_goes_ahead_where_one_could() {
+async fn a_high_priority_pod_no_lower_node_can_hold_evicts_nothing() {
     use k8s_openapi::api::scheduling::v1::PriorityClass;
     let _scene = SCENE.lock().await;
     let bed = bed();
@@ -971,18 +959,6 @@ async fn preemption_evicts_nothing_where_no_lower_node_could_hold_the_pod_and_go
         })
         .collect();
     create_all(&api, &low).await;
-    // vn-b: 7-CPU pods of priority 0 until its aggregate has less than 7 left (its lower
-    // nodes are 8 CPUs, and one of 16 when another scene added it).
-    let count = allocatable_cpus(VN_B).await / 7;
-    let fill: Vec<(Pod, &[&str])> = (0..count)
-        .map(|i| {
-            (
-                pinned(&format!("low-b-{i}"), SCHEDULER, "7", VN_B, None),
-                &[VN_B][..],
-            )
-        })
-        .collect();
-    create_all(&api, &fill).await;
     all_running(&api, "the low-priority pods Running").await;
 
     let uids = |pods: &[Pod], prefix: &str| -> BTreeSet<String> {
@@ -1014,11 +990,21 @@ async fn preemption_evicts_nothing_where_no_lower_node_could_hold_the_pod_and_go
     // Preemption runs right after the failed attempt; give it and any eviction time to show.
     tokio::time::sleep(Duration::from_secs(8)).await;
     let after = api.list(&ListParams::default()).await.unwrap().items;
+    let admin = bed.extender.lock().unwrap().admin_addr.clone();
+    let metrics = in_process::admin_get(&admin, "/metrics")
+        .await
+        .unwrap_or_default()
+        .1;
+    let preemption: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.contains("preempt") && !l.starts_with('#'))
+        .collect();
     assert_eq!(
         uids(&after, "low-a-"),
         on_a,
-        "no pod on vn-a evicted for a pod no lower node there can hold ({messages:?}); log:\n{}",
-        bed.extender.lock().unwrap().log()
+        "no pod on vn-a evicted for a pod no lower node there can hold ({messages:?}); preempt verb: \
+         {preemption:?}; Preempted events: {:?}",
+        events(ns, "Preempted").await
     );
     let waiting = api.get("six-on-a").await.unwrap();
     assert_eq!(node_of(&waiting), "");
@@ -1027,50 +1013,7 @@ async fn preemption_evicts_nothing_where_no_lower_node_could_hold_the_pod_and_go
         .as_ref()
         .and_then(|s| s.nominated_node_name.clone());
     assert_eq!(nominated, None, "not nominated to vn-a either");
-    let admin = bed.extender.lock().unwrap().admin_addr.clone();
-    let metrics = in_process::admin_get(&admin, "/metrics")
-        .await
-        .unwrap_or_default()
-        .1;
-    let dropped = tensile_e2e::descheduler::metric_sum(
-        &metrics,
-        "tensile_multischeduler_preemption_nodes_total",
-        &[("decision", "dropped"), ("reason", "shape")],
-    );
-    assert!(dropped > 0.0, "kube-scheduler asked the preempt verb: {metrics}");
-    api.delete("six-on-a", &DeleteParams::default()).await.unwrap();
-
-    // Where evicting one pod frees a lower node, preemption goes ahead.
-    let on_b = uids(&after, "low-b-");
-    let seven = pinned("seven-on-b", SCHEDULER, "7", VN_B, Some("tensile-e2e-high"));
-    let started = Instant::now();
-    api.create(&PostParams::default(), &seven).await.unwrap();
-    must(
-        "the 7-CPU pod Running on vn-b after one eviction",
-        Duration::from_secs(90),
-        Duration::from_millis(300),
-        || async {
-            let p = api.get("seven-on-b").await.map_err(|e| e.to_string())?;
-            if node_of(&p) == VN_B && running(&p) {
-                Ok(())
-            } else {
-                Err(format!(
-                    "on {:?}, phase {:?}",
-                    node_of(&p),
-                    p.status.as_ref().and_then(|s| s.phase.clone())
-                ))
-            }
-        },
-    )
-    .await;
-    let now = api.list(&ListParams::default()).await.unwrap().items;
-    let evicted = on_b.difference(&uids(&now, "low-b-")).count();
-    assert_eq!(evicted, 1, "one victim on vn-b");
-    assert_eq!(uids(&now, "low-a-"), on_a, "vn-a untouched");
-    println!(
-        "preemption: vn-a dropped ({dropped} drops), the 7-CPU pod Running on vn-b {:.1} s after creation",
-        started.elapsed().as_secs_f64()
-    );
+    println!("preemption: nothing evicted on vn-a for {messages:?}");
     clean_up(&api).await;
 }
 

@@ -544,6 +544,14 @@ mod tests {
             assert_eq!(extender["ignorable"], false);
             assert!(extender["tlsConfig"]["caFile"].is_string());
             assert!(extender["bindVerb"].is_null(), "the default binder binds");
+            let preemption_off = config["profiles"][0]["plugins"]["postFilter"]["disabled"]
+                .as_array()
+                .is_some_and(|d| d.iter().any(|p| p["name"] == "DefaultPreemption"));
+            assert_eq!(
+                preemption_off,
+                file == "scheduler-v1beta1.yaml",
+                "{file}: 1.20.2 preempts without asking the extender, so preemption is off there only"
+            );
         }
     }
 }
