@@ -33,7 +33,10 @@ fn bed() -> &'static Bed {
     BED.get(|| async {
         let (upper, lower) = tokio::join!(
             TestCluster::start(ClusterOptions::new("isolation", "upper")),
-            TestCluster::start(ClusterOptions::new("isolation", "lower")),
+            TestCluster::start(ClusterOptions {
+                audit_writes: true,
+                ..ClusterOptions::new("isolation", "lower")
+            }),
         );
         let (upper, lower) = (upper?, lower?);
         let sim = NodeSimulator::start(
@@ -552,4 +555,62 @@ spec:
         "Succeeded",
     )
     .await;
+}
+
+/// A lower pod of ours made for an earlier upper pod of the same name gets one delete, then
+/// is waited for while it stops (here 20 s): not a delete every second.
+#[tokio::test]
+async fn a_stale_lower_pod_gets_one_delete_while_it_stops() {
+    let bed = bed();
+    wait_ready(up(), NODE).await;
+    bed.upper.create_namespace("stale").await.unwrap();
+    let twin = format!(
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: twin, namespace: stale, annotations: {{tensile.io/sim: "stop=20s"}}}}
+spec:
+  nodeName: {NODE}
+  terminationGracePeriodSeconds: 30
+  tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+  containers: [{{name: app, image: busybox}}]
+"#
+    );
+    apply(up(), &twin).await;
+    running(up(), "stale", "twin").await;
+    running(low(), "stale", "twin").await;
+    // Its container settles into running before it is asked to stop.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // The upper pod is replaced by one of the same name: its lower pod is now stale.
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "stale",
+            "delete",
+            "pod",
+            "twin",
+            "--grace-period=0",
+            "--force",
+        ],
+    )
+    .await;
+    apply(up(), &twin).await;
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let deletes = bed
+        .lower
+        .audited_writes()
+        .unwrap()
+        .into_iter()
+        .filter(|w| {
+            w.verb == "delete"
+                && w.uri.starts_with("/api/v1/namespaces/stale/pods/twin")
+                && w.user_agent.contains("tensile-virtual-node")
+        })
+        .count();
+    assert!(
+        (1..=2).contains(&deletes),
+        "the stale lower pod got {deletes} deletes while it stopped"
+    );
+    running(up(), "stale", "twin").await;
 }
