@@ -11,7 +11,8 @@
 //!
 //! The suite's vocabulary: every label, annotation and taint name ([`names`]), the codec of
 //! the stashed lower-cluster constraints ([`stash`]), the descheduler's exclusion record
-//! ([`exclusion`]), exact resource arithmetic
+//! ([`exclusion`]), the one predicate of whether a pod fits a virtual node's lower nodes
+//! ([`fit`]), exact resource arithmetic
 //! ([`quantity`], [`resources`]), the kubelet API's shared parsing ([`kubelet`]), and the
 //! memory allocator every binary uses ([`Allocator`]).
 
@@ -20,6 +21,7 @@ pub mod api;
 pub mod cache;
 pub mod deadline;
 pub mod exclusion;
+pub mod fit;
 pub mod kubeconfig;
 pub mod kubelet;
 pub mod leader;

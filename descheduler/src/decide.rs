@@ -47,6 +47,8 @@ pub struct Settings {
     pub max_moves_per_owner: u32,
     /// How long a node stays excluded for a workload.
     pub exclusion_ttl: Duration,
+    /// A capacity shape older than this fails open (`None`: any age is trusted).
+    pub shape_max_age: Option<SignedDuration>,
     /// The label (key, value) that opts a pod in, as the webhook's `--pod-label`.
     pub pod_label: (String, String),
     /// Namespaces the webhook never serves, as its `--exclude-namespaces`.
@@ -62,6 +64,7 @@ impl Default for Settings {
             evict_system_critical: false,
             max_moves_per_owner: 3,
             exclusion_ttl: Duration::from_secs(600),
+            shape_max_age: Some(SignedDuration::from_mins(15)),
             pod_label: (
                 names::VIRTUAL_POD_LABEL.to_owned(),
                 names::VIRTUAL_POD_VALUE.to_owned(),
@@ -390,7 +393,7 @@ pub fn judge(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
         node: refusal.node.clone(),
         why,
     };
-    if !fit::is_ready(node) {
+    if !tensile_common::fit::is_ready(node) {
         return skip(Skip::NodeNotReady);
     }
     let workload = match protected(pod, settings) {
@@ -436,15 +439,19 @@ pub fn judge(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
         };
     }
 
+    let options = tensile_common::fit::Options {
+        now,
+        max_age: settings.shape_max_age,
+    };
     let mut refusals = Vec::new();
     let targets: BTreeSet<&String> = view
         .nodes
         .iter()
         .filter(|(name, _)| **name != refusal.node)
-        .filter(|(_, n)| match fit::refuses(pod, n) {
+        .filter(|(_, n)| match fit::refuses(pod, n, &options) {
             None => true,
             Some(why) => {
-                refusals.push(why);
+                refusals.push(why.message().to_owned());
                 false
             }
         })

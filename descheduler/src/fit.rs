@@ -1,6 +1,9 @@
-//! Whether a virtual node would take a pod: what the upper scheduler checks (Ready, not
-//! cordoned, taints, `nodeSelector`, required node affinity), plus whether some lower node
-//! of its capacity shape has room for the pod's requests.
+//! Whether another virtual node would take a refused pod: what the upper scheduler checks
+//! of the node itself (Ready, not cordoned, taints, `nodeSelector`, required node affinity),
+//! then whether some lower node of its capacity shape holds the pod, by the suite's one fit
+//! predicate ([`tensile_common::fit`], the multi-scheduler's filter): the stashed selector
+//! against the shape's label groups, the stashed tolerations against their taints, the
+//! requests against their frontiers, the shape's age, and the same fail-open rules.
 //!
 //! The pod is judged as its replacement will be created: the `kubernetes.io/hostname NotIn`
 //! values the webhook added for earlier exclusions (listed in `tensile.io/excluded-nodes`)
@@ -9,63 +12,91 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, Taint, Toleration};
+use k8s_openapi::api::core::v1::{Node, NodeSelectorTerm, Pod};
+use tensile_common::fit::{self, Options, PodFacts, ShapeFacts, Verdict};
 use tensile_common::names;
-use tensile_common::quantity::ResourceMap;
-use tensile_common::resources::pod_requests;
-use tensile_common::shape::Shape;
-use tensile_common::stash::Stash;
 
-/// Why a node would not take the pod (`None`: it would).
-pub fn refuses(pod: &Pod, node: &Node) -> Option<String> {
+/// Why a virtual node would not take the pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NotFit {
+    /// The upper scheduler itself keeps the pod off the node (not Ready, cordoned, a taint,
+    /// the selector or the affinity): no exclusion is needed to steer the pod away.
+    Upper(String),
+    /// The upper scheduler would bind the pod there, but the node's capacity shape says no
+    /// lower node holds it: only an exclusion keeps the replacement away.
+    Shape(String),
+}
+
+impl NotFit {
+    pub fn message(&self) -> &str {
+        match self {
+            NotFit::Upper(m) | NotFit::Shape(m) => m,
+        }
+    }
+}
+
+/// Why `node` would not take the pod (`None`: it would, or its shape cannot say).
+pub fn refuses(pod: &Pod, node: &Node, options: &Options) -> Option<NotFit> {
     let name = node.metadata.name.as_deref().unwrap_or_default();
-    if !is_ready(node) {
-        return Some(format!("{name} is not Ready"));
+    if !fit::is_ready(node) {
+        return Some(NotFit::Upper(format!("{name} is not Ready")));
     }
     if node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true) {
-        return Some(format!("{name} is cordoned"));
+        return Some(NotFit::Upper(format!("{name} is cordoned")));
     }
     let spec = pod.spec.as_ref()?;
     let tolerations = spec.tolerations.as_deref().unwrap_or_default();
-    for taint in node.spec.iter().flat_map(|s| s.taints.iter().flatten()) {
-        let blocks = matches!(taint.effect.as_str(), "NoSchedule" | "NoExecute");
-        if blocks && !tolerations.iter().any(|t| tolerates(t, taint)) {
-            return Some(format!(
-                "{name} has the taint {} the pod does not tolerate",
-                taint.key
-            ));
-        }
+    if let Some(taint) = fit::untolerated_taint(node, tolerations) {
+        return Some(NotFit::Upper(format!(
+            "{name} has the taint {} the pod does not tolerate",
+            taint.key
+        )));
     }
     let empty = BTreeMap::new();
     let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
     for (k, v) in spec.node_selector.iter().flatten() {
         if labels.get(k) != Some(v) {
-            return Some(format!("{name} does not match the pod's nodeSelector {k}={v}"));
+            return Some(NotFit::Upper(format!(
+                "{name} does not match the pod's nodeSelector {k}={v}"
+            )));
         }
     }
-    let ours = excluded_by_us(pod);
     let terms = spec
         .affinity
         .as_ref()
         .and_then(|a| a.node_affinity.as_ref())
         .and_then(|na| na.required_during_scheduling_ignored_during_execution.as_ref())
-        .map(|r| r.node_selector_terms.as_slice())
+        .map(|r| without_our_exclusions(&r.node_selector_terms, &excluded_by_us(pod)))
         .unwrap_or_default();
-    if !terms.is_empty() && !terms.iter().any(|t| term_matches(t, name, labels, &ours)) {
-        return Some(format!("{name} does not match the pod's required node affinity"));
+    if !fit::terms_match(&terms, name, labels) {
+        return Some(NotFit::Upper(format!(
+            "{name} does not match the pod's required node affinity"
+        )));
     }
-    if !shape_fits(pod, node) {
-        return Some(format!("no lower node of {name} has room for the pod's requests"));
+    match fit::judge(&PodFacts::of(pod), ShapeFacts::of(node).as_ref(), options).verdict {
+        Verdict::Rejected(why) => Some(NotFit::Shape(format!(
+            "no lower node of {name} holds the pod: {why}"
+        ))),
+        Verdict::NotVirtual | Verdict::Fits | Verdict::FailOpen(_) => None,
     }
-    None
 }
 
-/// The node's Ready condition is True.
-pub fn is_ready(node: &Node) -> bool {
-    node.status
-        .iter()
-        .flat_map(|s| s.conditions.iter().flatten())
-        .any(|c| c.type_ == "Ready" && c.status == "True")
+/// The terms with the webhook's own `kubernetes.io/hostname NotIn` values taken out: they
+/// were for the pod being replaced, not for its successor.
+fn without_our_exclusions(terms: &[NodeSelectorTerm], ours: &[String]) -> Vec<NodeSelectorTerm> {
+    let mut terms = terms.to_vec();
+    for r in terms
+        .iter_mut()
+        .flat_map(|t| t.match_expressions.iter_mut().flatten())
+    {
+        if r.key == names::HOSTNAME_LABEL
+            && r.operator == "NotIn"
+            && let Some(values) = r.values.as_mut()
+        {
+            values.retain(|v| !ours.contains(v));
+        }
+    }
+    terms
 }
 
 /// The virtual nodes the webhook excluded on this pod (its `tensile.io/excluded-nodes`).
@@ -84,114 +115,22 @@ pub fn excluded_by_us(pod: &Pod) -> Vec<String> {
         .unwrap_or_default()
 }
 
-fn tolerates(t: &Toleration, taint: &Taint) -> bool {
-    if let Some(effect) = t.effect.as_deref().filter(|e| !e.is_empty())
-        && effect != taint.effect
-    {
-        return false;
-    }
-    match t.key.as_deref().filter(|k| !k.is_empty()) {
-        None => t.operator.as_deref() == Some("Exists"),
-        Some(key) if key != taint.key => false,
-        Some(_) => match t.operator.as_deref() {
-            Some("Exists") => true,
-            _ => t.value.as_deref().unwrap_or_default() == taint.value.as_deref().unwrap_or_default(),
-        },
-    }
-}
-
-fn term_matches(
-    term: &NodeSelectorTerm,
-    name: &str,
-    labels: &BTreeMap<String, String>,
-    ours: &[String],
-) -> bool {
-    let exprs = term.match_expressions.as_deref().unwrap_or_default();
-    let fields = term.match_fields.as_deref().unwrap_or_default();
-    if exprs.is_empty() && fields.is_empty() {
-        return false;
-    }
-    exprs.iter().all(|r| {
-        // The webhook's own exclusions are for the pod being replaced, not for its successor.
-        if r.key == names::HOSTNAME_LABEL && r.operator == "NotIn" {
-            let values: Vec<&String> = r.values.iter().flatten().filter(|v| !ours.contains(v)).collect();
-            return !values.iter().any(|v| labels.get(&r.key) == Some(*v));
-        }
-        requirement_matches(r, labels.get(&r.key).map(String::as_str))
-    }) && fields.iter().all(|r| {
-        let value = (r.key == "metadata.name").then_some(name);
-        requirement_matches(r, value)
-    })
-}
-
-fn requirement_matches(r: &NodeSelectorRequirement, value: Option<&str>) -> bool {
-    let values = r.values.as_deref().unwrap_or_default();
-    let number = |s: &str| s.parse::<i64>().ok();
-    match r.operator.as_str() {
-        "In" => value.is_some_and(|v| values.iter().any(|x| x == v)),
-        "NotIn" => value.is_none_or(|v| !values.iter().any(|x| x == v)),
-        "Exists" => value.is_some(),
-        "DoesNotExist" => value.is_none(),
-        "Gt" => {
-            matches!((value.and_then(number), values.first().and_then(|x| number(x))), (Some(a), Some(b)) if a > b)
-        }
-        "Lt" => {
-            matches!((value.and_then(number), values.first().and_then(|x| number(x))), (Some(a), Some(b)) if a < b)
-        }
-        _ => false,
-    }
-}
-
-/// Whether some lower node in the node's capacity shape ([`tensile_common::shape`], either
-/// form) has room for the pod's requests, among the groups whose taints the pod's stashed
-/// tolerations tolerate. A node without a shape, or with one that does not decode, and a
-/// pod whose stash does not decode, are given the benefit of the doubt, as is a group whose
-/// frontier was cut unless its largest free amounts fall short: the lower scheduler will say.
-pub fn shape_fits(pod: &Pod, node: &Node) -> bool {
-    let Some(Ok(shape)) = Shape::from_annotations(node.metadata.annotations.as_ref()) else {
-        return true;
-    };
-    let Ok(stash) = Stash::from_annotations(pod.metadata.annotations.as_ref()) else {
-        return true;
-    };
-    let tolerations = stash.map(|s| s.tolerations).unwrap_or_default();
-    let wants = pod_requests(pod);
-    let mut truncated = false;
-    for group in &shape.groups {
-        if !group
-            .taints
-            .iter()
-            .all(|taint| tolerations.iter().any(|t| tolerates(t, taint)))
-        {
-            continue;
-        }
-        let Ok(frontier) = group.free_maps() else {
-            return true;
-        };
-        let holds = |free: &ResourceMap| {
-            wants
-                .0
-                .iter()
-                .filter(|(k, _)| k.as_str() != "pods" || free.0.contains_key("pods"))
-                .all(|(k, v)| *v <= free.get(k))
-        };
-        if frontier.iter().any(holds) {
-            return true;
-        }
-        // A cut frontier may hide a node that fits, unless the group's largest free
-        // amounts already fall short.
-        let Ok(max) = group.max_map() else {
-            return true;
-        };
-        truncated |= group.truncated && max.as_ref().is_none_or(holds);
-    }
-    truncated
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    fn options() -> Options {
+        Options {
+            now: "2024-05-01T10:01:00Z".parse().unwrap(),
+            max_age: Some(jiff::SignedDuration::from_mins(15)),
+        }
+    }
+
+    /// The message, for tests that only read it.
+    fn refuses(pod: &Pod, node: &Node) -> Option<String> {
+        super::refuses(pod, node, &options()).map(|n| n.message().to_owned())
+    }
 
     fn node(name: &str, extra: serde_json::Value) -> Node {
         let mut v = json!({
@@ -366,18 +305,69 @@ mod tests {
     }
 
     #[test]
-    fn operators_read_as_the_scheduler_reads_them() {
-        let r = |op: &str, values: &[&str]| NodeSelectorRequirement {
-            key: "k".into(),
-            operator: op.into(),
-            values: Some(values.iter().map(|s| s.to_string()).collect()),
+    fn the_stashed_selector_is_matched_against_the_shapes_label_groups() {
+        // Zone a has an 8-CPU node, zone b only 2-CPU nodes: a 3-CPU pod whose stash wants
+        // zone b fits no lower node, though some node of the cluster has room.
+        let shape = json!({"v": 2, "at": "2024-05-01T10:00:00Z", "keys": ["topology.kubernetes.io/zone"],
+            "nodes": 3, "truncated": false, "groups": [
+                {"labels": {"topology.kubernetes.io/zone": "a"}, "count": 1, "truncated": false,
+                 "free": [{"cpu": "8", "memory": "32Gi", "pods": "100"}]},
+                {"labels": {"topology.kubernetes.io/zone": "b"}, "count": 2, "truncated": false,
+                 "free": [{"cpu": "2", "memory": "4Gi", "pods": "100"}]}]});
+        let vn = node(
+            "vn-c",
+            json!({"metadata": {"annotations": {"tensile.io/capacity-shape": shape.to_string()}}}),
+        );
+        let in_zone = |zone: &str| {
+            let stash = json!({"nodeSelector": {"topology.kubernetes.io/zone": zone}});
+            pod(json!({"metadata": {"annotations": {"clusterSelector": stash.to_string()}}}))
         };
-        assert!(requirement_matches(&r("In", &["a"]), Some("a")));
-        assert!(!requirement_matches(&r("In", &["a"]), None));
-        assert!(requirement_matches(&r("NotIn", &["a"]), None));
-        assert!(requirement_matches(&r("Exists", &[]), Some("")));
-        assert!(requirement_matches(&r("DoesNotExist", &[]), None));
-        assert!(requirement_matches(&r("Gt", &["3"]), Some("4")));
-        assert!(!requirement_matches(&r("Lt", &["3"]), Some("4")));
+        match super::refuses(&in_zone("b"), &vn, &options()) {
+            Some(NotFit::Shape(m)) => assert!(m.contains("cpu=3 (largest free 2"), "{m}"),
+            other => panic!("zone b holds no 3-CPU pod: {other:?}"),
+        }
+        assert_eq!(refuses(&in_zone("a"), &vn), None);
+        let nowhere = refuses(&in_zone("c"), &vn).unwrap();
+        assert!(nowhere.contains("stashed node selector"), "{nowhere}");
+    }
+
+    #[test]
+    fn a_stale_shape_says_nothing_and_the_node_may_take_the_pod() {
+        let shape = json!({"v": 2, "at": "2024-05-01T09:00:00Z", "keys": [], "nodes": 1, "truncated": false,
+            "groups": [{"count": 1, "truncated": false, "free": [{"cpu": "2", "pods": "100"}]}]});
+        let vn = node(
+            "vn-c",
+            json!({"metadata": {"annotations": {"tensile.io/capacity-shape": shape.to_string()}}}),
+        );
+        assert_eq!(
+            refuses(&pod(json!({})), &vn),
+            None,
+            "an hour old, past the 15 minutes"
+        );
+        let any_age = Options {
+            max_age: None,
+            ..options()
+        };
+        assert!(matches!(
+            super::refuses(&pod(json!({})), &vn, &any_age),
+            Some(NotFit::Shape(_))
+        ));
+    }
+
+    #[test]
+    fn what_the_upper_scheduler_checks_is_told_apart_from_the_shape() {
+        let cordoned = node("vn-b", json!({"spec": {"unschedulable": true}}));
+        assert!(matches!(
+            super::refuses(&pod(json!({})), &cordoned, &options()),
+            Some(NotFit::Upper(_))
+        ));
+        let small = node(
+            "vn-b",
+            json!({"metadata": {"annotations": {"tensile.io/capacity-shape": r#"[{"cpu":"2","pods":"100"}]"#}}}),
+        );
+        assert!(matches!(
+            super::refuses(&pod(json!({})), &small, &options()),
+            Some(NotFit::Shape(_))
+        ));
     }
 }

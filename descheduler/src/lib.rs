@@ -135,6 +135,11 @@ pub struct Args {
     #[arg(long = "max-moves-per-owner", env = "TENSILE_MAX_MOVES_PER_OWNER", default_value_t = 3,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub max_moves_per_owner: u32,
+    /// A virtual node's capacity shape older than this says nothing about where a pod fits
+    /// (`15m`, or seconds; 0 trusts any age): the multi-scheduler's `--shape-max-age`.
+    #[arg(long = "shape-max-age", env = "TENSILE_SHAPE_MAX_AGE", default_value = "15m",
+          value_parser = parse_seconds)]
+    pub shape_max_age: Duration,
     /// Label (`key=value`) that opts a pod in; only such pods are moved. The webhook's
     /// `--pod-label`: set both alike.
     #[arg(long = "pod-label", env = "TENSILE_POD_LABEL", default_value = "virtual-pod=true",
@@ -210,6 +215,8 @@ impl Args {
             evict_system_critical: self.evict_system_critical_pods,
             max_moves_per_owner: self.max_moves_per_owner,
             exclusion_ttl: self.exclusion_ttl,
+            shape_max_age: (!self.shape_max_age.is_zero())
+                .then(|| jiff::SignedDuration::from_secs(self.shape_max_age.as_secs() as i64)),
             pod_label: self.pod_label.clone(),
             excluded_namespaces: self
                 .exclude_namespaces

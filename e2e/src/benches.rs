@@ -346,8 +346,8 @@ pub(crate) async fn api_writes(client: &kube::Client) -> anyhow::Result<HashMap<
 /// (TLS 1.3, HTTP/1.1 keep-alive on loopback, `connections` clients for `secs` seconds,
 /// client and server in this process).
 pub async fn multi_scheduler(secs: u64, connections: usize) -> anyhow::Result<serde_json::Value> {
+    use tensile_common::fit::Options;
     use tensile_multi_scheduler::extender::{self, Context, ExtenderArgs, FactsCache, Score};
-    use tensile_multi_scheduler::filter::Options;
 
     const VIRTUAL_NODES: usize = 100;
     const LOWER_NODES: usize = 5000;

@@ -19,8 +19,8 @@ use tensile_common::names;
 
 use tensile_common::quantity::ResourceMap;
 
-use crate::filter::{self, Judgement, Options, PodFacts, ShapeFacts, Verdict};
 use crate::preempt::{self, BoundPods};
+use tensile_common::fit::{self, Judgement, Options, PodFacts, ShapeFacts, Verdict};
 
 /// The highest score an extender may give (`MaxExtenderPriority`).
 pub const MAX_SCORE: i64 = 10;
@@ -134,7 +134,7 @@ impl FactsCache {
         {
             return facts.clone();
         }
-        let virtual_node = filter::is_virtual(node);
+        let virtual_node = fit::is_virtual(node);
         let facts = Arc::new(NodeFacts {
             virtual_node,
             shape: if virtual_node { ShapeFacts::of(node) } else { None },
@@ -247,7 +247,7 @@ fn judge_node(
     if let Some(message) = excluded.get(name) {
         return (None, Outcome::Rejected("exclusion"), Some(message.clone()));
     }
-    let judgement = filter::judge(pod, facts.shape.as_ref(), &ctx.options);
+    let judgement = fit::judge(pod, facts.shape.as_ref(), &ctx.options);
     let (outcome, message) = match &judgement.verdict {
         Verdict::NotVirtual | Verdict::Fits => (Outcome::Passed, None),
         Verdict::FailOpen(f) => (Outcome::FailOpen(f.reason()), None),

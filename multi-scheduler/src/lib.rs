@@ -3,7 +3,8 @@
 //!
 //! The model: each virtual node publishes a capacity shape of its lower cluster
 //! ([`tensile_common::shape`]): its nodes grouped by label values and taints, with each
-//! group's frontier of per-node free resources. The [`filter`] judges a pod against a
+//! group's frontier of per-node free resources. The suite's one fit predicate
+//! ([`tensile_common::fit`], which the descheduler also uses) judges a pod against a
 //! virtual node from that shape and the pod's stashed lower-cluster constraints; where the
 //! data cannot answer exactly it passes the node and says why (fail open), since the lower
 //! scheduler and the descheduler remain the backstop. A virtual node the descheduler
@@ -22,7 +23,6 @@
 //!   plus the filter ([`place`]), an assume ledger, binding, events; one leader acts.
 
 pub mod extender;
-pub mod filter;
 pub mod metrics;
 pub mod place;
 pub mod preempt;

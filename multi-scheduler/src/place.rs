@@ -11,11 +11,11 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, Pod};
+use k8s_openapi::api::core::v1::{Node, Pod};
 use tensile_common::quantity::ResourceMap;
 
 use crate::extender::{NodeFacts, Outcome, Score, score_of};
-use crate::filter::{self, Options, PodFacts, Verdict, requirement_matches, tolerated};
+use tensile_common::fit::{self, Options, PodFacts, Verdict};
 
 /// A virtual node as one scheduling attempt sees it.
 pub struct Candidate<'a> {
@@ -64,7 +64,7 @@ pub fn place(
                         .shape
                         .as_ref()
                         .map(|s| s.as_ref().map(|f| f.taking(&c.taken)).map_err(Clone::clone));
-                    let judgement = filter::judge(&facts, shape.as_ref(), options);
+                    let judgement = fit::judge(&facts, shape.as_ref(), options);
                     match judgement.verdict {
                         Verdict::Rejected(m) => {
                             outcomes.push(Outcome::Rejected("shape"));
@@ -160,12 +160,7 @@ pub fn refusal(name: &str, constraints: &str) -> String {
 
 /// Why the node refuses the pod by what the upper scheduler checks; `None`: it does not.
 fn upper_refusal(pod: &Pod, node: &Node, requests: &ResourceMap, requested: &ResourceMap) -> Option<String> {
-    let ready = node
-        .status
-        .iter()
-        .flat_map(|s| s.conditions.iter().flatten())
-        .any(|c| c.type_ == "Ready" && c.status == "True");
-    if !ready {
+    if !fit::is_ready(node) {
         return Some("node(s) were not ready".into());
     }
     if node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true) {
@@ -173,43 +168,26 @@ fn upper_refusal(pod: &Pod, node: &Node, requests: &ResourceMap, requested: &Res
     }
     let spec = pod.spec.as_ref();
     let tolerations = spec.and_then(|s| s.tolerations.as_deref()).unwrap_or_default();
-    for taint in node.spec.iter().flat_map(|s| s.taints.iter().flatten()) {
-        let blocks = taint.effect == "NoSchedule" || taint.effect == "NoExecute";
-        if blocks && !tolerated(taint, tolerations) {
-            let value = taint.value.as_deref().unwrap_or_default();
-            return Some(format!(
-                "node(s) had taint {{{}: {value}}}, that the pod didn't tolerate",
-                taint.key
-            ));
-        }
+    if let Some(taint) = fit::untolerated_taint(node, tolerations) {
+        let value = taint.value.as_deref().unwrap_or_default();
+        return Some(format!(
+            "node(s) had taint {{{}: {value}}}, that the pod didn't tolerate",
+            taint.key
+        ));
     }
     let empty = BTreeMap::new();
     let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
     let selector_ok = spec
         .and_then(|s| s.node_selector.as_ref())
-        .into_iter()
-        .flatten()
-        .all(|(k, v)| labels.get(k) == Some(v));
+        .is_none_or(|selector| fit::selector_matches(selector, labels));
     let terms = spec
         .and_then(|s| s.affinity.as_ref())
         .and_then(|a| a.node_affinity.as_ref())
         .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref())
-        .map(|r| r.node_selector_terms.as_slice());
+        .map(|r| r.node_selector_terms.as_slice())
+        .unwrap_or_default();
     let name = node.metadata.name.as_deref().unwrap_or_default();
-    let field_matches = |r: &NodeSelectorRequirement| {
-        let fields = BTreeMap::from([("metadata.name".to_owned(), name.to_owned())]);
-        requirement_matches(&fields, r)
-    };
-    let affinity_ok = terms.is_none_or(|terms| {
-        terms.iter().any(|t| {
-            let exprs = t.match_expressions.as_deref().unwrap_or_default();
-            let fields = t.match_fields.as_deref().unwrap_or_default();
-            (!exprs.is_empty() || !fields.is_empty())
-                && exprs.iter().all(|r| requirement_matches(labels, r))
-                && fields.iter().all(field_matches)
-        })
-    });
-    if !selector_ok || !affinity_ok {
+    if !selector_ok || !fit::terms_match(terms, name, labels) {
         return Some("node(s) didn't match node selector".into());
     }
     let allocatable = node

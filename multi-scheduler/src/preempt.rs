@@ -5,7 +5,7 @@
 //! nothing about single lower nodes. Evicting an upper pod frees, on the one lower node its
 //! lower pod ran on, what it requested, so after evicting a set of pods a lower node has at
 //! most its free resources plus all of their requests. That bound
-//! ([`ShapeFacts::freeing`](crate::filter::ShapeFacts::freeing)) decides both:
+//! ([`ShapeFacts::freeing`](tensile_common::fit::ShapeFacts::freeing)) decides both:
 //!
 //! * **filter**: a virtual node the shape rejects is *unresolvable* when even evicting every
 //!   upper pod of lower priority bound to it leaves no lower node that holds the pod (or the
@@ -30,7 +30,7 @@ use tensile_common::quantity::ResourceMap;
 use tensile_common::resources::pod_requests;
 
 use crate::extender::{Context, exclusions_for};
-use crate::filter::{self, PodFacts};
+use tensile_common::fit::{self, PodFacts};
 
 /// A pod bound to a node, as preemption needs it: where, at which priority, asking what.
 /// The extender's pod cache keeps these rather than whole pods.
@@ -284,7 +284,7 @@ fn decide(
         .shape
         .as_ref()
         .map(|s| s.as_ref().map(|f| f.freeing(freed)).map_err(Clone::clone));
-    if filter::judge(pod, shape.as_ref(), &ctx.options).verdict.passes() {
+    if fit::judge(pod, shape.as_ref(), &ctx.options).verdict.passes() {
         Decision::Kept("may_fit")
     } else {
         Decision::Dropped("shape")
@@ -306,17 +306,17 @@ pub fn resolvable(
         .shape
         .as_ref()
         .map(|s| s.as_ref().map(|f| f.freeing(freed)).map_err(Clone::clone));
-    filter::judge(pod, shape.as_ref(), &ctx.options).verdict.passes()
+    fit::judge(pod, shape.as_ref(), &ctx.options).verdict.passes()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::extender::{ExtenderArgs, FactsCache, View, filter as filter_verb};
-    use crate::filter::Options;
     use k8s_openapi::api::core::v1::Node;
     use serde_json::{Value, json};
     use tensile_common::exclusion::Exclusions;
+    use tensile_common::fit::Options;
     use tensile_common::names;
     use tensile_common::shape::{DEFAULT_GROUP_CAP, build};
 

@@ -34,10 +34,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::extender::{FactsCache, Score, exclusions_for};
-use crate::filter::Options;
 use crate::metrics::Metrics;
 use crate::place::{Candidate, Placement, place, refusal, unsupported_constraints};
 use crate::queue::Queue;
+use tensile_common::fit::Options;
 
 /// How long a placed pod stays in the ledger at most.
 const ASSUMED_FOR: Duration = Duration::from_secs(30);

@@ -20,9 +20,9 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::extender::{self, Context, ExtenderArgs, FactsCache, Score, View};
-use crate::filter::Options;
 use crate::metrics::Metrics;
 use crate::preempt::{self, BoundPod, BoundPods, ExtenderPreemptionArgs};
+use tensile_common::fit::Options;
 
 /// What every request shares.
 pub struct State {

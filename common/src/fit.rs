@@ -1,24 +1,31 @@
-//! The filter: may this pod go to this node, judged by the lower nodes the node's
-//! [capacity shape](tensile_common::shape) summarises.
+//! The one fit predicate of the suite: may this pod go to this virtual node, judged by the
+//! lower nodes the node's [capacity shape](crate::shape) summarises. The multi-scheduler's
+//! filter, its standalone scheduler and preemption, and the descheduler's choice of where a
+//! refused pod may go all ask it, so they never disagree.
 //!
 //! The pod's stashed nodeSelector, required node affinity and tolerations are what the lower
 //! scheduler will apply, so they are matched against each group of the shape: the node
 //! passes iff some group has labels the selector and affinity accept, taints the stashed
 //! tolerations tolerate, and a frontier vector holding the pod's effective requests.
 //!
-//! Where the shape cannot answer exactly, the filter passes and says why ([`FailOpen`]), so
-//! a gap in the data never strands a pod; the lower scheduler and the descheduler remain
-//! the backstop. Nodes that are not virtual nodes always pass.
+//! Where the shape cannot answer exactly (no shape, one that does not decode or is older
+//! than the allowed age, a stash that does not decode, a label key the shape does not
+//! publish, `matchFields`, a cut frontier), the predicate passes and says why
+//! ([`FailOpen`]), so a gap in the data never strands a pod; the lower scheduler and the
+//! descheduler remain the backstop. Nodes that are not virtual nodes always pass.
+//!
+//! The matching rules themselves (label requirements, node selector terms, tolerations) are
+//! here too, and the daemons use them for the upper node's own labels and taints.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
+use crate::names;
+use crate::quantity::{ResourceMap, format_milli};
+use crate::resources::pod_requests;
+use crate::shape::{Group, Shape};
+use crate::stash::Stash;
 use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, Taint, Toleration};
-use tensile_common::names;
-use tensile_common::quantity::{ResourceMap, format_milli};
-use tensile_common::resources::pod_requests;
-use tensile_common::shape::{Group, Shape};
-use tensile_common::stash::Stash;
 
 /// What the filter is told besides the pod and the node.
 #[derive(Clone, Debug)]
@@ -226,7 +233,7 @@ impl Judgement {
 }
 
 /// Judges `node` for `pod`.
-pub fn filter(pod: &Pod, node: &Node, options: &Options) -> Verdict {
+pub fn judge_node(pod: &Pod, node: &Node, options: &Options) -> Verdict {
     if !is_virtual(node) {
         return Verdict::NotVirtual;
     }
@@ -455,7 +462,7 @@ fn labels_match(
     selector: &BTreeMap<String, String>,
     terms: Option<&[NodeSelectorTerm]>,
 ) -> bool {
-    let selector_ok = selector.iter().all(|(k, v)| labels.get(k) == Some(v));
+    let selector_ok = selector_matches(selector, labels);
     let affinity_ok = terms.is_none_or(|terms| {
         terms.iter().any(|t| {
             let exprs = t.match_expressions.as_deref().unwrap_or_default();
@@ -466,7 +473,7 @@ fn labels_match(
     selector_ok && affinity_ok
 }
 
-pub(crate) fn requirement_matches(labels: &BTreeMap<String, String>, r: &NodeSelectorRequirement) -> bool {
+pub fn requirement_matches(labels: &BTreeMap<String, String>, r: &NodeSelectorRequirement) -> bool {
     let value = labels.get(&r.key);
     let values = r.values.as_deref().unwrap_or_default();
     let compare = |want: std::cmp::Ordering| {
@@ -485,8 +492,48 @@ pub(crate) fn requirement_matches(labels: &BTreeMap<String, String>, r: &NodeSel
     }
 }
 
+/// True when the node's `Ready` condition is `True`.
+pub fn is_ready(node: &Node) -> bool {
+    node.status
+        .iter()
+        .flat_map(|s| s.conditions.iter().flatten())
+        .any(|c| c.type_ == "Ready" && c.status == "True")
+}
+
+/// The first `NoSchedule`/`NoExecute` taint of `node` no toleration tolerates (`None`: the
+/// pod may go there as far as taints go). `PreferNoSchedule` never decides fit.
+pub fn untolerated_taint<'a>(node: &'a Node, tolerations: &[Toleration]) -> Option<&'a Taint> {
+    node.spec
+        .iter()
+        .flat_map(|s| s.taints.iter().flatten())
+        .find(|t| matches!(t.effect.as_str(), "NoSchedule" | "NoExecute") && !tolerated(t, tolerations))
+}
+
+/// True when a node of this name and these labels satisfies the required node selector
+/// terms, as the scheduler reads them: any term, every expression and field of it
+/// (`matchFields` knows `metadata.name` only); an empty term selects nothing. An empty list
+/// of terms constrains nothing.
+pub fn terms_match(terms: &[NodeSelectorTerm], name: &str, labels: &BTreeMap<String, String>) -> bool {
+    if terms.is_empty() {
+        return true;
+    }
+    let fields = BTreeMap::from([("metadata.name".to_owned(), name.to_owned())]);
+    terms.iter().any(|t| {
+        let exprs = t.match_expressions.as_deref().unwrap_or_default();
+        let by_field = t.match_fields.as_deref().unwrap_or_default();
+        (!exprs.is_empty() || !by_field.is_empty())
+            && exprs.iter().all(|r| requirement_matches(labels, r))
+            && by_field.iter().all(|r| requirement_matches(&fields, r))
+    })
+}
+
+/// True when the labels carry every key and value of the nodeSelector.
+pub fn selector_matches(selector: &BTreeMap<String, String>, labels: &BTreeMap<String, String>) -> bool {
+    selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
 /// True when some toleration tolerates the taint, by the API's rules.
-pub(crate) fn tolerated(taint: &Taint, tolerations: &[Toleration]) -> bool {
+pub fn tolerated(taint: &Taint, tolerations: &[Toleration]) -> bool {
     tolerations.iter().any(|t| {
         let effect = t.effect.as_deref().unwrap_or_default();
         if !effect.is_empty() && effect != taint.effect {
@@ -507,8 +554,8 @@ pub(crate) fn tolerated(taint: &Taint, tolerations: &[Toleration]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shape::{DEFAULT_GROUP_CAP, build};
     use serde_json::{Value, json};
-    use tensile_common::shape::{DEFAULT_GROUP_CAP, build};
 
     const ZONE: &str = "topology.kubernetes.io/zone";
 
@@ -568,7 +615,7 @@ mod tests {
     }
 
     fn judge(pod: &Pod, shape: &str) -> Verdict {
-        filter(pod, &virtual_node(Some(shape)), &options())
+        judge_node(pod, &virtual_node(Some(shape)), &options())
     }
 
     fn two_cpu_cluster() -> Vec<Node> {
@@ -802,7 +849,7 @@ mod tests {
     fn missing_bad_or_stale_shapes_fail_open_and_other_nodes_always_pass() {
         let p = cpu("6");
         assert_eq!(
-            filter(&p, &virtual_node(None), &options()),
+            judge_node(&p, &virtual_node(None), &options()),
             Verdict::FailOpen(FailOpen::NoShape)
         );
         assert!(matches!(
@@ -815,21 +862,96 @@ mod tests {
             ..options()
         };
         assert_eq!(
-            filter(&p, &virtual_node(Some(&shape)), &later),
+            judge_node(&p, &virtual_node(Some(&shape)), &later),
             Verdict::FailOpen(FailOpen::StaleShape)
         );
         let any_age = Options {
             max_age: None,
             ..later
         };
-        assert!(!filter(&p, &virtual_node(Some(&shape)), &any_age).passes());
+        assert!(!judge_node(&p, &virtual_node(Some(&shape)), &any_age).passes());
         let mut plain = virtual_node(Some(&shape));
         plain.metadata.labels = None;
-        assert_eq!(filter(&p, &plain, &options()), Verdict::NotVirtual);
+        assert_eq!(judge_node(&p, &plain, &options()), Verdict::NotVirtual);
         let bad_stash = pod(json!({"cpu": "6"}), Some(json!("not an object")));
         assert!(matches!(
             judge(&bad_stash, &shape),
             Verdict::FailOpen(FailOpen::BadStash(_))
         ));
+    }
+
+    #[test]
+    fn operators_read_as_the_scheduler_reads_them() {
+        let r = |op: &str, values: &[&str]| NodeSelectorRequirement {
+            key: "k".into(),
+            operator: op.into(),
+            values: Some(values.iter().map(|s| s.to_string()).collect()),
+        };
+        let with = |v: Option<&str>| -> BTreeMap<String, String> {
+            v.map(|v| BTreeMap::from([("k".to_owned(), v.to_owned())]))
+                .unwrap_or_default()
+        };
+        assert!(requirement_matches(&with(Some("a")), &r("In", &["a"])));
+        assert!(!requirement_matches(&with(None), &r("In", &["a"])));
+        assert!(requirement_matches(&with(None), &r("NotIn", &["a"])));
+        assert!(requirement_matches(&with(Some("")), &r("Exists", &[])));
+        assert!(requirement_matches(&with(None), &r("DoesNotExist", &[])));
+        assert!(requirement_matches(&with(Some("4")), &r("Gt", &["3"])));
+        assert!(!requirement_matches(&with(Some("4")), &r("Lt", &["3"])));
+        assert!(
+            !requirement_matches(&with(Some("x")), &r("Gt", &["3"])),
+            "not a number"
+        );
+    }
+
+    #[test]
+    fn node_terms_read_match_fields_by_name_and_an_empty_term_selects_nothing() {
+        let terms: Vec<NodeSelectorTerm> = serde_json::from_value(json!([
+            {"matchExpressions": [{"key": ZONE, "operator": "In", "values": ["a"]}]},
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["vn-b"]}]},
+        ]))
+        .unwrap();
+        let labels = |zone: &str| BTreeMap::from([(ZONE.to_owned(), zone.to_owned())]);
+        assert!(terms_match(&terms, "vn-a", &labels("a")), "the first term");
+        assert!(
+            terms_match(&terms, "vn-b", &labels("z")),
+            "the second term, by name"
+        );
+        assert!(!terms_match(&terms, "vn-c", &labels("z")));
+        let empty: Vec<NodeSelectorTerm> = serde_json::from_value(json!([{}])).unwrap();
+        assert!(!terms_match(&empty, "vn-a", &labels("a")));
+        assert!(terms_match(&[], "vn-a", &labels("a")), "no terms, no constraint");
+    }
+
+    #[test]
+    fn untolerated_taints_of_a_node_block_only_with_no_schedule_or_no_execute() {
+        let node: Node = serde_json::from_value(json!({"spec": {"taints": [
+            {"key": "soft", "effect": "PreferNoSchedule"},
+            {"key": "gpu", "value": "yes", "effect": "NoSchedule"}]}}))
+        .unwrap();
+        assert_eq!(untolerated_taint(&node, &[]).map(|t| t.key.as_str()), Some("gpu"));
+        let tolerate: Vec<Toleration> =
+            serde_json::from_value(json!([{"key": "gpu", "operator": "Exists"}])).unwrap();
+        assert_eq!(untolerated_taint(&node, &tolerate), None);
+    }
+
+    #[test]
+    fn a_pareto_frontier_answers_exactly_for_either_corner() {
+        // One node wide in cpu, one tall in memory: neither dominates, both are listed.
+        let nodes = [
+            lower("wide", "a", "8", "4Gi", None),
+            lower("tall", "a", "2", "32Gi", None),
+            lower("small", "a", "1", "2Gi", None),
+        ];
+        let shape = shape_of(&nodes, DEFAULT_GROUP_CAP);
+        assert_eq!(
+            judge(&pod(json!({"cpu": "6", "memory": "2Gi"}), None), &shape),
+            Verdict::Fits
+        );
+        assert_eq!(
+            judge(&pod(json!({"cpu": "1", "memory": "16Gi"}), None), &shape),
+            Verdict::Fits
+        );
+        assert!(!judge(&pod(json!({"cpu": "6", "memory": "16Gi"}), None), &shape).passes());
     }
 }
