@@ -6,7 +6,9 @@
 //! its `tensile.io/LowerPodScheduled` condition has been False for one of the configured
 //! reasons for at least the threshold (the condition's age, not the pod's). A candidate
 //! moves unless a rule protects it; its workload's exclusion record gains the node that
-//! refused it. A workload whose record already counts the maximum of moves is given up on,
+//! refused it and every other virtual node whose capacity shape holds the pod on no lower
+//! node (by `tensile_common::fit`), so the replacement is steered to one that fits; never
+//! every node that would take it. A workload whose record already counts the maximum of moves is given up on,
 //! once, with a warning.
 //!
 //! Only pods the suite is responsible for are judged: opted in with the webhook's label, in
@@ -444,13 +446,20 @@ pub fn judge(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
         max_age: settings.shape_max_age,
     };
     let mut refusals = Vec::new();
+    // Virtual nodes the upper scheduler would still bind the pod to but whose shape says no
+    // lower node holds it: the upper scheduler cannot know, so only an exclusion keeps the
+    // replacement off them.
+    let mut cannot_hold: Vec<&String> = Vec::new();
     let targets: BTreeSet<&String> = view
         .nodes
         .iter()
         .filter(|(name, _)| **name != refusal.node)
-        .filter(|(_, n)| match fit::refuses(pod, n, &options) {
+        .filter(|(name, n)| match fit::refuses(pod, n, &options) {
             None => true,
             Some(why) => {
+                if matches!(why, fit::NotFit::Shape(_)) {
+                    cannot_hold.push(name);
+                }
                 refusals.push(why.message().to_owned());
                 false
             }
@@ -466,12 +475,22 @@ pub fn judge(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
     if adds {
         nodes.insert(refusal.node.clone(), after(now, settings.exclusion_ttl));
     }
-    // Never exclude every node that would take the pod: the oldest exclusions go first.
+    // Steer the replacement to a node that fits: exclude, besides the refusing node, every
+    // node the shape rules out. Such an exclusion is not a move (no lower cluster refused).
+    let mut steered = false;
+    for name in cannot_hold {
+        if !nodes.contains_key(name) {
+            nodes.insert(name.clone(), after(now, settings.exclusion_ttl));
+            steered = true;
+        }
+    }
+    // Never exclude every node that would take the pod: the oldest exclusions of such
+    // nodes go first (dropping any other exclusion would free no place for the pod).
     let mut dropped = false;
     while targets.iter().all(|t| nodes.contains_key(*t)) {
         let oldest = nodes
             .iter()
-            .filter(|(n, _)| **n != refusal.node)
+            .filter(|(n, _)| targets.contains(n))
             .min_by_key(|(_, until)| **until)
             .map(|(n, _)| n.clone());
         match oldest {
@@ -497,7 +516,7 @@ pub fn judge(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
         refusal,
         workload,
         record,
-        record_changed: counts || dropped || stored.is_none(),
+        record_changed: counts || dropped || steered || stored.is_none(),
         targets: usable,
     })
 }
@@ -1087,5 +1106,103 @@ mod tests {
         let mut b = Budget::new(0, 1, 0, 0);
         assert_eq!(b.take("a", "x", "1"), Ok(()));
         assert_eq!(b.take("a", "y", "2"), Err("--max-pods-to-evict-per-namespace"));
+    }
+
+    /// A virtual node whose lower nodes each have `cpu` free.
+    fn shaped(name: &str, cpu: &str) -> Node {
+        let shape = json!({"v": 2, "at": NOW, "keys": [], "nodes": 2, "truncated": false,
+            "groups": [{"count": 2, "truncated": false, "free": [{"cpu": cpu, "memory": "8Gi", "pods": "100"}]}]});
+        let mut n = node(name);
+        n.metadata.annotations = Some(BTreeMap::from([(
+            names::NODE_CAPACITY_SHAPE.to_owned(),
+            shape.to_string(),
+        )]));
+        n
+    }
+
+    fn judge_among(p: &Pod, nodes: Vec<Node>, ex: &Exclusions) -> Verdict {
+        let nodes: BTreeMap<String, Node> = nodes
+            .into_iter()
+            .map(|n| (n.metadata.name.clone().unwrap_or_default(), n))
+            .collect();
+        let view = View {
+            nodes: &nodes,
+            exclusions: ex,
+            now: t(NOW),
+        };
+        judge(p, &view, &Settings::default())
+    }
+
+    #[test]
+    fn the_replacement_is_steered_to_the_node_that_fits_not_to_one_the_shape_rules_out() {
+        // vn-a refused the 3-CPU pod; vn-c's lower nodes have 2 CPUs free, vn-b's have 8.
+        let p = pod(refused("2024-05-01T09:58:00Z"));
+        let Verdict::Move(m) = judge_among(
+            &p,
+            vec![shaped("vn-a", "8"), shaped("vn-b", "8"), shaped("vn-c", "2")],
+            &Exclusions::default(),
+        ) else {
+            panic!("expected a move")
+        };
+        assert_eq!(m.targets, vec!["vn-b"]);
+        let excluded: Vec<&str> = m.record.nodes.keys().map(String::as_str).collect();
+        assert_eq!(
+            excluded,
+            vec!["vn-a", "vn-c"],
+            "the replacement can only land on vn-b"
+        );
+        assert_eq!(m.record.moves, 1, "ruling vn-c out is not a move");
+        assert!(m.record_changed);
+
+        // A sibling refused by vn-a, there before the exclusion, adds nothing: the record stands.
+        let mut sibling = refused("2024-05-01T09:58:00Z");
+        sibling["metadata"]["creationTimestamp"] = json!("2024-05-01T09:50:00Z");
+        let Verdict::Move(again) = judge_among(
+            &pod(sibling),
+            vec![shaped("vn-a", "8"), shaped("vn-b", "8"), shaped("vn-c", "2")],
+            &record(
+                &[("vn-a", "2024-05-01T10:09:00Z"), ("vn-c", "2024-05-01T10:09:00Z")],
+                1,
+                false,
+            ),
+        ) else {
+            panic!("expected a move")
+        };
+        assert!(!again.record_changed);
+        assert_eq!(again.record.moves, 1);
+    }
+
+    #[test]
+    fn steering_never_excludes_every_node_that_fits() {
+        // vn-b refused the workload before (excluded), vn-c cannot hold it by its shape, and
+        // now vn-a refuses: vn-b's exclusion goes, vn-c's stays.
+        let p = pod(refused("2024-05-01T09:58:00Z"));
+        let Verdict::Move(m) = judge_among(
+            &p,
+            vec![shaped("vn-a", "8"), shaped("vn-b", "8"), shaped("vn-c", "2")],
+            &record(&[("vn-b", "2024-05-01T10:05:00Z")], 1, false),
+        ) else {
+            panic!("expected a move")
+        };
+        let excluded: Vec<&str> = m.record.nodes.keys().map(String::as_str).collect();
+        assert_eq!(excluded, vec!["vn-a", "vn-c"]);
+        assert_eq!(m.targets, vec!["vn-b"]);
+
+        // No node fits at all: nothing is excluded, the pod stays.
+        let verdict = judge_among(
+            &p,
+            vec![shaped("vn-a", "8"), shaped("vn-c", "2")],
+            &Exclusions::default(),
+        );
+        assert!(
+            matches!(
+                verdict,
+                Verdict::Skip {
+                    why: Skip::NoOtherNode(_),
+                    ..
+                }
+            ),
+            "{verdict:?}"
+        );
     }
 }
