@@ -284,8 +284,18 @@ pub fn mutate(review: &Review, policy: &Policy, claims: &dyn ClaimNodes) -> Outc
     }
 }
 
-/// The first step: everything but the patch.
+/// The first step: everything but the patch, with no exclusion records.
 pub fn judge<'a>(review: &'a Review, policy: &Policy) -> Judgement<'a> {
+    judge_excluding(review, policy, &NoExclusions)
+}
+
+/// The first step, with the virtual nodes workloads must avoid: a pod written with its
+/// stash is answered here, and gets its workload's exclusion as a stashed pod would.
+pub fn judge_excluding<'a>(
+    review: &'a Review,
+    policy: &Policy,
+    excluded: &dyn ExcludedNodes,
+) -> Judgement<'a> {
     let unchanged = |response| {
         Judgement::Decided(Outcome {
             response,
@@ -312,13 +322,35 @@ pub fn judge<'a>(review: &'a Review, policy: &Policy) -> Judgement<'a> {
             }
             if let Some(text) = pod.annotation(names::CLUSTER_SELECTOR) {
                 let outcome = stashed(review, Some(text));
-                // A pod written with its stash still goes to the configured scheduler.
-                return Judgement::Decided(match scheduler_op(pod.spec.as_ref(), policy) {
-                    Some(op) if outcome.verdict == Verdict::Unchanged => match encode(&[op]) {
+                if outcome.verdict != Verdict::Unchanged {
+                    return Judgement::Decided(outcome);
+                }
+                // A pod written with its stash (a template that carries one) still avoids
+                // the nodes its workload is excluded from, or its replacement could land on
+                // the refusing node again, and still goes to the configured scheduler.
+                let exclusion = stashed_exclusion(&pod, excluded);
+                let mut ops = Vec::new();
+                if let Some((nodes, affinity)) = &exclusion {
+                    ops.push(add(
+                        &["metadata", "annotations", names::EXCLUDED_NODES],
+                        New::Stash(nodes),
+                    ));
+                    match pod.spec.as_ref().and_then(|s| s.affinity.as_ref()) {
+                        Some(_) => ops.push(add(
+                            &["spec", "affinity", "nodeAffinity"],
+                            New::NodeAffinity(affinity),
+                        )),
+                        None => ops.push(add(&["spec", "affinity"], New::Affinity(affinity))),
+                    }
+                }
+                ops.extend(scheduler_op(pod.spec.as_ref(), policy));
+                return Judgement::Decided(if ops.is_empty() {
+                    outcome
+                } else {
+                    match encode(&ops) {
                         Ok(patch) => patched(review, patch, Vec::new()),
                         Err(message) => deny(review, message),
-                    },
-                    _ => outcome,
+                    }
                 });
             }
             Judgement::Stash(Stashing { review, object, pod })
@@ -344,6 +376,75 @@ pub fn judge<'a>(review: &'a Review, policy: &Policy) -> Judgement<'a> {
             Judgement::Decided(deny(review, format!("the pod does not decode: {reason}")))
         }
     }
+}
+
+/// The controller's UID of a pod (`None`: a bare pod, or owners that do not decode, which
+/// are the apiserver's to reject).
+fn controller_uid(metadata: Option<&MetadataMembers>) -> Option<String> {
+    metadata
+        .and_then(|m| m.owner_references.as_ref())
+        .and_then(|raw| serde_json::from_str::<Vec<OwnerMembers>>(raw.get()).ok())
+        .and_then(|owners| owners.into_iter().find(|o| o.controller == Some(true)))
+        .map(|o| o.uid)
+}
+
+/// For a pod that already carries a stash: its workload's exclusion, as the excluded-nodes
+/// text and the node affinity with `kubernetes.io/hostname NotIn` joined to every required
+/// term (or one term holding only it). `None` when there is nothing to add: no controller,
+/// no live exclusion, a pod pinned to its node by a volume (`matchFields metadata.name In`),
+/// or one that already carries `tensile.io/excluded-nodes` (a re-invocation after the
+/// webhook stashed it, or a replacement the descheduler wrote).
+fn stashed_exclusion(pod: &PodMembers, excluded: &dyn ExcludedNodes) -> Option<(String, NodeAffinity)> {
+    if pod.annotation(names::EXCLUDED_NODES).is_some() {
+        return None;
+    }
+    let uid = controller_uid(pod.metadata.as_ref())?;
+    let nodes = excluded.excluded_nodes(&uid);
+    if nodes.is_empty() {
+        return None;
+    }
+    let node_affinity = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.affinity.as_ref())
+        .and_then(|a| a.node_affinity.clone())
+        .unwrap_or_default();
+    let terms = node_affinity
+        .required_during_scheduling_ignored_during_execution
+        .map(|r| r.node_selector_terms)
+        .filter(|t| !t.is_empty())
+        .unwrap_or_else(|| vec![NodeSelectorTerm::default()]);
+    let pinned = terms.iter().any(|t| {
+        t.match_fields
+            .iter()
+            .flatten()
+            .any(|f| f.key == "metadata.name" && f.operator == "In")
+    });
+    if pinned {
+        return None;
+    }
+    let exclusion = NodeSelectorRequirement {
+        key: names::HOSTNAME_LABEL.into(),
+        operator: "NotIn".into(),
+        values: Some(nodes.clone()),
+    };
+    let terms = terms
+        .into_iter()
+        .map(|mut t| {
+            t.match_expressions
+                .get_or_insert_default()
+                .push(exclusion.clone());
+            t
+        })
+        .collect();
+    let affinity = NodeAffinity {
+        required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+            node_selector_terms: terms,
+        }),
+        preferred_during_scheduling_ignored_during_execution: node_affinity
+            .preferred_during_scheduling_ignored_during_execution,
+    };
+    Some((nodes.join(","), affinity))
 }
 
 /// The answer for a pod that carries a stash (`None`: one that is not a string): a
@@ -587,12 +688,7 @@ fn plan(
     excluded: &dyn ExcludedNodes,
 ) -> Result<(Vec<u8>, Vec<String>), String> {
     let PodMembers { metadata, spec, .. } = pod;
-    let controller_uid = metadata
-        .as_ref()
-        .and_then(|m| m.owner_references.as_ref())
-        .and_then(|raw| serde_json::from_str::<Vec<OwnerMembers>>(raw.get()).ok())
-        .and_then(|owners| owners.into_iter().find(|o| o.controller == Some(true)))
-        .map(|o| o.uid);
+    let controller_uid = controller_uid(metadata.as_ref());
     let mut spec = spec.ok_or("the pod has no spec")?;
     let keep = &policy.ignore_selector_keys;
     let mut warnings = Vec::new();

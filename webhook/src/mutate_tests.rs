@@ -884,3 +884,62 @@ fn a_pod_written_with_its_stash_still_moves_to_the_configured_scheduler() {
     let (outcome, _) = run(object, &policy);
     assert_eq!(outcome.verdict, Verdict::Denied);
 }
+
+/// Judges a pod that may already carry a stash, with the records of [`Excluding`].
+fn judged_excluding(object: Value, policy: &Policy) -> (Outcome, Value) {
+    let review = review_of(object.clone(), "team", "CREATE", "Pod");
+    let Judgement::Decided(outcome) = judge_excluding(&review, policy, &Excluding) else {
+        panic!("a pod written with its stash is answered in the first step")
+    };
+    let after = applied(&object, &outcome);
+    (outcome, after)
+}
+
+#[test]
+fn a_pod_written_with_its_stash_still_avoids_the_nodes_its_workload_is_excluded_from() {
+    // A template that carries the stash: as the webhook itself would have written it.
+    let (_, stashed) = run(opted_in(full_spec()), &Policy::default());
+    let (outcome, after) = judged_excluding(owned_by(stashed.clone(), "rs-uid"), &Policy::default());
+    assert_eq!(outcome.verdict, Verdict::Mutated);
+    let not_in = json!({"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["vn-a", "vn-c"]});
+    let terms = after.pointer(TERMS).unwrap().as_array().unwrap().clone();
+    assert!(!terms.is_empty());
+    for term in &terms {
+        assert!(
+            term["matchExpressions"].as_array().unwrap().contains(&not_in),
+            "every term carries the exclusion: {term}"
+        );
+    }
+    assert_eq!(
+        after["metadata"]["annotations"]["tensile.io/excluded-nodes"],
+        "vn-a,vn-c"
+    );
+    assert_eq!(
+        after["metadata"]["annotations"]["clusterSelector"],
+        stashed["metadata"]["annotations"]["clusterSelector"],
+        "the stash is untouched"
+    );
+
+    // Once excluded (a re-invocation), it passes unchanged.
+    let (again, same) = judged_excluding(after.clone(), &Policy::default());
+    assert_eq!(again.verdict, Verdict::Unchanged);
+    assert_eq!(same, after);
+
+    // Without required affinity: one term holding only the exclusion, in a new affinity.
+    let mut bare_spec = opted_in(json!({"containers": containers()}));
+    bare_spec["metadata"]["annotations"] = json!({"clusterSelector": "{}"});
+    let (_, after) = judged_excluding(owned_by(bare_spec, "rs-uid"), &Policy::default());
+    assert_eq!(
+        after.pointer(TERMS).unwrap(),
+        &json!([{"matchExpressions": [not_in]}])
+    );
+
+    // Another workload, a bare pod, a pod pinned by its volume: nothing to add.
+    let mut pinned = owned_by(stashed.clone(), "rs-uid");
+    pinned["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        [0]["matchFields"] = json!([{"key": "metadata.name", "operator": "In", "values": ["vn-a"]}]);
+    for object in [owned_by(stashed.clone(), "other-uid"), stashed, pinned] {
+        let (outcome, _) = judged_excluding(object, &Policy::default());
+        assert_eq!(outcome.verdict, Verdict::Unchanged);
+    }
+}

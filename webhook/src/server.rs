@@ -158,7 +158,12 @@ async fn admit(state: &State, request: Request<Incoming>, bodies: &serve::Bodies
     let req = &review.request;
     let span = tracing::debug_span!("review", uid = %req.uid, pod = %PodName(req));
     async {
-        let outcome = match mutate::judge(&review, &state.policy) {
+        let exclusions = state.exclusions.as_ref().map(|rx| rx.borrow().clone());
+        let judged = match &exclusions {
+            Some(ex) => mutate::judge_excluding(&review, &state.policy, ex.as_ref()),
+            None => mutate::judge(&review, &state.policy),
+        };
+        let outcome = match judged {
             Judgement::Decided(outcome) => outcome,
             Judgement::Stash(pod) => {
                 let claims = pod.claims();
@@ -168,7 +173,6 @@ async fn admit(state: &State, request: Request<Incoming>, bodies: &serve::Bodies
                     }
                     _ => (BTreeMap::new(), Vec::new()),
                 };
-                let exclusions = state.exclusions.as_ref().map(|rx| rx.borrow().clone());
                 let mut outcome = match &exclusions {
                     Some(ex) => pod.finish_excluding(&state.policy, &nodes, ex.as_ref()),
                     None => pod.finish(&state.policy, &nodes),
