@@ -96,8 +96,9 @@ impl Writer {
                 Some(_) => self.api.replace(&name, &pp, &object).await,
             };
             match written {
-                Ok(_) => {
-                    self.wait_seen(key, record).await;
+                Ok(object) => {
+                    self.wait_seen(key, object.metadata.resource_version.as_deref())
+                        .await;
                     return Ok(());
                 }
                 // Created meanwhile, replaced meanwhile, or gone: start from what is there.
@@ -118,9 +119,14 @@ impl Writer {
         Err(Error::Conflict(self.what(key), ATTEMPTS))
     }
 
-    async fn wait_seen(&self, key: &str, record: &Record) {
+    /// Waits until the watch shows the object of `key` at `version` (the record as the
+    /// apiserver keeps it: its times in whole seconds, so never compared with ours).
+    async fn wait_seen(&self, key: &str, version: Option<&str>) {
+        let Some(version) = version else {
+            return;
+        };
         let mut seen = self.seen.clone();
-        let shown = seen.wait_for(|ex| ex.records.get(key) == Some(record));
+        let shown = seen.wait_for(|ex| ex.versions.get(key).map(String::as_str) == Some(version));
         if tokio::time::timeout(SEEN_WITHIN, shown).await.is_err() {
             tracing::debug!(record = %self.what(key), "the watch has not shown our write after {SEEN_WITHIN:?}");
         }
