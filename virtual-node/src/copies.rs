@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tensile_common::cache::Cache;
 
-use futures::{FutureExt, StreamExt};
+use futures::FutureExt;
 use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::core::v1::{
     ConfigMap, EndpointAddress, EndpointPort, EndpointSubset, Endpoints, Pod, Secret, Service, ServicePort,
@@ -585,7 +585,7 @@ impl Ensured {
 pub type Key = (Kind, String, String);
 
 /// One write being performed.
-type Pending<'a> = futures::future::BoxFuture<'a, Result<(), Error>>;
+type Pending<'a> = crate::world::Act<'a>;
 
 fn lookup<K: Reflected>(store: &Store<K>) -> impl Fn(&str, &str) -> Option<Arc<K>> + '_ {
     move |ns, name| store.get(&ObjectRef::new(name).within(ns))
@@ -816,14 +816,7 @@ impl Copies {
             copies += s.lower_services.len() + s.lower_endpoints.len();
         }
         self.metrics.copies.set(copies.try_into().unwrap_or(i64::MAX));
-        futures::stream::iter(work)
-            .for_each_concurrent(16, |write| async move {
-                if let Err(e) = write.await {
-                    self.metrics.api_error("lower", "copy");
-                    tracing::warn!("copy resync: {e}");
-                }
-            })
-            .await;
+        crate::world::act(work, 16, "copy", &self.metrics).await;
     }
 
     /// Plans the copies of kind `K` and queues their writes.
@@ -837,7 +830,12 @@ impl Copies {
         work: &mut Vec<Pending<'a>>,
     ) {
         let writes = plan(model, lookup(upper.store()), &lower.state(), create_needed, since);
-        work.extend(writes.into_iter().map(|w| self.perform(w).boxed()));
+        // A copy's write never teaches the next pass anything: `false`.
+        work.extend(
+            writes
+                .into_iter()
+                .map(|w| self.perform(w).map(|done| done.map(|()| false)).boxed()),
+        );
     }
 
     async fn perform<K: Reflected>(&self, write: Write<K>) -> Result<(), Error> {

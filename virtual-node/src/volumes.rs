@@ -29,7 +29,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use futures::StreamExt;
+use futures::FutureExt;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -574,23 +574,8 @@ impl Volumes {
             classes: &classes,
             upper_classes: &upper_classes,
         });
-        let learned = std::sync::atomic::AtomicBool::new(false);
-        futures::stream::iter(writes)
-            .for_each_concurrent(8, |w| {
-                let learned = &learned;
-                async move {
-                    match self.perform(w).await {
-                        Ok(true) => learned.store(true, std::sync::atomic::Ordering::Relaxed),
-                        Ok(false) => {}
-                        Err(e) => {
-                            self.metrics.api_error(e.cluster, "volume");
-                            tracing::warn!("volume resync: {e}");
-                        }
-                    }
-                }
-            })
-            .await;
-        learned.into_inner()
+        let planned = writes.into_iter().map(|w| self.perform(w).boxed()).collect();
+        crate::world::act(planned, 8, "volume", &self.metrics).await
     }
 
     /// Performs one write; true when it learnt a StorageClass's binding mode.

@@ -274,3 +274,36 @@ pub async fn resync<F, Fut>(
         }
     }
 }
+
+/// One planned write being performed; `true` when it learnt something the next pass needs
+/// at once.
+pub type Act<'a> = BoxFuture<'a, Result<bool, tensile_common::api::ApiError>>;
+
+/// The one executor of planned writes (copies, claims, volumes): performs `writes` with at
+/// most `concurrency` in flight, counts each failure as an API error of its cluster and
+/// `kind` and logs it (the next pass plans again from the world, so nothing is retried
+/// here). `true` when some write learnt something the next pass needs at once.
+pub async fn act(
+    writes: Vec<Act<'_>>,
+    concurrency: usize,
+    kind: &'static str,
+    metrics: &crate::metrics::Metrics,
+) -> bool {
+    let learned = std::sync::atomic::AtomicBool::new(false);
+    futures::stream::iter(writes)
+        .for_each_concurrent(concurrency, |write| {
+            let learned = &learned;
+            async move {
+                match write.await {
+                    Ok(true) => learned.store(true, std::sync::atomic::Ordering::Relaxed),
+                    Ok(false) => {}
+                    Err(e) => {
+                        metrics.api_error(e.cluster, kind);
+                        tracing::warn!("{kind} resync: {e}");
+                    }
+                }
+            }
+        })
+        .await;
+    learned.into_inner()
+}
