@@ -68,6 +68,18 @@ fn placed_or_ran(pod: &Pod) -> bool {
         .any(|c| c.type_ == names::CONDITION_LOWER_SCHEDULED && c.status == "True")
 }
 
+/// Whether a descheduler serving the virtual nodes `serves` names (its `--node-selector`)
+/// ends this pair: the move left the original's node, so the pair is the business of the
+/// descheduler serving that node (or, for an original bound nowhere, the replacement's).
+/// Several deschedulers, each over its own virtual nodes, then never end each other's pairs.
+pub fn ours(original: Option<&Pod>, replacement: &Pod, serves: impl Fn(&str) -> bool) -> bool {
+    let node = |p: &Pod| p.spec.as_ref().and_then(|s| s.node_name.clone());
+    original
+        .and_then(node)
+        .or_else(|| node(replacement))
+        .is_some_and(|n| serves(&n))
+}
+
 /// Decides about `replacement` given its `original` as found now (`None`: no pod of that
 /// UID exists any more).
 pub fn settle(original: Option<&Pod>, replacement: &Pod) -> PairStep {
@@ -109,6 +121,24 @@ mod tests {
     fn refused() -> serde_json::Value {
         json!({"phase": "Pending", "conditions": [
             {"type": "tensile.io/LowerPodScheduled", "status": "False", "reason": "Unschedulable"}]})
+    }
+
+    #[test]
+    fn a_pair_is_ended_only_by_the_descheduler_serving_the_originals_node() {
+        let original = pod("old", json!({"app": "solo", "virtual-pod": "true"}), refused());
+        let replacement = replacement();
+        assert!(ours(Some(&original), &replacement, |n| n == "vn-a"));
+        assert!(
+            !ours(Some(&original), &replacement, |n| n == "vn-other"),
+            "another descheduler's virtual nodes"
+        );
+        let mut unbound = original.clone();
+        unbound.spec.as_mut().unwrap().node_name = None;
+        assert!(
+            ours(Some(&unbound), &replacement, |n| n == "vn-a"),
+            "the replacement's node then"
+        );
+        assert!(!ours(None, &replacement, |n| n == "vn-b"));
     }
 
     #[test]

@@ -397,6 +397,14 @@ impl Descheduler {
                     continue;
                 }
             };
+            let serves = |node: &str| {
+                self.nodes
+                    .get(&kube::runtime::reflector::ObjectRef::new(node))
+                    .is_some()
+            };
+            if original.is_some() && !pairs::ours(original.as_ref(), &replacement, serves) {
+                continue;
+            }
             match pairs::settle(original.as_ref(), &replacement) {
                 PairStep::Settled => {
                     if let Ok(mut s) = self.settled.lock() {
