@@ -106,7 +106,8 @@ pub struct Args {
         default_value = "type=virtual-kubelet"
     )]
     pub node_selector: String,
-    /// The ConfigMap (`namespace/name`) holding the descheduler's exclusion records.
+    /// Where the descheduler's exclusion records live (`namespace/name`): ExclusionRecord
+    /// objects in that namespace, and the old ConfigMap of that name, still honoured.
     #[arg(long = "exclusions-configmap", env = "TENSILE_EXCLUSIONS_CONFIGMAP",
           default_value = exclusion::DEFAULT_LOCATION)]
     pub exclusions_configmap: Location,
