@@ -134,6 +134,22 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
         args.node_labels = vec![("region".into(), "b".into())]
     });
     wait_ready("vn-node").await;
+    // Ready says the lower cluster answers; whether it offers room is its own condition
+    // (lower-b's nodes may still be recovering from the outage test's stopped apiserver).
+    eventually(
+        up(),
+        "vn-node has usable lower nodes",
+        60,
+        &[
+            "get",
+            "node",
+            "vn-node",
+            "-o",
+            &condition("tensile.io/LowerNodesUsable", &["status"]),
+        ],
+        "True",
+    )
+    .await;
     let labels = kubectl(
         up(),
         &["get", "node", "vn-node", "-o", "jsonpath={.metadata.labels}"],
@@ -162,23 +178,33 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
     assert_eq!(taints, "virtual-kubelet.io/provider=tensile:NoSchedule");
     let ip = kubectl(up(), &["get", "node", "vn-node", "-o", r#"jsonpath={.status.addresses[*].type}={.status.addresses[*].address} {.status.nodeInfo.kubeletVersion}"#]).await;
     assert_eq!(ip, format!("InternalIP=127.0.0.1 {}", bed.lower_b.version()));
-    let shape = kubectl(
-        up(),
-        &[
-            "get",
-            "node",
-            "vn-node",
-            "-o",
-            r#"jsonpath={.metadata.annotations.tensile\.io/capacity-shape}"#,
-        ],
+    // The shape is rewritten at most every 5 s: it shows the three nodes within that.
+    tensile_e2e::wait::must(
+        "the capacity shape summarises the three lower nodes",
+        Duration::from_secs(15),
+        Duration::from_millis(300),
+        || async {
+            let shape = kubectl(
+                up(),
+                &[
+                    "get",
+                    "node",
+                    "vn-node",
+                    "-o",
+                    r#"jsonpath={.metadata.annotations.tensile\.io/capacity-shape}"#,
+                ],
+            )
+            .await;
+            let parsed: serde_json::Value =
+                serde_json::from_str(&shape).map_err(|e| format!("{e}: {shape}"))?;
+            if (parsed["v"].as_u64(), parsed["nodes"].as_u64()) == (Some(2), Some(3)) {
+                Ok(())
+            } else {
+                Err(shape)
+            }
+        },
     )
     .await;
-    let shape: serde_json::Value = serde_json::from_str(&shape).unwrap();
-    assert_eq!(
-        (shape["v"].as_u64(), shape["nodes"].as_u64()),
-        (Some(2), Some(3)),
-        "the capacity shape summarises the three lower nodes: {shape}"
-    );
 
     // Capacity is the sum of the lower nodes' allocatable: 3 x 4 CPUs (lower-b is used by no
     // other pods at this point, and capacity never subtracts pods anyway).

@@ -706,12 +706,13 @@ async fn compose(
                 futures::future::ready(())
             })
     });
-    // The node is registered only once the pod watches have synced (a node without a
-    // working pod path would attract pods it cannot run).
+    // The node is registered only once the pod watches and the lower nodes have synced (a
+    // node without a working pod path would attract pods it cannot run, and one that has not
+    // seen its lower nodes would show no room).
     {
         let world = world.clone();
         tasks.spawn_graceful("the node loop", move |stop| async move {
-            let synced = world.pods_synced();
+            let synced = world.node_synced();
             // Heartbeats start as soon as this replica acts, before the caches finish listing.
             if stop
                 .run_until_cancelled(node_loop.beat_until(synced))

@@ -215,6 +215,16 @@ impl World {
         self.lower_load.synced().await;
     }
 
+    /// Resolves once what the node's status is computed from has listed (the pod caches, the
+    /// lower nodes, the upper Node): registration waits for it, so the first status already
+    /// counts every lower node (a Ready node with no room would otherwise be shown for a
+    /// moment).
+    pub async fn node_synced(&self) {
+        self.pods_synced().await;
+        self.lower_nodes.synced().await;
+        self.upper_node.synced().await;
+    }
+
     /// Resolves once every cache has listed: the one gate of the resyncs.
     pub async fn synced(&self) {
         self.pods_synced().await;
