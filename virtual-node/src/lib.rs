@@ -640,7 +640,7 @@ async fn compose(
         started: Instant::now(),
         lost_grace: Duration::from_secs(10),
         cluster_name: lower_name,
-        known_namespaces: usable_namespaces,
+        usable_namespaces,
         shared_namespaces: args.reflection.shared_namespaces.clone(),
         known_priority_classes: Default::default(),
         first_status_held: Default::default(),
@@ -752,7 +752,6 @@ async fn compose(
     tasks.spawn(
         "the copy resync",
         world::resync(
-            "copy resync pass",
             ("lower", "copy-pass-timeout"),
             world.clone(),
             signals.copies_changed.clone(),
@@ -770,7 +769,6 @@ async fn compose(
     tasks.spawn(
         "the volume resync",
         world::resync(
-            "volume resync pass",
             ("both", "volume-pass-timeout"),
             world,
             signals.volumes_changed.clone(),

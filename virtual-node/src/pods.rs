@@ -51,7 +51,7 @@ pub struct Context {
     /// Upper pods (by UID) whose first status write is held back, and since when.
     pub first_status_held: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
     /// Lower namespaces known to exist and usable.
-    pub known_namespaces: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    pub usable_namespaces: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     /// Lower namespaces pods may share with others (`--shared-namespaces`; `*`: any).
     pub shared_namespaces: Vec<String>,
     /// Lower PriorityClasses known to exist.
@@ -425,7 +425,7 @@ async fn reconcile_inner(kept: &UpperPod, ctx: &Context) -> Result<Action, Error
                 );
                 event(ctx, upper, EventType::Warning, "LowerPodLost", &msg);
             }
-            create_lower(ctx, upper, &lower_pods, &desired).await
+            create_lower(ctx, kept, upper, &lower_pods, &desired).await
         }
         (Step::Sync { .. }, Some(_)) if !reachable => Ok(Action::requeue(UNREACHABLE_RECHECK)),
         (Step::Sync { patch }, Some(l)) => {
@@ -503,6 +503,7 @@ async fn blocked_below(ctx: &Context, upper: &Pod, blocked: Blocked) -> Result<A
 /// Creates `desired` below, after the namespace and what the pod references.
 async fn create_lower(
     ctx: &Context,
+    kept: &UpperPod,
     upper: &Pod,
     lower_pods: &Api<Pod>,
     desired: &Pod,
@@ -511,42 +512,43 @@ async fn create_lower(
     if let Err(blocked) = ensure_namespace(ctx, &ns).await? {
         return blocked_below(ctx, upper, blocked).await;
     }
-    let result = create_in_namespace(ctx, upper, lower_pods, desired).await;
+    let result = create_in_namespace(ctx, kept, upper, lower_pods, desired).await;
     if result.is_err() {
         // The lower admin may have deleted the namespace since it was seen: the next attempt
         // looks again (one read) instead of failing until restart.
-        if let Ok(mut known) = ctx.known_namespaces.lock() {
+        if let Ok(mut known) = ctx.usable_namespaces.lock() {
             known.remove(&ns);
         }
     }
     result
 }
 
-/// Creates `desired` below once its namespace exists: what the pod references first.
+/// Creates `desired` below once its namespace exists: what the pod references first
+/// (`kept`: the cache's summary of `upper`, with its references and claims).
 async fn create_in_namespace(
     ctx: &Context,
+    kept: &UpperPod,
     upper: &Pod,
     lower_pods: &Api<Pod>,
     desired: &Pod,
 ) -> Result<Action, Error> {
     let name = upper.name_any();
     let ns = upper.namespace().unwrap_or_default();
-    let claims = refs::claims(upper);
     // Nothing is written below for a pod that is refused: a same-named pod of someone else
     // is looked for before any copy or claim is made (a pod that needs none finds it with
     // its create).
-    if (!claims.is_empty() || !refs::upper_references(upper).is_empty())
+    if (!kept.claims.is_empty() || !kept.references.is_empty())
         && let Some(action) = foreign_pod_below(ctx, upper, lower_pods).await?
     {
         return Ok(action);
     }
     // What the pod references is below before the pod is.
     let mut blocked = ctx.copies.prepare(upper).await?;
-    for claim in claims {
+    for claim in &kept.claims {
         if blocked.is_err() {
             break;
         }
-        if let Err(b) = ctx.volumes.prepare(&ns, &claim).await? {
+        if let Err(b) = ctx.volumes.prepare(&ns, claim).await? {
             blocked = Err(b);
         }
     }
@@ -678,12 +680,12 @@ async fn foreign_pod_below(
 async fn ensure_namespace(ctx: &Context, ns: &str) -> Result<Result<(), Blocked>, Error> {
     // A namespace seen once stays known until this node collects it (`--gc-namespaces`) or
     // a create in it fails.
-    if ctx.known_namespaces.lock().is_ok_and(|k| k.contains(ns)) {
+    if ctx.usable_namespaces.lock().is_ok_and(|k| k.contains(ns)) {
         return Ok(Ok(()));
     }
     let result = ensure_namespace_below(ctx, ns).await;
     if matches!(result, Ok(Ok(())))
-        && let Ok(mut known) = ctx.known_namespaces.lock()
+        && let Ok(mut known) = ctx.usable_namespaces.lock()
     {
         known.insert(ns.to_owned());
     }
@@ -1082,7 +1084,7 @@ pub async fn collect_namespaces(ctx: &Context, empty_before: &mut std::collectio
         if !matches!(namespace_is_empty(ctx, &name, kinds).await, Ok(true)) || hosts_upper_pods(&name) {
             continue;
         }
-        if let Ok(mut known) = ctx.known_namespaces.lock() {
+        if let Ok(mut known) = ctx.usable_namespaces.lock() {
             known.remove(&name);
         }
         ctx.lower_limit.acquire().await;

@@ -277,17 +277,40 @@ impl Sessions {
     }
 }
 
-/// An upgraded connection that records when bytes last went through it either way.
+/// When bytes last went through a session either way, as milliseconds since it began: one
+/// atomic store per read or write on the copy's path.
+struct Activity {
+    began: tokio::time::Instant,
+    last_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Activity {
+            began: tokio::time::Instant::now(),
+            last_ms: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn touch(&self) {
+        let ms = u64::try_from(self.began.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms.store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn last(&self) -> tokio::time::Instant {
+        self.began + std::time::Duration::from_millis(self.last_ms.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+/// An upgraded connection that records its [`Activity`].
 struct Watched<T> {
     inner: T,
-    last: Arc<std::sync::Mutex<tokio::time::Instant>>,
+    activity: Arc<Activity>,
 }
 
 impl<T> Watched<T> {
     fn touch(&self) {
-        if let Ok(mut last) = self.last.lock() {
-            *last = tokio::time::Instant::now();
-        }
+        self.activity.touch();
     }
 }
 
@@ -334,14 +357,10 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<T> {
     }
 }
 
-/// Resolves once `last` is `idle` old.
-async fn silent_for(last: &std::sync::Mutex<tokio::time::Instant>, idle: std::time::Duration) {
+/// Resolves once `activity` has been silent for `idle`.
+async fn silent_for(activity: &Activity, idle: std::time::Duration) {
     loop {
-        let since = last
-            .lock()
-            .map(|l| *l)
-            .unwrap_or_else(|_| tokio::time::Instant::now());
-        let deadline = since + idle;
+        let deadline = activity.last() + idle;
         if tokio::time::Instant::now() >= deadline {
             return;
         }
@@ -446,10 +465,10 @@ pub async fn splice(
                 return;
             }
         };
-        let last = Arc::new(std::sync::Mutex::new(tokio::time::Instant::now()));
+        let activity = Arc::new(Activity::new());
         let mut upper_io = Watched {
             inner: hyper_util::rt::TokioIo::new(upper_io),
-            last: last.clone(),
+            activity: activity.clone(),
         };
         let mut lower_io = hyper_util::rt::TokioIo::new(lower_io);
         // On EOF from one side the other side's write half is shut down and the other
@@ -463,7 +482,7 @@ pub async fn splice(
                 }
                 Err(e) => tracing::debug!(pod = %label, kind, error = %e, "stream session ended with an error"),
             },
-            _ = silent_for(&last, idle) => {
+            _ = silent_for(&activity, idle) => {
                 tracing::info!(pod = %label, kind, idle_seconds = idle.as_secs(), "stream session closed: idle");
             }
             _ = stop.cancelled() => {

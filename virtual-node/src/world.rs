@@ -252,9 +252,7 @@ impl World {
 /// every second; a pass stuck past `deadline` is dropped (counted as an API error of `side`
 /// and `timeout`) and the next begins. A pass that returns `true` learnt something the next
 /// pass needs at once.
-#[allow(clippy::too_many_arguments)]
 pub async fn resync<F, Fut>(
-    name: &'static str,
     (side, timeout): (&'static str, &'static str),
     world: World,
     changed: Arc<Notify>,
@@ -271,7 +269,9 @@ pub async fn resync<F, Fut>(
             Ok(again) => again,
             Err(_) => {
                 metrics.api_error(side, timeout);
-                tracing::warn!("a {name} took longer than {deadline:?}; the next one goes on");
+                tracing::warn!(
+                    "a resync pass ({timeout}) took longer than {deadline:?}; the next one goes on"
+                );
                 false
             }
         };
