@@ -24,7 +24,6 @@ use k8s_openapi::api::core::v1::{
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use tensile_common::names;
 
-use crate::decide::Move;
 use crate::evict::{self, Evicted};
 use crate::fit;
 
@@ -76,8 +75,8 @@ pub fn replacement_name(pod: &Pod) -> String {
     format!("{}-{suffix}", base.trim_end_matches(['-', '.']))
 }
 
-/// The replacement of `pod` for move `m`.
-pub fn replacement(pod: &Pod, m: &Move) -> Pod {
+/// The replacement of `pod` in line `lineage` (the record's key), avoiding `excluded`.
+pub fn replacement(pod: &Pod, lineage: &str, excluded: &[String]) -> Pod {
     let old_uid = pod.metadata.uid.clone().unwrap_or_default();
     let count = pod
         .metadata
@@ -86,13 +85,16 @@ pub fn replacement(pod: &Pod, m: &Move) -> Pod {
         .and_then(|a| a.get(names::DESCHEDULE_COUNT))
         .and_then(|c| c.parse::<u32>().ok())
         .unwrap_or(0);
-    let excluded: Vec<String> = m.record.nodes.keys().cloned().collect();
     let mut labels = pod.metadata.labels.clone().unwrap_or_default();
     labels.insert(names::REPLACES.into(), old_uid);
     let mut annotations = pod.metadata.annotations.clone().unwrap_or_default();
-    annotations.insert(names::LINEAGE.into(), m.workload.key().to_owned());
+    annotations.insert(names::LINEAGE.into(), lineage.to_owned());
     annotations.insert(names::DESCHEDULE_COUNT.into(), (count + 1).to_string());
-    annotations.insert(names::EXCLUDED_NODES.into(), excluded.join(","));
+    if excluded.is_empty() {
+        annotations.remove(names::EXCLUDED_NODES);
+    } else {
+        annotations.insert(names::EXCLUDED_NODES.into(), excluded.join(","));
+    }
     let mut spec = pod.spec.clone().unwrap_or_default();
     spec.node_name = None;
     spec.priority = None;
@@ -124,7 +126,7 @@ pub fn replacement(pod: &Pod, m: &Move) -> Pod {
             exprs.push(NodeSelectorRequirement {
                 key: names::HOSTNAME_LABEL.into(),
                 operator: "NotIn".into(),
-                values: Some(excluded.clone()),
+                values: Some(excluded.to_vec()),
             });
         }
     }
@@ -141,11 +143,13 @@ pub fn replacement(pod: &Pod, m: &Move) -> Pod {
     }
 }
 
-/// Moves the bare pod: finds or creates its replacement, then evicts it.
+/// Moves the bare pod: finds or creates its replacement (line `lineage`, avoiding
+/// `excluded`), then evicts it.
 pub async fn replace(
     api: &Api<Pod>,
     pod: &Pod,
-    m: &Move,
+    lineage: &str,
+    excluded: &[String],
     crash_at: Option<Step>,
 ) -> Result<Evicted, kube::Error> {
     let ns = pod.metadata.namespace.clone().unwrap_or_default();
@@ -154,7 +158,7 @@ pub async fn replace(
     let selector = format!("{}={uid}", names::REPLACES);
     let existing = api.list(&ListParams::default().labels(&selector)).await?;
     if existing.items.is_empty() {
-        let new = replacement(pod, m);
+        let new = replacement(pod, lineage, excluded);
         match api.create(&PostParams::default(), &new).await {
             Ok(created) => tracing::info!(
                 pod = %format!("{ns}/{name}"),
@@ -184,10 +188,7 @@ pub async fn replace(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decide::{Refusal, Workload};
-    use jiff::Timestamp;
     use serde_json::json;
-    use tensile_common::exclusion::Record;
 
     fn bare(name: &str, extra_labels: serde_json::Value, annotations: serde_json::Value) -> Pod {
         let mut labels = json!({"virtual-pod": "true", "app": "solo"});
@@ -209,30 +210,8 @@ mod tests {
         .unwrap()
     }
 
-    fn a_move(nodes: &[&str]) -> Move {
-        let until: Timestamp = "2024-05-01T10:10:00Z".parse().unwrap();
-        Move {
-            refusal: Refusal {
-                node: "vn-a".into(),
-                reason: "Unschedulable".into(),
-                message: "no".into(),
-                since: until,
-            },
-            workload: Workload::Bare {
-                lineage: "first-uid".into(),
-            },
-            record: Record {
-                namespace: "ns".into(),
-                kind: "Pod".into(),
-                name: "solo".into(),
-                nodes: nodes.iter().map(|n| (n.to_string(), until)).collect(),
-                moves: 1,
-                expires: until,
-                exhausted: None,
-            },
-            record_changed: true,
-            targets: vec!["vn-b".into()],
-        }
+    fn nodes(names: &[&str]) -> Vec<String> {
+        names.iter().map(|n| n.to_string()).collect()
     }
 
     #[test]
@@ -242,7 +221,7 @@ mod tests {
             json!({}),
             json!({"clusterSelector": "{\"nodeSelector\":{\"disk\":\"ssd\"}}"}),
         );
-        let new = replacement(&pod, &a_move(&["vn-a"]));
+        let new = replacement(&pod, "first-uid", &nodes(&["vn-a"]));
         let meta = &new.metadata;
         assert_eq!(meta.name.as_deref(), Some("solo-4f2a9"));
         assert!(meta.uid.is_none() && meta.resource_version.is_none() && meta.creation_timestamp.is_none());
@@ -277,9 +256,9 @@ mod tests {
     #[test]
     fn a_second_move_keeps_the_base_name_and_replaces_the_previous_exclusion() {
         let first = bare("solo", json!({}), json!({}));
-        let mut second = replacement(&first, &a_move(&["vn-a"]));
+        let mut second = replacement(&first, "first-uid", &nodes(&["vn-a"]));
         second.metadata.uid = Some("9b8c7d6e-aaaa".into());
-        let third = replacement(&second, &a_move(&["vn-b"]));
+        let third = replacement(&second, "first-uid", &nodes(&["vn-b"]));
         assert_eq!(third.metadata.name.as_deref(), Some("solo-9b8c7"));
         let a = third.metadata.annotations.as_ref().unwrap();
         assert_eq!(a["tensile.io/deschedule-count"], "2");
@@ -288,6 +267,24 @@ mod tests {
             [0]["matchExpressions"];
         assert_eq!(exprs.as_array().unwrap().len(), 2, "{exprs}");
         assert_eq!(exprs[1]["values"], json!(["vn-b"]));
+    }
+
+    #[test]
+    fn a_replacement_with_nothing_left_to_avoid_carries_no_exclusion_of_ours() {
+        let first = bare("solo", json!({}), json!({}));
+        let mut second = replacement(&first, "first-uid", &nodes(&["vn-a"]));
+        second.metadata.uid = Some("9b8c7d6e-aaaa".into());
+        let third = replacement(&second, "first-uid", &[]);
+        let a = third.metadata.annotations.as_ref().unwrap();
+        assert!(!a.contains_key("tensile.io/excluded-nodes"), "{a:?}");
+        assert_eq!(a["tensile.io/lineage"], "first-uid");
+        let v = serde_json::to_value(third.spec.as_ref().unwrap()).unwrap();
+        assert_eq!(
+            v["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+                [0]["matchExpressions"],
+            json!([{"key": "type", "operator": "In", "values": ["virtual-kubelet"]}]),
+            "the user's own term stays, ours is gone"
+        );
     }
 
     #[test]

@@ -11,6 +11,11 @@
 //! every node that would take it. A workload whose record already counts the maximum of moves is given up on,
 //! once, with a warning.
 //!
+//! A pod the upper scheduler has not placed for the threshold while it carries exclusions
+//! of ours is recreated without them once an excluded virtual node would take it again
+//! ([`Release`]): no pod stays unplaced upstream because of an exclusion that no longer
+//! holds.
+//!
 //! Only pods the suite is responsible for are judged: opted in with the webhook's label, in
 //! a namespace the webhook serves. A lower create failure another cluster could resolve
 //! (`tensile.io/LowerPodSynced=False`, reason `CreateFailed`) is a refusal like the lower
@@ -212,6 +217,23 @@ pub struct GiveUp {
     pub record: Record,
 }
 
+/// A pod the upper scheduler cannot place while an exclusion of ours keeps it off a virtual
+/// node that would hold it now: it is recreated (evicted, or replaced for a bare pod)
+/// without that exclusion.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Release {
+    pub workload: Workload,
+    /// The excluded virtual nodes that would hold the pod now.
+    pub freed: Vec<String>,
+    /// The nodes the recreated pod still avoids: the record's, in force, less `freed`.
+    pub excluded: Vec<String>,
+    /// The record with `freed` taken out, when one of them was still in force there
+    /// (`None`: the record needs no write).
+    pub record: Option<Record>,
+    /// Since when the upper scheduler has not placed the pod.
+    pub since: Timestamp,
+}
+
 /// What to do with one pod.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Verdict {
@@ -226,6 +248,7 @@ pub enum Verdict {
     },
     Move(Move),
     GiveUp(GiveUp),
+    Release(Release),
 }
 
 fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
@@ -286,17 +309,20 @@ pub fn responsible(pod: &Pod, settings: &Settings) -> bool {
 /// evictions ([`crate::job`]); otherwise the pod stays, and the skip says what to add to the
 /// Job. `job` is the pod's Job as read right now (`None`: unreadable). Pods not tracked by
 /// finalizer (1.20 to 1.25, or any pod not of a Job) are not affected.
+/// The same holds for recreating an unplaced pod ([`Release`]).
 pub fn with_job(verdict: Verdict, pod: &Pod, job: Option<&Job>) -> Verdict {
-    let Verdict::Move(m) = verdict else {
-        return verdict;
+    let (key, node) = match &verdict {
+        Verdict::Move(m) => (m.workload.key(), m.refusal.node.clone()),
+        Verdict::Release(r) => (r.workload.key(), r.freed.first().cloned().unwrap_or_default()),
+        _ => return verdict,
     };
     if job::tracking_job(pod).is_none() {
-        return Verdict::Move(m);
+        return verdict;
     }
-    match job::judge(pod, job, m.workload.key()) {
-        JobRisk::Ignored => Verdict::Move(m),
+    match job::judge(pod, job, key) {
+        JobRisk::Ignored => verdict,
         JobRisk::WouldFail(why) => Verdict::Skip {
-            node: m.refusal.node,
+            node,
             why: Skip::JobWouldFail(why),
         },
     }
@@ -380,6 +406,9 @@ pub fn judge(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
     let pending = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending");
     if !pending || pod.metadata.deletion_timestamp.is_some() || !responsible(pod, settings) {
         return Verdict::Ignore;
+    }
+    if pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_none() {
+        return judge_unbound(pod, view, settings);
     }
     let Some(refusal) = refusal(pod, &settings.reasons) else {
         return Verdict::Ignore;
@@ -521,6 +550,98 @@ pub fn judge(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
     })
 }
 
+/// Since when the upper scheduler has found no node for the pod (`PodScheduled=False`,
+/// reason `Unschedulable`).
+pub fn unplaced_since(pod: &Pod) -> Option<Timestamp> {
+    let conditions = pod.status.as_ref()?.conditions.as_deref()?;
+    conditions
+        .iter()
+        .find(|c| c.type_ == "PodScheduled")
+        .filter(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
+        .map(|c| c.last_transition_time.as_ref().map_or(Timestamp::MAX, |t| t.0))
+}
+
+/// An unbound pod: is an exclusion of ours what keeps it unplaced?
+///
+/// The exclusion sits in the pod's required node affinity, which cannot change, and the
+/// pod may have been created long before it stops being right. So a pod the upper
+/// scheduler has not placed for the threshold, carrying exclusions of ours, is recreated
+/// when one of its excluded virtual nodes would take it now: the node's shape holds it
+/// (the cluster freed up; the node is taken out of the record), or the node's exclusion is
+/// no longer in force and its shape cannot say. A node the upper scheduler itself keeps the
+/// pod off, or whose shape still holds the pod on no lower node, changes nothing: without
+/// the exclusion the pod would wait there instead.
+fn judge_unbound(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
+    let ours = fit::excluded_by_us(pod);
+    if ours.is_empty() {
+        return Verdict::Ignore;
+    }
+    let Some(since) = unplaced_since(pod) else {
+        return Verdict::Ignore;
+    };
+    let due = after(since, settings.threshold);
+    if view.now < due {
+        return Verdict::WaitUntil(due);
+    }
+    // A protected pod is not recreated; one that opted out stays as it is.
+    let Ok(workload) = protected(pod, settings) else {
+        return Verdict::Ignore;
+    };
+    let now = view.now;
+    let stored = view
+        .exclusions
+        .records
+        .get(workload.key())
+        .filter(|r| !r.is_expired(now));
+    let in_force: BTreeMap<&str, Timestamp> = stored
+        .map(|r| r.active(now).map(|n| (n, r.nodes[n])).collect())
+        .unwrap_or_default();
+    let options = tensile_common::fit::Options {
+        now,
+        max_age: settings.shape_max_age,
+    };
+    let mut freed = Vec::new();
+    let mut lifted = Vec::new();
+    let mut due: Option<Timestamp> = None;
+    for name in &ours {
+        let Some(node) = view.nodes.get(name) else {
+            continue;
+        };
+        let until = in_force.get(name.as_str()).copied();
+        match (fit::takes(pod, node, &options), until) {
+            (fit::Take::No(_), _) => {}
+            (fit::Take::Fits, Some(_)) => {
+                freed.push(name.clone());
+                lifted.push(name.clone());
+            }
+            (fit::Take::Fits | fit::Take::Unknown, None) => freed.push(name.clone()),
+            (fit::Take::Unknown, Some(until)) => due = Some(due.map_or(until, |d| d.min(until))),
+        }
+    }
+    if freed.is_empty() {
+        return due.map_or(Verdict::Ignore, Verdict::WaitUntil);
+    }
+    let record = (!lifted.is_empty()).then(|| {
+        let mut record = stored.cloned().unwrap_or_else(|| new_record(pod, &workload, now));
+        record
+            .nodes
+            .retain(|n, until| *until > now && !lifted.contains(n));
+        record
+    });
+    let excluded = in_force
+        .keys()
+        .filter(|n| !freed.iter().any(|f| f == *n))
+        .map(|n| (*n).to_owned())
+        .collect();
+    Verdict::Release(Release {
+        workload,
+        freed,
+        excluded,
+        record,
+        since,
+    })
+}
+
 fn new_record(pod: &Pod, workload: &Workload, now: Timestamp) -> Record {
     let namespace = pod.metadata.namespace.clone().unwrap_or_default();
     let (kind, name) = match workload {
@@ -563,6 +684,15 @@ impl Budget {
     /// Takes one move for a pod of `namespace` on `node` of workload `owner`; `Err` names the
     /// cap that is reached (nothing is taken then).
     pub fn take(&mut self, namespace: &str, node: &str, owner: &str) -> Result<(), &'static str> {
+        self.take_on(namespace, Some(node), owner)
+    }
+
+    /// As [`Budget::take`], for a pod bound to no node: the per-node cap does not apply.
+    pub fn take_unbound(&mut self, namespace: &str, owner: &str) -> Result<(), &'static str> {
+        self.take_on(namespace, None, owner)
+    }
+
+    fn take_on(&mut self, namespace: &str, node: Option<&str>, owner: &str) -> Result<(), &'static str> {
         let within = |cap: u32, used: u32| cap == 0 || used < cap;
         if !within(self.total, self.used_total) {
             return Err("--max-pods-to-evict-total");
@@ -570,22 +700,25 @@ impl Budget {
         let checks = [
             (
                 0u8,
-                namespace,
+                Some(namespace),
                 self.per_namespace,
                 "--max-pods-to-evict-per-namespace",
             ),
             (1, node, self.per_node, "--max-pods-to-evict-per-node"),
-            (2, owner, self.per_owner, "--max-pods-to-evict-per-owner"),
+            (2, Some(owner), self.per_owner, "--max-pods-to-evict-per-owner"),
         ];
         for (kind, key, cap, flag) in checks {
+            let Some(key) = key else { continue };
             let used = self.used.get(&(kind, key.to_owned())).copied().unwrap_or(0);
             if !within(cap, used) {
                 return Err(flag);
             }
         }
         self.used_total += 1;
-        for (kind, key) in [(0u8, namespace), (1, node), (2, owner)] {
-            *self.used.entry((kind, key.to_owned())).or_insert(0) += 1;
+        for (kind, key) in [(0u8, Some(namespace)), (1, node), (2, Some(owner))] {
+            if let Some(key) = key {
+                *self.used.entry((kind, key.to_owned())).or_insert(0) += 1;
+            }
         }
         Ok(())
     }
@@ -1204,5 +1337,176 @@ mod tests {
             ),
             "{verdict:?}"
         );
+    }
+
+    /// A replacement of ReplicaSet `web-1` the webhook kept off `excluded`, which the upper
+    /// scheduler has not placed since `since`.
+    fn unplaced(excluded: &str, since: &str) -> Pod {
+        let mut v = refused(since);
+        v["spec"]["nodeName"] = serde_json::Value::Null;
+        v["metadata"]["annotations"] = json!({"tensile.io/excluded-nodes": excluded});
+        v["spec"]["affinity"] = json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": excluded.split(',').collect::<Vec<_>>()}]}]}}});
+        v["status"] = json!({"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+             "message": "0/2 nodes are available: 1 Insufficient cpu, 1 node(s) didn't match Pod's node affinity.",
+             "lastTransitionTime": since}]});
+        pod(v)
+    }
+
+    #[test]
+    fn an_unplaced_pod_kept_off_a_node_whose_cluster_freed_up_is_recreated_and_the_node_leaves_the_record() {
+        // Excluded from vn-a until 10:09; vn-b is full upstream; vn-a's lower nodes now have 8 CPUs free.
+        let p = unplaced("vn-a", "2024-05-01T09:58:00Z");
+        let ex = record(&[("vn-a", "2024-05-01T10:09:00Z")], 1, false);
+        let Verdict::Release(r) = judge_among(&p, vec![shaped("vn-a", "8"), shaped("vn-b", "8")], &ex) else {
+            panic!("expected a release")
+        };
+        assert_eq!(r.workload.key(), "rs-uid");
+        assert_eq!(r.freed, vec!["vn-a"]);
+        assert!(r.excluded.is_empty());
+        let record = r.record.expect("the record is written");
+        assert!(record.nodes.is_empty(), "vn-a leaves the record: {record:?}");
+        assert_eq!(record.moves, 1, "a release is not a move");
+        assert_eq!(r.since, t("2024-05-01T09:58:00Z"));
+    }
+
+    #[test]
+    fn an_unplaced_pod_stays_while_its_excluded_cluster_still_cannot_hold_it_and_after_the_ttl_too() {
+        // vn-a's lower nodes have 2 CPUs free: without the exclusion the pod would only wait
+        // on vn-a instead.
+        let p = unplaced("vn-a", "2024-05-01T09:58:00Z");
+        let nodes = || vec![shaped("vn-a", "2"), shaped("vn-b", "8")];
+        let in_force = record(&[("vn-a", "2024-05-01T10:09:00Z")], 1, false);
+        assert_eq!(judge_among(&p, nodes(), &in_force), Verdict::Ignore);
+        let lapsed = record(&[("vn-a", "2024-05-01T09:59:00Z")], 1, false);
+        assert_eq!(judge_among(&p, nodes(), &lapsed), Verdict::Ignore);
+    }
+
+    #[test]
+    fn an_unplaced_pod_whose_exclusion_lapsed_is_recreated_even_where_the_shape_cannot_say() {
+        // No shapes: vn-a's exclusion in force → wait for its end; lapsed → recreate, no write.
+        let p = unplaced("vn-a", "2024-05-01T09:58:00Z");
+        let in_force = record(&[("vn-a", "2024-05-01T10:09:00Z")], 1, false);
+        assert_eq!(
+            judge_with(&p, &["vn-a", "vn-b"], &in_force, NOW, &Settings::default()),
+            Verdict::WaitUntil(t("2024-05-01T10:09:00Z"))
+        );
+        for ex in [
+            record(&[("vn-a", "2024-05-01T09:59:00Z")], 1, false),
+            Exclusions::default(),
+        ] {
+            let Verdict::Release(r) = judge_with(&p, &["vn-a", "vn-b"], &ex, NOW, &Settings::default())
+            else {
+                panic!("expected a release")
+            };
+            assert_eq!(r.freed, vec!["vn-a"]);
+            assert_eq!(r.record, None, "nothing in force to lift");
+        }
+    }
+
+    #[test]
+    fn only_unplaced_pods_carrying_our_exclusion_for_the_threshold_on_a_node_that_would_take_them_are_recreated()
+     {
+        let ex = Exclusions::default();
+        let settings = Settings::default();
+        let judge = |p: &Pod| judge_with(p, &["vn-a", "vn-b"], &ex, NOW, &settings);
+        // Unplaced for 30 s only: look again when the threshold is reached.
+        assert_eq!(
+            judge(&unplaced("vn-a", "2024-05-01T09:59:30Z")),
+            Verdict::WaitUntil(t("2024-05-01T10:00:30Z"))
+        );
+        // No exclusion of ours: the pod is unplaced for reasons of its own.
+        let mut v = serde_json::to_value(unplaced("vn-a", "2024-05-01T09:58:00Z")).unwrap();
+        v["metadata"]["annotations"] = json!({});
+        assert_eq!(judge(&pod(v)), Verdict::Ignore);
+        // Not unplaced by the scheduler (gated, or just created).
+        let mut v = serde_json::to_value(unplaced("vn-a", "2024-05-01T09:58:00Z")).unwrap();
+        v["status"]["conditions"][0]["reason"] = json!("SchedulingGated");
+        assert_eq!(judge(&pod(v)), Verdict::Ignore);
+        // The excluded node is gone, or the upper scheduler keeps the pod off it anyway.
+        assert_eq!(
+            judge(&unplaced("vn-gone", "2024-05-01T09:58:00Z")),
+            Verdict::Ignore
+        );
+        let mut cordoned = shaped("vn-a", "8");
+        cordoned.spec.get_or_insert_default().unschedulable = Some(true);
+        assert_eq!(
+            judge_among(
+                &unplaced("vn-a", "2024-05-01T09:58:00Z"),
+                vec![cordoned, shaped("vn-b", "8")],
+                &ex
+            ),
+            Verdict::Ignore
+        );
+        // Opted out: left as it is.
+        let mut v = serde_json::to_value(unplaced("vn-a", "2024-05-01T09:58:00Z")).unwrap();
+        v["metadata"]["annotations"]["tensile.io/deschedule"] = json!("false");
+        assert_eq!(judge(&pod(v)), Verdict::Ignore);
+        // Not the suite's: not opted in.
+        let mut v = serde_json::to_value(unplaced("vn-a", "2024-05-01T09:58:00Z")).unwrap();
+        v["metadata"]["labels"] = json!({});
+        assert_eq!(judge(&pod(v)), Verdict::Ignore);
+    }
+
+    #[test]
+    fn an_unplaced_pod_freed_from_one_node_keeps_avoiding_the_others_in_force() {
+        // Excluded from vn-a (its cluster freed up) and vn-c (still too small), both in force.
+        let p = unplaced("vn-a,vn-c", "2024-05-01T09:58:00Z");
+        let ex = record(
+            &[("vn-a", "2024-05-01T10:09:00Z"), ("vn-c", "2024-05-01T10:08:00Z")],
+            2,
+            false,
+        );
+        let Verdict::Release(r) = judge_among(
+            &p,
+            vec![shaped("vn-a", "8"), shaped("vn-b", "8"), shaped("vn-c", "2")],
+            &ex,
+        ) else {
+            panic!("expected a release")
+        };
+        assert_eq!(r.freed, vec!["vn-a"]);
+        assert_eq!(r.excluded, vec!["vn-c"]);
+        let record = r.record.unwrap();
+        assert_eq!(record.nodes.keys().collect::<Vec<_>>(), ["vn-c"]);
+        assert_eq!(record.moves, 2);
+    }
+
+    #[test]
+    fn a_job_pod_tracked_by_finalizer_is_not_recreated_unless_its_job_ignores_evictions() {
+        let mut v = serde_json::to_value(unplaced("vn-a", "2024-05-01T09:58:00Z")).unwrap();
+        v["metadata"]["finalizers"] = json!(["batch.kubernetes.io/job-tracking"]);
+        v["metadata"]["ownerReferences"] = json!([{"apiVersion": "batch/v1", "kind": "Job", "name": "batch", "uid": "job-uid", "controller": true}]);
+        let p = pod(v);
+        let verdict = judge_with(
+            &p,
+            &["vn-a", "vn-b"],
+            &Exclusions::default(),
+            NOW,
+            &Settings::default(),
+        );
+        assert!(matches!(verdict, Verdict::Release(_)), "{verdict:?}");
+        let job: Job = serde_json::from_value(
+            json!({"metadata": {"name": "batch", "uid": "job-uid"}, "spec": {"template": {}}}),
+        )
+        .unwrap();
+        assert!(matches!(
+            with_job(verdict, &p, Some(&job)),
+            Verdict::Skip {
+                why: Skip::JobWouldFail(_),
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn an_unbound_pod_takes_no_per_node_budget() {
+        let mut b = Budget::new(0, 0, 1, 0);
+        assert_eq!(b.take("a", "vn-a", "1"), Ok(()));
+        assert_eq!(b.take_unbound("a", "2"), Ok(()));
+        assert_eq!(b.take_unbound("a", "3"), Ok(()));
+        let mut b = Budget::new(0, 0, 0, 1);
+        assert_eq!(b.take_unbound("a", "1"), Ok(()));
+        assert_eq!(b.take_unbound("a", "1"), Err("--max-pods-to-evict-per-owner"));
     }
 }

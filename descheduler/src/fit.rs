@@ -35,19 +35,41 @@ impl NotFit {
     }
 }
 
+/// Whether a virtual node would take the pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Take {
+    /// It would not, and why.
+    No(NotFit),
+    /// The upper scheduler would bind the pod there and a lower node of its shape holds it.
+    Fits,
+    /// The upper scheduler would bind the pod there; the shape cannot say whether a lower
+    /// node holds it (none, stale, a label it does not publish, …).
+    Unknown,
+}
+
 /// Why `node` would not take the pod (`None`: it would, or its shape cannot say).
 pub fn refuses(pod: &Pod, node: &Node, options: &Options) -> Option<NotFit> {
+    match takes(pod, node, options) {
+        Take::No(why) => Some(why),
+        Take::Fits | Take::Unknown => None,
+    }
+}
+
+/// Whether `node` would take the pod, apart from the exclusions of ours it carries.
+pub fn takes(pod: &Pod, node: &Node, options: &Options) -> Take {
     let name = node.metadata.name.as_deref().unwrap_or_default();
     if !fit::is_ready(node) {
-        return Some(NotFit::Upper(format!("{name} is not Ready")));
+        return Take::No(NotFit::Upper(format!("{name} is not Ready")));
     }
     if node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true) {
-        return Some(NotFit::Upper(format!("{name} is cordoned")));
+        return Take::No(NotFit::Upper(format!("{name} is cordoned")));
     }
-    let spec = pod.spec.as_ref()?;
+    let Some(spec) = pod.spec.as_ref() else {
+        return Take::Unknown;
+    };
     let tolerations = spec.tolerations.as_deref().unwrap_or_default();
     if let Some(taint) = fit::untolerated_taint(node, tolerations) {
-        return Some(NotFit::Upper(format!(
+        return Take::No(NotFit::Upper(format!(
             "{name} has the taint {} the pod does not tolerate",
             taint.key
         )));
@@ -56,7 +78,7 @@ pub fn refuses(pod: &Pod, node: &Node, options: &Options) -> Option<NotFit> {
     let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
     for (k, v) in spec.node_selector.iter().flatten() {
         if labels.get(k) != Some(v) {
-            return Some(NotFit::Upper(format!(
+            return Take::No(NotFit::Upper(format!(
                 "{name} does not match the pod's nodeSelector {k}={v}"
             )));
         }
@@ -69,15 +91,16 @@ pub fn refuses(pod: &Pod, node: &Node, options: &Options) -> Option<NotFit> {
         .map(|r| without_our_exclusions(&r.node_selector_terms, &excluded_by_us(pod)))
         .unwrap_or_default();
     if !fit::terms_match(&terms, name, labels) {
-        return Some(NotFit::Upper(format!(
+        return Take::No(NotFit::Upper(format!(
             "{name} does not match the pod's required node affinity"
         )));
     }
     match fit::judge(&PodFacts::of(pod), ShapeFacts::of(node).as_ref(), options).verdict {
-        Verdict::Rejected(why) => Some(NotFit::Shape(format!(
+        Verdict::Rejected(why) => Take::No(NotFit::Shape(format!(
             "no lower node of {name} holds the pod: {why}"
         ))),
-        Verdict::NotVirtual | Verdict::Fits | Verdict::FailOpen(_) => None,
+        Verdict::Fits => Take::Fits,
+        Verdict::NotVirtual | Verdict::FailOpen(_) => Take::Unknown,
     }
 }
 

@@ -42,6 +42,7 @@ pub struct Metrics {
     pub exclusions_unreadable: Gauge,
     pub exclusions_swept: Counter,
     pub gave_up: Family<ResultLabels, Counter>,
+    pub released: Family<ResultLabels, Counter>,
     pub cycle_seconds: Histogram,
     pub cycles: Counter,
 }
@@ -57,6 +58,7 @@ impl Metrics {
             exclusions_unreadable: Gauge::default(),
             exclusions_swept: Counter::default(),
             gave_up: Family::default(),
+            released: Family::default(),
             cycle_seconds: Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0]),
             cycles: Counter::default(),
         };
@@ -100,6 +102,11 @@ impl Metrics {
             "owners_exhausted",
             "Workloads given up on after the maximum of moves (result: warned or dry_run)",
             m.gave_up.clone(),
+        );
+        r.register(
+            "pods_released",
+            "Unplaced pods recreated without an exclusion that no longer holds, by result",
+            m.released.clone(),
         );
         r.register(
             "cycle_duration_seconds",

@@ -26,7 +26,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::bare;
-use crate::decide::{self, Budget, GiveUp, Move, Settings, Skip, Verdict, Workload};
+use crate::decide::{self, Budget, GiveUp, Move, Release, Settings, Skip, Verdict, Workload};
 use crate::evict::{self, Evicted};
 use crate::job;
 use crate::metrics::{Metrics, NodeLabels, ReasonLabels, ResultLabels};
@@ -181,7 +181,7 @@ impl Descheduler {
                 now,
             };
             let mut verdict = decide::judge(&pod, &view, &self.settings);
-            if let (Verdict::Move(_), Some(job)) = (&verdict, job::tracking_job(&pod)) {
+            if let (Verdict::Move(_) | Verdict::Release(_), Some(job)) = (&verdict, job::tracking_job(&pod)) {
                 let job = self.job(&pod, job).await;
                 verdict = decide::with_job(verdict, &pod, job.as_ref());
             }
@@ -219,6 +219,18 @@ impl Descheduler {
                     self.perform(&pod, &m, now, &mut exclusions).await;
                 }
                 Verdict::GiveUp(g) => self.give_up(&pod, &g, now, &mut exclusions).await,
+                Verdict::Release(r) => {
+                    if self.backing_off(&pod) {
+                        continue;
+                    }
+                    let ns = pod.metadata.namespace.clone().unwrap_or_default();
+                    if let Err(cap) = budget.take_unbound(&ns, r.workload.key()) {
+                        self.released("limited");
+                        tracing::debug!(pod = %key(&pod), "not recreated this round: {cap} reached");
+                        continue;
+                    }
+                    self.release(&pod, &r, now, &mut exclusions).await;
+                }
             }
         }
         for (node, n) in candidates {
@@ -314,9 +326,12 @@ impl Descheduler {
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
         let result = match &m.workload {
             Workload::Owned { .. } => evict::evict(&api, pod).await.map_err(|e| e.to_string()),
-            Workload::Bare { .. } => bare::replace(&api, pod, m, self.crash_at)
-                .await
-                .map_err(|e| e.to_string()),
+            Workload::Bare { .. } => {
+                let excluded: Vec<String> = m.record.nodes.keys().cloned().collect();
+                bare::replace(&api, pod, m.workload.key(), &excluded, self.crash_at)
+                    .await
+                    .map_err(|e| e.to_string())
+            }
         };
         match result {
             Ok(Evicted::Accepted) => {
@@ -347,6 +362,84 @@ impl Descheduler {
             }
             Err(e) => self.failed(pod, &m.refusal.reason, node, &e).await,
         }
+    }
+
+    /// Recreates an unplaced pod without the exclusions that no longer hold: takes the
+    /// nodes whose shape holds it again out of the record, then evicts the pod (its
+    /// controller recreates it, and the webhook writes the record's current exclusion) or
+    /// replaces it (a bare pod).
+    async fn release(&self, pod: &Pod, r: &Release, now: Timestamp, exclusions: &mut Exclusions) {
+        let ns = pod.metadata.namespace.clone().unwrap_or_default();
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let owner = r.workload.describe(&name);
+        let freed = r.freed.join(", ");
+        let note = format!(
+            "the upper scheduler has found no node for the pod since {}, and it avoids {freed}, which would take it now; recreated without that exclusion{}",
+            r.since,
+            match &r.workload {
+                Workload::Owned { .. } => format!(" ({owner} recreates it)"),
+                Workload::Bare { .. } => " (replaced by a copy)".to_owned(),
+            }
+        );
+        if self.dry_run {
+            tracing::info!(pod = %format!("{ns}/{name}"), "dry run: would recreate the pod: {note}");
+            self.released("dry_run");
+            return;
+        }
+        if let Some(record) = &r.record {
+            match self.store.put(r.workload.key(), record, now).await {
+                Ok(()) => {
+                    self.metrics.exclusion_writes.get_or_create(&ok()).inc();
+                    exclusions
+                        .records
+                        .insert(r.workload.key().to_owned(), record.clone());
+                }
+                Err(e) => {
+                    self.metrics.exclusion_writes.get_or_create(&failed()).inc();
+                    self.released("error");
+                    let retry = self.backoff_fail(pod);
+                    tracing::warn!(pod = %key(pod), "lifting the exclusion of {freed} (retried in {retry:?}): {e}");
+                    return;
+                }
+            }
+        }
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
+        let result = match &r.workload {
+            Workload::Owned { .. } => evict::evict(&api, pod).await,
+            Workload::Bare { lineage } => bare::replace(&api, pod, lineage, &r.excluded, self.crash_at).await,
+        };
+        match result {
+            Ok(Evicted::Accepted) => {
+                self.backoff_clear(pod);
+                self.released("success");
+                tracing::info!(pod = %format!("{ns}/{name}"), "released: {note}");
+                self.event(pod.object_ref(&()), EventType::Normal, "Released", &note)
+                    .await;
+            }
+            Ok(Evicted::Gone) => tracing::debug!(pod = %format!("{ns}/{name}"), "already gone"),
+            Ok(Evicted::Changed(why)) => {
+                self.released("changed");
+                tracing::info!(pod = %format!("{ns}/{name}"), "not recreated: the pod changed since it was judged ({why})");
+            }
+            Ok(Evicted::Refused(why)) => {
+                self.released("limited");
+                tracing::info!(pod = %format!("{ns}/{name}"), "eviction refused for now: {why}");
+            }
+            Err(e) => {
+                self.released("error");
+                let retry = self.backoff_fail(pod);
+                tracing::warn!(pod = %key(pod), "recreating the pod failed (retried in {retry:?}): {e}");
+            }
+        }
+    }
+
+    fn released(&self, result: &str) {
+        self.metrics
+            .released
+            .get_or_create(&ResultLabels {
+                result: result.into(),
+            })
+            .inc();
     }
 
     /// The pod as the cache holds it now (`None`: gone).

@@ -90,6 +90,12 @@ impl Scene {
     /// `lower_b_nodes` nodes of 8 CPUs in lower-b; always 12 nodes of 2 CPUs in lower-a (so
     /// that vn-a's preferred affinity outweighs its utilisation in the upper scheduler).
     async fn start(ns: &str, lower_b_nodes: u32) -> Scene {
+        Self::start_with(ns, lower_b_nodes, false).await
+    }
+
+    /// As [`Scene::start`]; with `shaped`, the virtual nodes' capacity shapes also group the
+    /// lower nodes by the scene's label, so they can say where the scene's pods fit.
+    async fn start_with(ns: &str, lower_b_nodes: u32, shaped: bool) -> Scene {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let bed = bed();
         let name = ns.to_owned();
@@ -168,6 +174,9 @@ impl Scene {
         let node = |name: &str, lower: &TestCluster| {
             let mut args = in_process::options(&bed.upper, name, lower).unwrap();
             args.node_labels = vec![(VN_KEY.to_owned(), ns.to_owned())];
+            if shaped {
+                args.shape.label_keys.push(LOWER_KEY.to_owned());
+            }
             in_process::VirtualNode::run(args)
         };
         let nodes = vec![node(&vn_a, &bed.lower_a), node(&vn_b, &bed.lower_b)];
@@ -1203,4 +1212,279 @@ async fn with_eight_thousand_live_records_and_an_undecodable_one_a_pod_still_mov
         }
     })
     .await;
+}
+
+/// The scene's ExclusionRecords: workload name → excluded nodes.
+async fn records(ns: &str) -> BTreeMap<String, Vec<String>> {
+    let out = kubectl(
+        up(),
+        &["-n", ns, "get", "exclusionrecords.tensile.io", "-o", "json"],
+    )
+    .await;
+    let v: Value = serde_json::from_str(&out).unwrap();
+    v["items"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|r| {
+            let nodes = r["spec"]["nodes"]
+                .as_object()
+                .map(|m| m.keys().cloned().collect())
+                .unwrap_or_default();
+            (r["spec"]["name"].as_str().unwrap_or_default().to_owned(), nodes)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_replica_kept_off_vn_a_by_an_exclusion_runs_there_once_lower_a_frees_up() {
+    let scene = Scene::start_with("ds-stuck", 1, true).await;
+    let d = scene.descheduler(&[], "stuck").await;
+    // Lower-a's nodes have 2 CPUs: the 3-CPU replica is refused there and moves to vn-b,
+    // whose one lower node of 8 CPUs holds two such replicas.
+    apply(up(), &scene.deployment("web", 1, "3", json!({}))).await;
+    until_moved(&scene, "app=web", 1, 120).await;
+
+    // Two more replicas, made while the exclusion holds: one fits on vn-b, the other fits
+    // nowhere upstream (vn-b is full, vn-a excluded) and waits unplaced.
+    kubectl(
+        up(),
+        &["-n", &scene.ns, "scale", "deployment", "web", "--replicas=3"],
+    )
+    .await;
+    let unplaced = |pods: &[Value]| -> Vec<String> {
+        pods.iter()
+            .filter(|p| node_of(p).is_empty() && !terminating(p))
+            .map(name)
+            .collect()
+    };
+    wait("one replica unplaced upstream", 60, || async {
+        let pods = scene.pods("app=web").await;
+        let on_b = pods
+            .iter()
+            .filter(|p| node_of(p) == scene.vn_b && phase(p) == "Running")
+            .count();
+        let waiting = unplaced(&pods);
+        if on_b == 2 && waiting.len() == 1 {
+            Ok(())
+        } else {
+            Err(format!("{on_b} running on vn-b, unplaced {waiting:?}"))
+        }
+    })
+    .await;
+    let stuck = unplaced(&scene.pods("app=web").await)[0].clone();
+
+    // While lower-a still holds no 3-CPU pod, the unplaced replica is left alone: without the
+    // exclusion it would only wait on vn-a instead.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let pods = scene.pods("app=web").await;
+    assert_eq!(unplaced(&pods), vec![stuck.clone()], "the same replica waits");
+    let released = "tensile_descheduler_pods_released_total";
+    assert_eq!(metric_sum(&d.metrics().await, released, &[]), 0.0);
+
+    // Lower-a frees up (a node of 8 CPUs joins): the exclusion no longer holds, and the
+    // replica runs there, long before the record's 600 s TTL.
+    let freed_at = Instant::now();
+    let node = NodeConfig::new(&format!("{}-big", scene.ns))
+        .resource("cpu", "8")
+        .resource("memory", "16Gi")
+        .label(LOWER_KEY, &scene.ns);
+    BED.handle()
+        .unwrap()
+        .spawn(async move { bed().sim_a.add_node(node).await.unwrap() })
+        .await
+        .unwrap();
+    wait(
+        "the unplaced replica recreated and Running on vn-a",
+        120,
+        || async {
+            let pods = scene.pods("app=web").await;
+            let on_a: Vec<&Value> = pods
+                .iter()
+                .filter(|p| node_of(p) == scene.vn_a && phase(p) == "Running" && !terminating(p))
+                .collect();
+            if on_a.len() == 1 && unplaced(&pods).is_empty() && pods.len() == 3 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{:?}",
+                    pods.iter()
+                        .map(|p| format!("{} on {:?} {}", name(p), node_of(p), phase(p)))
+                        .collect::<Vec<_>>()
+                ))
+            }
+        },
+    )
+    .await;
+    let took = freed_at.elapsed();
+    let pods = scene.pods("app=web").await;
+    assert!(
+        pods.iter().all(|p| name(p) != stuck),
+        "the replica that waited was recreated"
+    );
+    let on_a = pods.iter().find(|p| node_of(p) == scene.vn_a).unwrap();
+    assert!(
+        on_a["metadata"]["annotations"]["tensile.io/excluded-nodes"].is_null(),
+        "the recreated replica avoids nothing: {}",
+        on_a["metadata"]
+    );
+    let recs = records(&scene.ns).await;
+    assert!(
+        recs.values().all(|nodes| !nodes.contains(&scene.vn_a)),
+        "vn-a left the record: {recs:?}"
+    );
+    let m = d.metrics().await;
+    assert_eq!(metric_sum(&m, released, &[("result", "success")]), 1.0, "{m}");
+    let evs = events(&scene.ns, "Released").await;
+    assert!(
+        evs.iter().any(|e| e["involvedObject"]["name"] == stuck.as_str()),
+        "a Released event on {stuck}: {evs:?}"
+    );
+    println!(
+        "figure: descheduler, a replica kept off vn-a by an exclusion: lower-a frees up -> Running on vn-a in {:.1} s (threshold 3 s, TTL 600 s)",
+        took.as_secs_f64()
+    );
+}
+
+/// Writes an ExclusionRecord keeping ReplicaSet `rs` (of UID `uid`) off `node` for an hour,
+/// as the descheduler would.
+async fn exclude(ns: &str, rs: &str, uid: &str, node: &str) {
+    use tensile_common::exclusion::{ExclusionRecord, Record, encode};
+    let api: kube::Api<ExclusionRecord> = kube::Api::namespaced(bed().upper.client().await.unwrap(), ns);
+    let until = jiff::Timestamp::now() + jiff::SignedDuration::from_hours(1);
+    let record = Record {
+        namespace: ns.to_owned(),
+        kind: "ReplicaSet".into(),
+        name: rs.to_owned(),
+        nodes: [(node.to_owned(), until)].into(),
+        moves: 1,
+        expires: until,
+        exhausted: None,
+    };
+    let object = encode(ns, uid, &record, None, "e2e").unwrap();
+    api.create(&kube::api::PostParams::default(), &object)
+        .await
+        .unwrap();
+}
+
+/// The first bound pod of `app` other than `old`, within 60 s.
+async fn bound_other_than(scene: &Scene, app: &str, old: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let pods = scene.pods(&format!("app={app}")).await;
+        if let Some(p) = pods
+            .iter()
+            .find(|p| name(p) != old && !node_of(p).is_empty() && !terminating(p))
+        {
+            return p.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no bound pod of {app} besides {old:?}: {:?}",
+            pods.iter().map(name).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The first bound pod of `app`.
+async fn bound(scene: &Scene, app: &str) -> Value {
+    bound_other_than(scene, app, "").await
+}
+
+/// Deletes pod `old` of `app`; returns the bound pod its controller makes instead.
+async fn recreated(scene: &Scene, app: &str, old: &str) -> Value {
+    kubectl(up(), &["-n", &scene.ns, "delete", "pod", old, "--wait=false"]).await;
+    bound_other_than(scene, app, old).await
+}
+
+#[tokio::test]
+async fn a_template_written_with_its_stash_follows_its_workloads_current_exclusion_never_a_copied_one() {
+    let scene = Scene::start("ds-copy", 1).await;
+    let ns = scene.ns.clone();
+    // A pod the webhook kept off vn-a: its ReplicaSet's record excludes vn-a.
+    apply(up(), &scene.deployment("first", 1, "100m", json!({}))).await;
+    let pod = bound(&scene, "first").await;
+    assert_eq!(node_of(&pod), scene.vn_a, "vn-a is preferred");
+    let owner = &pod["metadata"]["ownerReferences"][0];
+    exclude(
+        &ns,
+        owner["name"].as_str().unwrap(),
+        owner["uid"].as_str().unwrap(),
+        &scene.vn_a,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let excluded = recreated(&scene, "first", &name(&pod)).await;
+    assert_eq!(node_of(&excluded), scene.vn_b);
+    assert_eq!(
+        excluded["metadata"]["annotations"]["tensile.io/excluded-nodes"],
+        scene.vn_a.as_str()
+    );
+
+    // Its stash, exclusion and constraints copied into another Deployment's template, as
+    // `kubectl get pod -o yaml` gives them: that workload has no record, so nothing keeps
+    // its pod off vn-a.
+    let annotations: serde_json::Map<String, Value> = excluded["metadata"]["annotations"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| ["clusterSelector", "tensile.io/excluded-nodes"].contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let spec = &excluded["spec"];
+    let copy = json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "copy", "namespace": ns},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "copy"}},
+            "template": {
+                "metadata": {"labels": {"app": "copy", "virtual-pod": "true"}, "annotations": annotations},
+                "spec": {
+                    "terminationGracePeriodSeconds": 5,
+                    "nodeSelector": spec["nodeSelector"],
+                    "affinity": spec["affinity"],
+                    "tolerations": spec["tolerations"],
+                    "containers": [{"name": "app", "image": "nginx", "resources": {"requests": {"cpu": "100m"}}}],
+                }}},
+    });
+    assert!(
+        copy.to_string().contains("NotIn"),
+        "the copy carries the exclusion: {copy}"
+    );
+    apply(up(), &copy.to_string()).await;
+    let pod = bound(&scene, "copy").await;
+    assert_eq!(
+        node_of(&pod),
+        scene.vn_a,
+        "the copied exclusion is gone: {}",
+        pod["spec"]["affinity"]
+    );
+    assert!(pod["metadata"]["annotations"]["tensile.io/excluded-nodes"].is_null());
+    assert!(!pod["spec"].to_string().contains("NotIn"), "{}", pod["spec"]);
+    assert_eq!(
+        pod["metadata"]["annotations"]["clusterSelector"], annotations["clusterSelector"],
+        "the stash is untouched"
+    );
+
+    // Its own record excludes vn-a: the next pod, written with its stash, avoids vn-a.
+    let owner = &pod["metadata"]["ownerReferences"][0];
+    exclude(
+        &ns,
+        owner["name"].as_str().unwrap(),
+        owner["uid"].as_str().unwrap(),
+        &scene.vn_a,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let next = recreated(&scene, "copy", &name(&pod)).await;
+    assert_eq!(node_of(&next), scene.vn_b, "{}", next["spec"]["affinity"]);
+    assert_eq!(
+        next["metadata"]["annotations"]["tensile.io/excluded-nodes"],
+        scene.vn_a.as_str()
+    );
+    assert_eq!(
+        next["metadata"]["annotations"]["clusterSelector"],
+        annotations["clusterSelector"]
+    );
 }

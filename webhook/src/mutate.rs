@@ -331,10 +331,11 @@ pub fn judge_excluding<'a>(
                 let exclusion = stashed_exclusion(&pod, excluded);
                 let mut ops = Vec::new();
                 if let Some((nodes, affinity)) = &exclusion {
-                    ops.push(add(
-                        &["metadata", "annotations", names::EXCLUDED_NODES],
-                        New::Stash(nodes),
-                    ));
+                    let at = ["metadata", "annotations", names::EXCLUDED_NODES];
+                    ops.push(match nodes {
+                        Some(nodes) => add(&at, New::Stash(nodes)),
+                        None => remove(&at),
+                    });
                     match pod.spec.as_ref().and_then(|s| s.affinity.as_ref()) {
                         Some(_) => ops.push(add(
                             &["spec", "affinity", "nodeAffinity"],
@@ -388,19 +389,34 @@ fn controller_uid(metadata: Option<&MetadataMembers>) -> Option<String> {
         .map(|o| o.uid)
 }
 
-/// For a pod that already carries a stash: its workload's exclusion, as the excluded-nodes
-/// text and the node affinity with `kubernetes.io/hostname NotIn` joined to every required
-/// term (or one term holding only it). `None` when there is nothing to add: no controller,
-/// no live exclusion, a pod pinned to its node by a volume (`matchFields metadata.name In`),
-/// or one that already carries `tensile.io/excluded-nodes` (a re-invocation after the
-/// webhook stashed it, or a replacement the descheduler wrote).
-fn stashed_exclusion(pod: &PodMembers, excluded: &dyn ExcludedNodes) -> Option<(String, NodeAffinity)> {
-    if pod.annotation(names::EXCLUDED_NODES).is_some() {
-        return None;
-    }
+/// For a pod that already carries a stash: its workload's exclusion now, as the
+/// excluded-nodes text (`None`: the annotation goes) and the node affinity with
+/// `kubernetes.io/hostname NotIn` joined to every required term (or one term holding only
+/// it). An exclusion of ours the pod was written with (its `tensile.io/excluded-nodes`: a
+/// template copied from a pod) is taken out first: only the record's current one holds, so
+/// a stale one never keeps the workload off a node for good. `None` when there is nothing
+/// to change: no controller (a bare pod's replacement carries what the descheduler wrote),
+/// the exclusion the pod carries is the current one (a re-invocation after the webhook
+/// stashed it), or a volume pins the pod to its node (`matchFields metadata.name In`).
+fn stashed_exclusion(
+    pod: &PodMembers,
+    excluded: &dyn ExcludedNodes,
+) -> Option<(Option<String>, NodeAffinity)> {
+    let written = pod.annotation(names::EXCLUDED_NODES);
+    let mut ours: Vec<String> = written
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default();
+    ours.sort_unstable();
     let uid = controller_uid(pod.metadata.as_ref())?;
-    let nodes = excluded.excluded_nodes(&uid);
-    if nodes.is_empty() {
+    let mut nodes = excluded.excluded_nodes(&uid);
+    nodes.sort_unstable();
+    if nodes == ours && (written.is_some() || nodes.is_empty()) {
         return None;
     }
     let node_affinity = pod
@@ -412,8 +428,7 @@ fn stashed_exclusion(pod: &PodMembers, excluded: &dyn ExcludedNodes) -> Option<(
     let terms = node_affinity
         .required_during_scheduling_ignored_during_execution
         .map(|r| r.node_selector_terms)
-        .filter(|t| !t.is_empty())
-        .unwrap_or_else(|| vec![NodeSelectorTerm::default()]);
+        .unwrap_or_default();
     let pinned = terms.iter().any(|t| {
         t.match_fields
             .iter()
@@ -423,28 +438,61 @@ fn stashed_exclusion(pod: &PodMembers, excluded: &dyn ExcludedNodes) -> Option<(
     if pinned {
         return None;
     }
-    let exclusion = NodeSelectorRequirement {
-        key: names::HOSTNAME_LABEL.into(),
-        operator: "NotIn".into(),
-        values: Some(nodes.clone()),
-    };
-    let terms = terms
+    let mut terms: Vec<NodeSelectorTerm> = terms
         .into_iter()
-        .map(|mut t| {
+        .filter_map(|t| without_exclusion(t, &ours))
+        .collect();
+    if terms.is_empty() && !nodes.is_empty() {
+        terms.push(NodeSelectorTerm::default());
+    }
+    if !nodes.is_empty() {
+        let exclusion = NodeSelectorRequirement {
+            key: names::HOSTNAME_LABEL.into(),
+            operator: "NotIn".into(),
+            values: Some(nodes.clone()),
+        };
+        for t in &mut terms {
             t.match_expressions
                 .get_or_insert_default()
                 .push(exclusion.clone());
-            t
-        })
-        .collect();
+        }
+    }
     let affinity = NodeAffinity {
-        required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+        required_during_scheduling_ignored_during_execution: (!terms.is_empty()).then_some(NodeSelector {
             node_selector_terms: terms,
         }),
         preferred_during_scheduling_ignored_during_execution: node_affinity
             .preferred_during_scheduling_ignored_during_execution,
     };
-    Some((nodes.join(","), affinity))
+    Some(((!nodes.is_empty()).then(|| nodes.join(",")), affinity))
+}
+
+/// `term` without the `kubernetes.io/hostname NotIn` values of `ours`; `None` when that
+/// leaves it empty (a term the webhook made to hold only the exclusion).
+fn without_exclusion(mut term: NodeSelectorTerm, ours: &[String]) -> Option<NodeSelectorTerm> {
+    if ours.is_empty() {
+        return Some(term);
+    }
+    let had = term.match_expressions.as_ref().is_some_and(|e| !e.is_empty())
+        || term.match_fields.as_ref().is_some_and(|f| !f.is_empty());
+    if let Some(expressions) = term.match_expressions.as_mut() {
+        for r in expressions.iter_mut() {
+            if r.key == names::HOSTNAME_LABEL
+                && r.operator == "NotIn"
+                && let Some(values) = r.values.as_mut()
+            {
+                values.retain(|v| !ours.contains(v));
+            }
+        }
+        expressions.retain(|r| {
+            !(r.key == names::HOSTNAME_LABEL
+                && r.operator == "NotIn"
+                && r.values.as_ref().is_none_or(Vec::is_empty))
+        });
+    }
+    let empty = term.match_expressions.as_ref().is_none_or(Vec::is_empty)
+        && term.match_fields.as_ref().is_none_or(Vec::is_empty);
+    (!(had && empty)).then_some(term)
 }
 
 /// The answer for a pod that carries a stash (`None`: one that is not a string): a

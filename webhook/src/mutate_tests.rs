@@ -943,3 +943,62 @@ fn a_pod_written_with_its_stash_still_avoids_the_nodes_its_workload_is_excluded_
         assert_eq!(outcome.verdict, Verdict::Unchanged);
     }
 }
+
+#[test]
+fn a_template_copied_from_an_excluded_pod_gets_the_current_exclusion_not_the_stale_one() {
+    // A pod as the webhook wrote it while its workload avoided vn-a and vn-c, copied into a
+    // template of a workload whose record now avoids nothing: the old exclusion goes.
+    let (_, stashed) = run(opted_in(full_spec()), &Policy::default());
+    let (_, excluded) = judged_excluding(owned_by(stashed.clone(), "rs-uid"), &Policy::default());
+    let (outcome, after) = judged_excluding(owned_by(excluded.clone(), "other-uid"), &Policy::default());
+    assert_eq!(outcome.verdict, Verdict::Mutated);
+    assert!(
+        after["metadata"]["annotations"]
+            .get("tensile.io/excluded-nodes")
+            .is_none(),
+        "{}",
+        after["metadata"]
+    );
+    assert_eq!(
+        after.pointer(TERMS),
+        stashed.pointer(TERMS),
+        "the user's own terms are back as they were"
+    );
+
+    // A pod with no required terms of its own: the term the exclusion made goes with it.
+    let mut plain = opted_in(json!({"containers": containers()}));
+    plain["metadata"]["annotations"] = json!({"clusterSelector": "{}"});
+    let (_, excluded) = judged_excluding(owned_by(plain, "rs-uid"), &Policy::default());
+    assert!(excluded.pointer(TERMS).is_some());
+    let (_, after) = judged_excluding(owned_by(excluded, "other-uid"), &Policy::default());
+    assert!(
+        after["spec"]["affinity"]["nodeAffinity"]
+            .get("requiredDuringSchedulingIgnoredDuringExecution")
+            .is_none(),
+        "{}",
+        after["spec"]
+    );
+
+    // A copy whose stale exclusion names other nodes than the record: the record's replaces it.
+    let mut stale = owned_by(stashed, "rs-uid");
+    stale["metadata"]["annotations"]["tensile.io/excluded-nodes"] = json!("vn-z");
+    for term in stale.pointer_mut(TERMS).unwrap().as_array_mut().unwrap() {
+        term["matchExpressions"].as_array_mut().unwrap().push(
+            json!({"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["vn-z", "vn-user"]}),
+        );
+    }
+    let (_, after) = judged_excluding(stale, &Policy::default());
+    assert_eq!(
+        after["metadata"]["annotations"]["tensile.io/excluded-nodes"],
+        "vn-a,vn-c"
+    );
+    for term in after.pointer(TERMS).unwrap().as_array().unwrap() {
+        let text = term.to_string();
+        assert!(!text.contains("vn-z"), "{text}");
+        assert!(
+            text.contains("vn-user"),
+            "the user's own NotIn value stays: {text}"
+        );
+        assert!(text.contains("vn-c"), "{text}");
+    }
+}
