@@ -1241,16 +1241,20 @@ async fn records(ns: &str) -> BTreeMap<String, Vec<String>> {
 async fn a_replica_kept_off_vn_a_by_an_exclusion_runs_there_once_lower_a_frees_up() {
     let scene = Scene::start_with("ds-stuck", 1, true).await;
     let d = scene.descheduler(&[], "stuck").await;
-    // Lower-a's nodes have 2 CPUs: the 3-CPU replica is refused there and moves to vn-b,
-    // whose one lower node of 8 CPUs holds two such replicas.
-    apply(up(), &scene.deployment("web", 1, "3", json!({}))).await;
+    // Lower-a's nodes have 2 CPUs: the 3-CPU replica is refused there and moves to vn-b.
+    // Replicas never share a virtual node (required pod anti-affinity, kept upstream).
+    let mut web: Value = serde_json::from_str(&scene.deployment("web", 1, "3", json!({}))).unwrap();
+    web["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"] = json!({
+        "requiredDuringSchedulingIgnoredDuringExecution": [
+            {"labelSelector": {"matchLabels": {"app": "web"}}, "topologyKey": "kubernetes.io/hostname"}]});
+    apply(up(), &web.to_string()).await;
     until_moved(&scene, "app=web", 1, 120).await;
 
-    // Two more replicas, made while the exclusion holds: one fits on vn-b, the other fits
-    // nowhere upstream (vn-b is full, vn-a excluded) and waits unplaced.
+    // A second replica, made while the exclusion holds, fits nowhere upstream (vn-b holds
+    // the first, vn-a is excluded) and waits unplaced.
     kubectl(
         up(),
-        &["-n", &scene.ns, "scale", "deployment", "web", "--replicas=3"],
+        &["-n", &scene.ns, "scale", "deployment", "web", "--replicas=2"],
     )
     .await;
     let unplaced = |pods: &[Value]| -> Vec<String> {
@@ -1266,7 +1270,7 @@ async fn a_replica_kept_off_vn_a_by_an_exclusion_runs_there_once_lower_a_frees_u
             .filter(|p| node_of(p) == scene.vn_b && phase(p) == "Running")
             .count();
         let waiting = unplaced(&pods);
-        if on_b == 2 && waiting.len() == 1 {
+        if on_b == 1 && waiting.len() == 1 {
             Ok(())
         } else {
             Err(format!("{on_b} running on vn-b, unplaced {waiting:?}"))
@@ -1276,7 +1280,7 @@ async fn a_replica_kept_off_vn_a_by_an_exclusion_runs_there_once_lower_a_frees_u
     let stuck = unplaced(&scene.pods("app=web").await)[0].clone();
 
     // While lower-a still holds no 3-CPU pod, the unplaced replica is left alone: without the
-    // exclusion it would only wait on vn-a instead.
+    // exclusion it would only be refused on vn-a instead.
     tokio::time::sleep(Duration::from_secs(12)).await;
     let pods = scene.pods("app=web").await;
     assert_eq!(unplaced(&pods), vec![stuck.clone()], "the same replica waits");
@@ -1304,7 +1308,7 @@ async fn a_replica_kept_off_vn_a_by_an_exclusion_runs_there_once_lower_a_frees_u
                 .iter()
                 .filter(|p| node_of(p) == scene.vn_a && phase(p) == "Running" && !terminating(p))
                 .collect();
-            if on_a.len() == 1 && unplaced(&pods).is_empty() && pods.len() == 3 {
+            if on_a.len() == 1 && unplaced(&pods).is_empty() && pods.len() == 2 {
                 Ok(())
             } else {
                 Err(format!(
