@@ -339,7 +339,7 @@ fn before(t: Timestamp, d: Duration) -> Timestamp {
 }
 
 /// The protections that hold whatever the nodes and records say.
-fn protected(pod: &Pod, settings: &Settings) -> Result<Workload, Skip> {
+pub(crate) fn protected(pod: &Pod, settings: &Settings) -> Result<Workload, Skip> {
     let meta = &pod.metadata;
     let controller = meta
         .owner_references

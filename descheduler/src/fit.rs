@@ -74,13 +74,33 @@ pub fn takes(pod: &Pod, node: &Node, options: &Options) -> Take {
             taint.key
         )));
     }
+    if let Some(why) = unmatched(pod, node) {
+        return Take::No(NotFit::Upper(why));
+    }
+    match fit::judge(&PodFacts::of(pod), ShapeFacts::of(node).as_ref(), options).verdict {
+        Verdict::Rejected(why) => Take::No(NotFit::Shape(format!(
+            "no lower node of {name} holds the pod: {why}"
+        ))),
+        Verdict::Fits => Take::Fits,
+        Verdict::NotVirtual | Verdict::FailOpen(_) => Take::Unknown,
+    }
+}
+
+/// Whether `node` matches the pod's `nodeSelector` and required node affinity (the
+/// exclusions of ours it carries left out).
+pub fn matches_constraints(pod: &Pod, node: &Node) -> bool {
+    unmatched(pod, node).is_none()
+}
+
+/// Which of the pod's `nodeSelector` and required node affinity `node` does not match.
+fn unmatched(pod: &Pod, node: &Node) -> Option<String> {
+    let name = node.metadata.name.as_deref().unwrap_or_default();
+    let spec = pod.spec.as_ref()?;
     let empty = BTreeMap::new();
     let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
     for (k, v) in spec.node_selector.iter().flatten() {
         if labels.get(k) != Some(v) {
-            return Take::No(NotFit::Upper(format!(
-                "{name} does not match the pod's nodeSelector {k}={v}"
-            )));
+            return Some(format!("{name} does not match the pod's nodeSelector {k}={v}"));
         }
     }
     let terms = spec
@@ -90,18 +110,8 @@ pub fn takes(pod: &Pod, node: &Node, options: &Options) -> Take {
         .and_then(|na| na.required_during_scheduling_ignored_during_execution.as_ref())
         .map(|r| without_our_exclusions(&r.node_selector_terms, &excluded_by_us(pod)))
         .unwrap_or_default();
-    if !fit::terms_match(&terms, name, labels) {
-        return Take::No(NotFit::Upper(format!(
-            "{name} does not match the pod's required node affinity"
-        )));
-    }
-    match fit::judge(&PodFacts::of(pod), ShapeFacts::of(node).as_ref(), options).verdict {
-        Verdict::Rejected(why) => Take::No(NotFit::Shape(format!(
-            "no lower node of {name} holds the pod: {why}"
-        ))),
-        Verdict::Fits => Take::Fits,
-        Verdict::NotVirtual | Verdict::FailOpen(_) => Take::Unknown,
-    }
+    (!fit::terms_match(&terms, name, labels))
+        .then(|| format!("{name} does not match the pod's required node affinity"))
 }
 
 /// The terms with the webhook's own `kubernetes.io/hostname NotIn` values taken out: they

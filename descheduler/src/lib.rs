@@ -33,6 +33,7 @@ pub mod fit;
 pub mod job;
 pub mod metrics;
 pub mod pairs;
+pub mod rebalance;
 pub mod rounds;
 pub mod store;
 
@@ -170,6 +171,32 @@ pub struct Args {
     #[arg(long = "exclusions-configmap", env = "TENSILE_EXCLUSIONS_CONFIGMAP",
           default_value = exclusion::DEFAULT_LOCATION)]
     pub exclusions_configmap: Location,
+    /// Also move running pods back where their own constraints want them once a virtual
+    /// node has room again (topology spread, preferred node affinity): failback after a
+    /// lower cluster recovers. See "Failback and rebalancing" in docs/descheduler.md.
+    #[arg(long = "rebalance", env = "TENSILE_REBALANCE")]
+    pub rebalance: bool,
+    /// Pods of one workload that may be unavailable when rebalancing evicts one more.
+    #[arg(long = "rebalance-max-unavailable", env = "TENSILE_REBALANCE_MAX_UNAVAILABLE",
+          default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rebalance_max_unavailable: u32,
+    /// How long a virtual node must have been Ready before pods move back to it (`60s`,
+    /// `2m`, or seconds): a node that flaps never pulls pods.
+    #[arg(long = "rebalance-stabilization", env = "TENSILE_REBALANCE_STABILIZATION",
+          default_value = "60", value_parser = parse_seconds)]
+    pub rebalance_stabilization: Duration,
+    /// How long a rebalanced workload is left alone (`5m`, or seconds).
+    #[arg(long = "rebalance-cooldown", env = "TENSILE_REBALANCE_COOLDOWN",
+          default_value = "300", value_parser = parse_seconds)]
+    pub rebalance_cooldown: Duration,
+    /// Pods rebalancing evicts per round.
+    #[arg(long = "rebalance-max-per-round", env = "TENSILE_REBALANCE_MAX_PER_ROUND",
+          default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rebalance_max_per_round: u32,
+    /// Workloads rebalancing moves at once (each one pod at a time).
+    #[arg(long = "rebalance-max-owners", env = "TENSILE_REBALANCE_MAX_OWNERS",
+          default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rebalance_max_owners: u32,
     /// For tests only: abort the process right after this step of a bare-pod move, as
     /// `kill -9` would, to prove a restart finishes the move exactly once.
     #[arg(long = "crash-at", env = "TENSILE_CRASH_AT", hide = true, value_enum)]
@@ -225,6 +252,17 @@ impl Args {
                 .filter(|n| !n.is_empty())
                 .collect(),
         }
+    }
+
+    /// Rebalancing's settings (`None`: off).
+    pub fn rebalancing(&self) -> Option<rebalance::Settings> {
+        self.rebalance.then_some(rebalance::Settings {
+            max_unavailable: self.rebalance_max_unavailable,
+            stabilization: self.rebalance_stabilization,
+            cooldown: self.rebalance_cooldown,
+            max_per_round: self.rebalance_max_per_round,
+            max_owners: self.rebalance_max_owners,
+        })
     }
 
     pub fn caps(&self) -> Caps {
@@ -341,6 +379,16 @@ fn compose(
             .labels(&format!("{key}={value}")),
         &changed,
     );
+    // With --rebalance, the opted-in pods that run too: where they run is what is balanced.
+    let running = args.rebalance.then(|| {
+        watched::<Pod>(
+            Api::all(client.clone()),
+            watcher::Config::default()
+                .fields("status.phase=Running")
+                .labels(&format!("{key}={value}")),
+            &changed,
+        )
+    });
     // Bare pods' replacements in any phase: each pair must end with one pod.
     let (replacements, replacements_watch) = watched::<Pod>(
         Api::all(client.clone()),
@@ -380,6 +428,14 @@ fn compose(
         changed,
     );
     descheduler.crash_at = args.crash_at;
+    let running_watch = match (running, args.rebalancing()) {
+        (Some((cache, watch)), Some(settings)) => {
+            descheduler.rebalancing = Some(rounds::Rebalancing::new(cache, settings));
+            Some(watch)
+        }
+        _ => None,
+    };
+    let running_cache = descheduler.rebalancing.as_ref().map(|r| r.running.clone());
     tracing::info!(
         node_selector = %args.node_selector,
         exclusions = %location,
@@ -393,6 +449,9 @@ fn compose(
             replacements.synced().await;
             nodes.synced().await;
             exclusions_cache.synced().await;
+            if let Some(running) = &running_cache {
+                running.synced().await;
+            }
         };
         if stop.run_until_cancelled(synced).await.is_none() {
             return;
@@ -402,6 +461,9 @@ fn compose(
     });
     tasks.spawn("the pod watch", pods_watch);
     tasks.spawn("the replacements watch", replacements_watch);
+    if let Some(watch) = running_watch {
+        tasks.spawn("the running pods watch", watch);
+    }
     tasks.spawn("the node watch", nodes_watch);
     tasks.spawn("the exclusions watch", exclusions_watch);
 }
@@ -464,6 +526,34 @@ mod tests {
         // The webhook's defaults: the same pods are opted in, the same namespaces left out.
         assert_eq!(s.pod_label, ("virtual-pod".to_owned(), "true".to_owned()));
         assert_eq!(s.excluded_namespaces.iter().collect::<Vec<_>>(), ["kube-system"]);
+    }
+
+    #[test]
+    fn rebalancing_is_off_unless_asked_and_reads_its_budget() {
+        let args = Args::try_parse_from(["descheduler"]).unwrap();
+        assert!(args.rebalancing().is_none());
+        let args = Args::try_parse_from([
+            "descheduler",
+            "--rebalance",
+            "--rebalance-stabilization=2m",
+            "--rebalance-cooldown=10m",
+            "--rebalance-max-unavailable=2",
+            "--rebalance-max-per-round=3",
+            "--rebalance-max-owners=4",
+        ])
+        .unwrap();
+        let r = args.rebalancing().unwrap();
+        assert_eq!(r.stabilization, Duration::from_secs(120));
+        assert_eq!(r.cooldown, Duration::from_secs(600));
+        assert_eq!((r.max_unavailable, r.max_per_round, r.max_owners), (2, 3, 4));
+        let d = Args::try_parse_from(["descheduler", "--rebalance"])
+            .unwrap()
+            .rebalancing()
+            .unwrap();
+        assert_eq!(d.stabilization, Duration::from_secs(60));
+        assert_eq!(d.cooldown, Duration::from_secs(300));
+        assert_eq!((d.max_unavailable, d.max_per_round, d.max_owners), (1, 5, 1));
+        assert!(Args::try_parse_from(["descheduler", "--rebalance-max-unavailable=0"]).is_err());
     }
 
     #[test]

@@ -18,6 +18,13 @@ pub struct MoveLabels {
     pub namespace: String,
 }
 
+/// `reason`: `spread` or `preferred`; `result` as for moves.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RebalanceLabels {
+    pub reason: String,
+    pub result: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NodeLabels {
     pub virtual_node: String,
@@ -43,6 +50,8 @@ pub struct Metrics {
     pub exclusions_swept: Counter,
     pub gave_up: Family<ResultLabels, Counter>,
     pub released: Family<ResultLabels, Counter>,
+    pub rebalanced: Family<RebalanceLabels, Counter>,
+    pub rebalance_held: Family<ReasonLabels, Gauge>,
     pub cycle_seconds: Histogram,
     pub cycles: Counter,
 }
@@ -59,6 +68,8 @@ impl Metrics {
             exclusions_swept: Counter::default(),
             gave_up: Family::default(),
             released: Family::default(),
+            rebalanced: Family::default(),
+            rebalance_held: Family::default(),
             cycle_seconds: Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0]),
             cycles: Counter::default(),
         };
@@ -109,6 +120,16 @@ impl Metrics {
             m.released.clone(),
         );
         r.register(
+            "pods_rebalanced",
+            "Running pods evicted to restore their workload's spread or preferred node, by reason and result",
+            m.rebalanced.clone(),
+        );
+        r.register(
+            "rebalance_held",
+            "Workloads that would be rebalanced but were held back at the last round, by reason",
+            m.rebalance_held.clone(),
+        );
+        r.register(
             "cycle_duration_seconds",
             "Duration of one descheduling round",
             m.cycle_seconds.clone(),
@@ -124,6 +145,15 @@ impl Metrics {
                 reason: reason.into(),
                 virtual_node: node.into(),
                 namespace: namespace.into(),
+            })
+            .inc();
+    }
+
+    pub fn rebalanced(&self, reason: &str, result: &str) {
+        self.rebalanced
+            .get_or_create(&RebalanceLabels {
+                reason: reason.into(),
+                result: result.into(),
             })
             .inc();
     }

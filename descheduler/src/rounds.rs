@@ -31,6 +31,7 @@ use crate::evict::{self, Evicted};
 use crate::job;
 use crate::metrics::{Metrics, NodeLabels, ReasonLabels, ResultLabels};
 use crate::pairs::{self, PairStep};
+use crate::rebalance;
 use crate::store::Store;
 
 /// The per-round caps (`0`: none).
@@ -40,6 +41,27 @@ pub struct Caps {
     pub per_namespace: u32,
     pub per_node: u32,
     pub per_owner: u32,
+}
+
+/// Rebalancing's part of the state (`--rebalance`).
+pub struct Rebalancing {
+    /// Running pods that opted in.
+    pub running: Cache<Pod>,
+    pub settings: rebalance::Settings,
+    memory: Mutex<rebalance::Memory>,
+    /// Why each held workload was last logged as held (logged once until it changes).
+    told: Mutex<HashMap<String, &'static str>>,
+}
+
+impl Rebalancing {
+    pub fn new(running: Cache<Pod>, settings: rebalance::Settings) -> Self {
+        Self {
+            running,
+            settings,
+            memory: Mutex::default(),
+            told: Mutex::default(),
+        }
+    }
 }
 
 /// Everything a round needs.
@@ -65,6 +87,8 @@ pub struct Descheduler {
     pub(crate) settled: Mutex<HashSet<String>>,
     /// For tests: abort the process at this step of a bare-pod move.
     pub crash_at: Option<bare::Step>,
+    /// `--rebalance`.
+    pub rebalancing: Option<Rebalancing>,
 }
 
 /// First retry of a pod after an API error; doubles up to [`MAX_BACKOFF`].
@@ -106,6 +130,7 @@ impl Descheduler {
             told: Mutex::default(),
             settled: Mutex::default(),
             crash_at: None,
+            rebalancing: None,
         }
     }
 
@@ -232,6 +257,9 @@ impl Descheduler {
                     self.release(&pod, &r, now, &mut exclusions).await;
                 }
             }
+        }
+        if let Some(r) = &self.rebalancing {
+            self.rebalance(r, &pods, &nodes, &exclusions).await;
         }
         for (node, n) in candidates {
             self.metrics
@@ -361,6 +389,101 @@ impl Descheduler {
                 tracing::info!(pod = %format!("{ns}/{name}"), "eviction refused for now: {why}");
             }
             Err(e) => self.failed(pod, &m.refusal.reason, node, &e).await,
+        }
+    }
+
+    /// Moves running pods back where their constraints want them (see [`crate::rebalance`]).
+    async fn rebalance(
+        &self,
+        r: &Rebalancing,
+        pending: &[Arc<Pod>],
+        nodes: &BTreeMap<String, Node>,
+        exclusions: &Exclusions,
+    ) {
+        // A pod changing phase may show in both caches for a moment: once each.
+        let mut seen = HashSet::new();
+        let pods: Vec<Arc<Pod>> = r
+            .running
+            .state()
+            .into_iter()
+            .chain(pending.iter().cloned())
+            .filter(|p| seen.insert(p.metadata.uid.clone()))
+            .collect();
+        let now = Timestamp::now();
+        let plan = match r.memory.lock() {
+            Ok(mut memory) => rebalance::plan(
+                &pods,
+                nodes,
+                exclusions,
+                &mut memory,
+                now,
+                &r.settings,
+                self.settings.shape_max_age,
+                &self.settings,
+            ),
+            Err(_) => return,
+        };
+        let mut held: BTreeMap<&'static str, i64> = BTreeMap::new();
+        if let Ok(mut told) = r.told.lock() {
+            let now_held: HashSet<&str> = plan.held.iter().map(|(uid, _, _)| uid.as_str()).collect();
+            told.retain(|uid, _| now_held.contains(uid.as_str()));
+            for (uid, owner, why) in &plan.held {
+                *held.entry(why.label()).or_default() += 1;
+                if told.insert(uid.clone(), why.label()) != Some(why.label()) {
+                    tracing::info!(workload = %owner, "not rebalanced for now: {why}");
+                }
+            }
+        }
+        for label in rebalance::Held::LABELS {
+            self.metrics
+                .rebalance_held
+                .get_or_create(&ReasonLabels { reason: label.into() })
+                .set(held.get(label).copied().unwrap_or(0));
+        }
+        for m in &plan.moves {
+            let pod = &m.pod;
+            let ns = pod.metadata.namespace.clone().unwrap_or_default();
+            let name = pod.metadata.name.clone().unwrap_or_default();
+            let from = pod
+                .spec
+                .as_ref()
+                .and_then(|s| s.node_name.clone())
+                .unwrap_or_default();
+            let note = format!(
+                "{}: evicted from {from} so {} recreates it, toward {}",
+                m.reason, m.owner, m.target
+            );
+            if self.dry_run {
+                tracing::info!(pod = %format!("{ns}/{name}"), "dry run: would rebalance: {note}");
+                self.metrics.rebalanced(m.reason.label(), "dry_run");
+                continue;
+            }
+            let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
+            match evict::evict(&api, pod).await {
+                Ok(Evicted::Accepted) => {
+                    if let Ok(mut memory) = r.memory.lock() {
+                        memory.moved(&m.workload, Timestamp::now());
+                    }
+                    self.metrics.rebalanced(m.reason.label(), "success");
+                    tracing::info!(pod = %format!("{ns}/{name}"), "rebalanced: {note}");
+                    self.event(pod.object_ref(&()), EventType::Normal, "Rebalanced", &note)
+                        .await;
+                }
+                Ok(Evicted::Gone) => {}
+                Ok(Evicted::Changed(why)) => {
+                    self.metrics.rebalanced(m.reason.label(), "changed");
+                    tracing::debug!(pod = %format!("{ns}/{name}"), "not rebalanced: it changed ({why})");
+                }
+                Ok(Evicted::Refused(why)) => {
+                    // A PodDisruptionBudget (or the apiserver's throttle) says not now.
+                    self.metrics.rebalanced(m.reason.label(), "limited");
+                    tracing::info!(pod = %format!("{ns}/{name}"), "not rebalanced for now: {why}");
+                }
+                Err(e) => {
+                    self.metrics.rebalanced(m.reason.label(), "error");
+                    tracing::warn!(pod = %format!("{ns}/{name}"), "rebalancing: {e}");
+                }
+            }
         }
     }
 

@@ -1,0 +1,376 @@
+//! Failback end to end: an upper cluster, lower-a and lower-b (simulated nodes of 8 CPUs),
+//! a virtual node over each (in process), and the `descheduler` binary with `--rebalance`.
+//! A spread Deployment and one that prefers vn-a run; lower-a's apiserver stops until their
+//! pods run on vn-b, then starts again; the test watches, with kubectl, the spread and the
+//! preference come back within the budget, and nothing move afterwards.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tensile_e2e::check::{apply, kubectl};
+use tensile_e2e::descheduler::{DeschedulerProcess, metric_sum};
+use tensile_e2e::in_process;
+use tensile_e2e::wait::until;
+use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
+
+/// Label of this bed's virtual nodes.
+const VN_KEY: &str = "tensile-e2e-vn";
+const NS: &str = "failback";
+
+async fn wait<F, Fut>(what: &str, secs: u64, probe: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), String>>,
+{
+    if let Err(e) = until(what, Duration::from_secs(secs), Duration::from_millis(250), probe).await {
+        panic!("{e}");
+    }
+}
+
+async fn pods(up: &Path, selector: &str) -> Vec<Value> {
+    let out = kubectl(up, &["-n", NS, "get", "pods", "-l", selector, "-o", "json"]).await;
+    let v: Value = serde_json::from_str(&out).unwrap();
+    v["items"].as_array().cloned().unwrap_or_default()
+}
+
+fn node_of(p: &Value) -> &str {
+    p["spec"]["nodeName"].as_str().unwrap_or_default()
+}
+
+fn ready(p: &Value) -> bool {
+    p["metadata"]["deletionTimestamp"].is_null()
+        && p["status"]["phase"] == "Running"
+        && p["status"]["conditions"]
+            .as_array()
+            .is_some_and(|c| c.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"))
+}
+
+/// Ready pods of `app` per node.
+async fn spread(up: &Path, app: &str) -> BTreeMap<String, usize> {
+    let mut out = BTreeMap::new();
+    for p in pods(up, &format!("app={app}")).await.iter().filter(|p| ready(p)) {
+        *out.entry(node_of(p).to_owned()).or_default() += 1;
+    }
+    out
+}
+
+/// `kubectl get pods --watch` of the namespace: every change as kubectl shows it, so the
+/// fewest Ready pods of each app at any moment are known, not only at samples.
+struct ReadyWatch {
+    child: std::process::Child,
+    /// The fewest Ready pods per app seen since [`ReadyWatch::reset`].
+    lowest: std::sync::Arc<std::sync::Mutex<BTreeMap<String, usize>>>,
+}
+
+impl ReadyWatch {
+    fn start(up: &Path) -> ReadyWatch {
+        let mut child = std::process::Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(up)
+            .args([
+                "-n",
+                NS,
+                "get",
+                "pods",
+                "--watch",
+                "--output-watch-events",
+                "-o",
+                "json",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let lowest = std::sync::Arc::new(std::sync::Mutex::new(BTreeMap::new()));
+        let seen = lowest.clone();
+        std::thread::spawn(move || {
+            let mut pods: BTreeMap<String, (String, bool)> = BTreeMap::new();
+            for event in serde_json::Deserializer::from_reader(stdout).into_iter::<Value>() {
+                let Ok(event) = event else { return };
+                let p = &event["object"];
+                let uid = p["metadata"]["uid"].as_str().unwrap_or_default().to_owned();
+                let app = p["metadata"]["labels"]["app"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned();
+                if event["type"] == "DELETED" {
+                    pods.remove(&uid);
+                } else {
+                    pods.insert(uid, (app, ready(p)));
+                }
+                let mut now: BTreeMap<String, usize> = BTreeMap::new();
+                for (app, ready) in pods.values() {
+                    *now.entry(app.clone()).or_default() += usize::from(*ready);
+                }
+                let mut lowest = seen.lock().unwrap();
+                for (app, n) in now {
+                    let l = lowest.entry(app).or_insert(usize::MAX);
+                    *l = (*l).min(n);
+                }
+            }
+        });
+        ReadyWatch { child, lowest }
+    }
+
+    fn reset(&self) {
+        self.lowest.lock().unwrap().clear();
+    }
+
+    fn lowest(&self, app: &str) -> usize {
+        self.lowest
+            .lock()
+            .unwrap()
+            .get(app)
+            .copied()
+            .unwrap_or(usize::MAX)
+    }
+}
+
+impl Drop for ReadyWatch {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A Deployment of `replicas` opted-in pods on this bed's virtual nodes, evicted 5 s after
+/// their node turns NotReady or unreachable, with `extra` merged into the pod spec.
+fn deployment(name: &str, replicas: u32, extra: Value) -> String {
+    let mut spec = json!({
+        "terminationGracePeriodSeconds": 2,
+        "nodeSelector": {"type": "virtual-kubelet", VN_KEY: NS},
+        "tolerations": [
+            {"key": "virtual-kubelet.io/provider", "operator": "Exists"},
+            {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 5},
+            {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 5},
+        ],
+        "containers": [{"name": "app", "image": "nginx", "resources": {"requests": {"cpu": "100m"}}}],
+    });
+    if let (Some(s), Some(e)) = (spec.as_object_mut(), extra.as_object()) {
+        s.extend(e.clone());
+    }
+    json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name, "virtual-pod": "true"}}, "spec": spec}},
+    })
+    .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_stay() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let (upper, lower_a, lower_b) = tokio::join!(
+        TestCluster::start(ClusterOptions::new("rebalance", "upper")),
+        TestCluster::start(ClusterOptions::new("rebalance", "lower-a")),
+        TestCluster::start(ClusterOptions::new("rebalance", "lower-b")),
+    );
+    let (upper, lower_a, lower_b) = (upper.unwrap(), lower_a.unwrap(), lower_b.unwrap());
+    let up = upper.kubeconfig().to_owned();
+    tensile_e2e::chart::install_exclusion_records(&up).await.unwrap();
+    let mut sims = Vec::new();
+    for (name, lower) in [("lower-a", &lower_a), ("lower-b", &lower_b)] {
+        let nodes = (0..2)
+            .map(|i| {
+                NodeConfig::new(&format!("{name}-{i}"))
+                    .resource("cpu", "8")
+                    .resource("memory", "16Gi")
+            })
+            .collect();
+        let sim = NodeSimulator::start(
+            lower.client().await.unwrap(),
+            SimulatorOptions::new(name, Some(lower.kubelet_client_ca_pem())),
+            nodes,
+        )
+        .await
+        .unwrap();
+        sims.push(sim);
+    }
+    let node = |name: &str, lower: &TestCluster| {
+        let mut args = in_process::options(&upper, name, lower).unwrap();
+        args.node_labels = vec![(VN_KEY.to_owned(), NS.to_owned())];
+        in_process::VirtualNode::run(args)
+    };
+    let _nodes = [node("vn-a", &lower_a), node("vn-b", &lower_b)];
+    for vn in ["vn-a", "vn-b"] {
+        wait(&format!("{vn} Ready"), 60, || async {
+            let ready = upper
+                .kubectl(&[
+                    "get",
+                    "node",
+                    vn,
+                    "-o",
+                    r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
+                ])
+                .await;
+            if ready.stdout.trim() == "True" {
+                Ok(())
+            } else {
+                Err(format!("{} {}", ready.stdout, ready.stderr))
+            }
+        })
+        .await;
+    }
+    upper.create_namespace(NS).await.unwrap();
+
+    // Four replicas spread over the virtual nodes (ScheduleAnyway), two that prefer vn-a.
+    apply(
+        &up,
+        &deployment(
+            "spread",
+            4,
+            json!({"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": {"app": "spread"}}}]}),
+        ),
+    )
+    .await;
+    apply(
+        &up,
+        &deployment(
+            "prefer",
+            2,
+            json!({"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 100, "preference": {"matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "In", "values": ["vn-a"]}]}}]}}}),
+        ),
+    )
+    .await;
+    let balanced = |s: &BTreeMap<String, usize>, p: &BTreeMap<String, usize>| {
+        s.get("vn-a") == Some(&2) && s.get("vn-b") == Some(&2) && p.get("vn-a") == Some(&2)
+    };
+    wait(
+        "the first placement: 2 + 2 spread, both preferring pods on vn-a",
+        90,
+        || async {
+            let (s, p) = (spread(&up, "spread").await, spread(&up, "prefer").await);
+            if balanced(&s, &p) {
+                Ok(())
+            } else {
+                Err(format!("spread {s:?}, prefer {p:?}"))
+            }
+        },
+    )
+    .await;
+
+    let descheduler = DeschedulerProcess::start(
+        &upper,
+        &[
+            format!("--node-selector=type=virtual-kubelet,{VN_KEY}={NS}"),
+            format!("--exclusions-configmap={NS}/exclusions"),
+            "--descheduling-interval=2s".to_owned(),
+            "--rebalance".to_owned(),
+            "--rebalance-stabilization=10".to_owned(),
+            "--rebalance-cooldown=120".to_owned(),
+        ],
+        "rebalance",
+    )
+    .unwrap();
+    descheduler.wait_ready(Duration::from_secs(30)).await.unwrap();
+
+    // Lower-a goes away: its pods are evicted upstream and their replacements run on vn-b.
+    lower_a.stop_apiserver();
+    wait("every Ready pod on vn-b", 120, || async {
+        let (s, p) = (spread(&up, "spread").await, spread(&up, "prefer").await);
+        if s.get("vn-b") == Some(&4) && p.get("vn-b") == Some(&2) {
+            Ok(())
+        } else {
+            Err(format!("spread {s:?}, prefer {p:?}"))
+        }
+    })
+    .await;
+
+    // Lower-a comes back.
+    let watch = ReadyWatch::start(&up);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    watch.reset();
+    lower_a.start_apiserver().await.unwrap();
+    let back = Instant::now();
+    let back_at = jiff::Timestamp::now();
+    let mut stale_gone = None;
+    let deadline = Duration::from_secs(180);
+    loop {
+        let (s, p) = (spread(&up, "spread").await, spread(&up, "prefer").await);
+        if stale_gone.is_none() {
+            // Lower-a may refuse connections for a moment after its start.
+            let out = lower_a.kubectl(&["-n", NS, "get", "pods", "-o", "name"]).await;
+            if out.ok && out.stdout.trim().is_empty() {
+                stale_gone = Some(back.elapsed());
+            }
+        }
+        if balanced(&s, &p) {
+            break;
+        }
+        assert!(
+            back.elapsed() < deadline,
+            "not rebalanced {deadline:?} after lower-a came back: spread {s:?}, prefer {p:?}\n{}",
+            descheduler.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let restored = back.elapsed();
+    let (lowest_spread, lowest_prefer) = (watch.lowest("spread"), watch.lowest("prefer"));
+    assert!(
+        lowest_spread >= 3 && lowest_prefer >= 1,
+        "at most one pod of a workload unavailable: lowest Ready spread {lowest_spread}/4, prefer {lowest_prefer}/2"
+    );
+    let m = descheduler.metrics().await;
+    let moved = |reason: &str| {
+        metric_sum(
+            &m,
+            "tensile_descheduler_pods_rebalanced_total",
+            &[("reason", reason), ("result", "success")],
+        )
+    };
+    assert_eq!((moved("spread"), moved("preferred")), (2.0, 2.0), "{m}");
+    let events = kubectl(
+        &up,
+        &[
+            "-n",
+            NS,
+            "get",
+            "events",
+            "--field-selector",
+            "reason=Rebalanced",
+            "-o",
+            "json",
+        ],
+    )
+    .await;
+    let events: Value = serde_json::from_str(&events).unwrap();
+    assert_eq!(events["items"].as_array().map(Vec::len), Some(4), "{events}");
+    let mut moved_at: Vec<f64> = events["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["firstTimestamp"].as_str().or(e["eventTime"].as_str()))
+        .filter_map(|t| t.parse::<jiff::Timestamp>().ok())
+        .map(|t| t.duration_since(back_at).as_secs_f64())
+        .collect();
+    moved_at.sort_by(f64::total_cmp);
+    // Nothing moves afterwards (the cool-down is 120 s).
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let after = descheduler.metrics().await;
+    let total = |m: &str| {
+        metric_sum(
+            m,
+            "tensile_descheduler_pods_rebalanced_total",
+            &[("result", "success")],
+        )
+    };
+    assert_eq!(total(&after), total(&m), "{after}");
+    let (s, p) = (spread(&up, "spread").await, spread(&up, "prefer").await);
+    assert!(balanced(&s, &p), "still balanced: spread {s:?}, prefer {p:?}");
+    println!(
+        "figure: failback, lower-a back -> stale lower pods gone {}, first move at {:.1} s, last at {:.1} s, spread and preference restored in {:.1} s (stabilization 10 s; 4 moves, one workload at a time; fewest Ready {lowest_spread}/4 and {lowest_prefer}/2)",
+        stale_gone.map_or("not seen".to_owned(), |d| format!("in {:.1} s", d.as_secs_f64())),
+        moved_at.first().copied().unwrap_or_default(),
+        moved_at.last().copied().unwrap_or_default(),
+        restored.as_secs_f64()
+    );
+    drop(sims);
+}
