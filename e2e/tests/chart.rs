@@ -1024,6 +1024,41 @@ fn container_args(deployment: &serde_json::Value) -> Vec<String> {
         .collect()
 }
 
+/// Failback is off by default; `descheduler.rebalance.enabled` turns it on with its budget.
+#[tokio::test]
+async fn enabling_rebalance_passes_its_budget_to_the_descheduler() {
+    let up = &bed().upper;
+    let flags = |objects: &[serde_json::Value]| -> Vec<String> {
+        container_args(object(objects, "Deployment", "rb-tensile-descheduler"))
+            .into_iter()
+            .filter(|a| a.starts_with("--rebalance"))
+            .collect()
+    };
+    assert!(flags(&rendered(up, "rb", &[]).await).is_empty());
+    let on = rendered(
+        up,
+        "rb",
+        &[
+            "--set",
+            "descheduler.rebalance.enabled=true",
+            "--set",
+            "descheduler.rebalance.stabilizationSeconds=90",
+        ],
+    )
+    .await;
+    assert_eq!(
+        flags(&on),
+        [
+            "--rebalance",
+            "--rebalance-max-unavailable=1",
+            "--rebalance-stabilization=90",
+            "--rebalance-cooldown=300",
+            "--rebalance-max-owners=1",
+            "--rebalance-max-per-round=5",
+        ]
+    );
+}
+
 /// Enabling the multi-scheduler hands the opted-in pods to it: the webhook sets their
 /// `schedulerName` to the multi-scheduler's (`--scheduler-name`), in either mode, and to
 /// nothing when it is off. In extender mode the multi-scheduler may read pods (what
