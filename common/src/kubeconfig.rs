@@ -84,6 +84,11 @@ pub struct ClientOptions {
     pub fence: Option<Leadership>,
     /// Sent as `User-Agent`, so the apiserver's audit log names the process.
     pub user_agent: Option<String>,
+    /// Whether the client itself repeats calls answered 429, 503 or 504 (kube's server
+    /// retry, within the deadline). Off for a caller that acts on a 429 itself: the
+    /// Eviction API answers 429 when a PodDisruptionBudget allows no eviction, and
+    /// repeating that only runs into the deadline.
+    pub server_retry: bool,
 }
 
 impl Default for ClientOptions {
@@ -100,6 +105,7 @@ impl ClientArgs {
             connect_timeout: Duration::from_secs(self.connect_timeout),
             request_timeout: Duration::from_secs(self.request_timeout),
             fence: None,
+            server_retry: true,
             user_agent: None,
         }
     }
@@ -126,6 +132,7 @@ pub async fn config_from_file(path: &Path, options: &ClientOptions) -> Result<ku
 }
 
 fn tune(config: &mut kube::Config, options: &ClientOptions) {
+    config.default_retry = options.server_retry;
     config.connect_timeout = Some(options.connect_timeout);
     config.write_timeout = Some(options.request_timeout);
     if let Some(agent) = &options.user_agent
@@ -248,6 +255,19 @@ impl ClientSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_clients_own_retry_of_429_is_on_by_default_and_off_when_the_caller_acts_on_it() {
+        let mut config = kube::Config::new("https://127.0.0.1:6443".parse().unwrap());
+        tune(&mut config, &ClientOptions::default());
+        assert!(config.default_retry);
+        let options = ClientOptions {
+            server_retry: false,
+            ..ClientOptions::default()
+        };
+        tune(&mut config, &options);
+        assert!(!config.default_retry);
+    }
 
     #[tokio::test]
     async fn a_missing_kubeconfig_names_the_path() {

@@ -311,6 +311,10 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
     let leadership = Leadership::of(&election);
     let options = ClientOptions {
         user_agent: Some(format!("tensile-descheduler ({replica})")),
+        // A 429 from the Eviction API is a disruption budget's (or the apiserver's) "not
+        // now", which a round acts on: counted as `limited`, the workload tried later and
+        // others moved meanwhile. Repeated inside the client it only ran into the deadline.
+        server_retry: false,
         ..args.client.options()
     };
     let mut source = kubeconfig::ClientSource::new(args.kubeconfig.as_deref(), &options).await?;

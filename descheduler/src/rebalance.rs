@@ -137,6 +137,8 @@ pub enum Held {
     Budget,
     /// The pod it moved last is not replaced by a Ready pod yet.
     Replacing,
+    /// Its last eviction was refused (its PodDisruptionBudget allows none now).
+    Disruption,
 }
 
 impl Held {
@@ -149,16 +151,18 @@ impl Held {
             Held::NoFit => "no_fit",
             Held::Budget => "budget",
             Held::Replacing => "replacing",
+            Held::Disruption => "disruption_budget",
         }
     }
 
-    pub const LABELS: [&'static str; 6] = [
+    pub const LABELS: [&'static str; 7] = [
         "unavailable",
         "stabilizing",
         "cooling_down",
         "no_fit",
         "budget",
         "replacing",
+        "disruption_budget",
     ];
 }
 
@@ -171,6 +175,7 @@ impl std::fmt::Display for Held {
             Held::NoFit => write!(f, "no node it should go to holds it by its capacity shape"),
             Held::Budget => write!(f, "the round's budget is spent"),
             Held::Replacing => write!(f, "the pod it moved last is not replaced by a Ready pod yet"),
+            Held::Disruption => write!(f, "its PodDisruptionBudget refused the last eviction"),
         }
     }
 }
@@ -190,6 +195,8 @@ struct Episode {
     cool_until: Option<Timestamp>,
     /// When its last pod was evicted, until a pod of it created since is Ready.
     awaiting: Option<Timestamp>,
+    /// Until when it is not tried: its last eviction was refused (a PodDisruptionBudget).
+    refused_until: Option<Timestamp>,
 }
 
 /// How long a moved pod's replacement is awaited before the workload may move again
@@ -209,6 +216,17 @@ impl Memory {
         let e = self.episodes.entry(workload.to_owned()).or_default();
         e.moves += 1;
         e.awaiting = Some(now);
+        e.refused_until = None;
+    }
+
+    /// Records that the eviction of a pod of `workload` was refused (429: its
+    /// PodDisruptionBudget allows none now): it is not tried again before `until`, and
+    /// other workloads go meanwhile.
+    pub fn refused(&mut self, workload: &str, until: Timestamp) {
+        self.episodes
+            .entry(workload.to_owned())
+            .or_default()
+            .refused_until = Some(until);
     }
 
     /// Forgets workloads that are gone, and those whose cool-down is over.
@@ -642,6 +660,7 @@ pub fn plan(
                             moves: episode.moves,
                             cool_until: Some(now.saturating_add(cooldown).unwrap_or(Timestamp::MAX)),
                             awaiting: None,
+                            refused_until: None,
                         },
                     );
                 }
@@ -662,6 +681,10 @@ pub fn plan(
             plan.held.push((w.uid.clone(), w.owner.clone(), Held::Replacing));
             continue;
         }
+        if episode.refused_until.is_some_and(|until| until > now) {
+            plan.held.push((w.uid.clone(), w.owner.clone(), Held::Disruption));
+            continue;
+        }
         if episode.moves >= w.pods.len() as u32 && episode.moves > 0 {
             // As many moves as it has pods and still not balanced: stop for the cool-down.
             memory.episodes.insert(
@@ -670,6 +693,7 @@ pub fn plan(
                     moves: episode.moves,
                     cool_until: Some(now.saturating_add(cooldown).unwrap_or(Timestamp::MAX)),
                     awaiting: None,
+                    refused_until: None,
                 },
             );
             plan.held
@@ -1035,6 +1059,35 @@ mod tests {
             &settings,
         );
         assert!(p.moves.is_empty() && p.held.is_empty(), "{p:?}");
+    }
+
+    #[test]
+    fn a_workload_whose_disruption_budget_refuses_lets_the_others_go_meanwhile() {
+        let roomy = nodes(vec![
+            node("vn-a", Some(at(-600)), "8", at(0)),
+            node("vn-b", Some(at(-3600)), "8", at(0)),
+        ]);
+        let mut pods: Vec<Arc<Pod>> = (0..2)
+            .map(|i| pod("api", i, Some("vn-b"), State::Running, Some("vn-a")))
+            .collect();
+        pods.extend((0..2).map(|i| pod("web", i, Some("vn-b"), State::Running, Some("vn-a"))));
+        let mut memory = Memory::default();
+        let settings = Settings::default();
+        let p = run(&pods, &roomy, &mut memory, at(0), &settings);
+        assert_eq!(p.moves.len(), 1);
+        let guarded = p.moves[0].workload.clone();
+        assert_eq!(guarded, "api-uid");
+        // Its eviction is refused (429): the next round moves the other workload.
+        memory.refused(&guarded, at(30));
+        let p = run(&pods, &roomy, &mut memory, at(2), &settings);
+        assert_eq!(
+            p.moves.iter().map(|m| m.workload.as_str()).collect::<Vec<_>>(),
+            ["web-uid"]
+        );
+        assert!(held(&p).contains(&Held::Disruption), "{p:?}");
+        // After the pause it is tried again.
+        let p = run(&pods, &roomy, &mut memory, at(31), &settings);
+        assert_eq!(p.moves[0].workload, "api-uid");
     }
 
     /// The UID of the pod the plan moved for `workload`.

@@ -94,6 +94,8 @@ pub struct Descheduler {
 /// First retry of a pod after an API error; doubles up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_secs(5);
 const MAX_BACKOFF: Duration = Duration::from_secs(300);
+/// How long a workload whose eviction was refused is left out of rebalancing, at least.
+const REFUSED_PAUSE: Duration = Duration::from_secs(10);
 /// Events arriving together are handled in one round.
 const SETTLE: Duration = Duration::from_millis(300);
 
@@ -475,15 +477,33 @@ impl Descheduler {
                     tracing::debug!(pod = %format!("{ns}/{name}"), "not rebalanced: it changed ({why})");
                 }
                 Ok(Evicted::Refused(why)) => {
-                    // A PodDisruptionBudget (or the apiserver's throttle) says not now.
+                    // A PodDisruptionBudget (or the apiserver's throttle) says not now: the
+                    // workload waits an interval, and others go meanwhile.
+                    self.pause(r, &m.workload);
                     self.metrics.rebalanced(m.reason.label(), "limited");
                     tracing::info!(pod = %format!("{ns}/{name}"), "not rebalanced for now: {why}");
                 }
                 Err(e) => {
+                    // As for a refusal: the workload waits an interval, others go meanwhile.
+                    self.pause(r, &m.workload);
                     self.metrics.rebalanced(m.reason.label(), "error");
                     tracing::warn!(pod = %format!("{ns}/{name}"), "rebalancing: {e}");
                 }
             }
+        }
+    }
+
+    /// After a refused or failed eviction, `workload` is not tried for a round interval
+    /// (at least [`REFUSED_PAUSE`]) from now, and other workloads go meanwhile.
+    fn pause(&self, r: &Rebalancing, workload: &str) {
+        let pause = self.interval.max(REFUSED_PAUSE);
+        let now = Timestamp::now();
+        let until = jiff::SignedDuration::try_from(pause)
+            .ok()
+            .and_then(|p| now.checked_add(p).ok())
+            .unwrap_or(now);
+        if let Ok(mut memory) = r.memory.lock() {
+            memory.refused(workload, until);
         }
     }
 

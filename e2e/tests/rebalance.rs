@@ -240,6 +240,27 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
         ),
     )
     .await;
+    // Two more that prefer vn-a, whose PodDisruptionBudget allows no eviction: they stay
+    // where they are, and do not hold the others back.
+    apply(
+        &up,
+        &deployment(
+            "guarded",
+            2,
+            json!({"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 100, "preference": {"matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "In", "values": ["vn-a"]}]}}]}}}),
+        ),
+    )
+    .await;
+    apply(
+        &up,
+        &json!({"apiVersion": "policy/v1beta1", "kind": "PodDisruptionBudget",
+            "metadata": {"name": "guarded", "namespace": NS},
+            "spec": {"minAvailable": 2, "selector": {"matchLabels": {"app": "guarded"}}}})
+        .to_string(),
+    )
+    .await;
     let balanced = |s: &BTreeMap<String, usize>, p: &BTreeMap<String, usize>| {
         s.get("vn-a") == Some(&2) && s.get("vn-b") == Some(&2) && p.get("vn-a") == Some(&2)
     };
@@ -264,7 +285,10 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
             format!("--exclusions-configmap={NS}/exclusions"),
             "--descheduling-interval=2s".to_owned(),
             "--rebalance".to_owned(),
-            "--rebalance-stabilization=10".to_owned(),
+            // Longer than the lower control plane's node-monitor grace period (40 s): after its
+            // restart, lower-a's node controller still trusts its nodes' last heartbeats for
+            // that long, so its shape may say "fits" before its nodes are known Ready again.
+            "--rebalance-stabilization=45".to_owned(),
             "--rebalance-cooldown=120".to_owned(),
         ],
         "rebalance",
@@ -276,7 +300,8 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
     lower_a.stop_apiserver();
     wait("every Ready pod on vn-b", 120, || async {
         let (s, p) = (spread(&up, "spread").await, spread(&up, "prefer").await);
-        if s.get("vn-b") == Some(&4) && p.get("vn-b") == Some(&2) {
+        let g = spread(&up, "guarded").await;
+        if s.get("vn-b") == Some(&4) && p.get("vn-b") == Some(&2) && g.get("vn-b") == Some(&2) {
             Ok(())
         } else {
             Err(format!("spread {s:?}, prefer {p:?}"))
@@ -327,6 +352,43 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
         )
     };
     assert_eq!((moved("spread"), moved("preferred")), (2.0, 2.0), "{m}");
+    let guarded = spread(&up, "guarded").await;
+    assert_eq!(
+        guarded.get("vn-b"),
+        Some(&2),
+        "the guarded pods stay: {guarded:?}"
+    );
+    // The guarded workload's turn comes once the others are done: its eviction is refused.
+    wait(
+        "the guarded workload's eviction refused and counted",
+        60,
+        || async {
+            let m = descheduler.metrics().await;
+            let refused = |result: &str| {
+                metric_sum(
+                    &m,
+                    "tensile_descheduler_pods_rebalanced_total",
+                    &[("reason", "preferred"), ("result", result)],
+                )
+            };
+            if refused("limited") >= 1.0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "limited {}, error {}",
+                    refused("limited"),
+                    refused("error")
+                ))
+            }
+        },
+    )
+    .await;
+    let guarded = spread(&up, "guarded").await;
+    assert_eq!(
+        guarded.get("vn-b"),
+        Some(&2),
+        "the guarded pods stay: {guarded:?}"
+    );
     let events = kubectl(
         &up,
         &[
@@ -342,7 +404,11 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
     )
     .await;
     let events: Value = serde_json::from_str(&events).unwrap();
-    assert_eq!(events["items"].as_array().map(Vec::len), Some(4), "{events}");
+    assert_eq!(
+        events["items"].as_array().map(Vec::len),
+        Some(4),
+        "one event per move, none for the guarded pods: {events}"
+    );
     let mut moved_at: Vec<f64> = events["items"]
         .as_array()
         .unwrap()
@@ -366,7 +432,7 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
     let (s, p) = (spread(&up, "spread").await, spread(&up, "prefer").await);
     assert!(balanced(&s, &p), "still balanced: spread {s:?}, prefer {p:?}");
     println!(
-        "figure: failback, lower-a back -> stale lower pods gone {}, first move at {:.1} s, last at {:.1} s, spread and preference restored in {:.1} s (stabilization 10 s; 4 moves, one workload at a time; fewest Ready {lowest_spread}/4 and {lowest_prefer}/2)",
+        "figure: failback, lower-a back -> stale lower pods gone {}, first move at {:.1} s, last at {:.1} s, spread and preference restored in {:.1} s (stabilization 45 s; 4 moves, one workload at a time; fewest Ready {lowest_spread}/4 and {lowest_prefer}/2)",
         stale_gone.map_or("not seen".to_owned(), |d| format!("in {:.1} s", d.as_secs_f64())),
         moved_at.first().copied().unwrap_or_default(),
         moved_at.last().copied().unwrap_or_default(),
