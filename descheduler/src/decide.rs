@@ -433,11 +433,7 @@ pub fn judge(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
     };
 
     let now = view.now;
-    let stored = view
-        .exclusions
-        .records
-        .get(workload.key())
-        .filter(|r| !r.is_expired(now));
+    let stored = in_force(view, &workload);
     let mut nodes: BTreeMap<String, Timestamp> = stored
         .map(|r| r.active(now).map(|n| (n.to_owned(), r.nodes[n])).collect())
         .unwrap_or_default();
@@ -588,11 +584,7 @@ fn judge_unbound(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
         return Verdict::Ignore;
     };
     let now = view.now;
-    let stored = view
-        .exclusions
-        .records
-        .get(workload.key())
-        .filter(|r| !r.is_expired(now));
+    let stored = in_force(view, &workload);
     let in_force: BTreeMap<&str, Timestamp> = stored
         .map(|r| r.active(now).map(|n| (n, r.nodes[n])).collect())
         .unwrap_or_default();
@@ -640,6 +632,14 @@ fn judge_unbound(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
         record,
         since,
     })
+}
+
+/// The workload's exclusion record, unless it has expired.
+fn in_force<'a>(view: &View<'a>, workload: &Workload) -> Option<&'a Record> {
+    view.exclusions
+        .records
+        .get(workload.key())
+        .filter(|r| !r.is_expired(view.now))
 }
 
 fn new_record(pod: &Pod, workload: &Workload, now: Timestamp) -> Record {

@@ -761,6 +761,14 @@ mod tests {
         .unwrap()
     }
 
+    /// vn-a Ready for ten minutes, vn-b for an hour, both with room.
+    fn roomy() -> BTreeMap<String, Node> {
+        nodes(vec![
+            node("vn-a", Some(at(-600)), "8", at(0)),
+            node("vn-b", Some(at(-3600)), "8", at(0)),
+        ])
+    }
+
     fn nodes(list: Vec<Node>) -> BTreeMap<String, Node> {
         list.into_iter()
             .map(|n| (n.metadata.name.clone().unwrap(), n))
@@ -951,10 +959,7 @@ mod tests {
         assert!(p.moves.is_empty());
         assert_eq!(held(&p), vec![Held::NoFit]);
         // Room again: it goes.
-        let roomy = nodes(vec![
-            node("vn-a", Some(at(-600)), "8", at(0)),
-            node("vn-b", Some(at(-3600)), "8", at(0)),
-        ]);
+        let roomy = roomy();
         let p = run(&pods, &roomy, &mut memory, at(0), &settings);
         assert_eq!(moved_names(&p), vec![("web-0".to_owned(), "vn-a".to_owned())]);
         assert_eq!(p.moves[0].reason, Reason::Preferred { from: 0, to: 100 });
@@ -967,10 +972,7 @@ mod tests {
     #[test]
     fn a_preference_never_breaks_the_spread_and_excluded_nodes_are_no_target() {
         let settings = Settings::default();
-        let roomy = nodes(vec![
-            node("vn-a", Some(at(-600)), "8", at(0)),
-            node("vn-b", Some(at(-3600)), "8", at(0)),
-        ]);
+        let roomy = roomy();
         // Two pods spread one per node, both preferring vn-a: moving one would make a skew of 2.
         let mut pods = Vec::new();
         for (i, n) in ["vn-a", "vn-b"].iter().enumerate() {
@@ -1013,10 +1015,7 @@ mod tests {
 
     #[test]
     fn one_workload_at_a_time_by_default_and_protected_pods_stay() {
-        let roomy = nodes(vec![
-            node("vn-a", Some(at(-600)), "8", at(0)),
-            node("vn-b", Some(at(-3600)), "8", at(0)),
-        ]);
+        let roomy = roomy();
         let mut pods: Vec<Arc<Pod>> = (0..2)
             .map(|i| pod("web", i, Some("vn-b"), State::Running, Some("vn-a")))
             .collect();
@@ -1063,10 +1062,7 @@ mod tests {
 
     #[test]
     fn a_workload_whose_disruption_budget_refuses_lets_the_others_go_meanwhile() {
-        let roomy = nodes(vec![
-            node("vn-a", Some(at(-600)), "8", at(0)),
-            node("vn-b", Some(at(-3600)), "8", at(0)),
-        ]);
+        let roomy = roomy();
         let mut pods: Vec<Arc<Pod>> = (0..2)
             .map(|i| pod("api", i, Some("vn-b"), State::Running, Some("vn-a")))
             .collect();
