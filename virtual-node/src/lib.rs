@@ -466,6 +466,119 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
 /// How long in-flight reconciles get to finish after SIGTERM.
 const DRAIN: Duration = runtime::DEFAULT_DRAIN;
 
+/// How soon an orphan collection pass with a failed delete runs again.
+const ORPHAN_RETRY: Duration = Duration::from_secs(1);
+
+/// How long a suspected orphan waits for more before the pass: a re-list of every lower pod
+/// is then one pass, not one per pod.
+const ORPHAN_DEBOUNCE: Duration = Duration::from_millis(200);
+
+/// The objects a pod watch touches, as it changes.
+type PodEvents<K> = futures::stream::BoxStream<'static, Result<K, kube::runtime::watcher::Error>>;
+
+/// A watch's objects without its errors, for the pod controller. The caches pace their own
+/// watch retries (200 ms doubling to 2 s); passed on, each error would also make kube's
+/// controller stop taking every trigger (upper pod events, the resync, the lower cluster's
+/// return) for a delay that grows to 30 s, so a lower cluster that went away would leave
+/// the controller deaf for up to that long after it came back.
+fn objects_only<K: Send + 'static>(
+    events: PodEvents<K>,
+) -> impl futures::Stream<Item = Result<K, kube::runtime::watcher::Error>> + Send + 'static {
+    events.filter(|event| {
+        if let Err(e) = event {
+            tracing::debug!("pod watch: {e}");
+        }
+        futures::future::ready(event.is_ok())
+    })
+}
+
+/// The pod controller over the world's pod events (`events`: upper, lower). Every pod is
+/// reconciled every 60 s, and at once when the lower cluster answers again after an outage,
+/// with its retry delay started over: deletions and confirmations that waited through the
+/// outage go then, not at retries that grew to minutes. A lower pod event (the re-list after
+/// the lower cluster's return among them) whose upper pod is gone or another wakes
+/// `orphans_suspected`; orphan collection judges on the synced caches.
+fn pod_controller(
+    world: &world::World,
+    (upper_events, lower_events): (PodEvents<trim::UpperPod>, PodEvents<trim::LowerPod>),
+    ctx: &Arc<pods::Context>,
+    orphans_suspected: Arc<tokio::sync::Notify>,
+    workers: u16,
+) -> Controller<trim::UpperPod> {
+    let resync = futures::stream::unfold((), |()| async {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        Some(((), ()))
+    });
+    let recovered = {
+        let ctx = ctx.clone();
+        ctx.lower_health.recoveries().map(move |()| {
+            tracing::info!(
+                node = %ctx.translation.identity.node,
+                "the lower cluster answers again: every pod is reconciled now"
+            );
+            ctx.retries.forget_all();
+        })
+    };
+    let (upper_pods, identity) = (world.upper_pods.clone(), ctx.translation.identity.clone());
+    Controller::for_stream(objects_only(upper_events), world.upper_pods.store().clone())
+        .with_config(controller::Config::default().concurrency(workers))
+        .watches_stream(objects_only(lower_events), move |lower: trim::LowerPod| {
+            let ns = lower.metadata.namespace.clone().unwrap_or_default();
+            let at = ObjectRef::new(lower.metadata.name.as_deref()?).within(&ns);
+            let upper = upper_pods.get(&at);
+            if pods::orphaned(
+                &lower.metadata,
+                upper.as_ref().map(|u| kube::Resource::meta(&**u)),
+                &identity,
+            ) {
+                orphans_suspected.notify_one();
+            }
+            Some(at)
+        })
+        .reconcile_all_on(futures::stream::select(resync, recovered))
+}
+
+/// Orphan collection ([`pods::collect_orphans`]): every `period` (the collection delay, 1 to
+/// 30 s), at once when `suspected` is woken or the lower cluster answers again, and 1 s after
+/// a failed delete. With `namespaces` (`--gc-namespaces`) empty namespaces are collected
+/// too, judged empty on two passes in a row: at least one `period` apart, at most 30 s.
+struct Collection {
+    period: Duration,
+    namespaces: bool,
+    recoveries: std::pin::Pin<Box<dyn futures::Stream<Item = ()> + Send>>,
+    suspected: Arc<tokio::sync::Notify>,
+}
+
+impl Collection {
+    async fn run(mut self, ctx: &pods::Context, world: &world::World) {
+        world.pods_synced().await;
+        let mut empty_before = Default::default();
+        let mut namespaces_due = tokio::time::Instant::now();
+        loop {
+            let collected = pods::collect_orphans(ctx).await;
+            pods::forget_stale_holds(ctx);
+            let now = tokio::time::Instant::now();
+            if self.namespaces && now >= namespaces_due {
+                pods::collect_namespaces(ctx, &mut empty_before).await;
+                namespaces_due = now + self.period;
+            }
+            let mut next = if collected.failed > 0 {
+                ORPHAN_RETRY
+            } else {
+                self.period
+            };
+            if self.namespaces {
+                next = next.min(namespaces_due.saturating_duration_since(tokio::time::Instant::now()));
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(next) => {}
+                Some(()) = self.recoveries.next() => {}
+                _ = self.suspected.notified() => tokio::time::sleep(ORPHAN_DEBOUNCE).await,
+            }
+        }
+    }
+}
+
 /// The clients of one virtual node: the upper source (the heartbeat builds its own client
 /// from it), the lower client of the controllers, and the kubelet API's stream client.
 struct Clients {
@@ -551,22 +664,6 @@ async fn compose(
     for (name, feed) in feeds {
         tasks.spawn(name, feed);
     }
-    let resync = futures::stream::unfold((), |()| async {
-        tokio::time::sleep(Duration::from_secs(60)).await;
-        Some(((), ()))
-    });
-    let controller = Controller::for_stream(upper_pod_events, world.upper_pods.store().clone())
-        .with_config(controller::Config::default().concurrency(args.pod_sync_workers))
-        .watches_stream(lower_pod_events, |lower: trim::LowerPod| {
-            let ns = lower.metadata.namespace.clone().unwrap_or_default();
-            lower
-                .metadata
-                .name
-                .clone()
-                .map(|n| ObjectRef::new(&n).within(&ns))
-        })
-        .reconcile_all_on(resync);
-
     let (events, events_run) = events::Events::new(
         Recorder::new(
             upper.clone(),
@@ -650,6 +747,15 @@ async fn compose(
         lower_health: lower_health.clone(),
     });
 
+    let orphans_suspected = Arc::new(tokio::sync::Notify::new());
+    let controller = pod_controller(
+        &world,
+        (upper_pod_events, lower_pod_events),
+        &ctx,
+        orphans_suspected.clone(),
+        args.pod_sync_workers,
+    );
+
     let mut settings = NodeSettings::new(
         identity.clone(),
         args.kubelet.node_ip.to_string(),
@@ -726,25 +832,15 @@ async fn compose(
         });
     }
     {
-        let gc_namespaces = args.reflection.gc_namespaces;
-        // Namespaces are judged empty on two passes in a row: at least one collection delay
-        // apart, at most 30 s.
-        let namespace_pass = Duration::from_secs(args.reflection.copy_collection_delay.clamp(1, 30));
-        let (gc_ctx, gc_world) = (ctx.clone(), world.clone());
+        let collection = Collection {
+            period: Duration::from_secs(args.reflection.copy_collection_delay.clamp(1, 30)),
+            namespaces: args.reflection.gc_namespaces,
+            recoveries: Box::pin(ctx.lower_health.recoveries()),
+            suspected: orphans_suspected,
+        };
+        let (ctx, world) = (ctx.clone(), world.clone());
         tasks.spawn_graceful("orphan collection", move |stop| async move {
-            let pass = async {
-                gc_world.pods_synced().await;
-                let mut empty_before = Default::default();
-                loop {
-                    pods::collect_orphans(&gc_ctx).await;
-                    pods::forget_stale_holds(&gc_ctx);
-                    if gc_namespaces {
-                        pods::collect_namespaces(&gc_ctx, &mut empty_before).await;
-                    }
-                    tokio::time::sleep(namespace_pass).await;
-                }
-            };
-            stop.run_until_cancelled(pass).await;
+            stop.run_until_cancelled(collection.run(&ctx, &world)).await;
         });
     }
     tasks.spawn("the event publisher", events_run);

@@ -21,24 +21,41 @@ use crate::translate::Identity;
 use crate::trim::PodLoad;
 
 /// Whether the lower cluster answers, as the node loop last judged it (Ready), shared with
-/// the pod controller: while it does not, no status comes up from the stale cache.
+/// the pod controller and orphan collection: while it does not, no status comes up from the
+/// stale cache and no deletion is sent below. When it answers again ([`Self::recoveries`]),
+/// what waited is done at once instead of at each pod's next retry.
 #[derive(Debug)]
-pub struct LowerHealth(std::sync::atomic::AtomicBool);
+pub struct LowerHealth(tokio::sync::watch::Sender<bool>);
 
 impl Default for LowerHealth {
     /// Reachable until a probe says otherwise: the caches synced from it at start.
     fn default() -> Self {
-        LowerHealth(std::sync::atomic::AtomicBool::new(true))
+        LowerHealth(tokio::sync::watch::Sender::new(true))
     }
 }
 
 impl LowerHealth {
     pub fn reachable(&self) -> bool {
-        self.0.load(std::sync::atomic::Ordering::Relaxed)
+        *self.0.borrow()
     }
 
+    /// Records the node loop's latest verdict; only a change wakes [`Self::recoveries`].
     pub fn set(&self, reachable: bool) {
-        self.0.store(reachable, std::sync::atomic::Ordering::Relaxed);
+        self.0
+            .send_if_modified(|now| std::mem::replace(now, reachable) != reachable);
+    }
+
+    /// Yields each time the lower cluster turns reachable again after it was not (never for
+    /// the reachable start).
+    pub fn recoveries(&self) -> impl futures::Stream<Item = ()> + Send + 'static {
+        futures::stream::unfold(self.0.subscribe(), |mut rx| async move {
+            loop {
+                rx.changed().await.ok()?;
+                if *rx.borrow_and_update() {
+                    return Some(((), rx));
+                }
+            }
+        })
     }
 }
 
@@ -52,6 +69,9 @@ pub struct NodeSettings {
     pub extra_labels: BTreeMap<String, String>,
     /// How often the lower cluster is probed (and the loop runs without changes).
     pub probe_period: Duration,
+    /// How often a lower cluster that does not answer is probed: its return is what the
+    /// pods waiting on it (deletions, orphans) are released by.
+    pub recovery_probe_period: Duration,
     /// A probe that takes longer failed.
     pub probe_timeout: Duration,
     /// Status is patched at least this often.
@@ -70,6 +90,7 @@ impl NodeSettings {
             taint: true,
             extra_labels: BTreeMap::new(),
             probe_period: Duration::from_secs(5),
+            recovery_probe_period: Duration::from_secs(1),
             probe_timeout: Duration::from_secs(4),
             status_period: Duration::from_secs(60),
             lease_period: Duration::from_secs(10),
@@ -728,6 +749,7 @@ impl NodeLoop {
             };
             let round = state.round(&seen, &periods);
             let (health, cap) = (round.health, seen.capacity);
+            let ready = health.ready;
             self.metrics.lower_ready.set(i64::from(health.ready));
             self.lower_health.set(health.ready);
             if was_usable.replace(health.nodes_usable) != Some(health.nodes_usable) {
@@ -792,10 +814,15 @@ impl NodeLoop {
                     }
                 }
             }
-            // Wake on lower changes (debounced) or after the probe period; stop between
-            // rounds, never inside one.
+            // Wake on lower changes (debounced) or after the probe period, sooner while the
+            // lower cluster does not answer; stop between rounds, never inside one.
+            let next_probe = if ready {
+                self.settings.probe_period
+            } else {
+                self.settings.recovery_probe_period
+            };
             tokio::select! {
-                _ = tokio::time::sleep(self.settings.probe_period) => {}
+                _ = tokio::time::sleep(next_probe) => {}
                 _ = self.changed.notified() => tokio::time::sleep(Duration::from_millis(300)).await,
                 _ = stop.cancelled() => return,
             }
@@ -806,6 +833,29 @@ impl NodeLoop {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_recovery_is_the_lower_cluster_turning_reachable_again() {
+        use futures::{FutureExt as _, StreamExt as _};
+        let health = LowerHealth::default();
+        let recoveries = health.recoveries();
+        let mut recoveries = std::pin::pin!(recoveries);
+        health.set(true);
+        assert!(health.reachable());
+        assert_eq!(recoveries.next().now_or_never(), None, "reachable from the start");
+        health.set(false);
+        health.set(false);
+        assert!(!health.reachable());
+        assert_eq!(recoveries.next().now_or_never(), None, "an outage is no recovery");
+        health.set(true);
+        health.set(true);
+        assert_eq!(recoveries.next().now_or_never(), Some(Some(())), "back");
+        assert_eq!(recoveries.next().now_or_never(), None, "once");
+        // Seen late, an outage and a return are still one recovery.
+        health.set(false);
+        health.set(true);
+        assert_eq!(recoveries.next().now_or_never(), Some(Some(())));
+    }
 
     #[test]
     fn node_labels_and_taint_follow_the_settings_and_leave_others_alone() {

@@ -109,6 +109,14 @@ impl Backoff {
             failures.remove(key);
         }
     }
+
+    /// Forgets every count: the failures came from a lower cluster that did not answer and
+    /// now does, so each pod's next failure waits 1 s again, not the minutes an outage grew.
+    pub fn forget_all(&self) {
+        if let Ok(mut failures) = self.0.lock() {
+            failures.clear();
+        }
+    }
 }
 
 /// The upper and lower pod versions on which each pod's last reconcile found both pods
@@ -373,6 +381,12 @@ async fn reconcile_inner(kept: &UpperPod, ctx: &Context) -> Result<Action, Error
         cluster_name: &ctx.cluster_name,
     };
     match (decide(upper, lower.as_ref(), &view), lower) {
+        // A delete sent to a lower cluster that does not answer fails (or waits out its
+        // deadline on a partition) and grows the pod's retry delay: it waits for the lower
+        // cluster instead, looked at again shortly and at once when it answers again.
+        (Step::DeleteStale | Step::StopLower { .. }, Some(_)) if !reachable => {
+            Ok(Action::requeue(UNREACHABLE_RECHECK))
+        }
         (Step::DeleteStale, Some(l)) => {
             delete_lower(ctx, &lower_pods, &l, None).await?;
             Ok(Action::requeue(Duration::from_secs(1)))
@@ -938,33 +952,67 @@ fn event(ctx: &Context, upper: &Pod, type_: EventType, reason: &str, note: &str)
     ctx.events.publish(upper.object_ref(&()), type_, reason, note);
 }
 
-/// Deletes lower pods of ours whose upper pod (by UID) no longer exists. Runs after both
-/// caches are warm, so a pod is never judged orphaned on an empty cache.
-pub async fn collect_orphans(ctx: &Context) -> usize {
-    let mut deleted = 0;
+/// Whether `lower`, a lower pod, stands for no upper pod bound here: it carries this node's
+/// marks and the UID of the upper pod it was made for, it is not being deleted already, and
+/// `upper` (the upper pod of its namespace and name bound to this node, if any) is absent or
+/// another pod (force-deleted, evicted and released, recreated under the same name). A lower
+/// pod whose upper pod exists with its UID is never an orphan, even while that pod is being
+/// deleted: its deletion flows down with its grace through the pod's own reconcile.
+pub fn orphaned(
+    lower: &kube::api::ObjectMeta,
+    upper: Option<&kube::api::ObjectMeta>,
+    identity: &translate::Identity,
+) -> bool {
+    if !identity.owns(lower) || lower.deletion_timestamp.is_some() {
+        return false;
+    }
+    let Some(uid) = lower.labels.as_ref().and_then(|l| l.get(names::MARK_UPPER_UID)) else {
+        return false;
+    };
+    upper.and_then(|u| u.uid.as_ref()) != Some(uid)
+}
+
+/// What one orphan collection pass did.
+#[derive(Debug, Default, PartialEq)]
+pub struct Collected {
+    pub deleted: usize,
+    /// Deletes that failed: the pass is worth running again soon.
+    pub failed: usize,
+}
+
+/// Deletes the lower pods of ours that are [`orphaned`], each with a UID precondition. Runs
+/// only once both caches are warm (the caller waits), so a pod is never judged orphaned on
+/// an empty cache; and only while the lower cluster answers, since its deletes would
+/// otherwise fail, or on a partition wait out their deadlines one after the other and hold
+/// the pass past the lower cluster's return.
+pub async fn collect_orphans(ctx: &Context) -> Collected {
+    let mut collected = Collected::default();
     for lower in ctx.lower_pods.state() {
-        if !ctx.translation.identity.owns(&lower.metadata) || lower.metadata.deletion_timestamp.is_some() {
+        let ns = lower.namespace().unwrap_or_default();
+        let upper = ctx.upper_pods.get(&ObjectRef::new(&lower.name_any()).within(&ns));
+        if !orphaned(
+            &lower.metadata,
+            upper.as_ref().map(|u| u.meta()),
+            &ctx.translation.identity,
+        ) {
             continue;
         }
-        let Some(uid) = translate::upper_uid(&*lower) else {
-            continue;
-        };
-        let upper = ctx
-            .upper_pods
-            .get(&ObjectRef::new(&lower.name_any()).within(&lower.namespace().unwrap_or_default()));
-        if upper.as_ref().and_then(|u| u.uid()).as_deref() == Some(uid) {
-            continue;
+        if !ctx.lower_health.reachable() {
+            break;
         }
-        let api: Api<Pod> = Api::namespaced(ctx.lower.clone(), &lower.namespace().unwrap_or_default());
+        let api: Api<Pod> = Api::namespaced(ctx.lower.clone(), &ns);
         match delete_lower(ctx, &api, &*lower, None).await {
             Ok(()) => {
                 tracing::info!(pod = %key(&*lower), "deleted a lower pod whose upper pod is gone");
-                deleted += 1;
+                collected.deleted += 1;
             }
-            Err(e) => tracing::warn!("orphan collection: {e}"),
+            Err(e) => {
+                tracing::warn!("orphan collection: {e}");
+                collected.failed += 1;
+            }
         }
     }
-    deleted
+    collected
 }
 
 /// What the lower cluster puts in every namespace by itself: never a reason to keep a
@@ -1350,6 +1398,55 @@ mod tests {
         );
         settled.retain(|uid| uid != "u");
         assert!(!settled.holds(&upper, &lower), "no longer bound here");
+    }
+
+    #[test]
+    fn a_lower_pod_is_an_orphan_only_when_ours_and_its_upper_pod_is_gone_or_another() {
+        let t = translation();
+        let id = &t.identity;
+        let pod = upper(json!({}));
+        let below = lower_of(&pod, json!({}));
+        assert!(orphaned(&below.metadata, None, id), "its upper pod is gone");
+        let recreated = upper(json!({"metadata": {"uid": "u2"}}));
+        assert!(
+            orphaned(&below.metadata, Some(&recreated.metadata), id),
+            "the name is another pod's now"
+        );
+        assert!(
+            !orphaned(&below.metadata, Some(&pod.metadata), id),
+            "its upper pod lives"
+        );
+        let terminating = upper(json!({"metadata": {"deletionTimestamp": "2024-01-01T00:00:00Z"}}));
+        assert!(
+            !orphaned(&below.metadata, Some(&terminating.metadata), id),
+            "a Terminating upper pod stops its lower pod itself, with its grace"
+        );
+        let stopping = lower_of(
+            &pod,
+            json!({"metadata": {"deletionTimestamp": "2024-01-01T00:00:01Z"}}),
+        );
+        assert!(!orphaned(&stopping.metadata, None, id), "already being deleted");
+        for (label, value) in [
+            (names::MARK_NODE, json!("another-node")),
+            (names::MARK_CLUSTER, json!("another-cluster")),
+            (names::MARK_UPPER_UID, serde_json::Value::Null),
+        ] {
+            let other = lower_of(&pod, json!({"metadata": {"labels": {label: value}}}));
+            assert!(!orphaned(&other.metadata, None, id), "{label}: {value}");
+        }
+    }
+
+    #[test]
+    fn an_outage_s_grown_retries_start_over_for_every_pod() {
+        let b = Backoff::default();
+        for _ in 0..8 {
+            b.next_delay("p");
+            b.next_delay("q");
+        }
+        assert_eq!(b.next_delay("p").as_secs(), 256);
+        b.forget_all();
+        assert_eq!(b.next_delay("p").as_secs(), 1);
+        assert_eq!(b.next_delay("q").as_secs(), 1);
     }
 
     #[test]
