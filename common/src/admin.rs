@@ -1,5 +1,6 @@
 //! The admin endpoint every daemon serves on `--admin-addr`: `/metrics` (Prometheus text),
-//! `/healthz` (the process runs) and `/readyz` (the daemon has synced and is doing its job).
+//! `/healthz` (the process runs) and `/readyz` (the daemon has synced: it does its job, or,
+//! elected, stands by ready to take over; see [`crate::leader::Standing`]).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -43,7 +44,7 @@ impl Readiness {
         }
         self.set(ready);
     }
-    fn why(&self) -> String {
+    pub(crate) fn why(&self) -> String {
         self.0.1.lock().map(|s| s.clone()).unwrap_or_default()
     }
 }

@@ -10,6 +10,11 @@
 //! [`FenceLayer`] on the daemon's clients, so no code path can write past the fence. A
 //! leader that lost the Lease ends: the daemon exits and its restart is a candidate again,
 //! as kube-controller-manager and kube-scheduler do.
+//!
+//! A standby fills its caches as the leader does and only waits to act ([`stand`],
+//! [`Candidacy::leading`]); once they have synced it is ready (`/readyz` 200, `ok: standby:
+//! …`), as a replica that can take over at once should be, while `tensile_leader` says 0
+//! ([`Standing`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -536,31 +541,191 @@ impl Elector {
     }
 }
 
-/// Leadership as a daemon's start-up needs it. With `config`: stands by (saying so on
-/// `/readyz`) until this replica holds the Lease, then keeps the Lease as a task of `tasks`.
-/// Returns the elector, to [`Elector::release`] on exit, and what `/readyz` says of this
-/// replica (`leading as <identity>`; empty without election). `None` when shutdown came
-/// before the Lease.
-pub async fn lead(
+/// Where a replica stands in its election.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Role {
+    /// No election: it acts.
+    Unelected,
+    /// Trying for the Lease, no holder seen yet.
+    Acquiring,
+    /// Another replica holds the Lease.
+    Standby {
+        holder: String,
+    },
+    Leading {
+        identity: String,
+    },
+    /// It could not renew the Lease and stops.
+    Lost,
+}
+
+/// What `/readyz` says of a replica, from its role and whether its caches have synced.
+#[derive(Clone, Debug)]
+struct Stand {
+    role: Role,
+    synced: bool,
+    /// Said when ready without an election (for example `scheduling`).
+    acting: String,
+    /// Said after the role (for example `dry run`).
+    note: String,
+}
+
+impl Stand {
+    /// Ready once the caches have synced, leading or on standby: a standby is then ready to
+    /// take over (a Deployment of several replicas becomes Available, a rollout proceeds, a
+    /// disruption budget lets the leader's node drain). Never ready again after a lost Lease.
+    fn answer(&self) -> (bool, String) {
+        let role = match &self.role {
+            Role::Lost => return (false, "lost the leader Lease; stopping".into()),
+            Role::Unelected if self.synced => self.acting.clone(),
+            Role::Unelected => String::new(),
+            Role::Acquiring => "standby: acquiring the leader Lease".into(),
+            Role::Standby { holder } => format!("standby: the leader Lease is held by {holder}"),
+            Role::Leading { identity } => format!("leading as {identity}"),
+        };
+        let syncing = if self.synced { "" } else { "caches syncing" };
+        let said: Vec<&str> = [role.as_str(), self.note.as_str(), syncing]
+            .into_iter()
+            .filter(|s| !s.is_empty())
+            .collect();
+        (self.synced, said.join("; "))
+    }
+}
+
+/// A replica's readiness as its election and its caches make it, written to the
+/// [`Readiness`](crate::admin::Readiness) that `/readyz` answers from.
+#[derive(Clone, Debug)]
+pub struct Standing {
+    readiness: crate::admin::Readiness,
+    stand: Arc<Mutex<Stand>>,
+}
+
+impl Standing {
+    /// Not ready (caches syncing). `acting` is what a synced replica without election says.
+    pub fn new(readiness: crate::admin::Readiness, acting: impl Into<String>) -> Self {
+        let standing = Self {
+            readiness,
+            stand: Arc::new(Mutex::new(Stand {
+                role: Role::Unelected,
+                synced: false,
+                acting: acting.into(),
+                note: String::new(),
+            })),
+        };
+        standing.update(|_| {});
+        standing
+    }
+
+    /// Adds `note` to what a ready or syncing replica says (for example `dry run`).
+    pub fn with_note(self, note: impl Into<String>) -> Self {
+        let note = note.into();
+        self.update(|s| s.note = note);
+        self
+    }
+
+    /// The caches have synced: the replica is ready, to act or to take over.
+    pub fn synced(&self) {
+        self.update(|s| s.synced = true);
+    }
+
+    fn role(&self, role: Role) {
+        self.update(|s| {
+            // A lost Lease is final: the process is stopping.
+            if s.role != Role::Lost {
+                s.role = role;
+            }
+        });
+    }
+
+    fn update(&self, change: impl FnOnce(&mut Stand)) {
+        let Ok(mut stand) = self.stand.lock() else {
+            return;
+        };
+        change(&mut stand);
+        let (ready, why) = stand.answer();
+        self.readiness.say(ready, why);
+    }
+}
+
+/// This replica's part in its election: resolves [`Candidacy::leading`] once it may act, and
+/// gives the Lease up on exit.
+#[derive(Clone)]
+pub struct Candidacy {
+    leading: tokio::sync::watch::Receiver<bool>,
+    elector: Option<Arc<Elector>>,
+}
+
+impl Candidacy {
+    /// Resolves once this replica leads (at once without election); never on standby.
+    pub async fn leading(&self) {
+        let mut leading = self.leading.clone();
+        if leading.wait_for(|l| *l).await.is_err() {
+            // The election task ended without leading (shutdown): never act.
+            futures::future::pending::<()>().await;
+        }
+    }
+
+    /// `work`, started once this replica leads.
+    pub fn when_leading<F: Future>(&self, work: F) -> impl Future<Output = F::Output> + use<F> {
+        let candidacy = self.clone();
+        async move {
+            candidacy.leading().await;
+            work.await
+        }
+    }
+
+    /// Gives the Lease up, when this replica holds it ([`Elector::release`]).
+    pub async fn release(&self) {
+        if let Some(elector) = &self.elector {
+            elector.release().await;
+        }
+    }
+}
+
+/// Enters this replica in the election `config` asks for, as the task "the leader Lease" of
+/// `tasks`: it stands by until it holds the Lease, then keeps it, and ends the daemon when it
+/// loses it. `standing` follows (standby, leading, lost); without `config` the replica acts
+/// at once. Caches and watches start meanwhile, on standby too; what writes waits for
+/// [`Candidacy::leading`].
+pub fn stand(
     client: kube::Client,
     config: Option<LeaderConfig>,
     leadership: &Leadership,
-    readiness: &crate::admin::Readiness,
-    shutdown: &crate::runtime::CancellationToken,
+    standing: &Standing,
     tasks: &mut crate::runtime::Supervisor,
-) -> Option<(Option<Arc<Elector>>, String)> {
+) -> Candidacy {
+    let (leading, candidacy) = tokio::sync::watch::channel(config.is_none());
     let Some(config) = config else {
-        return Some((None, String::new()));
+        return Candidacy {
+            leading: candidacy,
+            elector: None,
+        };
     };
     let elector = Arc::new(Elector::new(client, config, leadership.clone()));
-    readiness.say(false, "standby: acquiring the leader Lease");
-    let standby =
-        |holder: &str| readiness.say(false, format!("standby: the leader Lease is held by {holder}"));
-    shutdown.run_until_cancelled(elector.acquire(standby)).await?;
-    let keeper = elector.clone();
-    tasks.spawn("the leader Lease", async move { keeper.keep().await });
-    let leading = format!("leading as {}", elector.config().identity);
-    Some((Some(elector), leading))
+    standing.role(Role::Acquiring);
+    let (keeper, standing) = (elector.clone(), standing.clone());
+    tasks.spawn("the leader Lease", async move {
+        keeper
+            .acquire(|holder| {
+                standing.role(Role::Standby {
+                    holder: holder.to_owned(),
+                })
+            })
+            .await;
+        standing.role(Role::Leading {
+            identity: keeper.config().identity.clone(),
+        });
+        leading.send_replace(true);
+        let kept = keeper.keep().await;
+        if kept.is_err() {
+            standing.role(Role::Lost);
+        }
+        kept
+    });
+    Candidacy {
+        leading: candidacy,
+        elector: Some(elector),
+    }
 }
 
 #[cfg(test)]
@@ -639,6 +804,228 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(err.contains("not a duration"), "{err}");
+    }
+
+    fn said(readiness: &crate::admin::Readiness) -> (bool, String) {
+        (readiness.get(), readiness.why())
+    }
+
+    #[test]
+    fn a_standby_is_ready_once_synced_and_says_it_stands_by() {
+        let readiness = crate::admin::Readiness::default();
+        let standing = Standing::new(readiness.clone(), "");
+        standing.role(Role::Acquiring);
+        assert_eq!(
+            said(&readiness),
+            (
+                false,
+                "standby: acquiring the leader Lease; caches syncing".into()
+            )
+        );
+        standing.role(Role::Standby {
+            holder: "host-a_7".into(),
+        });
+        assert_eq!(
+            said(&readiness),
+            (
+                false,
+                "standby: the leader Lease is held by host-a_7; caches syncing".into()
+            )
+        );
+        standing.synced();
+        assert_eq!(
+            said(&readiness),
+            (true, "standby: the leader Lease is held by host-a_7".into()),
+            "ready to take over"
+        );
+        standing.role(Role::Leading {
+            identity: "host-b_9".into(),
+        });
+        assert_eq!(said(&readiness), (true, "leading as host-b_9".into()));
+    }
+
+    #[test]
+    fn a_lost_lease_is_not_ready_until_the_process_ends() {
+        let readiness = crate::admin::Readiness::default();
+        let standing = Standing::new(readiness.clone(), "");
+        standing.role(Role::Leading {
+            identity: "me".into(),
+        });
+        standing.synced();
+        assert!(readiness.get());
+        standing.role(Role::Lost);
+        assert_eq!(
+            said(&readiness),
+            (false, "lost the leader Lease; stopping".into())
+        );
+        standing.synced();
+        standing.role(Role::Leading {
+            identity: "me".into(),
+        });
+        assert_eq!(
+            said(&readiness),
+            (false, "lost the leader Lease; stopping".into()),
+            "nothing makes it ready again"
+        );
+    }
+
+    #[test]
+    fn without_election_a_replica_says_what_it_does_once_synced() {
+        let readiness = crate::admin::Readiness::default();
+        let standing = Standing::new(readiness.clone(), "scheduling");
+        assert_eq!(said(&readiness), (false, "caches syncing".into()));
+        standing.synced();
+        assert_eq!(said(&readiness), (true, "scheduling".into()));
+        let readiness = crate::admin::Readiness::default();
+        let standing = Standing::new(readiness.clone(), "").with_note("dry run");
+        assert_eq!(said(&readiness), (false, "dry run; caches syncing".into()));
+        standing.role(Role::Leading {
+            identity: "me".into(),
+        });
+        standing.synced();
+        assert_eq!(said(&readiness), (true, "leading as me; dry run".into()));
+        let readiness = crate::admin::Readiness::default();
+        Standing::new(readiness.clone(), "").synced();
+        assert_eq!(said(&readiness), (true, String::new()), "`ok` alone");
+    }
+
+    /// An apiserver serving one Lease: held by `holder` and renewed at every read (so it never
+    /// expires), or missing when `holder` is `None` (then a create wins it).
+    fn lease_server(holder: Option<&'static str>) -> kube::Client {
+        let service = tower::service_fn(move |req: Request<kube::client::Body>| async move {
+            let lease = |holder: &str| {
+                serde_json::json!({
+                    "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": "tensile-test", "namespace": "ns", "resourceVersion": "1"},
+                    "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15,
+                             "renewTime": jiff::Timestamp::now().to_string()},
+                })
+            };
+            let status = |code: u16, reason: &str| {
+                serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                   "reason": reason, "code": code})
+            };
+            let (code, body) = match (req.method(), holder) {
+                (&Method::GET, Some(h)) => (200, lease(h)),
+                (&Method::GET, None) => (404, status(404, "NotFound")),
+                (&Method::POST, None) => (201, lease("me")),
+                _ => (409, status(409, "Conflict")),
+            };
+            let body = kube::client::Body::from(serde_json::to_vec(&body).unwrap_or_default());
+            http::Response::builder()
+                .status(code)
+                .header("content-type", "application/json")
+                .body(body)
+                .map_err(|e| Box::new(e) as BoxError)
+        });
+        kube::Client::new(service, "ns")
+    }
+
+    fn election() -> LeaderConfig {
+        LeaderConfig {
+            namespace: "ns".into(),
+            name: "tensile-test".into(),
+            identity: "me".into(),
+            lease_duration: Duration::from_secs(15),
+            renew_deadline: Duration::from_secs(10),
+            retry_period: Duration::from_secs(2),
+        }
+    }
+
+    async fn until_said(readiness: &crate::admin::Readiness, says: &str) {
+        for _ in 0..600 {
+            if readiness.why().contains(says) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("/readyz never said {says:?}; it says {:?}", readiness.why());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_synced_standby_is_ready_and_never_acts_while_another_replica_holds_the_lease() {
+        let shutdown = crate::runtime::CancellationToken::new();
+        let mut tasks = crate::runtime::Supervisor::new(shutdown.clone(), Duration::from_secs(1));
+        let readiness = crate::admin::Readiness::default();
+        let standing = Standing::new(readiness.clone(), "");
+        let leadership = Leadership::elected();
+        let candidacy = stand(
+            lease_server(Some("other_1")),
+            Some(election()),
+            &leadership,
+            &standing,
+            &mut tasks,
+        );
+        let run = tokio::spawn(tasks.run());
+        until_said(&readiness, "held by other_1").await;
+        assert_eq!(
+            said(&readiness),
+            (
+                false,
+                "standby: the leader Lease is held by other_1; caches syncing".into()
+            )
+        );
+        standing.synced();
+        assert_eq!(
+            said(&readiness),
+            (true, "standby: the leader Lease is held by other_1".into())
+        );
+        assert!(
+            tokio::time::timeout(Duration::from_secs(120), candidacy.leading())
+                .await
+                .is_err(),
+            "a standby never acts"
+        );
+        assert!(!leadership.may_write());
+        assert!(readiness.get(), "still ready to take over");
+        shutdown.cancel();
+        run.await.unwrap().unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_candidate_that_wins_the_lease_acts_and_says_it_leads() {
+        let shutdown = crate::runtime::CancellationToken::new();
+        let mut tasks = crate::runtime::Supervisor::new(shutdown.clone(), Duration::from_secs(1));
+        let readiness = crate::admin::Readiness::default();
+        let standing = Standing::new(readiness.clone(), "");
+        let leadership = Leadership::elected();
+        let candidacy = stand(
+            lease_server(None),
+            Some(election()),
+            &leadership,
+            &standing,
+            &mut tasks,
+        );
+        let run = tokio::spawn(tasks.run());
+        tokio::time::timeout(Duration::from_secs(10), candidacy.leading())
+            .await
+            .expect("the free Lease is won");
+        assert!(leadership.may_write());
+        assert_eq!(said(&readiness), (false, "leading as me; caches syncing".into()));
+        standing.synced();
+        assert_eq!(said(&readiness), (true, "leading as me".into()));
+        shutdown.cancel();
+        run.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn without_election_a_candidate_leads_at_once() {
+        let shutdown = crate::runtime::CancellationToken::new();
+        let mut tasks = crate::runtime::Supervisor::new(shutdown, Duration::from_secs(1));
+        let readiness = crate::admin::Readiness::default();
+        let standing = Standing::new(readiness.clone(), "");
+        let client = kube::Client::new(
+            tower::service_fn(|_req: Request<kube::client::Body>| async {
+                Err::<http::Response<kube::client::Body>, BoxError>("no apiserver here".into())
+            }),
+            "default",
+        );
+        let candidacy = stand(client, None, &Leadership::always(), &standing, &mut tasks);
+        tokio::time::timeout(Duration::from_secs(5), candidacy.leading())
+            .await
+            .expect("leads without election");
+        candidacy.release().await;
+        assert_eq!(said(&readiness), (false, "caches syncing".into()));
     }
 
     #[tokio::test(start_paused = true)]

@@ -49,7 +49,7 @@ use tensile_common::admin::{self, AdminArgs, Readiness};
 use tensile_common::cache::watched;
 use tensile_common::exclusion::{self, Location};
 use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
-use tensile_common::leader::{self, LeaderArgs, Leadership};
+use tensile_common::leader::{self, Candidacy, LeaderArgs, Leadership, Standing};
 use tensile_common::runtime::{self, CancellationToken, Supervisor};
 use tensile_common::telemetry::LogArgs;
 
@@ -333,44 +333,27 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
     let admin_handle = tokio::spawn(shutdown.clone().run_until_cancelled_owned(admin_task));
 
     let mut tasks = Supervisor::new(shutdown.clone(), DRAIN);
-    let Some((elector, mut leading)) = leader::lead(
-        lease_client,
-        election,
-        &leadership,
-        &readiness,
-        &shutdown,
-        &mut tasks,
-    )
-    .await
-    else {
-        admin_handle.abort();
-        return Ok(());
-    };
+    let mut standing = Standing::new(readiness, "");
     if args.dry_run {
-        leading = if leading.is_empty() {
-            "dry run".into()
-        } else {
-            format!("{leading}; dry run")
-        };
+        standing = standing.with_note("dry run");
     }
-    readiness.say(false, "caches syncing");
-    compose(&args, client, metrics, &mut tasks, readiness, leading);
+    let candidacy = leader::stand(lease_client, election, &leadership, &standing, &mut tasks);
+    compose(&args, client, metrics, &mut tasks, standing, candidacy.clone());
     let outcome = tasks.run().await.map_err(Error::from);
-    if let Some(elector) = &elector {
-        elector.release().await;
-    }
+    candidacy.release().await;
     admin_handle.abort();
     outcome
 }
 
-/// Builds the caches and the loop of an active descheduler and hands them to `tasks`.
+/// Builds the caches and the loop of a descheduler and hands them to `tasks`. The caches
+/// fill on standby too; the loop runs once `candidacy` leads.
 fn compose(
     args: &Args,
     client: kube::Client,
     metrics: Arc<metrics::Metrics>,
     tasks: &mut Supervisor,
-    readiness: Readiness,
-    leading: String,
+    standing: Standing,
+    candidacy: Candidacy,
 ) {
     let changed = Arc::new(tokio::sync::Notify::new());
     // Candidates are Pending and opted in; the watch never carries the cluster's running
@@ -460,7 +443,10 @@ fn compose(
         if stop.run_until_cancelled(synced).await.is_none() {
             return;
         }
-        readiness.say(true, leading);
+        standing.synced();
+        if stop.run_until_cancelled(candidacy.leading()).await.is_none() {
+            return;
+        }
         descheduler.run(stop).await
     });
     tasks.spawn("the pod watch", pods_watch);

@@ -56,13 +56,18 @@ impl DeschedulerProcess {
 
     /// Waits until `/readyz` answers 200.
     pub async fn wait_ready(&self, within: Duration) -> anyhow::Result<()> {
+        self.wait_ready_saying("", within).await
+    }
+
+    /// Waits until `/readyz` answers 200 with a body containing `says` (`leading`, `standby`).
+    pub async fn wait_ready_saying(&self, says: &str, within: Duration) -> anyhow::Result<()> {
         let result = crate::wait::until(
-            "the descheduler ready",
+            &format!("the descheduler ready, saying {says:?}"),
             within,
             Duration::from_millis(200),
             || async {
                 match self.readyz().await {
-                    Some((200, _)) => Ok(()),
+                    Some((200, body)) if body.contains(says) => Ok(()),
                     other => Err(format!("{other:?}")),
                 }
             },

@@ -826,14 +826,17 @@ async fn with_two_replicas_only_the_leader_moves_pods_and_the_standby_takes_over
         "--leader-elect-retry-period=1s",
     ];
     let first = scene.descheduler(&elect, "leader-1").await;
+    first
+        .wait_ready_saying("leading", Duration::from_secs(30))
+        .await
+        .unwrap();
     let second = DeschedulerProcess::start(&bed().upper, &scene.flags(&elect), "leader-2").unwrap();
-    wait("the second replica standing by", 20, || async {
-        match second.readyz().await {
-            Some((503, body)) if body.contains("standby") => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
+    // Ready once its caches synced, so that a Deployment of both is Available, and saying
+    // it stands by.
+    second
+        .wait_ready_saying("standby: the leader Lease is held by", Duration::from_secs(20))
+        .await
+        .unwrap();
     apply(up(), &scene.deployment("web", 2, "3", json!({}))).await;
     until_moved(&scene, "app=web", 2, 120).await;
     let moved = |m: &str| {
@@ -847,10 +850,23 @@ async fn with_two_replicas_only_the_leader_moves_pods_and_the_standby_takes_over
     let standby = second.metrics().await;
     assert_eq!(moved(&standby), 0.0, "{standby}");
     assert_eq!(metric_sum(&standby, "tensile_leader", &[]), 0.0);
+    assert_eq!(metric_sum(&first.metrics().await, "tensile_leader", &[]), 1.0);
+    assert_eq!(
+        metric_sum(&standby, "tensile_leader_refused_writes_total", &[]),
+        0.0,
+        "the standby did not even try to write: {standby}"
+    );
+    match second.readyz().await {
+        Some((200, body)) if body.contains("standby") => {}
+        other => panic!("the standby stays ready while the leader works: {other:?}"),
+    }
 
     first.signal("KILL").unwrap();
     let started = Instant::now();
-    second.wait_ready(Duration::from_secs(30)).await.unwrap();
+    second
+        .wait_ready_saying("leading", Duration::from_secs(30))
+        .await
+        .unwrap();
     println!(
         "figure: descheduler, standby leading {:.1} s after the leader was killed (lease 6 s)",
         started.elapsed().as_secs_f64()

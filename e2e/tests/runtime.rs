@@ -8,6 +8,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use tensile_e2e::check::{apply, eventually, kubectl};
+use tensile_e2e::descheduler::metric_sum;
 use tensile_e2e::in_process::{VirtualNodeProcess, admin_get};
 use tensile_e2e::partition::Partition;
 use tensile_e2e::shared::Shared;
@@ -415,7 +416,9 @@ async fn with_leader_election_one_replica_acts_and_the_standby_takes_over_a_kill
     let first = VirtualNodeProcess::start(&bed.upper, "vn-ha", &bed.lower, &ELECTION, "ha-1").unwrap();
     readyz_says(&first, 200, "leading", 60).await;
     let second = VirtualNodeProcess::start(&bed.upper, "vn-ha", &bed.lower, &ELECTION, "ha-2").unwrap();
-    readyz_says(&second, 503, "standby: the leader Lease is held by", 30).await;
+    // Ready once its caches have synced (a Deployment of both is Available), saying it
+    // stands by.
+    readyz_says(&second, 200, "standby: the leader Lease is held by", 30).await;
     wait_ready(up(), "vn-ha", 60).await;
     let leader_port = kubectl(
         up(),
@@ -436,6 +439,20 @@ async fn with_leader_election_one_replica_acts_and_the_standby_takes_over_a_kill
 
     apply(up(), &deployment("ha", "web", "vn-ha", 200)).await;
     lower_pods_at_least("ha", "vn-ha", 50, 120).await;
+    // The standby watches the same pods, and acts on none of them.
+    let standby = admin_get(&second.admin_addr, "/metrics")
+        .await
+        .map(|(_, body)| body)
+        .unwrap_or_default();
+    assert_eq!(metric_sum(&standby, "tensile_leader", &[]), 0.0, "{standby}");
+    assert_eq!(
+        metric_sum(&standby, "tensile_leader_refused_writes_total", &[]),
+        0.0,
+        "the standby did not even try to write: {standby}"
+    );
+    readyz_says(&second, 200, "standby", 5).await;
+    let second_pid = second.pid().unwrap();
+    let killed = jiff::Timestamp::now();
     first.signal("KILL").unwrap();
     // It holds the Lease within the lease duration and one retry of the kill (the leader
     // renewed at most a retry period before it; 2 s of slack for polling on a busy machine),
@@ -465,6 +482,24 @@ async fn with_leader_election_one_replica_acts_and_the_standby_takes_over_a_kill
     )
     .await;
     apply(up(), &deployment("ha", "web", "vn-ha", 0)).await;
+
+    // The apiserver's audit log: no write of the standby while the leader lived.
+    let agent = format!("_{second_pid})");
+    let early: Vec<_> = bed
+        .upper
+        .audited_writes()
+        .unwrap()
+        .into_iter()
+        .filter(|w| {
+            w.user_agent.starts_with("tensile-virtual-node/vn-ha")
+                && w.user_agent.ends_with(&agent)
+                && w.received < killed
+        })
+        .collect();
+    assert!(
+        early.is_empty(),
+        "writes from the standby before the leader was killed: {early:#?}"
+    );
 }
 
 #[tokio::test]
@@ -475,7 +510,7 @@ async fn a_leader_paused_past_its_lease_writes_nothing_once_resumed() {
         VirtualNodeProcess::start(&bed.upper, "vn-pause", &bed.lower, &ELECTION, "pause-1").unwrap();
     readyz_says(&first, 200, "leading", 60).await;
     let second = VirtualNodeProcess::start(&bed.upper, "vn-pause", &bed.lower, &ELECTION, "pause-2").unwrap();
-    readyz_says(&second, 503, "standby", 30).await;
+    readyz_says(&second, 200, "standby", 30).await;
     wait_ready(up(), "vn-pause", 60).await;
     apply(up(), &deployment("pause", "web", "vn-pause", 10)).await;
     all_running_exactly_once("pause", "vn-pause", 10, 120).await;

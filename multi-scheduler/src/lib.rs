@@ -44,7 +44,7 @@ use tensile_common::admin::{self, AdminArgs, Readiness};
 use tensile_common::cache::{watched, watched_summaries};
 use tensile_common::exclusion::{self, Location};
 use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
-use tensile_common::leader::{self, LeaderArgs, Leadership};
+use tensile_common::leader::{self, LeaderArgs, Leadership, Standing};
 use tensile_common::runtime::{self, CancellationToken, Supervisor};
 use tensile_common::telemetry::LogArgs;
 use tensile_common::tls;
@@ -330,20 +330,9 @@ async fn run_scheduler(args: Args, shutdown: CancellationToken) -> Result<(), Er
     let admin_task = admin::serve(admin_listener, Arc::new(registry), readiness.clone());
     let admin_handle = tokio::spawn(shutdown.clone().run_until_cancelled_owned(admin_task));
     let mut tasks = Supervisor::new(shutdown.clone(), DRAIN);
-    let Some((elector, leading)) = leader::lead(
-        lease_client,
-        election,
-        &leadership,
-        &readiness,
-        &shutdown,
-        &mut tasks,
-    )
-    .await
-    else {
-        admin_handle.abort();
-        return Ok(());
-    };
-    readiness.say(false, "caches syncing");
+    let standing = Standing::new(readiness, "scheduling");
+    // The caches fill on standby too; the loop schedules once this replica leads.
+    let candidacy = leader::stand(lease_client, election, &leadership, &standing, &mut tasks);
 
     let changed = Arc::new(Notify::new());
     // Every non-terminal pod: the pods to place and what is bound to each virtual node.
@@ -401,6 +390,7 @@ async fn run_scheduler(args: Args, shutdown: CancellationToken) -> Result<(), Er
     tasks.spawn("the pod watch", pods_watch);
     tasks.spawn("the node watch", nodes_watch);
     tasks.spawn("the exclusions watch", exclusions_watch);
+    let leads = candidacy.clone();
     tasks.spawn_graceful("the scheduling loop", move |stop| async move {
         let synced = async {
             pods.synced().await;
@@ -410,20 +400,14 @@ async fn run_scheduler(args: Args, shutdown: CancellationToken) -> Result<(), Er
         if stop.run_until_cancelled(synced).await.is_none() {
             return;
         }
-        readiness.say(
-            true,
-            if leading.is_empty() {
-                "scheduling".to_owned()
-            } else {
-                leading
-            },
-        );
+        standing.synced();
+        if stop.run_until_cancelled(leads.leading()).await.is_none() {
+            return;
+        }
         scheduler.run(stop).await
     });
     let outcome = tasks.run().await.map_err(Error::from);
-    if let Some(elector) = &elector {
-        elector.release().await;
-    }
+    candidacy.release().await;
     admin_handle.abort();
     outcome
 }

@@ -44,7 +44,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{Controller, controller};
 use tensile_common::admin::{self, AdminArgs, Readiness};
 use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
-use tensile_common::leader::{self, LeaderArgs, Leadership};
+use tensile_common::leader::{self, Candidacy, LeaderArgs, Leadership, Standing};
 use tensile_common::runtime::{self, CancellationToken, Supervisor};
 use tensile_common::telemetry::LogArgs;
 
@@ -410,27 +410,10 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         KubeletAuthorization::Webhook => kubelet::Authorizer::webhook(lease_client.clone()),
         KubeletAuthorization::AlwaysAllow => kubelet::Authorizer::AlwaysAllow,
     };
-    let Some((elector, leading)) = leader::lead(
-        lease_client,
-        election,
-        &leadership,
-        &readiness,
-        &shutdown,
-        &mut tasks,
-    )
-    .await
-    else {
-        admin_handle.abort();
-        return Ok(());
-    };
-    readiness.say(
-        false,
-        if leading.is_empty() {
-            "caches syncing".to_owned()
-        } else {
-            format!("{leading}; caches syncing")
-        },
-    );
+    // The world fills on standby too: a standby is ready once it has synced, and takes over
+    // with its caches current.
+    let standing = Standing::new(readiness, "");
+    let candidacy = leader::stand(lease_client, election, &leadership, &standing, &mut tasks);
 
     let clients = Clients {
         upper_source,
@@ -444,8 +427,8 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         authorizer,
     };
     let started = Started {
-        readiness: readiness.clone(),
-        leading,
+        standing,
+        candidacy: candidacy.clone(),
     };
     let result = compose(&args, clients, serving, stash_key, metrics, started, &mut tasks).await;
     let outcome = match result {
@@ -456,9 +439,7 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
             Err(e)
         }
     };
-    if let Some(elector) = &elector {
-        elector.release().await;
-    }
+    candidacy.release().await;
     admin_handle.abort();
     outcome
 }
@@ -490,6 +471,26 @@ fn objects_only<K: Send + 'static>(
         }
         futures::future::ready(event.is_ok())
     })
+}
+
+/// Until `candidacy` leads, the pod events (`events`: upper, lower) only keep the pod caches
+/// current and nothing is reconciled; then they are handed back for the pod controller.
+async fn standby<U, L>(
+    mut events: (PodEvents<U>, PodEvents<L>),
+    candidacy: &Candidacy,
+) -> (PodEvents<U>, PodEvents<L>) {
+    {
+        let (upper, lower) = (&mut events.0, &mut events.1);
+        let drain = futures::stream::select(upper.map(drop), lower.map(drop)).for_each(|()| async {});
+        tokio::select! {
+            biased;
+            () = candidacy.leading() => {}
+            () = drain => {}
+        }
+    }
+    // The watches do not end; were they to, this replica would still act only as leader.
+    candidacy.leading().await;
+    events
 }
 
 /// The pod controller over the world's pod events (`events`: upper, lower). Every pod is
@@ -595,15 +596,15 @@ struct Serving {
     authorizer: kubelet::Authorizer,
 }
 
-/// What `/readyz` says once the node is registered.
+/// What `/readyz` says, and when this replica may act.
 struct Started {
-    readiness: Readiness,
-    leading: String,
+    standing: Standing,
+    candidacy: Candidacy,
 }
 
-/// Builds the world (every cache, [`world`]) and the components of one active virtual node,
-/// and hands them to `tasks`. The components share one upper client; the node loop's
-/// heartbeat has its own.
+/// Builds the world (every cache, [`world`]) and the components of one virtual node, and
+/// hands them to `tasks`. The world fills at once, on standby too; the components act once
+/// `started` leads. They share one upper client; the node loop's heartbeat has its own.
 async fn compose(
     args: &Args,
     clients: Clients,
@@ -624,7 +625,7 @@ async fn compose(
         auth,
         authorizer,
     } = serving;
-    let Started { readiness, leading } = started;
+    let Started { standing, candidacy } = started;
     let upper = upper_source.client()?;
     let cluster_id = match &args.upper.cluster_id {
         Some(id) => id.clone(),
@@ -748,13 +749,6 @@ async fn compose(
     });
 
     let orphans_suspected = Arc::new(tokio::sync::Notify::new());
-    let controller = pod_controller(
-        &world,
-        (upper_pod_events, lower_pod_events),
-        &ctx,
-        orphans_suspected.clone(),
-        args.pod_sync_workers,
-    );
 
     let mut settings = NodeSettings::new(
         identity.clone(),
@@ -803,31 +797,48 @@ async fn compose(
     // and collection finish the work in hand on SIGTERM; the rest stop at once.
     let resync_metrics = metrics.clone();
     let (controller_ctx, store) = (ctx.clone(), world.upper_pods.clone());
-    tasks.spawn_graceful("the pod controller", move |stop| {
-        controller
+    let (controller_world, suspected) = (world.clone(), orphans_suspected.clone());
+    let (workers, leads) = (args.pod_sync_workers, candidacy.clone());
+    tasks.spawn_graceful("the pod controller", move |stop| async move {
+        let events = (upper_pod_events, lower_pod_events);
+        let Some(events) = stop.run_until_cancelled(standby(events, &leads)).await else {
+            return;
+        };
+        // Taking over, every pod is reconciled at once (the events seen on standby were not).
+        pod_controller(&controller_world, events, &controller_ctx, suspected, workers)
+            .reconcile_all_on(futures::stream::once(async {}))
             .graceful_shutdown_on(async move { stop.cancelled().await })
             .run(pods::reconcile, pods::error_policy, controller_ctx)
             .for_each(move |_| {
                 metrics.pods_managed.set(store.len() as i64);
                 futures::future::ready(())
             })
+            .await
     });
     // The node is registered only once the pod watches and the lower nodes have synced (a
     // node without a working pod path would attract pods it cannot run, and one that has not
     // seen its lower nodes would show no room).
     {
-        let world = world.clone();
+        let (world, leads) = (world.clone(), candidacy.clone());
         tasks.spawn_graceful("the node loop", move |stop| async move {
-            let synced = world.node_synced();
-            // Heartbeats start as soon as this replica acts, before the caches finish listing.
-            if stop
-                .run_until_cancelled(node_loop.beat_until(synced))
-                .await
-                .is_none()
-            {
+            let registered = async {
+                // A standby is ready once its caches have listed: it can take over at once.
+                tokio::select! {
+                    biased;
+                    () = leads.leading() => {}
+                    () = world.node_synced() => {
+                        standing.synced();
+                        leads.leading().await;
+                    }
+                }
+                // Heartbeats start as soon as this replica acts, before the caches finish
+                // listing; a leader is ready once its node is registered on synced caches.
+                node_loop.beat_until(world.node_synced()).await;
+                standing.synced();
+            };
+            if stop.run_until_cancelled(registered).await.is_none() {
                 return;
             }
-            readiness.say(true, leading);
             node_loop.run(stop).await
         });
     }
@@ -838,16 +849,17 @@ async fn compose(
             recoveries: Box::pin(ctx.lower_health.recoveries()),
             suspected: orphans_suspected,
         };
-        let (ctx, world) = (ctx.clone(), world.clone());
+        let (ctx, world, leads) = (ctx.clone(), world.clone(), candidacy.clone());
         tasks.spawn_graceful("orphan collection", move |stop| async move {
-            stop.run_until_cancelled(collection.run(&ctx, &world)).await;
+            stop.run_until_cancelled(leads.when_leading(collection.run(&ctx, &world)))
+                .await;
         });
     }
     tasks.spawn("the event publisher", events_run);
     let pass_deadline = Duration::from_secs(args.reconcile_timeout);
     tasks.spawn(
         "the copy resync",
-        world::resync(
+        candidacy.when_leading(world::resync(
             ("lower", "copy-pass-timeout"),
             world.clone(),
             signals.copies_changed.clone(),
@@ -860,11 +872,11 @@ async fn compose(
                     false
                 }
             },
-        ),
+        )),
     );
     tasks.spawn(
         "the volume resync",
-        world::resync(
+        candidacy.when_leading(world::resync(
             ("both", "volume-pass-timeout"),
             world,
             signals.volumes_changed.clone(),
@@ -875,17 +887,21 @@ async fn compose(
                 let volumes = volumes.clone();
                 async move { volumes.sync().await }
             },
-        ),
+        )),
     );
-    tasks.spawn_graceful("the kubelet API", move |stop| {
-        kubelet::serve(
+    // Only the leader's address is on the Node; a standby's port stays closed until it leads.
+    tasks.spawn_graceful("the kubelet API", move |stop| async move {
+        let serve = kubelet::serve(
             kubelet_listener,
             tls,
             kubelet_limits,
             Arc::default(),
             kubelet_state,
-            stop,
-        )
+            stop.clone(),
+        );
+        if stop.run_until_cancelled(candidacy.leading()).await.is_some() {
+            serve.await
+        }
     });
     Ok(())
 }
