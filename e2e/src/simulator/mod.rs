@@ -147,6 +147,9 @@ pub(crate) struct Inner {
     pods: RwLock<HashMap<(String, String), Pod>>,
     /// Pod IPs in use, per node: the last octet.
     ips: Mutex<HashMap<String, std::collections::BTreeSet<u8>>>,
+    /// Where the readiness probe of a pod is sent, by (namespace, name): the process a test
+    /// runs for it ([`NodeSimulator::probe_at`]).
+    pub(crate) probes: RwLock<HashMap<(String, String), String>>,
     writes: tokio::sync::Semaphore,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// `/stats/summary` requests answered, every node's together.
@@ -192,6 +195,7 @@ impl NodeSimulator {
             nodes: RwLock::new(HashMap::new()),
             pods: RwLock::new(HashMap::new()),
             ips: Mutex::new(HashMap::new()),
+            probes: RwLock::new(HashMap::new()),
             tasks: Mutex::new(Vec::new()),
             summaries_served: Default::default(),
         });
@@ -269,6 +273,20 @@ impl NodeSimulator {
         let inner = self.inner.clone();
         let task = tokio::spawn(async move { inner.heartbeat(config.name.clone(), heartbeat, wake).await });
         self.inner.track(task);
+        Ok(())
+    }
+
+    /// Sends the readiness probe of pod `namespace/name` to `addr` (`host:port`), where a
+    /// process the test runs for the pod answers. A container with an HTTP readiness probe is
+    /// Ready only while its probe succeeds there (kubelet's rules: one success, or
+    /// `failureThreshold` failures in a row, every `periodSeconds`); without an address its
+    /// probe fails, as a container that does not listen yet.
+    pub fn probe_at(&self, namespace: &str, name: &str, addr: &str) -> Result<()> {
+        self.inner
+            .probes
+            .write()
+            .map_err(|_| poisoned())?
+            .insert((namespace.to_owned(), name.to_owned()), addr.to_owned());
         Ok(())
     }
 

@@ -3,6 +3,10 @@
 //! The actor is the only writer of its pod's status, so work on a pod is serialized; it
 //! always sees the latest object through a `watch` channel and resumes correctly from any
 //! status it finds (a simulator restarted mid-run picks its pods up where they are).
+//!
+//! Ready follows Running, except for a container with an HTTP readiness probe: the actor runs
+//! that probe against the process a test runs for the pod ([`super::NodeSimulator::probe_at`])
+//! and the pod is Ready only while it succeeds, as a kubelet would have it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -140,6 +144,52 @@ struct PodActor {
     uid: String,
     node: String,
     ip: Option<String>,
+    /// The HTTP readiness probe of its containers, if one has any.
+    probe: Option<Probe>,
+    /// What the probe last concluded (false until its first success).
+    probed_ready: bool,
+    /// Probe failures in a row.
+    failures: u32,
+}
+
+/// A container's HTTP readiness probe, as the kubelet runs it.
+#[derive(Clone, Debug)]
+struct Probe {
+    path: String,
+    period: Duration,
+    timeout: Duration,
+    failure_threshold: u32,
+}
+
+impl Probe {
+    /// The first HTTP readiness probe of `pod`'s containers.
+    fn of(pod: &Pod) -> Option<Self> {
+        let probe = pod
+            .spec
+            .as_ref()?
+            .containers
+            .iter()
+            .find_map(|c| c.readiness_probe.as_ref().filter(|p| p.http_get.is_some()))?;
+        let secs = |s: Option<i32>, default: u64| Duration::from_secs(s.map_or(default, |s| s.max(1) as u64));
+        Some(Self {
+            path: probe
+                .http_get
+                .as_ref()
+                .and_then(|h| h.path.clone())
+                .unwrap_or_else(|| "/".into()),
+            period: secs(probe.period_seconds, 10),
+            timeout: secs(probe.timeout_seconds, 1),
+            failure_threshold: probe.failure_threshold.map_or(3, |f| f.max(1) as u32),
+        })
+    }
+}
+
+/// The status of a running container, as [`PodActor::write_status`] takes it.
+struct Running<'a> {
+    start_time: &'a str,
+    state: &'a State,
+    last: Option<&'a State>,
+    restarts: u32,
 }
 
 /// One container's simulated state.
@@ -171,6 +221,9 @@ impl PodActor {
             namespace,
             name,
             ip: None,
+            probe: Probe::of(&pod),
+            probed_ready: false,
+            failures: 0,
         }
     }
 
@@ -269,10 +322,18 @@ impl PodActor {
 
         loop {
             let run_for = behavior.run_for(policy);
-            let wake = match run_for {
-                Some(d) => self.wait(d).await,
-                None => self.wait(Duration::MAX).await,
+            let state = State::Running {
+                started: started.clone(),
             };
+            let running = Running {
+                start_time: &start_time,
+                state: &state,
+                last: last.as_ref(),
+                restarts,
+            };
+            let wake = self
+                .wait_running(run_for.unwrap_or(Duration::MAX), &running)
+                .await;
             match wake {
                 Wake::Elapsed => {}
                 Wake::Deleting => return self.finish_deletion(&behavior).await,
@@ -338,6 +399,68 @@ impl PodActor {
                 changed = self.rx.changed() => if changed.is_err() { return Wake::Gone },
             }
         }
+    }
+
+    /// As [`PodActor::wait`] while the containers run, probing readiness meanwhile: a change
+    /// of the probe's verdict is written with `running`.
+    async fn wait_running(&mut self, d: Duration, running: &Running<'_>) -> Wake {
+        let Some(probe) = self.probe.clone() else {
+            return self.wait(d).await;
+        };
+        let deadline = tokio::time::Instant::now() + d.min(Duration::from_secs(100 * 365 * 24 * 3600));
+        loop {
+            if self.probe_once(&probe).await {
+                let written = self
+                    .write_status(
+                        running.start_time,
+                        "Running",
+                        running.state,
+                        running.last,
+                        running.restarts,
+                    )
+                    .await;
+                if let Err(e) = written {
+                    tracing::warn!(pod = %format!("{}/{}", self.namespace, self.name), "readiness: {e}");
+                }
+            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return Wake::Elapsed;
+            }
+            match self.wait(probe.period.min(left)).await {
+                Wake::Elapsed => {}
+                other => return other,
+            }
+        }
+    }
+
+    /// Runs the readiness probe once, at the address registered for this pod; whether its
+    /// verdict changed.
+    async fn probe_once(&mut self, probe: &Probe) -> bool {
+        let addr = self
+            .inner
+            .probes
+            .read()
+            .ok()
+            .and_then(|p| p.get(&(self.namespace.clone(), self.name.clone())).cloned());
+        let ok = match addr {
+            Some(addr) => matches!(
+                tokio::time::timeout(probe.timeout, crate::in_process::admin_get(&addr, &probe.path)).await,
+                Ok(Some((code, _))) if (200..400).contains(&code)
+            ),
+            None => false,
+        };
+        let before = self.probed_ready;
+        if ok {
+            self.failures = 0;
+            self.probed_ready = true;
+        } else {
+            self.failures += 1;
+            if self.failures >= probe.failure_threshold {
+                self.probed_ready = false;
+            }
+        }
+        before != self.probed_ready
     }
 
     async fn until_deleted(&mut self, behavior: &Behavior) -> Result<(), kube::Error> {
@@ -437,11 +560,21 @@ impl PodActor {
         let pod = self.pod();
         let spec = pod.spec.clone().unwrap_or_default();
         let now = now();
-        let ready = matches!(state, State::Running { .. });
+        let ready = matches!(state, State::Running { .. }) && (self.probe.is_none() || self.probed_ready);
         let containers: Vec<Value> = spec
             .containers
             .iter()
-            .map(|c| container_status(&c.name, c.image.as_deref(), &self.uid, state, last, restarts))
+            .map(|c| {
+                container_status(
+                    &c.name,
+                    c.image.as_deref(),
+                    &self.uid,
+                    state,
+                    last,
+                    restarts,
+                    ready,
+                )
+            })
             .collect();
         let done = State::Terminated {
             exit: 0,
@@ -453,7 +586,7 @@ impl PodActor {
             .init_containers
             .unwrap_or_default()
             .iter()
-            .map(|c| container_status(&c.name, c.image.as_deref(), &self.uid, &done, None, 0))
+            .map(|c| container_status(&c.name, c.image.as_deref(), &self.uid, &done, None, 0, false))
             .collect();
         let terminal = phase == "Succeeded" || phase == "Failed";
         let ready_reason = if terminal {
@@ -538,6 +671,7 @@ fn container_status(
     state: &State,
     last: Option<&State>,
     restarts: u32,
+    ready: bool,
 ) -> Value {
     let image = image.unwrap_or_default();
     let mut s = json!({
@@ -545,7 +679,7 @@ fn container_status(
         "image": image,
         "imageID": format!("simulated://{image}"),
         "containerID": format!("simulated://{uid}/{name}/{restarts}"),
-        "ready": matches!(state, State::Running { .. }),
+        "ready": ready,
         "started": matches!(state, State::Running { .. }),
         "restartCount": restarts,
         "state": state_json(state),
