@@ -282,6 +282,32 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
             &["update", "leases/tensile-descheduler", "-n", "tensile-life"],
             true,
         ),
+        // Leader election with one replica too (a rolling update runs two).
+        (
+            vn,
+            &[
+                "update",
+                "leases/tensile-virtual-node-vn-life",
+                "-n",
+                "tensile-life",
+            ],
+            true,
+        ),
+        (
+            vn,
+            &[
+                "update",
+                "leases/tensile-virtual-node-other",
+                "-n",
+                "tensile-life",
+            ],
+            false,
+        ),
+        (
+            ms,
+            &["update", "leases/tensile-multi-scheduler", "-n", "tensile-life"],
+            true,
+        ),
         // The multi-scheduler binds, and reads no Secret.
         (
             ms,
@@ -1127,5 +1153,547 @@ async fn enabling_the_multi_scheduler_makes_the_webhook_hand_it_the_opted_in_pod
         !bad.ok && bad.stderr.contains("webhook.schedulerName"),
         "{}",
         bad.stderr
+    );
+}
+
+/// Every `apiVersion` of the PodDisruptionBudgets rendered for `kube_version`.
+async fn pdb_versions(up: &TestCluster, kube_version: &str) -> Vec<String> {
+    let objects = rendered(
+        up,
+        "pdb",
+        &[
+            "--kube-version",
+            kube_version,
+            "--set",
+            "descheduler.replicas=2",
+            "--set",
+            "virtualNodes.replicas=2",
+            "--set",
+            "multiScheduler.enabled=true",
+            "--set",
+            "multiScheduler.replicas=2",
+        ],
+    )
+    .await;
+    objects
+        .iter()
+        .filter(|o| o["kind"] == "PodDisruptionBudget")
+        .map(|o| o["apiVersion"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Offline, as `helm template --kube-version` renders for a cluster it cannot ask: `policy/v1`
+/// wherever the target serves it (1.21 on; 1.25 serves nothing else), `policy/v1beta1` for
+/// 1.20. Installed here (v1.20.2) the budgets are accepted (the install test lists them).
+#[tokio::test]
+async fn the_disruption_budgets_use_the_policy_api_the_target_version_serves() {
+    let up = &bed().upper;
+    for (version, want) in [
+        ("1.20.2", "policy/v1beta1"),
+        ("1.21.0", "policy/v1"),
+        ("1.25.0", "policy/v1"),
+        ("1.33.0", "policy/v1"),
+        ("v1.33.0-eks-1234", "policy/v1"),
+    ] {
+        let versions = pdb_versions(up, version).await;
+        assert_eq!(
+            versions.len(),
+            4,
+            "webhook, descheduler, multi-scheduler and one virtual node: {versions:?}"
+        );
+        assert!(
+            versions.iter().all(|v| v == want),
+            "{version}: {versions:?}, want {want}"
+        );
+    }
+}
+
+/// Leader election whatever the replica count: one replica still runs two pods during a
+/// rolling update (and a scale-up adds a second), so the daemons that elect always get the
+/// flags and may always use their Lease. The webhook, and the multi-scheduler's extender,
+/// have no election.
+#[tokio::test]
+async fn every_daemon_that_elects_a_leader_does_so_with_one_replica_too() {
+    let up = &bed().upper;
+    let election = [
+        "--leader-elect".to_owned(),
+        "--leader-elect-resource-namespace=tensile".to_owned(),
+    ];
+    let elects = |args: &[String]| election.iter().all(|f| args.contains(f));
+    let lease_rule = |role: &serde_json::Value, lease: &str| {
+        let rules = role["rules"].as_array().unwrap();
+        let has = |verb: &str, named: bool| {
+            rules.iter().any(|r| {
+                r["resources"] == serde_json::json!(["leases"])
+                    && r["verbs"].as_array().unwrap().iter().any(|v| v == verb)
+                    && (!named
+                        || r["resourceNames"]
+                            .as_array()
+                            .is_some_and(|n| n.iter().any(|x| x == lease)))
+            })
+        };
+        has("create", false) && has("get", true) && has("update", true)
+    };
+    for replicas in ["1", "2"] {
+        let sets: Vec<String> = [
+            format!("virtualNodes.replicas={replicas}"),
+            format!("descheduler.replicas={replicas}"),
+            format!("multiScheduler.replicas={replicas}"),
+            format!("webhook.replicas={replicas}"),
+            "multiScheduler.enabled=true".to_owned(),
+        ]
+        .into_iter()
+        .flat_map(|s| ["--set".to_owned(), s])
+        .collect();
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        let objects = rendered(up, "le", &sets).await;
+        for deployment in [
+            "le-tensile-vn-a",
+            "le-tensile-descheduler",
+            "le-tensile-multi-scheduler",
+        ] {
+            let args = container_args(object(&objects, "Deployment", deployment));
+            assert!(elects(&args), "{deployment}, {replicas} replica(s): {args:?}");
+        }
+        let webhook = container_args(object(&objects, "Deployment", "le-tensile-webhook"));
+        assert!(
+            !webhook.iter().any(|a| a.starts_with("--leader-elect")),
+            "{webhook:?}"
+        );
+        assert!(lease_rule(
+            object(&objects, "Role", "le-tensile-virtual-node-leader"),
+            "tensile-virtual-node-a"
+        ));
+        assert!(lease_rule(
+            object(&objects, "Role", "le-tensile-descheduler"),
+            "tensile-descheduler"
+        ));
+        assert!(lease_rule(
+            object(&objects, "Role", "le-tensile-multi-scheduler"),
+            "tensile-multi-scheduler"
+        ));
+    }
+    let extender = rendered(
+        up,
+        "le",
+        &[
+            "--set",
+            "multiScheduler.enabled=true",
+            "--set",
+            "multiScheduler.mode=extender",
+        ],
+    )
+    .await;
+    let args = container_args(object(&extender, "Deployment", "le-tensile-multi-scheduler"));
+    assert!(!args.iter().any(|a| a.starts_with("--leader-elect")), "{args:?}");
+    assert!(!lease_rule(
+        object(&extender, "Role", "le-tensile-multi-scheduler"),
+        "tensile-multi-scheduler"
+    ));
+}
+
+/// `helm template` of release `release` with `sets` on top of the chart's defaults.
+async fn template(up: &TestCluster, release: &str, sets: &[String]) -> tensile_e2e::kubectl::Output {
+    let chart = chart();
+    let mut args = vec!["template", release, &chart, "-n", "tensile"];
+    args.extend(sets.iter().map(String::as_str));
+    helm(up, &args).await.unwrap()
+}
+
+/// `--set` flags of one virtual node per name, each with a kubeconfig, then `more`.
+fn with_nodes(names: &[&str], more: &[&str]) -> Vec<String> {
+    let mut sets = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        sets.extend([
+            "--set".to_owned(),
+            format!("virtualNodes.nodes[{i}].name={name}"),
+            "--set".to_owned(),
+            format!("virtualNodes.nodes[{i}].kubeconfig.value=x"),
+        ]);
+    }
+    sets.extend(more.iter().map(|s| s.to_string()));
+    sets
+}
+
+/// Values that would make a broken release are refused before anything is installed, each
+/// with a message that names the value and says why.
+#[tokio::test]
+async fn values_that_would_break_the_release_are_refused_with_the_reason() {
+    let up = &bed().upper;
+    let refused = async |release: &str, sets: Vec<String>| {
+        let out = template(up, release, &sets).await;
+        assert!(!out.ok, "{sets:?} rendered:\n{}", out.stdout);
+        out.stderr
+    };
+
+    // One lower cluster named twice: one Node, one Lease, two Deployments fighting over them.
+    let err = refused("bad", with_nodes(&["lower-a", "lower-b", "lower-a"], &[])).await;
+    assert!(
+        err.contains(
+            r#"virtualNodes.nodes[2].name "lower-a" is also virtualNodes.nodes[0].name: each lower cluster is one Node of its own name"#
+        ),
+        "{err}"
+    );
+
+    // Two names that the 63-character cut of the Deployment name makes one.
+    let long = "x".repeat(50);
+    let (one, two) = (format!("{long}-one"), format!("{long}-two"));
+    let err = refused("bad", with_nodes(&[&one, &two], &[])).await;
+    // 63 characters of "bad-tensile-vn-" and the name: 48 of the name.
+    let kept = &long[..48];
+    assert!(
+        err.contains(&format!(
+            r#"virtualNodes.nodes[1].name "{two}" and virtualNodes.nodes[0].name "{one}" both make the Deployment "bad-tensile-vn-{kept}""#
+        )) && err.contains("make the names differ within their first 48 characters"),
+        "{err}"
+    );
+    // Names that differ before the cut are fine.
+    let short = "x".repeat(44);
+    let fits = template(
+        up,
+        "bad",
+        &with_nodes(&[&format!("{short}-one"), &format!("{short}-two")], &[]),
+    )
+    .await;
+    assert!(fits.ok, "{}", fits.stderr);
+
+    // An empty Secret name (the Deployment would mount a Secret nobody made), or empty text.
+    let node_a = ["--set", "virtualNodes.nodes[0].name=a"];
+    for (field, set) in [
+        ("secretName", "virtualNodes.nodes[0].kubeconfig.secretName="),
+        ("value", "virtualNodes.nodes[0].kubeconfig.value="),
+    ] {
+        let sets = [node_a[0], node_a[1], "--set", set].map(str::to_owned).to_vec();
+        let err = refused("bad", sets).await;
+        assert!(
+            err.contains(&format!(
+                "virtualNodes.nodes.0.kubeconfig.{field}: String length must be greater than or equal to 1"
+            )),
+            "{err}"
+        );
+    }
+
+    // No webhook replica with failurePolicy Fail: every opted-in pod would be refused.
+    let err = refused("bad", with_nodes(&["a"], &["--set", "webhook.replicas=0"])).await;
+    assert!(
+        err.contains(
+            "webhook.replicas is 0 with webhook.failurePolicy Fail: no replica would answer, so the apiserver would refuse every opted-in pod"
+        ),
+        "{err}"
+    );
+    // Allowed where nothing is refused: Ignore, or a webhook outside the cluster.
+    for allowed in [
+        "webhook.failurePolicy=Ignore",
+        "webhook.url=https://webhook.example/mutate",
+    ] {
+        let out = template(
+            up,
+            "ok",
+            &with_nodes(&["a"], &["--set", "webhook.replicas=0", "--set", allowed]),
+        )
+        .await;
+        assert!(out.ok, "{allowed}: {}", out.stderr);
+    }
+}
+
+/// With `replicas: 2` the descheduler's Deployment becomes Available, as `kubectl rollout
+/// status` waits for it: both pods Ready by their readiness probe (the simulated kubelet sends
+/// it to the real descheduler run here for each pod, under the chart's ServiceAccount, with
+/// the Deployment's flags), one leading (`tensile_leader 1`), the other on standby (`0`, Ready
+/// once its caches synced), and the disruption budget lets one pod go, so the leader's node
+/// can drain.
+#[tokio::test]
+async fn with_two_replicas_the_descheduler_deployment_is_available_with_one_leader() {
+    let up = &bed().upper;
+    let (ns, release, deployment) = ("tensile-ha", "ha", "ha-tensile-descheduler");
+    up.create_namespace(ns).await.unwrap();
+    // A node only the chart's pods tolerate, whose kubelet probes the processes run here.
+    let host = NodeSimulator::start(
+        up.client().await.unwrap(),
+        SimulatorOptions::new("chart-host", Some(up.kubelet_client_ca_pem())),
+        vec![
+            NodeConfig::new("chart-host-0")
+                .label("tensile.io/chart-host", "yes")
+                .taint("tensile.io/chart-host", "yes", "NoSchedule"),
+        ],
+    )
+    .await
+    .unwrap();
+    let values = up.dir().join("ha-values.yaml");
+    std::fs::write(
+        &values,
+        "webhook: {enabled: false}\n\
+         virtualNodes: {enabled: false}\n\
+         descheduler:\n  replicas: 2\n  nodeSelector: {tensile.io/chart-host: \"yes\"}\n  \
+         tolerations: [{key: tensile.io/chart-host, operator: Exists, effect: NoSchedule}]\n",
+    )
+    .unwrap();
+    let values = values.display().to_string();
+    helm_ok(up, &["install", release, &chart(), "-n", ns, "-f", &values]).await;
+
+    // Both pods run on the node, not Ready: nothing answers their probe yet.
+    let selector = format!("app.kubernetes.io/instance={release},app.kubernetes.io/component=descheduler");
+    let pods: Vec<String> = tensile_e2e::wait::must(
+        "two descheduler pods Running on chart-host-0",
+        Duration::from_secs(60),
+        Duration::from_millis(300),
+        || async {
+            let out = kubectl(
+                up.kubeconfig(),
+                &[
+                    "-n",
+                    ns,
+                    "get",
+                    "pods",
+                    "-l",
+                    &selector,
+                    "-o",
+                    r#"jsonpath={range .items[*]}{.metadata.name} {.spec.nodeName} {.status.phase}{"\n"}{end}"#,
+                ],
+            )
+            .await;
+            let running: Vec<String> = out
+                .lines()
+                .filter(|l| l.ends_with(" chart-host-0 Running"))
+                .filter_map(|l| l.split(' ').next().map(str::to_owned))
+                .collect();
+            if running.len() == 2 { Ok(running) } else { Err(out) }
+        },
+    )
+    .await;
+    let ready = [
+        "-n",
+        ns,
+        "get",
+        "deployment",
+        deployment,
+        "-o",
+        r#"jsonpath={.status.readyReplicas}/{.status.availableReplicas}/{.status.conditions[?(@.type=="Available")].status}"#,
+    ];
+    assert_eq!(
+        kubectl(up.kubeconfig(), &ready).await,
+        "//False",
+        "not Available before anything answers the probes"
+    );
+
+    // The descheduler for each pod, with the Deployment's flags and its account's token.
+    let token = token_kubeconfig(up, ns, deployment, "ha-token.kubeconfig").await;
+    let args = chart::deployment_args(up, ns, deployment).await.unwrap();
+    for flag in ["--leader-elect", "--leader-elect-resource-namespace=tensile-ha"] {
+        assert!(args.iter().any(|a| a == flag), "{flag} in {args:?}");
+    }
+    let bin = tensile_e2e::bins::suite_binary("descheduler").unwrap();
+    let mut admins = Vec::new();
+    let mut replicas = Vec::new();
+    for pod in &pods {
+        let admin = format!("127.0.0.1:{}", free_port().unwrap());
+        let args = chart::with_flags(
+            &args,
+            &[
+                format!("--kubeconfig={}", token.display()),
+                format!("--admin-addr={admin}"),
+            ],
+        );
+        let log = up.dir().join(format!("descheduler-{pod}.log"));
+        let _ = std::fs::remove_file(&log);
+        replicas.push(Service::start(pod, &bin, &args, &log).unwrap());
+        host.probe_at(ns, pod, &admin).unwrap();
+        admins.push(admin);
+    }
+
+    // Available: both Ready, as a rollout waits for.
+    let rollout = up
+        .kubectl(&[
+            "-n",
+            ns,
+            "rollout",
+            "status",
+            &format!("deployment/{deployment}"),
+            "--timeout=90s",
+        ])
+        .await;
+    assert!(
+        rollout.ok && rollout.stdout.contains("successfully rolled out"),
+        "{} {}\n{}\n{}",
+        rollout.stdout,
+        rollout.stderr,
+        replicas[0].log_tail(3000),
+        replicas[1].log_tail(3000)
+    );
+    assert_eq!(kubectl(up.kubeconfig(), &ready).await, "2/2/True");
+
+    // One leads, the other stands by, and both say so.
+    let mut stands = Vec::new();
+    for admin in &admins {
+        let metrics = tensile_e2e::in_process::admin_get(admin, "/metrics")
+            .await
+            .unwrap()
+            .1;
+        let leader = tensile_e2e::descheduler::metric_sum(&metrics, "tensile_leader", &[]);
+        let (code, readyz) = tensile_e2e::in_process::admin_get(admin, "/readyz")
+            .await
+            .unwrap();
+        assert_eq!(code, 200, "{readyz}");
+        stands.push((leader, readyz));
+    }
+    stands.sort_by(|a, b| a.0.total_cmp(&b.0));
+    assert_eq!((stands[0].0, stands[1].0), (0.0, 1.0), "{stands:?}");
+    assert!(
+        stands[0]
+            .1
+            .starts_with("ok: standby: the leader Lease is held by"),
+        "{stands:?}"
+    );
+    assert!(stands[1].1.starts_with("ok: leading as"), "{stands:?}");
+
+    // The budget of one pod down is now free to spend (a drain of the leader's node goes).
+    eventually(
+        up.kubeconfig(),
+        "the disruption budget allowing one disruption",
+        30,
+        &[
+            "-n",
+            ns,
+            "get",
+            "poddisruptionbudget",
+            deployment,
+            "-o",
+            "jsonpath={.status.disruptionsAllowed}",
+        ],
+        "1",
+    )
+    .await;
+
+    for (pod, replica) in pods.iter().zip(&replicas) {
+        assert_no_denied(pod, replica);
+    }
+    drop(replicas);
+    helm_ok(up, &["uninstall", release, "-n", ns, "--wait"]).await;
+    drop(host);
+    kubectl(
+        up.kubeconfig(),
+        &["delete", "node", "chart-host-0", "--wait=false"],
+    )
+    .await;
+}
+
+/// Each component's pods take a PriorityClass, annotations, labels, an update strategy and
+/// extra env, volumes and mounts from values; the chart's own stay (its selector labels,
+/// its env and volumes), and a label the chart selects by is refused.
+#[tokio::test]
+async fn each_component_takes_pod_settings_from_values() {
+    let up = &bed().upper;
+    let values = up.dir().join("pod-settings.yaml");
+    let settings = "  priorityClassName: tensile-critical\n  podAnnotations: {example.com/team: infra}\n  \
+                    podLabels: {team: infra}\n  \
+                    updateStrategy: {type: RollingUpdate, rollingUpdate: {maxSurge: 1, maxUnavailable: 0}}\n  \
+                    extraEnv: [{name: HTTPS_PROXY, value: \"http://proxy:3128\"}]\n  \
+                    extraVolumes: [{name: corp-ca, configMap: {name: corp-ca}}]\n  \
+                    extraVolumeMounts: [{name: corp-ca, mountPath: /etc/ssl/corp, readOnly: true}]\n";
+    let mut text = String::new();
+    for component in ["virtualNodes", "webhook", "descheduler", "multiScheduler"] {
+        text.push_str(&format!("{component}:\n{settings}"));
+        if component == "multiScheduler" {
+            text.push_str("  enabled: true\n");
+        }
+    }
+    std::fs::write(&values, text).unwrap();
+    let values = values.display().to_string();
+    let objects = rendered(
+        up,
+        "pod",
+        &[
+            "-f",
+            &values,
+            "--set",
+            "stashKeys.signWith=k",
+            "--set",
+            &format!("stashKeys.keys.k={}", "k".repeat(32)),
+        ],
+    )
+    .await;
+    for (name, component, own_env, own_volume) in [
+        (
+            "pod-tensile-vn-a",
+            "virtual-node",
+            Some("TENSILE_NODE_IP"),
+            Some("lower-kubeconfig"),
+        ),
+        ("pod-tensile-webhook", "webhook", None, Some("stash-keys")),
+        ("pod-tensile-descheduler", "descheduler", None, None),
+        ("pod-tensile-multi-scheduler", "multi-scheduler", None, None),
+    ] {
+        let d = object(&objects, "Deployment", name);
+        let pod = &d["spec"]["template"];
+        let container = &pod["spec"]["containers"][0];
+        assert_eq!(pod["spec"]["priorityClassName"], "tensile-critical", "{name}");
+        assert_eq!(
+            pod["metadata"]["annotations"]["example.com/team"], "infra",
+            "{name}"
+        );
+        assert_eq!(pod["metadata"]["labels"]["team"], "infra", "{name}");
+        assert_eq!(
+            pod["metadata"]["labels"]["app.kubernetes.io/component"], component,
+            "{name}: the selector labels stay"
+        );
+        assert_eq!(
+            d["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"], 0,
+            "{name}"
+        );
+        let names = |list: &serde_json::Value| -> Vec<String> {
+            list.as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|e| e["name"].as_str().map(str::to_owned))
+                .collect()
+        };
+        let env = names(&container["env"]);
+        assert!(env.contains(&"HTTPS_PROXY".to_owned()), "{name}: {env:?}");
+        if let Some(own) = own_env {
+            assert!(env.contains(&own.to_owned()), "{name}: {env:?}");
+        }
+        let volumes = names(&pod["spec"]["volumes"]);
+        let mounts = names(&container["volumeMounts"]);
+        assert!(volumes.contains(&"corp-ca".to_owned()), "{name}: {volumes:?}");
+        assert!(mounts.contains(&"corp-ca".to_owned()), "{name}: {mounts:?}");
+        if let Some(own) = own_volume {
+            assert!(
+                volumes.contains(&own.to_owned()) && mounts.contains(&own.to_owned()),
+                "{name}"
+            );
+        }
+    }
+    // Without them nothing changes: no strategy, no priority, no extra env.
+    let plain = rendered(up, "pod", &[]).await;
+    let d = object(&plain, "Deployment", "pod-tensile-descheduler");
+    assert!(d["spec"]["strategy"].is_null() && d["spec"]["template"]["spec"]["priorityClassName"].is_null());
+
+    let out = template(
+        up,
+        "pod",
+        &with_nodes(
+            &["a"],
+            &["--set", "descheduler.podLabels.app\\.kubernetes\\.io/component=x"],
+        ),
+    )
+    .await;
+    assert!(!out.ok);
+    assert!(
+        out.stderr.contains(
+            r#"descheduler.podLabels: "app.kubernetes.io/component" is a label the chart selects the pods by"#
+        ),
+        "{}",
+        out.stderr
+    );
+    let out = template(
+        up,
+        "pod",
+        &with_nodes(&["a"], &["--set", "webhook.updateStrategy.type=Sometimes"]),
+    )
+    .await;
+    assert!(
+        !out.ok && out.stderr.contains("webhook.updateStrategy.type"),
+        "{}",
+        out.stderr
     );
 }

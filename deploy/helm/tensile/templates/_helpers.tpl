@@ -36,6 +36,44 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{/* The name of a virtual node's Deployment (and of its PodDisruptionBudget and kubeconfig
+     Secret): <fullname>-vn-<node name>, cut to 63 characters. Call with (dict "root" $ "node" name). */}}
+{{- define "tensile.virtualNodeName" -}}
+{{- printf "%s-vn-%s" (include "tensile.fullname" .root) .node | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Refuses virtual nodes that would share a Node, a Lease or a Deployment: a name given
+     twice, or two names that the 63-character cut makes into one Deployment name. */}}
+{{- define "tensile.checkVirtualNodes" -}}
+{{- $byName := dict }}
+{{- $byDeployment := dict }}
+{{- range $i, $node := .Values.virtualNodes.nodes }}
+{{- if hasKey $byName $node.name }}
+{{- fail (printf "virtualNodes.nodes[%d].name %q is also virtualNodes.nodes[%s].name: each lower cluster is one Node of its own name" $i $node.name (get $byName $node.name)) }}
+{{- end }}
+{{- $_ := set $byName $node.name (toString $i) }}
+{{- $deployment := include "tensile.virtualNodeName" (dict "root" $ "node" $node.name) }}
+{{- if hasKey $byDeployment $deployment }}
+{{- $other := index $.Values.virtualNodes.nodes (int (get $byDeployment $deployment)) }}
+{{- fail (printf "virtualNodes.nodes[%d].name %q and virtualNodes.nodes[%s].name %q both make the Deployment %q (%s-vn-<name>, cut to 63 characters): make the names differ within their first %d characters, or shorten the release name (or set fullnameOverride)" $i $node.name (get $byDeployment $deployment) $other.name $deployment (include "tensile.fullname" $) (sub 63 (len (printf "%s-vn-" (include "tensile.fullname" $)))) ) }}
+{{- end }}
+{{- $_ := set $byDeployment $deployment (toString $i) }}
+{{- end }}
+{{- end -}}
+
+{{/* A component's own pod labels (`podLabels`), to follow its selector labels; a key the
+     chart selects pods by is refused. Call with (dict "c" .Values.webhook "values" "webhook"). */}}
+{{- define "tensile.podLabels" -}}
+{{- range $key, $_ := .c.podLabels }}
+{{- if has $key (list "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component" "tensile.io/virtual-node") }}
+{{- fail (printf "%s.podLabels: %q is a label the chart selects the pods by; use another key" $.values $key) }}
+{{- end }}
+{{- end }}
+{{- with .c.podLabels }}
+{{- toYaml . }}
+{{- end }}
+{{- end -}}
+
 {{/* The image, tag defaulting to the appVersion. */}}
 {{- define "tensile.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
@@ -53,11 +91,21 @@ app.kubernetes.io/component: {{ .component }}
 - --log-level={{ .Values.logLevel }}
 {{- end -}}
 
-{{/* Leader-election flags when replicas > 1. Call with (dict "root" $ "replicas" n). */}}
+{{/* Leader-election flags, whatever the replica count: a rolling update of one replica runs
+     two pods for a while, and a scale-up must not bring a second writer. Call with $. */}}
 {{- define "tensile.leaderArgs" -}}
-{{- if gt (int .replicas) 1 -}}
 - --leader-elect
-- --leader-elect-resource-namespace={{ .root.Release.Namespace }}
+- --leader-elect-resource-namespace={{ .Release.Namespace }}
+{{- end -}}
+
+{{/* The PodDisruptionBudget API of the target Kubernetes: policy/v1 from 1.21 (policy/v1beta1
+     is gone in 1.25), policy/v1beta1 for 1.20. Offline (helm template) the API list is
+     helm's own and names no kinds, so the version decides; --kube-version sets it. */}}
+{{- define "tensile.pdbApiVersion" -}}
+{{- if or (.Capabilities.APIVersions.Has "policy/v1/PodDisruptionBudget") (semverCompare ">=1.21-0" .Capabilities.KubeVersion.Version) -}}
+policy/v1
+{{- else -}}
+policy/v1beta1
 {{- end -}}
 {{- end -}}
 
@@ -78,6 +126,9 @@ readinessProbe:
 securityContext:
   runAsNonRoot: true
   seccompProfile: {type: RuntimeDefault}
+{{- with .c.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
 {{- with .root.Values.imagePullSecrets }}
 imagePullSecrets: {{ toYaml . | nindent 2 }}
 {{- end }}
@@ -92,12 +143,11 @@ affinity: {{ toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
 
-{{/* A PodDisruptionBudget keeping one replica up, when there are several. The policy/v1beta1
-     API serves 1.20; policy/v1 from 1.21 (v1beta1 is gone in 1.25). */}}
+{{/* A PodDisruptionBudget keeping one replica up, when there are several. */}}
 {{- define "tensile.pdb" -}}
 {{- if gt (int .replicas) 1 }}
 ---
-apiVersion: {{ if .root.Capabilities.APIVersions.Has "policy/v1/PodDisruptionBudget" }}policy/v1{{ else }}policy/v1beta1{{ end }}
+apiVersion: {{ include "tensile.pdbApiVersion" .root }}
 kind: PodDisruptionBudget
 metadata:
   name: {{ .name }}
