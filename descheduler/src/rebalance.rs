@@ -120,6 +120,8 @@ pub struct Rebalance {
     pub reason: Reason,
     /// The virtual node the pod should go to (or one of its domain).
     pub target: String,
+    /// The UIDs of the workload's pods when it was judged: none of them is the replacement.
+    pub known: BTreeSet<String>,
 }
 
 /// Why a workload that would move does not, this round.
@@ -193,8 +195,9 @@ pub struct Plan {
 struct Episode {
     moves: u32,
     cool_until: Option<Timestamp>,
-    /// When its last pod was evicted, until a pod of it created since is Ready.
-    awaiting: Option<Timestamp>,
+    /// When its last pod was evicted, and the pods it had then, until a pod of it that is
+    /// none of those and was created since is Ready.
+    awaiting: Option<(Timestamp, BTreeSet<String>)>,
     /// Until when it is not tried: its last eviction was refused (a PodDisruptionBudget).
     refused_until: Option<Timestamp>,
 }
@@ -211,11 +214,11 @@ pub struct Memory {
 }
 
 impl Memory {
-    /// Records that a pod of `workload` was evicted at `now`.
-    pub fn moved(&mut self, workload: &str, now: Timestamp) {
+    /// Records that a pod of `workload`, which had the pods `known`, was evicted at `now`.
+    pub fn moved(&mut self, workload: &str, now: Timestamp, known: BTreeSet<String>) {
         let e = self.episodes.entry(workload.to_owned()).or_default();
         e.moves += 1;
-        e.awaiting = Some(now);
+        e.awaiting = Some((now, known));
         e.refused_until = None;
     }
 
@@ -456,6 +459,7 @@ fn judge_workload(
             owner: w.owner.clone(),
             reason: reason(&node),
             target: node,
+            known: w.pods.iter().filter_map(|p| p.metadata.uid.clone()).collect(),
         }),
         Target::Stabilizing(node) => Want::Held(Held::Stabilizing(node)),
         Target::NoFit => Want::Held(Held::NoFit),
@@ -606,21 +610,29 @@ pub fn plan(
             .push(pod);
     }
     let unavailable = |w: &Workload<'_>| w.pods.iter().filter(|p| !available(p)).count() as u32;
-    // A moved pod counts as replaced once a pod of its workload created since is Ready
-    // (creation times have whole seconds); a replacement never seen is given up on.
+    // A moved pod counts as replaced once a pod of its workload is Ready that it did not
+    // have at the move and that was created since (creation times have whole seconds); a
+    // replacement never seen is given up on.
     for w in workloads.values() {
         if let Some(e) = memory.episodes.get_mut(&w.uid)
-            && let Some(moved) = e.awaiting
+            && let Some((moved, known)) = &e.awaiting
         {
-            let since = moved.round(jiff::Unit::Second).unwrap_or(moved) - SignedDuration::from_secs(1);
+            let since = moved
+                .round(
+                    jiff::TimestampRound::new()
+                        .smallest(jiff::Unit::Second)
+                        .mode(jiff::RoundMode::Trunc),
+                )
+                .unwrap_or(*moved);
             let replaced = w.pods.iter().any(|p| {
                 available(p)
+                    && p.metadata.uid.as_ref().is_some_and(|u| !known.contains(u))
                     && p.metadata
                         .creation_timestamp
                         .as_ref()
                         .is_some_and(|c| c.0 >= since)
             });
-            if replaced || now.duration_since(moved) > REPLACEMENT_TIMEOUT {
+            if replaced || now.duration_since(*moved) > REPLACEMENT_TIMEOUT {
                 e.awaiting = None;
             }
         }
@@ -841,6 +853,10 @@ mod tests {
         )
     }
 
+    fn uids(pods: &[Arc<Pod>]) -> BTreeSet<String> {
+        pods.iter().filter_map(|p| p.metadata.uid.clone()).collect()
+    }
+
     fn held(plan: &Plan) -> Vec<Held> {
         plan.held.iter().map(|(_, _, h)| h.clone()).collect()
     }
@@ -883,7 +899,7 @@ mod tests {
                 max_skew: 1
             }
         );
-        memory.moved("web-uid", at(55));
+        memory.moved("web-uid", at(55), uids(&on_b));
 
         // The moved pod is gone before its controller made the replacement: nothing else
         // goes (the workload's pods look all Ready, but one is missing).
@@ -904,7 +920,7 @@ mod tests {
         pods.push(created(pod("web", 4, Some("vn-a"), State::Running, None), at(57)));
         let p = run(&pods, &n(at(-10)), &mut memory, at(65), &settings);
         assert_eq!(moved_names(&p), vec![("web-2".to_owned(), "vn-a".to_owned())]);
-        memory.moved("web-uid", at(65));
+        memory.moved("web-uid", at(65), uids(&pods));
 
         // Two and two: balanced, nothing moves, and the cool-down starts.
         let balanced = vec![
@@ -921,6 +937,40 @@ mod tests {
         assert_eq!(held(&p), vec![Held::CoolingDown]);
         // After it, it moves again.
         let p = run(&on_b, &n(at(100)), &mut memory, at(400), &settings);
+        assert_eq!(p.moves.len(), 1, "{p:?}");
+    }
+
+    #[test]
+    fn a_pod_the_workload_had_at_the_move_never_counts_as_its_replacement() {
+        let settings = Settings::default();
+        let mut memory = Memory::default();
+        let n = roomy();
+        // Two pods on vn-b, one of them made in the same second as the move (the previous
+        // move's replacement, say).
+        let pods = vec![
+            pod("web", 0, Some("vn-b"), State::Running, None),
+            pod("web", 1, Some("vn-b"), State::Running, None),
+            created(pod("web", 2, Some("vn-b"), State::Running, None), at(10)),
+            created(pod("web", 3, Some("vn-b"), State::Running, None), at(10)),
+        ];
+        let p = run(&pods, &n, &mut memory, at(10), &settings);
+        assert_eq!(p.moves.len(), 1);
+        memory.moved("web-uid", t("2024-05-01T10:00:10.700Z"), p.moves[0].known.clone());
+        // The evicted pod is gone before its controller made the replacement: the pod made
+        // at 10 s is not the replacement, though its creation time is not before the move's.
+        let evicted = p.moves[0].pod.metadata.uid.clone();
+        let left: Vec<Arc<Pod>> = pods
+            .iter()
+            .filter(|p| p.metadata.uid != evicted)
+            .cloned()
+            .collect();
+        let p = run(&left, &n, &mut memory, at(11), &settings);
+        assert!(p.moves.is_empty(), "{p:?}");
+        assert_eq!(held(&p), vec![Held::Replacing]);
+        // Its real replacement, Ready: the next may go.
+        let mut with = left.clone();
+        with.push(created(pod("web", 9, Some("vn-a"), State::Running, None), at(10)));
+        let p = run(&with, &n, &mut memory, at(12), &settings);
         assert_eq!(p.moves.len(), 1, "{p:?}");
     }
 
@@ -1025,7 +1075,7 @@ mod tests {
         assert_eq!(p.moves.len(), 1, "{p:?}");
         assert_eq!(held(&p), vec![Held::Budget]);
         let first = p.moves[0].workload.clone();
-        memory.moved(&first, at(0));
+        memory.moved(&first, at(0), uids(&pods));
 
         // While its replacement is not Ready, the other workload still waits.
         let mut pods2: Vec<Arc<Pod>> = pods

@@ -464,7 +464,7 @@ impl Descheduler {
             match evict::evict(&api, pod).await {
                 Ok(Evicted::Accepted) => {
                     if let Ok(mut memory) = r.memory.lock() {
-                        memory.moved(&m.workload, Timestamp::now());
+                        memory.moved(&m.workload, Timestamp::now(), m.known.clone());
                     }
                     self.metrics.rebalanced(m.reason.label(), "success");
                     tracing::info!(pod = %format!("{ns}/{name}"), "rebalanced: {note}");
