@@ -51,9 +51,10 @@ testbed: kube-bins
 	$(CARGO) run -p tensile-e2e --bin testbed -- up --dir $(TESTBED_DIR) \
 	  --cluster upper --cluster lower-a:nodes=3 --cluster lower-b:nodes=3
 
-# Benchmarks; figures are written as JSON under target/bench/.
+# Benchmarks; figures are written as JSON under target/bench/. The failback benchmark starts
+# the descheduler as a process, so it is built too.
 bench: kube-bins
-	$(CARGO) build --release -p tensile-virtual-node -p tensile-e2e --bins
+	$(CARGO) build --release -p tensile-virtual-node -p tensile-descheduler -p tensile-e2e --bins
 	$(CARGO) run --release -p tensile-e2e --bin bench -- --bench all --out target/bench
 
 # The whole suite on this machine with a sample workload, until Ctrl-C: an upper cluster,

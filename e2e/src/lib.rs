@@ -17,6 +17,7 @@ pub mod cluster;
 pub mod demo;
 pub mod descheduler;
 pub mod etcd;
+pub mod failback;
 pub mod flood;
 pub mod in_process;
 pub mod kubectl;

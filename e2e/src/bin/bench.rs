@@ -22,6 +22,10 @@
 //! `exclusions` (`--bench exclusions`): moves per second and the latency of one exclusion
 //! record's write with 10,000 live records, against the old one-ConfigMap store.
 //!
+//! `failback` (`--bench failback`): from a lower cluster's recovery to restored spread, for
+//! 100 pods of 10 spread Deployments moved back by the descheduler's `--rebalance`, once per
+//! `--rebalance-max-owners` (1 and 10).
+//!
 //! `multi-scheduler` (`--bench multi-scheduler`): the capacity shape of a 5,000-node lower
 //! cluster, the extender's filter in process for 100 such virtual nodes, and `POST /filter`
 //! over HTTPS.
@@ -114,6 +118,18 @@ struct Cli {
     /// Creates in flight at once in the scale benchmark.
     #[arg(long, env = "BENCH_SCALE_CLIENTS", default_value_t = 64)]
     scale_clients: usize,
+    /// Spread Deployments of the failback benchmark.
+    #[arg(long, env = "BENCH_FAILBACK_DEPLOYMENTS", default_value_t = 10)]
+    failback_deployments: usize,
+    /// Replicas of each of them.
+    #[arg(long, env = "BENCH_FAILBACK_REPLICAS", default_value_t = 10)]
+    failback_replicas: u32,
+    /// The descheduler's `--rebalance-max-owners` of each failback scene (comma-separated).
+    #[arg(long, env = "BENCH_FAILBACK_MAX_OWNERS", value_delimiter = ',', default_values_t = [1, 10])]
+    failback_max_owners: Vec<u32>,
+    /// Seconds a failback scene may take from lower-a's return to the spread restored.
+    #[arg(long, env = "BENCH_FAILBACK_BUDGET", default_value_t = 900)]
+    failback_budget: u64,
     /// Client QPS of the test bed's kube-scheduler and kube-controller-manager in the
     /// virtual-node and scale benchmarks (burst twice that); 0 keeps their defaults (50).
     #[arg(long, env = "BENCH_TEST_BED_QPS", default_value_t = 1000)]
@@ -130,6 +146,7 @@ enum Which {
     Streams,
     Scale,
     Exclusions,
+    Failback,
     All,
 }
 
@@ -215,6 +232,18 @@ fn main() -> anyhow::Result<()> {
             cli.exclusions_old,
         ))?;
         write_figures(&cli.out, "exclusions.json", &figures)?;
+    }
+    if matches!(cli.bench, Which::Failback | Which::All) {
+        let rt = tokio::runtime::Runtime::new().context("async runtime")?;
+        let figures = rt.block_on(tensile_e2e::failback::bench(
+            &tensile_e2e::failback::FailbackBench {
+                deployments: cli.failback_deployments.max(1),
+                replicas: cli.failback_replicas.max(1),
+                max_owners: cli.failback_max_owners.clone(),
+                budget: Duration::from_secs(cli.failback_budget.max(1)),
+            },
+        ))?;
+        write_figures(&cli.out, "failback.json", &figures)?;
     }
     if matches!(cli.bench, Which::Scale | Which::All) {
         let rt = tokio::runtime::Runtime::new().context("async runtime")?;
