@@ -295,6 +295,21 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
     )
     .unwrap();
     descheduler.wait_ready(Duration::from_secs(30)).await.unwrap();
+    // The same, in dry run, alongside: it says what it would move and touches nothing.
+    let dry = DeschedulerProcess::start(
+        &upper,
+        &[
+            format!("--node-selector=type=virtual-kubelet,{VN_KEY}={NS}"),
+            format!("--exclusions-configmap={NS}/exclusions"),
+            "--descheduling-interval=2s".to_owned(),
+            "--rebalance".to_owned(),
+            "--rebalance-stabilization=45".to_owned(),
+            "--dry-run".to_owned(),
+        ],
+        "rebalance-dry-run",
+    )
+    .unwrap();
+    dry.wait_ready(Duration::from_secs(30)).await.unwrap();
 
     // Lower-a goes away: its pods are evicted upstream and their replacements run on vn-b.
     lower_a.stop_apiserver();
@@ -429,6 +444,17 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
         )
     };
     assert_eq!(total(&after), total(&m), "{after}");
+    // The dry run reported moves and made none: the four events and moves are the other
+    // descheduler's.
+    let d = dry.metrics().await;
+    let would = metric_sum(
+        &d,
+        "tensile_descheduler_pods_rebalanced_total",
+        &[("result", "dry_run")],
+    );
+    assert!(would >= 1.0, "the dry run says what it would move: {d}");
+    assert_eq!(total(&d), 0.0, "{d}");
+    assert!(dry.log().contains("dry run: would rebalance"), "{}", dry.log());
     let (s, p) = (spread(&up, "spread").await, spread(&up, "prefer").await);
     assert!(balanced(&s, &p), "still balanced: spread {s:?}, prefer {p:?}");
     println!(
