@@ -47,6 +47,18 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    #[error("{what}: not a usable kubeconfig: {source}")]
+    InMemory {
+        what: String,
+        #[source]
+        source: kube::config::KubeconfigError,
+    },
+    #[error("{what}: cannot build a client: {source}")]
+    InMemoryClient {
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
 }
 
 /// How every API client of a daemon talks to its apiserver, flattened into each daemon.
@@ -175,6 +187,30 @@ fn stream_client(config: &kube::Config, options: &ClientOptions) -> Result<kube:
         })
         .service(hyper);
     Ok(kube::Client::new(service, config.default_namespace.clone()))
+}
+
+/// A client for `kubeconfig`, a kubeconfig held in memory (read from a Secret, say) that
+/// errors name as `what`.
+pub async fn client_from_kubeconfig(
+    kubeconfig: Kubeconfig,
+    what: &str,
+    options: &ClientOptions,
+) -> Result<kube::Client, Error> {
+    let opts = KubeConfigOptions {
+        context: options.context.clone(),
+        ..Default::default()
+    };
+    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &opts)
+        .await
+        .map_err(|source| Error::InMemory {
+            what: what.to_owned(),
+            source,
+        })?;
+    tune(&mut config, options);
+    build(config, options).map_err(|source| Error::InMemoryClient {
+        what: what.to_owned(),
+        source,
+    })
 }
 
 /// Loads `path` and builds a client for it.

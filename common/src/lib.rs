@@ -7,7 +7,7 @@
 //! fenced by the renew deadline ([`leader`]); the admin endpoint ([`admin`]); the HTTPS
 //! server with its connection limits ([`serve`]); serving certificates, from files reloaded
 //! on change or generated ([`tls`]); logging ([`telemetry`]); one API error shape, the exact
-//! delete and timestamps ([`api`]).
+//! delete and timestamps ([`api`]); eviction with preconditions on every version ([`evict`]).
 //!
 //! The suite's vocabulary: every label, annotation and taint name ([`names`]), the codec of
 //! the stashed lower-cluster constraints ([`stash`]), the descheduler's exclusion record
@@ -20,6 +20,7 @@ pub mod admin;
 pub mod api;
 pub mod cache;
 pub mod deadline;
+pub mod evict;
 pub mod exclusion;
 pub mod fit;
 pub mod kubeconfig;

@@ -130,6 +130,21 @@ pub const API_GROUP: &str = "tensile.io";
 /// Label on every exclusion record: the field manager that wrote it.
 pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 
+// --- lower clusters as objects (the cluster controller and tensilectl) ---
+/// Label on every object the cluster controller or `tensilectl` makes for a lower cluster,
+/// in either cluster: the `LowerCluster`'s name.
+pub const LOWER_CLUSTER: &str = "tensile.io/lower-cluster";
+/// Finalizer of a `LowerCluster`: its virtual node's traces are removed before it goes.
+pub const LOWER_CLUSTER_FINALIZER: &str = "tensile.io/lower-cluster";
+/// Field manager of the cluster controller's writes.
+pub const CONTROLLER_MANAGER: &str = "tensile-cluster-controller";
+/// Field manager, and `app.kubernetes.io/managed-by` value, of what `tensilectl` makes.
+pub const TENSILECTL: &str = "tensilectl";
+/// Keys of a lower cluster's credential Secret: the kubeconfig, and the token it reads from
+/// a file beside it (`tokenFile: token`) that the cluster controller renews.
+pub const CREDENTIAL_KUBECONFIG_KEY: &str = "kubeconfig";
+pub const CREDENTIAL_TOKEN_KEY: &str = "token";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,6 +157,7 @@ mod tests {
             MARK_CLUSTER,
             MARK_NODE,
             MARK_UPPER_UID,
+            LOWER_CLUSTER,
             CONDITION_LOWER_SCHEDULED,
             CONDITION_LOWER_SYNCED,
             CONDITION_LOWER_NODES_USABLE,

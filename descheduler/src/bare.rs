@@ -24,8 +24,8 @@ use k8s_openapi::api::core::v1::{
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use tensile_common::names;
 
-use crate::evict::{self, Evicted};
 use crate::fit;
+use tensile_common::evict::{self, Evicted};
 
 /// A step of a bare-pod move after which `--crash-at` aborts the process, so that tests can
 /// prove a restart at any step finishes the move exactly once.

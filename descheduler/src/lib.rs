@@ -12,7 +12,7 @@
 //!    ([`tensile_common::exclusion`], written by [`store`]); the webhook turns the record
 //!    into a `kubernetes.io/hostname NotIn` requirement on the replacement, for the upper
 //!    scheduler only;
-//! 2. evicts the pod through the Eviction API with a UID precondition ([`evict`]), so its
+//! 2. evicts the pod through the Eviction API with a UID precondition ([`tensile_common::evict`]), so its
 //!    controller recreates it; a bare pod that opted in is replaced first, then evicted
 //!    ([`bare`]).
 //!
@@ -28,7 +28,6 @@
 
 pub mod bare;
 pub mod decide;
-pub mod evict;
 pub mod fit;
 pub mod job;
 pub mod metrics;

@@ -27,12 +27,12 @@ use tokio::time::Instant;
 
 use crate::bare;
 use crate::decide::{self, Budget, GiveUp, Move, Release, Settings, Skip, Verdict, Workload};
-use crate::evict::{self, Evicted};
 use crate::job;
 use crate::metrics::{Metrics, NodeLabels, ReasonLabels, ResultLabels};
 use crate::pairs::{self, PairStep};
 use crate::rebalance;
 use crate::store::Store;
+use tensile_common::evict::{self, Evicted};
 
 /// The per-round caps (`0`: none).
 #[derive(Clone, Copy, Debug, Default)]

@@ -26,6 +26,7 @@ pub mod partition;
 pub mod pki;
 pub mod process;
 pub mod records;
+pub mod runner;
 pub mod scale;
 pub mod shared;
 pub mod simulator;

@@ -20,6 +20,7 @@ use tensile_common::api::ApiError;
 use tensile_common::names;
 
 use crate::copies::Copies;
+use crate::lower_objects;
 use crate::metrics::Metrics;
 use crate::ratelimit::WriteLimit;
 use crate::refs::{self, Blocked};
@@ -1015,67 +1016,8 @@ pub async fn collect_orphans(ctx: &Context) -> Collected {
     collected
 }
 
-/// What the lower cluster puts in every namespace by itself: never a reason to keep a
-/// namespace we made.
-fn left_by_the_cluster(resource: &kube::discovery::ApiResource, name: &str) -> bool {
-    match (resource.group.as_str(), resource.plural.as_str()) {
-        ("", "serviceaccounts") => name == "default",
-        ("", "configmaps") => name == "kube-root-ca.crt",
-        _ => false,
-    }
-}
-
-/// Events outlive what they are about (an hour by default): they never keep a namespace.
-fn is_events(resource: &kube::discovery::ApiResource) -> bool {
-    resource.plural == "events" && matches!(resource.group.as_str(), "" | "events.k8s.io")
-}
-
-/// The kinds an emptiness check lists: every namespaced kind the lower cluster serves that
-/// can be listed (discovery, so Roles, NetworkPolicies, LimitRanges and custom resources
-/// count), events aside. Read once per collection pass.
-async fn namespaced_kinds(ctx: &Context) -> Result<Vec<kube::discovery::ApiResource>, kube::Error> {
-    use kube::discovery::{Scope, verbs};
-    let discovery = kube::Discovery::new(ctx.lower.clone()).run().await?;
-    Ok(discovery
-        .groups()
-        .flat_map(|g| g.recommended_resources())
-        .filter(|(r, caps)| {
-            caps.scope == Scope::Namespaced && caps.supports_operation(verbs::LIST) && !is_events(r)
-        })
-        .map(|(r, _)| r)
-        .collect())
-}
-
-/// Whether lower namespace `ns` holds nothing of anyone's among `kinds`: only what the
-/// cluster itself leaves ([`left_by_the_cluster`], service-account token Secrets) is ignored.
-async fn namespace_is_empty(
-    ctx: &Context,
-    ns: &str,
-    kinds: &[kube::discovery::ApiResource],
-) -> Result<bool, kube::Error> {
-    for resource in kinds {
-        let fields = if resource.group.is_empty() && resource.plural == "secrets" {
-            "type!=kubernetes.io/service-account-token"
-        } else {
-            ""
-        };
-        let params = kube::api::ListParams::default().fields(fields).limit(10);
-        let api: Api<kube::core::DynamicObject> = Api::namespaced_with(ctx.lower.clone(), ns, resource);
-        let list = api.list_metadata(&params).await?;
-        let held = list
-            .items
-            .iter()
-            .any(|o| !left_by_the_cluster(resource, o.metadata.name.as_deref().unwrap_or_default()));
-        if held || list.metadata.continue_.as_deref().is_some_and(|c| !c.is_empty()) {
-            tracing::debug!(namespace = %ns, kind = %resource.kind, "namespace collection: not empty");
-            return Ok(false);
-        }
-    }
-    Ok(true)
-}
-
 /// With `--gc-namespaces`: deletes lower namespaces this node created once they have been
-/// empty (see [`namespace_is_empty`]) on two passes in a row and no upper pod of this node
+/// empty (see [`lower_objects::namespace_is_empty`]) on two passes in a row and no upper pod of this node
 /// lives in them. `empty_before` carries the previous pass's verdicts.
 pub async fn collect_namespaces(ctx: &Context, empty_before: &mut std::collections::HashSet<String>) {
     let api: Api<Namespace> = Api::all(ctx.lower.clone());
@@ -1106,7 +1048,7 @@ pub async fn collect_namespaces(ctx: &Context, empty_before: &mut std::collectio
             continue;
         }
         if kinds.is_none() {
-            match namespaced_kinds(ctx).await {
+            match lower_objects::namespaced_kinds(&ctx.lower).await {
                 Ok(found) => kinds = Some(found),
                 Err(e) => {
                     tracing::warn!("namespace collection: discovering the lower cluster's kinds: {e}");
@@ -1115,7 +1057,7 @@ pub async fn collect_namespaces(ctx: &Context, empty_before: &mut std::collectio
             }
         }
         let kinds = kinds.as_deref().unwrap_or_default();
-        match namespace_is_empty(ctx, &name, kinds).await {
+        match lower_objects::namespace_is_empty(&ctx.lower, &name, kinds).await {
             Ok(true) => {}
             Ok(false) => continue,
             Err(e) => {
@@ -1129,7 +1071,11 @@ pub async fn collect_namespaces(ctx: &Context, empty_before: &mut std::collectio
         }
         // There is no delete-if-empty: look once more right before deleting, so what was
         // put there since the last pass (by anyone) keeps the namespace.
-        if !matches!(namespace_is_empty(ctx, &name, kinds).await, Ok(true)) || hosts_upper_pods(&name) {
+        if !matches!(
+            lower_objects::namespace_is_empty(&ctx.lower, &name, kinds).await,
+            Ok(true)
+        ) || hosts_upper_pods(&name)
+        {
             continue;
         }
         if let Ok(mut known) = ctx.usable_namespaces.lock() {

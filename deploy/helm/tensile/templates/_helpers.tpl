@@ -36,28 +36,27 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{/* The name of a virtual node's Deployment (and of its PodDisruptionBudget and kubeconfig
-     Secret): <fullname>-vn-<node name>, cut to 63 characters. Call with (dict "root" $ "node" name). */}}
+{{/* The name of a virtual node's Deployment (and of its ServiceAccount, grants and
+     PodDisruptionBudget), as the cluster controller names it: <fullname>-vn-<node name>.
+     Call with (dict "root" $ "node" name). */}}
 {{- define "tensile.virtualNodeName" -}}
-{{- printf "%s-vn-%s" (include "tensile.fullname" .root) .node | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-vn-%s" (include "tensile.fullname" .root) .node -}}
 {{- end -}}
 
-{{/* Refuses virtual nodes that would share a Node, a Lease or a Deployment: a name given
-     twice, or two names that the 63-character cut makes into one Deployment name. */}}
+{{/* Refuses virtual nodes that would share a Node, a Lease or a Deployment (a name given
+     twice), and names whose Deployment name leaves its pods no room: the cluster controller
+     refuses a Deployment name over 47 characters (pod names add 17 and stop at 63). */}}
 {{- define "tensile.checkVirtualNodes" -}}
 {{- $byName := dict }}
-{{- $byDeployment := dict }}
 {{- range $i, $node := .Values.virtualNodes.nodes }}
 {{- if hasKey $byName $node.name }}
 {{- fail (printf "virtualNodes.nodes[%d].name %q is also virtualNodes.nodes[%s].name: each lower cluster is one Node of its own name" $i $node.name (get $byName $node.name)) }}
 {{- end }}
 {{- $_ := set $byName $node.name (toString $i) }}
 {{- $deployment := include "tensile.virtualNodeName" (dict "root" $ "node" $node.name) }}
-{{- if hasKey $byDeployment $deployment }}
-{{- $other := index $.Values.virtualNodes.nodes (int (get $byDeployment $deployment)) }}
-{{- fail (printf "virtualNodes.nodes[%d].name %q and virtualNodes.nodes[%s].name %q both make the Deployment %q (%s-vn-<name>, cut to 63 characters): make the names differ within their first %d characters, or shorten the release name (or set fullnameOverride)" $i $node.name (get $byDeployment $deployment) $other.name $deployment (include "tensile.fullname" $) (sub 63 (len (printf "%s-vn-" (include "tensile.fullname" $)))) ) }}
+{{- if gt (len $deployment) 47 }}
+{{- fail (printf "virtualNodes.nodes[%d].name %q makes the Deployment %q (%s-vn-<name>) of %d characters: its pods' names would pass 63; keep it within 47 with a name of at most %d characters, or shorten the release name (or set fullnameOverride)" $i $node.name $deployment (include "tensile.fullname" $) (len $deployment) (sub 47 (len (printf "%s-vn-" (include "tensile.fullname" $))))) }}
 {{- end }}
-{{- $_ := set $byDeployment $deployment (toString $i) }}
 {{- end }}
 {{- end -}}
 

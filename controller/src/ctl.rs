@@ -1,0 +1,908 @@
+//! `tensilectl`: a lower cluster joins the fleet in one command and leaves it in one.
+//!
+//! `join NAME` makes, in the lower cluster, the account a virtual node acts as there with
+//! the rights the chart's `target=lower` renders (read from `deploy/lower-cluster-rbac.yaml`,
+//! one source for both), asks the lower cluster for a token of it that lives
+//! `--token-lifetime` (the cluster controller renews it at 80 %), and makes in the upper
+//! cluster the credential Secret and the `LowerCluster`; then it waits until the virtual
+//! node is Ready. `leave NAME` deletes the `LowerCluster` (whose finalizer removes the
+//! virtual node and what it made), then what `join` made, in both clusters. Everything
+//! `join` makes carries `app.kubernetes.io/managed-by=tensilectl` and
+//! `tensile.io/lower-cluster=NAME`; `leave` deletes nothing without those.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Namespace, Secret, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{
+    ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use tensile_common::api::{code, message};
+use tensile_common::kubeconfig::ClientOptions;
+use tensile_common::names;
+use tensile_virtual_node::teardown;
+use tensile_virtual_node::translate::Identity;
+
+use crate::credential::{self, Endpoint};
+use crate::resource::{Credential, LowerCluster, LowerClusterSpec, condition};
+
+/// The rights of a virtual node in a lower cluster, as the chart renders them.
+const LOWER_RBAC: &str = include_str!("../../deploy/lower-cluster-rbac.yaml");
+
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "tensilectl",
+    about = "Joins lower clusters to a tensile fleet and removes them"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// Sets a lower cluster up and registers it as a LowerCluster; waits until it is Ready.
+    Join(JoinArgs),
+    /// Removes a lower cluster: its LowerCluster, its virtual node and everything either
+    /// made, in both clusters.
+    Leave(LeaveArgs),
+    /// Prints the fleet.
+    Status(StatusArgs),
+}
+
+/// The two clusters and where tensile lives in each.
+#[derive(Debug, clap::Args)]
+pub struct Clusters {
+    /// Kubeconfig of the upper cluster (default: $KUBECONFIG, ~/.kube/config, in-cluster).
+    #[arg(long = "upper-kubeconfig", env = "TENSILE_UPPER_KUBECONFIG")]
+    pub upper_kubeconfig: Option<PathBuf>,
+    /// Context of the upper kubeconfig (default: its current one).
+    #[arg(long = "upper-context", env = "TENSILE_UPPER_CONTEXT")]
+    pub upper_context: Option<String>,
+    /// The upper namespace of the chart's release, where credentials live.
+    #[arg(long, short = 'n', env = "TENSILE_NAMESPACE", default_value = "tensile")]
+    pub namespace: String,
+    /// Id of the upper cluster in lower marks, if the chart sets one (default: the upper
+    /// kube-system namespace UID, as the daemons' default).
+    #[arg(long = "cluster-id", env = "TENSILE_CLUSTER_ID")]
+    pub cluster_id: Option<String>,
+}
+
+/// The lower cluster, as its admin reaches it.
+#[derive(Debug, clap::Args)]
+pub struct Lower {
+    /// Kubeconfig of an admin of the lower cluster.
+    #[arg(long = "lower-kubeconfig", env = "TENSILE_LOWER_KUBECONFIG")]
+    pub lower_kubeconfig: PathBuf,
+    /// Context of the lower kubeconfig (default: its current one).
+    #[arg(long = "lower-context", env = "TENSILE_LOWER_CONTEXT")]
+    pub lower_context: Option<String>,
+    /// The lower namespace of the virtual node's account.
+    #[arg(
+        long = "lower-namespace",
+        env = "TENSILE_LOWER_NAMESPACE",
+        default_value = "tensile"
+    )]
+    pub lower_namespace: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct JoinArgs {
+    /// The LowerCluster's name, and the virtual node's.
+    pub name: String,
+    #[command(flatten)]
+    pub clusters: Clusters,
+    #[command(flatten)]
+    pub lower: Lower,
+    /// The lower apiserver's address as the upper cluster's pods reach it (default: the
+    /// lower kubeconfig's).
+    #[arg(long, env = "TENSILE_LOWER_SERVER")]
+    pub server: Option<String>,
+    /// Lifetime of the credential's token; the cluster controller renews it at 80 %.
+    #[arg(long = "token-lifetime", default_value = "24h", value_parser = tensile_common::leader::parse_duration)]
+    pub token_lifetime: Duration,
+    /// Labels of the virtual node, `key=value,...`.
+    #[arg(long = "node-labels", value_delimiter = ',', value_parser = parse_label)]
+    pub node_labels: Vec<(String, String)>,
+    /// Register the virtual node without its virtual-kubelet.io/provider taint.
+    #[arg(long = "disable-taint")]
+    pub disable_taint: bool,
+    /// How long to wait for Ready (0: do not wait).
+    #[arg(long, default_value = "3m", value_parser = tensile_common::leader::parse_duration)]
+    pub wait: Duration,
+    /// Print the objects join would make, in both clusters, and make none.
+    #[arg(long = "dry-run")]
+    pub dry_run: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct LeaveArgs {
+    /// The LowerCluster's name.
+    pub name: String,
+    #[command(flatten)]
+    pub clusters: Clusters,
+    #[command(flatten)]
+    pub lower: Lower,
+    /// How long to wait for each removal.
+    #[arg(long, default_value = "5m", value_parser = tensile_common::leader::parse_duration)]
+    pub wait: Duration,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub clusters: Clusters,
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("{s:?} is not key=value")),
+    }
+}
+
+/// What went wrong, naming the cluster, the step and the object.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{cluster} cluster: {verb} {what}: {why}{hint}")]
+    Api {
+        cluster: &'static str,
+        verb: &'static str,
+        what: String,
+        why: String,
+        hint: &'static str,
+    },
+    #[error("{0}")]
+    Client(#[from] tensile_common::kubeconfig::Error),
+    #[error("lower kubeconfig {path}: {why}")]
+    LowerKubeconfig { path: PathBuf, why: String },
+    #[error("{0}")]
+    Refused(String),
+    #[error("{0}")]
+    Timeout(String),
+}
+
+fn api_error(
+    cluster: &'static str,
+    verb: &'static str,
+    what: impl Into<String>,
+) -> impl FnOnce(kube::Error) -> Error {
+    let what = what.into();
+    move |e| {
+        let hint = match code(&e) {
+            Some(403) if cluster == "lower" => {
+                " (the lower kubeconfig must be an admin's: join grants the virtual node its rights there)"
+            }
+            Some(403) => {
+                " (the upper kubeconfig must be allowed to manage Secrets in the release namespace and LowerClusters)"
+            }
+            _ => "",
+        };
+        Error::Api {
+            cluster,
+            verb,
+            what,
+            why: message(&e),
+            hint,
+        }
+    }
+}
+
+fn ssa() -> PatchParams {
+    PatchParams::apply(names::TENSILECTL).force()
+}
+
+/// The lower objects' names.
+pub fn account_name(cluster: &str) -> String {
+    format!("tensile-{cluster}")
+}
+
+/// The upper credential Secret's name.
+pub fn secret_name(cluster: &str) -> String {
+    format!("{cluster}-credential")
+}
+
+fn labels(cluster: &str, upper_id: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (names::MANAGED_BY.to_owned(), names::TENSILECTL.to_owned()),
+        (names::LOWER_CLUSTER.to_owned(), cluster.to_owned()),
+        (names::MARK_CLUSTER.to_owned(), upper_id.to_owned()),
+    ])
+}
+
+fn ours(meta: &ObjectMeta, cluster: &str) -> bool {
+    let l = meta.labels.as_ref();
+    l.and_then(|l| l.get(names::MANAGED_BY)).map(String::as_str) == Some(names::TENSILECTL)
+        && l.and_then(|l| l.get(names::LOWER_CLUSTER)).map(String::as_str) == Some(cluster)
+}
+
+/// The rules of `kind` in the chart's lower rendering.
+fn chart_rules(kind: &str) -> Vec<PolicyRule> {
+    for doc in LOWER_RBAC.split("\n---") {
+        let Ok(value) = serde_yaml::from_str::<serde_json::Value>(doc) else {
+            continue;
+        };
+        if value["kind"] == kind
+            && let Ok(rules) = serde_json::from_value::<Vec<PolicyRule>>(value["rules"].clone())
+        {
+            return rules;
+        }
+    }
+    Vec::new()
+}
+
+/// What `join` makes in the lower cluster.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LowerObjects {
+    pub namespace: Namespace,
+    pub account: ServiceAccount,
+    pub role: ClusterRole,
+    pub binding: ClusterRoleBinding,
+    pub token_role: Role,
+    pub token_binding: RoleBinding,
+}
+
+/// The lower objects of cluster `name`, in `namespace`, for the upper cluster `upper_id`.
+pub fn lower_objects(name: &str, namespace: &str, upper_id: &str) -> LowerObjects {
+    let account = account_name(name);
+    let meta = |ns: Option<&str>, object: &str| ObjectMeta {
+        name: Some(object.to_owned()),
+        namespace: ns.map(str::to_owned),
+        labels: Some(labels(name, upper_id)),
+        ..Default::default()
+    };
+    let subject = Subject {
+        kind: "ServiceAccount".into(),
+        name: account.clone(),
+        namespace: Some(namespace.to_owned()),
+        api_group: None,
+    };
+    let token_rules = chart_rules("Role")
+        .into_iter()
+        .map(|mut rule| {
+            rule.resource_names = Some(vec![account.clone()]);
+            rule
+        })
+        .collect();
+    LowerObjects {
+        namespace: Namespace {
+            metadata: meta(None, namespace),
+            ..Default::default()
+        },
+        account: ServiceAccount {
+            metadata: meta(Some(namespace), &account),
+            ..Default::default()
+        },
+        role: ClusterRole {
+            metadata: meta(None, &account),
+            rules: Some(chart_rules("ClusterRole")),
+            aggregation_rule: None,
+        },
+        binding: ClusterRoleBinding {
+            metadata: meta(None, &account),
+            role_ref: RoleRef {
+                api_group: "rbac.authorization.k8s.io".into(),
+                kind: "ClusterRole".into(),
+                name: account.clone(),
+            },
+            subjects: Some(vec![subject.clone()]),
+        },
+        token_role: Role {
+            metadata: meta(Some(namespace), &format!("{account}-token")),
+            rules: Some(token_rules),
+        },
+        token_binding: RoleBinding {
+            metadata: meta(Some(namespace), &format!("{account}-token")),
+            role_ref: RoleRef {
+                api_group: "rbac.authorization.k8s.io".into(),
+                kind: "Role".into(),
+                name: format!("{account}-token"),
+            },
+            subjects: Some(vec![subject]),
+        },
+    }
+}
+
+/// The upper objects of cluster `name`: the credential Secret and the `LowerCluster`.
+pub fn upper_objects(
+    args: &JoinArgs,
+    upper_id: &str,
+    kubeconfig: &str,
+    token: &str,
+) -> (Secret, LowerCluster) {
+    let name = args.name.as_str();
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(secret_name(name)),
+            namespace: Some(args.clusters.namespace.clone()),
+            labels: Some(labels(name, upper_id)),
+            ..Default::default()
+        },
+        data: Some(credential::secret_data(kubeconfig, token)),
+        type_: Some("Opaque".into()),
+        ..Default::default()
+    };
+    let mut cluster = LowerCluster::new(
+        name,
+        LowerClusterSpec {
+            credential: Credential {
+                secret_name: secret_name(name),
+                key: None,
+            },
+            node_labels: args.node_labels.iter().cloned().collect(),
+            disable_taint: args.disable_taint,
+            ..Default::default()
+        },
+    );
+    cluster.metadata.labels = Some(labels(name, upper_id));
+    (secret, cluster)
+}
+
+async fn upper_client(clusters: &Clusters) -> Result<kube::Client, Error> {
+    let options = ClientOptions {
+        context: clusters.upper_context.clone(),
+        user_agent: Some(names::TENSILECTL.into()),
+        ..Default::default()
+    };
+    let path = clusters
+        .upper_kubeconfig
+        .clone()
+        .or_else(|| std::env::var_os("KUBECONFIG").map(PathBuf::from))
+        .or_else(|| {
+            let home = std::env::var_os("HOME")?;
+            let default = Path::new(&home).join(".kube/config");
+            default.exists().then_some(default)
+        });
+    Ok(tensile_common::kubeconfig::client(path.as_deref(), &options).await?)
+}
+
+async fn lower_client(lower: &Lower) -> Result<kube::Client, Error> {
+    let options = ClientOptions {
+        context: lower.lower_context.clone(),
+        user_agent: Some(names::TENSILECTL.into()),
+        ..Default::default()
+    };
+    Ok(tensile_common::kubeconfig::client_from_file(&lower.lower_kubeconfig, &options).await?)
+}
+
+async fn upper_id(client: &kube::Client, clusters: &Clusters) -> Result<String, Error> {
+    if let Some(id) = &clusters.cluster_id {
+        return Ok(id.clone());
+    }
+    let ns = Api::<Namespace>::all(client.clone())
+        .get("kube-system")
+        .await
+        .map_err(api_error(
+            "upper",
+            "get",
+            "namespace kube-system (the cluster's id)",
+        ))?;
+    Ok(ns.metadata.uid.unwrap_or_default())
+}
+
+async fn apply<K>(api: &Api<K>, cluster: &'static str, object: &K) -> Result<(), Error>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let name = object.meta().name.clone().unwrap_or_default();
+    let what = match &object.meta().namespace {
+        Some(ns) => format!("{} {ns}/{name}", K::kind(&())),
+        None => format!("{} {name}", K::kind(&())),
+    };
+    let mut value =
+        serde_json::to_value(object).map_err(|e| Error::Refused(format!("encoding {what}: {e}")))?;
+    value["apiVersion"] = K::api_version(&()).into();
+    value["kind"] = K::kind(&()).into();
+    api.patch(&name, &ssa(), &Patch::Apply(&value))
+        .await
+        .map_err(api_error(cluster, "apply", what))?;
+    Ok(())
+}
+
+fn yaml<K: serde::Serialize + kube::Resource<DynamicType = ()>>(out: &mut String, object: &K) {
+    let mut value = serde_json::to_value(object).unwrap_or_default();
+    value["apiVersion"] = K::api_version(&()).into();
+    value["kind"] = K::kind(&()).into();
+    let _ = write!(out, "---\n{}", serde_yaml::to_string(&value).unwrap_or_default());
+}
+
+/// `tensilectl join`: returns what to print.
+pub async fn join(args: &JoinArgs) -> Result<String, Error> {
+    let name = args.name.as_str();
+    if args.token_lifetime < credential::MIN_LIFETIME {
+        return Err(Error::Refused(format!(
+            "--token-lifetime {:?} is shorter than the 10 minutes the apiserver issues at least",
+            args.token_lifetime
+        )));
+    }
+    let bad_kubeconfig = |why: String| Error::LowerKubeconfig {
+        path: args.lower.lower_kubeconfig.clone(),
+        why,
+    };
+    let kubeconfig = kube::config::Kubeconfig::read_from(&args.lower.lower_kubeconfig)
+        .map_err(|e| bad_kubeconfig(e.to_string()))?;
+    let mut endpoint = Endpoint::of(&kubeconfig, args.lower.lower_context.as_deref())
+        .map_err(|e| bad_kubeconfig(e.to_string()))?;
+    if let Some(server) = &args.server {
+        endpoint.server = server.clone();
+    }
+    let credential_kubeconfig = endpoint.kubeconfig(name);
+
+    let upper = upper_client(&args.clusters).await?;
+    let upper_id = upper_id(&upper, &args.clusters).await?;
+    let ns = args.lower.lower_namespace.as_str();
+    let lower_objects = lower_objects(name, ns, &upper_id);
+    if args.dry_run {
+        let mut out = String::new();
+        let _ = writeln!(out, "# In the lower cluster ({}):", endpoint.server);
+        yaml(&mut out, &lower_objects.namespace);
+        yaml(&mut out, &lower_objects.account);
+        yaml(&mut out, &lower_objects.role);
+        yaml(&mut out, &lower_objects.binding);
+        yaml(&mut out, &lower_objects.token_role);
+        yaml(&mut out, &lower_objects.token_binding);
+        let (mut secret, cluster) = upper_objects(args, &upper_id, &credential_kubeconfig, "");
+        secret.data = None;
+        secret.string_data = Some(BTreeMap::from([
+            (
+                names::CREDENTIAL_KUBECONFIG_KEY.to_owned(),
+                credential_kubeconfig.clone(),
+            ),
+            (
+                names::CREDENTIAL_TOKEN_KEY.to_owned(),
+                format!(
+                    "<a token of {ns}/{} requested at join, living {:?}>",
+                    account_name(name),
+                    args.token_lifetime
+                ),
+            ),
+        ]));
+        let _ = writeln!(out, "# In the upper cluster:");
+        yaml(&mut out, &secret);
+        yaml(&mut out, &cluster);
+        return Ok(out);
+    }
+
+    // The upper side must be ready for the credential before anything is made below.
+    let upper_ns = args.clusters.namespace.as_str();
+    if Api::<Namespace>::all(upper.clone())
+        .get_opt(upper_ns)
+        .await
+        .map_err(api_error("upper", "get", format!("namespace {upper_ns}")))?
+        .is_none()
+    {
+        return Err(Error::Refused(format!(
+            "upper cluster: namespace {upper_ns} does not exist: install the chart there first (helm install ... -n {upper_ns}), or name its namespace with -n"
+        )));
+    }
+    let clusters: Api<LowerCluster> = Api::all(upper.clone());
+    if let Err(e) = clusters
+        .list_metadata(&kube::api::ListParams::default().limit(1))
+        .await
+    {
+        return Err(if code(&e) == Some(404) {
+            Error::Refused(
+                "upper cluster: it does not serve lowerclusters.tensile.io: install the chart (its crds/) first".into(),
+            )
+        } else {
+            api_error("upper", "list", "lowerclusters")(e)
+        });
+    }
+
+    let lower = lower_client(&args.lower).await?;
+    let accounts: Api<ServiceAccount> = Api::namespaced(lower.clone(), ns);
+    if let Some(existing) = accounts.get_opt(&account_name(name)).await.map_err(api_error(
+        "lower",
+        "get",
+        format!("ServiceAccount {ns}/{}", account_name(name)),
+    ))? {
+        let other = existing
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(names::MARK_CLUSTER))
+            .cloned();
+        if !ours(&existing.metadata, name) || other.as_deref() != Some(upper_id.as_str()) {
+            return Err(Error::Refused(format!(
+                "lower cluster: ServiceAccount {ns}/{} exists and was not made by tensilectl for this upper cluster \
+                 ({upper_id}): it is left alone; choose another name",
+                account_name(name)
+            )));
+        }
+    }
+    let namespaces: Api<Namespace> = Api::all(lower.clone());
+    if namespaces
+        .get_opt(ns)
+        .await
+        .map_err(api_error("lower", "get", format!("namespace {ns}")))?
+        .is_none()
+    {
+        apply(&namespaces, "lower", &lower_objects.namespace).await?;
+    }
+    apply(&accounts, "lower", &lower_objects.account).await?;
+    apply(&Api::all(lower.clone()), "lower", &lower_objects.role).await?;
+    apply(&Api::all(lower.clone()), "lower", &lower_objects.binding).await?;
+    apply(
+        &Api::namespaced(lower.clone(), ns),
+        "lower",
+        &lower_objects.token_role,
+    )
+    .await?;
+    apply(
+        &Api::namespaced(lower.clone(), ns),
+        "lower",
+        &lower_objects.token_binding,
+    )
+    .await?;
+    let token = credential::request_token(&lower, ns, &account_name(name), args.token_lifetime)
+        .await
+        .map_err(api_error(
+            "lower",
+            "request a token of",
+            format!("ServiceAccount {ns}/{}", account_name(name)),
+        ))?;
+
+    let (secret, cluster) = upper_objects(args, &upper_id, &credential_kubeconfig, &token);
+    apply(&Api::namespaced(upper.clone(), upper_ns), "upper", &secret).await?;
+    apply(&clusters, "upper", &cluster).await?;
+
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "lower cluster ({}): ServiceAccount {ns}/{account} with ClusterRole {account} and Role {account}-token; \
+         a token of it living {:?}",
+        endpoint.server,
+        args.token_lifetime,
+        account = account_name(name),
+    );
+    let _ = writeln!(
+        out,
+        "upper cluster: Secret {upper_ns}/{} and LowerCluster {name}",
+        secret_name(name)
+    );
+    if args.wait.is_zero() {
+        return Ok(out);
+    }
+    let joined = wait_ready(&clusters, name, args.wait).await?;
+    let _ = writeln!(out, "{}", describe(&joined));
+    Ok(out)
+}
+
+/// Waits until LowerCluster `name` is Ready, or says why it is not.
+async fn wait_ready(api: &Api<LowerCluster>, name: &str, wait: Duration) -> Result<LowerCluster, Error> {
+    let started = Instant::now();
+    let mut last = None;
+    loop {
+        if let Some(found) =
+            api.get_opt(name)
+                .await
+                .map_err(api_error("upper", "get", format!("lowercluster {name}")))?
+        {
+            if found
+                .condition(condition::READY)
+                .is_some_and(|c| c.status == "True")
+            {
+                return Ok(found);
+            }
+            last = found
+                .condition(condition::READY)
+                .map(|c| format!("{}: {}", c.reason, c.message));
+        }
+        if started.elapsed() >= wait {
+            return Err(Error::Timeout(format!(
+                "LowerCluster {name} is not Ready after {wait:?}: {}; see kubectl get lowercluster {name} -o yaml, \
+                 and the cluster controller's log",
+                last.unwrap_or_else(
+                    || "the cluster controller has not reported on it (is it running?)".into()
+                )
+            )));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// One line for a lower cluster.
+pub fn describe(cluster: &LowerCluster) -> String {
+    let status = cluster.status.clone().unwrap_or_default();
+    let ready = cluster.condition(condition::READY);
+    format!(
+        "{} node={} ready={} version={} nodes={} cpu={} memory={} heartbeat={}{}",
+        cluster.name(),
+        cluster.node_name(),
+        ready.map(|c| c.status.as_str()).unwrap_or("Unknown"),
+        status.lower_version.as_deref().unwrap_or("-"),
+        status
+            .lower_nodes
+            .map(|n| n.to_string())
+            .unwrap_or_else(|| "-".into()),
+        status.allocatable.get("cpu").map(String::as_str).unwrap_or("-"),
+        status
+            .allocatable
+            .get("memory")
+            .map(String::as_str)
+            .unwrap_or("-"),
+        status.last_heartbeat.as_deref().unwrap_or("-"),
+        match ready {
+            Some(c) if c.status != "True" => format!("\n  {}: {}", c.reason, c.message),
+            _ => String::new(),
+        }
+    )
+}
+
+/// `tensilectl status`.
+pub async fn status(args: &StatusArgs) -> Result<String, Error> {
+    let upper = upper_client(&args.clusters).await?;
+    let list = Api::<LowerCluster>::all(upper)
+        .list(&Default::default())
+        .await
+        .map_err(api_error("upper", "list", "lowerclusters"))?;
+    if list.items.is_empty() {
+        return Ok("no lower clusters: add one with tensilectl join\n".into());
+    }
+    Ok(list.items.iter().map(|c| describe(c) + "\n").collect())
+}
+
+async fn delete_ours<K>(
+    api: &Api<K>,
+    cluster_side: &'static str,
+    name: &str,
+    cluster: &str,
+) -> Result<bool, Error>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let what = format!("{} {name}", K::kind(&()));
+    let Some(found) = api
+        .get_opt(name)
+        .await
+        .map_err(api_error(cluster_side, "get", what.clone()))?
+    else {
+        return Ok(false);
+    };
+    if !ours(found.meta(), cluster) {
+        return Ok(false);
+    }
+    match api.delete(name, &DeleteParams::default()).await {
+        Ok(_) => Ok(true),
+        Err(e) if code(&e) == Some(404) => Ok(false),
+        Err(e) => Err(api_error(cluster_side, "delete", what)(e)),
+    }
+}
+
+/// `tensilectl leave`: returns what to print.
+pub async fn leave(args: &LeaveArgs) -> Result<String, Error> {
+    let name = args.name.as_str();
+    let mut out = String::new();
+    let upper = upper_client(&args.clusters).await?;
+    let upper_id = upper_id(&upper, &args.clusters).await?;
+    let clusters: Api<LowerCluster> = Api::all(upper.clone());
+    let mut node = name.to_owned();
+    if let Some(found) =
+        clusters
+            .get_opt(name)
+            .await
+            .map_err(api_error("upper", "get", format!("lowercluster {name}")))?
+    {
+        node = found.node_name().to_owned();
+        match clusters.delete(name, &DeleteParams::default()).await {
+            Ok(_) => {}
+            Err(e) if code(&e) == Some(404) => {}
+            Err(e) => return Err(api_error("upper", "delete", format!("lowercluster {name}"))(e)),
+        }
+        let started = Instant::now();
+        loop {
+            let Some(found) = clusters.get_opt(name).await.map_err(api_error(
+                "upper",
+                "get",
+                format!("lowercluster {name}"),
+            ))?
+            else {
+                break;
+            };
+            if started.elapsed() >= args.wait {
+                let why = found
+                    .condition(condition::READY)
+                    .map(|c| c.message.clone())
+                    .unwrap_or_else(|| {
+                        "the cluster controller has not reported on it (is it running?)".into()
+                    });
+                return Err(Error::Timeout(format!(
+                    "LowerCluster {name} is still being removed after {:?}: {why}",
+                    args.wait
+                )));
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        let _ = writeln!(
+            out,
+            "upper cluster: LowerCluster {name} removed, with its virtual node {node}"
+        );
+    }
+    let upper_ns = args.clusters.namespace.as_str();
+    if delete_ours(
+        &Api::<Secret>::namespaced(upper.clone(), upper_ns),
+        "upper",
+        &secret_name(name),
+        name,
+    )
+    .await?
+    {
+        let _ = writeln!(
+            out,
+            "upper cluster: Secret {upper_ns}/{} deleted",
+            secret_name(name)
+        );
+    }
+
+    // Below: what the virtual node made and its credential could not remove (a namespace
+    // it made, say), then what join made.
+    let lower = lower_client(&args.lower).await?;
+    let identity = Identity {
+        cluster_id: upper_id.clone(),
+        node,
+    };
+    let started = Instant::now();
+    loop {
+        let removal = teardown::remove_everything(&lower, &identity)
+            .await
+            .map_err(api_error("lower", "remove", "the virtual node's objects"))?;
+        if removal.done() {
+            break;
+        }
+        if started.elapsed() >= args.wait {
+            return Err(Error::Timeout(format!(
+                "lower cluster: the virtual node's objects are still there after {:?}: {}",
+                args.wait,
+                removal.summary()
+            )));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let ns = args.lower.lower_namespace.as_str();
+    let account = account_name(name);
+    let token = format!("{account}-token");
+    let mut gone = Vec::new();
+    if delete_ours(
+        &Api::<RoleBinding>::namespaced(lower.clone(), ns),
+        "lower",
+        &token,
+        name,
+    )
+    .await?
+    {
+        gone.push(format!("RoleBinding {ns}/{token}"));
+    }
+    if delete_ours(&Api::<Role>::namespaced(lower.clone(), ns), "lower", &token, name).await? {
+        gone.push(format!("Role {ns}/{token}"));
+    }
+    if delete_ours(
+        &Api::<ClusterRoleBinding>::all(lower.clone()),
+        "lower",
+        &account,
+        name,
+    )
+    .await?
+    {
+        gone.push(format!("ClusterRoleBinding {account}"));
+    }
+    if delete_ours(&Api::<ClusterRole>::all(lower.clone()), "lower", &account, name).await? {
+        gone.push(format!("ClusterRole {account}"));
+    }
+    if delete_ours(
+        &Api::<ServiceAccount>::namespaced(lower.clone(), ns),
+        "lower",
+        &account,
+        name,
+    )
+    .await?
+    {
+        gone.push(format!("ServiceAccount {ns}/{account}"));
+    }
+    let namespaces: Api<Namespace> = Api::all(lower.clone());
+    if delete_ours(&namespaces, "lower", ns, name).await? {
+        gone.push(format!("namespace {ns}"));
+        let started = Instant::now();
+        while namespaces
+            .get_opt(ns)
+            .await
+            .map_err(api_error("lower", "get", format!("namespace {ns}")))?
+            .is_some()
+        {
+            if started.elapsed() >= args.wait {
+                return Err(Error::Timeout(format!(
+                    "lower cluster: namespace {ns} is still terminating after {:?}",
+                    args.wait
+                )));
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+    if !gone.is_empty() {
+        let _ = writeln!(out, "lower cluster: deleted {}", gone.join(", "));
+    }
+    let _ = writeln!(out, "{name} has left: nothing of it is left in either cluster");
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn join_grants_below_exactly_the_rights_the_chart_renders_and_its_own_token() {
+        let objects = lower_objects("lower-a", "tensile", "upper-uid");
+        let rules = objects.role.rules.as_ref().unwrap();
+        assert!(!rules.is_empty(), "the chart's ClusterRole is read");
+        assert!(
+            rules.iter().any(|r| r
+                .resources
+                .as_ref()
+                .is_some_and(|res| res.iter().any(|x| x == "pods/exec"))),
+            "exec is relayed below"
+        );
+        let token = objects.token_role.rules.as_ref().unwrap();
+        assert_eq!(token.len(), 1);
+        assert_eq!(
+            token[0].resources.as_deref(),
+            Some(&["serviceaccounts/token".to_owned()][..])
+        );
+        assert_eq!(token[0].verbs, ["create"]);
+        assert_eq!(
+            token[0].resource_names.as_deref(),
+            Some(&["tensile-lower-a".to_owned()][..]),
+            "its own token, no other account's"
+        );
+        for meta in [
+            &objects.namespace.metadata,
+            &objects.account.metadata,
+            &objects.role.metadata,
+        ] {
+            assert!(ours(meta, "lower-a"), "leave finds what join made");
+            assert!(!ours(meta, "lower-b"), "and only that cluster's");
+        }
+    }
+
+    #[test]
+    fn the_flags_parse_as_documented() {
+        let cli = Cli::try_parse_from([
+            "tensilectl",
+            "join",
+            "lower-a",
+            "--lower-kubeconfig=a.kubeconfig",
+            "--node-labels=region=eu,zone=a",
+            "--token-lifetime=2h",
+            "--dry-run",
+        ])
+        .unwrap();
+        let Command::Join(join) = cli.command else {
+            panic!("join")
+        };
+        assert_eq!(join.token_lifetime, Duration::from_secs(7200));
+        assert_eq!(join.node_labels.len(), 2);
+        assert_eq!(join.clusters.namespace, "tensile");
+        assert_eq!(join.lower.lower_namespace, "tensile");
+        assert!(
+            Cli::try_parse_from(["tensilectl", "join", "a"]).is_err(),
+            "the lower kubeconfig is required"
+        );
+        assert!(
+            Cli::try_parse_from([
+                "tensilectl",
+                "join",
+                "a",
+                "--lower-kubeconfig=k",
+                "--node-labels=novalue"
+            ])
+            .is_err()
+        );
+    }
+}

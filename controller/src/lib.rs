@@ -1,0 +1,236 @@
+//! The fleet as Kubernetes objects: one `LowerCluster` ([`resource`]) per lower cluster.
+//!
+//! The cluster controller (bin `cluster-controller`, leader-elected) runs one virtual node
+//! per `LowerCluster`: a Deployment made from the chart's template, under a ServiceAccount of
+//! its own whose rights name only its Node and Leases ([`plan`]). It reports what it sees in
+//! the object's status, renews the lower credential's token before it expires
+//! ([`credential`]), and on deletion, behind a finalizer, stops the virtual node and removes
+//! everything it made in both clusters before the object goes ([`reconcile`]).
+//!
+//! `tensilectl` ([`ctl`]) sets a lower cluster up in one command (`join`: the lower
+//! account, its rights, a short-lived credential, the upper Secret and the `LowerCluster`),
+//! tears it down in one (`leave`), and prints the fleet (`status`).
+
+pub mod credential;
+pub mod ctl;
+pub mod plan;
+pub mod reconcile;
+pub mod resource;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::Api;
+use kube::runtime::{Controller, watcher};
+use tensile_common::admin::{self, AdminArgs, Readiness};
+use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
+use tensile_common::leader::{self, LeaderArgs, Leadership, Standing};
+use tensile_common::names;
+use tensile_common::runtime::{self, CancellationToken, Supervisor};
+use tensile_common::telemetry::LogArgs;
+
+use crate::plan::Settings;
+use crate::reconcile::Context;
+use crate::resource::LowerCluster;
+
+/// Command-line flags (each also read from the environment).
+#[derive(Clone, Debug, clap::Parser)]
+#[command(
+    name = "cluster-controller",
+    about = "Runs one virtual node per LowerCluster and removes every trace of one deleted"
+)]
+pub struct Args {
+    /// Kubeconfig of the upper cluster; without it, the pod's service account (in-cluster).
+    #[arg(long, env = "TENSILE_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// The controller's namespace: credentials are read, and virtual nodes run, there.
+    #[arg(long, env = "TENSILE_NAMESPACE")]
+    pub namespace: String,
+    /// Prefix of the names of what the controller makes (the chart's release name).
+    #[arg(long = "name-prefix", env = "TENSILE_NAME_PREFIX", default_value = "tensile")]
+    pub name_prefix: String,
+    /// The Deployment (YAML or JSON) every virtual node's is made from; its container named
+    /// `virtual-node` gets each cluster's flags, account and credential.
+    #[arg(long = "virtual-node-template", env = "TENSILE_VIRTUAL_NODE_TEMPLATE")]
+    pub virtual_node_template: PathBuf,
+    /// The ClusterRole every virtual node is bound to (default: `<name-prefix>-virtual-node`).
+    #[arg(long = "virtual-node-cluster-role", env = "TENSILE_VIRTUAL_NODE_CLUSTER_ROLE")]
+    pub virtual_node_cluster_role: Option<String>,
+    /// Id of the upper cluster in lower ownership marks (default: the upper kube-system
+    /// namespace UID, as the virtual node's own default).
+    #[arg(long = "cluster-id", env = "TENSILE_CLUSTER_ID")]
+    pub cluster_id: Option<String>,
+    /// The PodDisruptionBudget API version (`policy/v1`; `policy/v1beta1` before 1.21) of
+    /// the budget a virtual node of several replicas gets; none without it.
+    #[arg(long = "pdb-api-version", env = "TENSILE_PDB_API_VERSION",
+          value_parser = ["policy/v1", "policy/v1beta1"])]
+    pub pdb_api_version: Option<String>,
+    /// Seconds between two looks at each lower cluster.
+    #[arg(long = "resync-seconds", env = "TENSILE_RESYNC_SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub resync_seconds: u64,
+    /// Share of a credential token's lifetime after which it is renewed (the kubelet renews
+    /// projected tokens at 0.8).
+    #[arg(long = "token-renew-at", env = "TENSILE_TOKEN_RENEW_AT", default_value_t = credential::RENEW_AT,
+          value_parser = parse_share)]
+    pub token_renew_at: f64,
+    /// How long the virtual node of a leaving cluster is drained (its pods evicted, their
+    /// disruption budgets honoured) before it stops and the rest go with it.
+    #[arg(long = "drain-timeout", env = "TENSILE_DRAIN_TIMEOUT", default_value = "5m",
+          value_parser = tensile_common::leader::parse_duration)]
+    pub drain_timeout: Duration,
+    #[command(flatten)]
+    pub client: ClientArgs,
+    #[command(flatten)]
+    pub leader: LeaderArgs,
+    #[command(flatten)]
+    pub admin: AdminArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+fn parse_share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v < 1.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a share between 0 and 1 (exclusive)")),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    Flags(String),
+    #[error("--virtual-node-template {path}: {why}")]
+    Template { path: PathBuf, why: String },
+    #[error(transparent)]
+    Kubeconfig(#[from] kubeconfig::Error),
+    #[error(transparent)]
+    Admin(#[from] admin::Error),
+    #[error("cannot read the upper cluster's id (namespace kube-system): {0}; pass --cluster-id")]
+    ClusterId(kube::Error),
+    #[error("cannot install the signal handlers: {0}")]
+    Signal(std::io::Error),
+    #[error(transparent)]
+    Stopped(#[from] runtime::Stopped),
+}
+
+/// Reads the virtual node's Deployment template.
+pub fn read_template(path: &std::path::Path) -> Result<Deployment, Error> {
+    let bad = |why: String| Error::Template {
+        path: path.to_owned(),
+        why,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    let template: Deployment =
+        serde_yaml::from_str(&text).map_err(|e| bad(format!("not a Deployment: {e}")))?;
+    let has_container = template
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .is_some_and(|p| p.containers.iter().any(|c| c.name == plan::CONTAINER));
+    if !has_container {
+        return Err(bad(format!("it has no container named {:?}", plan::CONTAINER)));
+    }
+    Ok(template)
+}
+
+/// Runs the controller until SIGTERM or SIGINT.
+pub async fn run(args: Args) -> Result<(), Error> {
+    let shutdown = runtime::shutdown_on_signals().map_err(Error::Signal)?;
+    run_until(args, shutdown).await
+}
+
+/// As [`run`], stopping when `shutdown` is cancelled.
+pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Error> {
+    let template = read_template(&args.virtual_node_template)?;
+    let replica = leader::default_identity();
+    let election = args
+        .leader
+        .config("tensile-cluster-controller", replica.clone())
+        .map_err(Error::Flags)?;
+    let leadership = Leadership::of(&election);
+    let options = ClientOptions {
+        user_agent: Some(format!("{} ({replica})", names::CONTROLLER_MANAGER)),
+        ..args.client.options()
+    };
+    let mut source = kubeconfig::ClientSource::new(args.kubeconfig.as_deref(), &options).await?;
+    let lease_client = source.client()?;
+    if election.is_some() {
+        source = source.fenced(leadership.clone());
+    }
+    let upper = source.client()?;
+    let cluster_id = match &args.cluster_id {
+        Some(id) => id.clone(),
+        None => Api::<Namespace>::all(upper.clone())
+            .get("kube-system")
+            .await
+            .map_err(Error::ClusterId)?
+            .metadata
+            .uid
+            .unwrap_or_default(),
+    };
+    let admin_listener = admin::bind(args.admin.admin_addr).await?;
+    let mut registry = prometheus_client::registry::Registry::default();
+    leadership.register(&mut registry);
+    let readiness = Readiness::default();
+    let admin_task = admin::serve(admin_listener, Arc::new(registry), readiness.clone());
+    let admin_handle = tokio::spawn(shutdown.clone().run_until_cancelled_owned(admin_task));
+
+    let mut tasks = Supervisor::new(shutdown.clone(), runtime::DEFAULT_DRAIN);
+    let standing = Standing::new(readiness, "");
+    let candidacy = leader::stand(lease_client, election, &leadership, &standing, &mut tasks);
+    let leading = candidacy.clone();
+    let ctx = Arc::new(Context {
+        upper: upper.clone(),
+        settings: Settings {
+            namespace: args.namespace.clone(),
+            prefix: args.name_prefix.clone(),
+            shared_role: args
+                .virtual_node_cluster_role
+                .clone()
+                .unwrap_or_else(|| format!("{}-virtual-node", args.name_prefix)),
+            template,
+            cluster_id,
+            pdb_api_version: args.pdb_api_version.clone(),
+        },
+        lower_options: args.client.options(),
+        resync: Duration::from_secs(args.resync_seconds),
+        renew_at: args.token_renew_at,
+        drain_timeout: args.drain_timeout,
+    });
+    tracing::info!(namespace = %args.namespace, cluster_id = %ctx.settings.cluster_id, "starting");
+    tasks.spawn_graceful("the LowerCluster controller", move |stop| async move {
+        // Nothing to fill on standby: every pass reads what it needs.
+        standing.synced();
+        if stop.run_until_cancelled(leading.leading()).await.is_none() {
+            return;
+        }
+        let clusters: Api<LowerCluster> = Api::all(upper.clone());
+        Controller::new(clusters, watcher::Config::default())
+            .graceful_shutdown_on(stop.cancelled_owned())
+            .run(reconcile::reconcile, error_policy, ctx)
+            .for_each(|outcome| async move {
+                if let Err(e) = outcome {
+                    tracing::debug!("{e}");
+                }
+            })
+            .await;
+    });
+    let outcome = tasks.run().await.map_err(Error::from);
+    candidacy.release().await;
+    admin_handle.abort();
+    outcome
+}
+
+fn error_policy(
+    cluster: Arc<LowerCluster>,
+    error: &reconcile::Error,
+    _: Arc<Context>,
+) -> kube::runtime::controller::Action {
+    tracing::warn!(cluster = %cluster.name(), "{error}");
+    kube::runtime::controller::Action::requeue(Duration::from_secs(5))
+}

@@ -1,0 +1,695 @@
+//! Pure planning: the upper objects that run one `LowerCluster`'s virtual node, and the
+//! status the controller reports from what it observed. Nothing here calls an API.
+//!
+//! Each virtual node gets a ServiceAccount of its own, so the rights that name one node (its
+//! Node, its heartbeat Lease, its leader-election Lease) are granted to that node's
+//! account alone; what every virtual node does alike (watch its pods, write their status,
+//! read what they reference) comes from one shared ClusterRole that the chart renders.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{SecretVolumeSource, ServiceAccount, Volume, VolumeMount};
+use k8s_openapi::api::rbac::v1::{
+    ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
+use tensile_common::names;
+
+use crate::resource::{LowerCluster, LowerClusterStatus, condition};
+
+/// Where the credential Secret is mounted in the virtual node's pod.
+pub const CREDENTIAL_DIR: &str = "/etc/tensile/lower";
+/// The container of the template that is the virtual node.
+pub const CONTAINER: &str = "virtual-node";
+/// The heartbeat Leases' namespace.
+pub const NODE_LEASE_NAMESPACE: &str = "kube-node-lease";
+
+/// What the controller was started with.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// The controller's namespace: where credentials, virtual nodes and their accounts live.
+    pub namespace: String,
+    /// Prefix of every object name the controller makes (the chart's release name).
+    pub prefix: String,
+    /// The ClusterRole every virtual node is bound to.
+    pub shared_role: String,
+    /// The Deployment every virtual node's is made from.
+    pub template: Deployment,
+    /// The upper cluster's id in the lower objects' marks.
+    pub cluster_id: String,
+    /// The PodDisruptionBudget API (`policy/v1`, or `policy/v1beta1` before 1.21) of the
+    /// budget a virtual node of several replicas gets; none without it.
+    pub pdb_api_version: Option<String>,
+}
+
+/// Why a `LowerCluster` cannot be acted on.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Invalid(pub String);
+
+/// The upper objects that run one lower cluster's virtual node.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Objects {
+    pub account: ServiceAccount,
+    pub node_role: ClusterRole,
+    pub node_binding: ClusterRoleBinding,
+    pub shared_binding: ClusterRoleBinding,
+    pub lease_role: Role,
+    pub lease_binding: RoleBinding,
+    pub leader_role: Role,
+    pub leader_binding: RoleBinding,
+    pub deployment: Deployment,
+    /// A budget keeping one replica up, for a virtual node of several (a PodDisruptionBudget
+    /// of the configured API version).
+    pub budget: Option<serde_json::Value>,
+}
+
+/// The name of every object made for `cluster` (Deployment, account, roles, bindings).
+pub fn object_name(settings: &Settings, cluster: &str) -> String {
+    format!("{}-vn-{cluster}", settings.prefix)
+}
+
+/// The leader-election Lease of the virtual node `node`.
+pub fn leader_lease(node: &str) -> String {
+    format!("tensile-virtual-node-{node}")
+}
+
+/// Checks what the schema cannot: names that must fit in a label value and a Deployment's
+/// pod names.
+pub fn validate(settings: &Settings, cluster: &LowerCluster) -> Result<(), Invalid> {
+    let name = object_name(settings, cluster.name());
+    // A Deployment's pods are named `<name>-<10>-<5>`; labels and pod names stop at 63.
+    if name.len() > 47 {
+        return Err(Invalid(format!(
+            "the virtual node's Deployment would be named {name:?} ({} characters): with its pods' \
+             suffixes it must stay within 47; choose a shorter LowerCluster name",
+            name.len()
+        )));
+    }
+    if cluster.name().len() > 63 {
+        return Err(Invalid(format!(
+            "the name {:?} is longer than 63 characters, the most a label value holds",
+            cluster.name()
+        )));
+    }
+    if cluster.spec.credential.secret_name.is_empty() {
+        return Err(Invalid("spec.credential.secretName is empty".into()));
+    }
+    Ok(())
+}
+
+fn labels(cluster: &LowerCluster) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (names::LOWER_CLUSTER.to_owned(), cluster.name().to_owned()),
+        (names::MANAGED_BY.to_owned(), names::CONTROLLER_MANAGER.to_owned()),
+    ])
+}
+
+fn meta(name: &str, namespace: Option<&str>, cluster: &LowerCluster) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.to_owned()),
+        namespace: namespace.map(str::to_owned),
+        labels: Some(labels(cluster)),
+        ..Default::default()
+    }
+}
+
+fn rule(group: &str, resources: &[&str], names: &[&str], verbs: &[&str]) -> PolicyRule {
+    let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    PolicyRule {
+        api_groups: Some(vec![group.to_owned()]),
+        resources: Some(strings(resources)),
+        resource_names: (!names.is_empty()).then(|| strings(names)),
+        verbs: strings(verbs),
+        non_resource_urls: None,
+    }
+}
+
+/// Everything that runs `cluster`'s virtual node.
+pub fn objects(settings: &Settings, cluster: &LowerCluster) -> Objects {
+    let name = object_name(settings, cluster.name());
+    let ns = settings.namespace.as_str();
+    let node = cluster.node_name();
+    let subject = Subject {
+        kind: "ServiceAccount".into(),
+        name: name.clone(),
+        namespace: Some(ns.to_owned()),
+        api_group: None,
+    };
+    let cluster_role_ref = |role: &str| RoleRef {
+        api_group: "rbac.authorization.k8s.io".into(),
+        kind: "ClusterRole".into(),
+        name: role.to_owned(),
+    };
+    let role_ref = RoleRef {
+        api_group: "rbac.authorization.k8s.io".into(),
+        kind: "Role".into(),
+        name: name.clone(),
+    };
+    let lease = leader_lease(node);
+    Objects {
+        account: ServiceAccount {
+            metadata: meta(&name, Some(ns), cluster),
+            ..Default::default()
+        },
+        // Its Node, and only its Node, changed by name.
+        node_role: ClusterRole {
+            metadata: meta(&name, None, cluster),
+            rules: Some(vec![
+                rule("", &["nodes"], &[node], &["patch"]),
+                rule("", &["nodes/status"], &[node], &["patch"]),
+            ]),
+            aggregation_rule: None,
+        },
+        node_binding: ClusterRoleBinding {
+            metadata: meta(&name, None, cluster),
+            role_ref: cluster_role_ref(&name),
+            subjects: Some(vec![subject.clone()]),
+        },
+        shared_binding: ClusterRoleBinding {
+            metadata: meta(&format!("{name}-shared"), None, cluster),
+            role_ref: cluster_role_ref(&settings.shared_role),
+            subjects: Some(vec![subject.clone()]),
+        },
+        // Its heartbeat Lease.
+        lease_role: Role {
+            metadata: meta(&name, Some(NODE_LEASE_NAMESPACE), cluster),
+            rules: Some(vec![
+                rule("coordination.k8s.io", &["leases"], &[], &["create"]),
+                rule("coordination.k8s.io", &["leases"], &[node], &["get", "patch"]),
+            ]),
+        },
+        lease_binding: RoleBinding {
+            metadata: meta(&name, Some(NODE_LEASE_NAMESPACE), cluster),
+            role_ref: role_ref.clone(),
+            subjects: Some(vec![subject.clone()]),
+        },
+        // The election among its replicas.
+        leader_role: Role {
+            metadata: meta(&name, Some(ns), cluster),
+            rules: Some(vec![
+                rule("coordination.k8s.io", &["leases"], &[], &["create"]),
+                rule("coordination.k8s.io", &["leases"], &[&lease], &["get", "update"]),
+            ]),
+        },
+        leader_binding: RoleBinding {
+            metadata: meta(&name, Some(ns), cluster),
+            role_ref,
+            subjects: Some(vec![subject]),
+        },
+        budget: budget(settings, cluster, &name),
+        deployment: deployment(settings, cluster, &name),
+    }
+}
+
+fn budget(settings: &Settings, cluster: &LowerCluster, name: &str) -> Option<serde_json::Value> {
+    let version = settings.pdb_api_version.as_deref()?;
+    let template = settings.template.spec.as_ref();
+    let replicas = cluster
+        .spec
+        .replicas
+        .or_else(|| template.and_then(|s| s.replicas))
+        .unwrap_or(1);
+    if replicas <= 1 {
+        return None;
+    }
+    let deployment = deployment(settings, cluster, name);
+    let selector = deployment.spec.map(|s| s.selector).unwrap_or_default();
+    Some(serde_json::json!({
+        "apiVersion": version,
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "namespace": settings.namespace, "labels": labels(cluster)},
+        "spec": {"minAvailable": 1, "selector": selector},
+    }))
+}
+
+/// The flags that make the template's virtual node `cluster`'s.
+pub fn node_args(settings: &Settings, cluster: &LowerCluster) -> Vec<String> {
+    let spec = &cluster.spec;
+    let mut args = vec![
+        format!("--nodename={}", cluster.node_name()),
+        format!("--client-kubeconfig={CREDENTIAL_DIR}/{}", spec.credential.key()),
+        format!("--cluster-id={}", settings.cluster_id),
+    ];
+    if !spec.node_labels.is_empty() {
+        let labels: Vec<String> = spec.node_labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        args.push(format!("--node-labels={}", labels.join(",")));
+    }
+    if spec.disable_taint {
+        args.push("--disable-taint".into());
+    }
+    args.extend(spec.extra_args.iter().cloned());
+    args
+}
+
+fn deployment(settings: &Settings, cluster: &LowerCluster, name: &str) -> Deployment {
+    let mut deployment = settings.template.clone();
+    let own = labels(cluster);
+    deployment.metadata = ObjectMeta {
+        name: Some(name.to_owned()),
+        namespace: Some(settings.namespace.clone()),
+        labels: Some(
+            deployment
+                .metadata
+                .labels
+                .take()
+                .unwrap_or_default()
+                .into_iter()
+                .chain(own.clone())
+                .collect(),
+        ),
+        annotations: deployment.metadata.annotations.take(),
+        ..Default::default()
+    };
+    let spec = deployment.spec.get_or_insert_with(Default::default);
+    if let Some(replicas) = cluster.spec.replicas {
+        spec.replicas = Some(replicas);
+    }
+    let selector = spec.selector.match_labels.get_or_insert_with(Default::default);
+    selector.insert(names::LOWER_CLUSTER.to_owned(), cluster.name().to_owned());
+    let template_meta = spec.template.metadata.get_or_insert_with(Default::default);
+    template_meta
+        .labels
+        .get_or_insert_with(Default::default)
+        .insert(names::LOWER_CLUSTER.to_owned(), cluster.name().to_owned());
+    let pod = spec.template.spec.get_or_insert_with(Default::default);
+    pod.service_account_name = Some(name.to_owned());
+    pod.volumes.get_or_insert_with(Vec::new).push(Volume {
+        name: "lower-credential".into(),
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(cluster.spec.credential.secret_name.clone()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    if let Some(container) = pod.containers.iter_mut().find(|c| c.name == CONTAINER) {
+        container
+            .args
+            .get_or_insert_with(Vec::new)
+            .extend(node_args(settings, cluster));
+        container
+            .volume_mounts
+            .get_or_insert_with(Vec::new)
+            .push(VolumeMount {
+                name: "lower-credential".into(),
+                mount_path: CREDENTIAL_DIR.into(),
+                read_only: Some(true),
+                ..Default::default()
+            });
+    }
+    deployment
+}
+
+/// What the controller observed of one lower cluster in one pass.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Observed {
+    /// Why the spec cannot be acted on, if it cannot.
+    pub invalid: Option<String>,
+    /// The credential: `Ok` when the lower cluster accepted it, else the reason and message.
+    pub credential: Option<Result<(), (String, String)>>,
+    /// The lower apiserver: its version, or the reason and message it could not be reached.
+    pub lower: Option<Result<String, (String, String)>>,
+    pub lower_nodes: Option<i64>,
+    /// The upper Node's Ready condition (status, reason, message); `None` while absent.
+    pub node_ready: Option<(String, String, String)>,
+    pub allocatable: BTreeMap<String, String>,
+    pub last_heartbeat: Option<String>,
+    pub credential_expires: Option<String>,
+}
+
+fn set(
+    conditions: &mut Vec<Condition>,
+    before: &[Condition],
+    generation: Option<i64>,
+    c: (&str, bool, &str, &str),
+) {
+    let (type_, ok, reason, message) = c;
+    let status = if ok { "True" } else { "False" };
+    // A message is always said: v1.20's apiserver turns an empty one in a merge patch into
+    // null, which the condition schema refuses.
+    let message = if message.is_empty() { reason } else { message };
+    // The transition time moves only when the status does.
+    let since = before
+        .iter()
+        .find(|b| b.type_ == type_ && b.status == status)
+        .map(|b| b.last_transition_time.clone())
+        .unwrap_or_else(|| Time(jiff::Timestamp::now()));
+    conditions.push(Condition {
+        type_: type_.to_owned(),
+        status: status.to_owned(),
+        reason: reason.to_owned(),
+        message: message.to_owned(),
+        last_transition_time: since,
+        observed_generation: generation,
+    });
+}
+
+/// The status to report from `observed`, with `before` the status as it stands (so
+/// transition times hold while nothing changes).
+pub fn status(cluster: &LowerCluster, observed: &Observed) -> LowerClusterStatus {
+    let before: &[Condition] = cluster
+        .status
+        .as_ref()
+        .map(|s| s.conditions.as_slice())
+        .unwrap_or_default();
+    let generation = cluster.metadata.generation;
+    let mut conditions = Vec::new();
+    let accepted = observed.invalid.is_none();
+    set(
+        &mut conditions,
+        before,
+        generation,
+        match &observed.invalid {
+            None => (condition::ACCEPTED, true, "Accepted", "the spec can be acted on"),
+            Some(why) => (condition::ACCEPTED, false, "Invalid", why),
+        },
+    );
+    let (credential_ok, credential) = match &observed.credential {
+        Some(Ok(())) => (
+            true,
+            (
+                condition::CREDENTIAL_VALID,
+                true,
+                "Accepted",
+                "the lower cluster accepts the credential",
+            ),
+        ),
+        Some(Err((reason, message))) => (
+            false,
+            (
+                condition::CREDENTIAL_VALID,
+                false,
+                reason.as_str(),
+                message.as_str(),
+            ),
+        ),
+        None => (
+            false,
+            (
+                condition::CREDENTIAL_VALID,
+                false,
+                "NotChecked",
+                "the lower cluster could not be asked",
+            ),
+        ),
+    };
+    set(&mut conditions, before, generation, credential);
+    let (reachable, lower) = match &observed.lower {
+        Some(Ok(version)) => (
+            true,
+            (condition::LOWER_REACHABLE, true, "Reachable", version.as_str()),
+        ),
+        Some(Err((reason, message))) => (
+            false,
+            (
+                condition::LOWER_REACHABLE,
+                false,
+                reason.as_str(),
+                message.as_str(),
+            ),
+        ),
+        None => (
+            false,
+            (
+                condition::LOWER_REACHABLE,
+                false,
+                "NotChecked",
+                "the credential gives no client to ask with",
+            ),
+        ),
+    };
+    set(&mut conditions, before, generation, lower);
+    let (node_ok, node) = match &observed.node_ready {
+        Some((status, reason, message)) if status == "True" => (
+            true,
+            (condition::NODE_READY, true, reason.as_str(), message.as_str()),
+        ),
+        Some((_, reason, message)) => (
+            false,
+            (condition::NODE_READY, false, reason.as_str(), message.as_str()),
+        ),
+        None => (
+            false,
+            (
+                condition::NODE_READY,
+                false,
+                "NotRegistered",
+                "the virtual node has not registered its Node yet",
+            ),
+        ),
+    };
+    set(&mut conditions, before, generation, node);
+    let first_false = conditions.iter().find(|c| c.status != "True").cloned();
+    let ready = accepted && credential_ok && reachable && node_ok;
+    let ready_message = first_false
+        .as_ref()
+        .map(|c| format!("{} is False: {}", c.type_, c.message))
+        .unwrap_or_else(|| "pods bound to the virtual node run in the lower cluster".into());
+    let ready_reason = first_false
+        .as_ref()
+        .map(|c| c.reason.clone())
+        .unwrap_or_else(|| "Ready".into());
+    set(
+        &mut conditions,
+        before,
+        generation,
+        (condition::READY, ready, &ready_reason, &ready_message),
+    );
+    LowerClusterStatus {
+        observed_generation: generation,
+        node_name: Some(cluster.node_name().to_owned()),
+        conditions,
+        lower_version: observed.lower.as_ref().and_then(|l| l.as_ref().ok().cloned()),
+        lower_nodes: observed.lower_nodes,
+        allocatable: observed.allocatable.clone(),
+        last_heartbeat: observed.last_heartbeat.clone(),
+        credential_expires: observed.credential_expires.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resource::{Credential, LowerClusterSpec};
+
+    pub fn settings() -> Settings {
+        let template: Deployment = serde_json::from_value(serde_json::json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "template", "labels": {"app.kubernetes.io/name": "tensile"}},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": {"app.kubernetes.io/component": "virtual-node"}},
+                "template": {
+                    "metadata": {"labels": {"app.kubernetes.io/component": "virtual-node"}},
+                    "spec": {"containers": [
+                        {"name": "virtual-node", "image": "tensile:0.1.0",
+                         "args": ["--kubelet-port=10250", "--leader-elect"]}
+                    ]}
+                }
+            }
+        }))
+        .unwrap();
+        Settings {
+            namespace: "tensile".into(),
+            prefix: "tensile".into(),
+            shared_role: "tensile-virtual-node".into(),
+            template,
+            cluster_id: "upper-uid".into(),
+            pdb_api_version: Some("policy/v1".into()),
+        }
+    }
+
+    pub fn cluster(name: &str) -> LowerCluster {
+        let mut c = LowerCluster::new(
+            name,
+            LowerClusterSpec {
+                credential: Credential {
+                    secret_name: format!("{name}-credential"),
+                    key: None,
+                },
+                node_labels: BTreeMap::from([("region".into(), "eu".into()), ("zone".into(), "a".into())]),
+                ..Default::default()
+            },
+        );
+        c.metadata.generation = Some(3);
+        c
+    }
+
+    #[test]
+    fn a_virtual_node_gets_the_template_with_its_own_flags_account_and_credential() {
+        let objects = objects(&settings(), &cluster("lower-a"));
+        let d = &objects.deployment;
+        assert_eq!(d.metadata.name.as_deref(), Some("tensile-vn-lower-a"));
+        assert_eq!(d.metadata.namespace.as_deref(), Some("tensile"));
+        let spec = d.spec.as_ref().unwrap();
+        assert_eq!(
+            spec.selector
+                .match_labels
+                .as_ref()
+                .unwrap()
+                .get(names::LOWER_CLUSTER)
+                .map(String::as_str),
+            Some("lower-a"),
+            "each virtual node selects its own pods only"
+        );
+        let pod = spec.template.spec.as_ref().unwrap();
+        assert_eq!(pod.service_account_name.as_deref(), Some("tensile-vn-lower-a"));
+        let args = pod.containers[0].args.as_ref().unwrap();
+        assert_eq!(
+            args,
+            &[
+                "--kubelet-port=10250",
+                "--leader-elect",
+                "--nodename=lower-a",
+                "--client-kubeconfig=/etc/tensile/lower/kubeconfig",
+                "--cluster-id=upper-uid",
+                "--node-labels=region=eu,zone=a",
+            ]
+        );
+        let volume = &pod.volumes.as_ref().unwrap()[0];
+        assert_eq!(
+            volume.secret.as_ref().unwrap().secret_name.as_deref(),
+            Some("lower-a-credential"),
+            "the whole Secret, so the token file beside the kubeconfig follows renewals"
+        );
+        assert!(volume.secret.as_ref().unwrap().items.is_none());
+    }
+
+    #[test]
+    fn the_rights_that_name_a_node_are_granted_to_that_nodes_account_alone() {
+        let objects = objects(&settings(), &cluster("lower-a"));
+        let rules = objects.node_role.rules.as_ref().unwrap();
+        for rule in rules {
+            assert_eq!(rule.resource_names.as_deref(), Some(&["lower-a".to_owned()][..]));
+        }
+        let lease_rules = objects.lease_role.rules.as_ref().unwrap();
+        assert_eq!(
+            lease_rules[1].resource_names.as_deref(),
+            Some(&["lower-a".to_owned()][..])
+        );
+        let leader_rules = objects.leader_role.rules.as_ref().unwrap();
+        assert_eq!(
+            leader_rules[1].resource_names.as_deref(),
+            Some(&["tensile-virtual-node-lower-a".to_owned()][..])
+        );
+        for subjects in [
+            &objects.node_binding.subjects,
+            &objects.shared_binding.subjects,
+            &objects.lease_binding.subjects,
+            &objects.leader_binding.subjects,
+        ] {
+            let s = &subjects.as_ref().unwrap()[0];
+            assert_eq!(
+                (s.name.as_str(), s.namespace.as_deref()),
+                ("tensile-vn-lower-a", Some("tensile"))
+            );
+        }
+        assert_eq!(objects.shared_binding.role_ref.name, "tensile-virtual-node");
+    }
+
+    #[test]
+    fn a_virtual_node_of_several_replicas_keeps_one_up() {
+        let s = settings();
+        assert!(
+            objects(&s, &cluster("a")).budget.is_none(),
+            "one replica: no budget"
+        );
+        let mut two = cluster("a");
+        two.spec.replicas = Some(2);
+        let budget = objects(&s, &two).budget.unwrap();
+        assert_eq!(budget["apiVersion"], "policy/v1");
+        assert_eq!(budget["spec"]["minAvailable"], 1);
+        assert_eq!(
+            budget["spec"]["selector"]["matchLabels"][names::LOWER_CLUSTER],
+            "a"
+        );
+        let old = Settings {
+            pdb_api_version: Some("policy/v1beta1".into()),
+            ..settings()
+        };
+        assert_eq!(
+            objects(&old, &two).budget.unwrap()["apiVersion"],
+            "policy/v1beta1"
+        );
+        let none = Settings {
+            pdb_api_version: None,
+            ..settings()
+        };
+        assert!(objects(&none, &two).budget.is_none());
+    }
+
+    #[test]
+    fn names_too_long_for_a_deployments_pods_are_refused_with_the_reason() {
+        let s = settings();
+        assert!(validate(&s, &cluster("lower-a")).is_ok());
+        let long = "a".repeat(37);
+        let err = validate(&s, &cluster(&long)).unwrap_err();
+        assert!(err.0.contains("within 47"), "{err}");
+        let mut empty = cluster("b");
+        empty.spec.credential.secret_name.clear();
+        assert_eq!(
+            validate(&s, &empty).unwrap_err().0,
+            "spec.credential.secretName is empty"
+        );
+    }
+
+    #[test]
+    fn ready_says_the_first_reason_it_is_not_and_transition_times_hold() {
+        let mut c = cluster("lower-a");
+        let mut observed = Observed {
+            credential: Some(Ok(())),
+            lower: Some(Ok("v1.20.2".into())),
+            lower_nodes: Some(3),
+            node_ready: Some(("True".into(), "LowerReachable".into(), "".into())),
+            ..Default::default()
+        };
+        let first = status(&c, &observed);
+        let ready = first
+            .conditions
+            .iter()
+            .find(|c| c.type_ == condition::READY)
+            .unwrap();
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("True", "Ready"));
+        assert_eq!(first.lower_version.as_deref(), Some("v1.20.2"));
+        assert_eq!(first.observed_generation, Some(3));
+
+        c.status = Some(first.clone());
+        let again = status(&c, &observed);
+        assert_eq!(again, first, "nothing changed, nothing to write");
+
+        observed.credential = Some(Err((
+            "Unauthorized".into(),
+            "the lower cluster refused the token".into(),
+        )));
+        let broken = status(&c, &observed);
+        let ready = broken
+            .conditions
+            .iter()
+            .find(|c| c.type_ == condition::READY)
+            .unwrap();
+        assert_eq!(ready.status, "False");
+        assert_eq!(ready.reason, "Unauthorized");
+        assert_eq!(
+            ready.message,
+            "CredentialValid is False: the lower cluster refused the token"
+        );
+    }
+
+    #[test]
+    fn a_node_not_yet_registered_is_not_ready() {
+        let observed = Observed {
+            credential: Some(Ok(())),
+            lower: Some(Ok("v1.20.2".into())),
+            ..Default::default()
+        };
+        let s = status(&cluster("a"), &observed);
+        let ready = s.conditions.iter().find(|c| c.type_ == condition::READY).unwrap();
+        assert_eq!(ready.reason, "NotRegistered");
+        assert!(
+            s.conditions.iter().all(|c| !c.message.is_empty()),
+            "every condition says something: {:?}",
+            s.conditions
+        );
+    }
+}

@@ -1,0 +1,713 @@
+//! One pass over one `LowerCluster`: observe, apply the planned objects, renew the
+//! credential when due, report the status; or, once it is being deleted, remove every trace
+//! of its virtual node in both clusters before its finalizer goes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, Secret, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PropagationPolicy};
+use kube::runtime::controller::Action;
+use serde_json::json;
+use tensile_common::api::{ApiError, code};
+use tensile_common::kubeconfig::ClientOptions;
+use tensile_common::names;
+use tensile_virtual_node::teardown;
+use tensile_virtual_node::translate::Identity;
+
+use crate::credential::{self, Claims};
+use crate::plan::{self, NODE_LEASE_NAMESPACE, Observed, Settings};
+use crate::resource::{LowerCluster, LowerClusterStatus, condition};
+
+/// The annotation that lets a `LowerCluster` go without removing its virtual node's objects
+/// below, for a lower cluster that is gone for good.
+pub const ORPHAN_LOWER: &str = "tensile.io/orphan-lower-objects";
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Api(#[from] ApiError),
+    #[error("encoding {0}: {1}")]
+    Encode(&'static str, serde_json::Error),
+}
+
+/// What every pass shares.
+pub struct Context {
+    pub upper: kube::Client,
+    pub settings: Settings,
+    /// Options of the clients made from credentials.
+    pub lower_options: ClientOptions,
+    /// How often each cluster is looked at again.
+    pub resync: Duration,
+    /// The share of a token's life after which it is renewed.
+    pub renew_at: f64,
+    /// How long a leaving cluster's virtual node is drained before it stops regardless.
+    pub drain_timeout: Duration,
+}
+
+fn ssa() -> PatchParams {
+    PatchParams::apply(names::CONTROLLER_MANAGER).force()
+}
+
+/// The pass for `cluster`.
+pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let name = cluster.name().to_owned();
+    let api: Api<LowerCluster> = Api::all(ctx.upper.clone());
+    if cluster.metadata.deletion_timestamp.is_some() {
+        return remove(&cluster, &ctx, &api).await;
+    }
+    let finalizers = cluster.metadata.finalizers.clone().unwrap_or_default();
+    if !finalizers.iter().any(|f| f == names::LOWER_CLUSTER_FINALIZER) {
+        let mut with = finalizers;
+        with.push(names::LOWER_CLUSTER_FINALIZER.to_owned());
+        let patch =
+            json!({"metadata": {"finalizers": with, "resourceVersion": cluster.metadata.resource_version}});
+        api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(ApiError::on(
+                "upper",
+                "patch",
+                format!("lowercluster {name} (finalizer)"),
+            ))?;
+        // The change of the object brings the next pass.
+        return Ok(Action::await_change());
+    }
+
+    let mut observed = Observed::default();
+    if let Err(invalid) = plan::validate(&ctx.settings, &cluster) {
+        observed.invalid = Some(invalid.0);
+        write_status(&api, &cluster, plan::status(&cluster, &observed)).await?;
+        return Ok(Action::requeue(ctx.resync * 6));
+    }
+
+    let secrets: Api<Secret> = Api::namespaced(ctx.upper.clone(), &ctx.settings.namespace);
+    let secret_name = &cluster.spec.credential.secret_name;
+    let secret = secrets.get_opt(secret_name).await.map_err(ApiError::on(
+        "upper",
+        "get",
+        format!("secret {}/{secret_name}", ctx.settings.namespace),
+    ))?;
+    let lower = match &secret {
+        None => {
+            observed.credential = Some(Err((
+                "SecretMissing".into(),
+                format!("Secret {}/{secret_name} does not exist", ctx.settings.namespace),
+            )));
+            None
+        }
+        Some(secret) => match lower_client(secret, cluster.spec.credential.key(), &ctx, &name).await {
+            Ok(client) => Some(client),
+            Err(message) => {
+                observed.credential = Some(Err(("Invalid".into(), message)));
+                None
+            }
+        },
+    };
+    if let (Some(lower), Some(secret)) = (&lower, &secret) {
+        observe_lower(lower, &mut observed).await;
+        if observed.credential == Some(Ok(())) {
+            observed.credential_expires = renew(lower, secret, &ctx, &name).await;
+        }
+    }
+
+    apply(&ctx, &cluster).await?;
+    observe_node(&ctx, cluster.node_name(), &mut observed).await?;
+    write_status(&api, &cluster, plan::status(&cluster, &observed)).await?;
+    Ok(Action::requeue(ctx.resync))
+}
+
+/// A client of the lower cluster from the credential `secret`, or why there is none.
+async fn lower_client(
+    secret: &Secret,
+    key: &str,
+    ctx: &Context,
+    cluster: &str,
+) -> Result<kube::Client, String> {
+    let what = format!(
+        "Secret {}/{} key {key}",
+        ctx.settings.namespace,
+        secret.metadata.name.as_deref().unwrap_or_default(),
+    );
+    let text =
+        credential::secret_text(secret, key).ok_or_else(|| format!("{what} is missing or not text"))?;
+    let mut kubeconfig = kube::config::Kubeconfig::from_yaml(&text).map_err(|e| format!("{what}: {e}"))?;
+    // The token file beside the kubeconfig in the pod is the Secret's `token` key here.
+    if let Some(token) = credential::secret_text(secret, names::CREDENTIAL_TOKEN_KEY) {
+        for user in &mut kubeconfig.auth_infos {
+            if let Some(auth) = &mut user.auth_info
+                && auth.token_file.is_some()
+            {
+                auth.token_file = None;
+                auth.token = Some(token.trim().to_owned().into());
+            }
+        }
+    }
+    let options = ClientOptions {
+        user_agent: Some(format!("{} (lower cluster {cluster})", names::CONTROLLER_MANAGER)),
+        ..ctx.lower_options.clone()
+    };
+    tensile_common::kubeconfig::client_from_kubeconfig(kubeconfig, &what, &options)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+async fn observe_lower(lower: &kube::Client, observed: &mut Observed) {
+    match lower.apiserver_version().await {
+        Ok(info) => {
+            observed.lower = Some(Ok(info.git_version));
+            observed.credential = Some(Ok(()));
+        }
+        Err(e) if code(&e) == Some(401) => {
+            observed.lower = Some(Ok("unknown".into()));
+            observed.credential = Some(Err((
+                "Unauthorized".into(),
+                format!(
+                    "the lower cluster refuses the credential: {}",
+                    tensile_common::api::message(&e)
+                ),
+            )));
+            return;
+        }
+        Err(e) => {
+            observed.lower = Some(Err(("Unreachable".into(), e.to_string())));
+            observed.credential = None;
+            return;
+        }
+    }
+    let nodes: Api<Node> = Api::all(lower.clone());
+    match nodes.list_metadata(&ListParams::default()).await {
+        Ok(list) => observed.lower_nodes = Some(list.items.len() as i64),
+        Err(e) => tracing::debug!("listing lower nodes: {e}"),
+    }
+}
+
+/// Renews the credential's token when it is due; returns when the token in force expires.
+async fn renew(lower: &kube::Client, secret: &Secret, ctx: &Context, cluster: &str) -> Option<String> {
+    let token = credential::secret_text(secret, names::CREDENTIAL_TOKEN_KEY)?;
+    let claims = match Claims::of(&token) {
+        Ok(claims) => claims,
+        Err(e) => {
+            tracing::warn!(cluster, "the credential's token is not renewed: {e}");
+            return None;
+        }
+    };
+    let now = jiff::Timestamp::now();
+    if now < claims.renew_at(ctx.renew_at) {
+        return Some(tensile_common::api::time(claims.expires));
+    }
+    let lifetime = claims.lifetime().max(credential::MIN_LIFETIME);
+    let fresh = match credential::request_token(lower, &claims.namespace, &claims.service_account, lifetime)
+        .await
+    {
+        Ok(fresh) => fresh,
+        Err(e) => {
+            tracing::warn!(
+                cluster,
+                account = %format!("{}/{}", claims.namespace, claims.service_account),
+                "renewing the credential's token: {e}; tried again on the next pass, the token expires at {}",
+                claims.expires
+            );
+            return Some(tensile_common::api::time(claims.expires));
+        }
+    };
+    let expires = Claims::of(&fresh).map(|c| c.expires).unwrap_or(claims.expires);
+    let secrets: Api<Secret> = Api::namespaced(ctx.upper.clone(), &ctx.settings.namespace);
+    let name = secret.metadata.name.clone().unwrap_or_default();
+    let patch = json!({
+        "metadata": {"resourceVersion": secret.metadata.resource_version},
+        "data": {names::CREDENTIAL_TOKEN_KEY: k8s_openapi::ByteString(fresh.into_bytes())},
+    });
+    match secrets
+        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => {
+            tracing::info!(cluster, expires = %expires, "renewed the credential's token");
+            Some(tensile_common::api::time(expires))
+        }
+        Err(e) => {
+            tracing::warn!(cluster, "writing the renewed token into Secret {name}: {e}");
+            Some(tensile_common::api::time(claims.expires))
+        }
+    }
+}
+
+async fn apply(ctx: &Context, cluster: &LowerCluster) -> Result<(), Error> {
+    let objects = plan::objects(&ctx.settings, cluster);
+    let ns = ctx.settings.namespace.as_str();
+    let c = &ctx.upper;
+    apply_one(Api::<ServiceAccount>::namespaced(c.clone(), ns), &objects.account).await?;
+    apply_one(Api::<ClusterRole>::all(c.clone()), &objects.node_role).await?;
+    apply_one(Api::<ClusterRoleBinding>::all(c.clone()), &objects.node_binding).await?;
+    apply_one(Api::<ClusterRoleBinding>::all(c.clone()), &objects.shared_binding).await?;
+    apply_one(
+        Api::<Role>::namespaced(c.clone(), NODE_LEASE_NAMESPACE),
+        &objects.lease_role,
+    )
+    .await?;
+    apply_one(
+        Api::<RoleBinding>::namespaced(c.clone(), NODE_LEASE_NAMESPACE),
+        &objects.lease_binding,
+    )
+    .await?;
+    apply_one(Api::<Role>::namespaced(c.clone(), ns), &objects.leader_role).await?;
+    apply_one(
+        Api::<RoleBinding>::namespaced(c.clone(), ns),
+        &objects.leader_binding,
+    )
+    .await?;
+    apply_one(Api::<Deployment>::namespaced(c.clone(), ns), &objects.deployment).await?;
+    let budgets = budget_api(ctx);
+    let name = plan::object_name(&ctx.settings, cluster.name());
+    match (&objects.budget, budgets) {
+        (Some(budget), Some(api)) => {
+            api.patch(&name, &ssa(), &Patch::Apply(budget))
+                .await
+                .map_err(ApiError::on(
+                    "upper",
+                    "apply",
+                    format!("poddisruptionbudget {ns}/{name}"),
+                ))?;
+        }
+        (None, Some(api)) => delete_quietly(&api, &name).await?,
+        _ => {}
+    }
+    Ok(())
+}
+
+/// The PodDisruptionBudgets of the configured API version in the controller's namespace.
+fn budget_api(ctx: &Context) -> Option<Api<kube::core::DynamicObject>> {
+    let version = ctx.settings.pdb_api_version.as_deref()?;
+    let (group, version) = version.split_once('/')?;
+    let gvk = kube::core::GroupVersionKind::gvk(group, version, "PodDisruptionBudget");
+    let resource = kube::discovery::ApiResource::from_gvk(&gvk);
+    Some(Api::namespaced_with(
+        ctx.upper.clone(),
+        &ctx.settings.namespace,
+        &resource,
+    ))
+}
+
+async fn apply_one<K>(api: Api<K>, object: &K) -> Result<(), Error>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let name = object.meta().name.clone().unwrap_or_default();
+    let mut value = serde_json::to_value(object).map_err(|e| Error::Encode("an object", e))?;
+    value["apiVersion"] = K::api_version(&()).into();
+    value["kind"] = K::kind(&()).into();
+    api.patch(&name, &ssa(), &Patch::Apply(&value))
+        .await
+        .map_err(ApiError::on("upper", "apply", format!("{} {name}", K::kind(&()))))?;
+    Ok(())
+}
+
+async fn observe_node(ctx: &Context, node: &str, observed: &mut Observed) -> Result<(), Error> {
+    let nodes: Api<Node> = Api::all(ctx.upper.clone());
+    if let Some(found) =
+        nodes
+            .get_opt(node)
+            .await
+            .map_err(ApiError::on("upper", "get", format!("node {node}")))?
+    {
+        let status = found.status.unwrap_or_default();
+        observed.node_ready = status
+            .conditions
+            .unwrap_or_default()
+            .into_iter()
+            .find(|c| c.type_ == "Ready")
+            .map(|c| {
+                (
+                    c.status,
+                    c.reason.unwrap_or_default(),
+                    c.message.unwrap_or_default(),
+                )
+            });
+        observed.allocatable = status
+            .allocatable
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(k, _)| matches!(k.as_str(), "cpu" | "memory" | "pods"))
+            .map(|(k, v)| (k, v.0))
+            .collect();
+    }
+    let leases: Api<Lease> = Api::namespaced(ctx.upper.clone(), NODE_LEASE_NAMESPACE);
+    if let Some(lease) = leases.get_opt(node).await.map_err(ApiError::on(
+        "upper",
+        "get",
+        format!("lease {NODE_LEASE_NAMESPACE}/{node}"),
+    ))? {
+        observed.last_heartbeat = lease
+            .spec
+            .and_then(|s| s.renew_time)
+            .map(|t| tensile_common::api::time(t.0));
+    }
+    Ok(())
+}
+
+async fn write_status(
+    api: &Api<LowerCluster>,
+    cluster: &LowerCluster,
+    status: LowerClusterStatus,
+) -> Result<(), Error> {
+    if cluster.status.as_ref() == Some(&status) {
+        return Ok(());
+    }
+    let patch = json!({"status": status});
+    api.patch_status(cluster.name(), &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map_err(ApiError::on(
+            "upper",
+            "patch",
+            format!("lowercluster {} status", cluster.name()),
+        ))?;
+    Ok(())
+}
+
+/// Says on the object why its removal waits, and looks again soon.
+async fn removing(api: &Api<LowerCluster>, cluster: &LowerCluster, why: String) -> Result<Action, Error> {
+    tracing::info!(cluster = %cluster.name(), "removal waits: {why}");
+    let mut status = cluster.status.clone().unwrap_or_default();
+    let since = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == condition::READY && c.reason == "Removing")
+        .map(|c| c.last_transition_time.clone())
+        .unwrap_or_else(|| k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::now()));
+    status.conditions.retain(|c| c.type_ != condition::READY);
+    status
+        .conditions
+        .push(k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+            type_: condition::READY.into(),
+            status: "False".into(),
+            reason: "Removing".into(),
+            message: why,
+            last_transition_time: since,
+            observed_generation: cluster.metadata.generation,
+        });
+    write_status(api, cluster, status).await?;
+    Ok(Action::requeue(Duration::from_secs(2)))
+}
+
+/// Removes `cluster`'s virtual node: its Deployment first (so nothing writes any more), then
+/// everything it made below, then its Node, Leases, volumes and accounts upstream; the
+/// finalizer goes last.
+async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) -> Result<Action, Error> {
+    let name = cluster.name().to_owned();
+    if !cluster
+        .metadata
+        .finalizers
+        .as_ref()
+        .is_some_and(|f| f.iter().any(|f| f == names::LOWER_CLUSTER_FINALIZER))
+    {
+        return Ok(Action::await_change());
+    }
+    let ns = ctx.settings.namespace.as_str();
+    let object = plan::object_name(&ctx.settings, &name);
+    let node = cluster.node_name().to_owned();
+
+    // 1. Drained as `kubectl drain` would: cordoned, and every pod bound to it evicted
+    // (disruption budgets honoured) while it still runs, so each stops below gracefully
+    // and its controller makes it again elsewhere; past the drain timeout the rest go with
+    // the node.
+    if let Some(waiting) = drain(cluster, ctx, &node).await? {
+        return removing(api, cluster, waiting).await;
+    }
+    // 2. The virtual node stops: its Deployment goes with its pods (foreground).
+    let deployments: Api<Deployment> = Api::namespaced(ctx.upper.clone(), ns);
+    let foreground = DeleteParams {
+        propagation_policy: Some(PropagationPolicy::Foreground),
+        ..Default::default()
+    };
+    match deployments.delete(&object, &foreground).await {
+        Ok(_) => {
+            return removing(
+                api,
+                cluster,
+                format!("deployment {ns}/{object}: its pods are stopping"),
+            )
+            .await;
+        }
+        Err(e) if code(&e) == Some(404) => {}
+        Err(e) => return Err(ApiError::on("upper", "delete", format!("deployment {ns}/{object}"))(e).into()),
+    }
+    // 3. No replica of it leads any more: its election Lease is free or lapsed (a replica on
+    // a partitioned node may outlive its pod object; its writes are fenced by that Lease).
+    let leases: Api<Lease> = Api::namespaced(ctx.upper.clone(), ns);
+    let leader = plan::leader_lease(&node);
+    if let Some(lease) =
+        leases
+            .get_opt(&leader)
+            .await
+            .map_err(ApiError::on("upper", "get", format!("lease {ns}/{leader}")))?
+    {
+        if held(&lease) {
+            return removing(
+                api,
+                cluster,
+                format!("lease {ns}/{leader} is still held by a replica"),
+            )
+            .await;
+        }
+        delete_quietly(&leases, &leader).await?;
+    }
+    // 4. Everything it made below.
+    let identity = Identity {
+        cluster_id: ctx.settings.cluster_id.clone(),
+        node: node.clone(),
+    };
+    let orphan = cluster
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ORPHAN_LOWER))
+        .is_some_and(|v| v == "true");
+    if !orphan {
+        let secrets: Api<Secret> = Api::namespaced(ctx.upper.clone(), ns);
+        let secret_name = &cluster.spec.credential.secret_name;
+        let hint = format!("annotate the LowerCluster {ORPHAN_LOWER}=true to remove it without that");
+        let Some(secret) = secrets.get_opt(secret_name).await.map_err(ApiError::on(
+            "upper",
+            "get",
+            format!("secret {ns}/{secret_name}"),
+        ))?
+        else {
+            return removing(
+                api,
+                cluster,
+                format!("Secret {ns}/{secret_name} is gone, so the lower objects cannot be removed; {hint}"),
+            )
+            .await;
+        };
+        let lower = match lower_client(&secret, cluster.spec.credential.key(), ctx, &name).await {
+            Ok(lower) => lower,
+            Err(e) => return removing(api, cluster, format!("{e}; {hint}")).await,
+        };
+        match teardown::remove_everything(&lower, &identity).await {
+            Ok(removal) if removal.done() => {
+                tracing::info!(cluster = %name, "removed every object of the virtual node below");
+            }
+            Ok(removal) => {
+                return removing(api, cluster, format!("lower cluster: {}", removal.summary())).await;
+            }
+            Err(e) => {
+                return removing(api, cluster, format!("lower cluster: {e}; {hint}")).await;
+            }
+        }
+    }
+    // 5. Upstream: its volumes, Node and heartbeat, and its accounts.
+    let volumes: Api<PersistentVolume> = Api::all(ctx.upper.clone());
+    let marked = volumes
+        .list_metadata(&ListParams::default().labels(&identity.selector()))
+        .await
+        .map_err(ApiError::on("upper", "list", "persistentvolumes"))?;
+    for volume in marked.items {
+        delete_quietly(&volumes, volume.metadata.name.as_deref().unwrap_or_default()).await?;
+    }
+    let nodes: Api<Node> = Api::all(ctx.upper.clone());
+    if let Some(found) =
+        nodes
+            .get_opt(&node)
+            .await
+            .map_err(ApiError::on("upper", "get", format!("node {node}")))?
+    {
+        if is_virtual_node(&found) {
+            delete_quietly(&nodes, &node).await?;
+        } else {
+            tracing::warn!(node = %node, "a Node of that name is not a virtual node: left alone");
+        }
+    }
+    let node_leases: Api<Lease> = Api::namespaced(ctx.upper.clone(), NODE_LEASE_NAMESPACE);
+    delete_quietly(&node_leases, &node).await?;
+    let c = &ctx.upper;
+    if let Some(budgets) = budget_api(ctx) {
+        delete_quietly(&budgets, &object).await?;
+    }
+    delete_quietly(&Api::<RoleBinding>::namespaced(c.clone(), ns), &object).await?;
+    delete_quietly(&Api::<Role>::namespaced(c.clone(), ns), &object).await?;
+    delete_quietly(
+        &Api::<RoleBinding>::namespaced(c.clone(), NODE_LEASE_NAMESPACE),
+        &object,
+    )
+    .await?;
+    delete_quietly(&Api::<Role>::namespaced(c.clone(), NODE_LEASE_NAMESPACE), &object).await?;
+    delete_quietly(
+        &Api::<ClusterRoleBinding>::all(c.clone()),
+        &format!("{object}-shared"),
+    )
+    .await?;
+    delete_quietly(&Api::<ClusterRoleBinding>::all(c.clone()), &object).await?;
+    delete_quietly(&Api::<ClusterRole>::all(c.clone()), &object).await?;
+    delete_quietly(&Api::<ServiceAccount>::namespaced(c.clone(), ns), &object).await?;
+    // 6. The finalizer.
+    let rest: Vec<String> = cluster
+        .metadata
+        .finalizers
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|f| f != names::LOWER_CLUSTER_FINALIZER)
+        .collect();
+    let patch =
+        json!({"metadata": {"finalizers": rest, "resourceVersion": cluster.metadata.resource_version}});
+    match api
+        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => tracing::info!(cluster = %name, "removed"),
+        Err(e) if code(&e) == Some(404) => {}
+        Err(e) => {
+            return Err(ApiError::on("upper", "patch", format!("lowercluster {name} (finalizer)"))(e).into());
+        }
+    }
+    Ok(Action::await_change())
+}
+
+/// Cordons `node` and evicts its pods; `Some(why)` while pods remain and the drain has
+/// not timed out.
+async fn drain(cluster: &LowerCluster, ctx: &Context, node: &str) -> Result<Option<String>, Error> {
+    let nodes: Api<Node> = Api::all(ctx.upper.clone());
+    let Some(found) =
+        nodes
+            .get_opt(node)
+            .await
+            .map_err(ApiError::on("upper", "get", format!("node {node}")))?
+    else {
+        return Ok(None);
+    };
+    if !is_virtual_node(&found) {
+        return Ok(None);
+    }
+    if !found.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false) {
+        let patch = json!({"spec": {"unschedulable": true}});
+        nodes
+            .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(ApiError::on("upper", "patch", format!("node {node} (cordon)")))?;
+        tracing::info!(node, "cordoned: its lower cluster is leaving");
+    }
+    let started = cluster
+        .metadata
+        .deletion_timestamp
+        .as_ref()
+        .map(|t| t.0)
+        .unwrap_or_else(jiff::Timestamp::now);
+    let waited = jiff::Timestamp::now().duration_since(started);
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::all(ctx.upper.clone());
+    let bound = pods
+        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+        .await
+        .map_err(ApiError::on("upper", "list", format!("pods on node {node}")))?;
+    let drained: Vec<_> = bound
+        .items
+        .into_iter()
+        .filter(|p| {
+            !p.metadata
+                .owner_references
+                .as_ref()
+                .is_some_and(|o| o.iter().any(|o| o.kind == "DaemonSet"))
+        })
+        .collect();
+    if drained.is_empty() {
+        return Ok(None);
+    }
+    if waited >= jiff::SignedDuration::try_from(ctx.drain_timeout).unwrap_or(jiff::SignedDuration::MAX) {
+        tracing::warn!(
+            node,
+            pods = drained.len(),
+            "drain timed out: the remaining pods go with the node"
+        );
+        return Ok(None);
+    }
+    let mut refused = 0;
+    for pod in drained.iter().filter(|p| p.metadata.deletion_timestamp.is_none()) {
+        let ns = pod.metadata.namespace.clone().unwrap_or_default();
+        let api: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(ctx.upper.clone(), &ns);
+        match tensile_common::evict::evict(&api, pod).await {
+            Ok(tensile_common::evict::Evicted::Refused(_)) => refused += 1,
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(node, pod = %format!("{ns}/{}", pod.metadata.name.as_deref().unwrap_or_default()), "evicting: {e}")
+            }
+        }
+    }
+    Ok(Some(format!(
+        "draining node {node}: {} pod(s) still bound{}",
+        drained.len(),
+        if refused > 0 {
+            format!(", {refused} held by a disruption budget")
+        } else {
+            String::new()
+        }
+    )))
+}
+
+fn is_virtual_node(node: &Node) -> bool {
+    node.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(names::VIRTUAL_NODE_TYPE_LABEL))
+        .is_some_and(|v| v == names::VIRTUAL_NODE_TYPE_VALUE)
+}
+
+/// Whether an election Lease is held by someone whose term has not lapsed.
+fn held(lease: &Lease) -> bool {
+    let Some(spec) = &lease.spec else {
+        return false;
+    };
+    if spec.holder_identity.as_deref().unwrap_or_default().is_empty() {
+        return false;
+    }
+    let (Some(renewed), Some(seconds)) = (&spec.renew_time, spec.lease_duration_seconds) else {
+        return false;
+    };
+    let until = renewed.0 + jiff::SignedDuration::from_secs(i64::from(seconds));
+    jiff::Timestamp::now() < until
+}
+
+async fn delete_quietly<K>(api: &Api<K>, name: &str) -> Result<(), Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.delete(name, &DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        Err(e) if code(&e) == Some(404) => Ok(()),
+        Err(e) => Err(ApiError::on("upper", "delete", format!("{} {name}", api.resource_url()))(e).into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::coordination::v1::LeaseSpec;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+
+    fn lease(holder: &str, renewed_ago: i64, duration: i32) -> Lease {
+        Lease {
+            spec: Some(LeaseSpec {
+                holder_identity: Some(holder.into()),
+                renew_time: Some(MicroTime(
+                    jiff::Timestamp::now() - jiff::SignedDuration::from_secs(renewed_ago),
+                )),
+                lease_duration_seconds: Some(duration),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn an_election_lease_is_held_only_by_a_holder_within_its_term() {
+        assert!(held(&lease("vn-0", 1, 15)));
+        assert!(!held(&lease("vn-0", 16, 15)), "lapsed");
+        assert!(!held(&lease("", 1, 15)), "released");
+        assert!(!held(&Lease::default()));
+    }
+}

@@ -1,0 +1,653 @@
+//! Lower clusters as `LowerCluster` objects, with the real `tensilectl`, helm and kubectl:
+//! one command joins a lower cluster and its virtual node runs pods; the fleet shows in
+//! `kubectl get lowerclusters`; the credential's short-lived token is renewed; one command
+//! removes a cluster with nothing left behind in either cluster, while a lower admin's own
+//! objects are kept.
+//!
+//! The chart is installed in the upper cluster with its defaults (the webhook and the
+//! descheduler off: this is about the fleet); its cluster controller runs here under the
+//! chart's ServiceAccount with the chart's flags, and [`VirtualNodeRunner`] runs the virtual
+//! node Deployments it makes, as a kubelet would run their pods.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::time::Duration;
+
+use base64::Engine as _;
+use tensile_e2e::chart::{self, helm};
+use tensile_e2e::check::{apply, eventually, kubectl};
+use tensile_e2e::process::Service;
+use tensile_e2e::runner::VirtualNodeRunner;
+use tensile_e2e::shared::Shared;
+use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+
+struct Bed {
+    upper: TestCluster,
+    lower_a: TestCluster,
+    lower_b: TestCluster,
+    _sims: Vec<NodeSimulator>,
+}
+
+static BED: Shared<Bed> = Shared::new();
+
+fn bed() -> &'static Bed {
+    BED.get(|| async {
+        let (upper, lower_a, lower_b) = tokio::join!(
+            TestCluster::start(ClusterOptions::new("clusters", "upper")),
+            TestCluster::start(ClusterOptions::new("clusters", "lower-a")),
+            TestCluster::start(ClusterOptions::new("clusters", "lower-b")),
+        );
+        let (upper, lower_a, lower_b) = (upper?, lower_a?, lower_b?);
+        let sim_a = NodeSimulator::start(
+            lower_a.client().await?,
+            SimulatorOptions::new("lower-a", Some(lower_a.kubelet_client_ca_pem())),
+            vec![NodeConfig::new("a-0"), NodeConfig::new("a-1")],
+        )
+        .await?;
+        let sim_b = NodeSimulator::start(
+            lower_b.client().await?,
+            SimulatorOptions::new("lower-b", Some(lower_b.kubelet_client_ca_pem())),
+            vec![
+                NodeConfig::new("b-0"),
+                NodeConfig::new("b-1"),
+                NodeConfig::new("b-2"),
+            ],
+        )
+        .await?;
+        Ok(Bed {
+            upper,
+            lower_a,
+            lower_b,
+            _sims: vec![sim_a, sim_b],
+        })
+    })
+    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
+}
+
+const NS: &str = "tensile";
+const RELEASE: &str = "fleet";
+const FULL: &str = "fleet-tensile";
+
+/// Runs `tensilectl ARGS` against the bed; its output (stdout and stderr) and success.
+async fn tensilectl(args: &[&str]) -> (bool, String) {
+    let bin = tensile_e2e::bins::suite_binary("tensilectl").unwrap();
+    let out = tokio::process::Command::new(bin)
+        .args(args)
+        .env_remove("KUBECONFIG")
+        .output()
+        .await
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn path(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// Every object of the cluster (but events, which outlive what they are about), as
+/// `kind namespace/name`.
+async fn listing(cluster: &TestCluster, leave_out_namespace: Option<&str>) -> BTreeSet<String> {
+    let kinds = kubectl(
+        cluster.kubeconfig(),
+        &["api-resources", "--verbs=list", "-o", "name"],
+    )
+    .await;
+    let kinds: Vec<&str> = kinds
+        .lines()
+        .filter(|k| {
+            !k.is_empty() && *k != "events" && *k != "events.events.k8s.io" && *k != "componentstatuses"
+        })
+        .collect();
+    let all = kinds.join(",");
+    let out = kubectl(
+        cluster.kubeconfig(),
+        &[
+            "get",
+            &all,
+            "-A",
+            "--no-headers",
+            "-o",
+            "custom-columns=K:.kind,NS:.metadata.namespace,N:.metadata.name",
+        ],
+    )
+    .await;
+    out.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() == 3).then(|| (f[0].to_owned(), f[1].to_owned(), f[2].to_owned()))
+        })
+        .filter(|(kind, ns, name)| {
+            let in_left_out =
+                leave_out_namespace.is_some_and(|l| ns == l || (kind == "Namespace" && name == l));
+            !in_left_out
+        })
+        .map(|(kind, ns, name)| format!("{kind} {ns}/{name}"))
+        .collect()
+}
+
+/// Waits until `cluster`'s listing is `want` again; panics with the difference.
+async fn listing_returns_to(
+    cluster: &TestCluster,
+    leave_out: Option<&str>,
+    want: &BTreeSet<String>,
+    what: &str,
+) {
+    tensile_e2e::wait::must(what, Duration::from_secs(90), Duration::from_secs(1), || async {
+        let now = listing(cluster, leave_out).await;
+        if &now == want {
+            Ok(())
+        } else {
+            let extra: Vec<_> = now.difference(want).collect();
+            let missing: Vec<_> = want.difference(&now).collect();
+            Err(format!("left behind: {extra:?}; missing: {missing:?}"))
+        }
+    })
+    .await
+}
+
+/// The chart installed upstream, and its cluster controller running here with the chart's
+/// flags under the chart's ServiceAccount; `extra` flags on top.
+async fn install_and_run_controller(up: &'static TestCluster, extra: &[String]) -> Service {
+    up.create_namespace(NS).await.unwrap();
+    let out = helm(
+        up,
+        &[
+            "install",
+            RELEASE,
+            &path(&chart::chart_dir()),
+            "-n",
+            NS,
+            "--set",
+            "webhook.enabled=false",
+            "--set",
+            "descheduler.enabled=false",
+        ],
+    )
+    .await
+    .unwrap();
+    assert!(out.ok, "helm install: {}", out.stderr);
+    let account = chart::service_account_kubeconfig(
+        up,
+        NS,
+        &format!("{FULL}-cluster-controller"),
+        &up.dir().join("controller.kubeconfig"),
+    )
+    .await
+    .unwrap();
+    let template = kubectl(
+        up.kubeconfig(),
+        &[
+            "-n",
+            NS,
+            "get",
+            "configmap",
+            &format!("{FULL}-virtual-node-template"),
+            "-o",
+            r"jsonpath={.data.deployment\.yaml}",
+        ],
+    )
+    .await;
+    let template_file = up.dir().join("virtual-node-template.yaml");
+    std::fs::write(&template_file, template).unwrap();
+    let args = chart::deployment_args(up, NS, &format!("{FULL}-cluster-controller"))
+        .await
+        .unwrap();
+    assert!(
+        args.contains(&"--virtual-node-template=/etc/tensile/virtual-node/deployment.yaml".to_owned()),
+        "{args:?}"
+    );
+    let mut set = vec![
+        format!("--kubeconfig={}", account.display()),
+        format!("--virtual-node-template={}", template_file.display()),
+        format!("--admin-addr=127.0.0.1:{}", free_port().unwrap()),
+        "--log-format=plain".to_owned(),
+    ];
+    set.extend(extra.iter().cloned());
+    let args = chart::with_flags(&args, &set);
+    let bin = tensile_e2e::bins::suite_binary("cluster-controller").unwrap();
+    let log = up.dir().join("cluster-controller.log");
+    let _ = std::fs::remove_file(&log);
+    Service::start("cluster-controller", &bin, &args, &log).unwrap()
+}
+
+fn secret_token(up: &TestCluster, secret: &str) -> impl std::future::Future<Output = String> {
+    let kubeconfig = up.kubeconfig().to_owned();
+    let secret = secret.to_owned();
+    async move {
+        let b64 = kubectl(
+            &kubeconfig,
+            &["-n", NS, "get", "secret", &secret, "-o", "jsonpath={.data.token}"],
+        )
+        .await;
+        String::from_utf8(
+            base64::engine::general_purpose::STANDARD
+                .decode(b64.trim())
+                .unwrap(),
+        )
+        .unwrap()
+    }
+}
+
+fn workload(replicas: u32) -> String {
+    format!(
+        r#"
+apiVersion: v1
+kind: ConfigMap
+metadata: {{name: settings, namespace: fleet}}
+data: {{greeting: hello}}
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: web, namespace: fleet}}
+spec:
+  replicas: {replicas}
+  selector: {{matchLabels: {{app: web}}}}
+  template:
+    metadata: {{labels: {{app: web}}}}
+    spec:
+      nodeSelector: {{type: virtual-kubelet}}
+      tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+      topologySpreadConstraints:
+      - {{maxSkew: 1, topologyKey: kubernetes.io/hostname, whenUnsatisfiable: DoNotSchedule,
+         labelSelector: {{matchLabels: {{app: web}}}}}}
+      terminationGracePeriodSeconds: 2
+      containers:
+      - name: app
+        image: nginx
+        envFrom: [{{configMapRef: {{name: settings}}}}]
+"#
+    )
+}
+
+/// Running pods of `fleet/web` per node, as `node=count` sorted.
+async fn spread(up: &TestCluster) -> String {
+    let out = kubectl(
+        up.kubeconfig(),
+        &[
+            "-n",
+            "fleet",
+            "get",
+            "pods",
+            "-l",
+            "app=web",
+            "--field-selector=status.phase=Running",
+            "-o",
+            "jsonpath={range .items[*]}{.spec.nodeName}{\"\\n\"}{end}",
+        ],
+    )
+    .await;
+    let mut counts = std::collections::BTreeMap::<String, u32>::new();
+    for node in out.lines().filter(|l| !l.is_empty()) {
+        *counts.entry(node.to_owned()).or_default() += 1;
+    }
+    counts
+        .iter()
+        .map(|(n, c)| format!("{n}={c}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[tokio::test]
+async fn lower_clusters_join_with_one_command_run_pods_renew_their_credential_and_leave_without_a_trace() {
+    let bed = bed();
+    let (up, low_a, low_b) = (&bed.upper, &bed.lower_a, &bed.lower_b);
+
+    // What lower-a holds before it ever joins.
+    let lower_a_before = listing(low_a, None).await;
+
+    // The chart, its controller (tokens renewed at 5 % of their life: 30 s of the shortest
+    // lifetime the apiserver issues, 10 minutes), and the kubelet of its virtual nodes.
+    let mut controller = install_and_run_controller(up, &["--token-renew-at=0.05".to_owned()]).await;
+    let runner = VirtualNodeRunner::start(up, NS).unwrap();
+    let common = |name: &'static str, lower: &TestCluster| -> Vec<String> {
+        vec![
+            name.to_owned(),
+            format!("--lower-kubeconfig={}", path(lower.kubeconfig())),
+            format!("--upper-kubeconfig={}", path(up.kubeconfig())),
+            format!("-n={NS}"),
+        ]
+    };
+
+    // --dry-run prints both clusters' objects and makes none.
+    let mut dry = common("lower-a", low_a);
+    dry.push("--dry-run".into());
+    let dry: Vec<&str> = dry.iter().map(String::as_str).collect();
+    let (ok, printed) = tensilectl(&["join"].into_iter().chain(dry).collect::<Vec<_>>()).await;
+    assert!(ok, "{printed}");
+    for kind in [
+        "kind: ServiceAccount",
+        "kind: ClusterRole",
+        "kind: Secret",
+        "kind: LowerCluster",
+    ] {
+        assert!(printed.contains(kind), "dry run prints {kind}: {printed}");
+    }
+    assert_eq!(
+        listing(low_a, None).await,
+        lower_a_before,
+        "a dry run makes nothing below"
+    );
+    assert!(
+        kubectl(up.kubeconfig(), &["get", "lowerclusters", "-o", "name"])
+            .await
+            .trim()
+            .is_empty(),
+        "nor above"
+    );
+
+    // lower-b joins; the upper cluster as it then stands is what must come back after
+    // lower-a has joined and left.
+    let mut join_b = common("lower-b", low_b);
+    join_b.extend(["--node-labels=region=b".into(), "--token-lifetime=10m".into()]);
+    let join_b: Vec<&str> = join_b.iter().map(String::as_str).collect();
+    let (ok, said) = tensilectl(&["join"].into_iter().chain(join_b).collect::<Vec<_>>()).await;
+    assert!(
+        ok,
+        "join lower-b: {said}\ncontroller: {}",
+        controller.log_tail(4000)
+    );
+    assert!(said.contains("lower-b node=lower-b ready=True"), "{said}");
+    let upper_before = listing(up, Some("fleet")).await;
+
+    let mut join_a = common("lower-a", low_a);
+    join_a.extend(["--node-labels=region=a".into(), "--token-lifetime=10m".into()]);
+    let join_a: Vec<&str> = join_a.iter().map(String::as_str).collect();
+    let (ok, said) = tensilectl(&["join"].into_iter().chain(join_a).collect::<Vec<_>>()).await;
+    assert!(
+        ok,
+        "join lower-a: {said}\ncontroller: {}",
+        controller.log_tail(4000)
+    );
+    assert!(
+        said.contains("lower-a node=lower-a ready=True version=v1.20.2 nodes=2"),
+        "{said}"
+    );
+
+    // The fleet at a glance: both Ready, with their versions and sizes.
+    let fleet = kubectl(up.kubeconfig(), &["get", "lowerclusters", "--no-headers"]).await;
+    let rows: Vec<Vec<&str>> = fleet.lines().map(|l| l.split_whitespace().collect()).collect();
+    assert_eq!(rows.len(), 2, "{fleet}");
+    assert_eq!(
+        &rows[0][..6],
+        ["lower-a", "lower-a", "True", "v1.20.2", "2", "8"],
+        "{fleet}"
+    );
+    assert_eq!(
+        &rows[1][..6],
+        ["lower-b", "lower-b", "True", "v1.20.2", "3", "12"],
+        "{fleet}"
+    );
+    let (ok, status) =
+        tensilectl(&["status", &format!("--upper-kubeconfig={}", path(up.kubeconfig()))]).await;
+    assert!(
+        ok && status.lines().count() == 2 && status.contains("lower-b node=lower-b ready=True"),
+        "{status}"
+    );
+    eventually(
+        up.kubeconfig(),
+        "each virtual node with the labels it joined with",
+        30,
+        &[
+            "get",
+            "nodes",
+            "-l",
+            "region",
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.name}={.metadata.labels.region} {end}",
+        ],
+        "lower-a=a lower-b=b",
+    )
+    .await;
+
+    // Pods run on both, with what they reference copied below.
+    up.create_namespace("fleet").await.unwrap();
+    apply(up.kubeconfig(), &workload(4)).await;
+    tensile_e2e::wait::must(
+        "web spread 2 + 2 and Running",
+        Duration::from_secs(90),
+        Duration::from_secs(1),
+        || async {
+            let s = spread(up).await;
+            if s == "lower-a=2,lower-b=2" {
+                Ok(())
+            } else {
+                Err(s)
+            }
+        },
+    )
+    .await;
+    for lower in [low_a, low_b] {
+        let below = kubectl(
+            lower.kubeconfig(),
+            &["-n", "fleet", "get", "pods,configmaps", "-o", "name"],
+        )
+        .await;
+        assert_eq!(below.matches("pod/").count(), 2, "{}: {below}", lower.name());
+        assert!(below.contains("configmap/settings"), "{}: {below}", lower.name());
+    }
+
+    // The credential's 10-minute token is renewed (at 30 s here) and the Secret holds the new
+    // one; the virtual nodes read it from their mounted file and no call of theirs is refused.
+    let joined_token = secret_token(up, "lower-a-credential").await;
+    tensile_e2e::wait::must(
+        "lower-a's token renewed",
+        Duration::from_secs(90),
+        Duration::from_secs(2),
+        || async {
+            let now = secret_token(up, "lower-a-credential").await;
+            if now != joined_token {
+                Ok(())
+            } else {
+                Err("the token is still the one join made".to_owned())
+            }
+        },
+    )
+    .await;
+    tensile_e2e::wait::must(
+        "the renewed token in lower-a's mounted credential",
+        Duration::from_secs(30),
+        Duration::from_secs(1),
+        || async {
+            let seen = runner.seen();
+            match seen.credential_updates.get(&format!("{FULL}-vn-lower-a")) {
+                Some(n) if *n >= 1 => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    let expires = kubectl(
+        up.kubeconfig(),
+        &[
+            "get",
+            "lowercluster",
+            "lower-a",
+            "-o",
+            "jsonpath={.status.credentialExpires}",
+        ],
+    )
+    .await;
+    assert!(
+        !expires.trim().is_empty(),
+        "the status says when the token in force expires"
+    );
+    // Past kube's token-file reload (a minute) the virtual node calls with the new token:
+    // scaling up still places pods below, and no call was refused.
+    tokio::time::sleep(Duration::from_secs(65)).await;
+    kubectl(
+        up.kubeconfig(),
+        &["-n", "fleet", "scale", "deployment/web", "--replicas=6"],
+    )
+    .await;
+    tensile_e2e::wait::must(
+        "web spread 3 + 3",
+        Duration::from_secs(90),
+        Duration::from_secs(1),
+        || async {
+            let s = spread(up).await;
+            if s == "lower-a=3,lower-b=3" {
+                Ok(())
+            } else {
+                Err(s)
+            }
+        },
+    )
+    .await;
+    for (name, log) in runner.seen().logs {
+        let text = tensile_e2e::process::log_tail(&log, 4_000_000);
+        assert!(
+            !text.contains("Unauthorized") && !text.contains(" 401"),
+            "{name} made a call with a token the lower cluster refused:\n{text}"
+        );
+        assert!(
+            chart::denied_calls(&text).is_empty(),
+            "{name}: {:?}",
+            chart::denied_calls(&text)
+        );
+    }
+
+    // A lower admin's own object in a namespace the virtual node made keeps that namespace.
+    apply(
+        low_a.kubeconfig(),
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: theirs, namespace: fleet}\ndata: {owner: lower-admin}\n",
+    )
+    .await;
+
+    // lower-a leaves: its pods move to lower-b, and nothing of it is left in either cluster.
+    let (ok, said) = tensilectl(&[
+        "leave",
+        "lower-a",
+        &format!("--lower-kubeconfig={}", path(low_a.kubeconfig())),
+        &format!("--upper-kubeconfig={}", path(up.kubeconfig())),
+        &format!("-n={NS}"),
+    ])
+    .await;
+    assert!(
+        ok,
+        "leave lower-a: {said}\ncontroller: {}",
+        controller.log_tail(6000)
+    );
+    assert!(said.contains("lower-a has left"), "{said}");
+    tensile_e2e::wait::must(
+        "web all on lower-b",
+        Duration::from_secs(90),
+        Duration::from_secs(1),
+        || async {
+            let s = spread(up).await;
+            if s == "lower-b=6" { Ok(()) } else { Err(s) }
+        },
+    )
+    .await;
+    let kept = kubectl(
+        low_a.kubeconfig(),
+        &["-n", "fleet", "get", "configmaps,pods", "-o", "name"],
+    )
+    .await;
+    let kept: Vec<&str> = kept
+        .lines()
+        .filter(|l| *l != "configmap/kube-root-ca.crt")
+        .collect();
+    assert_eq!(
+        kept,
+        ["configmap/theirs"],
+        "only the lower admin's object is left in namespace fleet"
+    );
+    kubectl(
+        low_a.kubeconfig(),
+        &["delete", "namespace", "fleet", "--wait=true"],
+    )
+    .await;
+    listing_returns_to(low_a, None, &lower_a_before, "lower-a as it was before it joined").await;
+    listing_returns_to(
+        up,
+        Some("fleet"),
+        &upper_before,
+        "the upper cluster as it was before lower-a joined",
+    )
+    .await;
+    assert!(
+        kubectl(up.kubeconfig(), &["get", "lowerclusters", "-o", "name"])
+            .await
+            .trim()
+            == "lowercluster.tensile.io/lower-b",
+        "lower-b stays"
+    );
+
+    assert!(controller.exited().is_none(), "{}", controller.log_tail(4000));
+    let log = controller.log_tail(4_000_000);
+    assert!(
+        chart::denied_calls(&log).is_empty(),
+        "the controller was refused calls: {:?}",
+        chart::denied_calls(&log)
+    );
+    runner.shutdown().await;
+}
+
+#[tokio::test]
+async fn join_refuses_what_it_cannot_do_with_the_reason_and_makes_nothing() {
+    let bed = bed();
+    let (up, low_b) = (&bed.upper, &bed.lower_b);
+    let join = |ns: &str, extra: &[&str]| {
+        let mut args = vec![
+            "join".to_owned(),
+            "intruder".to_owned(),
+            format!("--lower-kubeconfig={}", path(low_b.kubeconfig())),
+            format!("--upper-kubeconfig={}", path(up.kubeconfig())),
+            format!("-n={ns}"),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    };
+    // No release namespace upstream: said before anything is made below.
+    let args = join("no-such-namespace", &[]);
+    let (ok, said) = tensilectl(&args.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    assert!(!ok);
+    assert!(
+        said.contains("namespace no-such-namespace does not exist: install the chart there first"),
+        "{said}"
+    );
+    // A token shorter than the apiserver issues.
+    let args = join(NS, &["--token-lifetime=5m"]);
+    let (ok, said) = tensilectl(&args.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    assert!(!ok);
+    assert!(said.contains("shorter than the 10 minutes"), "{said}");
+    // A lower kubeconfig that is not one.
+    let bogus = up.dir().join("bogus.kubeconfig");
+    std::fs::write(&bogus, "not: [a kubeconfig").unwrap();
+    let (ok, said) = tensilectl(&[
+        "join",
+        "intruder",
+        &format!("--lower-kubeconfig={}", path(&bogus)),
+        &format!("--upper-kubeconfig={}", path(up.kubeconfig())),
+    ])
+    .await;
+    assert!(!ok);
+    assert!(
+        said.contains(&format!("lower kubeconfig {}", path(&bogus))),
+        "{said}"
+    );
+    // Nothing was made below (the other test joins lower-b meanwhile: look by name).
+    for object in [
+        "clusterrole/tensile-intruder",
+        "clusterrolebinding/tensile-intruder",
+    ] {
+        let out = tensile_e2e::kubectl::run(low_b.kubeconfig(), &["get", object]).await;
+        assert!(
+            !out.ok && out.stderr.contains("NotFound"),
+            "{object}: {}",
+            out.stdout
+        );
+    }
+    let out = tensile_e2e::kubectl::run(
+        low_b.kubeconfig(),
+        &["-n", NS, "get", "serviceaccount/tensile-intruder"],
+    )
+    .await;
+    assert!(!out.ok, "{}", out.stdout);
+}

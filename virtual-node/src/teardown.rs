@@ -1,0 +1,281 @@
+//! Removing every trace of one virtual node from its lower cluster: what the deletion of a
+//! `LowerCluster` runs before its finalizer goes, and what `tensilectl leave` runs after it
+//! with the lower admin's credential.
+//!
+//! What is ours is what carries our marks (the upper cluster's id and the node's name), of
+//! any kind the cluster serves: discovery finds the kinds, so a kind the virtual node learns
+//! to make later is removed too; and the copies the upper cluster's virtual nodes share there
+//! (its mark alone), once none of its pods is left below. Nothing unmarked is touched. A namespace we made goes last,
+//! and only once it holds nothing of anyone's, so a lower admin's objects put in it keep it.
+//!
+//! One call is one pass: it deletes what it finds and reports what still stands (pods in
+//! their grace period, a namespace terminating) and which kinds the credential may not list
+//! or delete. The caller repeats it until [`Removal::done`].
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, ListParams, PropagationPolicy};
+use kube::core::DynamicObject;
+use kube::discovery::{Scope, verbs};
+use tensile_common::names;
+
+use crate::lower_objects;
+use crate::translate::Identity;
+
+/// What one pass found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Removal {
+    /// Objects of ours still there (`kind namespace/name`), deleted and going.
+    pub remaining: Vec<String>,
+    /// Objects of ours the credential may not delete (`kind namespace/name: reason`).
+    pub refused: Vec<String>,
+    /// Kinds the credential may not list (`plural.group`). A credential that may not list a
+    /// kind could not have made objects of it either, so these never hold a removal back.
+    pub unseen: Vec<String>,
+}
+
+impl Removal {
+    /// Nothing of ours is left and nothing was out of reach.
+    pub fn done(&self) -> bool {
+        self.remaining.is_empty() && self.refused.is_empty()
+    }
+
+    /// One line for a status message or a log.
+    pub fn summary(&self) -> String {
+        let mut parts = Vec::new();
+        if !self.remaining.is_empty() {
+            let shown: Vec<&str> = self.remaining.iter().take(5).map(String::as_str).collect();
+            let more = self.remaining.len().saturating_sub(shown.len());
+            parts.push(format!(
+                "{} object(s) still going ({}{})",
+                self.remaining.len(),
+                shown.join(", "),
+                if more > 0 {
+                    format!(", and {more} more")
+                } else {
+                    String::new()
+                }
+            ));
+        }
+        if !self.refused.is_empty() {
+            parts.push(format!("not allowed to remove: {}", self.refused.join("; ")));
+        }
+        if parts.is_empty() {
+            "nothing left".into()
+        } else {
+            parts.join("; ")
+        }
+    }
+}
+
+fn kind_name(r: &kube::discovery::ApiResource) -> String {
+    if r.group.is_empty() {
+        r.plural.clone()
+    } else {
+        format!("{}.{}", r.plural, r.group)
+    }
+}
+
+/// One pass of removing everything `identity` made in the cluster of `client`.
+///
+/// Copies (ConfigMaps, Secrets, Services, Endpoints) carry the upper cluster's mark only:
+/// the virtual nodes of one upper cluster over one lower cluster share them. They go once
+/// no lower pod of the upper cluster is left there, so another virtual node of the same
+/// upper cluster keeps what its pods use (and collects the rest itself).
+pub async fn remove_everything(client: &kube::Client, identity: &Identity) -> Result<Removal, kube::Error> {
+    let mut removal = Removal::default();
+    let kinds = lower_objects::kinds(client).await?;
+    let own = ListParams::default().labels(&identity.selector());
+    sweep(client, &kinds, &own, &|meta| identity.owns(meta), &mut removal).await?;
+    if !removal.remaining.is_empty() {
+        return Ok(removal);
+    }
+    let cluster = format!("{}={}", names::MARK_CLUSTER, identity.cluster_id);
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::all(client.clone());
+    let others = pods
+        .list_metadata(&ListParams::default().labels(&cluster).limit(1))
+        .await?;
+    if others.items.is_empty() {
+        let shared = ListParams::default().labels(&format!("{cluster},!{}", names::MARK_NODE));
+        let is_shared = |meta: &ObjectMeta| {
+            let labels = meta.labels.as_ref();
+            labels.and_then(|l| l.get(names::MARK_CLUSTER)) == Some(&identity.cluster_id)
+                && !labels.is_some_and(|l| l.contains_key(names::MARK_NODE))
+        };
+        sweep(client, &kinds, &shared, &is_shared, &mut removal).await?;
+    }
+    // Namespaces last: one we made goes once nothing of ours is left anywhere and it holds
+    // nothing of anyone's.
+    let namespaces = kinds
+        .iter()
+        .find(|(r, _)| r.group.is_empty() && r.plural == "namespaces")
+        .map(|(r, _)| r.clone());
+    if let Some(resource) = namespaces
+        && removal.remaining.is_empty()
+    {
+        remove_namespaces(client, identity, &resource, &own, &mut removal).await?;
+    }
+    Ok(removal)
+}
+
+/// Deletes every object of every kind that `params` lists and `ours` accepts; what is
+/// still there goes into `removal`.
+async fn sweep(
+    client: &kube::Client,
+    kinds: &[(kube::discovery::ApiResource, kube::discovery::ApiCapabilities)],
+    params: &ListParams,
+    ours: &(dyn Fn(&ObjectMeta) -> bool + Sync),
+    removal: &mut Removal,
+) -> Result<(), kube::Error> {
+    let background = DeleteParams {
+        propagation_policy: Some(PropagationPolicy::Background),
+        ..Default::default()
+    };
+    for (resource, caps) in kinds {
+        if !caps.supports_operation(verbs::LIST) || !caps.supports_operation(verbs::DELETE) {
+            continue;
+        }
+        if lower_objects::is_events(resource)
+            || (resource.group.is_empty() && resource.plural == "namespaces")
+        {
+            continue;
+        }
+        let api: Api<DynamicObject> = Api::all_with(client.clone(), resource);
+        let list = match api.list_metadata(params).await {
+            Ok(list) => list,
+            Err(e) if matches!(tensile_common::api::code(&e), Some(403) | Some(405)) => {
+                if !removal.unseen.contains(&kind_name(resource)) {
+                    removal.unseen.push(kind_name(resource));
+                }
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        for object in list.items {
+            if !ours(&object.metadata) {
+                continue;
+            }
+            let name = object.metadata.name.clone().unwrap_or_default();
+            let ns = object.metadata.namespace.clone();
+            let at = match &ns {
+                Some(ns) => format!("{} {ns}/{name}", kind_name(resource)),
+                None => format!("{} {name}", kind_name(resource)),
+            };
+            if object.metadata.deletion_timestamp.is_none() {
+                let api: Api<DynamicObject> = match (&ns, caps.scope == Scope::Namespaced) {
+                    (Some(ns), true) => Api::namespaced_with(client.clone(), ns, resource),
+                    _ => Api::all_with(client.clone(), resource),
+                };
+                let exact = DeleteParams {
+                    preconditions: Some(kube::api::Preconditions {
+                        uid: object.metadata.uid.clone(),
+                        resource_version: None,
+                    }),
+                    ..background.clone()
+                };
+                match api.delete(&name, &exact).await {
+                    Ok(_) => tracing::info!(object = %at, "teardown: deleted"),
+                    Err(e) if matches!(tensile_common::api::code(&e), Some(404) | Some(409)) => continue,
+                    Err(e) if tensile_common::api::code(&e) == Some(403) => {
+                        removal
+                            .refused
+                            .push(format!("{at}: {}", tensile_common::api::message(&e)));
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            removal.remaining.push(at);
+        }
+    }
+    Ok(())
+}
+
+async fn remove_namespaces(
+    client: &kube::Client,
+    identity: &Identity,
+    resource: &kube::discovery::ApiResource,
+    params: &ListParams,
+    removal: &mut Removal,
+) -> Result<(), kube::Error> {
+    use k8s_openapi::api::core::v1::Namespace;
+    let api: Api<Namespace> = Api::all(client.clone());
+    let list = match api.list_metadata(params).await {
+        Ok(list) => list,
+        Err(e) if tensile_common::api::code(&e) == Some(403) => {
+            removal.unseen.push(kind_name(resource));
+            return Ok(());
+        }
+        Err(e) => return Err(e),
+    };
+    let mut inside = None;
+    for ns in list.items {
+        if !identity.owns(&ns.metadata) {
+            continue;
+        }
+        let name = ns.metadata.name.clone().unwrap_or_default();
+        let at = format!("namespaces {name}");
+        if ns.metadata.deletion_timestamp.is_some() {
+            removal.remaining.push(at);
+            continue;
+        }
+        if inside.is_none() {
+            inside = Some(lower_objects::namespaced_kinds(client).await?);
+        }
+        let kinds = inside.as_deref().unwrap_or_default();
+        if !lower_objects::namespace_is_empty(client, &name, kinds).await? {
+            tracing::info!(namespace = %name, "teardown: a namespace we made holds objects of others: kept");
+            continue;
+        }
+        match tensile_common::api::delete_exact(&api, &name, ns.metadata.uid.clone(), None).await {
+            Ok(tensile_common::api::Deleted::Accepted) => {
+                tracing::info!(namespace = %name, "teardown: deleted");
+                removal.remaining.push(at);
+            }
+            Ok(tensile_common::api::Deleted::AlreadyGone) => {}
+            Err(e) if tensile_common::api::code(&e) == Some(403) => {
+                removal
+                    .refused
+                    .push(format!("{at}: {}", tensile_common::api::message(&e)));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_removal_is_done_only_with_nothing_left_and_nothing_refused() {
+        assert!(Removal::default().done());
+        assert_eq!(Removal::default().summary(), "nothing left");
+        let going = Removal {
+            remaining: (0..7).map(|i| format!("pods ns/p{i}")).collect(),
+            ..Default::default()
+        };
+        assert!(!going.done());
+        assert_eq!(
+            going.summary(),
+            "7 object(s) still going (pods ns/p0, pods ns/p1, pods ns/p2, pods ns/p3, pods ns/p4, and 2 more)"
+        );
+        let refused = Removal {
+            refused: vec!["services ns/s: forbidden".into()],
+            ..Default::default()
+        };
+        assert!(!refused.done());
+        assert_eq!(
+            refused.summary(),
+            "not allowed to remove: services ns/s: forbidden"
+        );
+        let unseen = Removal {
+            unseen: vec!["deployments.apps".into()],
+            ..Default::default()
+        };
+        assert!(
+            unseen.done(),
+            "a kind the credential cannot list holds nothing it made"
+        );
+    }
+}
