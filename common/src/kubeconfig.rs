@@ -144,6 +144,9 @@ pub async fn config_from_file(path: &Path, options: &ClientOptions) -> Result<ku
 }
 
 fn tune(config: &mut kube::Config, options: &ClientOptions) {
+    if config.proxy_url.is_none() {
+        config.proxy_url = proxy_from_env(&config.cluster_url, |name| std::env::var(name).ok());
+    }
     config.default_retry = options.server_retry;
     config.connect_timeout = Some(options.connect_timeout);
     config.write_timeout = Some(options.request_timeout);
@@ -168,13 +171,115 @@ fn build(config: kube::Config, options: &ClientOptions) -> Result<kube::Client, 
     })
 }
 
+/// The proxy a client of `server` goes through when its kubeconfig names none: `HTTPS_PROXY`
+/// (or `https_proxy`; `HTTP_PROXY` for a plain-HTTP server) unless `NO_PROXY` (or
+/// `no_proxy`) names the server's host, as client-go reads them. `NO_PROXY` holds hosts and
+/// domains (`example.com` and `.example.com` both take its subdomains), IP addresses, IPv4
+/// and IPv6 CIDR ranges, and `*` for every host.
+pub fn proxy_from_env(server: &http::Uri, env: impl Fn(&str) -> Option<String>) -> Option<http::Uri> {
+    let get = |upper: &str| {
+        env(upper)
+            .or_else(|| env(&upper.to_ascii_lowercase()))
+            .filter(|v| !v.trim().is_empty())
+    };
+    let proxy = if server.scheme_str() == Some("http") {
+        get("HTTP_PROXY")?
+    } else {
+        get("HTTPS_PROXY")?
+    };
+    let host = server
+        .host()?
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_ascii_lowercase();
+    if let Some(no_proxy) = get("NO_PROXY")
+        && no_proxy
+            .split(',')
+            .map(str::trim)
+            .any(|entry| bypasses(entry, &host))
+    {
+        return None;
+    }
+    // A proxy given as host:port is an HTTP proxy, as client-go takes it.
+    let proxy = if proxy.contains("://") {
+        proxy
+    } else {
+        format!("http://{proxy}")
+    };
+    proxy.parse().ok()
+}
+
+/// Whether the `NO_PROXY` entry `entry` names `host`.
+fn bypasses(entry: &str, host: &str) -> bool {
+    let entry = entry.to_ascii_lowercase();
+    if entry.is_empty() {
+        return false;
+    }
+    if entry == "*" {
+        return true;
+    }
+    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+        if let Some((net, bits)) = entry.split_once('/') {
+            let (Ok(net), Ok(bits)) = (net.parse::<std::net::IpAddr>(), bits.parse::<u32>()) else {
+                return false;
+            };
+            return in_range(ip, net, bits);
+        }
+        return entry.parse::<std::net::IpAddr>().is_ok_and(|e| e == ip);
+    }
+    // A port in the entry is not compared: the host is.
+    let name = entry.split(':').next().unwrap_or_default();
+    let domain = name.trim_start_matches('.');
+    !domain.is_empty() && (host == domain || host.ends_with(&format!(".{domain}")))
+}
+
+fn in_range(ip: std::net::IpAddr, net: std::net::IpAddr, bits: u32) -> bool {
+    use std::net::IpAddr;
+    match (ip, net) {
+        (IpAddr::V4(ip), IpAddr::V4(net)) if bits <= 32 => {
+            let mask = u32::MAX.checked_shl(32 - bits).unwrap_or(0);
+            u32::from(ip) & mask == u32::from(net) & mask
+        }
+        (IpAddr::V6(ip), IpAddr::V6(net)) if bits <= 128 => {
+            let mask = u128::MAX.checked_shl(128 - bits).unwrap_or(0);
+            u128::from(ip) & mask == u128::from(net) & mask
+        }
+        _ => false,
+    }
+}
+
 fn stream_client(config: &kube::Config, options: &ClientOptions) -> Result<kube::Client, kube::Error> {
-    use kube::client::ConfigExt as _;
     let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_connect_timeout(config.connect_timeout);
-    let https = config.rustls_https_connector_with_connector(http)?;
+    match config.proxy_url.as_ref() {
+        // Through an HTTP proxy's tunnel (CONNECT), as the main client goes.
+        Some(proxy) if proxy.scheme_str() == Some("http") => {
+            let tunnel = hyper_util::client::legacy::connect::proxy::Tunnel::new(proxy.clone(), http);
+            stream_client_over(config, options, tunnel)
+        }
+        Some(proxy) => Err(kube::Error::ProxyProtocolUnsupported {
+            proxy_url: Box::new(proxy.clone()),
+        }),
+        None => stream_client_over(config, options, http),
+    }
+}
+
+fn stream_client_over<C>(
+    config: &kube::Config,
+    options: &ClientOptions,
+    connector: C,
+) -> Result<kube::Client, kube::Error>
+where
+    C: tower::Service<http::Uri> + Clone + Send + Sync + 'static,
+    C::Response:
+        hyper::rt::Read + hyper::rt::Write + hyper_util::client::legacy::connect::Connection + Send + Unpin,
+    C::Future: Send + 'static,
+    C::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    use kube::client::ConfigExt as _;
+    let https = config.rustls_https_connector_with_connector(connector)?;
     let hyper =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build(https);
     let service = tower::ServiceBuilder::new()
@@ -291,6 +396,66 @@ impl ClientSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| (*v).to_owned())
+        }
+    }
+
+    #[test]
+    fn https_proxy_is_taken_unless_no_proxy_names_the_host() {
+        let server: http::Uri = "https://lower-a.example.com:6443".parse().unwrap();
+        let proxy = |vars: &[(&str, &str)]| proxy_from_env(&server, env(vars)).map(|u| u.to_string());
+        assert_eq!(proxy(&[]), None);
+        assert_eq!(
+            proxy(&[("HTTPS_PROXY", "http://proxy:3128")]).as_deref(),
+            Some("http://proxy:3128/")
+        );
+        assert_eq!(
+            proxy(&[("https_proxy", "proxy:3128")]).as_deref(),
+            Some("http://proxy:3128/"),
+            "host:port is HTTP"
+        );
+        assert_eq!(
+            proxy(&[("HTTP_PROXY", "http://proxy:3128")]),
+            None,
+            "an HTTPS server takes HTTPS_PROXY"
+        );
+        for no in [
+            "example.com",
+            ".example.com",
+            "lower-a.example.com",
+            "*",
+            "other, example.com:6443",
+        ] {
+            assert_eq!(
+                proxy(&[("HTTPS_PROXY", "http://proxy:3128"), ("NO_PROXY", no)]),
+                None,
+                "{no}"
+            );
+        }
+        for no in ["ample.com", "lower-b.example.com", "10.0.0.0/8", ""] {
+            assert!(
+                proxy(&[("HTTPS_PROXY", "http://proxy:3128"), ("no_proxy", no)]).is_some(),
+                "{no}"
+            );
+        }
+        let by_ip: http::Uri = "https://10.1.2.3:6443".parse().unwrap();
+        let via = |no: &str| proxy_from_env(&by_ip, env(&[("HTTPS_PROXY", "http://p:1"), ("NO_PROXY", no)]));
+        assert!(via("10.0.0.0/8").is_none() && via("10.1.2.3").is_none());
+        assert!(via("10.1.2.4").is_some() && via("192.168.0.0/16").is_some() && via("10.0.0.0/33").is_some());
+        let v6: http::Uri = "https://[fd00::5]:6443".parse().unwrap();
+        assert!(
+            proxy_from_env(
+                &v6,
+                env(&[("HTTPS_PROXY", "http://p:1"), ("NO_PROXY", "fd00::/8")])
+            )
+            .is_none()
+        );
+    }
 
     #[test]
     fn the_clients_own_retry_of_429_is_on_by_default_and_off_when_the_caller_acts_on_it() {

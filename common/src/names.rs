@@ -134,6 +134,10 @@ pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 /// Label on every object the cluster controller or `tensilectl` makes for a lower cluster,
 /// in either cluster: the `LowerCluster`'s name.
 pub const LOWER_CLUSTER: &str = "tensile.io/lower-cluster";
+/// Label of a `LowerCluster`: the namespace of the cluster controller that runs it, where
+/// its credential lives. A controller acts on the LowerClusters of its namespace only, so
+/// two releases in one upper cluster never act on one object.
+pub const CONTROLLER_NAMESPACE: &str = "tensile.io/controller-namespace";
 /// Finalizer of a `LowerCluster`: its virtual node's traces are removed before it goes.
 pub const LOWER_CLUSTER_FINALIZER: &str = "tensile.io/lower-cluster";
 /// Field manager of the cluster controller's writes.
@@ -158,6 +162,7 @@ mod tests {
             MARK_NODE,
             MARK_UPPER_UID,
             LOWER_CLUSTER,
+            CONTROLLER_NAMESPACE,
             CONDITION_LOWER_SCHEDULED,
             CONDITION_LOWER_SYNCED,
             CONDITION_LOWER_NODES_USABLE,

@@ -338,7 +338,12 @@ pub fn upper_objects(
             ..Default::default()
         },
     );
-    cluster.metadata.labels = Some(labels(name, upper_id));
+    let mut cluster_labels = labels(name, upper_id);
+    cluster_labels.insert(
+        names::CONTROLLER_NAMESPACE.to_owned(),
+        args.clusters.namespace.clone(),
+    );
+    cluster.metadata.labels = Some(cluster_labels);
     (secret, cluster)
 }
 
@@ -869,6 +874,33 @@ mod tests {
             assert!(ours(meta, "lower-a"), "leave finds what join made");
             assert!(!ours(meta, "lower-b"), "and only that cluster's");
         }
+    }
+
+    #[test]
+    fn the_lower_cluster_is_for_the_controller_of_the_namespace_its_credential_is_in() {
+        let cli = Cli::try_parse_from([
+            "tensilectl",
+            "join",
+            "lower-a",
+            "--lower-kubeconfig=k",
+            "-n",
+            "fleet",
+        ])
+        .unwrap();
+        let Command::Join(join) = cli.command else {
+            panic!("join")
+        };
+        let (secret, cluster) = upper_objects(&join, "upper-uid", "kubeconfig text", "token");
+        assert_eq!(secret.metadata.namespace.as_deref(), Some("fleet"));
+        let labels = cluster.metadata.labels.unwrap_or_default();
+        assert_eq!(
+            labels.get(names::CONTROLLER_NAMESPACE).map(String::as_str),
+            Some("fleet")
+        );
+        assert_eq!(cluster.spec.credential.secret_name, "lower-a-credential");
+        let data = secret.data.unwrap_or_default();
+        assert_eq!(data[names::CREDENTIAL_TOKEN_KEY].0, b"token");
+        assert_eq!(data[names::CREDENTIAL_KUBECONFIG_KEY].0, b"kubeconfig text");
     }
 
     #[test]

@@ -47,7 +47,8 @@ pub struct Args {
     /// Kubeconfig of the upper cluster; without it, the pod's service account (in-cluster).
     #[arg(long, env = "TENSILE_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
-    /// The controller's namespace: credentials are read, and virtual nodes run, there.
+    /// The controller's namespace: credentials are read, and virtual nodes run, there. It
+    /// acts on the LowerClusters labelled `tensile.io/controller-namespace=<namespace>`.
     #[arg(long, env = "TENSILE_NAMESPACE")]
     pub namespace: String,
     /// Prefix of the names of what the controller makes (the chart's release name).
@@ -201,8 +202,10 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         resync: Duration::from_secs(args.resync_seconds),
         renew_at: args.token_renew_at,
         drain_timeout: args.drain_timeout,
+        applied: Default::default(),
     });
     tracing::info!(namespace = %args.namespace, cluster_id = %ctx.settings.cluster_id, "starting");
+    let namespace = args.namespace.clone();
     tasks.spawn_graceful("the LowerCluster controller", move |stop| async move {
         // Nothing to fill on standby: every pass reads what it needs.
         standing.synced();
@@ -210,7 +213,8 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
             return;
         }
         let clusters: Api<LowerCluster> = Api::all(upper.clone());
-        Controller::new(clusters, watcher::Config::default())
+        let ours = format!("{}={}", names::CONTROLLER_NAMESPACE, namespace);
+        Controller::new(clusters, watcher::Config::default().labels(&ours))
             .graceful_shutdown_on(stop.cancelled_owned())
             .run(reconcile::reconcile, error_policy, ctx)
             .for_each(|outcome| async move {

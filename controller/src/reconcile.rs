@@ -46,7 +46,13 @@ pub struct Context {
     pub renew_at: f64,
     /// How long a leaving cluster's virtual node is drained before it stops regardless.
     pub drain_timeout: Duration,
+    /// What was last applied for each cluster, and when: an unchanged plan is applied again
+    /// only every [`REAPPLY`] (to repair edits), not every pass.
+    pub applied: std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
 }
+
+/// How often an unchanged plan is applied again, to repair what someone edited or deleted.
+pub const REAPPLY: Duration = Duration::from_secs(300);
 
 fn ssa() -> PatchParams {
     PatchParams::apply(names::CONTROLLER_MANAGER).force()
@@ -106,6 +112,9 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
             }
         },
     };
+    if let Some(secret) = &secret {
+        hold(&secrets, secret).await?;
+    }
     if let (Some(lower), Some(secret)) = (&lower, &secret) {
         observe_lower(lower, &mut observed).await;
         if observed.credential == Some(Ok(())) {
@@ -237,6 +246,15 @@ async fn renew(lower: &kube::Client, secret: &Secret, ctx: &Context, cluster: &s
 
 async fn apply(ctx: &Context, cluster: &LowerCluster) -> Result<(), Error> {
     let objects = plan::objects(&ctx.settings, cluster);
+    let digest = format!("{objects:?}");
+    let fresh = ctx.applied.lock().ok().and_then(|applied| {
+        applied
+            .get(cluster.name())
+            .map(|(last, at)| *last == digest && at.elapsed() < REAPPLY)
+    });
+    if fresh == Some(true) {
+        return Ok(());
+    }
     let ns = ctx.settings.namespace.as_str();
     let c = &ctx.upper;
     apply_one(Api::<ServiceAccount>::namespaced(c.clone(), ns), &objects.account).await?;
@@ -274,6 +292,9 @@ async fn apply(ctx: &Context, cluster: &LowerCluster) -> Result<(), Error> {
         }
         (None, Some(api)) => delete_quietly(&api, &name).await?,
         _ => {}
+    }
+    if let Ok(mut applied) = ctx.applied.lock() {
+        applied.insert(cluster.name().to_owned(), (digest, std::time::Instant::now()));
     }
     Ok(())
 }
@@ -546,7 +567,11 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
     delete_quietly(&Api::<ClusterRoleBinding>::all(c.clone()), &object).await?;
     delete_quietly(&Api::<ClusterRole>::all(c.clone()), &object).await?;
     delete_quietly(&Api::<ServiceAccount>::namespaced(c.clone(), ns), &object).await?;
-    // 6. The finalizer.
+    if let Ok(mut applied) = ctx.applied.lock() {
+        applied.remove(&name);
+    }
+    // 6. The credential may go (unless another LowerCluster uses it), then the finalizer.
+    release_credential(cluster, ctx, api).await?;
     let rest: Vec<String> = cluster
         .metadata
         .finalizers
@@ -655,6 +680,82 @@ fn is_virtual_node(node: &Node) -> bool {
         .as_ref()
         .and_then(|l| l.get(names::VIRTUAL_NODE_TYPE_LABEL))
         .is_some_and(|v| v == names::VIRTUAL_NODE_TYPE_VALUE)
+}
+
+/// Keeps the credential Secret while a LowerCluster uses it: deleted with the chart's
+/// release (or by hand) before the LowerCluster's removal has used it to clean up below, it
+/// stays until that is done.
+async fn hold(secrets: &Api<Secret>, secret: &Secret) -> Result<(), Error> {
+    let finalizers = secret.metadata.finalizers.clone().unwrap_or_default();
+    if finalizers.iter().any(|f| f == names::LOWER_CLUSTER_FINALIZER)
+        || secret.metadata.deletion_timestamp.is_some()
+    {
+        return Ok(());
+    }
+    let name = secret.metadata.name.clone().unwrap_or_default();
+    let mut with = finalizers;
+    with.push(names::LOWER_CLUSTER_FINALIZER.to_owned());
+    let patch =
+        json!({"metadata": {"finalizers": with, "resourceVersion": secret.metadata.resource_version}});
+    secrets
+        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map_err(ApiError::on(
+            "upper",
+            "patch",
+            format!("secret {name} (finalizer)"),
+        ))?;
+    Ok(())
+}
+
+/// Lets `cluster`'s credential Secret go, unless another LowerCluster not being deleted uses
+/// it too.
+async fn release_credential(
+    cluster: &LowerCluster,
+    ctx: &Context,
+    api: &Api<LowerCluster>,
+) -> Result<(), Error> {
+    let secret_name = &cluster.spec.credential.secret_name;
+    let ours = format!("{}={}", names::CONTROLLER_NAMESPACE, ctx.settings.namespace);
+    let others = api
+        .list(&ListParams::default().labels(&ours))
+        .await
+        .map_err(ApiError::on("upper", "list", "lowerclusters"))?;
+    let shared = others.items.iter().any(|o| {
+        o.name() != cluster.name()
+            && o.metadata.deletion_timestamp.is_none()
+            && &o.spec.credential.secret_name == secret_name
+    });
+    if shared {
+        return Ok(());
+    }
+    let secrets: Api<Secret> = Api::namespaced(ctx.upper.clone(), &ctx.settings.namespace);
+    let Some(secret) = secrets.get_opt(secret_name).await.map_err(ApiError::on(
+        "upper",
+        "get",
+        format!("secret {secret_name}"),
+    ))?
+    else {
+        return Ok(());
+    };
+    let finalizers = secret.metadata.finalizers.clone().unwrap_or_default();
+    if !finalizers.iter().any(|f| f == names::LOWER_CLUSTER_FINALIZER) {
+        return Ok(());
+    }
+    let rest: Vec<String> = finalizers
+        .into_iter()
+        .filter(|f| f != names::LOWER_CLUSTER_FINALIZER)
+        .collect();
+    let patch =
+        json!({"metadata": {"finalizers": rest, "resourceVersion": secret.metadata.resource_version}});
+    match secrets
+        .patch(secret_name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) if code(&e) == Some(404) => Ok(()),
+        Err(e) => Err(ApiError::on("upper", "patch", format!("secret {secret_name} (finalizer)"))(e).into()),
+    }
 }
 
 /// Whether an election Lease is held by someone whose term has not lapsed.

@@ -239,6 +239,63 @@ pub async fn deployment_args(cluster: &TestCluster, namespace: &str, name: &str)
         .map_err(|e| Error::Demo(format!("args of {namespace}/{name}: {e}: {}", out.stdout)))
 }
 
+/// The cluster controller of release `full` (the chart's fullname) in `namespace`, run here
+/// as its Deployment would run it: the chart's flags, the chart's ServiceAccount, and the
+/// virtual node template from the chart's ConfigMap as a file; `extra` flags on top.
+pub async fn run_cluster_controller(
+    cluster: &TestCluster,
+    namespace: &str,
+    full: &str,
+    extra: &[String],
+) -> Result<crate::process::Service> {
+    let account = service_account_kubeconfig(
+        cluster,
+        namespace,
+        &format!("{full}-cluster-controller"),
+        &cluster.dir().join(format!("{full}-controller.kubeconfig")),
+    )
+    .await?;
+    let out = cluster
+        .kubectl(&[
+            "-n",
+            namespace,
+            "get",
+            "configmap",
+            &format!("{full}-virtual-node-template"),
+            "-o",
+            r"jsonpath={.data.deployment\.yaml}",
+        ])
+        .await;
+    if !out.ok {
+        return Err(Error::Demo(format!("the virtual node template: {}", out.stderr)));
+    }
+    let template = cluster.dir().join(format!("{full}-virtual-node-template.yaml"));
+    std::fs::write(&template, out.stdout).map_err(io_err(&template))?;
+    let args = deployment_args(cluster, namespace, &format!("{full}-cluster-controller")).await?;
+    if !args.contains(&"--virtual-node-template=/etc/tensile/virtual-node/deployment.yaml".to_owned()) {
+        return Err(Error::Demo(format!(
+            "the controller's flags name no template: {args:?}"
+        )));
+    }
+    let mut set = vec![
+        format!("--kubeconfig={}", account.display()),
+        format!("--virtual-node-template={}", template.display()),
+        format!("--admin-addr=127.0.0.1:{}", crate::free_port()?),
+        "--log-format=plain".to_owned(),
+    ];
+    set.extend(extra.iter().cloned());
+    let args = with_flags(&args, &set);
+    let bin = crate::bins::suite_binary("cluster-controller")?;
+    let log = cluster.dir().join(format!("{full}-cluster-controller.log"));
+    let _ = std::fs::remove_file(&log);
+    Ok(crate::process::Service::start(
+        "cluster-controller",
+        &bin,
+        &args,
+        &log,
+    )?)
+}
+
 /// `args` with each flag named in `set` (`--flag=value`) replacing the flag of that name, and
 /// added when absent.
 pub fn with_flags(args: &[String], set: &[String]) -> Vec<String> {
@@ -266,6 +323,41 @@ pub fn denied_calls(log: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every binary a chart template runs is built and copied into the image.
+    #[test]
+    fn the_image_holds_every_binary_the_chart_runs() {
+        let dockerfile =
+            std::fs::read_to_string(chart_dir().join("../../docker/Dockerfile")).unwrap_or_default();
+        let mut run = Vec::new();
+        for entry in std::fs::read_dir(chart_dir().join("templates"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            for part in text.split("/usr/local/bin/").skip(1) {
+                let name: String = part
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                    .collect();
+                run.push(name);
+            }
+        }
+        run.sort();
+        run.dedup();
+        assert!(
+            run.contains(&"cluster-controller".to_owned()) && run.len() >= 5,
+            "{run:?}"
+        );
+        for name in run {
+            assert!(
+                dockerfile.contains(&format!("target/release/{name}")),
+                "the image lacks {name}, which the chart runs"
+            );
+        }
+        assert!(dockerfile.contains("USER 65532:65532") && dockerfile.contains("distroless"));
+    }
 
     #[test]
     fn a_set_flag_replaces_the_charts_and_others_are_added() {

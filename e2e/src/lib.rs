@@ -25,6 +25,7 @@ pub mod multi_scheduler;
 pub mod partition;
 pub mod pki;
 pub mod process;
+pub mod proxy;
 pub mod records;
 pub mod runner;
 pub mod scale;

@@ -4,9 +4,9 @@
 //! Deployment of a namespace that carries `tensile.io/lower-cluster`, it runs one process of
 //! its `virtual-node` container with the Deployment's own flags. Only what a pod would give
 //! the process differs: the node's address and ports, a kubeconfig of the pod's
-//! ServiceAccount token, and the credential Secret's keys as files in one directory, kept in
-//! step with the Secret (written whole and renamed into place, as the kubelet swaps a
-//! Secret volume). A Deployment that is deleted, or being deleted, has its process stopped
+//! ServiceAccount token, and each Secret volume (the credential, the stash keys) as a
+//! directory of files in place of its mount path, kept in step with its Secret (written
+//! whole and renamed into place, as the kubelet swaps a Secret volume). A Deployment that is deleted, or being deleted, has its process stopped
 //! as a kubelet stops a pod: SIGTERM, then SIGKILL after the grace period.
 
 use std::collections::{BTreeMap, HashMap};
@@ -22,13 +22,21 @@ use tokio_util::sync::CancellationToken;
 use crate::process::Service;
 use crate::{Result, TestCluster, free_port};
 
-/// Where the credential is mounted in the pod, as the controller's Deployment says.
-const CREDENTIAL_DIR: &str = "/etc/tensile/lower";
+/// The credential's volume, as the controller's Deployment names it.
+const CREDENTIAL_VOLUME: &str = "lower-credential";
+
+/// A Secret volume: which Secret, which keys as which files (all, as themselves, when
+/// `items` is empty), and where its files are.
+struct SecretVolume {
+    volume: String,
+    secret: String,
+    items: Vec<(String, String)>,
+    dir: PathBuf,
+}
 
 struct Running {
     service: Service,
-    secret: String,
-    dir: PathBuf,
+    volumes: Vec<SecretVolume>,
 }
 
 /// What the runner has run, for a test to look at.
@@ -127,11 +135,14 @@ async fn run(
             }
             for (name, deployment) in &live {
                 if let Some(r) = running.get(name) {
-                    if let Ok(secret) = secrets.get(&r.secret).await
-                        && mount(&secret, &r.dir).unwrap_or(false)
-                        && let Ok(mut seen) = seen.lock()
-                    {
-                        *seen.credential_updates.entry(name.clone()).or_default() += 1;
+                    for v in &r.volumes {
+                        if let Ok(secret) = secrets.get(&v.secret).await
+                            && mount(&secret, v).unwrap_or(false)
+                            && v.volume == CREDENTIAL_VOLUME
+                            && let Ok(mut seen) = seen.lock()
+                        {
+                            *seen.credential_updates.entry(name.clone()).or_default() += 1;
+                        }
                     }
                     continue;
                 }
@@ -168,13 +179,23 @@ async fn terminate(mut service: Service) {
     service.stop();
 }
 
-/// Writes the keys of `secret` as files of `dir`, swapping the whole directory in at once
-/// when anything changed; whether it did.
-fn mount(secret: &Secret, dir: &Path) -> std::io::Result<bool> {
-    let data = secret.data.clone().unwrap_or_default();
+/// Writes the keys of `secret` as the files of `volume`, swapping the whole directory in at
+/// once when anything changed; whether it did.
+fn mount(secret: &Secret, volume: &SecretVolume) -> std::io::Result<bool> {
+    let dir = volume.dir.as_path();
+    let all = secret.data.clone().unwrap_or_default();
+    let data: BTreeMap<String, Vec<u8>> = if volume.items.is_empty() {
+        all.into_iter().map(|(k, v)| (k, v.0)).collect()
+    } else {
+        volume
+            .items
+            .iter()
+            .filter_map(|(key, path)| all.get(key).map(|v| (path.clone(), v.0.clone())))
+            .collect()
+    };
     let unchanged = data
         .iter()
-        .all(|(k, v)| std::fs::read(dir.join(k)).is_ok_and(|on_disk| on_disk == v.0));
+        .all(|(k, v)| std::fs::read(dir.join(k)).is_ok_and(|on_disk| &on_disk == v));
     if unchanged && dir.exists() {
         return Ok(false);
     }
@@ -182,7 +203,7 @@ fn mount(secret: &Secret, dir: &Path) -> std::io::Result<bool> {
     let _ = std::fs::remove_dir_all(&next);
     std::fs::create_dir_all(&next)?;
     for (k, v) in &data {
-        std::fs::write(next.join(k), &v.0)?;
+        std::fs::write(next.join(k), v)?;
     }
     let old = dir.with_extension("old");
     let _ = std::fs::remove_dir_all(&old);
@@ -213,18 +234,46 @@ async fn start(
         .find(|c| c.name == "virtual-node")
         .ok_or("no virtual-node container")?;
     let account = pod.service_account_name.clone().ok_or("no ServiceAccount")?;
-    let secret_name = pod
-        .volumes
-        .unwrap_or_default()
-        .into_iter()
-        .find(|v| v.name == "lower-credential")
-        .and_then(|v| v.secret)
-        .and_then(|s| s.secret_name)
-        .ok_or("no lower-credential volume")?;
-    let secret = secrets.get(&secret_name).await.map_err(|e| e.to_string())?;
-    let dir = upper.dir().join("runner").join(name);
-    std::fs::create_dir_all(dir.parent().unwrap_or(&dir)).map_err(|e| e.to_string())?;
-    mount(&secret, &dir).map_err(|e| e.to_string())?;
+    let base = upper.dir().join("runner").join(name);
+    let mut volumes = Vec::new();
+    let mut args: Vec<String> = container.args.clone().unwrap_or_default();
+    for mount_point in container.volume_mounts.clone().unwrap_or_default() {
+        let Some(source) = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == mount_point.name)
+            .and_then(|v| v.secret.clone())
+        else {
+            continue;
+        };
+        let volume = SecretVolume {
+            volume: mount_point.name.clone(),
+            secret: source
+                .secret_name
+                .clone()
+                .ok_or("a Secret volume names no Secret")?,
+            items: source
+                .items
+                .unwrap_or_default()
+                .into_iter()
+                .map(|i| (i.key, i.path))
+                .collect(),
+            dir: base.join(&mount_point.name),
+        };
+        let secret = secrets.get(&volume.secret).await.map_err(|e| e.to_string())?;
+        std::fs::create_dir_all(&base).map_err(|e| e.to_string())?;
+        mount(&secret, &volume).map_err(|e| e.to_string())?;
+        let local = volume.dir.display().to_string();
+        args = args
+            .into_iter()
+            .map(|a| a.replace(&mount_point.mount_path, &local))
+            .collect();
+        volumes.push(volume);
+    }
+    if !volumes.iter().any(|v| v.volume == CREDENTIAL_VOLUME) {
+        return Err("no lower-credential volume".into());
+    }
     let kubeconfig = crate::chart::service_account_kubeconfig(
         upper,
         namespace,
@@ -234,13 +283,6 @@ async fn start(
     .await
     .map_err(|e| e.to_string())?;
     let port = |what: &str| free_port().map_err(|e| format!("{what}: {e}"));
-    let args: Vec<String> = container
-        .args
-        .clone()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|a| a.replace(CREDENTIAL_DIR, &dir.display().to_string()))
-        .collect();
     let args = crate::chart::with_flags(
         &args,
         &[
@@ -254,9 +296,5 @@ async fn start(
     let log = upper.dir().join("runner").join(format!("{name}.log"));
     let service =
         Service::start(&format!("virtual-node {name}"), binary, &args, &log).map_err(|e| e.to_string())?;
-    Ok(Running {
-        service,
-        secret: secret_name,
-        dir,
-    })
+    Ok(Running { service, volumes })
 }

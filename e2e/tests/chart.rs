@@ -75,7 +75,7 @@ async fn release_objects(cluster: &TestCluster, release: &str) -> Vec<String> {
     let mut found = Vec::new();
     for kinds in [
         "deployments,services,serviceaccounts,secrets,configmaps,roles,rolebindings,poddisruptionbudgets",
-        "clusterroles,clusterrolebindings,mutatingwebhookconfigurations",
+        "clusterroles,clusterrolebindings,mutatingwebhookconfigurations,lowerclusters",
     ] {
         let out = kubectl(
             cluster.kubeconfig(),
@@ -130,14 +130,17 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
         "clusterrole.rbac.authorization.k8s.io/life-tensile-webhook",
         "clusterrole.rbac.authorization.k8s.io/life-tensile-descheduler",
         "clusterrole.rbac.authorization.k8s.io/life-tensile-multi-scheduler",
-        "deployment.apps/life-tensile-vn-vn-life",
+        "clusterrole.rbac.authorization.k8s.io/life-tensile-cluster-controller",
+        "configmap/life-tensile-virtual-node-template",
+        "deployment.apps/life-tensile-cluster-controller",
         "deployment.apps/life-tensile-webhook",
         "deployment.apps/life-tensile-descheduler",
         "deployment.apps/life-tensile-multi-scheduler",
         "mutatingwebhookconfiguration.admissionregistration.k8s.io/life-tensile-webhook",
         "poddisruptionbudget.policy/life-tensile-webhook",
         "poddisruptionbudget.policy/life-tensile-descheduler",
-        "role.rbac.authorization.k8s.io/life-tensile-virtual-node",
+        "lowercluster.tensile.io/vn-life",
+        "role.rbac.authorization.k8s.io/life-tensile-cluster-controller",
         "secret/life-tensile-vn-vn-life-kubeconfig",
         "serviceaccount/life-tensile-webhook",
     ] {
@@ -174,28 +177,45 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
     }
 
     // Least privilege, as the apiserver's authorizer answers.
-    let vn = "system:serviceaccount:tensile-life:life-tensile-virtual-node";
+    let cc = "system:serviceaccount:tensile-life:life-tensile-cluster-controller";
     let wh = "system:serviceaccount:tensile-life:life-tensile-webhook";
     let ds = "system:serviceaccount:tensile-life:life-tensile-descheduler";
     let ms = "system:serviceaccount:tensile-life:life-tensile-multi-scheduler";
     let checks: &[(&str, &[&str], bool)] = &[
-        // The virtual node: its own Node and Lease, the pods bound to it.
-        (vn, &["patch", "nodes/vn-life"], true),
-        (vn, &["patch", "nodes/vn-life", "--subresource=status"], true),
-        (vn, &["patch", "nodes/someone-else"], false),
-        (vn, &["delete", "nodes/vn-life"], false),
-        (vn, &["patch", "leases/vn-life", "-n", "kube-node-lease"], true),
+        // The cluster controller: the fleet, each virtual node's Deployment, account and
+        // grants (only rights it holds: no escalate; the shared role bound by name), the
+        // credentials of its namespace; a leaving node drained and deleted. (Each virtual
+        // node's own account is made by the controller: the run test checks its rights.)
+        (cc, &["patch", "lowerclusters.tensile.io/vn-life"], true),
         (
-            vn,
-            &["patch", "leases/someone-else", "-n", "kube-node-lease"],
-            false,
+            cc,
+            &[
+                "patch",
+                "lowerclusters.tensile.io/vn-life",
+                "--subresource=status",
+            ],
+            true,
         ),
-        (vn, &["create", "pods", "-n", "default"], false),
-        (vn, &["update", "pods", "-n", "default"], false),
-        (vn, &["update", "secrets", "-n", "default"], false),
-        (vn, &["delete", "configmaps", "-n", "default"], false),
-        (vn, &["create", "subjectaccessreviews.authorization.k8s.io"], true),
-        (vn, &["create", "clusterroles"], false),
+        (cc, &["create", "lowerclusters.tensile.io"], false),
+        (cc, &["create", "deployments.apps", "-n", "tensile-life"], true),
+        (cc, &["create", "deployments.apps", "-n", "default"], false),
+        (cc, &["get", "secrets", "-n", "tensile-life"], true),
+        (cc, &["patch", "secrets", "-n", "tensile-life"], true),
+        (cc, &["get", "secrets", "-n", "default"], false),
+        (cc, &["list", "secrets", "-n", "tensile-life"], false),
+        (cc, &["create", "clusterroles"], true),
+        (cc, &["escalate", "clusterroles"], false),
+        (cc, &["bind", "clusterroles/life-tensile-virtual-node"], true),
+        (cc, &["bind", "clusterroles/cluster-admin"], false),
+        (cc, &["patch", "leases/vn-life", "-n", "kube-node-lease"], true),
+        (
+            cc,
+            &["create", "pods", "--subresource=eviction", "-n", "default"],
+            true,
+        ),
+        (cc, &["delete", "pods", "-n", "default"], false),
+        (cc, &["create", "pods", "-n", "default"], false),
+        (cc, &["delete", "nodes/vn-life"], true),
         // The webhook: its registration, its CA Secret, the exclusions; nothing else.
         (
             wh,
@@ -283,26 +303,6 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
             true,
         ),
         // Leader election with one replica too (a rolling update runs two).
-        (
-            vn,
-            &[
-                "update",
-                "leases/tensile-virtual-node-vn-life",
-                "-n",
-                "tensile-life",
-            ],
-            true,
-        ),
-        (
-            vn,
-            &[
-                "update",
-                "leases/tensile-virtual-node-other",
-                "-n",
-                "tensile-life",
-            ],
-            false,
-        ),
         (
             ms,
             &["update", "leases/tensile-multi-scheduler", "-n", "tensile-life"],
@@ -485,17 +485,16 @@ async fn the_stash_keys_reach_the_webhook_and_every_virtual_node() {
         ["new"],
         "the webhook holds only the key it signs with"
     );
-    for node in ["a", "b"] {
-        let vn = find("Deployment", &format!("keys-tensile-vn-{node}"));
-        assert_eq!(
-            stash_args(&vn),
-            [
-                "--stash-key-file=/etc/tensile/stash-keys/new",
-                "--stash-key-file=/etc/tensile/stash-keys/old"
-            ]
-        );
-        assert_eq!(mounted(&vn), ["new", "old"]);
-    }
+    // Every virtual node is made from one template.
+    let vn = virtual_node_template(&objects, "keys");
+    assert_eq!(
+        stash_args(&vn),
+        [
+            "--stash-key-file=/etc/tensile/stash-keys/new",
+            "--stash-key-file=/etc/tensile/stash-keys/old"
+        ]
+    );
+    assert_eq!(mounted(&vn), ["new", "old"]);
 
     // Refused: a short key (by the schema), a signing key the nodes do not accept, keys
     // accepted with nothing signing.
@@ -510,6 +509,17 @@ async fn the_stash_keys_reach_the_webhook_and_every_virtual_node() {
         assert!(!out.ok, "{set} rendered");
         assert!(out.stderr.contains(says), "{set}: {}", out.stderr);
     }
+}
+
+/// The Deployment every virtual node of release `release` is made from, as rendered in
+/// `objects` (the cluster controller's template).
+fn virtual_node_template(objects: &[serde_json::Value], release: &str) -> serde_json::Value {
+    let name = format!("{release}-tensile-virtual-node-template");
+    let config = objects
+        .iter()
+        .find(|o| o["kind"] == "ConfigMap" && o["metadata"]["name"] == name.as_str())
+        .unwrap_or_else(|| panic!("ConfigMap {name} rendered"));
+    serde_yaml::from_str(config["data"]["deployment.yaml"].as_str().unwrap()).unwrap()
 }
 
 /// A kubeconfig of ServiceAccount `ns/name` in `dir/<file>`.
@@ -615,7 +625,6 @@ async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
         ],
     )
     .await;
-    let upper_vn = token_kubeconfig(up, ns, &format!("{full}-virtual-node"), "vn-token.kubeconfig").await;
     let upper_wh = token_kubeconfig(up, ns, &format!("{full}-webhook"), "wh-token.kubeconfig").await;
 
     // The stash key as a pod of the chart finds it: its Secret's entry, a file named by its id.
@@ -655,30 +664,55 @@ async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
         format!("--stash-key-file={}", key_file.display())
     };
 
-    // virtual-node with the flags of the chart's Deployment; only what a pod gives it differs
-    // (addresses, files).
-    let vn_args = chart::deployment_args(up, ns, &format!("{full}-vn-{node}"))
-        .await
-        .unwrap();
-    let lower_file = up.dir().join(format!("{node}.kubeconfig"));
-    std::fs::write(&lower_file, &lower_text).unwrap();
-    let vn_admin = format!("127.0.0.1:{}", free_port().unwrap());
-    let vn_args = chart::with_flags(
-        &vn_args,
-        &[
-            format!("--kubeconfig={}", upper_vn.display()),
-            format!("--client-kubeconfig={}", lower_file.display()),
-            "--node-ip=127.0.0.1".into(),
-            format!("--kubelet-port={}", free_port().unwrap()),
-            format!("--client-verify-ca={}", up.kubelet_client_ca_path().display()),
-            format!("--admin-addr={vn_admin}"),
-            local_key(&vn_args),
-        ],
-    );
-    let vn_bin = tensile_e2e::bins::suite_binary("virtual-node").unwrap();
-    let vn_log = up.dir().join("virtual-node-chart.log");
-    let _ = std::fs::remove_file(&vn_log);
-    let vn = Service::start("virtual-node", &vn_bin, &vn_args, &vn_log).unwrap();
+    // The cluster controller with the flags and account of the chart's Deployment, and the
+    // virtual node it makes from the chart's LowerCluster, run as a kubelet would run its pod
+    // (only what a pod gives differs: addresses, files).
+    let mut controller = chart::run_cluster_controller(up, ns, full, &[]).await.unwrap();
+    let runner = tensile_e2e::runner::VirtualNodeRunner::start(up, ns).unwrap();
+    let node_account = format!("system:serviceaccount:{ns}:{full}-vn-{node}");
+    tensile_e2e::wait::must(
+        "the virtual node's account, made by the controller",
+        Duration::from_secs(30),
+        Duration::from_millis(500),
+        || async {
+            if can_i(up, &node_account, &["patch", &format!("nodes/{node}")]).await {
+                Ok(())
+            } else {
+                Err("not yet".to_owned())
+            }
+        },
+    )
+    .await;
+    // Each virtual node's account: its own Node and Leases, the pods bound to it.
+    let checks: &[(&[&str], bool)] = &[
+        (&["patch", &format!("nodes/{node}"), "--subresource=status"], true),
+        (&["patch", "nodes/someone-else"], false),
+        (&["delete", &format!("nodes/{node}")], false),
+        (
+            &["patch", &format!("leases/{node}"), "-n", "kube-node-lease"],
+            true,
+        ),
+        (&["patch", "leases/someone-else", "-n", "kube-node-lease"], false),
+        (
+            &["update", &format!("leases/tensile-virtual-node-{node}"), "-n", ns],
+            true,
+        ),
+        (&["update", "leases/tensile-virtual-node-other", "-n", ns], false),
+        (&["create", "pods", "-n", "default"], false),
+        (&["update", "pods", "-n", "default"], false),
+        (&["update", "secrets", "-n", "default"], false),
+        (&["delete", "configmaps", "-n", "default"], false),
+        (&["get", "secrets", "-n", ns], true),
+        (&["create", "subjectaccessreviews.authorization.k8s.io"], true),
+        (&["create", "clusterroles"], false),
+    ];
+    for (args, want) in checks {
+        assert_eq!(
+            can_i(up, &node_account, args).await,
+            *want,
+            "can-i {args:?} as {node_account}"
+        );
+    }
 
     // Two webhook replicas, as the chart starts them.
     let wh_args = chart::deployment_args(up, ns, &format!("{full}-webhook"))
@@ -994,18 +1028,35 @@ items:
     .await;
 
     // Not one call was refused, in any daemon.
-    assert_no_denied("virtual-node", &vn);
+    let logs = runner.seen().logs;
+    assert_eq!(logs.len(), 1, "{logs:?}");
+    for (name, log) in logs {
+        let text = tensile_e2e::process::log_tail(&log, 4_000_000);
+        let denied = chart::denied_calls(&text);
+        assert!(
+            denied.is_empty(),
+            "{name} was refused calls:\n{}",
+            denied.join("\n")
+        );
+        assert!(text.contains(node), "the log is the virtual node's");
+    }
+    assert_no_denied("cluster-controller", &controller);
     for (i, w) in webhooks.iter().enumerate() {
         assert_no_denied(&format!("webhook {i}"), w);
     }
-    assert!(
-        vn.log_tail(2_000_000).contains(node),
-        "the log is the virtual node's"
-    );
     for w in webhooks.iter_mut() {
         assert!(w.exited().is_none(), "a webhook exited: {}", w.log_tail(3000));
     }
-    drop(vn);
+    assert!(controller.exited().is_none(), "{}", controller.log_tail(3000));
+    // Before the release goes, its lower clusters (docs/deploy.md): the controller removes
+    // their virtual nodes and what they made.
+    kubectl(
+        up.kubeconfig(),
+        &["delete", "lowerclusters", node, "--wait=true", "--timeout=120s"],
+    )
+    .await;
+    runner.shutdown().await;
+    drop(controller);
     drop(webhooks);
     helm_ok(up, &["uninstall", release, "-n", ns, "--wait"]).await;
     helm_ok(low, &["uninstall", "lower", "-n", ns, "--wait"]).await;
@@ -1039,6 +1090,17 @@ fn object<'a>(objects: &'a [serde_json::Value], kind: &str, name: &str) -> &'a s
         .iter()
         .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
         .unwrap_or_else(|| panic!("{kind} {name} rendered"))
+}
+
+/// The Role `name` of the release namespace (`tensile`): the cluster controller has another
+/// of the same name in `kube-node-lease`.
+fn release_role<'a>(objects: &'a [serde_json::Value], name: &str) -> &'a serde_json::Value {
+    objects
+        .iter()
+        .find(|o| {
+            o["kind"] == "Role" && o["metadata"]["name"] == name && o["metadata"]["namespace"] == "tensile"
+        })
+        .unwrap_or_else(|| panic!("Role tensile/{name} rendered"))
 }
 
 fn container_args(deployment: &serde_json::Value) -> Vec<String> {
@@ -1157,7 +1219,7 @@ async fn enabling_the_multi_scheduler_makes_the_webhook_hand_it_the_opted_in_pod
 }
 
 /// Every `apiVersion` of the PodDisruptionBudgets rendered for `kube_version`.
-async fn pdb_versions(up: &TestCluster, kube_version: &str) -> Vec<String> {
+async fn pdb_versions(up: &TestCluster, kube_version: &str) -> (Vec<String>, Vec<String>) {
     let objects = rendered(
         up,
         "pdb",
@@ -1169,17 +1231,37 @@ async fn pdb_versions(up: &TestCluster, kube_version: &str) -> Vec<String> {
             "--set",
             "virtualNodes.replicas=2",
             "--set",
+            "clusterController.replicas=2",
+            "--set",
             "multiScheduler.enabled=true",
             "--set",
             "multiScheduler.replicas=2",
         ],
     )
     .await;
-    objects
+    let budgets = objects
         .iter()
         .filter(|o| o["kind"] == "PodDisruptionBudget")
         .map(|o| o["apiVersion"].as_str().unwrap().to_owned())
-        .collect()
+        .collect();
+    // The budgets of virtual nodes are the cluster controller's to make, in the version the
+    // chart names; its role lets it write them in that version's group.
+    let controller = container_args(object(&objects, "Deployment", "pdb-tensile-cluster-controller"));
+    let told: Vec<String> = controller
+        .iter()
+        .filter_map(|a| a.strip_prefix("--pdb-api-version=").map(str::to_owned))
+        .collect();
+    let role = release_role(&objects, "pdb-tensile-cluster-controller");
+    assert!(
+        role["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["resources"] == serde_json::json!(["poddisruptionbudgets"])
+                && r["apiGroups"] == serde_json::json!(["policy"])),
+        "{role}"
+    );
+    (budgets, told)
 }
 
 /// Offline, as `helm template --kube-version` renders for a cluster it cannot ask: `policy/v1`
@@ -1195,15 +1277,20 @@ async fn the_disruption_budgets_use_the_policy_api_the_target_version_serves() {
         ("1.33.0", "policy/v1"),
         ("v1.33.0-eks-1234", "policy/v1"),
     ] {
-        let versions = pdb_versions(up, version).await;
+        let (versions, told) = pdb_versions(up, version).await;
         assert_eq!(
             versions.len(),
             4,
-            "webhook, descheduler, multi-scheduler and one virtual node: {versions:?}"
+            "webhook, descheduler, multi-scheduler and cluster controller: {versions:?}"
         );
         assert!(
             versions.iter().all(|v| v == want),
             "{version}: {versions:?}, want {want}"
+        );
+        assert_eq!(
+            told,
+            [want],
+            "{version}: the version the controller makes virtual nodes' budgets in"
         );
     }
 }
@@ -1248,22 +1335,36 @@ async fn every_daemon_that_elects_a_leader_does_so_with_one_replica_too() {
         let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
         let objects = rendered(up, "le", &sets).await;
         for deployment in [
-            "le-tensile-vn-a",
+            "le-tensile-cluster-controller",
             "le-tensile-descheduler",
             "le-tensile-multi-scheduler",
         ] {
             let args = container_args(object(&objects, "Deployment", deployment));
             assert!(elects(&args), "{deployment}, {replicas} replica(s): {args:?}");
         }
+        // Every virtual node elects too; the controller grants each its Lease by name (its
+        // unit tests, and the run test's can-i).
+        let args = container_args(&virtual_node_template(&objects, "le"));
+        assert!(elects(&args), "virtual nodes, {replicas} replica(s): {args:?}");
         let webhook = container_args(object(&objects, "Deployment", "le-tensile-webhook"));
         assert!(
             !webhook.iter().any(|a| a.starts_with("--leader-elect")),
             "{webhook:?}"
         );
-        assert!(lease_rule(
-            object(&objects, "Role", "le-tensile-virtual-node-leader"),
-            "tensile-virtual-node-a"
-        ));
+        let controller_role = release_role(&objects, "le-tensile-cluster-controller");
+        assert!(
+            controller_role["rules"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|r| r["resources"] == serde_json::json!(["leases"])
+                    && ["get", "create", "update"].iter().all(|v| r["verbs"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|x| x == v))),
+            "{controller_role}"
+        );
         assert!(lease_rule(
             object(&objects, "Role", "le-tensile-descheduler"),
             "tensile-descheduler"
@@ -1335,26 +1436,19 @@ async fn values_that_would_break_the_release_are_refused_with_the_reason() {
         "{err}"
     );
 
-    // Two names that the 63-character cut of the Deployment name makes one.
-    let long = "x".repeat(50);
-    let (one, two) = (format!("{long}-one"), format!("{long}-two"));
-    let err = refused("bad", with_nodes(&[&one, &two], &[])).await;
-    // 63 characters of "bad-tensile-vn-" and the name: 48 of the name.
-    let kept = &long[..48];
+    // A name whose Deployment name leaves its pods no room: the cluster controller would
+    // refuse it, so the chart says so first.
+    let long = "x".repeat(33);
+    let err = refused("bad", with_nodes(&["a", &long], &[])).await;
+    // "bad-tensile-vn-" and the name: 15 + 33 = 48 characters, one too many.
     assert!(
         err.contains(&format!(
-            r#"virtualNodes.nodes[1].name "{two}" and virtualNodes.nodes[0].name "{one}" both make the Deployment "bad-tensile-vn-{kept}""#
-        )) && err.contains("make the names differ within their first 48 characters"),
+            r#"virtualNodes.nodes[1].name "{long}" makes the Deployment "bad-tensile-vn-{long}" (bad-tensile-vn-<name>) of 48 characters"#
+        )) && err.contains("with a name of at most 32 characters"),
         "{err}"
     );
-    // Names that differ before the cut are fine.
-    let short = "x".repeat(44);
-    let fits = template(
-        up,
-        "bad",
-        &with_nodes(&[&format!("{short}-one"), &format!("{short}-two")], &[]),
-    )
-    .await;
+    // A name within it is fine.
+    let fits = template(up, "bad", &with_nodes(&[&"x".repeat(32)], &[])).await;
     assert!(fits.ok, "{}", fits.stderr);
 
     // An empty Secret name (the Deployment would mount a Secret nobody made), or empty text.
@@ -1591,7 +1685,13 @@ async fn each_component_takes_pod_settings_from_values() {
                     extraVolumes: [{name: corp-ca, configMap: {name: corp-ca}}]\n  \
                     extraVolumeMounts: [{name: corp-ca, mountPath: /etc/ssl/corp, readOnly: true}]\n";
     let mut text = String::new();
-    for component in ["virtualNodes", "webhook", "descheduler", "multiScheduler"] {
+    for component in [
+        "virtualNodes",
+        "clusterController",
+        "webhook",
+        "descheduler",
+        "multiScheduler",
+    ] {
         text.push_str(&format!("{component}:\n{settings}"));
         if component == "multiScheduler" {
             text.push_str("  enabled: true\n");
@@ -1612,18 +1712,29 @@ async fn each_component_takes_pod_settings_from_values() {
         ],
     )
     .await;
+    let vn_template = virtual_node_template(&objects, "pod");
     for (name, component, own_env, own_volume) in [
         (
-            "pod-tensile-vn-a",
+            "virtual node template",
             "virtual-node",
             Some("TENSILE_NODE_IP"),
-            Some("lower-kubeconfig"),
+            Some("stash-keys"),
+        ),
+        (
+            "pod-tensile-cluster-controller",
+            "cluster-controller",
+            None,
+            Some("template"),
         ),
         ("pod-tensile-webhook", "webhook", None, Some("stash-keys")),
         ("pod-tensile-descheduler", "descheduler", None, None),
         ("pod-tensile-multi-scheduler", "multi-scheduler", None, None),
     ] {
-        let d = object(&objects, "Deployment", name);
+        let d = if name == "virtual node template" {
+            &vn_template
+        } else {
+            object(&objects, "Deployment", name)
+        };
         let pod = &d["spec"]["template"];
         let container = &pod["spec"]["containers"][0];
         assert_eq!(pod["spec"]["priorityClassName"], "tensile-critical", "{name}");

@@ -20,7 +20,7 @@ use tensile_e2e::check::{apply, eventually, kubectl};
 use tensile_e2e::process::Service;
 use tensile_e2e::runner::VirtualNodeRunner;
 use tensile_e2e::shared::Shared;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
 
 struct Bed {
     upper: TestCluster,
@@ -71,13 +71,26 @@ const FULL: &str = "fleet-tensile";
 
 /// Runs `tensilectl ARGS` against the bed; its output (stdout and stderr) and success.
 async fn tensilectl(args: &[&str]) -> (bool, String) {
+    tensilectl_with(args, &[]).await
+}
+
+/// [`tensilectl`] with environment variables `env` set (and no proxy but theirs).
+async fn tensilectl_with(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
     let bin = tensile_e2e::bins::suite_binary("tensilectl").unwrap();
-    let out = tokio::process::Command::new(bin)
-        .args(args)
-        .env_remove("KUBECONFIG")
-        .output()
-        .await
-        .unwrap();
+    let mut command = tokio::process::Command::new(bin);
+    command.args(args).env_remove("KUBECONFIG");
+    for proxy in [
+        "HTTPS_PROXY",
+        "https_proxy",
+        "HTTP_PROXY",
+        "http_proxy",
+        "NO_PROXY",
+        "no_proxy",
+    ] {
+        command.env_remove(proxy);
+    }
+    command.envs(env.iter().copied());
+    let out = command.output().await.unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -172,48 +185,7 @@ async fn install_and_run_controller(up: &'static TestCluster, extra: &[String]) 
     .await
     .unwrap();
     assert!(out.ok, "helm install: {}", out.stderr);
-    let account = chart::service_account_kubeconfig(
-        up,
-        NS,
-        &format!("{FULL}-cluster-controller"),
-        &up.dir().join("controller.kubeconfig"),
-    )
-    .await
-    .unwrap();
-    let template = kubectl(
-        up.kubeconfig(),
-        &[
-            "-n",
-            NS,
-            "get",
-            "configmap",
-            &format!("{FULL}-virtual-node-template"),
-            "-o",
-            r"jsonpath={.data.deployment\.yaml}",
-        ],
-    )
-    .await;
-    let template_file = up.dir().join("virtual-node-template.yaml");
-    std::fs::write(&template_file, template).unwrap();
-    let args = chart::deployment_args(up, NS, &format!("{FULL}-cluster-controller"))
-        .await
-        .unwrap();
-    assert!(
-        args.contains(&"--virtual-node-template=/etc/tensile/virtual-node/deployment.yaml".to_owned()),
-        "{args:?}"
-    );
-    let mut set = vec![
-        format!("--kubeconfig={}", account.display()),
-        format!("--virtual-node-template={}", template_file.display()),
-        format!("--admin-addr=127.0.0.1:{}", free_port().unwrap()),
-        "--log-format=plain".to_owned(),
-    ];
-    set.extend(extra.iter().cloned());
-    let args = chart::with_flags(&args, &set);
-    let bin = tensile_e2e::bins::suite_binary("cluster-controller").unwrap();
-    let log = up.dir().join("cluster-controller.log");
-    let _ = std::fs::remove_file(&log);
-    Service::start("cluster-controller", &bin, &args, &log).unwrap()
+    chart::run_cluster_controller(up, NS, FULL, extra).await.unwrap()
 }
 
 fn secret_token(up: &TestCluster, secret: &str) -> impl std::future::Future<Output = String> {
@@ -371,6 +343,7 @@ async fn lower_clusters_join_with_one_command_run_pods_renew_their_credential_an
 
     // The fleet at a glance: both Ready, with their versions and sizes.
     let fleet = kubectl(up.kubeconfig(), &["get", "lowerclusters", "--no-headers"]).await;
+    eprintln!("kubectl get lowerclusters:\n{fleet}");
     let rows: Vec<Vec<&str>> = fleet.lines().map(|l| l.split_whitespace().collect()).collect();
     assert_eq!(rows.len(), 2, "{fleet}");
     assert_eq!(
@@ -587,6 +560,52 @@ async fn lower_clusters_join_with_one_command_run_pods_renew_their_credential_an
         chart::denied_calls(&log)
     );
     runner.shutdown().await;
+}
+
+/// The clients go through an HTTP proxy named by `HTTPS_PROXY` (unless `NO_PROXY` names the
+/// apiserver's host) or by the kubeconfig's `proxy-url`, as client-go's do.
+#[tokio::test]
+async fn the_clients_go_through_the_proxy_the_environment_or_the_kubeconfig_names() {
+    let up = &bed().upper;
+    let proxy = tensile_e2e::proxy::ConnectProxy::start().await.unwrap();
+    let status = [
+        "status".to_owned(),
+        format!("--upper-kubeconfig={}", path(up.kubeconfig())),
+    ];
+    let status: Vec<&str> = status.iter().map(String::as_str).collect();
+
+    let (ok, said) = tensilectl_with(&status, &[("HTTPS_PROXY", &proxy.url())]).await;
+    assert!(ok, "{said}");
+    let through = proxy.tunnels();
+    assert!(through >= 1, "HTTPS_PROXY: no tunnel was opened");
+
+    let (ok, said) = tensilectl_with(
+        &status,
+        &[("HTTPS_PROXY", &proxy.url()), ("NO_PROXY", "127.0.0.0/8")],
+    )
+    .await;
+    assert!(ok, "{said}");
+    assert_eq!(
+        proxy.tunnels(),
+        through,
+        "NO_PROXY names the apiserver: no tunnel"
+    );
+
+    let with_proxy = up.dir().join("proxied.kubeconfig");
+    let text = std::fs::read_to_string(up.kubeconfig()).unwrap();
+    let mut config: serde_json::Value = serde_yaml::from_str(&text).unwrap();
+    config["clusters"][0]["cluster"]["proxy-url"] = proxy.url().into();
+    std::fs::write(&with_proxy, serde_yaml::to_string(&config).unwrap()).unwrap();
+    let (ok, said) = tensilectl_with(
+        &["status", &format!("--upper-kubeconfig={}", path(&with_proxy))],
+        &[],
+    )
+    .await;
+    assert!(ok, "{said}");
+    assert!(
+        proxy.tunnels() > through,
+        "the kubeconfig's proxy-url: no tunnel was opened"
+    );
 }
 
 #[tokio::test]
