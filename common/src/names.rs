@@ -149,9 +149,24 @@ pub const TENSILECTL: &str = "tensilectl";
 pub const CREDENTIAL_KUBECONFIG_KEY: &str = "kubeconfig";
 pub const CREDENTIAL_TOKEN_KEY: &str = "token";
 
+/// A `key=value` label, as a flag writes it (`--node-labels region=eu,zone=a`).
+pub fn parse_label(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.trim().to_owned())),
+        _ => Err(format!("{s:?} is not key=value")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_label_flag_is_key_equals_value() {
+        assert_eq!(parse_label(" region = eu "), Ok(("region".into(), "eu".into())));
+        assert_eq!(parse_label("empty="), Ok(("empty".into(), String::new())));
+        assert!(parse_label("novalue").is_err() && parse_label("=v").is_err());
+    }
 
     #[test]
     fn suite_names_share_the_prefix() {

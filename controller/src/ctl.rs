@@ -106,7 +106,7 @@ pub struct JoinArgs {
     #[arg(long = "token-lifetime", default_value = "24h", value_parser = tensile_common::leader::parse_duration)]
     pub token_lifetime: Duration,
     /// Labels of the virtual node, `key=value,...`.
-    #[arg(long = "node-labels", value_delimiter = ',', value_parser = parse_label)]
+    #[arg(long = "node-labels", value_delimiter = ',', value_parser = tensile_common::names::parse_label)]
     pub node_labels: Vec<(String, String)>,
     /// Register the virtual node without its virtual-kubelet.io/provider taint.
     #[arg(long = "disable-taint")]
@@ -136,13 +136,6 @@ pub struct LeaveArgs {
 pub struct StatusArgs {
     #[command(flatten)]
     pub clusters: Clusters,
-}
-
-fn parse_label(s: &str) -> Result<(String, String), String> {
-    match s.split_once('=') {
-        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
-        _ => Err(format!("{s:?} is not key=value")),
-    }
 }
 
 /// What went wrong, naming the cluster, the step and the object.
@@ -413,9 +406,7 @@ where
 }
 
 fn yaml<K: serde::Serialize + kube::Resource<DynamicType = ()>>(out: &mut String, object: &K) {
-    let mut value = serde_json::to_value(object).unwrap_or_default();
-    value["apiVersion"] = K::api_version(&()).into();
-    value["kind"] = K::kind(&()).into();
+    let value = crate::plan::apply_body(object).unwrap_or_default();
     let _ = write!(out, "---\n{}", serde_yaml::to_string(&value).unwrap_or_default());
 }
 

@@ -301,6 +301,18 @@ fn deployment(settings: &Settings, cluster: &LowerCluster, name: &str) -> Deploy
     deployment
 }
 
+/// `object` as a server-side apply body: its fields with its `apiVersion` and `kind`, which
+/// typed objects leave out.
+pub fn apply_body<K>(object: &K) -> Result<serde_json::Value, serde_json::Error>
+where
+    K: kube::Resource<DynamicType = ()> + serde::Serialize,
+{
+    let mut value = serde_json::to_value(object)?;
+    value["apiVersion"] = K::api_version(&()).into();
+    value["kind"] = K::kind(&()).into();
+    Ok(value)
+}
+
 /// What the controller observed of one lower cluster in one pass.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Observed {

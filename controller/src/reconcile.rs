@@ -321,9 +321,7 @@ where
         + std::fmt::Debug,
 {
     let name = object.meta().name.clone().unwrap_or_default();
-    let mut value = serde_json::to_value(object).map_err(|e| Error::Encode("an object", e))?;
-    value["apiVersion"] = K::api_version(&()).into();
-    value["kind"] = K::kind(&()).into();
+    let value = plan::apply_body(object).map_err(|e| Error::Encode("an object", e))?;
     api.patch(&name, &ssa(), &Patch::Apply(&value))
         .await
         .map_err(ApiError::on("upper", "apply", format!("{} {name}", K::kind(&()))))?;

@@ -143,7 +143,7 @@ pub struct Args {
     /// Label (`key=value`) that opts a pod in; only such pods are moved. The webhook's
     /// `--pod-label`: set both alike.
     #[arg(long = "pod-label", env = "TENSILE_POD_LABEL", default_value = "virtual-pod=true",
-          value_parser = parse_label)]
+          value_parser = tensile_common::names::parse_label)]
     pub pod_label: (String, String),
     /// Namespaces whose pods are never moved (comma-separated). The webhook's
     /// `--exclude-namespaces`: set both alike, since a pod the webhook does not serve gets
@@ -208,14 +208,6 @@ pub struct Args {
     pub admin: AdminArgs,
     #[command(flatten)]
     pub log: LogArgs,
-}
-
-/// A `key=value` label.
-pub fn parse_label(s: &str) -> Result<(String, String), String> {
-    match s.split_once('=') {
-        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.trim().to_owned())),
-        _ => Err(format!("{s:?} is not key=value")),
-    }
 }
 
 /// Seconds as a plain number, or a duration as client-go's flags write it (`30s`, `1m30s`).

@@ -567,6 +567,20 @@ async fn lower_clusters_join_with_one_command_run_pods_renew_their_credential_an
 #[tokio::test]
 async fn the_clients_go_through_the_proxy_the_environment_or_the_kubeconfig_names() {
     let up = &bed().upper;
+    // The kind `status` lists (helm, installing the chart in the other test, leaves a
+    // definition that is there alone).
+    let crd = chart::chart_dir().join("crds/lowerclusters.yaml");
+    kubectl(up.kubeconfig(), &["apply", "-f", &path(&crd)]).await;
+    kubectl(
+        up.kubeconfig(),
+        &[
+            "wait",
+            "--for=condition=established",
+            "--timeout=60s",
+            "crd/lowerclusters.tensile.io",
+        ],
+    )
+    .await;
     let proxy = tensile_e2e::proxy::ConnectProxy::start().await.unwrap();
     let status = [
         "status".to_owned(),

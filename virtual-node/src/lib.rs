@@ -70,7 +70,7 @@ pub struct Args {
     #[arg(long = "disable-taint", env = "TENSILE_DISABLE_TAINT")]
     pub disable_taint: bool,
     /// Extra node labels, `key=value,...`.
-    #[arg(long = "node-labels", env = "TENSILE_NODE_LABELS", value_delimiter = ',', value_parser = parse_label)]
+    #[arg(long = "node-labels", env = "TENSILE_NODE_LABELS", value_delimiter = ',', value_parser = tensile_common::names::parse_label)]
     pub node_labels: Vec<(String, String)>,
     /// Pod labels kept in the upper cluster only (comma-separated keys).
     #[arg(long = "ignore-labels", env = "TENSILE_IGNORE_LABELS", value_delimiter = ',')]
@@ -300,13 +300,6 @@ fn parse_node_name(s: &str) -> Result<String, String> {
         Err(format!(
             "{s:?} is not a valid node name (a lowercase DNS subdomain)"
         ))
-    }
-}
-
-fn parse_label(s: &str) -> Result<(String, String), String> {
-    match s.split_once('=') {
-        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
-        _ => Err(format!("{s:?} is not key=value")),
     }
 }
 
