@@ -133,16 +133,46 @@ pub async fn config_from_file(path: &Path, options: &ClientOptions) -> Result<ku
         context: options.context.clone(),
         ..Default::default()
     };
+    let named = named_proxy(&kubeconfig, options.context.as_deref());
     let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &opts)
         .await
         .map_err(|source| Error::Invalid {
             path: path.to_owned(),
             source,
         })?;
+    config.proxy_url = named;
     tune(&mut config, options);
     Ok(config)
 }
 
+/// The `proxy-url` the kubeconfig names for the cluster of `context` (its current context
+/// when `None`). kube's own loading also takes `HTTPS_PROXY`, without client-go's rules for
+/// loopback addresses and `NO_PROXY`; [`tune`] applies those to a kubeconfig that names none.
+fn named_proxy(kubeconfig: &Kubeconfig, context: Option<&str>) -> Option<http::Uri> {
+    let context = context.or(kubeconfig.current_context.as_deref())?;
+    let cluster = kubeconfig
+        .contexts
+        .iter()
+        .find(|c| c.name == context)?
+        .context
+        .as_ref()?
+        .cluster
+        .clone();
+    kubeconfig
+        .clusters
+        .iter()
+        .find(|c| c.name == cluster)?
+        .cluster
+        .as_ref()?
+        .proxy_url
+        .as_deref()
+        .filter(|p| !p.trim().is_empty())?
+        .parse()
+        .ok()
+}
+
+/// Applies `options`, and the proxy of the environment (by client-go's rules) when the
+/// configuration names none.
 fn tune(config: &mut kube::Config, options: &ClientOptions) {
     if config.proxy_url.is_none() {
         config.proxy_url = proxy_from_env(&config.cluster_url, |name| std::env::var(name).ok());
@@ -172,17 +202,19 @@ fn build(config: kube::Config, options: &ClientOptions) -> Result<kube::Client, 
 }
 
 /// The proxy a client of `server` goes through when its kubeconfig names none: `HTTPS_PROXY`
-/// (or `https_proxy`; `HTTP_PROXY` for a plain-HTTP server) unless `NO_PROXY` (or
-/// `no_proxy`) names the server's host, as client-go reads them. `NO_PROXY` holds hosts and
-/// domains (`example.com` and `.example.com` both take its subdomains), IP addresses, IPv4
-/// and IPv6 CIDR ranges, and `*` for every host.
+/// (or `https_proxy`; `HTTP_PROXY` for a plain-HTTP server) unless the server is
+/// `localhost` or a loopback address, or `NO_PROXY` (or `no_proxy`) names it, by client-go's
+/// rules: hosts and domains (`example.com`, `.example.com` and `*.example.com` take its
+/// subdomains too), IP addresses, IPv4 and IPv6 CIDR ranges, an entry's `:port` compared
+/// when given, and `*` for every host.
 pub fn proxy_from_env(server: &http::Uri, env: impl Fn(&str) -> Option<String>) -> Option<http::Uri> {
     let get = |upper: &str| {
         env(upper)
             .or_else(|| env(&upper.to_ascii_lowercase()))
             .filter(|v| !v.trim().is_empty())
     };
-    let proxy = if server.scheme_str() == Some("http") {
+    let plain = server.scheme_str() == Some("http");
+    let proxy = if plain {
         get("HTTP_PROXY")?
     } else {
         get("HTTPS_PROXY")?
@@ -192,11 +224,15 @@ pub fn proxy_from_env(server: &http::Uri, env: impl Fn(&str) -> Option<String>) 
         .trim_start_matches('[')
         .trim_end_matches(']')
         .to_ascii_lowercase();
+    let port = server.port_u16().unwrap_or(if plain { 80 } else { 443 });
+    if host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback()) {
+        return None;
+    }
     if let Some(no_proxy) = get("NO_PROXY")
         && no_proxy
             .split(',')
             .map(str::trim)
-            .any(|entry| bypasses(entry, &host))
+            .any(|entry| bypasses(entry, &host, port))
     {
         return None;
     }
@@ -209,8 +245,8 @@ pub fn proxy_from_env(server: &http::Uri, env: impl Fn(&str) -> Option<String>) 
     proxy.parse().ok()
 }
 
-/// Whether the `NO_PROXY` entry `entry` names `host`.
-fn bypasses(entry: &str, host: &str) -> bool {
+/// Whether the `NO_PROXY` entry `entry` names `host` (at `port`).
+fn bypasses(entry: &str, host: &str, port: u16) -> bool {
     let entry = entry.to_ascii_lowercase();
     if entry.is_empty() {
         return false;
@@ -218,19 +254,37 @@ fn bypasses(entry: &str, host: &str) -> bool {
     if entry == "*" {
         return true;
     }
-    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
-        if let Some((net, bits)) = entry.split_once('/') {
-            let (Ok(net), Ok(bits)) = (net.parse::<std::net::IpAddr>(), bits.parse::<u32>()) else {
-                return false;
-            };
-            return in_range(ip, net, bits);
-        }
-        return entry.parse::<std::net::IpAddr>().is_ok_and(|e| e == ip);
+    if let Ok(ip) = host.parse::<std::net::IpAddr>()
+        && let Some((net, bits)) = entry.split_once('/')
+    {
+        let (Ok(net), Ok(bits)) = (net.parse::<std::net::IpAddr>(), bits.parse::<u32>()) else {
+            return false;
+        };
+        return in_range(ip, net, bits);
     }
-    // A port in the entry is not compared: the host is.
-    let name = entry.split(':').next().unwrap_or_default();
-    let domain = name.trim_start_matches('.');
+    let (name, entry_port) = split_port(&entry);
+    if entry_port.is_some_and(|p| p != port) {
+        return false;
+    }
+    if let (Ok(ip), Ok(named)) = (host.parse::<std::net::IpAddr>(), name.parse::<std::net::IpAddr>()) {
+        return ip == named;
+    }
+    let domain = name.trim_start_matches('*').trim_start_matches('.');
     !domain.is_empty() && (host == domain || host.ends_with(&format!(".{domain}")))
+}
+
+/// An entry's name and port: `name`, `name:port`, `[v6]`, `[v6]:port` (a bare IPv6
+/// address has no port).
+fn split_port(entry: &str) -> (&str, Option<u16>) {
+    if let Some(rest) = entry.strip_prefix('[')
+        && let Some((address, after)) = rest.split_once(']')
+    {
+        return (address, after.strip_prefix(':').and_then(|p| p.parse().ok()));
+    }
+    match entry.rsplit_once(':') {
+        Some((name, port)) if !name.contains(':') => (name, port.parse().ok()),
+        _ => (entry, None),
+    }
 }
 
 fn in_range(ip: std::net::IpAddr, net: std::net::IpAddr, bits: u32) -> bool {
@@ -305,12 +359,14 @@ pub async fn client_from_kubeconfig(
         context: options.context.clone(),
         ..Default::default()
     };
+    let named = named_proxy(&kubeconfig, options.context.as_deref());
     let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &opts)
         .await
         .map_err(|source| Error::InMemory {
             what: what.to_owned(),
             source,
         })?;
+    config.proxy_url = named;
     tune(&mut config, options);
     build(config, options).map_err(|source| Error::InMemoryClient {
         what: what.to_owned(),
@@ -347,6 +403,7 @@ impl ClientSource {
             Some(path) => config_from_file(path, options).await?,
             None => {
                 let mut config = kube::Config::incluster().map_err(|source| Error::NoInCluster { source })?;
+                config.proxy_url = None;
                 tune(&mut config, options);
                 config
             }
@@ -406,6 +463,27 @@ mod tests {
     }
 
     #[test]
+    fn the_proxy_a_kubeconfig_names_is_its_current_clusters() {
+        let text = "apiVersion: v1\nkind: Config\ncurrent-context: b\n\
+                    clusters:\n- name: a\n  cluster: {server: 'https://a:6443', proxy-url: 'http://pa:3128'}\n\
+                    - name: b\n  cluster: {server: 'https://b:6443', proxy-url: 'http://pb:3128'}\n\
+                    - name: c\n  cluster: {server: 'https://c:6443'}\n\
+                    contexts:\n- name: a\n  context: {cluster: a, user: u}\n- name: b\n  context: {cluster: b, user: u}\n\
+                    - name: c\n  context: {cluster: c, user: u}\n\
+                    users:\n- name: u\n  user: {token: t}\n";
+        let kubeconfig = Kubeconfig::from_yaml(text).unwrap();
+        let named = |context: Option<&str>| named_proxy(&kubeconfig, context).map(|u| u.to_string());
+        assert_eq!(named(None).as_deref(), Some("http://pb:3128/"));
+        assert_eq!(named(Some("a")).as_deref(), Some("http://pa:3128/"));
+        assert_eq!(
+            named(Some("c")),
+            None,
+            "none named: the environment decides, by client-go's rules"
+        );
+        assert_eq!(named(Some("missing")), None);
+    }
+
+    #[test]
     fn https_proxy_is_taken_unless_no_proxy_names_the_host() {
         let server: http::Uri = "https://lower-a.example.com:6443".parse().unwrap();
         let proxy = |vars: &[(&str, &str)]| proxy_from_env(&server, env(vars)).map(|u| u.to_string());
@@ -437,7 +515,13 @@ mod tests {
                 "{no}"
             );
         }
-        for no in ["ample.com", "lower-b.example.com", "10.0.0.0/8", ""] {
+        for no in [
+            "ample.com",
+            "lower-b.example.com",
+            "10.0.0.0/8",
+            "",
+            "example.com:443",
+        ] {
             assert!(
                 proxy(&[("HTTPS_PROXY", "http://proxy:3128"), ("no_proxy", no)]).is_some(),
                 "{no}"

@@ -802,23 +802,40 @@ pub async fn leave(args: &LeaveArgs) -> Result<String, Error> {
     {
         gone.push(format!("ServiceAccount {ns}/{account}"));
     }
+    // The namespace join made goes only when it holds nothing of anyone's (a second
+    // LowerCluster's account, a lower admin's objects keep it).
     let namespaces: Api<Namespace> = Api::all(lower.clone());
-    if delete_ours(&namespaces, "lower", ns, name).await? {
-        gone.push(format!("namespace {ns}"));
-        let started = Instant::now();
-        while namespaces
-            .get_opt(ns)
+    let made_by_join = namespaces
+        .get_opt(ns)
+        .await
+        .map_err(api_error("lower", "get", format!("namespace {ns}")))?
+        .is_some_and(|found| ours(&found.metadata, name));
+    if made_by_join {
+        let kinds = tensile_virtual_node::lower_objects::namespaced_kinds(&lower)
             .await
-            .map_err(api_error("lower", "get", format!("namespace {ns}")))?
-            .is_some()
-        {
-            if started.elapsed() >= args.wait {
-                return Err(Error::Timeout(format!(
-                    "lower cluster: namespace {ns} is still terminating after {:?}",
-                    args.wait
-                )));
+            .map_err(api_error("lower", "discover", "the kinds it serves"))?;
+        let empty = tensile_virtual_node::lower_objects::namespace_is_empty(&lower, ns, &kinds)
+            .await
+            .map_err(api_error("lower", "list", format!("what namespace {ns} holds")))?;
+        if !empty {
+            let _ = writeln!(out, "lower cluster: namespace {ns} holds objects of others: kept");
+        } else if delete_ours(&namespaces, "lower", ns, name).await? {
+            gone.push(format!("namespace {ns}"));
+            let started = Instant::now();
+            while namespaces
+                .get_opt(ns)
+                .await
+                .map_err(api_error("lower", "get", format!("namespace {ns}")))?
+                .is_some()
+            {
+                if started.elapsed() >= args.wait {
+                    return Err(Error::Timeout(format!(
+                        "lower cluster: namespace {ns} is still terminating after {:?}",
+                        args.wait
+                    )));
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
             }
-            tokio::time::sleep(Duration::from_secs(1)).await;
         }
     }
     if !gone.is_empty() {

@@ -328,6 +328,8 @@ pub struct Observed {
     pub allocatable: BTreeMap<String, String>,
     pub last_heartbeat: Option<String>,
     pub credential_expires: Option<String>,
+    /// The credential Secret held for it.
+    pub credential_secret: Option<String>,
 }
 
 fn set(
@@ -468,9 +470,20 @@ pub fn status(cluster: &LowerCluster, observed: &Observed) -> LowerClusterStatus
         generation,
         (condition::READY, ready, &ready_reason, &ready_message),
     );
+    let previous = cluster.status.as_ref();
     LowerClusterStatus {
         observed_generation: generation,
-        node_name: Some(cluster.node_name().to_owned()),
+        // Recorded once accepted: the node its removal removes. A refused object keeps what it
+        // had (nothing, if it was never accepted).
+        node_name: if accepted {
+            Some(cluster.node_name().to_owned())
+        } else {
+            previous.and_then(|s| s.node_name.clone())
+        },
+        credential_secret: observed
+            .credential_secret
+            .clone()
+            .or_else(|| previous.and_then(|s| s.credential_secret.clone())),
         conditions,
         lower_version: observed.lower.as_ref().and_then(|l| l.as_ref().ok().cloned()),
         lower_nodes: observed.lower_nodes,
@@ -686,6 +699,31 @@ mod tests {
             ready.message,
             "CredentialValid is False: the lower cluster refused the token"
         );
+    }
+
+    #[test]
+    fn a_refused_object_records_no_node_it_never_had() {
+        let observed = Observed {
+            invalid: Some("the virtual node name \"a\" is LowerCluster b's".into()),
+            ..Default::default()
+        };
+        let mut c = cluster("a");
+        assert_eq!(
+            status(&c, &observed).node_name,
+            None,
+            "its removal removes nothing"
+        );
+        c.status = Some(LowerClusterStatus {
+            node_name: Some("a".into()),
+            ..Default::default()
+        });
+        assert_eq!(
+            status(&c, &observed).node_name.as_deref(),
+            Some("a"),
+            "what was made stays recorded"
+        );
+        let accepted = Observed::default();
+        assert_eq!(status(&cluster("a"), &accepted).node_name.as_deref(), Some("a"));
     }
 
     #[test]

@@ -83,8 +83,16 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
     }
 
     let mut observed = Observed::default();
-    if let Err(invalid) = plan::validate(&ctx.settings, &cluster) {
-        observed.invalid = Some(invalid.0);
+    let others = api
+        .list(&ListParams::default().labels(&ours(ctx.as_ref())))
+        .await
+        .map_err(ApiError::on("upper", "list", "lowerclusters"))?;
+    let invalid = match plan::validate(&ctx.settings, &cluster) {
+        Err(invalid) => Some(invalid.0),
+        Ok(()) => conflict(&cluster, &others.items, &ctx).await?,
+    };
+    if let Some(why) = invalid {
+        observed.invalid = Some(why);
         write_status(&api, &cluster, plan::status(&cluster, &observed)).await?;
         return Ok(Action::requeue(ctx.resync * 6));
     }
@@ -115,6 +123,13 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
     if let Some(secret) = &secret {
         hold(&secrets, secret).await?;
     }
+    // A credential Secret the object named before and names no more is let go.
+    if let Some(before) = cluster.status.as_ref().and_then(|s| s.credential_secret.clone())
+        && before != *secret_name
+    {
+        release_credential(&before, &cluster, &others.items, &ctx).await?;
+    }
+    observed.credential_secret = Some(secret_name.clone());
     if let (Some(lower), Some(secret)) = (&lower, &secret) {
         observe_lower(lower, &mut observed).await;
         if observed.credential == Some(Ok(())) {
@@ -126,6 +141,99 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
     observe_node(&ctx, cluster.node_name(), &mut observed).await?;
     write_status(&api, &cluster, plan::status(&cluster, &observed)).await?;
     Ok(Action::requeue(ctx.resync))
+}
+
+/// The label selector of the LowerClusters this controller acts on.
+fn ours(ctx: &Context) -> String {
+    format!("{}={}", names::CONTROLLER_NAMESPACE, ctx.settings.namespace)
+}
+
+/// Why `cluster` may not run although its spec is well formed: its node name changed since
+/// its virtual node was made, another LowerCluster has that node name, or a Node of that
+/// name exists that is not a virtual node.
+async fn conflict(
+    cluster: &LowerCluster,
+    others: &[LowerCluster],
+    ctx: &Context,
+) -> Result<Option<String>, Error> {
+    let node = cluster.node_name();
+    if let Some(made) = cluster.status.as_ref().and_then(|s| s.node_name.as_deref())
+        && made != node
+    {
+        return Ok(Some(format!(
+            "spec.nodeName changed from {made:?} to {node:?}: a virtual node's name cannot change; \
+             delete this LowerCluster and make a new one"
+        )));
+    }
+    let older = |o: &LowerCluster| {
+        (o.metadata.creation_timestamp.as_ref().map(|t| t.0), o.name())
+            < (
+                cluster.metadata.creation_timestamp.as_ref().map(|t| t.0),
+                cluster.name(),
+            )
+    };
+    if let Some(other) = others.iter().find(|o| {
+        o.name() != cluster.name()
+            && (o.status.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
+                || (o.node_name() == node && older(o)))
+    }) {
+        return Ok(Some(format!(
+            "the virtual node name {node:?} is LowerCluster {}'s; choose another (spec.nodeName)",
+            other.name()
+        )));
+    }
+    let nodes: Api<Node> = Api::all(ctx.upper.clone());
+    if let Some(found) =
+        nodes
+            .get_opt(node)
+            .await
+            .map_err(ApiError::on("upper", "get", format!("node {node}")))?
+        && !is_virtual_node(&found)
+    {
+        return Ok(Some(format!(
+            "a Node {node:?} exists that is not a virtual node; choose another name (spec.nodeName)"
+        )));
+    }
+    Ok(None)
+}
+
+/// Deletes `name` if it is what this controller made for `cluster` (by its labels), and only
+/// that object (UID precondition).
+async fn delete_made<K>(api: &Api<K>, name: &str, cluster: &str, params: &DeleteParams) -> Result<bool, Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let what = || format!("{} {name}", api.resource_url());
+    let Some(found) = api
+        .get_opt(name)
+        .await
+        .map_err(ApiError::on("upper", "get", what()))?
+    else {
+        return Ok(false);
+    };
+    let labels = found.meta().labels.as_ref();
+    let made = labels
+        .and_then(|l| l.get(names::LOWER_CLUSTER))
+        .map(String::as_str)
+        == Some(cluster)
+        && labels.and_then(|l| l.get(names::MANAGED_BY)).map(String::as_str)
+            == Some(names::CONTROLLER_MANAGER);
+    if !made {
+        tracing::warn!(object = %what(), cluster, "not made for this LowerCluster: left alone");
+        return Ok(false);
+    }
+    let exact = DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: found.meta().uid.clone(),
+            resource_version: None,
+        }),
+        ..params.clone()
+    };
+    match api.delete(name, &exact).await {
+        Ok(_) => Ok(true),
+        Err(e) if matches!(code(&e), Some(404) | Some(409)) => Ok(false),
+        Err(e) => Err(ApiError::on("upper", "delete", what())(e).into()),
+    }
 }
 
 /// A client of the lower cluster from the credential `secret`, or why there is none.
@@ -412,7 +520,7 @@ async fn removing(api: &Api<LowerCluster>, cluster: &LowerCluster, why: String) 
             observed_generation: cluster.metadata.generation,
         });
     write_status(api, cluster, status).await?;
-    Ok(Action::requeue(Duration::from_secs(2)))
+    Ok(Action::requeue(Duration::from_secs(3)))
 }
 
 /// Removes `cluster`'s virtual node: its Deployment first (so nothing writes any more), then
@@ -430,7 +538,16 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
     }
     let ns = ctx.settings.namespace.as_str();
     let object = plan::object_name(&ctx.settings, &name);
-    let node = cluster.node_name().to_owned();
+    let others = api
+        .list(&ListParams::default().labels(&ours(ctx)))
+        .await
+        .map_err(ApiError::on("upper", "list", "lowerclusters"))?;
+    // The virtual node that was made for it, if one ever was (never for a LowerCluster that
+    // was refused from the start: nothing of it exists, and another's must not be touched).
+    let Some(node) = cluster.status.as_ref().and_then(|s| s.node_name.clone()) else {
+        release_credential(&cluster.spec.credential.secret_name, cluster, &others.items, ctx).await?;
+        return finish(cluster, api).await;
+    };
 
     // 1. Drained as `kubectl drain` would: cordoned, and every pod bound to it evicted
     // (disruption budgets honoured) while it still runs, so each stops below gracefully
@@ -445,17 +562,13 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
         propagation_policy: Some(PropagationPolicy::Foreground),
         ..Default::default()
     };
-    match deployments.delete(&object, &foreground).await {
-        Ok(_) => {
-            return removing(
-                api,
-                cluster,
-                format!("deployment {ns}/{object}: its pods are stopping"),
-            )
-            .await;
-        }
-        Err(e) if code(&e) == Some(404) => {}
-        Err(e) => return Err(ApiError::on("upper", "delete", format!("deployment {ns}/{object}"))(e).into()),
+    if delete_made(&deployments, &object, &name, &foreground).await? {
+        return removing(
+            api,
+            cluster,
+            format!("deployment {ns}/{object}: its pods are stopping"),
+        )
+        .await;
     }
     // 3. No replica of it leads any more: its election Lease is free or lapsed (a replica on
     // a partitioned node may outlive its pod object; its writes are fenced by that Lease).
@@ -511,65 +624,114 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
         };
         match teardown::remove_everything(&lower, &identity).await {
             Ok(removal) if removal.done() => {
-                tracing::info!(cluster = %name, "removed every object of the virtual node below");
+                tracing::info!(cluster = %name, "below: {}", removal.summary());
             }
             Ok(removal) => {
-                return removing(api, cluster, format!("lower cluster: {}", removal.summary())).await;
+                // A pod on a lower node that is gone stays Terminating: deleting it below with
+                // grace 0, or giving the objects below up, ends the wait.
+                return removing(
+                    api,
+                    cluster,
+                    format!(
+                        "lower cluster: {}; what stays Terminating there (a pod on a lost node) holds this: \
+                         delete it below with --grace-period=0, or {hint}",
+                        removal.summary()
+                    ),
+                )
+                .await;
             }
             Err(e) => {
                 return removing(api, cluster, format!("lower cluster: {e}; {hint}")).await;
             }
         }
     }
-    // 5. Upstream: its volumes, Node and heartbeat, and its accounts.
+    // 5. Upstream: its volumes (a retained one stays, as its reclaim policy says), Node and
+    // heartbeat, and what was made for it.
     let volumes: Api<PersistentVolume> = Api::all(ctx.upper.clone());
     let marked = volumes
-        .list_metadata(&ListParams::default().labels(&identity.selector()))
+        .list(&ListParams::default().labels(&identity.selector()))
         .await
         .map_err(ApiError::on("upper", "list", "persistentvolumes"))?;
     for volume in marked.items {
-        delete_quietly(&volumes, volume.metadata.name.as_deref().unwrap_or_default()).await?;
-    }
-    let nodes: Api<Node> = Api::all(ctx.upper.clone());
-    if let Some(found) =
-        nodes
-            .get_opt(&node)
-            .await
-            .map_err(ApiError::on("upper", "get", format!("node {node}")))?
-    {
-        if is_virtual_node(&found) {
-            delete_quietly(&nodes, &node).await?;
-        } else {
-            tracing::warn!(node = %node, "a Node of that name is not a virtual node: left alone");
+        let retain = volume
+            .spec
+            .as_ref()
+            .and_then(|s| s.persistent_volume_reclaim_policy.as_deref())
+            == Some("Retain");
+        if !retain {
+            delete_quietly(&volumes, volume.metadata.name.as_deref().unwrap_or_default()).await?;
         }
     }
-    let node_leases: Api<Lease> = Api::namespaced(ctx.upper.clone(), NODE_LEASE_NAMESPACE);
-    delete_quietly(&node_leases, &node).await?;
-    let c = &ctx.upper;
-    if let Some(budgets) = budget_api(ctx) {
-        delete_quietly(&budgets, &object).await?;
+    let nodes: Api<Node> = Api::all(ctx.upper.clone());
+    let virtual_or_gone = match nodes.get_opt(&node).await.map_err(ApiError::on(
+        "upper",
+        "get",
+        format!("node {node}"),
+    ))? {
+        Some(found) if is_virtual_node(&found) => {
+            delete_quietly(&nodes, &node).await?;
+            true
+        }
+        Some(_) => {
+            tracing::warn!(node = %node, "a Node of that name is not a virtual node: left alone, with its Lease");
+            false
+        }
+        None => true,
+    };
+    if virtual_or_gone {
+        let node_leases: Api<Lease> = Api::namespaced(ctx.upper.clone(), NODE_LEASE_NAMESPACE);
+        delete_quietly(&node_leases, &node).await?;
     }
-    delete_quietly(&Api::<RoleBinding>::namespaced(c.clone(), ns), &object).await?;
-    delete_quietly(&Api::<Role>::namespaced(c.clone(), ns), &object).await?;
-    delete_quietly(
-        &Api::<RoleBinding>::namespaced(c.clone(), NODE_LEASE_NAMESPACE),
+    let c = &ctx.upper;
+    let plain = DeleteParams::default();
+    if let Some(budgets) = budget_api(ctx) {
+        delete_made(&budgets, &object, &name, &plain).await?;
+    }
+    delete_made(
+        &Api::<RoleBinding>::namespaced(c.clone(), ns),
         &object,
+        &name,
+        &plain,
     )
     .await?;
-    delete_quietly(&Api::<Role>::namespaced(c.clone(), NODE_LEASE_NAMESPACE), &object).await?;
-    delete_quietly(
-        &Api::<ClusterRoleBinding>::all(c.clone()),
-        &format!("{object}-shared"),
+    delete_made(&Api::<Role>::namespaced(c.clone(), ns), &object, &name, &plain).await?;
+    let lease_ns = NODE_LEASE_NAMESPACE;
+    delete_made(
+        &Api::<RoleBinding>::namespaced(c.clone(), lease_ns),
+        &object,
+        &name,
+        &plain,
     )
     .await?;
-    delete_quietly(&Api::<ClusterRoleBinding>::all(c.clone()), &object).await?;
-    delete_quietly(&Api::<ClusterRole>::all(c.clone()), &object).await?;
-    delete_quietly(&Api::<ServiceAccount>::namespaced(c.clone(), ns), &object).await?;
+    delete_made(
+        &Api::<Role>::namespaced(c.clone(), lease_ns),
+        &object,
+        &name,
+        &plain,
+    )
+    .await?;
+    let shared = format!("{object}-shared");
+    delete_made(&Api::<ClusterRoleBinding>::all(c.clone()), &shared, &name, &plain).await?;
+    delete_made(&Api::<ClusterRoleBinding>::all(c.clone()), &object, &name, &plain).await?;
+    delete_made(&Api::<ClusterRole>::all(c.clone()), &object, &name, &plain).await?;
+    delete_made(
+        &Api::<ServiceAccount>::namespaced(c.clone(), ns),
+        &object,
+        &name,
+        &plain,
+    )
+    .await?;
     if let Ok(mut applied) = ctx.applied.lock() {
         applied.remove(&name);
     }
     // 6. The credential may go (unless another LowerCluster uses it), then the finalizer.
-    release_credential(cluster, ctx, api).await?;
+    release_credential(&cluster.spec.credential.secret_name, cluster, &others.items, ctx).await?;
+    finish(cluster, api).await
+}
+
+/// Removes `cluster`'s finalizer: the last step of its removal.
+async fn finish(cluster: &LowerCluster, api: &Api<LowerCluster>) -> Result<Action, Error> {
+    let name = cluster.name();
     let rest: Vec<String> = cluster
         .metadata
         .finalizers
@@ -581,7 +743,7 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
     let patch =
         json!({"metadata": {"finalizers": rest, "resourceVersion": cluster.metadata.resource_version}});
     match api
-        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
     {
         Ok(_) => tracing::info!(cluster = %name, "removed"),
@@ -706,24 +868,24 @@ async fn hold(secrets: &Api<Secret>, secret: &Secret) -> Result<(), Error> {
     Ok(())
 }
 
-/// Lets `cluster`'s credential Secret go, unless another LowerCluster not being deleted uses
-/// it too.
+/// Lets the credential Secret `secret_name` go, unless another LowerCluster uses it: one
+/// that names it and is not being deleted, or one still being removed with it.
 async fn release_credential(
+    secret_name: &str,
     cluster: &LowerCluster,
+    others: &[LowerCluster],
     ctx: &Context,
-    api: &Api<LowerCluster>,
 ) -> Result<(), Error> {
-    let secret_name = &cluster.spec.credential.secret_name;
-    let ours = format!("{}={}", names::CONTROLLER_NAMESPACE, ctx.settings.namespace);
-    let others = api
-        .list(&ListParams::default().labels(&ours))
-        .await
-        .map_err(ApiError::on("upper", "list", "lowerclusters"))?;
-    let shared = others.items.iter().any(|o| {
-        o.name() != cluster.name()
-            && o.metadata.deletion_timestamp.is_none()
-            && &o.spec.credential.secret_name == secret_name
-    });
+    let holds = |o: &LowerCluster| {
+        o.metadata.deletion_timestamp.is_none()
+            || o.metadata
+                .finalizers
+                .as_ref()
+                .is_some_and(|f| f.iter().any(|f| f == names::LOWER_CLUSTER_FINALIZER))
+    };
+    let shared = others
+        .iter()
+        .any(|o| o.name() != cluster.name() && o.spec.credential.secret_name == secret_name && holds(o));
     if shared {
         return Ok(());
     }

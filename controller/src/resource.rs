@@ -91,7 +91,8 @@ impl Credential {
 pub struct LowerClusterStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// The virtual node's name.
+    /// The name of the virtual node made for it; set once it is accepted, and what its
+    /// removal removes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_name: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -111,6 +112,9 @@ pub struct LowerClusterStatus {
     /// When the credential's token expires, for a credential the controller renews.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credential_expires: Option<String>,
+    /// The credential Secret the controller holds (its finalizer) for this object.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credential_secret: Option<String>,
 }
 
 impl LowerCluster {
@@ -238,6 +242,7 @@ mod tests {
             allocatable: BTreeMap::from([("cpu".into(), "12".into())]),
             last_heartbeat: Some("2026-01-01T00:00:00Z".into()),
             credential_expires: Some("2026-01-02T00:00:00Z".into()),
+            credential_secret: Some("s".into()),
         };
         let written = serde_json::to_value(&status).unwrap();
         for column in crd["spec"]["versions"][0]["additionalPrinterColumns"]

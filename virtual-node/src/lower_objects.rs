@@ -22,13 +22,20 @@ pub fn is_events(resource: &ApiResource) -> bool {
     resource.plural == "events" && matches!(resource.group.as_str(), "" | "events.k8s.io")
 }
 
-/// Every kind the cluster serves, at its preferred version, with what it supports.
+/// Every kind the cluster serves, at its preferred version, with what it supports. A group
+/// that does not answer (an aggregated API whose server is down, say) is left out rather
+/// than failing the whole discovery: what it serves cannot be listed now anyway.
 pub async fn kinds(client: &kube::Client) -> Result<Vec<(ApiResource, ApiCapabilities)>, kube::Error> {
-    let discovery = kube::Discovery::new(client.clone()).run().await?;
-    Ok(discovery
-        .groups()
-        .flat_map(|g| g.recommended_resources())
-        .collect())
+    let mut names = vec![kube::discovery::ApiGroup::CORE_GROUP.to_owned()];
+    names.extend(client.list_api_groups().await?.groups.into_iter().map(|g| g.name));
+    let mut found = Vec::new();
+    for name in names {
+        match kube::discovery::group(client, &name).await {
+            Ok(group) => found.extend(group.recommended_resources()),
+            Err(e) => tracing::warn!(group = %name, "discovery: the group does not answer, left out: {e}"),
+        }
+    }
+    Ok(found)
 }
 
 /// The kinds an emptiness check lists: every namespaced kind the cluster serves that can be

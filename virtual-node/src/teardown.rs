@@ -31,6 +31,9 @@ pub struct Removal {
     /// Kinds the credential may not list (`plural.group`). A credential that may not list a
     /// kind could not have made objects of it either, so these never hold a removal back.
     pub unseen: Vec<String>,
+    /// Claims of ours kept on purpose: their upper class said `Retain`, so their data stays
+    /// (as when the upper claim is deleted).
+    pub kept: Vec<String>,
 }
 
 impl Removal {
@@ -59,12 +62,38 @@ impl Removal {
         if !self.refused.is_empty() {
             parts.push(format!("not allowed to remove: {}", self.refused.join("; ")));
         }
+        if !self.kept.is_empty() {
+            parts.push(format!("kept (reclaim policy Retain): {}", self.kept.join(", ")));
+        }
         if parts.is_empty() {
             "nothing left".into()
         } else {
             parts.join("; ")
         }
     }
+}
+
+/// A copy the upper cluster `cluster_id`'s virtual nodes share below: its mark and no
+/// node's. What `tensilectl join` makes carries the upper cluster's id too, but belongs to a
+/// LowerCluster (its label), not to the virtual nodes.
+fn shared_copy(meta: &ObjectMeta, cluster_id: &str) -> bool {
+    let labels = meta.labels.as_ref();
+    labels
+        .and_then(|l| l.get(names::MARK_CLUSTER))
+        .map(String::as_str)
+        == Some(cluster_id)
+        && !labels.is_some_and(|l| l.contains_key(names::MARK_NODE) || l.contains_key(names::LOWER_CLUSTER))
+}
+
+/// A lower claim whose upper class's reclaim policy is `Retain`: never deleted by us.
+fn retained(resource: &kube::discovery::ApiResource, meta: &ObjectMeta) -> bool {
+    resource.group.is_empty()
+        && resource.plural == "persistentvolumeclaims"
+        && meta
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(names::LOWER_CLAIM_RECLAIM_POLICY))
+            .is_some_and(|p| p == "Retain")
 }
 
 fn kind_name(r: &kube::discovery::ApiResource) -> String {
@@ -95,12 +124,12 @@ pub async fn remove_everything(client: &kube::Client, identity: &Identity) -> Re
         .list_metadata(&ListParams::default().labels(&cluster).limit(1))
         .await?;
     if others.items.is_empty() {
-        let shared = ListParams::default().labels(&format!("{cluster},!{}", names::MARK_NODE));
-        let is_shared = |meta: &ObjectMeta| {
-            let labels = meta.labels.as_ref();
-            labels.and_then(|l| l.get(names::MARK_CLUSTER)) == Some(&identity.cluster_id)
-                && !labels.is_some_and(|l| l.contains_key(names::MARK_NODE))
-        };
+        let shared = ListParams::default().labels(&format!(
+            "{cluster},!{},!{}",
+            names::MARK_NODE,
+            names::LOWER_CLUSTER
+        ));
+        let is_shared = |meta: &ObjectMeta| shared_copy(meta, &identity.cluster_id);
         sweep(client, &kinds, &shared, &is_shared, &mut removal).await?;
     }
     // Namespaces last: one we made goes once nothing of ours is left anywhere and it holds
@@ -152,6 +181,18 @@ async fn sweep(
         };
         for object in list.items {
             if !ours(&object.metadata) {
+                continue;
+            }
+            if retained(resource, &object.metadata) {
+                let at = format!(
+                    "{} {}/{}",
+                    kind_name(resource),
+                    object.metadata.namespace.as_deref().unwrap_or_default(),
+                    object.metadata.name.as_deref().unwrap_or_default()
+                );
+                if !removal.kept.contains(&at) {
+                    removal.kept.push(at);
+                }
                 continue;
             }
             let name = object.metadata.name.clone().unwrap_or_default();
@@ -222,7 +263,13 @@ async fn remove_namespaces(
             inside = Some(lower_objects::namespaced_kinds(client).await?);
         }
         let kinds = inside.as_deref().unwrap_or_default();
-        if !lower_objects::namespace_is_empty(client, &name, kinds).await? {
+        let empty = match lower_objects::namespace_is_empty(client, &name, kinds).await {
+            Ok(empty) => empty,
+            // A kind the credential may not list there: it cannot say the namespace is empty.
+            Err(e) if tensile_common::api::code(&e) == Some(403) => false,
+            Err(e) => return Err(e),
+        };
+        if !empty {
             tracing::info!(namespace = %name, "teardown: a namespace we made holds objects of others: kept");
             continue;
         }
@@ -277,5 +324,67 @@ mod tests {
             unseen.done(),
             "a kind the credential cannot list holds nothing it made"
         );
+    }
+
+    #[test]
+    fn a_claim_kept_on_purpose_does_not_hold_the_removal() {
+        let kept = Removal {
+            kept: vec!["persistentvolumeclaims ns/data".into()],
+            ..Default::default()
+        };
+        assert!(kept.done(), "a retained claim is kept on purpose");
+        assert_eq!(
+            kept.summary(),
+            "kept (reclaim policy Retain): persistentvolumeclaims ns/data"
+        );
+    }
+
+    #[test]
+    fn only_claims_whose_class_retains_are_kept() {
+        let claims =
+            kube::discovery::ApiResource::erase::<k8s_openapi::api::core::v1::PersistentVolumeClaim>(&());
+        let maps = kube::discovery::ApiResource::erase::<k8s_openapi::api::core::v1::ConfigMap>(&());
+        let with = |policy: &str| ObjectMeta {
+            annotations: Some([(names::LOWER_CLAIM_RECLAIM_POLICY.to_owned(), policy.to_owned())].into()),
+            ..Default::default()
+        };
+        assert!(retained(&claims, &with("Retain")));
+        assert!(!retained(&claims, &with("Delete")));
+        assert!(!retained(&claims, &ObjectMeta::default()));
+        assert!(!retained(&maps, &with("Retain")), "only claims");
+    }
+
+    #[test]
+    fn a_shared_copy_is_the_upper_clusters_alone_never_a_nodes_nor_what_join_made() {
+        let with = |labels: &[(&str, &str)]| ObjectMeta {
+            labels: Some(
+                labels
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+            ),
+            ..Default::default()
+        };
+        assert!(shared_copy(&with(&[(names::MARK_CLUSTER, "c1")]), "c1"));
+        assert!(
+            !shared_copy(&with(&[(names::MARK_CLUSTER, "c2")]), "c1"),
+            "another upper cluster's"
+        );
+        assert!(!shared_copy(
+            &with(&[(names::MARK_CLUSTER, "c1"), (names::MARK_NODE, "vn")]),
+            "c1"
+        ));
+        assert!(
+            !shared_copy(
+                &with(&[
+                    (names::MARK_CLUSTER, "c1"),
+                    (names::LOWER_CLUSTER, "lower-b"),
+                    (names::MANAGED_BY, "tensilectl")
+                ]),
+                "c1"
+            ),
+            "another LowerCluster's account, made by join"
+        );
+        assert!(!shared_copy(&ObjectMeta::default(), "c1"));
     }
 }
