@@ -402,14 +402,17 @@ impl PodActor {
     }
 
     /// As [`PodActor::wait`] while the containers run, probing readiness meanwhile: a change
-    /// of the probe's verdict is written with `running`.
+    /// of the probe's verdict is written with `running`. As a kubelet's status manager does,
+    /// a Ready condition someone else changed (the node lifecycle controller marks the pods of
+    /// a node it saw go Unknown not ready) is written back once the pod changes.
     async fn wait_running(&mut self, d: Duration, running: &Running<'_>) -> Wake {
-        let Some(probe) = self.probe.clone() else {
-            return self.wait(d).await;
-        };
         let deadline = tokio::time::Instant::now() + d.min(Duration::from_secs(100 * 365 * 24 * 3600));
         loop {
-            if self.probe_once(&probe).await {
+            let probed = match self.probe.clone() {
+                Some(probe) => self.probe_once(&probe).await,
+                None => false,
+            };
+            if probed || self.ready_overwritten(running) {
                 let written = self
                     .write_status(
                         running.start_time,
@@ -420,18 +423,37 @@ impl PodActor {
                     )
                     .await;
                 if let Err(e) = written {
-                    tracing::warn!(pod = %format!("{}/{}", self.namespace, self.name), "readiness: {e}");
+                    tracing::warn!(pod = %format!("{}/{}", self.namespace, self.name), "status: {e}");
                 }
             }
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             if left.is_zero() {
                 return Wake::Elapsed;
             }
-            match self.wait(probe.period.min(left)).await {
-                Wake::Elapsed => {}
-                other => return other,
+            let step = self.probe.as_ref().map_or(left, |p| p.period.min(left));
+            if self.deleting() {
+                return Wake::Deleting;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(step) => {}
+                changed = self.rx.changed() => if changed.is_err() { return Wake::Gone },
             }
         }
+    }
+
+    /// Whether the pod's Ready condition is no longer what this kubelet would write for
+    /// `running` (someone else wrote it).
+    fn ready_overwritten(&self, running: &Running<'_>) -> bool {
+        let want =
+            matches!(running.state, State::Running { .. }) && (self.probe.is_none() || self.probed_ready);
+        let pod = self.pod();
+        let seen = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+            .map(|c| c.status == "True");
+        seen.is_some_and(|seen| seen != want)
     }
 
     /// Runs the readiness probe once, at the address registered for this pod; whether its
