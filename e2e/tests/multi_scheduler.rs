@@ -24,6 +24,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::{Value, json};
 use tensile_common::exclusion::Location;
 use tensile_common::names;
+use tensile_common::quantity::ResourceMap;
 use tensile_common::stash::Stash;
 use tensile_e2e::check::{Namespaces, apply, kubectl, webhook_registration};
 use tensile_e2e::descheduler::DeschedulerProcess;
@@ -46,7 +47,8 @@ const VN_C: &str = "vn-c";
 
 struct Bed {
     upper: TestCluster,
-    _lowers: Vec<TestCluster>,
+    /// lower-a, lower-b, lower-c: the clusters behind vn-a, vn-b, vn-c.
+    lowers: Vec<TestCluster>,
     sim_b: NodeSimulator,
     _sims: Vec<NodeSimulator>,
     _nodes: Vec<in_process::VirtualNode>,
@@ -57,6 +59,78 @@ struct Bed {
 static BED: Shared<Bed> = Shared::new();
 /// One scene at a time: they share the lower clusters' capacity.
 static SCENE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Takes the scene and sets it: no upper pod left by an earlier scene (one that failed
+/// before its clean-up included), and every virtual node's shape showing each of its lower
+/// nodes empty again. Without the second, a burst that starts within the 5 s a virtual node
+/// takes to publish a changed shape is filtered against the previous scene's load.
+async fn scene() -> tokio::sync::MutexGuard<'static, ()> {
+    let guard = SCENE.lock().await;
+    let bed = bed();
+    let client = bed.upper.client().await.unwrap();
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+    for ns in namespaces.list(&ListParams::default()).await.unwrap().items {
+        let ns = ns.metadata.name.unwrap_or_default();
+        if !ns.starts_with("kube-") {
+            clean_up(&Api::namespaced(client.clone(), &ns)).await;
+        }
+    }
+    for (name, lower) in [VN_A, VN_B, VN_C].into_iter().zip(&bed.lowers) {
+        let lower = lower.client().await.unwrap();
+        let upper = client.clone();
+        must(
+            &format!("{name}'s shape showing every lower node empty"),
+            Duration::from_secs(30),
+            Duration::from_millis(250),
+            || shape_shows_empty(upper.clone(), lower.clone(), name),
+        )
+        .await;
+    }
+    guard
+}
+
+/// Ok when the shape of virtual node `name` has, for each lower node, a frontier vector
+/// with all of that node's allocatable free (on the resources the shape names).
+async fn shape_shows_empty(upper: kube::Client, lower: kube::Client, name: &str) -> Result<(), String> {
+    let node = Api::<Node>::all(upper)
+        .get(name)
+        .await
+        .map_err(|e| e.to_string())?;
+    let text = node
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(names::NODE_CAPACITY_SHAPE))
+        .ok_or("no shape")?;
+    let shape = tensile_common::shape::Shape::decode(text).map_err(|e| e.to_string())?;
+    let mut free = Vec::new();
+    for group in &shape.groups {
+        free.extend(group.free_maps().map_err(|e| e.to_string())?);
+    }
+    let lower_nodes = Api::<Node>::all(lower)
+        .list(&ListParams::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    for n in lower_nodes
+        .items
+        .iter()
+        .filter(|n| tensile_common::shape::usable(n))
+    {
+        let allocatable = n.status.as_ref().and_then(|s| s.allocatable.as_ref());
+        let Some(allocatable) = allocatable else { continue };
+        let (allocatable, _) = ResourceMap::parse(allocatable.iter().map(|(k, v)| (k, &v.0)));
+        let empty = free
+            .iter()
+            .any(|v| v.0.iter().all(|(k, amount)| *amount >= allocatable.get(k)));
+        if !empty {
+            return Err(format!(
+                "lower node {} not shown empty in {free:?}",
+                n.metadata.name.as_deref().unwrap_or_default()
+            ));
+        }
+    }
+    Ok(())
+}
 
 fn bed() -> &'static Bed {
     BED.get(|| async {
@@ -127,7 +201,7 @@ fn bed() -> &'static Bed {
         let scheduler = upper.start_scheduler(&config_path, "tensile-scheduler")?;
         Ok(Bed {
             upper,
-            _lowers: vec![a, b, c],
+            lowers: vec![a, b, c],
             sim_b,
             _sims: vec![sim_a, sim_c],
             _nodes: nodes,
@@ -362,7 +436,7 @@ async fn run_burst(api: &Api<Pod>, pods: &[(Pod, &[&str])], log: impl Fn() -> St
 
 #[tokio::test]
 async fn a_mixed_burst_through_the_extender_runs_with_no_pod_ever_refused_below() {
-    let _scene = SCENE.lock().await;
+    let _scene = scene().await;
     let bed = bed();
     let api = namespace("burst-extender").await;
     let pods = burst(Some(SCHEDULER));
@@ -389,7 +463,7 @@ async fn a_mixed_burst_through_the_extender_runs_with_no_pod_ever_refused_below(
 #[tokio::test]
 async fn the_standalone_scheduler_runs_the_burst_with_no_pod_refused_below_and_explains_a_pod_that_fits_nowhere()
  {
-    let _scene = SCENE.lock().await;
+    let _scene = scene().await;
     let bed = bed();
     let standalone = StandaloneProcess::start(&bed.upper, STANDALONE, "standalone").unwrap();
     standalone.wait_ready(Duration::from_secs(30)).await.unwrap();
@@ -456,7 +530,7 @@ async fn the_standalone_scheduler_runs_the_burst_with_no_pod_refused_below_and_e
 
 #[tokio::test]
 async fn the_same_burst_with_the_default_scheduler_leaves_pods_refused_below() {
-    let _scene = SCENE.lock().await;
+    let _scene = scene().await;
     bed();
     let api = namespace("burst-default").await;
     let pods = burst(None);
@@ -490,7 +564,7 @@ async fn the_same_burst_with_the_default_scheduler_leaves_pods_refused_below() {
 
 #[tokio::test]
 async fn a_pod_no_lower_node_holds_waits_with_the_reason_and_schedules_once_a_lower_node_is_added() {
-    let _scene = SCENE.lock().await;
+    let _scene = scene().await;
     let bed = bed();
     let ns = "too-big";
     let api = namespace(ns).await;
@@ -565,7 +639,7 @@ async fn a_pod_no_lower_node_holds_waits_with_the_reason_and_schedules_once_a_lo
 
 #[tokio::test]
 async fn with_the_extender_down_its_pods_wait_and_default_scheduler_pods_still_schedule() {
-    let _scene = SCENE.lock().await;
+    let _scene = scene().await;
     let bed = bed();
     let ns = "extender-down";
     let api = namespace(ns).await;
@@ -761,7 +835,7 @@ async fn start_webhook(
 #[tokio::test]
 async fn the_burst_as_deployments_runs_sooner_through_the_extender_than_through_the_default_scheduler_and_the_descheduler()
  {
-    let _scene = SCENE.lock().await;
+    let _scene = scene().await;
     let bed = bed();
     let (via_extender, via_descheduler) = ("deploy-extender", "deploy-descheduler");
     for ns in [via_extender, via_descheduler] {
@@ -932,7 +1006,7 @@ async fn all_running(api: &Api<Pod>, what: &str) {
 #[tokio::test]
 async fn a_high_priority_pod_no_lower_node_can_hold_evicts_nothing() {
     use k8s_openapi::api::scheduling::v1::PriorityClass;
-    let _scene = SCENE.lock().await;
+    let _scene = scene().await;
     let bed = bed();
     let client = bed.upper.client().await.unwrap();
     let high: PriorityClass =
@@ -1022,7 +1096,7 @@ async fn a_high_priority_pod_no_lower_node_can_hold_evicts_nothing() {
 /// never bound as if it had none.
 #[tokio::test]
 async fn the_standalone_scheduler_refuses_a_pod_with_inter_pod_constraints_and_says_what_to_do() {
-    let _scene = SCENE.lock().await;
+    let _scene = scene().await;
     let bed = bed();
     let standalone = StandaloneProcess::start(&bed.upper, STANDALONE, "standalone-refuse").unwrap();
     standalone.wait_ready(Duration::from_secs(30)).await.unwrap();
