@@ -129,17 +129,26 @@ pub async fn config_from_file(path: &Path, options: &ClientOptions) -> Result<ku
         path: path.to_owned(),
         source,
     })?;
+    config_of(kubeconfig, options)
+        .await
+        .map_err(|source| Error::Invalid {
+            path: path.to_owned(),
+            source,
+        })
+}
+
+/// The configuration `kubeconfig` describes, with the proxy it names (else the
+/// environment's) and `options` applied.
+async fn config_of(
+    kubeconfig: Kubeconfig,
+    options: &ClientOptions,
+) -> Result<kube::Config, kube::config::KubeconfigError> {
     let opts = KubeConfigOptions {
         context: options.context.clone(),
         ..Default::default()
     };
     let named = named_proxy(&kubeconfig, options.context.as_deref());
-    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &opts)
-        .await
-        .map_err(|source| Error::Invalid {
-            path: path.to_owned(),
-            source,
-        })?;
+    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &opts).await?;
     config.proxy_url = named;
     tune(&mut config, options);
     Ok(config)
@@ -355,19 +364,12 @@ pub async fn client_from_kubeconfig(
     what: &str,
     options: &ClientOptions,
 ) -> Result<kube::Client, Error> {
-    let opts = KubeConfigOptions {
-        context: options.context.clone(),
-        ..Default::default()
-    };
-    let named = named_proxy(&kubeconfig, options.context.as_deref());
-    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &opts)
+    let config = config_of(kubeconfig, options)
         .await
         .map_err(|source| Error::InMemory {
             what: what.to_owned(),
             source,
         })?;
-    config.proxy_url = named;
-    tune(&mut config, options);
     build(config, options).map_err(|source| Error::InMemoryClient {
         what: what.to_owned(),
         source,

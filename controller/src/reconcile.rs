@@ -65,19 +65,7 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
     if cluster.metadata.deletion_timestamp.is_some() {
         return remove(&cluster, &ctx, &api).await;
     }
-    let finalizers = cluster.metadata.finalizers.clone().unwrap_or_default();
-    if !finalizers.iter().any(|f| f == names::LOWER_CLUSTER_FINALIZER) {
-        let mut with = finalizers;
-        with.push(names::LOWER_CLUSTER_FINALIZER.to_owned());
-        let patch =
-            json!({"metadata": {"finalizers": with, "resourceVersion": cluster.metadata.resource_version}});
-        api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .map_err(ApiError::on(
-                "upper",
-                "patch",
-                format!("lowercluster {name} (finalizer)"),
-            ))?;
+    if set_finalizer(&api, cluster.as_ref(), &format!("lowercluster {name}"), true).await? {
         // The change of the object brings the next pass.
         return Ok(Action::await_change());
     }
@@ -732,27 +720,40 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
 /// Removes `cluster`'s finalizer: the last step of its removal.
 async fn finish(cluster: &LowerCluster, api: &Api<LowerCluster>) -> Result<Action, Error> {
     let name = cluster.name();
-    let rest: Vec<String> = cluster
-        .metadata
-        .finalizers
-        .clone()
-        .unwrap_or_default()
+    if set_finalizer(api, cluster, &format!("lowercluster {name}"), false).await? {
+        tracing::info!(cluster = %name, "removed");
+    }
+    Ok(Action::await_change())
+}
+
+/// Adds (`on`) or removes the finalizer `tensile.io/lower-cluster` on `object`, guarded by
+/// its resourceVersion. `Ok(true)` when it was changed; an object already so, or gone, is
+/// left as it is.
+async fn set_finalizer<K>(api: &Api<K>, object: &K, what: &str, on: bool) -> Result<bool, Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let finalizers = object.meta().finalizers.clone().unwrap_or_default();
+    if finalizers.iter().any(|f| f == names::LOWER_CLUSTER_FINALIZER) == on {
+        return Ok(false);
+    }
+    let mut rest: Vec<String> = finalizers
         .into_iter()
         .filter(|f| f != names::LOWER_CLUSTER_FINALIZER)
         .collect();
-    let patch =
-        json!({"metadata": {"finalizers": rest, "resourceVersion": cluster.metadata.resource_version}});
+    if on {
+        rest.push(names::LOWER_CLUSTER_FINALIZER.to_owned());
+    }
+    let patch = json!({"metadata": {"finalizers": rest, "resourceVersion": object.meta().resource_version}});
+    let name = object.meta().name.clone().unwrap_or_default();
     match api
-        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
     {
-        Ok(_) => tracing::info!(cluster = %name, "removed"),
-        Err(e) if code(&e) == Some(404) => {}
-        Err(e) => {
-            return Err(ApiError::on("upper", "patch", format!("lowercluster {name} (finalizer)"))(e).into());
-        }
+        Ok(_) => Ok(true),
+        Err(e) if code(&e) == Some(404) => Ok(false),
+        Err(e) => Err(ApiError::on("upper", "patch", format!("{what} (finalizer)"))(e).into()),
     }
-    Ok(Action::await_change())
 }
 
 /// Cordons `node` and evicts its pods; `Some(why)` while pods remain and the drain has
@@ -846,25 +847,11 @@ fn is_virtual_node(node: &Node) -> bool {
 /// release (or by hand) before the LowerCluster's removal has used it to clean up below, it
 /// stays until that is done.
 async fn hold(secrets: &Api<Secret>, secret: &Secret) -> Result<(), Error> {
-    let finalizers = secret.metadata.finalizers.clone().unwrap_or_default();
-    if finalizers.iter().any(|f| f == names::LOWER_CLUSTER_FINALIZER)
-        || secret.metadata.deletion_timestamp.is_some()
-    {
-        return Ok(());
+    // A Secret being deleted takes no new finalizer.
+    if secret.metadata.deletion_timestamp.is_none() {
+        let name = secret.metadata.name.as_deref().unwrap_or_default();
+        set_finalizer(secrets, secret, &format!("secret {name}"), true).await?;
     }
-    let name = secret.metadata.name.clone().unwrap_or_default();
-    let mut with = finalizers;
-    with.push(names::LOWER_CLUSTER_FINALIZER.to_owned());
-    let patch =
-        json!({"metadata": {"finalizers": with, "resourceVersion": secret.metadata.resource_version}});
-    secrets
-        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .map_err(ApiError::on(
-            "upper",
-            "patch",
-            format!("secret {name} (finalizer)"),
-        ))?;
     Ok(())
 }
 
@@ -898,24 +885,8 @@ async fn release_credential(
     else {
         return Ok(());
     };
-    let finalizers = secret.metadata.finalizers.clone().unwrap_or_default();
-    if !finalizers.iter().any(|f| f == names::LOWER_CLUSTER_FINALIZER) {
-        return Ok(());
-    }
-    let rest: Vec<String> = finalizers
-        .into_iter()
-        .filter(|f| f != names::LOWER_CLUSTER_FINALIZER)
-        .collect();
-    let patch =
-        json!({"metadata": {"finalizers": rest, "resourceVersion": secret.metadata.resource_version}});
-    match secrets
-        .patch(secret_name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-    {
-        Ok(_) => Ok(()),
-        Err(e) if code(&e) == Some(404) => Ok(()),
-        Err(e) => Err(ApiError::on("upper", "patch", format!("secret {secret_name} (finalizer)"))(e).into()),
-    }
+    set_finalizer(&secrets, &secret, &format!("secret {secret_name}"), false).await?;
+    Ok(())
 }
 
 /// Whether an election Lease is held by someone whose term has not lapsed.

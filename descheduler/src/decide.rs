@@ -39,6 +39,19 @@ use crate::job::{self, JobRisk};
 /// `InvalidPod` (no cluster would run it).
 pub const CREATE_FAILURES: &[&str] = &["CreateFailed"];
 
+/// Which bare pods are moved. Moving one means creating its replacement, the only reason
+/// the descheduler may need `create` on pods: with `off` it needs none.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum BarePods {
+    /// None.
+    Off,
+    /// Those with the `descheduler.alpha.kubernetes.io/evict` annotation.
+    #[default]
+    Annotated,
+    /// Every one.
+    All,
+}
+
 /// The rules' knobs, from the flags.
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -46,8 +59,8 @@ pub struct Settings {
     pub threshold: Duration,
     /// `LowerPodScheduled` reasons that make a pod a candidate.
     pub reasons: Vec<String>,
-    /// Move bare pods without their opting in.
-    pub recreate_bare_pods: bool,
+    /// Which bare pods are moved (each by creating its replacement).
+    pub bare_pods: BarePods,
     /// Move pods of the `system-*-critical` priority classes too.
     pub evict_system_critical: bool,
     /// Nodes added to one workload's record before it is given up on.
@@ -67,7 +80,7 @@ impl Default for Settings {
         Self {
             threshold: Duration::from_secs(60),
             reasons: vec!["Unschedulable".into()],
-            recreate_bare_pods: false,
+            bare_pods: BarePods::Annotated,
             evict_system_critical: false,
             max_moves_per_owner: 3,
             exclusion_ttl: Duration::from_secs(600),
@@ -145,8 +158,8 @@ pub enum Skip {
     OptedOut,
     /// Its volume was bound below this virtual node.
     VolumePinned,
-    /// A bare pod that did not opt in (and no `--recreate-bare-pods`).
-    BarePod,
+    /// A bare pod that `--bare-pods` leaves alone.
+    BarePod(BarePods),
     /// No other Ready virtual node would take it; why each one would not.
     NoOtherNode(Vec<String>),
     /// The workload was given up on and has not expired yet.
@@ -166,7 +179,7 @@ impl Skip {
             Skip::SystemCritical => "system_critical",
             Skip::OptedOut => "opted_out",
             Skip::VolumePinned => "volume_pinned",
-            Skip::BarePod => "bare_pod",
+            Skip::BarePod(_) => "bare_pod",
             Skip::NoOtherNode(_) => "no_other_node",
             Skip::Exhausted => "exhausted",
             Skip::JobWouldFail(_) => "job_would_fail",
@@ -183,9 +196,13 @@ impl std::fmt::Display for Skip {
             Skip::SystemCritical => write!(f, "it is system-critical"),
             Skip::OptedOut => write!(f, "it opted out"),
             Skip::VolumePinned => write!(f, "its volume pins it to its virtual node"),
-            Skip::BarePod => write!(
+            Skip::BarePod(BarePods::Off) => write!(
                 f,
-                "it is a bare pod without {} (or --recreate-bare-pods)",
+                "it is a bare pod and bare pods are not moved (--bare-pods=off)"
+            ),
+            Skip::BarePod(_) => write!(
+                f,
+                "it is a bare pod without {} (or --bare-pods=all)",
                 names::DESCHEDULER_EVICT
             ),
             Skip::NoOtherNode(why) => write!(f, "no other virtual node would take it: {}", why.join("; ")),
@@ -389,8 +406,13 @@ pub(crate) fn protected(pod: &Pod, settings: &Settings) -> Result<Workload, Skip
         }),
         None => {
             let opted_in = annotation(pod, names::DESCHEDULER_EVICT).is_some_and(|v| v != "false");
-            if !(opted_in || settings.recreate_bare_pods) {
-                return Err(Skip::BarePod);
+            let moved = match settings.bare_pods {
+                BarePods::Off => false,
+                BarePods::Annotated => opted_in,
+                BarePods::All => true,
+            };
+            if !moved {
+                return Err(Skip::BarePod(settings.bare_pods));
             }
             let lineage = annotation(pod, names::LINEAGE)
                 .map(str::to_owned)
@@ -930,12 +952,12 @@ mod tests {
         assert!(matches!(
             judged(&bare),
             Verdict::Skip {
-                why: Skip::BarePod,
+                why: Skip::BarePod(BarePods::Annotated),
                 ..
             }
         ));
         let settings = Settings {
-            recreate_bare_pods: true,
+            bare_pods: BarePods::All,
             ..Settings::default()
         };
         let Verdict::Move(m) = judge_with(&bare, &["vn-a", "vn-b"], &Exclusions::default(), NOW, &settings)
@@ -947,6 +969,27 @@ mod tests {
             Workload::Bare {
                 lineage: "pod-uid".into()
             }
+        );
+        let mut annotated = v.clone();
+        annotated["metadata"]["annotations"] = json!({"descheduler.alpha.kubernetes.io/evict": "true"});
+        let off = Settings {
+            bare_pods: BarePods::Off,
+            ..Settings::default()
+        };
+        let skipped = judge_with(
+            &pod(annotated),
+            &["vn-a", "vn-b"],
+            &Exclusions::default(),
+            NOW,
+            &off,
+        );
+        let Verdict::Skip { why, .. } = skipped else {
+            panic!("off moves no bare pod, annotated or not: {skipped:?}")
+        };
+        assert_eq!(why, Skip::BarePod(BarePods::Off));
+        assert_eq!(
+            why.to_string(),
+            "it is a bare pod and bare pods are not moved (--bare-pods=off)"
         );
         v["metadata"]["annotations"] =
             json!({"descheduler.alpha.kubernetes.io/evict": "true", "tensile.io/lineage": "first-uid"});

@@ -52,7 +52,7 @@ use tensile_common::leader::{self, Candidacy, LeaderArgs, Leadership, Standing};
 use tensile_common::runtime::{self, CancellationToken, Supervisor};
 use tensile_common::telemetry::LogArgs;
 
-use crate::decide::Settings;
+use crate::decide::{BarePods, Settings};
 use crate::rounds::{Caps, Descheduler};
 
 /// Command-line flags (each also read from the environment): kubernetes-sigs/descheduler's
@@ -155,8 +155,18 @@ pub struct Args {
         default_value = "kube-system"
     )]
     pub exclude_namespaces: Vec<String>,
-    /// Move bare pods even without the `descheduler.alpha.kubernetes.io/evict` annotation.
-    #[arg(long = "recreate-bare-pods", env = "TENSILE_RECREATE_BARE_PODS")]
+    /// Which bare pods are moved, each by creating its replacement: `off` (then the
+    /// descheduler never creates a pod), `annotated` (those with
+    /// `descheduler.alpha.kubernetes.io/evict`), or `all`.
+    #[arg(long = "bare-pods", env = "TENSILE_BARE_PODS", value_enum, default_value_t = BarePods::Annotated)]
+    pub bare_pods: BarePods,
+    /// The same as `--bare-pods=all` (the earlier flag).
+    #[arg(
+        long = "recreate-bare-pods",
+        env = "TENSILE_RECREATE_BARE_PODS",
+        hide = true,
+        conflicts_with = "bare_pods"
+    )]
     pub recreate_bare_pods: bool,
     /// Move pods of the `system-cluster-critical` and `system-node-critical` classes too.
     #[arg(
@@ -229,7 +239,11 @@ impl Args {
                 .map(|r| r.trim().to_owned())
                 .filter(|r| !r.is_empty())
                 .collect(),
-            recreate_bare_pods: self.recreate_bare_pods,
+            bare_pods: if self.recreate_bare_pods {
+                BarePods::All
+            } else {
+                self.bare_pods
+            },
             evict_system_critical: self.evict_system_critical_pods,
             max_moves_per_owner: self.max_moves_per_owner,
             exclusion_ttl: self.exclusion_ttl,
@@ -455,6 +469,23 @@ mod tests {
     use clap::Parser;
 
     #[test]
+    fn bare_pods_are_off_annotated_or_all_and_the_earlier_flag_cannot_contradict_it() {
+        let parse = |extra: &[&str]| Args::try_parse_from([&["descheduler"][..], extra].concat());
+        assert_eq!(parse(&[]).unwrap().settings().bare_pods, BarePods::Annotated);
+        assert_eq!(
+            parse(&["--bare-pods=off"]).unwrap().settings().bare_pods,
+            BarePods::Off
+        );
+        assert_eq!(
+            parse(&["--bare-pods=all"]).unwrap().settings().bare_pods,
+            BarePods::All
+        );
+        let both = parse(&["--bare-pods=off", "--recreate-bare-pods"]).unwrap_err();
+        assert_eq!(both.kind(), clap::error::ErrorKind::ArgumentConflict);
+        assert!(parse(&["--bare-pods=some"]).is_err());
+    }
+
+    #[test]
     fn flags_keep_the_names_operators_know_and_read_seconds_or_durations() {
         let args = Args::try_parse_from([
             "descheduler",
@@ -478,6 +509,7 @@ mod tests {
         assert_eq!(args.descheduling_interval, Duration::from_secs(10));
         assert!(args.dry_run && args.recreate_bare_pods && args.leader.leader_elect);
         let s = args.settings();
+        assert_eq!(s.bare_pods, BarePods::All, "the earlier flag is --bare-pods=all");
         assert_eq!(s.threshold, Duration::from_secs(90));
         assert_eq!(s.exclusion_ttl, Duration::from_secs(300));
         assert_eq!(s.max_moves_per_owner, 2);

@@ -140,7 +140,10 @@ impl TestCluster {
             format!("--tls-cert-file={}", p("apiserver.crt")),
             format!("--tls-private-key-file={}", p("apiserver.key")),
             format!("--client-ca-file={}", p("ca.crt")),
+            // As real clusters run: a kubelet's credential confined to its own Node, Lease
+            // and what the pods bound to it use.
             "--authorization-mode=Node,RBAC".into(),
+            "--enable-admission-plugins=NodeRestriction".into(),
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
             format!("--service-account-key-file={}", p("sa.pub")),
             format!("--service-account-signing-key-file={}", p("sa.key")),

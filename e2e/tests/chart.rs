@@ -232,13 +232,15 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
         ),
         (wh, &["patch", "mutatingwebhookconfigurations/another"], false),
         (wh, &["create", "pods", "-n", "default"], false),
-        // The descheduler evicts, never deletes.
+        // The descheduler evicts, never deletes; it moves no bare pod by default, so it
+        // creates none.
         (
             ds,
             &["create", "pods", "--subresource=eviction", "-n", "default"],
             true,
         ),
         (ds, &["delete", "pods", "-n", "default"], false),
+        (ds, &["create", "pods", "-n", "default"], false),
         // The exclusion records: the descheduler writes and deletes them, the others read
         // them; the old ConfigMap of records is only read, and deleted once empty.
         (
@@ -1110,6 +1112,49 @@ fn container_args(deployment: &serde_json::Value) -> Vec<String> {
         .iter()
         .filter_map(|a| a.as_str().map(str::to_owned))
         .collect()
+}
+
+/// The descheduler may create pods only when it moves bare pods (a move creates the
+/// replacement first): `descheduler.barePods` is passed as `--bare-pods`, `off` (the
+/// default, also when written unquoted, which YAML reads as false) grants no `create`.
+#[tokio::test]
+async fn the_descheduler_may_create_pods_only_when_it_moves_bare_pods() {
+    let up = &bed().upper;
+    let seen = |objects: &[serde_json::Value]| -> (Vec<String>, Vec<String>) {
+        let flags = container_args(object(objects, "Deployment", "bp-tensile-descheduler"))
+            .into_iter()
+            .filter(|a| a.starts_with("--bare-pods"))
+            .collect();
+        let role = object(objects, "ClusterRole", "bp-tensile-descheduler");
+        let verbs = role["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["resources"] == serde_json::json!(["pods"]))
+            .flat_map(|r| r["verbs"].as_array().unwrap().iter())
+            .filter_map(|v| v.as_str().map(str::to_owned))
+            .collect();
+        (flags, verbs)
+    };
+    let read = ["get", "list", "watch"].map(String::from).to_vec();
+    let with_create = ["get", "list", "watch", "create"].map(String::from).to_vec();
+    let default = seen(&rendered(up, "bp", &[]).await);
+    assert_eq!(default, (vec!["--bare-pods=off".to_owned()], read.clone()));
+    let unquoted = seen(&rendered(up, "bp", &["--set", "descheduler.barePods=false"]).await);
+    assert_eq!(unquoted, default);
+    for value in ["annotated", "all"] {
+        let set = format!("descheduler.barePods={value}");
+        let on = seen(&rendered(up, "bp", &["--set", &set]).await);
+        assert_eq!(on, (vec![format!("--bare-pods={value}")], with_create.clone()));
+    }
+    let wrong = template(
+        up,
+        "bp",
+        &with_nodes(&["a"], &["--set", "descheduler.barePods=some"]),
+    )
+    .await;
+    assert!(!wrong.ok, "an unknown value is refused");
+    assert!(wrong.stderr.contains("barePods"), "{}", wrong.stderr);
 }
 
 /// Failback is off by default; `descheduler.rebalance.enabled` turns it on with its budget.
