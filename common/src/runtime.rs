@@ -14,6 +14,16 @@ use std::time::Duration;
 use tokio::task::JoinSet;
 pub use tokio_util::sync::CancellationToken;
 
+/// Aborts the process as `kill -9` would end it (nothing cleaned up, no Lease released) when
+/// `crash_at` is `step`: a daemon's hidden `--crash-at` flag, with which tests prove that a
+/// restart after any step of a multi-write task finishes it exactly once.
+pub fn crash_point<S: PartialEq + std::fmt::Debug>(process: &str, crash_at: Option<S>, step: S) {
+    if crash_at.as_ref() == Some(&step) {
+        eprintln!("{process}: --crash-at={step:?}: aborting");
+        std::process::abort();
+    }
+}
+
 /// How long graceful tasks get to finish after shutdown begins, unless a daemon says otherwise.
 pub const DEFAULT_DRAIN: Duration = Duration::from_secs(10);
 

@@ -84,6 +84,10 @@ pub struct Args {
     #[arg(long = "drain-timeout", env = "TENSILE_DRAIN_TIMEOUT", default_value = "5m",
           value_parser = tensile_common::leader::parse_duration)]
     pub drain_timeout: Duration,
+    /// For tests only: abort the process right after this step of a cluster's removal, as
+    /// `kill -9` would, to prove a restart finishes the removal.
+    #[arg(long = "crash-at", env = "TENSILE_CRASH_AT", hide = true, value_enum)]
+    pub crash_at: Option<reconcile::RemovalStep>,
     #[command(flatten)]
     pub client: ClientArgs,
     #[command(flatten)]
@@ -202,6 +206,7 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         resync: Duration::from_secs(args.resync_seconds),
         renew_at: args.token_renew_at,
         drain_timeout: args.drain_timeout,
+        crash_at: args.crash_at,
         applied: Default::default(),
     });
     tracing::info!(namespace = %args.namespace, cluster_id = %ctx.settings.cluster_id, "starting");

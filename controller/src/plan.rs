@@ -490,6 +490,8 @@ pub fn status(cluster: &LowerCluster, observed: &Observed) -> LowerClusterStatus
         allocatable: observed.allocatable.clone(),
         last_heartbeat: observed.last_heartbeat.clone(),
         credential_expires: observed.credential_expires.clone(),
+        // Only a removal sets it.
+        lower_removed: None,
     }
 }
 

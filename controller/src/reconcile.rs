@@ -46,9 +46,30 @@ pub struct Context {
     pub renew_at: f64,
     /// How long a leaving cluster's virtual node is drained before it stops regardless.
     pub drain_timeout: Duration,
+    /// The removal step after which the process aborts (tests only).
+    pub crash_at: Option<RemovalStep>,
     /// What was last applied for each cluster, and when: an unchanged plan is applied again
     /// only every [`REAPPLY`] (to repair edits), not every pass.
     pub applied: std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
+}
+
+/// A step of a cluster's removal, each ended by writes a restart must find done or redo.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum RemovalStep {
+    /// Its Node is cordoned and its pods evicted.
+    Drained,
+    /// Its Deployment is gone and no replica holds its election Lease.
+    Stopped,
+    /// What it made below is removed.
+    Below,
+    /// Its volumes, Node, Lease and grants upstream are removed.
+    Upstream,
+    /// Its credential Secret is released; the finalizer is still on.
+    Released,
+}
+
+fn crash_point(ctx: &Context, step: RemovalStep) {
+    tensile_common::runtime::crash_point("cluster-controller", ctx.crash_at, step);
 }
 
 /// How often an unchanged plan is applied again, to repair what someone edited or deleted.
@@ -544,6 +565,7 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
     if let Some(waiting) = drain(cluster, ctx, &node).await? {
         return removing(api, cluster, waiting).await;
     }
+    crash_point(ctx, RemovalStep::Drained);
     // 2. The virtual node stops: its Deployment goes with its pods (foreground).
     let deployments: Api<Deployment> = Api::namespaced(ctx.upper.clone(), ns);
     let foreground = DeleteParams {
@@ -578,6 +600,7 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
         }
         delete_quietly(&leases, &leader).await?;
     }
+    crash_point(ctx, RemovalStep::Stopped);
     // 4. Everything it made below.
     let identity = Identity {
         cluster_id: ctx.settings.cluster_id.clone(),
@@ -589,7 +612,8 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
         .as_ref()
         .and_then(|a| a.get(ORPHAN_LOWER))
         .is_some_and(|v| v == "true");
-    if !orphan {
+    let removed_below = cluster.status.as_ref().and_then(|s| s.lower_removed) == Some(true);
+    if !orphan && !removed_below {
         let secrets: Api<Secret> = Api::namespaced(ctx.upper.clone(), ns);
         let secret_name = &cluster.spec.credential.secret_name;
         let hint = format!("annotate the LowerCluster {ORPHAN_LOWER}=true to remove it without that");
@@ -613,6 +637,13 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
         match teardown::remove_everything(&lower, &identity).await {
             Ok(removal) if removal.done() => {
                 tracing::info!(cluster = %name, "below: {}", removal.summary());
+                // Recorded, so that a removal resumed after a restart goes on upstream even
+                // once the credential is gone; the status change brings the next pass.
+                let mut status = cluster.status.clone().unwrap_or_default();
+                status.lower_removed = Some(true);
+                write_status(api, cluster, status).await?;
+                crash_point(ctx, RemovalStep::Below);
+                return Ok(Action::await_change());
             }
             Ok(removal) => {
                 // A pod on a lower node that is gone stays Terminating: deleting it below with
@@ -712,8 +743,10 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
     if let Ok(mut applied) = ctx.applied.lock() {
         applied.remove(&name);
     }
+    crash_point(ctx, RemovalStep::Upstream);
     // 6. The credential may go (unless another LowerCluster uses it), then the finalizer.
     release_credential(&cluster.spec.credential.secret_name, cluster, &others.items, ctx).await?;
+    crash_point(ctx, RemovalStep::Released);
     finish(cluster, api).await
 }
 

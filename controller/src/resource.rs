@@ -115,6 +115,10 @@ pub struct LowerClusterStatus {
     /// The credential Secret the controller holds (its finalizer) for this object.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credential_secret: Option<String>,
+    /// Set during the removal once everything made below is gone: a removal resumed after
+    /// a restart does not need the lower cluster (or its credential) again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lower_removed: Option<bool>,
 }
 
 impl LowerCluster {
@@ -243,6 +247,7 @@ mod tests {
             last_heartbeat: Some("2026-01-01T00:00:00Z".into()),
             credential_expires: Some("2026-01-02T00:00:00Z".into()),
             credential_secret: Some("s".into()),
+            lower_removed: None,
         };
         let written = serde_json::to_value(&status).unwrap();
         for column in crd["spec"]["versions"][0]["additionalPrinterColumns"]

@@ -39,13 +39,9 @@ pub enum Step {
     Evicted,
 }
 
-/// Aborts the process (as `kill -9` would end it: nothing is cleaned up) if `crash_at` is
-/// `step`.
+/// Aborts the process (see [`tensile_common::runtime::crash_point`]) if `crash_at` is `step`.
 pub fn crash_point(crash_at: Option<Step>, step: Step) {
-    if crash_at == Some(step) {
-        eprintln!("descheduler: --crash-at={step:?}: aborting");
-        std::process::abort();
-    }
+    tensile_common::runtime::crash_point("descheduler", crash_at, step);
 }
 
 /// The replacement's name: the line's base name and five characters of the old UID.

@@ -309,12 +309,14 @@ pub fn with_flags(args: &[String], set: &[String]) -> Vec<String> {
     out
 }
 
-/// Lines of a daemon's log that report a call the apiserver refused for want of permission.
+/// Lines of a daemon's log that report a call the apiserver refused for want of permission:
+/// the authorizer's `… is forbidden: User "…" cannot …`, or a 403 code. A refusal quoted from
+/// elsewhere, such as a lower cluster's quota (`is forbidden: exceeded quota`), is not one.
 pub fn denied_calls(log: &str) -> Vec<String> {
     log.lines()
         .filter(|l| {
             let l = l.to_ascii_lowercase();
-            l.contains("forbidden") || l.contains("\"code\":403") || l.contains("code: 403")
+            l.contains("is forbidden: user \"") || l.contains("\"code\":403") || l.contains("code: 403")
         })
         .map(str::to_owned)
         .collect()
@@ -373,5 +375,11 @@ mod tests {
                    {\"level\":\"WARN\",\"code\":403}\n";
         assert_eq!(denied_calls(log).len(), 2);
         assert!(denied_calls("all fine\n").is_empty());
+        let quoted = "INFO descheduled: lower cluster lower-a rejected the pod: pods \"web\" is \
+                      forbidden: exceeded quota: cap, requested: requests.cpu=1500m\n";
+        assert!(
+            denied_calls(quoted).is_empty(),
+            "a lower quota's refusal is not ours"
+        );
     }
 }

@@ -1,7 +1,7 @@
 //! The `descheduler` binary as a child process (so tests can kill it with -9 or run two
 //! replicas), and the reading of its admin endpoint.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::process::Service;
@@ -13,13 +13,71 @@ pub struct DeschedulerProcess {
     pub admin_addr: String,
 }
 
+/// The descheduler's identity as the chart renders it for release `release` in namespace
+/// `release` (`descheduler.barePods` = `bare_pods`): its ServiceAccount, ClusterRole, Role
+/// and bindings applied to `upper`, and a kubeconfig holding that account's token. The
+/// chart's exclusion records are then `<release>-tensile-exclusions` in that namespace, and
+/// its election Lease `tensile-descheduler` there.
+pub async fn chart_identity(upper: &TestCluster, release: &str, bare_pods: &str) -> anyhow::Result<PathBuf> {
+    let chart = crate::chart::chart_dir().display().to_string();
+    let bare = format!("descheduler.barePods={bare_pods}");
+    let out = crate::chart::helm(
+        upper,
+        &[
+            "template",
+            release,
+            &chart,
+            "-n",
+            release,
+            "--set",
+            &bare,
+            "--show-only",
+            "templates/descheduler.yaml",
+        ],
+    )
+    .await?;
+    anyhow::ensure!(out.ok, "helm template: {}", out.stderr);
+    let grants: Vec<&str> = out
+        .stdout
+        .split("\n---")
+        .filter(|doc| {
+            doc.lines().any(|l| {
+                matches!(
+                    l.trim(),
+                    "kind: ServiceAccount"
+                        | "kind: ClusterRole"
+                        | "kind: ClusterRoleBinding"
+                        | "kind: Role"
+                        | "kind: RoleBinding"
+                )
+            })
+        })
+        .collect();
+    anyhow::ensure!(grants.len() == 5, "the chart's descheduler grants: {grants:?}");
+    crate::check::apply(upper.kubeconfig(), &grants.join("\n---")).await;
+    let account = format!("{release}-tensile-descheduler");
+    let path = upper.dir().join(format!("{account}.kubeconfig"));
+    Ok(crate::chart::service_account_kubeconfig(upper, release, &account, &path).await?)
+}
+
 impl DeschedulerProcess {
     /// Starts `descheduler --kubeconfig <upper> --admin-addr <free port> EXTRA…`, logging to
     /// `<upper dir>/descheduler-<log_name>.log` (appended across restarts).
     pub fn start(upper: &TestCluster, extra: &[String], log_name: &str) -> anyhow::Result<Self> {
+        Self::start_as(upper, upper.kubeconfig(), extra, log_name)
+    }
+
+    /// As [`DeschedulerProcess::start`], under the credential of `kubeconfig` (such as the
+    /// chart's account, from [`chart_identity`]).
+    pub fn start_as(
+        upper: &TestCluster,
+        kubeconfig: &Path,
+        extra: &[String],
+        log_name: &str,
+    ) -> anyhow::Result<Self> {
         let admin_addr = format!("127.0.0.1:{}", free_port()?);
         let mut args = vec![
-            format!("--kubeconfig={}", upper.kubeconfig().display()),
+            format!("--kubeconfig={}", kubeconfig.display()),
             format!("--admin-addr={admin_addr}"),
         ];
         args.extend(extra.iter().cloned());

@@ -551,14 +551,101 @@ async fn lower_clusters_join_with_one_command_run_pods_renew_their_credential_an
     }
 
     // lower-a leaves: its pods move to lower-b, and nothing of it is left in either cluster.
-    let (ok, said) = tensilectl(&[
-        "leave",
-        "lower-a",
-        &format!("--lower-kubeconfig={}", path(low_a.kubeconfig())),
-        &format!("--upper-kubeconfig={}", path(up.kubeconfig())),
-        &format!("-n={NS}"),
-    ])
-    .await;
+    // Its removal survives the controller killed after each step (as `kill -9` ends it, its
+    // election Lease still held) and the credential Secret deleted half-way: each run finds
+    // done what the last one did, and the last run finishes.
+    controller.stop();
+    let leave_args: Vec<String> = vec![
+        "leave".into(),
+        "lower-a".into(),
+        format!("--lower-kubeconfig={}", path(low_a.kubeconfig())),
+        format!("--upper-kubeconfig={}", path(up.kubeconfig())),
+        format!("-n={NS}"),
+    ];
+    let leave = tokio::spawn(async move {
+        let args: Vec<&str> = leave_args.iter().map(String::as_str).collect();
+        tensilectl(&args).await
+    });
+    let get = |args: &'static [&'static str]| kubectl(up.kubeconfig(), args);
+    for step in ["drained", "stopped", "below", "released"] {
+        if step == "released" {
+            // Held by the controller's finalizer, it stays until the removal lets it go.
+            get(&["-n", NS, "delete", "secret", "lower-a-credential", "--wait=false"]).await;
+        }
+        let mut crashing = chart::run_cluster_controller(up, NS, FULL, &[format!("--crash-at={step}")])
+            .await
+            .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(150);
+        let status = loop {
+            if let Some(status) = crashing.exited() {
+                break status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the controller did not reach {step}: {}",
+                crashing.log_tail(6000)
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        assert!(!status.success(), "{status}");
+        assert!(
+            crashing.log_tail(6000).contains("aborting"),
+            "{}",
+            crashing.log_tail(6000)
+        );
+        let finalizers = get(&[
+            "get",
+            "lowercluster",
+            "lower-a",
+            "-o",
+            "jsonpath={.metadata.finalizers}",
+        ])
+        .await;
+        assert!(
+            finalizers.contains("tensile.io/lower-cluster"),
+            "after {step}: still held: {finalizers}"
+        );
+        let node = get(&["get", "nodes", "-o", "name"]).await;
+        let deployments = get(&["-n", NS, "get", "deployments", "-o", "name"]).await;
+        let secret = get(&["-n", NS, "get", "secrets", "-o", "name"]).await;
+        let lower_removed = get(&[
+            "get",
+            "lowercluster",
+            "lower-a",
+            "-o",
+            "jsonpath={.status.lowerRemoved}",
+        ])
+        .await;
+        match step {
+            "drained" => {
+                let cordoned = get(&["get", "node", "lower-a", "-o", "jsonpath={.spec.unschedulable}"]).await;
+                assert_eq!(cordoned.trim(), "true");
+                assert!(deployments.contains("fleet-tensile-vn-lower-a"), "{deployments}");
+            }
+            "stopped" => {
+                assert!(!deployments.contains("fleet-tensile-vn-lower-a"), "{deployments}");
+                assert!(node.contains("node/lower-a"), "{node}");
+                assert_eq!(lower_removed.trim(), "");
+            }
+            "below" => {
+                assert_eq!(lower_removed.trim(), "true");
+                assert!(node.contains("node/lower-a"), "upstream is next: {node}");
+                assert!(secret.contains("lower-a-credential"), "{secret}");
+            }
+            _ => {
+                assert!(!node.contains("node/lower-a"), "{node}");
+                assert!(
+                    !secret.contains("lower-a-credential"),
+                    "let go once released: {secret}"
+                );
+            }
+        }
+        println!("removal: the controller aborted after {step}, the LowerCluster still held");
+    }
+    controller = chart::run_cluster_controller(up, NS, FULL, &["--token-renew-at=0.05".to_owned()])
+        .await
+        .unwrap();
+    let (ok, said) = leave.await.unwrap();
     assert!(
         ok,
         "leave lower-a: {said}\ncontroller: {}",

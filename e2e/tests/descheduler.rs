@@ -80,10 +80,34 @@ const LOWER_KEY: &str = "tensile-e2e";
 /// One test's namespace, lower nodes, virtual nodes and webhook.
 struct Scene {
     ns: String,
+    /// The descheduler's account as the chart renders it for release `ns` in namespace `ns`
+    /// (bare pods moved when annotated): every descheduler of the scene runs under it.
+    identity: std::path::PathBuf,
+    /// The logs of the scene's deschedulers: none may show a call the chart's account was
+    /// refused (checked when the scene ends).
+    logs: std::sync::Mutex<Vec<std::path::PathBuf>>,
     vn_a: String,
     vn_b: String,
     _nodes: Vec<in_process::VirtualNode>,
     _webhook: tensile_webhook::Running,
+}
+
+impl Drop for Scene {
+    /// Every descheduler of the scene ran under the chart's account without a refused call.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        let logs = self.logs.lock().map(|l| l.clone()).unwrap_or_default();
+        for log in logs {
+            let denied = tensile_e2e::chart::denied_calls(&tensile_e2e::process::log_tail(&log, 4_000_000));
+            assert!(
+                denied.is_empty(),
+                "{} under the chart's account was refused: {denied:?}",
+                log.display()
+            );
+        }
+    }
 }
 
 impl Scene {
@@ -130,6 +154,9 @@ impl Scene {
             ],
         )
         .await;
+        let identity = tensile_e2e::descheduler::chart_identity(&bed.upper, ns, "annotated")
+            .await
+            .unwrap();
 
         let port = free_port().unwrap();
         let config = format!("tensile-webhook-{ns}");
@@ -202,6 +229,8 @@ impl Scene {
         }
         Scene {
             ns: ns.to_owned(),
+            identity,
+            logs: Default::default(),
             vn_a,
             vn_b,
             _nodes: nodes,
@@ -222,8 +251,17 @@ impl Scene {
     }
 
     async fn descheduler(&self, extra: &[&str], log: &str) -> DeschedulerProcess {
-        let d = DeschedulerProcess::start(&bed().upper, &self.flags(extra), log).unwrap();
+        let d = self.process(extra, log);
         d.wait_ready(Duration::from_secs(30)).await.unwrap();
+        d
+    }
+
+    /// A descheduler of the scene under the chart's account, not waited for.
+    fn process(&self, extra: &[&str], log: &str) -> DeschedulerProcess {
+        let d = DeschedulerProcess::start_as(&bed().upper, &self.identity, &self.flags(extra), log).unwrap();
+        if let Ok(mut logs) = self.logs.lock() {
+            logs.push(d.log_path().to_owned());
+        }
         d
     }
 
@@ -281,10 +319,11 @@ impl Scene {
     }
 }
 
+/// Where the chart's descheduler of release `ns` keeps its records (see [`Scene::identity`]).
 fn exclusions(ns: &str) -> Location {
     Location {
         namespace: ns.to_owned(),
-        name: "exclusions".to_owned(),
+        name: format!("{ns}-tensile-exclusions"),
     }
 }
 
@@ -580,7 +619,7 @@ async fn in_dry_run_nothing_moves_and_nothing_is_written_but_the_log_and_metrics
     assert!(events(&scene.ns, "Descheduled").await.is_empty());
     let cm = bed()
         .upper
-        .kubectl(&["-n", &scene.ns, "get", "configmap", "exclusions"])
+        .kubectl(&["-n", &scene.ns, "get", "configmap", &exclusions(&scene.ns).name])
         .await;
     assert!(!cm.ok, "no exclusion record written: {}", cm.stdout);
     let records = kubectl(
@@ -820,7 +859,7 @@ async fn with_two_replicas_only_the_leader_moves_pods_and_the_standby_takes_over
     let elect = [
         "--leader-elect",
         "--leader-elect-resource-namespace=ds-leader",
-        "--leader-elect-resource-name=descheduler",
+        "--leader-elect-resource-name=tensile-descheduler",
         "--leader-elect-lease-duration=6s",
         "--leader-elect-renew-deadline=4s",
         "--leader-elect-retry-period=1s",
@@ -830,7 +869,7 @@ async fn with_two_replicas_only_the_leader_moves_pods_and_the_standby_takes_over
         .wait_ready_saying("leading", Duration::from_secs(30))
         .await
         .unwrap();
-    let second = DeschedulerProcess::start(&bed().upper, &scene.flags(&elect), "leader-2").unwrap();
+    let second = scene.process(&elect, "leader-2");
     // Ready once its caches synced, so that a Deployment of both is Available, and saying
     // it stands by.
     second
@@ -887,12 +926,7 @@ async fn a_bare_pod_move_killed_at_each_step_ends_with_exactly_one_pod_running_i
             }
             found.unwrap()
         };
-        let mut crashing = DeschedulerProcess::start(
-            &bed().upper,
-            &scene.flags(&[&format!("--crash-at={step}")]),
-            &format!("crash-{step}"),
-        )
-        .unwrap();
+        let mut crashing = scene.process(&[&format!("--crash-at={step}")], &format!("crash-{step}"));
         let deadline = Instant::now() + Duration::from_secs(90);
         let status = loop {
             if let Some(status) = crashing.service.exited() {
@@ -970,8 +1004,7 @@ async fn a_bare_pod_placed_below_after_its_replacement_was_made_ends_as_one_pod_
         found.unwrap()
     };
     // The move stops after the replacement is made: the original is never evicted.
-    let mut crashing =
-        DeschedulerProcess::start(&bed().upper, &scene.flags(&["--crash-at=created"]), "pair-crash").unwrap();
+    let mut crashing = scene.process(&["--crash-at=created"], "pair-crash");
     let deadline = Instant::now() + Duration::from_secs(90);
     while crashing.service.exited().is_none() {
         assert!(Instant::now() < deadline, "no crash: {}", crashing.log());
