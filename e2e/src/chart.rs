@@ -309,6 +309,55 @@ pub fn with_flags(args: &[String], set: &[String]) -> Vec<String> {
     out
 }
 
+/// A component's identity as the chart renders it: the ServiceAccount, ClusterRole, Role and
+/// bindings of `templates/<template>.yaml` for release `release` in `namespace` (with `sets`,
+/// each `key=value`) applied to `upper`, and a kubeconfig holding the token of `account`, so
+/// that a test runs the daemon under exactly what the chart grants it.
+pub async fn component_identity(
+    upper: &TestCluster,
+    template: &str,
+    release: &str,
+    namespace: &str,
+    sets: &[String],
+    account: &str,
+) -> Result<PathBuf> {
+    let chart = chart_dir().display().to_string();
+    let only = format!("templates/{template}.yaml");
+    let mut args = vec!["template", release, &chart, "-n", namespace, "--show-only", &only];
+    for set in sets {
+        args.extend(["--set", set.as_str()]);
+    }
+    let out = helm(upper, &args).await?;
+    if !out.ok {
+        return Err(Error::Demo(format!("helm template {only}: {}", out.stderr)));
+    }
+    let grants: Vec<&str> = out
+        .stdout
+        .split("\n---")
+        .filter(|doc| {
+            doc.lines().any(|l| {
+                matches!(
+                    l.trim(),
+                    "kind: ServiceAccount"
+                        | "kind: ClusterRole"
+                        | "kind: ClusterRoleBinding"
+                        | "kind: Role"
+                        | "kind: RoleBinding"
+                )
+            })
+        })
+        .collect();
+    if !grants.iter().any(|g| g.contains("kind: ServiceAccount")) {
+        return Err(Error::Demo(format!(
+            "{only} renders no ServiceAccount: {}",
+            out.stdout
+        )));
+    }
+    crate::check::apply(upper.kubeconfig(), &grants.join("\n---")).await;
+    let path = upper.dir().join(format!("{account}.kubeconfig"));
+    service_account_kubeconfig(upper, namespace, account, &path).await
+}
+
 /// Lines of a daemon's log that report a call the apiserver refused for want of permission:
 /// the authorizer's `… is forbidden: User "…" cannot …`, or a 403 code. A refusal quoted from
 /// elsewhere, such as a lower cluster's quota (`is forbidden: exceeded quota`), is not one.

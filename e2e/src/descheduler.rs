@@ -14,50 +14,14 @@ pub struct DeschedulerProcess {
 }
 
 /// The descheduler's identity as the chart renders it for release `release` in namespace
-/// `release` (`descheduler.barePods` = `bare_pods`): its ServiceAccount, ClusterRole, Role
-/// and bindings applied to `upper`, and a kubeconfig holding that account's token. The
-/// chart's exclusion records are then `<release>-tensile-exclusions` in that namespace, and
-/// its election Lease `tensile-descheduler` there.
+/// `release` (`descheduler.barePods` = `bare_pods`), applied to `upper`: a kubeconfig holding
+/// that account's token. The chart's exclusion records are then
+/// `<release>-tensile-exclusions` in that namespace, and its election Lease
+/// `tensile-descheduler` there.
 pub async fn chart_identity(upper: &TestCluster, release: &str, bare_pods: &str) -> anyhow::Result<PathBuf> {
-    let chart = crate::chart::chart_dir().display().to_string();
-    let bare = format!("descheduler.barePods={bare_pods}");
-    let out = crate::chart::helm(
-        upper,
-        &[
-            "template",
-            release,
-            &chart,
-            "-n",
-            release,
-            "--set",
-            &bare,
-            "--show-only",
-            "templates/descheduler.yaml",
-        ],
-    )
-    .await?;
-    anyhow::ensure!(out.ok, "helm template: {}", out.stderr);
-    let grants: Vec<&str> = out
-        .stdout
-        .split("\n---")
-        .filter(|doc| {
-            doc.lines().any(|l| {
-                matches!(
-                    l.trim(),
-                    "kind: ServiceAccount"
-                        | "kind: ClusterRole"
-                        | "kind: ClusterRoleBinding"
-                        | "kind: Role"
-                        | "kind: RoleBinding"
-                )
-            })
-        })
-        .collect();
-    anyhow::ensure!(grants.len() == 5, "the chart's descheduler grants: {grants:?}");
-    crate::check::apply(upper.kubeconfig(), &grants.join("\n---")).await;
+    let sets = [format!("descheduler.barePods={bare_pods}")];
     let account = format!("{release}-tensile-descheduler");
-    let path = upper.dir().join(format!("{account}.kubeconfig"));
-    Ok(crate::chart::service_account_kubeconfig(upper, release, &account, &path).await?)
+    Ok(crate::chart::component_identity(upper, "descheduler", release, release, &sets, &account).await?)
 }
 
 impl DeschedulerProcess {

@@ -27,6 +27,17 @@ impl ExtenderProcess {
     /// Starts the extender for `upper` with a serving certificate from a CA made here,
     /// `extra` flags added, logging to `<upper dir>/multi-scheduler-<log_name>.log`.
     pub fn start(upper: &TestCluster, extra: &[String], log_name: &str) -> anyhow::Result<Self> {
+        Self::start_as(upper, upper.kubeconfig(), extra, log_name)
+    }
+
+    /// As [`ExtenderProcess::start`], under the credential of `kubeconfig` (such as the
+    /// chart's account, from [`crate::chart::component_identity`]).
+    pub fn start_as(
+        upper: &TestCluster,
+        kubeconfig: &Path,
+        extra: &[String],
+        log_name: &str,
+    ) -> anyhow::Result<Self> {
         let dir = upper.dir().join(format!("multi-scheduler-{log_name}"));
         std::fs::create_dir_all(&dir)?;
         let ca = Ca::new("tensile-extender-ca")?;
@@ -38,7 +49,7 @@ impl ExtenderProcess {
         let port = free_port()?;
         let admin_addr = format!("127.0.0.1:{}", free_port()?);
         let mut args = vec![
-            format!("--kubeconfig={}", upper.kubeconfig().display()),
+            format!("--kubeconfig={}", kubeconfig.display()),
             "--address=127.0.0.1".to_owned(),
             format!("--port={port}"),
             format!("--admin-addr={admin_addr}"),
@@ -77,15 +88,23 @@ pub struct StandaloneProcess {
 
 impl StandaloneProcess {
     /// Starts the standalone scheduler for `upper`, placing the pods that name
-    /// `scheduler_name`, logging to `<upper dir>/multi-scheduler-<log_name>.log`.
-    pub fn start(upper: &TestCluster, scheduler_name: &str, log_name: &str) -> anyhow::Result<Self> {
+    /// `scheduler_name`, under the credential of `kubeconfig` (such as the chart's account)
+    /// with `extra` flags, logging to `<upper dir>/multi-scheduler-<log_name>.log`.
+    pub fn start(
+        upper: &TestCluster,
+        kubeconfig: &Path,
+        scheduler_name: &str,
+        extra: &[String],
+        log_name: &str,
+    ) -> anyhow::Result<Self> {
         let admin_addr = format!("127.0.0.1:{}", free_port()?);
-        let args = vec![
+        let mut args = vec![
             "--mode=scheduler".to_owned(),
             format!("--scheduler-name={scheduler_name}"),
-            format!("--kubeconfig={}", upper.kubeconfig().display()),
+            format!("--kubeconfig={}", kubeconfig.display()),
             format!("--admin-addr={admin_addr}"),
         ];
+        args.extend(extra.iter().cloned());
         let program = crate::bins::suite_binary("multi-scheduler")?;
         let log = upper.dir().join(format!("multi-scheduler-{log_name}.log"));
         let service = Service::start(&format!("multi-scheduler {log_name}"), &program, &args, &log)?;

@@ -53,8 +53,14 @@ struct Bed {
     _sims: Vec<NodeSimulator>,
     _nodes: Vec<in_process::VirtualNode>,
     extender: std::sync::Mutex<ExtenderProcess>,
+    /// The standalone scheduler's account as the chart renders it (`mode: scheduler`,
+    /// release `tensile-standalone`), for the scenes that start one.
+    standalone: std::path::PathBuf,
     _scheduler: Service,
 }
+
+/// The standalone scheduler's flags as the chart renders them for its release.
+const STANDALONE_EXCLUSIONS: &str = "--exclusions-configmap=kube-system/tensile-standalone-exclusions";
 
 static BED: Shared<Bed> = Shared::new();
 /// One scene at a time: they share the lower clusters' capacity.
@@ -64,7 +70,7 @@ static SCENE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// before its clean-up included), and every virtual node's shape showing each of its lower
 /// nodes empty again. Without the second, a burst that starts within the 5 s a virtual node
 /// takes to publish a changed shape is filtered against the previous scene's load.
-async fn scene() -> tokio::sync::MutexGuard<'static, ()> {
+async fn scene() -> Scene {
     let guard = SCENE.lock().await;
     let bed = bed();
     let client = bed.upper.client().await.unwrap();
@@ -86,7 +92,40 @@ async fn scene() -> tokio::sync::MutexGuard<'static, ()> {
         )
         .await;
     }
-    guard
+    Scene { _guard: guard }
+}
+
+/// The scene, held while it runs. When it ends, no log of the suite's daemons (the
+/// extender's, a standalone scheduler's, a descheduler's) shows a call the chart's account
+/// was refused.
+struct Scene {
+    _guard: tokio::sync::MutexGuard<'static, ()>,
+}
+
+impl Drop for Scene {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        let dir = bed().upper.dir();
+        let logs = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path());
+        for log in logs.filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            (name.starts_with("multi-scheduler-") || name.starts_with("descheduler-"))
+                && name.ends_with(".log")
+        }) {
+            let denied = tensile_e2e::chart::denied_calls(&tensile_e2e::process::log_tail(&log, 4_000_000));
+            assert!(
+                denied.is_empty(),
+                "{} under the chart's account was refused: {denied:?}",
+                log.display()
+            );
+        }
+    }
 }
 
 /// Ok when the shape of virtual node `name` has, for each lower node, a frontier vector
@@ -187,7 +226,32 @@ fn bed() -> &'static Bed {
             )
             .await?;
         }
-        let extender = ExtenderProcess::start(&upper, &[], "extender").map_err(demo)?;
+        // Both modes run under the accounts the chart renders for them: the extender as
+        // release `tensile` in kube-system (its exclusion records, the default location),
+        // the standalone scheduler as release `tensile-standalone` there.
+        let chart_identity = |release: &'static str, mode: &'static str| {
+            let sets = [
+                "multiScheduler.enabled=true".to_owned(),
+                format!("multiScheduler.mode={mode}"),
+            ];
+            let account = format!("{release}-multi-scheduler");
+            let upper = &upper;
+            async move {
+                tensile_e2e::chart::component_identity(
+                    upper,
+                    "multi-scheduler",
+                    release,
+                    "kube-system",
+                    &sets,
+                    &account,
+                )
+                .await
+            }
+        };
+        let extender_identity = chart_identity("tensile", "extender").await?;
+        let standalone = chart_identity("tensile-standalone", "scheduler").await?;
+        let extender =
+            ExtenderProcess::start_as(&upper, &extender_identity, &[], "extender").map_err(demo)?;
         extender.wait_ready(Duration::from_secs(30)).await.map_err(demo)?;
         let config = scheduler_config(
             CONFIG_V1BETA1,
@@ -206,6 +270,7 @@ fn bed() -> &'static Bed {
             _sims: vec![sim_a, sim_c],
             _nodes: nodes,
             extender: std::sync::Mutex::new(extender),
+            standalone,
             _scheduler: scheduler,
         })
     })
@@ -465,7 +530,14 @@ async fn the_standalone_scheduler_runs_the_burst_with_no_pod_refused_below_and_e
  {
     let _scene = scene().await;
     let bed = bed();
-    let standalone = StandaloneProcess::start(&bed.upper, STANDALONE, "standalone").unwrap();
+    let standalone = StandaloneProcess::start(
+        &bed.upper,
+        &bed.standalone,
+        STANDALONE,
+        &[STANDALONE_EXCLUSIONS.to_owned()],
+        "standalone",
+    )
+    .unwrap();
     standalone.wait_ready(Duration::from_secs(30)).await.unwrap();
     let ns = "burst-standalone";
     let api = namespace(ns).await;
@@ -857,12 +929,14 @@ async fn the_burst_as_deployments_runs_sooner_through_the_extender_than_through_
         ..Policy::default()
     };
     let (webhook_extender, config_extender) = start_webhook(via_extender, to_the_extender, None).await;
+    // The descheduler runs under the account the chart renders for release
+    // `deploy-descheduler` in that namespace, whose records are named after the release.
     let exclusions = Location {
         namespace: via_descheduler.to_owned(),
-        name: "exclusions".to_owned(),
+        name: format!("{via_descheduler}-tensile-exclusions"),
     };
     let (webhook_default, config_default) =
-        start_webhook(via_descheduler, Policy::default(), Some(exclusions)).await;
+        start_webhook(via_descheduler, Policy::default(), Some(exclusions.clone())).await;
 
     let (extender_time, refused) = deployments_running(via_extender, None).await;
     let extender_api: Api<Pod> = Api::namespaced(bed.upper.client().await.unwrap(), via_extender);
@@ -902,11 +976,16 @@ async fn the_burst_as_deployments_runs_sooner_through_the_extender_than_through_
     .await;
     clean_up(&extender_api).await;
 
-    let descheduler = DeschedulerProcess::start(
+    let identity = tensile_e2e::descheduler::chart_identity(&bed.upper, via_descheduler, "off")
+        .await
+        .unwrap();
+    let descheduler = DeschedulerProcess::start_as(
         &bed.upper,
+        &identity,
         &[
             "--node-selector=type=virtual-kubelet".to_owned(),
-            format!("--exclusions-configmap={via_descheduler}/exclusions"),
+            "--bare-pods=off".to_owned(),
+            format!("--exclusions-configmap={exclusions}"),
             "--unschedulable-threshold=3".to_owned(),
             "--descheduling-interval=5s".to_owned(),
         ],
@@ -1098,7 +1177,14 @@ async fn a_high_priority_pod_no_lower_node_can_hold_evicts_nothing() {
 async fn the_standalone_scheduler_refuses_a_pod_with_inter_pod_constraints_and_says_what_to_do() {
     let _scene = scene().await;
     let bed = bed();
-    let standalone = StandaloneProcess::start(&bed.upper, STANDALONE, "standalone-refuse").unwrap();
+    let standalone = StandaloneProcess::start(
+        &bed.upper,
+        &bed.standalone,
+        STANDALONE,
+        &[STANDALONE_EXCLUSIONS.to_owned()],
+        "standalone-refuse",
+    )
+    .unwrap();
     standalone.wait_ready(Duration::from_secs(30)).await.unwrap();
     let ns = "standalone-refuse";
     let api = namespace(ns).await;
