@@ -278,11 +278,18 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
     )
     .await;
 
-    let descheduler = DeschedulerProcess::start(
+    // Both deschedulers run under the account the chart renders for release `failback` in
+    // this namespace (bare pods off, as the chart's default), as the chart passes them.
+    let identity = tensile_e2e::descheduler::chart_identity(&upper, NS, "off")
+        .await
+        .unwrap();
+    let descheduler = DeschedulerProcess::start_as(
         &upper,
+        &identity,
         &[
             format!("--node-selector=type=virtual-kubelet,{VN_KEY}={NS}"),
-            format!("--exclusions-configmap={NS}/exclusions"),
+            format!("--exclusions-configmap={NS}/{NS}-tensile-exclusions"),
+            "--bare-pods=off".to_owned(),
             "--descheduling-interval=2s".to_owned(),
             "--rebalance".to_owned(),
             // Longer than the lower control plane's node-monitor grace period (40 s): after its
@@ -296,11 +303,13 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
     .unwrap();
     descheduler.wait_ready(Duration::from_secs(30)).await.unwrap();
     // The same, in dry run, alongside: it says what it would move and touches nothing.
-    let dry = DeschedulerProcess::start(
+    let dry = DeschedulerProcess::start_as(
         &upper,
+        &identity,
         &[
             format!("--node-selector=type=virtual-kubelet,{VN_KEY}={NS}"),
-            format!("--exclusions-configmap={NS}/exclusions"),
+            format!("--exclusions-configmap={NS}/{NS}-tensile-exclusions"),
+            "--bare-pods=off".to_owned(),
             "--descheduling-interval=2s".to_owned(),
             "--rebalance".to_owned(),
             "--rebalance-stabilization=45".to_owned(),
@@ -457,6 +466,11 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
     assert!(dry.log().contains("dry run: would rebalance"), "{}", dry.log());
     let (s, p) = (spread(&up, "spread").await, spread(&up, "prefer").await);
     assert!(balanced(&s, &p), "still balanced: spread {s:?}, prefer {p:?}");
+    for d in [&descheduler, &dry] {
+        let log = tensile_e2e::process::log_tail(d.log_path(), 4_000_000);
+        let denied = tensile_e2e::chart::denied_calls(&log);
+        assert!(denied.is_empty(), "refused under the chart's account: {denied:?}");
+    }
     println!(
         "figure: failback, lower-a back -> stale lower pods gone {}, first move at {:.1} s, last at {:.1} s, spread and preference restored in {:.1} s (stabilization 45 s; 4 moves, one workload at a time; fewest Ready {lowest_spread}/4 and {lowest_prefer}/2)",
         stale_gone.map_or("not seen".to_owned(), |d| format!("in {:.1} s", d.as_secs_f64())),
