@@ -706,29 +706,18 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
     if let Some(budgets) = budget_api(ctx) {
         delete_made(&budgets, &object, &name, &plain).await?;
     }
-    delete_made(
-        &Api::<RoleBinding>::namespaced(c.clone(), ns),
-        &object,
-        &name,
-        &plain,
-    )
-    .await?;
-    delete_made(&Api::<Role>::namespaced(c.clone(), ns), &object, &name, &plain).await?;
-    let lease_ns = NODE_LEASE_NAMESPACE;
-    delete_made(
-        &Api::<RoleBinding>::namespaced(c.clone(), lease_ns),
-        &object,
-        &name,
-        &plain,
-    )
-    .await?;
-    delete_made(
-        &Api::<Role>::namespaced(c.clone(), lease_ns),
-        &object,
-        &name,
-        &plain,
-    )
-    .await?;
+    // Its grants in the release namespace (election Lease) and in kube-node-lease (heartbeat).
+    for namespace in [ns, NODE_LEASE_NAMESPACE] {
+        let bindings = Api::<RoleBinding>::namespaced(c.clone(), namespace);
+        delete_made(&bindings, &object, &name, &plain).await?;
+        delete_made(
+            &Api::<Role>::namespaced(c.clone(), namespace),
+            &object,
+            &name,
+            &plain,
+        )
+        .await?;
+    }
     let shared = format!("{object}-shared");
     delete_made(&Api::<ClusterRoleBinding>::all(c.clone()), &shared, &name, &plain).await?;
     delete_made(&Api::<ClusterRoleBinding>::all(c.clone()), &object, &name, &plain).await?;
