@@ -27,6 +27,7 @@ pub mod kubeconfig;
 pub mod kubelet;
 pub mod leader;
 pub mod names;
+pub mod node_identity;
 pub mod quantity;
 pub mod resources;
 pub mod runtime;

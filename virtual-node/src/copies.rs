@@ -37,7 +37,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, PostParams};
 use kube::runtime::events::EventType;
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -45,6 +45,7 @@ use tensile_common::api::ApiError as Error;
 use tensile_common::api::{Deleted, code, delete_exact};
 use tensile_common::names;
 
+use crate::fetched::{Fetched, Upper};
 use crate::metrics::Metrics;
 use crate::ratelimit::WriteLimit;
 use crate::refs::{Absent, Blocked, Kind, upper_references};
@@ -451,7 +452,7 @@ pub enum Write<K> {
 /// conflicts). `since` remembers when each copy was last seen unneeded.
 pub fn plan<K: Reflected>(
     model: &Model<'_>,
-    upper: impl Fn(&str, &str) -> Option<Arc<K>>,
+    upper: impl Fn(&str, &str) -> Upper<K>,
     lower: &[Arc<K>],
     create_needed: bool,
     since: &mut HashMap<Key, Instant>,
@@ -463,25 +464,34 @@ pub fn plan<K: Reflected>(
         }
         let (ns, name) = (copy.namespace().unwrap_or_default(), copy.name_any());
         let key = (K::KIND, ns.clone(), name.clone());
-        let Some(source) = upper(&ns, &name) else {
-            writes.push(Write::Delete {
-                namespace: ns,
-                name,
-                uid: copy.uid(),
-                why: "its upper object is gone",
-            });
-            since.remove(&key);
-            continue;
-        };
-        if model.needed.contains(&key) {
-            since.remove(&key);
-            if !is_current(model.cluster_id, &*source, copy) {
-                writes.push(Write::Update {
-                    upper: source,
-                    copy: copy.clone(),
+        match upper(&ns, &name) {
+            Upper::Gone => {
+                writes.push(Write::Delete {
+                    namespace: ns,
+                    name,
+                    uid: copy.uid(),
+                    why: "its upper object is gone",
                 });
+                since.remove(&key);
+                continue;
             }
-            continue;
+            Upper::Present(source) if model.needed.contains(&key) => {
+                since.remove(&key);
+                if !is_current(model.cluster_id, &*source, copy) {
+                    writes.push(Write::Update {
+                        upper: source,
+                        copy: copy.clone(),
+                    });
+                }
+                continue;
+            }
+            // Needed by pods this node does not follow the objects of (another virtual node
+            // of the lower cluster): theirs to keep current.
+            Upper::Unknown if model.needed.contains(&key) => {
+                since.remove(&key);
+                continue;
+            }
+            Upper::Present(_) | Upper::Unknown => {}
         }
         let first = *since.entry(key.clone()).or_insert(model.now);
         if model.now.duration_since(first) >= model.gc_delay {
@@ -507,7 +517,7 @@ pub fn plan<K: Reflected>(
         if *kind != K::KIND || model.conflicts.contains_key(key) || present.contains(&(ns, name)) {
             continue;
         }
-        if let Some(source) = upper(ns, name) {
+        if let Upper::Present(source) = upper(ns, name) {
             writes.push(Write::Create { upper: source });
         }
     }
@@ -523,8 +533,9 @@ pub struct Copies {
     pub cluster_id: String,
     /// The lower cluster's name, for messages.
     pub cluster_name: String,
-    pub upper_config_maps: Cache<ConfigMap>,
-    pub upper_secrets: Cache<Secret>,
+    /// The upper ConfigMaps and Secrets the pods bound here reference (metadata only).
+    pub upper_config_maps: Fetched<ConfigMap>,
+    pub upper_secrets: Fetched<Secret>,
     /// Lower ConfigMaps and Secrets carrying this upper cluster's mark.
     pub lower_config_maps: Cache<ConfigMap>,
     pub lower_secrets: Cache<Secret>,
@@ -587,8 +598,17 @@ pub type Key = (Kind, String, String);
 /// One write being performed.
 type Pending<'a> = crate::world::Act<'a>;
 
-fn lookup<K: Reflected>(store: &Store<K>) -> impl Fn(&str, &str) -> Option<Arc<K>> + '_ {
-    move |ns, name| store.get(&ObjectRef::new(name).within(ns))
+/// A watch cache read as the whole truth: what it lacks is gone.
+fn watched<K: Reflected>(cache: &Cache<K>) -> impl Fn(&str, &str) -> Upper<K> + '_ {
+    move |ns, name| match cache.get(&ObjectRef::new(name).within(ns)) {
+        Some(k) => Upper::Present(k),
+        None => Upper::Gone,
+    }
+}
+
+/// A cache of followed objects read as what it knows.
+fn followed<K: Reflected + Default>(cache: &Fetched<K>) -> impl Fn(&str, &str) -> Upper<K> + '_ {
+    move |ns, name| cache.get(ns, name)
 }
 
 impl Copies {
@@ -698,8 +718,8 @@ impl Copies {
                 Kind::Service | Kind::Endpoints => continue,
                 Kind::ConfigMap => {
                     let at = ObjectRef::new(&r.name).within(&ns);
-                    self.upper_config_maps.synced().await;
-                    match self.upper_config_maps.get(&at) {
+                    let read = self.upper_config_maps.read(&ns, &r.name).await;
+                    match read.map_err(Error::on("upper", "get", format!("{} {ns}/{}", r.kind, r.name)))? {
                         Some(upper) => self
                             .ensure(&*upper, self.lower_config_maps.get(&at))
                             .await?
@@ -709,8 +729,8 @@ impl Copies {
                 }
                 Kind::Secret => {
                     let at = ObjectRef::new(&r.name).within(&ns);
-                    self.upper_secrets.synced().await;
-                    match self.upper_secrets.get(&at) {
+                    let read = self.upper_secrets.read(&ns, &r.name).await;
+                    match read.map_err(Error::on("upper", "get", format!("{} {ns}/{}", r.kind, r.name)))? {
                         Some(upper) => self.ensure(&*upper, self.lower_secrets.get(&at)).await?.found(),
                         None => None,
                     }
@@ -778,7 +798,7 @@ impl Copies {
             };
             self.schedule(
                 &model,
-                &self.upper_config_maps,
+                followed(&self.upper_config_maps),
                 &self.lower_config_maps,
                 false,
                 &mut since,
@@ -786,7 +806,7 @@ impl Copies {
             );
             self.schedule(
                 &model,
-                &self.upper_secrets,
+                followed(&self.upper_secrets),
                 &self.lower_secrets,
                 false,
                 &mut since,
@@ -795,7 +815,7 @@ impl Copies {
             if let Some(s) = &self.services {
                 self.schedule(
                     &model,
-                    &s.upper_services,
+                    watched(&s.upper_services),
                     &s.lower_services,
                     true,
                     &mut since,
@@ -803,7 +823,7 @@ impl Copies {
                 );
                 self.schedule(
                     &model,
-                    &s.upper_endpoints,
+                    watched(&s.upper_endpoints),
                     &s.lower_endpoints,
                     true,
                     &mut since,
@@ -823,13 +843,13 @@ impl Copies {
     fn schedule<'a, K: Reflected>(
         &'a self,
         model: &Model<'_>,
-        upper: &Cache<K>,
+        upper: impl Fn(&str, &str) -> Upper<K>,
         lower: &Cache<K>,
         create_needed: bool,
         since: &mut HashMap<Key, Instant>,
         work: &mut Vec<Pending<'a>>,
     ) {
-        let writes = plan(model, lookup(upper.store()), &lower.state(), create_needed, since);
+        let writes = plan(model, upper, &lower.state(), create_needed, since);
         // A copy's write never teaches the next pass anything: `false`.
         work.extend(
             writes
@@ -948,6 +968,8 @@ mod tests {
         conflicts: HashMap<Key, Instant>,
         now: Instant,
         since: HashMap<Key, Instant>,
+        /// Upper names this node does not follow.
+        unknown: BTreeSet<String>,
     }
 
     impl Pass {
@@ -958,6 +980,7 @@ mod tests {
                 conflicts: HashMap::new(),
                 now: Instant::now(),
                 since: HashMap::new(),
+                unknown: BTreeSet::new(),
             }
         }
 
@@ -971,13 +994,13 @@ mod tests {
                 gc_delay: Duration::from_secs(30),
             };
             let lookup = |ns: &str, name: &str| {
-                upper
-                    .iter()
-                    .find(|u| {
-                        u.metadata.namespace.as_deref() == Some(ns)
-                            && u.metadata.name.as_deref() == Some(name)
-                    })
-                    .cloned()
+                match upper.iter().find(|u| {
+                    u.metadata.namespace.as_deref() == Some(ns) && u.metadata.name.as_deref() == Some(name)
+                }) {
+                    Some(u) => Upper::Present(u.clone()),
+                    None if self.unknown.contains(name) => Upper::Unknown,
+                    None => Upper::Gone,
+                }
             };
             plan(&model, lookup, lower, false, &mut self.since)
         }
@@ -1108,6 +1131,31 @@ mod tests {
                 why: "its upper object is gone",
             }]
         );
+    }
+
+    #[test]
+    fn a_copy_whose_upper_object_this_node_does_not_follow_is_never_taken_for_gone() {
+        // Another virtual node of the lower cluster made it for its own pod: this node may not
+        // read the upper object (the Node authorizer), so it neither updates nor deletes it
+        // while a lower pod uses it, and collects it only once nothing does.
+        let upper = upper_cfg(json!({}));
+        let mut stale = (*copy_of(&upper)).clone();
+        stale.data = Some(BTreeMap::from([("k".to_owned(), "old".to_owned())]));
+        let lower = vec![Arc::new(stale)];
+        let mut pass = Pass::new(&["cfg"], &["cfg"]);
+        pass.unknown.insert("cfg".into());
+        assert_eq!(pass.plan(&[], &lower), [], "needed below: theirs to keep");
+        pass.needed.clear();
+        pass.used_below.clear();
+        assert_eq!(pass.plan(&[], &lower), [], "no longer needed: the collection delay first");
+        pass.now += Duration::from_secs(30);
+        assert!(matches!(
+            pass.plan(&[], &lower).as_slice(),
+            [Write::Delete {
+                why: "no pod needs it",
+                ..
+            }]
+        ));
     }
 
     #[test]

@@ -17,6 +17,7 @@
 pub mod capacity;
 pub mod copies;
 pub mod events;
+pub mod fetched;
 pub mod kubelet;
 pub mod lower_objects;
 pub mod metrics;
@@ -223,6 +224,16 @@ pub struct ReflectionArgs {
         default_value_t = 10
     )]
     pub copy_collection_delay: u64,
+    /// Reads per second of the upper ConfigMaps and Secrets that pods bound here reference:
+    /// each is read by name (nothing lists them), and re-read once a second while there are
+    /// at most this many, less often in proportion beyond (docs/virtual-node.md).
+    #[arg(
+        long = "upper-reads-per-second",
+        env = "TENSILE_UPPER_READS_PER_SECOND",
+        default_value_t = 20,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub upper_reads_per_second: u32,
     /// Optional reflections, comma-separated: `ServiceControllers` copies the Services (and
     /// their Endpoints) of namespaces where this node runs pods into the lower cluster.
     #[arg(
@@ -650,6 +661,7 @@ async fn compose(
             .enable_controllers
             .contains(&Controllers::Services),
         system_services: args.reflection.reflect_system_services,
+        upper_reads_per_second: args.reflection.upper_reads_per_second,
     };
     let (world, watches, signals) = world::World::build(&upper, &lower, &identity, &scope);
     let world::Watches {

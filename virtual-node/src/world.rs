@@ -22,6 +22,7 @@ use tensile_common::cache::{self, Cache, LeanPod, watched};
 use tokio::sync::Notify;
 
 use crate::copies::ServiceStores;
+use crate::fetched::{Fetched, fetched};
 use crate::translate::Identity;
 use crate::trim::{self, LowerPod, PodLoad, UpperPod};
 
@@ -37,9 +38,10 @@ pub struct World {
     pub lower_nodes: Cache<Node>,
     /// This node's own upper Node.
     pub upper_node: Cache<Node>,
-    /// Upper ConfigMaps and Secrets, metadata only (never service-account tokens).
-    pub upper_config_maps: Cache<ConfigMap>,
-    pub upper_secrets: Cache<Secret>,
+    /// Upper ConfigMaps and Secrets that pods bound here reference, metadata only (never
+    /// service-account tokens), read by name.
+    pub upper_config_maps: Fetched<ConfigMap>,
+    pub upper_secrets: Fetched<Secret>,
     /// Lower ConfigMaps and Secrets carrying this upper cluster's mark.
     pub lower_config_maps: Cache<ConfigMap>,
     pub lower_secrets: Cache<Secret>,
@@ -77,6 +79,8 @@ pub struct Scope {
     pub services: bool,
     /// With `services`: kube-system's Services and `default/kubernetes` too.
     pub system_services: bool,
+    /// The budget of by-name reads of upper ConfigMaps and Secrets ([`crate::fetched`]).
+    pub upper_reads_per_second: u32,
 }
 
 impl World {
@@ -121,18 +125,16 @@ impl World {
             |pod| UpperPod::of(pod.0),
         );
 
-        // ConfigMaps and Secrets: the metadata of every upper one that may travel (the
-        // content is read when a copy is written), and the copies of this upper cluster.
+        // ConfigMaps and Secrets: the metadata of each upper one a pod bound here references,
+        // read by name (the content is read when a copy is written), and the copies of this
+        // upper cluster.
         let copies = &signals.copies_changed;
         let copy_marks = format!("{}={}", tensile_common::names::MARK_CLUSTER, identity.cluster_id);
         let ours_below = || watcher::Config::default().labels(&copy_marks);
         let (upper_config_maps, w1) =
-            cache::watched_metadata::<ConfigMap>(upper.clone(), watcher::Config::default(), copies);
-        let (upper_secrets, w2) = cache::watched_metadata::<Secret>(
-            upper.clone(),
-            watcher::Config::default().fields("type!=kubernetes.io/service-account-token"),
-            copies,
-        );
+            fetched::<ConfigMap>(upper.clone(), upper_pods.clone(), scope.upper_reads_per_second, copies);
+        let (upper_secrets, w2) =
+            fetched::<Secret>(upper.clone(), upper_pods.clone(), scope.upper_reads_per_second, copies);
         let (lower_config_maps, w3) = watched::<ConfigMap>(Api::all(lower.clone()), ours_below(), copies);
         let (lower_secrets, w4) = watched::<Secret>(Api::all(lower.clone()), ours_below(), copies);
         feeds.push((

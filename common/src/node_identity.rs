@@ -1,0 +1,328 @@
+//! A node identity upstream: the kubelet client certificate of `system:node:<name>` (group
+//! `system:nodes`), obtained the way a kubelet bootstraps one, through a
+//! CertificateSigningRequest to the `kubernetes.io/kube-apiserver-client-kubelet` signer, and
+//! renewed at 80 % of its lifetime. Acting as that user, a virtual node is confined by the
+//! upper apiserver's Node authorizer and NodeRestriction admission like a kubelet: its own
+//! Node and Lease, the pods bound to it, and the Secrets, ConfigMaps and claims they name.
+//!
+//! The request is made with the process's own credential (its ServiceAccount); what approves
+//! it is [`judge`]: the request must ask for exactly a node client certificate, for the node
+//! the requesting account is made for (the cluster controller approves with it).
+
+use std::time::Duration;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::certificates::v1::{CertificateSigningRequest, CertificateSigningRequestSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, PostParams};
+use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair};
+
+/// The signer of kubelet client certificates.
+pub const SIGNER: &str = "kubernetes.io/kube-apiserver-client-kubelet";
+/// The usages a kubelet client certificate asks for.
+pub const USAGES: [&str; 3] = ["digital signature", "key encipherment", "client auth"];
+/// The user name of node `node`.
+pub fn user(node: &str) -> String {
+    format!("system:node:{node}")
+}
+/// The group of every node.
+pub const GROUP: &str = "system:nodes";
+/// Label on a request: the node it is for.
+pub const NODE_LABEL: &str = "tensile.io/node";
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("making the certificate request of node {node}: {source}")]
+    Key { node: String, source: rcgen::Error },
+    #[error("CertificateSigningRequest for node {node}: {source}")]
+    Api { node: String, source: kube::Error },
+    #[error("CertificateSigningRequest {name} for node {node} was {verdict}: {message}")]
+    Refused {
+        name: String,
+        node: String,
+        verdict: String,
+        message: String,
+    },
+    #[error(
+        "CertificateSigningRequest {name} for node {node} was not issued within {0:?}: is the cluster controller running, and does the cluster sign {SIGNER}?",
+        timeout
+    )]
+    NotIssued {
+        name: String,
+        node: String,
+        timeout: Duration,
+    },
+    #[error("the certificate issued for node {node} cannot be read: {message}")]
+    Unreadable { node: String, message: String },
+}
+
+/// A client certificate and its key, both PEM, and its validity.
+#[derive(Clone)]
+pub struct Issued {
+    pub cert_pem: String,
+    pub key_pem: String,
+    /// Seconds since the epoch.
+    pub not_before: i64,
+    pub not_after: i64,
+}
+
+impl std::fmt::Debug for Issued {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Issued")
+            .field("not_before", &self.not_before)
+            .field("not_after", &self.not_after)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Issued {
+    /// When to ask for the next one: at 80 % of the lifetime, as a kubelet does.
+    pub fn renew_at(&self) -> i64 {
+        self.not_before + (self.not_after - self.not_before) * 4 / 5
+    }
+
+    fn read(node: &str, cert_pem: String, key_pem: String) -> Result<Self, Error> {
+        let unreadable = |message: String| Error::Unreadable {
+            node: node.to_owned(),
+            message,
+        };
+        let (_, pem) = x509_parser::pem::parse_x509_pem(cert_pem.as_bytes()).map_err(|e| unreadable(e.to_string()))?;
+        let cert = pem.parse_x509().map_err(|e| unreadable(e.to_string()))?;
+        let validity = cert.validity();
+        let subject = cert
+            .subject()
+            .iter_common_name()
+            .next()
+            .and_then(|cn| cn.as_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        if subject != user(node) {
+            return Err(unreadable(format!("it names {subject:?}, not {}", user(node))));
+        }
+        Ok(Issued {
+            not_before: validity.not_before.timestamp(),
+            not_after: validity.not_after.timestamp(),
+            cert_pem,
+            key_pem,
+        })
+    }
+}
+
+/// A fresh key and the PEM certificate request of node `node` for it.
+pub fn certificate_request(node: &str) -> Result<(String, KeyPair), rcgen::Error> {
+    let key = KeyPair::generate()?;
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    let mut name = DistinguishedName::new();
+    name.push(DnType::OrganizationName, GROUP);
+    name.push(DnType::CommonName, user(node));
+    params.distinguished_name = name;
+    let request = params.serialize_request(&key)?;
+    Ok((request.pem()?, key))
+}
+
+/// Asks the upper cluster, through `client` (the process's own credential), for a client
+/// certificate of node `node` and waits up to `timeout` for it. The request is deleted once
+/// answered.
+pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Result<Issued, Error> {
+    let key_error = |source| Error::Key {
+        node: node.to_owned(),
+        source,
+    };
+    let api_error = |source| Error::Api {
+        node: node.to_owned(),
+        source,
+    };
+    let (request, key) = certificate_request(node).map_err(key_error)?;
+    let csr = CertificateSigningRequest {
+        metadata: ObjectMeta {
+            generate_name: Some(format!("tensile-{node}-")),
+            labels: Some([(NODE_LABEL.to_owned(), node.to_owned())].into()),
+            ..ObjectMeta::default()
+        },
+        spec: CertificateSigningRequestSpec {
+            request: ByteString(request.into_bytes()),
+            signer_name: SIGNER.to_owned(),
+            usages: Some(USAGES.iter().map(|u| (*u).to_owned()).collect()),
+            ..CertificateSigningRequestSpec::default()
+        },
+        status: None,
+    };
+    let api: Api<CertificateSigningRequest> = Api::all(client.clone());
+    let made = api.create(&PostParams::default(), &csr).await.map_err(api_error)?;
+    let name = made.metadata.name.clone().unwrap_or_default();
+    tracing::info!(node, request = %name, "asked for a node client certificate");
+    let deadline = tokio::time::Instant::now() + timeout;
+    let outcome = loop {
+        match api.get_opt(&name).await {
+            Ok(Some(csr)) => {
+                let status = csr.status.unwrap_or_default();
+                if let Some(refusal) = status
+                    .conditions
+                    .unwrap_or_default()
+                    .into_iter()
+                    .find(|c| c.type_ == "Denied" || c.type_ == "Failed")
+                {
+                    break Err(Error::Refused {
+                        name: name.clone(),
+                        node: node.to_owned(),
+                        verdict: refusal.type_.to_lowercase(),
+                        message: refusal.message.unwrap_or_default(),
+                    });
+                }
+                if let Some(cert) = status.certificate.filter(|c| !c.0.is_empty()) {
+                    let cert_pem = String::from_utf8_lossy(&cert.0).into_owned();
+                    break Issued::read(node, cert_pem, key.serialize_pem());
+                }
+            }
+            Ok(None) => {}
+            Err(e) => tracing::debug!(node, request = %name, "reading the request: {e}"),
+        }
+        if tokio::time::Instant::now() >= deadline {
+            break Err(Error::NotIssued {
+                name: name.clone(),
+                node: node.to_owned(),
+                timeout,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    if let Err(e) = api.delete(&name, &DeleteParams::default()).await {
+        tracing::debug!(node, request = %name, "deleting the answered request: {e}");
+    }
+    outcome
+}
+
+/// Why a request is not approved.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Refusal(pub String);
+
+/// The node a pending request asks a client certificate for, when it asks for exactly a
+/// node client certificate: the kubelet signer, the usages of [`USAGES`] (key encipherment
+/// optional), subject `system:node:<name>` in organisation `system:nodes` only, and no
+/// alternative name. Who asked is for the caller to check.
+pub fn judge(csr: &CertificateSigningRequest) -> Result<String, Refusal> {
+    let spec = &csr.spec;
+    if spec.signer_name != SIGNER {
+        return Err(Refusal(format!("signer {} is not {SIGNER}", spec.signer_name)));
+    }
+    let usages = spec.usages.clone().unwrap_or_default();
+    if usages.iter().any(|u| !USAGES.contains(&u.as_str()))
+        || !usages.iter().any(|u| u == "client auth")
+        || !usages.iter().any(|u| u == "digital signature")
+    {
+        return Err(Refusal(format!(
+            "usages {usages:?} are not those of a node client certificate"
+        )));
+    }
+    let pem = x509_parser::pem::parse_x509_pem(&spec.request.0)
+        .map_err(|e| Refusal(format!("the request is not PEM: {e}")))?
+        .1;
+    let (_, request) = x509_parser::certification_request::X509CertificationRequest::from_der(&pem.contents)
+        .map_err(|e| Refusal(format!("the request cannot be parsed: {e}")))?;
+    let info = &request.certification_request_info;
+    let names: Vec<&str> = info.subject.iter_common_name().filter_map(|n| n.as_str().ok()).collect();
+    let organisations: Vec<&str> = info
+        .subject
+        .iter_organization()
+        .filter_map(|n| n.as_str().ok())
+        .collect();
+    if organisations != [GROUP] {
+        return Err(Refusal(format!("organisations {organisations:?} are not [{GROUP:?}]")));
+    }
+    let node = match names.as_slice() {
+        [one] => one
+            .strip_prefix("system:node:")
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| Refusal(format!("common name {one:?} is not system:node:<name>")))?,
+        _ => return Err(Refusal(format!("common names {names:?} are not one system:node:<name>"))),
+    };
+    if let Some(extensions) = request.requested_extensions()
+        && extensions.into_iter().any(|e| {
+            matches!(
+                e,
+                x509_parser::extensions::ParsedExtension::SubjectAlternativeName(_)
+            )
+        })
+    {
+        return Err(Refusal("a node client certificate names no alternative name".into()));
+    }
+    Ok(node.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn csr(request: String, signer: &str, usages: &[&str]) -> CertificateSigningRequest {
+        CertificateSigningRequest {
+            spec: CertificateSigningRequestSpec {
+                request: ByteString(request.into_bytes()),
+                signer_name: signer.to_owned(),
+                usages: Some(usages.iter().map(|u| (*u).to_owned()).collect()),
+                ..CertificateSigningRequestSpec::default()
+            },
+            ..CertificateSigningRequest::default()
+        }
+    }
+
+    fn request_of(params: CertificateParams) -> String {
+        let key = KeyPair::generate().unwrap_or_else(|e| panic!("{e}"));
+        params
+            .serialize_request(&key)
+            .and_then(|r| r.pem())
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn a_node_client_request_names_its_node() {
+        let (request, _) = certificate_request("vn-a").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(judge(&csr(request.clone(), SIGNER, &USAGES)), Ok("vn-a".into()));
+        assert_eq!(
+            judge(&csr(request, SIGNER, &["digital signature", "client auth"])),
+            Ok("vn-a".into()),
+            "key encipherment is optional"
+        );
+    }
+
+    #[test]
+    fn anything_but_a_node_client_certificate_is_refused_with_the_reason() {
+        let (request, _) = certificate_request("vn-a").unwrap_or_else(|e| panic!("{e}"));
+        let refused = |c: &CertificateSigningRequest| judge(c).err().map(|r| r.0).unwrap_or_default();
+        assert!(refused(&csr(request.clone(), "kubernetes.io/kube-apiserver-client", &USAGES)).contains("signer"));
+        assert!(
+            refused(&csr(request.clone(), SIGNER, &["digital signature", "client auth", "server auth"]))
+                .contains("usages")
+        );
+        assert!(refused(&csr(request, SIGNER, &["digital signature"])).contains("usages"));
+
+        let mut admin = CertificateParams::default();
+        admin.distinguished_name.push(DnType::OrganizationName, "system:masters");
+        admin.distinguished_name.push(DnType::CommonName, "system:node:vn-a");
+        assert!(refused(&csr(request_of(admin), SIGNER, &USAGES)).contains("organisations"));
+
+        let mut user = CertificateParams::default();
+        user.distinguished_name.push(DnType::OrganizationName, GROUP);
+        user.distinguished_name.push(DnType::CommonName, "alice");
+        assert!(refused(&csr(request_of(user), SIGNER, &USAGES)).contains("common name"));
+
+        let mut named =
+            CertificateParams::new(vec!["kubernetes.default".to_owned()]).unwrap_or_else(|e| panic!("{e}"));
+        named.distinguished_name.push(DnType::OrganizationName, GROUP);
+        named.distinguished_name.push(DnType::CommonName, "system:node:vn-a");
+        assert!(refused(&csr(request_of(named), SIGNER, &USAGES)).contains("alternative name"));
+
+        assert!(refused(&csr("not a request".into(), SIGNER, &USAGES)).contains("PEM"));
+    }
+
+    #[test]
+    fn renewal_comes_at_four_fifths_of_the_lifetime() {
+        let issued = Issued {
+            cert_pem: String::new(),
+            key_pem: String::new(),
+            not_before: 1_000,
+            not_after: 1_000 + 3_600,
+        };
+        assert_eq!(issued.renew_at(), 1_000 + 2_880);
+    }
+}

@@ -1,0 +1,301 @@
+//! Upper ConfigMaps and Secrets read the way a kubelet reads them: one object at a time, by
+//! name, and only those that the pods bound to this node reference. Nothing lists or watches
+//! them cluster-wide, so the upper credential needs `get` and nothing more, and under a node
+//! identity the Node authorizer allows exactly these reads.
+//!
+//! A [`Fetched`] cache knows, for each name it was asked to follow, the object's metadata or
+//! that it does not exist; of every other name it knows nothing ([`Upper::Unknown`]), and a
+//! reader must not take that for "gone" (a copy another virtual node of the same lower cluster
+//! made for its own pods is not ours to judge). Its feed re-reads every followed object once
+//! per period, at most `per_second` reads a second: with up to `per_second` objects an edit
+//! is seen within a second, with more the period grows in proportion.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use kube::ResourceExt;
+use kube::api::Api;
+use tensile_common::cache::Cache;
+use tokio::sync::{Notify, watch};
+
+use crate::copies::Reflected;
+use crate::trim::UpperPod;
+
+/// What is known of one upper object.
+#[derive(Debug)]
+pub enum Upper<K> {
+    /// It exists: its metadata.
+    Present(Arc<K>),
+    /// It was read and does not exist (or may never travel).
+    Gone,
+    /// Not followed here: nothing is known.
+    Unknown,
+}
+
+impl<K> Upper<K> {
+    pub fn present(self) -> Option<Arc<K>> {
+        match self {
+            Upper::Present(k) => Some(k),
+            Upper::Gone | Upper::Unknown => None,
+        }
+    }
+}
+
+type Key = (String, String);
+
+struct Entry<K> {
+    object: Option<Arc<K>>,
+    read_at: Instant,
+}
+
+struct Inner<K> {
+    client: kube::Client,
+    entries: RwLock<HashMap<Key, Entry<K>>>,
+    synced: watch::Receiver<bool>,
+    changed: Arc<Notify>,
+}
+
+/// The followed upper objects of kind `K` (metadata only).
+pub struct Fetched<K> {
+    inner: Arc<Inner<K>>,
+}
+
+impl<K> Clone for Fetched<K> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+/// Whether a read object may travel: a service-account token Secret never does.
+fn travels<K: Reflected>(object: &K) -> bool {
+    match serde_json::to_value(object) {
+        Ok(v) => v.get("type").and_then(|t| t.as_str()) != Some("kubernetes.io/service-account-token"),
+        Err(_) => false,
+    }
+}
+
+/// The metadata of `object`, its content and `managedFields` dropped.
+fn header<K: Reflected + Default>(object: K) -> K {
+    let mut kept = K::default();
+    *kept.meta_mut() = object.meta().clone();
+    kept.meta_mut().managed_fields = None;
+    kept
+}
+
+impl<K: Reflected + Default> Fetched<K> {
+    /// What is known of `ns/name`.
+    pub fn get(&self, ns: &str, name: &str) -> Upper<K> {
+        let entries = match self.inner.entries.read() {
+            Ok(e) => e,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        match entries.get(&(ns.to_owned(), name.to_owned())) {
+            Some(Entry { object: Some(o), .. }) => Upper::Present(o.clone()),
+            Some(Entry { object: None, .. }) => Upper::Gone,
+            None => Upper::Unknown,
+        }
+    }
+
+    /// Resolves once every object the bound pods referenced at start has been read once
+    /// (or failed to be, and stays unknown until a later read).
+    pub async fn synced(&self) {
+        let mut rx = self.inner.synced.clone();
+        if rx.wait_for(|s| *s).await.is_err() {
+            futures::future::pending::<()>().await;
+        }
+    }
+
+    /// `ns/name` as known, read now when it is not followed yet (a pod that was just bound
+    /// names it): `None` when it does not exist or may not travel.
+    pub async fn read(&self, ns: &str, name: &str) -> Result<Option<Arc<K>>, kube::Error> {
+        match self.get(ns, name) {
+            Upper::Present(o) => Ok(Some(o)),
+            Upper::Gone => Ok(None),
+            Upper::Unknown => self.refresh(&(ns.to_owned(), name.to_owned())).await,
+        }
+    }
+
+    /// Reads `key` and records what it found; wakes the readers when that differs from what
+    /// was known.
+    async fn refresh(&self, key: &Key) -> Result<Option<Arc<K>>, kube::Error> {
+        let (ns, name) = key;
+        let read = Api::<K>::namespaced(self.inner.client.clone(), ns)
+            .get_opt(name)
+            .await?;
+        let object = read.filter(travels).map(|o| Arc::new(header(o)));
+        let mut entries = match self.inner.entries.write() {
+            Ok(e) => e,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let before = entries
+            .get(key)
+            .map(|e| e.object.as_ref().map(|o| o.resource_version()));
+        let after = Some(object.as_ref().map(|o| o.resource_version()));
+        entries.insert(
+            key.clone(),
+            Entry {
+                object: object.clone(),
+                read_at: Instant::now(),
+            },
+        );
+        drop(entries);
+        if before != after {
+            self.inner.changed.notify_one();
+        }
+        Ok(object)
+    }
+
+    /// Stops following what no bound pod references any more.
+    fn keep_only(&self, wanted: &HashSet<Key>) {
+        let mut entries = match self.inner.entries.write() {
+            Ok(e) => e,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        entries.retain(|key, _| wanted.contains(key));
+    }
+
+    /// The followed names read longest ago, due within `period`, never-read ones first.
+    fn due(&self, wanted: &HashSet<Key>, period: Duration, now: Instant) -> Vec<Key> {
+        let entries = match self.inner.entries.read() {
+            Ok(e) => e,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let mut due: Vec<(Option<Instant>, &Key)> = wanted
+            .iter()
+            .map(|key| (entries.get(key).map(|e| e.read_at), key))
+            .filter(|(at, _)| at.is_none_or(|at| now.duration_since(at) >= period))
+            .collect();
+        due.sort();
+        due.into_iter().map(|(_, key)| key.clone()).collect()
+    }
+}
+
+/// The names of kind `K` that non-terminal `pods` reference.
+pub fn wanted<K: Reflected>(pods: &[Arc<UpperPod>]) -> HashSet<Key> {
+    pods.iter()
+        .filter(|p| !p.terminal)
+        .flat_map(|p| {
+            let ns = p.namespace().unwrap_or_default();
+            p.references
+                .iter()
+                .filter(|(kind, _)| *kind == K::KIND)
+                .map(move |(_, name)| (ns.clone(), name.clone()))
+        })
+        .collect()
+}
+
+/// How long one round over `followed` objects takes at `per_second` reads a second (a
+/// second at least).
+pub fn period(followed: usize, per_second: u32) -> Duration {
+    let per_second = f64::from(per_second.max(1));
+    Duration::from_secs_f64((followed as f64 / per_second).max(1.0))
+}
+
+/// The reads of one tick: everything never read, plus what is due within the tick's share of
+/// the budget.
+fn budget(due: Vec<Key>, never_read: usize, per_second: u32, tick: Duration) -> Vec<Key> {
+    let share = (f64::from(per_second) * tick.as_secs_f64()).ceil() as usize;
+    let take = never_read.max(share.max(1));
+    due.into_iter().take(take).collect()
+}
+
+/// A [`Fetched`] cache of the `K`s the pods of `upper_pods` reference, read through `client`,
+/// and the feed that keeps it current; `changed` wakes on every difference.
+pub fn fetched<K: Reflected + Default>(
+    client: kube::Client,
+    upper_pods: Cache<UpperPod>,
+    per_second: u32,
+    changed: &Arc<Notify>,
+) -> (Fetched<K>, impl Future<Output = ()> + Send + 'static) {
+    let (tx, synced) = watch::channel(false);
+    let cache = Fetched {
+        inner: Arc::new(Inner {
+            client,
+            entries: RwLock::new(HashMap::new()),
+            synced,
+            changed: changed.clone(),
+        }),
+    };
+    let feed = {
+        let cache = cache.clone();
+        async move {
+            const TICK: Duration = Duration::from_millis(250);
+            upper_pods.synced().await;
+            loop {
+                let wanted = wanted::<K>(&upper_pods.state());
+                cache.keep_only(&wanted);
+                let now = Instant::now();
+                let due = cache.due(&wanted, period(wanted.len(), per_second), now);
+                let never_read = due
+                    .iter()
+                    .filter(|key| matches!(cache.get(&key.0, &key.1), Upper::Unknown))
+                    .count();
+                let reads = budget(due, never_read, per_second, TICK);
+                let failed = futures::stream::iter(reads)
+                    .map(|key| {
+                        let cache = cache.clone();
+                        async move { cache.refresh(&key).await.err().map(|e| (key, e)) }
+                    })
+                    .buffer_unordered(8)
+                    .filter_map(futures::future::ready)
+                    .collect::<Vec<_>>()
+                    .await;
+                for ((ns, name), e) in &failed {
+                    // A pod bound a moment ago may name what the Node authorizer does not
+                    // allow yet; the next tick reads it again.
+                    tracing::debug!(kind = %K::KIND, object = %format!("{ns}/{name}"), "upper read: {e}");
+                }
+                // After the first round: what failed stays unknown and is read again.
+                if !*tx.borrow() {
+                    tx.send_replace(true);
+                }
+                tokio::time::sleep(TICK).await;
+            }
+        }
+    };
+    (cache, feed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(name: &str) -> Key {
+        ("ns".to_owned(), name.to_owned())
+    }
+
+    #[test]
+    fn a_round_takes_a_second_until_the_budget_is_spent_then_grows_in_proportion() {
+        assert_eq!(period(0, 20), Duration::from_secs(1));
+        assert_eq!(period(20, 20), Duration::from_secs(1));
+        assert_eq!(period(100, 20), Duration::from_secs(5));
+        assert_eq!(period(5, 0), Duration::from_secs(5), "a zero budget reads one a second");
+    }
+
+    #[test]
+    fn a_tick_reads_everything_never_read_and_otherwise_its_share_of_the_budget() {
+        let due: Vec<Key> = (0..50).map(|i| key(&i.to_string())).collect();
+        assert_eq!(budget(due.clone(), 0, 20, Duration::from_millis(250)).len(), 5);
+        assert_eq!(budget(due.clone(), 30, 20, Duration::from_millis(250)).len(), 30);
+        assert_eq!(budget(due, 0, 0, Duration::from_millis(250)).len(), 1);
+    }
+
+    #[test]
+    fn a_service_account_token_secret_never_travels() {
+        use k8s_openapi::api::core::v1::Secret;
+        let token = Secret {
+            type_: Some("kubernetes.io/service-account-token".into()),
+            ..Secret::default()
+        };
+        assert!(!travels(&token));
+        assert!(travels(&Secret {
+            type_: Some("Opaque".into()),
+            ..Secret::default()
+        }));
+        assert!(travels(&k8s_openapi::api::core::v1::ConfigMap::default()));
+    }
+}
