@@ -7,6 +7,7 @@
 //! that refuses writes while it does not lead ([`crate::leader::Fence`]).
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use kube::client::ClientBuilder;
@@ -396,6 +397,98 @@ pub struct ClientSource {
     path: Option<PathBuf>,
     config: kube::Config,
     options: ClientOptions,
+    /// The client certificate its clients present instead of the configured credential,
+    /// renewed in place ([`NodeCredential`]).
+    identity: Option<NodeCredential>,
+}
+
+/// A client certificate that is replaced while clients built with it run: each client
+/// checks on every call whether it is still current and, if not, builds its connections
+/// anew with the current one (calls in flight finish on the old connections).
+#[derive(Clone)]
+pub struct NodeCredential {
+    current: Arc<RwLock<(u64, crate::node_identity::Issued)>>,
+}
+
+impl NodeCredential {
+    pub fn new(issued: crate::node_identity::Issued) -> Self {
+        Self {
+            current: Arc::new(RwLock::new((0, issued))),
+        }
+    }
+
+    /// The certificate in use, and its generation.
+    pub fn current(&self) -> (u64, crate::node_identity::Issued) {
+        match self.current.read() {
+            Ok(c) => c.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// Puts `issued` in use for every client's next call.
+    pub fn replace(&self, issued: crate::node_identity::Issued) {
+        let mut current = match self.current.write() {
+            Ok(c) => c,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        *current = (current.0 + 1, issued);
+    }
+}
+
+/// `config` presenting `issued` as its only credential.
+fn with_certificate(config: &kube::Config, issued: &crate::node_identity::Issued) -> kube::Config {
+    use base64::Engine as _;
+    let engine = base64::engine::general_purpose::STANDARD;
+    let mut config = config.clone();
+    config.auth_info = kube::config::AuthInfo {
+        client_certificate_data: Some(engine.encode(&issued.cert_pem)),
+        client_key_data: Some(engine.encode(&issued.key_pem).into()),
+        ..kube::config::AuthInfo::default()
+    };
+    config
+}
+
+/// The service under a client of a [`NodeCredential`]: a client built with the current
+/// certificate, built again once the certificate changed.
+#[derive(Clone)]
+struct Rotating {
+    config: kube::Config,
+    options: ClientOptions,
+    credential: NodeCredential,
+    built: Arc<Mutex<Option<(u64, kube::Client)>>>,
+}
+
+impl Rotating {
+    fn client(&self) -> Result<kube::Client, kube::Error> {
+        let (generation, issued) = self.credential.current();
+        let mut built = match self.built.lock() {
+            Ok(b) => b,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if let Some((at, client)) = built.as_ref()
+            && *at == generation
+        {
+            return Ok(client.clone());
+        }
+        let client = build(with_certificate(&self.config, &issued), &self.options)?;
+        *built = Some((generation, client.clone()));
+        Ok(client)
+    }
+}
+
+impl tower::Service<http::Request<kube::client::Body>> for Rotating {
+    type Response = http::Response<kube::client::Body>;
+    type Error = kube::Error;
+    type Future = futures::future::BoxFuture<'static, Result<Self::Response, kube::Error>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), kube::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<kube::client::Body>) -> Self::Future {
+        let client = self.client();
+        Box::pin(async move { client?.send(request).await })
+    }
 }
 
 impl ClientSource {
@@ -414,7 +507,16 @@ impl ClientSource {
             path: path.map(Path::to_owned),
             config,
             options: options.clone(),
+            identity: None,
         })
+    }
+
+    /// The same source, its clients presenting `credential` (a node's client certificate)
+    /// instead of the configured credential, which then only asks for it.
+    pub fn with_identity(&self, credential: NodeCredential) -> Self {
+        let mut source = self.clone();
+        source.identity = Some(credential);
+        source
     }
 
     /// The same source, its clients refusing writes unless `leadership` is held.
@@ -448,7 +550,19 @@ impl ClientSource {
 
     /// A new client, sharing no connection with any other.
     pub fn client(&self) -> Result<kube::Client, Error> {
-        build(self.config.clone(), &self.options).map_err(|source| self.client_error(source))
+        match &self.identity {
+            Some(credential) => {
+                let service = Rotating {
+                    config: self.config.clone(),
+                    options: self.options.clone(),
+                    credential: credential.clone(),
+                    built: Arc::default(),
+                };
+                service.client().map_err(|source| self.client_error(source))?;
+                Ok(kube::Client::new(service, self.config.default_namespace.clone()))
+            }
+            None => build(self.config.clone(), &self.options).map_err(|source| self.client_error(source)),
+        }
     }
 }
 

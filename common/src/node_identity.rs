@@ -14,8 +14,9 @@ use std::time::Duration;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::certificates::v1::{CertificateSigningRequest, CertificateSigningRequestSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, PostParams};
 use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair};
+use x509_parser::prelude::FromDer as _;
 
 /// The signer of kubelet client certificates.
 pub const SIGNER: &str = "kubernetes.io/kube-apiserver-client-kubelet";
@@ -54,6 +55,10 @@ pub enum Error {
     },
     #[error("the certificate issued for node {node} cannot be read: {message}")]
     Unreadable { node: String, message: String },
+    #[error(
+        "the certificate issued for node {node} was valid until {not_after} (seconds since the epoch) and is no longer: the signer's lifetime is shorter than its backdating (kube-controller-manager --cluster-signing-duration)"
+    )]
+    Expired { node: String, not_after: i64 },
 }
 
 /// A client certificate and its key, both PEM, and its validity.
@@ -81,12 +86,19 @@ impl Issued {
         self.not_before + (self.not_after - self.not_before) * 4 / 5
     }
 
+    /// How long to wait from `now` before asking for the next one: until [`Self::renew_at`],
+    /// and 10 s at least, so a certificate already due is not asked for in a loop.
+    pub fn renew_in(&self, now: i64) -> Duration {
+        Duration::from_secs(u64::try_from(self.renew_at() - now).unwrap_or(0).max(10))
+    }
+
     fn read(node: &str, cert_pem: String, key_pem: String) -> Result<Self, Error> {
         let unreadable = |message: String| Error::Unreadable {
             node: node.to_owned(),
             message,
         };
-        let (_, pem) = x509_parser::pem::parse_x509_pem(cert_pem.as_bytes()).map_err(|e| unreadable(e.to_string()))?;
+        let (_, pem) =
+            x509_parser::pem::parse_x509_pem(cert_pem.as_bytes()).map_err(|e| unreadable(e.to_string()))?;
         let cert = pem.parse_x509().map_err(|e| unreadable(e.to_string()))?;
         let validity = cert.validity();
         let subject = cert
@@ -99,13 +111,27 @@ impl Issued {
         if subject != user(node) {
             return Err(unreadable(format!("it names {subject:?}, not {}", user(node))));
         }
+        let not_after = validity.not_after.timestamp();
+        if not_after <= now_seconds() {
+            return Err(Error::Expired {
+                node: node.to_owned(),
+                not_after,
+            });
+        }
         Ok(Issued {
             not_before: validity.not_before.timestamp(),
-            not_after: validity.not_after.timestamp(),
+            not_after,
             cert_pem,
             key_pem,
         })
     }
+}
+
+/// Seconds since the epoch.
+pub fn now_seconds() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
 
 /// A fresh key and the PEM certificate request of node `node` for it.
@@ -121,8 +147,8 @@ pub fn certificate_request(node: &str) -> Result<(String, KeyPair), rcgen::Error
 }
 
 /// Asks the upper cluster, through `client` (the process's own credential), for a client
-/// certificate of node `node` and waits up to `timeout` for it. The request is deleted once
-/// answered.
+/// certificate of node `node` and waits up to `timeout` for it. Answered requests are left to
+/// the controller-manager's cleaner (the account may not delete requests).
 pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Result<Issued, Error> {
     let key_error = |source| Error::Key {
         node: node.to_owned(),
@@ -148,11 +174,14 @@ pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Re
         status: None,
     };
     let api: Api<CertificateSigningRequest> = Api::all(client.clone());
-    let made = api.create(&PostParams::default(), &csr).await.map_err(api_error)?;
+    let made = api
+        .create(&PostParams::default(), &csr)
+        .await
+        .map_err(api_error)?;
     let name = made.metadata.name.clone().unwrap_or_default();
     tracing::info!(node, request = %name, "asked for a node client certificate");
     let deadline = tokio::time::Instant::now() + timeout;
-    let outcome = loop {
+    loop {
         match api.get_opt(&name).await {
             Ok(Some(csr)) => {
                 let status = csr.status.unwrap_or_default();
@@ -162,7 +191,7 @@ pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Re
                     .into_iter()
                     .find(|c| c.type_ == "Denied" || c.type_ == "Failed")
                 {
-                    break Err(Error::Refused {
+                    return Err(Error::Refused {
                         name: name.clone(),
                         node: node.to_owned(),
                         verdict: refusal.type_.to_lowercase(),
@@ -171,25 +200,21 @@ pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Re
                 }
                 if let Some(cert) = status.certificate.filter(|c| !c.0.is_empty()) {
                     let cert_pem = String::from_utf8_lossy(&cert.0).into_owned();
-                    break Issued::read(node, cert_pem, key.serialize_pem());
+                    return Issued::read(node, cert_pem, key.serialize_pem());
                 }
             }
             Ok(None) => {}
             Err(e) => tracing::debug!(node, request = %name, "reading the request: {e}"),
         }
         if tokio::time::Instant::now() >= deadline {
-            break Err(Error::NotIssued {
+            return Err(Error::NotIssued {
                 name: name.clone(),
                 node: node.to_owned(),
                 timeout,
             });
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
-    };
-    if let Err(e) = api.delete(&name, &DeleteParams::default()).await {
-        tracing::debug!(node, request = %name, "deleting the answered request: {e}");
     }
-    outcome
 }
 
 /// Why a request is not approved.
@@ -221,21 +246,31 @@ pub fn judge(csr: &CertificateSigningRequest) -> Result<String, Refusal> {
     let (_, request) = x509_parser::certification_request::X509CertificationRequest::from_der(&pem.contents)
         .map_err(|e| Refusal(format!("the request cannot be parsed: {e}")))?;
     let info = &request.certification_request_info;
-    let names: Vec<&str> = info.subject.iter_common_name().filter_map(|n| n.as_str().ok()).collect();
+    let names: Vec<&str> = info
+        .subject
+        .iter_common_name()
+        .filter_map(|n| n.as_str().ok())
+        .collect();
     let organisations: Vec<&str> = info
         .subject
         .iter_organization()
         .filter_map(|n| n.as_str().ok())
         .collect();
     if organisations != [GROUP] {
-        return Err(Refusal(format!("organisations {organisations:?} are not [{GROUP:?}]")));
+        return Err(Refusal(format!(
+            "organisations {organisations:?} are not [{GROUP:?}]"
+        )));
     }
     let node = match names.as_slice() {
         [one] => one
             .strip_prefix("system:node:")
             .filter(|n| !n.is_empty())
             .ok_or_else(|| Refusal(format!("common name {one:?} is not system:node:<name>")))?,
-        _ => return Err(Refusal(format!("common names {names:?} are not one system:node:<name>"))),
+        _ => {
+            return Err(Refusal(format!(
+                "common names {names:?} are not one system:node:<name>"
+            )));
+        }
     };
     if let Some(extensions) = request.requested_extensions()
         && extensions.into_iter().any(|e| {
@@ -245,7 +280,9 @@ pub fn judge(csr: &CertificateSigningRequest) -> Result<String, Refusal> {
             )
         })
     {
-        return Err(Refusal("a node client certificate names no alternative name".into()));
+        return Err(Refusal(
+            "a node client certificate names no alternative name".into(),
+        ));
     }
     Ok(node.to_owned())
 }
@@ -289,16 +326,31 @@ mod tests {
     fn anything_but_a_node_client_certificate_is_refused_with_the_reason() {
         let (request, _) = certificate_request("vn-a").unwrap_or_else(|e| panic!("{e}"));
         let refused = |c: &CertificateSigningRequest| judge(c).err().map(|r| r.0).unwrap_or_default();
-        assert!(refused(&csr(request.clone(), "kubernetes.io/kube-apiserver-client", &USAGES)).contains("signer"));
         assert!(
-            refused(&csr(request.clone(), SIGNER, &["digital signature", "client auth", "server auth"]))
-                .contains("usages")
+            refused(&csr(
+                request.clone(),
+                "kubernetes.io/kube-apiserver-client",
+                &USAGES
+            ))
+            .contains("signer")
+        );
+        assert!(
+            refused(&csr(
+                request.clone(),
+                SIGNER,
+                &["digital signature", "client auth", "server auth"]
+            ))
+            .contains("usages")
         );
         assert!(refused(&csr(request, SIGNER, &["digital signature"])).contains("usages"));
 
         let mut admin = CertificateParams::default();
-        admin.distinguished_name.push(DnType::OrganizationName, "system:masters");
-        admin.distinguished_name.push(DnType::CommonName, "system:node:vn-a");
+        admin
+            .distinguished_name
+            .push(DnType::OrganizationName, "system:masters");
+        admin
+            .distinguished_name
+            .push(DnType::CommonName, "system:node:vn-a");
         assert!(refused(&csr(request_of(admin), SIGNER, &USAGES)).contains("organisations"));
 
         let mut user = CertificateParams::default();
@@ -309,7 +361,9 @@ mod tests {
         let mut named =
             CertificateParams::new(vec!["kubernetes.default".to_owned()]).unwrap_or_else(|e| panic!("{e}"));
         named.distinguished_name.push(DnType::OrganizationName, GROUP);
-        named.distinguished_name.push(DnType::CommonName, "system:node:vn-a");
+        named
+            .distinguished_name
+            .push(DnType::CommonName, "system:node:vn-a");
         assert!(refused(&csr(request_of(named), SIGNER, &USAGES)).contains("alternative name"));
 
         assert!(refused(&csr("not a request".into(), SIGNER, &USAGES)).contains("PEM"));
@@ -324,5 +378,12 @@ mod tests {
             not_after: 1_000 + 3_600,
         };
         assert_eq!(issued.renew_at(), 1_000 + 2_880);
+        assert_eq!(issued.renew_in(1_000), Duration::from_secs(2_880));
+        assert_eq!(
+            issued.renew_in(1_000 + 2_875),
+            Duration::from_secs(10),
+            "never sooner than 10 s"
+        );
+        assert_eq!(issued.renew_in(1_000 + 9_999), Duration::from_secs(10));
     }
 }

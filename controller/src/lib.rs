@@ -11,6 +11,7 @@
 //! account, its rights, a short-lived credential, the upper Secret and the `LowerCluster`),
 //! tears it down in one (`leave`), and prints the fleet (`status`).
 
+pub mod approve;
 pub mod credential;
 pub mod ctl;
 pub mod plan;
@@ -88,6 +89,11 @@ pub struct Args {
     /// `kill -9` would, to prove a restart finishes the removal.
     #[arg(long = "crash-at", env = "TENSILE_CRASH_AT", hide = true, value_enum)]
     pub crash_at: Option<reconcile::RemovalStep>,
+    /// Virtual nodes act upstream as `system:node:<name>` (`--upper-identity=node`): their
+    /// grants name that user, their account may only ask for that node's client certificate,
+    /// and the controller approves exactly that request.
+    #[arg(long = "node-identity", env = "TENSILE_NODE_IDENTITY")]
+    pub node_identity: bool,
     #[command(flatten)]
     pub client: ClientArgs,
     #[command(flatten)]
@@ -201,6 +207,7 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
             template,
             cluster_id,
             pdb_api_version: args.pdb_api_version.clone(),
+            node_identity: args.node_identity,
         },
         lower_options: args.client.options(),
         resync: Duration::from_secs(args.resync_seconds),
@@ -211,6 +218,15 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
     });
     tracing::info!(namespace = %args.namespace, cluster_id = %ctx.settings.cluster_id, "starting");
     let namespace = args.namespace.clone();
+    if args.node_identity {
+        let (upper, settings, leading) = (upper.clone(), ctx.settings.clone(), candidacy.clone());
+        tasks.spawn_graceful("the node certificate approver", move |stop| async move {
+            if stop.run_until_cancelled(leading.leading()).await.is_none() {
+                return;
+            }
+            stop.run_until_cancelled(approve::run(upper, settings)).await;
+        });
+    }
     tasks.spawn_graceful("the LowerCluster controller", move |stop| async move {
         // Nothing to fill on standby: every pass reads what it needs.
         standing.synced();

@@ -41,6 +41,9 @@ pub struct Settings {
     /// The PodDisruptionBudget API (`policy/v1`, or `policy/v1beta1` before 1.21) of the
     /// budget a virtual node of several replicas gets; none without it.
     pub pdb_api_version: Option<String>,
+    /// Virtual nodes act upstream as `system:node:<name>` (`--upper-identity=node`): their
+    /// grants name that user, and their account may only ask for its certificate.
+    pub node_identity: bool,
 }
 
 /// Why a `LowerCluster` cannot be acted on.
@@ -131,11 +134,44 @@ pub fn objects(settings: &Settings, cluster: &LowerCluster) -> Objects {
     let name = object_name(settings, cluster.name());
     let ns = settings.namespace.as_str();
     let node = cluster.node_name();
-    let subject = Subject {
+    let account = Subject {
         kind: "ServiceAccount".into(),
         name: name.clone(),
         namespace: Some(ns.to_owned()),
         api_group: None,
+    };
+    // Who acts: the node's user under a node identity, else its account.
+    let subject = if settings.node_identity {
+        Subject {
+            kind: "User".into(),
+            name: tensile_common::node_identity::user(node),
+            namespace: None,
+            api_group: Some("rbac.authorization.k8s.io".into()),
+        }
+    } else {
+        account.clone()
+    };
+    // Its Node, and only its Node, changed by name; under a node identity the Node
+    // authorizer and NodeRestriction already confine the node's user to its Node, and the
+    // account only asks for the node's certificate.
+    let (node_rules, node_subjects) = if settings.node_identity {
+        (
+            vec![rule(
+                "certificates.k8s.io",
+                &["certificatesigningrequests"],
+                &[],
+                &["create", "get"],
+            )],
+            vec![account.clone()],
+        )
+    } else {
+        (
+            vec![
+                rule("", &["nodes"], &[node], &["patch"]),
+                rule("", &["nodes/status"], &[node], &["patch"]),
+            ],
+            vec![subject.clone()],
+        )
     };
     let cluster_role_ref = |role: &str| RoleRef {
         api_group: "rbac.authorization.k8s.io".into(),
@@ -153,19 +189,15 @@ pub fn objects(settings: &Settings, cluster: &LowerCluster) -> Objects {
             metadata: meta(&name, Some(ns), cluster),
             ..Default::default()
         },
-        // Its Node, and only its Node, changed by name.
         node_role: ClusterRole {
             metadata: meta(&name, None, cluster),
-            rules: Some(vec![
-                rule("", &["nodes"], &[node], &["patch"]),
-                rule("", &["nodes/status"], &[node], &["patch"]),
-            ]),
+            rules: Some(node_rules),
             aggregation_rule: None,
         },
         node_binding: ClusterRoleBinding {
             metadata: meta(&name, None, cluster),
             role_ref: cluster_role_ref(&name),
-            subjects: Some(vec![subject.clone()]),
+            subjects: Some(node_subjects),
         },
         shared_binding: ClusterRoleBinding {
             metadata: meta(&format!("{name}-shared"), None, cluster),
@@ -193,10 +225,12 @@ pub fn objects(settings: &Settings, cluster: &LowerCluster) -> Objects {
                 rule("coordination.k8s.io", &["leases"], &[&lease], &["get", "update"]),
             ]),
         },
+        // Elections are held by the account (NodeRestriction lets a node write no Lease but
+        // its heartbeat).
         leader_binding: RoleBinding {
             metadata: meta(&name, Some(ns), cluster),
             role_ref,
-            subjects: Some(vec![subject]),
+            subjects: Some(vec![account.clone()]),
         },
         budget: budget(settings, cluster, &name),
         deployment: deployment(settings, cluster, &name),
@@ -238,6 +272,9 @@ pub fn node_args(settings: &Settings, cluster: &LowerCluster) -> Vec<String> {
     }
     if spec.disable_taint {
         args.push("--disable-taint".into());
+    }
+    if settings.node_identity {
+        args.push("--upper-identity=node".into());
     }
     args.extend(spec.extra_args.iter().cloned());
     args
@@ -496,7 +533,7 @@ pub fn status(cluster: &LowerCluster, observed: &Observed) -> LowerClusterStatus
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::resource::{Credential, LowerClusterSpec};
 
@@ -524,6 +561,7 @@ mod tests {
             template,
             cluster_id: "upper-uid".into(),
             pdb_api_version: Some("policy/v1".into()),
+            node_identity: false,
         }
     }
 
@@ -613,6 +651,56 @@ mod tests {
             );
         }
         assert_eq!(objects.shared_binding.role_ref.name, "tensile-virtual-node");
+    }
+
+    #[test]
+    fn under_a_node_identity_the_grants_name_the_nodes_user_and_the_account_only_asks() {
+        let s = Settings {
+            node_identity: true,
+            ..settings()
+        };
+        let lower_a = cluster("lower-a");
+        let objects = objects(&s, &lower_a);
+        let user = |b: &ClusterRoleBinding| b.subjects.clone().unwrap_or_default();
+        let leader = objects.leader_binding.subjects.clone().unwrap_or_default();
+        assert_eq!(
+            (leader[0].kind.as_str(), leader[0].name.as_str()),
+            ("ServiceAccount", "tensile-vn-lower-a"),
+            "the election is the account's: a node may write no Lease but its heartbeat"
+        );
+        for subjects in [
+            user(&objects.shared_binding),
+            objects.lease_binding.subjects.clone().unwrap_or_default(),
+        ] {
+            assert_eq!(subjects.len(), 1);
+            assert_eq!(
+                (subjects[0].kind.as_str(), subjects[0].name.as_str()),
+                ("User", "system:node:lower-a")
+            );
+        }
+        let node_subjects = user(&objects.node_binding);
+        assert_eq!(node_subjects.len(), 1);
+        assert_eq!(
+            (node_subjects[0].kind.as_str(), node_subjects[0].name.as_str()),
+            ("ServiceAccount", "tensile-vn-lower-a")
+        );
+        let rules = objects.node_role.rules.unwrap_or_default();
+        assert_eq!(
+            rules.len(),
+            1,
+            "the account asks for the certificate, and nothing else"
+        );
+        assert_eq!(
+            rules[0].resources.as_deref(),
+            Some(&["certificatesigningrequests".to_owned()][..])
+        );
+        assert_eq!(rules[0].verbs, ["create", "get"]);
+        assert!(node_args(&s, &lower_a).contains(&"--upper-identity=node".to_owned()));
+        assert!(
+            !node_args(&settings(), &lower_a)
+                .iter()
+                .any(|a| a.starts_with("--upper-identity"))
+        );
     }
 
     #[test]

@@ -12,6 +12,12 @@ use crate::pki::{self, Ca, CertKey};
 use crate::process::Service;
 use crate::{Binaries, Error, Etcd, Result, free_port, io_err};
 
+/// Lifetime of the client certificates the controller-manager signs (a node identity's):
+/// short, so that a test running one sees it renewed. The signer backdates a certificate's
+/// start by 5 minutes and counts the lifetime from there: 8 minutes make a certificate valid
+/// for 3 minutes from its issue, renewed at 80 % of its lifetime, about 84 s after it.
+pub const NODE_CERTIFICATE_SECONDS: u64 = 480;
+
 /// How to start a [`TestCluster`].
 #[derive(Clone, Debug)]
 pub struct ClusterOptions {
@@ -237,7 +243,12 @@ impl TestCluster {
                     "--node-monitor-grace-period={}s",
                     options.node_monitor_grace.as_secs().max(1)
                 ),
-                "--controllers=*,-csrsigning,-csrapproving,-csrcleaner,-bootstrapsigner,-tokencleaner".into(),
+                "--controllers=*,-bootstrapsigner,-tokencleaner".into(),
+                // Certificates of approved requests, as every real cluster signs them; short
+                // lived, so a node identity renews within a test.
+                format!("--cluster-signing-cert-file={}", p("ca.crt")),
+                format!("--cluster-signing-key-file={}", p("ca.key")),
+                format!("--cluster-signing-duration={}s", NODE_CERTIFICATE_SECONDS),
             ];
             if binaries.minor < 24 {
                 args.push("--port=0".into());
@@ -530,6 +541,8 @@ impl Pki {
         let (sa_key, sa_pub) = pki::service_account_keys()?;
         for (file, content) in [
             ("ca.crt", ca.cert_pem()),
+            // The controller-manager signs approved kubelet client certificates with it.
+            ("ca.key", ca.key_pem()),
             ("apiserver.crt", serving.cert_pem.clone()),
             ("apiserver.key", serving.key_pem.clone()),
             ("kubelet-client.crt", kubelet_client.cert_pem.clone()),

@@ -54,6 +54,11 @@ impl Ca {
         self.issuer.pem()
     }
 
+    /// The CA's private key (PEM): for a signer that issues certificates of this CA.
+    pub fn key_pem(&self) -> String {
+        self.issuer.key().serialize_pem()
+    }
+
     /// A serving certificate for loopback (`127.0.0.1`, `::1`, `localhost`) plus `extra` DNS names.
     pub fn server(&self, common_name: &str, extra: &[&str]) -> Result<CertKey, Error> {
         let mut dns: Vec<String> = vec!["localhost".into()];

@@ -216,6 +216,13 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
         (cc, &["delete", "pods", "-n", "default"], false),
         (cc, &["create", "pods", "-n", "default"], false),
         (cc, &["delete", "nodes/vn-life"], true),
+        // Under node identities (the default) it approves their certificate requests.
+        (
+            cc,
+            &["update", "certificatesigningrequests", "--subresource=approval"],
+            true,
+        ),
+        (cc, &["delete", "certificatesigningrequests"], false),
         // The webhook: its registration, its CA Secret, the exclusions; nothing else.
         (
             wh,
@@ -671,13 +678,15 @@ async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
     // (only what a pod gives differs: addresses, files).
     let mut controller = chart::run_cluster_controller(up, ns, full, &[]).await.unwrap();
     let runner = tensile_e2e::runner::VirtualNodeRunner::start(up, ns).unwrap();
+    // The chart's default: the virtual node acts as its node (a client certificate its
+    // account asks for, which the controller approves), and its account may do nothing else.
     let node_account = format!("system:serviceaccount:{ns}:{full}-vn-{node}");
     tensile_e2e::wait::must(
         "the virtual node's account, made by the controller",
         Duration::from_secs(30),
         Duration::from_millis(500),
         || async {
-            if can_i(up, &node_account, &["patch", &format!("nodes/{node}")]).await {
+            if can_i(up, &node_account, &["create", "certificatesigningrequests"]).await {
                 Ok(())
             } else {
                 Err("not yet".to_owned())
@@ -685,28 +694,24 @@ async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
         },
     )
     .await;
-    // Each virtual node's account: its own Node and Leases, the pods bound to it.
     let checks: &[(&[&str], bool)] = &[
-        (&["patch", &format!("nodes/{node}"), "--subresource=status"], true),
-        (&["patch", "nodes/someone-else"], false),
-        (&["delete", &format!("nodes/{node}")], false),
+        (&["get", "certificatesigningrequests"], true),
         (
-            &["patch", &format!("leases/{node}"), "-n", "kube-node-lease"],
-            true,
+            &["update", "certificatesigningrequests", "--subresource=approval"],
+            false,
         ),
-        (&["patch", "leases/someone-else", "-n", "kube-node-lease"], false),
+        (&["delete", "certificatesigningrequests"], false),
+        (&["patch", &format!("nodes/{node}")], false),
+        (&["get", "secrets", "-n", ns], false),
+        (&["get", "configmaps", "-n", "default"], false),
+        (&["list", "pods"], false),
+        (&["create", "clusterroles"], false),
+        // The election among its replicas is the account's.
         (
             &["update", &format!("leases/tensile-virtual-node-{node}"), "-n", ns],
             true,
         ),
         (&["update", "leases/tensile-virtual-node-other", "-n", ns], false),
-        (&["create", "pods", "-n", "default"], false),
-        (&["update", "pods", "-n", "default"], false),
-        (&["update", "secrets", "-n", "default"], false),
-        (&["delete", "configmaps", "-n", "default"], false),
-        (&["get", "secrets", "-n", ns], true),
-        (&["create", "subjectaccessreviews.authorization.k8s.io"], true),
-        (&["create", "clusterroles"], false),
     ];
     for (args, want) in checks {
         assert_eq!(
@@ -977,6 +982,7 @@ items:
     )
     .await;
     assert_eq!(copies.trim(), "ConfigMap Secret PersistentVolumeClaim");
+    node_identity_is_confined_like_a_kubelet(up, ns, app, node).await;
     eventually(
         up.kubeconfig(),
         "the upper claim Bound to the volume reflected upstream",
@@ -1000,6 +1006,56 @@ items:
     )
     .await;
     assert!(!logs.is_empty());
+
+    // The node's certificate is renewed before it expires (the test bed's are valid for 3
+    // minutes from their issue), and the node goes on under the new one: what follows runs
+    // after a renewal.
+    tensile_e2e::wait::must(
+        "the node's client certificate renewed",
+        Duration::from_secs(180),
+        Duration::from_secs(1),
+        || async {
+            let logs = runner.seen().logs;
+            let renewed = logs.iter().any(|(_, log)| {
+                tensile_e2e::process::log_tail(log, 4_000_000).contains("node client certificate renewed")
+            });
+            if renewed {
+                Ok(())
+            } else {
+                Err("not yet".to_owned())
+            }
+        },
+    )
+    .await;
+    kubectl(
+        up.kubeconfig(),
+        &[
+            "-n",
+            app,
+            "patch",
+            "configmap",
+            "settings",
+            "-p",
+            r#"{"data":{"mode":"renewed"}}"#,
+        ],
+    )
+    .await;
+    eventually(
+        low.kubeconfig(),
+        "an upper edit reaching its copy after the renewal",
+        10,
+        &[
+            "-n",
+            app,
+            "get",
+            "configmap",
+            "settings",
+            "-o",
+            "jsonpath={.data.mode}",
+        ],
+        "renewed",
+    )
+    .await;
 
     // Going away: the lower pod, the copies' last user, and the claim follow.
     kubectl(
@@ -1063,6 +1119,101 @@ items:
     helm_ok(up, &["uninstall", release, "-n", ns, "--wait"]).await;
     helm_ok(low, &["uninstall", "lower", "-n", ns, "--wait"]).await;
     eprintln!("daemons under the chart's accounts: {:?}", started.elapsed());
+}
+
+/// What `kubectl` answers when `node` itself (its user and group, as its certificate names
+/// them) runs `args`.
+async fn as_node(cluster: &TestCluster, node: &str, args: &[&str]) -> tensile_e2e::kubectl::Output {
+    let user = format!("--as=system:node:{node}");
+    let mut all: Vec<&str> = vec![&user, "--as-group=system:nodes"];
+    all.extend_from_slice(args);
+    cluster.kubectl(&all).await
+}
+
+/// The chart's virtual node acts as `system:node:<node>`, and the upper apiserver's Node
+/// authorizer and NodeRestriction confine it like a kubelet: the Secret and ConfigMap its
+/// running pod in `app` references, and nothing else of theirs; its own Node and Lease, and
+/// neither of another node's.
+async fn node_identity_is_confined_like_a_kubelet(up: &TestCluster, ns: &str, app: &str, node: &str) {
+    kubectl(
+        up.kubeconfig(),
+        &[
+            "-n",
+            app,
+            "create",
+            "secret",
+            "generic",
+            "unreferenced",
+            "--from-literal=k=v",
+        ],
+    )
+    .await;
+    let other = "chart-other-node";
+    apply(
+        up.kubeconfig(),
+        &format!("apiVersion: v1\nkind: Node\nmetadata:\n  name: {other}\n  labels: {{team: a}}\n"),
+    )
+    .await;
+    let reads: &[(&[&str], bool)] = &[
+        (&["-n", app, "get", "secret", "password"], true),
+        (&["-n", app, "get", "configmap", "settings"], true),
+        (&["-n", app, "get", "secret", "unreferenced"], false),
+        (&["-n", app, "get", "secrets"], false),
+        (&["get", "secrets", "-A"], false),
+        (&["-n", ns, "get", "secrets"], false),
+        (&["-n", app, "get", "configmaps"], false),
+        (&["get", "node", node], true),
+        (&["-n", "kube-node-lease", "get", "lease", node], true),
+        (&["-n", "kube-node-lease", "get", "lease", other], false),
+        (
+            &["-n", ns, "get", "lease", &format!("tensile-virtual-node-{node}")],
+            false,
+        ),
+        (&["-n", ns, "get", "lease", "tensile-virtual-node-other"], false),
+        (
+            &[
+                "-n",
+                app,
+                "create",
+                "secret",
+                "generic",
+                "planted",
+                "--from-literal=k=v",
+            ],
+            false,
+        ),
+        (&["-n", app, "delete", "configmap", "settings"], false),
+        (&["label", "node", other, "team=b", "--overwrite"], false),
+        (&["delete", "node", other], false),
+        (&["-n", "kube-node-lease", "delete", "lease", other], false),
+        (
+            &[
+                "create",
+                "clusterrole",
+                "planted",
+                "--verb=get",
+                "--resource=secrets",
+            ],
+            false,
+        ),
+    ];
+    for (args, allowed) in reads {
+        let out = as_node(up, node, args).await;
+        assert_eq!(
+            out.ok, *allowed,
+            "as system:node:{node}: kubectl {args:?}: {} {}",
+            out.stdout, out.stderr
+        );
+        if !allowed {
+            assert!(
+                out.stderr.contains("forbidden") || out.stderr.contains("Forbidden"),
+                "refused by the authorizer or NodeRestriction, not for another reason: kubectl {args:?}: {}",
+                out.stderr
+            );
+        }
+    }
+    kubectl(up.kubeconfig(), &["delete", "node", other]).await;
+    kubectl(up.kubeconfig(), &["-n", app, "delete", "secret", "unreferenced"]).await;
 }
 
 /// The objects `helm template` renders for `sets` (on top of one virtual node), as JSON.

@@ -993,14 +993,12 @@ mod tests {
                 conflicts: &self.conflicts,
                 gc_delay: Duration::from_secs(30),
             };
-            let lookup = |ns: &str, name: &str| {
-                match upper.iter().find(|u| {
-                    u.metadata.namespace.as_deref() == Some(ns) && u.metadata.name.as_deref() == Some(name)
-                }) {
-                    Some(u) => Upper::Present(u.clone()),
-                    None if self.unknown.contains(name) => Upper::Unknown,
-                    None => Upper::Gone,
-                }
+            let lookup = |ns: &str, name: &str| match upper.iter().find(|u| {
+                u.metadata.namespace.as_deref() == Some(ns) && u.metadata.name.as_deref() == Some(name)
+            }) {
+                Some(u) => Upper::Present(u.clone()),
+                None if self.unknown.contains(name) => Upper::Unknown,
+                None => Upper::Gone,
             };
             plan(&model, lookup, lower, false, &mut self.since)
         }
@@ -1147,7 +1145,11 @@ mod tests {
         assert_eq!(pass.plan(&[], &lower), [], "needed below: theirs to keep");
         pass.needed.clear();
         pass.used_below.clear();
-        assert_eq!(pass.plan(&[], &lower), [], "no longer needed: the collection delay first");
+        assert_eq!(
+            pass.plan(&[], &lower),
+            [],
+            "no longer needed: the collection delay first"
+        );
         pass.now += Duration::from_secs(30);
         assert!(matches!(
             pass.plan(&[], &lower).as_slice(),

@@ -273,7 +273,11 @@ mod tests {
         assert_eq!(period(0, 20), Duration::from_secs(1));
         assert_eq!(period(20, 20), Duration::from_secs(1));
         assert_eq!(period(100, 20), Duration::from_secs(5));
-        assert_eq!(period(5, 0), Duration::from_secs(5), "a zero budget reads one a second");
+        assert_eq!(
+            period(5, 0),
+            Duration::from_secs(5),
+            "a zero budget reads one a second"
+        );
     }
 
     #[test]

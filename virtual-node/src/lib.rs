@@ -48,6 +48,7 @@ use kube::runtime::{Controller, controller};
 use tensile_common::admin::{self, AdminArgs, Readiness};
 use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
 use tensile_common::leader::{self, Candidacy, LeaderArgs, Leadership, Standing};
+use tensile_common::node_identity;
 use tensile_common::runtime::{self, CancellationToken, Supervisor};
 use tensile_common::telemetry::LogArgs;
 
@@ -131,6 +132,25 @@ pub struct UpperArgs {
     /// namespace UID).
     #[arg(long = "cluster-id", env = "TENSILE_CLUSTER_ID")]
     pub cluster_id: Option<String>,
+    /// Who the node acts as upstream: `credential` (the kubeconfig's or the pod's
+    /// ServiceAccount, authorised by RBAC) or `node` (`system:node:<nodename>`: a kubelet
+    /// client certificate asked for with that credential through a CertificateSigningRequest
+    /// and renewed at 80 % of its lifetime, confined by the Node authorizer like a kubelet).
+    #[arg(long = "upper-identity", env = "TENSILE_UPPER_IDENTITY", value_enum, default_value_t = UpperIdentity::Credential)]
+    pub identity: UpperIdentity,
+    /// Seconds to wait for the node's client certificate to be issued.
+    #[arg(long = "node-certificate-timeout", env = "TENSILE_NODE_CERTIFICATE_TIMEOUT", default_value_t = 120,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub certificate_timeout: u64,
+}
+
+/// Who a virtual node acts as in the upper cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum UpperIdentity {
+    /// The configured credential.
+    Credential,
+    /// `system:node:<nodename>`, through a client certificate.
+    Node,
 }
 
 /// The lower cluster: where pods and what travels with them are made.
@@ -328,6 +348,8 @@ pub enum Error {
     NoClientAuth,
     #[error("{0}")]
     StashKey(#[from] tensile_common::stash::KeyError),
+    #[error("{0}")]
+    NodeIdentity(#[from] tensile_common::node_identity::Error),
     #[error("reading the upper cluster id (kube-system namespace UID; or pass --cluster-id): {0}")]
     ClusterId(String),
     #[error("invalid flags: {0}")]
@@ -336,6 +358,43 @@ pub enum Error {
     Signal(#[source] std::io::Error),
     #[error(transparent)]
     Stopped(#[from] runtime::Stopped),
+}
+
+/// Renews the node's client certificate at 80 % of its lifetime, asking with `asking` (the
+/// configured credential); a request that fails is made again every 10 s. Past the
+/// certificate's end without a new one, the node stops: a restart asks anew.
+async fn renew(
+    asking: kube::Client,
+    node: String,
+    credential: kubeconfig::NodeCredential,
+    timeout: Duration,
+) -> Option<String> {
+    loop {
+        let (_, current) = credential.current();
+        tokio::time::sleep(current.renew_in(node_identity::now_seconds())).await;
+        loop {
+            match node_identity::request(&asking, &node, timeout).await {
+                Ok(issued) => {
+                    tracing::info!(
+                        node,
+                        not_after = issued.not_after,
+                        "node client certificate renewed"
+                    );
+                    credential.replace(issued);
+                    break;
+                }
+                Err(e) if node_identity::now_seconds() >= current.not_after => {
+                    return Some(format!(
+                        "the node's client certificate expired and no new one was issued: {e}"
+                    ));
+                }
+                Err(e) => {
+                    tracing::warn!(node, "renewing the node client certificate: {e}");
+                    tokio::time::sleep(Duration::from_secs(10)).await;
+                }
+            }
+        }
+    }
 }
 
 /// Runs the virtual node until SIGTERM or SIGINT (then `Ok`, after a graceful drain) or
@@ -373,10 +432,25 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         ..args.client.options()
     };
     let mut upper_source = kubeconfig::ClientSource::new(args.upper.kubeconfig.as_deref(), &options).await?;
+    // The election's Lease is written with the configured credential: NodeRestriction lets a
+    // node write no Lease but its heartbeat.
+    let election_source = upper_source.clone();
+    let mut renewal = None;
+    if args.upper.identity == UpperIdentity::Node {
+        // The configured credential only asks for the node's certificate, now and at renewal.
+        let asking = upper_source.client()?;
+        let timeout = Duration::from_secs(args.upper.certificate_timeout);
+        let issued = node_identity::request(&asking, &args.nodename, timeout).await?;
+        tracing::info!(node = %args.nodename, not_after = issued.not_after, "acting as {}", node_identity::user(&args.nodename));
+        let credential = kubeconfig::NodeCredential::new(issued);
+        upper_source = upper_source.with_identity(credential.clone());
+        renewal = Some(renew(asking, args.nodename.clone(), credential, timeout));
+    }
     let mut lower_source =
         kubeconfig::ClientSource::new(Some(&args.lower.client_kubeconfig), &options).await?;
     // The Lease itself is written unfenced; everything else only while leading.
-    let lease_client = upper_source.client()?;
+    let lease_client = election_source.client()?;
+    let review_client = upper_source.client()?;
     if election.is_some() {
         upper_source = upper_source.fenced(leadership.clone());
         lower_source = lower_source.fenced(leadership.clone());
@@ -407,13 +481,16 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
     leadership.register(&mut registry);
     let readiness = Readiness::default();
     let mut tasks = Supervisor::new(shutdown.clone(), DRAIN);
+    if let Some(renewal) = renewal {
+        tasks.spawn("the node certificate renewal", renewal);
+    }
     // The admin endpoint serves from the start, so a standby replica says it stands by.
     let admin_task = admin::serve(admin_listener, Arc::new(registry), readiness.clone());
     let admin_handle = tokio::spawn(shutdown.clone().run_until_cancelled_owned(admin_task));
 
     // Reviews of kubelet API callers are answered on any replica, so they are unfenced.
     let authorizer = match args.kubelet.authorization {
-        KubeletAuthorization::Webhook => kubelet::Authorizer::webhook(lease_client.clone()),
+        KubeletAuthorization::Webhook => kubelet::Authorizer::webhook(review_client),
         KubeletAuthorization::AlwaysAllow => kubelet::Authorizer::AlwaysAllow,
     };
     // The world fills on standby too: a standby is ready once it has synced, and takes over
@@ -763,6 +840,7 @@ async fn compose(
         args.kubelet.kubelet_port,
     );
     settings.taint = !args.disable_taint;
+    settings.role_label = args.upper.identity == UpperIdentity::Credential;
     settings.extra_labels = args.node_labels.iter().cloned().collect::<BTreeMap<_, _>>();
     settings.shape_label_keys = args.shape.label_keys.clone();
     // The heartbeat has its own client: a partition's dead connections are then dropped with

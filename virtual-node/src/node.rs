@@ -66,6 +66,9 @@ pub struct NodeSettings {
     pub node_ip: String,
     pub kubelet_port: u16,
     pub taint: bool,
+    /// Label the node `kubernetes.io/role=agent`: not under a node identity, whose
+    /// NodeRestriction refuses labels of `kubernetes.io/` a kubelet may not set.
+    pub role_label: bool,
     pub extra_labels: BTreeMap<String, String>,
     /// How often the lower cluster is probed (and the loop runs without changes).
     pub probe_period: Duration,
@@ -88,6 +91,7 @@ impl NodeSettings {
             node_ip,
             kubelet_port,
             taint: true,
+            role_label: true,
             extra_labels: BTreeMap::new(),
             probe_period: Duration::from_secs(5),
             recovery_probe_period: Duration::from_secs(1),
@@ -462,10 +466,6 @@ impl NodeLoop {
                 names::VIRTUAL_NODE_TYPE_LABEL.to_owned(),
                 names::VIRTUAL_NODE_TYPE_VALUE.to_owned(),
             ),
-            (
-                "kubernetes.io/role".to_owned(),
-                names::VIRTUAL_NODE_ROLE.to_owned(),
-            ),
             ("kubernetes.io/hostname".to_owned(), self.name().to_owned()),
             (
                 "kubernetes.io/os".to_owned(),
@@ -476,6 +476,12 @@ impl NodeLoop {
                 cap.arch.clone().unwrap_or_else(|| "amd64".into()),
             ),
         ]);
+        if self.settings.role_label {
+            labels.insert(
+                "kubernetes.io/role".to_owned(),
+                names::VIRTUAL_NODE_ROLE.to_owned(),
+            );
+        }
         labels.extend(self.settings.extra_labels.clone());
         labels
     }

@@ -131,10 +131,18 @@ impl World {
         let copies = &signals.copies_changed;
         let copy_marks = format!("{}={}", tensile_common::names::MARK_CLUSTER, identity.cluster_id);
         let ours_below = || watcher::Config::default().labels(&copy_marks);
-        let (upper_config_maps, w1) =
-            fetched::<ConfigMap>(upper.clone(), upper_pods.clone(), scope.upper_reads_per_second, copies);
-        let (upper_secrets, w2) =
-            fetched::<Secret>(upper.clone(), upper_pods.clone(), scope.upper_reads_per_second, copies);
+        let (upper_config_maps, w1) = fetched::<ConfigMap>(
+            upper.clone(),
+            upper_pods.clone(),
+            scope.upper_reads_per_second,
+            copies,
+        );
+        let (upper_secrets, w2) = fetched::<Secret>(
+            upper.clone(),
+            upper_pods.clone(),
+            scope.upper_reads_per_second,
+            copies,
+        );
         let (lower_config_maps, w3) = watched::<ConfigMap>(Api::all(lower.clone()), ours_below(), copies);
         let (lower_secrets, w4) = watched::<Secret>(Api::all(lower.clone()), ours_below(), copies);
         feeds.push((

@@ -1,0 +1,214 @@
+//! Approval of virtual nodes' client certificates (`--upper-identity=node`).
+//!
+//! A virtual node asks, with its own ServiceAccount, for the certificate of
+//! `system:node:<name>` ([`tensile_common::node_identity`]). The controller approves a
+//! request only when the account that made it is the one it made for a `LowerCluster`, and
+//! the request asks for exactly the client certificate of that cluster's node: one account,
+//! one node, so a compromised virtual node cannot become another node. A request of such an
+//! account for anything else is denied with the reason; requests of anyone else are left to
+//! the cluster's other approvers.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
+use kube::ResourceExt;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use tensile_common::node_identity;
+
+use crate::plan::{Settings, object_name};
+use crate::resource::LowerCluster;
+
+/// What to do with one request.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Issue it: the node's certificate, asked for by the node's account.
+    Approve { node: String },
+    /// One of our accounts asked for something else.
+    Deny { reason: String },
+    /// Answered already, or not asked by one of our accounts.
+    Ignore,
+}
+
+/// Whether `csr` was approved, denied or issued already.
+fn answered(csr: &CertificateSigningRequest) -> bool {
+    csr.status
+        .as_ref()
+        .is_some_and(|s| s.certificate.is_some() || s.conditions.as_ref().is_some_and(|c| !c.is_empty()))
+}
+
+/// The verdict on `csr` among `clusters`.
+pub fn decide(settings: &Settings, clusters: &[LowerCluster], csr: &CertificateSigningRequest) -> Verdict {
+    if answered(csr) {
+        return Verdict::Ignore;
+    }
+    let requester = csr.spec.username.as_deref().unwrap_or_default();
+    let Some(cluster) = clusters.iter().find(|c| {
+        requester
+            == format!(
+                "system:serviceaccount:{}:{}",
+                settings.namespace,
+                object_name(settings, c.name())
+            )
+    }) else {
+        return Verdict::Ignore;
+    };
+    let own = cluster.node_name();
+    match node_identity::judge(csr) {
+        Ok(node) if node == own => Verdict::Approve { node },
+        Ok(node) => Verdict::Deny {
+            reason: format!("{requester} may ask for the certificate of node {own} only, not of {node}"),
+        },
+        Err(refusal) => Verdict::Deny {
+            reason: format!("not a node client certificate: {refusal}"),
+        },
+    }
+}
+
+/// Answers `csr` as `verdict` says.
+async fn answer(api: &Api<CertificateSigningRequest>, csr: &CertificateSigningRequest, verdict: Verdict) {
+    let name = csr.name_any();
+    let (kind, reason, message) = match verdict {
+        Verdict::Ignore => return,
+        Verdict::Approve { node } => (
+            "Approved",
+            "TensileNodeIdentity",
+            format!("the client certificate of virtual node {node}, asked for by its account"),
+        ),
+        Verdict::Deny { reason } => ("Denied", "TensileNodeIdentity", reason),
+    };
+    let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::now());
+    let patch = serde_json::json!({
+        "status": {"conditions": [{
+            "type": kind,
+            "status": "True",
+            "reason": reason,
+            "message": message,
+            "lastUpdateTime": now,
+        }]}
+    });
+    match api
+        .patch_approval(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => tracing::info!(request = %name, "{kind}: {message}"),
+        Err(e) => tracing::warn!(request = %name, "answering the certificate request: {e}"),
+    }
+}
+
+/// Answers the certificate requests of virtual nodes as they come, for ever.
+pub async fn run(upper: kube::Client, settings: Settings) {
+    let api: Api<CertificateSigningRequest> = Api::all(upper.clone());
+    let clusters: Api<LowerCluster> = Api::all(upper);
+    let ours = format!(
+        "{}={}",
+        tensile_common::names::CONTROLLER_NAMESPACE,
+        settings.namespace
+    );
+    // Requests carry the node label; who made one is judged from the request itself.
+    let requests = watcher(
+        api.clone(),
+        watcher::Config::default().labels(node_identity::NODE_LABEL),
+    )
+    .default_backoff()
+    .applied_objects();
+    futures::pin_mut!(requests);
+    while let Some(next) = requests.next().await {
+        let csr = match next {
+            Ok(csr) => csr,
+            Err(e) => {
+                tracing::debug!("watching certificate requests: {e}");
+                continue;
+            }
+        };
+        if answered(&csr) {
+            continue;
+        }
+        let known = match clusters
+            .list(&kube::api::ListParams::default().labels(&ours))
+            .await
+        {
+            Ok(list) => list.items,
+            Err(e) => {
+                tracing::warn!("listing LowerClusters to judge a certificate request: {e}");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        answer(&api, &csr, decide(&settings, &known, &csr)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::tests::{cluster, settings};
+    use k8s_openapi::ByteString;
+    use k8s_openapi::api::certificates::v1::{
+        CertificateSigningRequestSpec, CertificateSigningRequestStatus,
+    };
+
+    fn request(node: &str, by: &str) -> CertificateSigningRequest {
+        let (pem, _) = node_identity::certificate_request(node).unwrap_or_else(|e| panic!("{e}"));
+        CertificateSigningRequest {
+            spec: CertificateSigningRequestSpec {
+                request: ByteString(pem.into_bytes()),
+                signer_name: node_identity::SIGNER.into(),
+                usages: Some(node_identity::USAGES.iter().map(|u| (*u).to_owned()).collect()),
+                username: Some(by.into()),
+                ..CertificateSigningRequestSpec::default()
+            },
+            ..CertificateSigningRequest::default()
+        }
+    }
+
+    fn account_of(settings: &Settings, cluster: &str) -> String {
+        format!(
+            "system:serviceaccount:{}:{}",
+            settings.namespace,
+            object_name(settings, cluster)
+        )
+    }
+
+    #[test]
+    fn a_nodes_account_gets_its_nodes_certificate_and_no_other() {
+        let settings = settings();
+        let (a, b) = (cluster("lower-a"), cluster("lower-b"));
+        let clusters = [a.clone(), b.clone()];
+        let by_a = account_of(&settings, "lower-a");
+        assert_eq!(
+            decide(&settings, &clusters, &request(a.node_name(), &by_a)),
+            Verdict::Approve {
+                node: a.node_name().to_owned()
+            }
+        );
+        let Verdict::Deny { reason } = decide(&settings, &clusters, &request(b.node_name(), &by_a)) else {
+            panic!("another node's certificate must be denied");
+        };
+        assert!(reason.contains(b.node_name()), "{reason}");
+        let mut server = request(a.node_name(), &by_a);
+        server.spec.usages = Some(vec!["digital signature".into(), "server auth".into()]);
+        assert!(matches!(
+            decide(&settings, &clusters, &server),
+            Verdict::Deny { .. }
+        ));
+    }
+
+    #[test]
+    fn requests_of_anyone_else_or_already_answered_are_left_alone() {
+        let settings = settings();
+        let a = cluster("lower-a");
+        let clusters = [a.clone()];
+        let kubelet = request(a.node_name(), "system:node:real-node");
+        assert_eq!(decide(&settings, &clusters, &kubelet), Verdict::Ignore);
+        let gone = request(a.node_name(), &account_of(&settings, "lower-gone"));
+        assert_eq!(decide(&settings, &clusters, &gone), Verdict::Ignore);
+        let mut answered = request(a.node_name(), &account_of(&settings, "lower-a"));
+        answered.status = Some(CertificateSigningRequestStatus {
+            certificate: Some(ByteString(b"issued".to_vec())),
+            ..CertificateSigningRequestStatus::default()
+        });
+        assert_eq!(decide(&settings, &clusters, &answered), Verdict::Ignore);
+    }
+}
