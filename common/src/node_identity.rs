@@ -14,7 +14,7 @@ use std::time::Duration;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::certificates::v1::{CertificateSigningRequest, CertificateSigningRequestSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, DeleteParams, PostParams};
 use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair};
 use x509_parser::prelude::FromDer as _;
 
@@ -30,6 +30,12 @@ pub fn user(node: &str) -> String {
 pub const GROUP: &str = "system:nodes";
 /// Label on a request: the node it is for.
 pub const NODE_LABEL: &str = "tensile.io/node";
+
+/// The name of node `node`'s request: one name, so its account's rights can name it (read it
+/// and delete it once answered) and a node never has more than one.
+pub fn request_name(node: &str) -> String {
+    format!("tensile-node-{node}")
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -147,8 +153,8 @@ pub fn certificate_request(node: &str) -> Result<(String, KeyPair), rcgen::Error
 }
 
 /// Asks the upper cluster, through `client` (the process's own credential), for a client
-/// certificate of node `node` and waits up to `timeout` for it. Answered requests are left to
-/// the controller-manager's cleaner (the account may not delete requests).
+/// certificate of node `node` (request [`request_name`]) and waits up to `timeout` for it; the
+/// request is deleted once answered.
 pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Result<Issued, Error> {
     let key_error = |source| Error::Key {
         node: node.to_owned(),
@@ -159,9 +165,10 @@ pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Re
         source,
     };
     let (request, key) = certificate_request(node).map_err(key_error)?;
+    let name = request_name(node);
     let csr = CertificateSigningRequest {
         metadata: ObjectMeta {
-            generate_name: Some(format!("tensile-{node}-")),
+            name: Some(name.clone()),
             labels: Some([(NODE_LABEL.to_owned(), node.to_owned())].into()),
             ..ObjectMeta::default()
         },
@@ -174,15 +181,34 @@ pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Re
         status: None,
     };
     let api: Api<CertificateSigningRequest> = Api::all(client.clone());
-    let made = api
-        .create(&PostParams::default(), &csr)
+    // One left by an earlier run (killed before deleting it) goes first.
+    match api.delete(&name, &DeleteParams::default()).await {
+        Ok(_) => tracing::info!(node, request = %name, "deleted an earlier request"),
+        Err(kube::Error::Api(s)) if s.code == 404 => {}
+        Err(e) => return Err(api_error(e)),
+    }
+    api.create(&PostParams::default(), &csr)
         .await
         .map_err(api_error)?;
-    let name = made.metadata.name.clone().unwrap_or_default();
     tracing::info!(node, request = %name, "asked for a node client certificate");
+    let answer = issued(&api, &name, node, key, timeout).await;
+    if let Err(e) = api.delete(&name, &DeleteParams::default()).await {
+        tracing::debug!(node, request = %name, "deleting the answered request: {e}");
+    }
+    answer
+}
+
+/// The certificate `name` was issued, once it is.
+async fn issued(
+    api: &Api<CertificateSigningRequest>,
+    name: &str,
+    node: &str,
+    key: KeyPair,
+    timeout: Duration,
+) -> Result<Issued, Error> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        match api.get_opt(&name).await {
+        match api.get_opt(name).await {
             Ok(Some(csr)) => {
                 let status = csr.status.unwrap_or_default();
                 if let Some(refusal) = status
@@ -192,7 +218,7 @@ pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Re
                     .find(|c| c.type_ == "Denied" || c.type_ == "Failed")
                 {
                     return Err(Error::Refused {
-                        name: name.clone(),
+                        name: name.to_owned(),
                         node: node.to_owned(),
                         verdict: refusal.type_.to_lowercase(),
                         message: refusal.message.unwrap_or_default(),
@@ -208,7 +234,7 @@ pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Re
         }
         if tokio::time::Instant::now() >= deadline {
             return Err(Error::NotIssued {
-                name: name.clone(),
+                name: name.to_owned(),
                 node: node.to_owned(),
                 timeout,
             });

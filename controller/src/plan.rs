@@ -156,12 +156,20 @@ pub fn objects(settings: &Settings, cluster: &LowerCluster) -> Objects {
     // account only asks for the node's certificate.
     let (node_rules, node_subjects) = if settings.node_identity {
         (
-            vec![rule(
-                "certificates.k8s.io",
-                &["certificatesigningrequests"],
-                &[],
-                &["create", "get"],
-            )],
+            vec![
+                rule(
+                    "certificates.k8s.io",
+                    &["certificatesigningrequests"],
+                    &[],
+                    &["create"],
+                ),
+                rule(
+                    "certificates.k8s.io",
+                    &["certificatesigningrequests"],
+                    &[&tensile_common::node_identity::request_name(node)],
+                    &["get", "delete"],
+                ),
+            ],
             vec![account.clone()],
         )
     } else {
@@ -687,14 +695,24 @@ pub(crate) mod tests {
         let rules = objects.node_role.rules.unwrap_or_default();
         assert_eq!(
             rules.len(),
-            1,
+            2,
             "the account asks for the certificate, and nothing else"
         );
+        for rule in &rules {
+            assert_eq!(
+                rule.resources.as_deref(),
+                Some(&["certificatesigningrequests".to_owned()][..])
+            );
+        }
+        assert_eq!(rules[0].verbs, ["create"]);
         assert_eq!(
-            rules[0].resources.as_deref(),
-            Some(&["certificatesigningrequests".to_owned()][..])
+            (rules[1].verbs.clone(), rules[1].resource_names.clone()),
+            (
+                vec!["get".to_owned(), "delete".to_owned()],
+                Some(vec!["tensile-node-lower-a".to_owned()])
+            ),
+            "its own request only"
         );
-        assert_eq!(rules[0].verbs, ["create", "get"]);
         assert!(node_args(&s, &lower_a).contains(&"--upper-identity=node".to_owned()));
         assert!(
             !node_args(&settings(), &lower_a)

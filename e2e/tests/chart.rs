@@ -222,7 +222,7 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
             &["update", "certificatesigningrequests", "--subresource=approval"],
             true,
         ),
-        (cc, &["delete", "certificatesigningrequests"], false),
+        (cc, &["delete", "certificatesigningrequests"], true),
         // The webhook: its registration, its CA Secret, the exclusions; nothing else.
         (
             wh,
@@ -695,12 +695,27 @@ async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
     )
     .await;
     let checks: &[(&[&str], bool)] = &[
-        (&["get", "certificatesigningrequests"], true),
+        (
+            &["get", &format!("certificatesigningrequests/tensile-node-{node}")],
+            true,
+        ),
+        (
+            &[
+                "delete",
+                &format!("certificatesigningrequests/tensile-node-{node}"),
+            ],
+            true,
+        ),
+        (&["get", "certificatesigningrequests/tensile-node-another"], false),
+        (
+            &["delete", "certificatesigningrequests/tensile-node-another"],
+            false,
+        ),
+        (&["list", "certificatesigningrequests"], false),
         (
             &["update", "certificatesigningrequests", "--subresource=approval"],
             false,
         ),
-        (&["delete", "certificatesigningrequests"], false),
         (&["patch", &format!("nodes/{node}")], false),
         (&["get", "secrets", "-n", ns], false),
         (&["get", "configmaps", "-n", "default"], false),
