@@ -66,8 +66,8 @@ pub fn decide(settings: &Settings, clusters: &[LowerCluster], csr: &CertificateS
     }
 }
 
-/// Answers `csr` as `verdict` says.
-async fn answer(api: &Api<CertificateSigningRequest>, csr: &CertificateSigningRequest, verdict: Verdict) {
+/// Answers `csr` as `verdict` says (approved or denied with the reason; nothing when ignored).
+pub async fn answer(api: &Api<CertificateSigningRequest>, csr: &CertificateSigningRequest, verdict: Verdict) {
     let name = csr.name_any();
     let (kind, reason, message) = match verdict {
         Verdict::Ignore => return,

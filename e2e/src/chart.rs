@@ -73,9 +73,41 @@ pub fn helm_binary() -> Result<&'static Path> {
 /// Runs `helm ARGS…` against `cluster` (its admin kubeconfig), with helm's own state under the
 /// cluster's directory so tests never touch the user's.
 pub async fn helm(cluster: &TestCluster, args: &[&str]) -> Result<crate::kubectl::Output> {
+    helm_with(&Access::of(cluster), args).await
+}
+
+/// What a helper needs of a cluster to act on it with kubectl and helm, apart from the
+/// [`TestCluster`] (for a task that outlives a borrow of it).
+#[derive(Clone, Debug)]
+pub struct Access {
+    pub name: String,
+    pub dir: PathBuf,
+    /// Admin kubeconfig.
+    pub kubeconfig: PathBuf,
+    /// The apiserver's URL.
+    pub server: String,
+}
+
+impl Access {
+    pub fn of(cluster: &TestCluster) -> Self {
+        Self {
+            name: cluster.name().to_owned(),
+            dir: cluster.dir().to_owned(),
+            kubeconfig: cluster.kubeconfig().to_owned(),
+            server: cluster.url(),
+        }
+    }
+
+    pub async fn kubectl(&self, args: &[&str]) -> crate::kubectl::Output {
+        crate::kubectl::run(&self.kubeconfig, args).await
+    }
+}
+
+/// [`helm`] on the cluster `access` reaches.
+pub async fn helm_with(access: &Access, args: &[&str]) -> Result<crate::kubectl::Output> {
     let bin = helm_binary()?.to_owned();
-    let home = cluster.dir().join("helm");
-    let kubeconfig = cluster.kubeconfig().to_owned();
+    let home = access.dir.join("helm");
+    let kubeconfig = access.kubeconfig.clone();
     let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
     let out = tokio::task::spawn_blocking(move || {
         Command::new(&bin)
@@ -103,6 +135,16 @@ pub async fn helm(cluster: &TestCluster, args: &[&str]) -> Result<crate::kubectl
 /// (which every release fills in).
 pub async fn service_account_kubeconfig(
     cluster: &TestCluster,
+    namespace: &str,
+    name: &str,
+    path: &Path,
+) -> Result<PathBuf> {
+    service_account_kubeconfig_with(&Access::of(cluster), namespace, name, path).await
+}
+
+/// [`service_account_kubeconfig`] on the cluster `access` reaches.
+pub async fn service_account_kubeconfig_with(
+    cluster: &Access,
     namespace: &str,
     name: &str,
     path: &Path,
@@ -137,7 +179,7 @@ pub async fn service_account_kubeconfig(
                 "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {requested}\n  namespace: {namespace}\n  \
                  annotations:\n    kubernetes.io/service-account.name: {name}\ntype: kubernetes.io/service-account-token\n"
             );
-            let file = cluster.dir().join(format!("{requested}.yaml"));
+            let file = cluster.dir.join(format!("{requested}.yaml"));
             std::fs::write(&file, manifest).map_err(io_err(&file))?;
             let out = cluster
                 .kubectl(&["apply", "-f", &file.display().to_string()])
@@ -189,7 +231,7 @@ pub async fn service_account_kubeconfig(
             "jsonpath={.clusters[0].cluster.certificate-authority-data}",
         ])
         .await;
-    let cluster_name = cluster.name();
+    let cluster_name = &cluster.name;
     let text = format!(
         "apiVersion: v1
 kind: Config
@@ -209,7 +251,7 @@ contexts:
     user: {namespace}-{name}
 current-context: {cluster_name}
 ",
-        server = cluster.url(),
+        server = cluster.server,
         ca = ca.stdout.trim(),
     );
     std::fs::write(path, text).map_err(io_err(path))?;

@@ -1,9 +1,148 @@
 //! A virtual node run inside the test process, so tests can crash and restart it at will,
 //! and one run as its own process ([`VirtualNodeProcess`]), for signals.
 
-use tensile_virtual_node::Args;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
 
+use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
+use kube::api::Api;
+use tensile_common::node_identity;
+use tensile_controller::approve;
+use tensile_controller::resource::{LowerCluster, LowerClusterSpec};
+use tensile_virtual_node::{Args, UpperIdentity};
+
+use crate::chart::Access;
 use crate::{TestCluster, free_port};
+
+/// The namespace of the test virtual nodes' accounts.
+const ACCOUNTS: &str = "tensile-e2e-nodes";
+/// The release name the chart's grants are rendered under.
+const RELEASE: &str = "e2e";
+
+/// The clusters of the accounts [`options`] named, by account kubeconfig.
+fn identities() -> &'static Mutex<HashMap<PathBuf, Access>> {
+    static IDENTITIES: OnceLock<Mutex<HashMap<PathBuf, Access>>> = OnceLock::new();
+    IDENTITIES.get_or_init(Mutex::default)
+}
+
+/// Gives virtual node `node` of the upper cluster `access` reaches what the chart and the
+/// cluster controller give one under a node identity: its account (kubeconfig written to
+/// `account`) with its rights (ask for its certificate; its election), the chart's role of
+/// what a node may not do bound to its user; and returns the approver of its certificate
+/// requests, which judges them with the cluster controller's own rule as if a `LowerCluster`
+/// of that name made the account.
+async fn node_identity(
+    access: &Access,
+    node: &str,
+    account: &Path,
+) -> anyhow::Result<impl Future<Output = ()> + use<>> {
+    let sa = format!("{RELEASE}-vn-{node}");
+    let request = node_identity::request_name(node);
+    let rendered = crate::chart::helm_with(
+        access,
+        &[
+            "template",
+            RELEASE,
+            &crate::chart::chart_dir().display().to_string(),
+            "--show-only",
+            "templates/virtual-node.yaml",
+            "--set",
+            "virtualNodes.reflectServices=true",
+        ],
+    )
+    .await?;
+    anyhow::ensure!(rendered.ok, "helm template: {}", rendered.stderr);
+    let shared = rendered
+        .stdout
+        .split("\n---")
+        .find(|doc| doc.lines().any(|l| l.trim() == "kind: ClusterRole"))
+        .ok_or_else(|| anyhow::anyhow!("the chart renders no virtual-node ClusterRole"))?
+        .to_owned();
+    let manifest = format!(
+        "{shared}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {{name: {ACCOUNTS}}}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {{name: {sa}, namespace: {ACCOUNTS}}}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {{name: {sa}}}
+rules:
+- {{apiGroups: [certificates.k8s.io], resources: [certificatesigningrequests], verbs: [create]}}
+- {{apiGroups: [certificates.k8s.io], resources: [certificatesigningrequests], resourceNames: [{request}], verbs: [get, delete]}}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {{name: {sa}}}
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: {sa}}}
+subjects: [{{kind: ServiceAccount, name: {sa}, namespace: {ACCOUNTS}}}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {{name: {sa}-node}}
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: {RELEASE}-tensile-virtual-node}}
+subjects: [{{kind: User, apiGroup: rbac.authorization.k8s.io, name: system:node:{node}}}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {{name: {sa}, namespace: kube-system}}
+rules:
+- {{apiGroups: [coordination.k8s.io], resources: [leases], verbs: [create]}}
+- {{apiGroups: [coordination.k8s.io], resources: [leases], resourceNames: [tensile-virtual-node-{node}], verbs: [get, update]}}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {{name: {sa}, namespace: kube-system}}
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: {sa}}}
+subjects: [{{kind: ServiceAccount, name: {sa}, namespace: {ACCOUNTS}}}]
+"
+    );
+    let file = access.dir.join(format!("{sa}.identity.yaml"));
+    std::fs::write(&file, manifest)?;
+    // Nodes started at once apply the shared objects at once: a conflict is tried again.
+    let mut applied = access
+        .kubectl(&["apply", "-f", &file.display().to_string()])
+        .await;
+    for _ in 0..10 {
+        if applied.ok {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        applied = access
+            .kubectl(&["apply", "-f", &file.display().to_string()])
+            .await;
+    }
+    anyhow::ensure!(applied.ok, "applying the node's grants: {}", applied.stderr);
+    crate::chart::service_account_kubeconfig_with(access, ACCOUNTS, &sa, account).await?;
+
+    let admin = tensile_common::kubeconfig::client_from_file(&access.kubeconfig, &Default::default()).await?;
+    let settings = tensile_controller::plan::Settings {
+        namespace: ACCOUNTS.to_owned(),
+        prefix: RELEASE.to_owned(),
+        shared_role: format!("{RELEASE}-tensile-virtual-node"),
+        template: Default::default(),
+        cluster_id: String::new(),
+        pdb_api_version: None,
+        node_identity: true,
+    };
+    let cluster = LowerCluster::new(node, LowerClusterSpec::default());
+    Ok(async move {
+        let api: Api<CertificateSigningRequest> = Api::all(admin);
+        loop {
+            if let Ok(Some(csr)) = api.get_opt(&request).await {
+                let verdict = approve::decide(&settings, std::slice::from_ref(&cluster), &csr);
+                approve::answer(&api, &csr, verdict).await;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
+}
 
 /// A virtual node running in process; dropping it is a crash (no clean-up runs).
 pub struct VirtualNode {
@@ -15,9 +154,17 @@ pub struct VirtualNode {
 /// The options of a virtual node `name` for `upper` over `lower` in a test bed: every
 /// default, plus a loopback node IP, free kubelet and admin ports and the upper
 /// kubelet-client CA. Tests set further fields before [`VirtualNode::run`].
+/// The node acts upstream as the chart makes it act: as `system:node:<name>`, its account
+/// holding what the chart's grants give ([`node_identity`]).
 pub fn options(upper: &TestCluster, name: &str, lower: &TestCluster) -> anyhow::Result<Args> {
     let loopback = std::net::Ipv4Addr::LOCALHOST.into();
-    let mut args = Args::new(name, loopback, Some(upper.kubeconfig()), lower.kubeconfig())?;
+    let account = upper.dir().join(format!("vn-{name}.account.kubeconfig"));
+    let mut args = Args::new(name, loopback, Some(&account), lower.kubeconfig())?;
+    args.upper.identity = UpperIdentity::Node;
+    identities()
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .insert(account, Access::of(upper));
     args.kubelet.kubelet_port = free_port()?;
     args.kubelet.client_verify_ca = Some(upper.kubelet_client_ca_path().to_owned());
     args.admin.admin_addr = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, free_port()?));
@@ -30,14 +177,41 @@ impl VirtualNode {
         Ok(Self::run(options(upper, name, lower)?))
     }
 
-    /// Starts a virtual node with `args` (see [`options`]).
+    /// Starts a virtual node with `args` (see [`options`]); one whose account [`options`]
+    /// named gets it first, and its certificate requests are answered while it runs.
     pub fn run(args: Args) -> Self {
         // Not `run`: that would take SIGTERM and SIGINT away from the test process.
         let never = tensile_common::runtime::CancellationToken::new();
+        let account = args
+            .upper
+            .kubeconfig
+            .clone()
+            .filter(|_| args.upper.identity == UpperIdentity::Node)
+            .and_then(|path| {
+                let known = identities()
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .get(&path)
+                    .cloned();
+                known.map(|access| (access, path))
+            });
+        let (kubelet_port, admin_addr) = (args.kubelet.kubelet_port, args.admin.admin_addr.to_string());
+        let task = tokio::spawn(async move {
+            let Some((access, path)) = account else {
+                return tensile_virtual_node::run_until(args, never).await;
+            };
+            let approver = node_identity(&access, &args.nodename, &path)
+                .await
+                .map_err(|e| tensile_virtual_node::Error::Flags(format!("the test's node identity: {e}")))?;
+            tokio::select! {
+                ran = tensile_virtual_node::run_until(args, never) => ran,
+                () = approver => Ok(()),
+            }
+        });
         VirtualNode {
-            kubelet_port: args.kubelet.kubelet_port,
-            admin_addr: args.admin.admin_addr.to_string(),
-            task: tokio::spawn(tensile_virtual_node::run_until(args, never)),
+            kubelet_port,
+            admin_addr,
+            task,
         }
     }
 }

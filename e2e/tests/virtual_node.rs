@@ -157,13 +157,14 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
     .await;
     for want in [
         r#""type":"virtual-kubelet""#,
-        r#""kubernetes.io/role":"agent""#,
         r#""kubernetes.io/hostname":"vn-node""#,
         r#""kubernetes.io/os":"linux""#,
         r#""region":"b""#,
     ] {
         assert!(labels.contains(want), "{want} in {labels}");
     }
+    // Acting as its node, it sets no label NodeRestriction keeps from kubelets.
+    assert!(!labels.contains("kubernetes.io/role"), "{labels}");
     let taints = kubectl(
         up(),
         &[

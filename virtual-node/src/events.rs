@@ -32,17 +32,21 @@ impl Events {
     /// The handle and the task that publishes what it is given.
     pub fn new(recorder: Recorder, metrics: Arc<Metrics>) -> (Self, impl Future<Output = ()>) {
         let (queue, mut received) = mpsc::channel::<(Event, ObjectReference)>(QUEUE);
+        let failures = metrics.clone();
         let publish = async move {
             futures::stream::poll_fn(move |cx| received.poll_recv(cx))
                 .for_each_concurrent(PUBLISHERS, |(event, reference)| {
-                    let recorder = &recorder;
+                    let (recorder, failures) = (&recorder, &failures);
                     async move {
                         if let Err(e) = recorder.publish(&event, &reference).await {
-                            tracing::debug!(
-                                object = reference.name.as_deref().unwrap_or_default(),
-                                reason = %event.reason,
-                                "event not recorded: {e}"
-                            );
+                            failures.api_error("upper", "event");
+                            let object = reference.name.as_deref().unwrap_or_default();
+                            // A refusal is a missing grant, for the operator to see.
+                            if tensile_common::api::code(&e).is_some_and(|c| c == 401 || c == 403) {
+                                tracing::warn!(object, reason = %event.reason, "event not recorded: {e}");
+                            } else {
+                                tracing::debug!(object, reason = %event.reason, "event not recorded: {e}");
+                            }
                         }
                     }
                 })
