@@ -9,7 +9,7 @@ use tensile_e2e::check::{apply, deployment, eventually, kubectl};
 use tensile_e2e::in_process;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
-use tensile_virtual_node::Args;
+use tensile_virtual_node::{Args, UpperIdentity};
 
 struct Bed {
     upper: TestCluster,
@@ -887,13 +887,20 @@ async fn a_lower_namespace_of_someone_else_is_refused_unless_shared() {
     assert_eq!(below.stdout.trim(), "", "nothing is created in their namespace");
 }
 
+/// Acting as its configured credential.
+fn by_credential(args: &mut Args) {
+    args.upper.identity = UpperIdentity::Credential;
+    args.upper.kubeconfig = Some(up().to_owned());
+}
+
 /// A virtual node restarted with other `--node-labels` and `--disable-taint` brings its
 /// registered Node up to date: the new label set, the dropped one gone, the taint removed,
-/// and a label someone else put on the Node kept.
+/// and a label someone else put on the Node kept (acting as its credential).
 #[tokio::test]
 async fn changed_node_labels_and_taint_apply_to_a_registered_node() {
     let bed = bed();
     let first = VirtualNode::start_with("vn-relabel", &bed.lower_a, |args| {
+        by_credential(args);
         args.node_labels = vec![("team".into(), "a".into())];
     });
     wait_ready("vn-relabel").await;
@@ -903,6 +910,7 @@ async fn changed_node_labels_and_taint_apply_to_a_registered_node() {
     assert_eq!(now, "a//ops/virtual-kubelet.io/provider");
     drop(first);
     let _second = VirtualNode::start_with("vn-relabel", &bed.lower_a, |args| {
+        by_credential(args);
         args.node_labels = vec![("zone".into(), "z1".into())];
         args.disable_taint = true;
     });
@@ -914,6 +922,43 @@ async fn changed_node_labels_and_taint_apply_to_a_registered_node() {
         "/z1/ops/",
     )
     .await;
+}
+
+/// Under a node identity NodeRestriction lets a node set its taints only when it registers:
+/// restarted with other labels and `--disable-taint`, the node brings its labels up to date
+/// (a refused taint change would have taken them down with it) and leaves the taint to an
+/// admin, never putting it back once removed.
+#[tokio::test]
+async fn under_a_node_identity_changed_labels_apply_and_the_taint_is_left_to_an_admin() {
+    let bed = bed();
+    let first = VirtualNode::start_with("vn-retaint", &bed.lower_a, |args| {
+        args.node_labels = vec![("team".into(), "a".into())];
+    });
+    wait_ready("vn-retaint").await;
+    let shown = r#"jsonpath={.metadata.labels.team}/{.metadata.labels.zone}/{.spec.taints[*].key}"#;
+    let now = kubectl(up(), &["get", "node", "vn-retaint", "-o", shown]).await;
+    assert_eq!(now, "a//virtual-kubelet.io/provider");
+    drop(first);
+    let _second = VirtualNode::start_with("vn-retaint", &bed.lower_a, |args| {
+        args.node_labels = vec![("zone".into(), "z1".into())];
+        args.disable_taint = true;
+    });
+    eventually(
+        up(),
+        "the new labels, the taint kept",
+        60,
+        &["get", "node", "vn-retaint", "-o", shown],
+        "/z1/virtual-kubelet.io/provider",
+    )
+    .await;
+    kubectl(
+        up(),
+        &["taint", "node", "vn-retaint", "virtual-kubelet.io/provider-"],
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let after = kubectl(up(), &["get", "node", "vn-retaint", "-o", shown]).await;
+    assert_eq!(after, "/z1/", "the admin's removal stays");
 }
 
 #[tokio::test]

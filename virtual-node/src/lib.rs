@@ -841,6 +841,7 @@ async fn compose(
     );
     settings.taint = !args.disable_taint;
     settings.role_label = args.upper.identity == UpperIdentity::Credential;
+    settings.retaint = args.upper.identity == UpperIdentity::Credential;
     settings.extra_labels = args.node_labels.iter().cloned().collect::<BTreeMap<_, _>>();
     settings.shape_label_keys = args.shape.label_keys.clone();
     // The heartbeat has its own client: a partition's dead connections are then dropped with
@@ -856,6 +857,7 @@ async fn compose(
         metrics: metrics.clone(),
         upper_node: world.upper_node.clone(),
         lower_health,
+        taint_told: Default::default(),
     };
     let kubelet_state = Arc::new(KubeletState {
         node: identity.node.clone(),

@@ -69,6 +69,9 @@ pub struct NodeSettings {
     /// Label the node `kubernetes.io/role=agent`: not under a node identity, whose
     /// NodeRestriction refuses labels of `kubernetes.io/` a kubelet may not set.
     pub role_label: bool,
+    /// The node may change its taints once registered: not under a node identity, whose
+    /// NodeRestriction lets a node set them only when it registers.
+    pub retaint: bool,
     pub extra_labels: BTreeMap<String, String>,
     /// How often the lower cluster is probed (and the loop runs without changes).
     pub probe_period: Duration,
@@ -92,6 +95,7 @@ impl NodeSettings {
             kubelet_port,
             taint: true,
             role_label: true,
+            retaint: true,
             extra_labels: BTreeMap::new(),
             probe_period: Duration::from_secs(5),
             recovery_probe_period: Duration::from_secs(1),
@@ -288,18 +292,20 @@ pub struct NodeLoop {
     pub upper_node: Cache<Node>,
     /// Set from each round's Ready verdict, for the pod controller.
     pub lower_health: Arc<LowerHealth>,
+    /// The taint's difference from the settings was told (under a node identity).
+    pub taint_told: std::sync::atomic::AtomicBool,
 }
 
 /// The merge patch that brings `node` to `labels` (every label the virtual node sets), with
 /// `extra` the `--node-labels` among them, and to the virtual-node taint present or not;
-/// `None` when nothing differs. Labels of others are never touched; a `--node-labels` key no
+/// `None` when nothing differs; `taint` `None` leaves the taints alone. Labels of others are never touched; a `--node-labels` key no
 /// longer given is removed. The patch carries the Node's resourceVersion when it rewrites
 /// the taints (a list shared with the node controller), so it never overwrites a newer one.
 pub fn metadata_patch(
     node: &Node,
     labels: &BTreeMap<String, String>,
     extra: &BTreeMap<String, String>,
-    taint: bool,
+    taint: Option<bool>,
 ) -> Option<Value> {
     let have = node.metadata.labels.clone().unwrap_or_default();
     let mut label_patch = serde_json::Map::new();
@@ -335,7 +341,9 @@ pub fn metadata_patch(
         .unwrap_or_default();
     let ours = |t: &k8s_openapi::api::core::v1::Taint| t.key == names::VIRTUAL_NODE_TAINT;
     let has = taints.iter().any(ours);
-    if has != taint {
+    if let Some(taint) = taint
+        && has != taint
+    {
         let mut wanted: Vec<Value> = taints
             .iter()
             .filter(|t| !ours(t))
@@ -556,12 +564,45 @@ impl NodeLoop {
         else {
             return;
         };
-        let Some(patch) = metadata_patch(
-            &node,
-            &self.labels(cap),
-            &self.settings.extra_labels,
-            self.settings.taint,
-        ) else {
+        if !self.settings.retaint {
+            let has = node
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .is_some_and(|t| t.iter().any(|t| t.key == names::VIRTUAL_NODE_TAINT));
+            let told = self
+                .taint_told
+                .swap(has != self.settings.taint, std::sync::atomic::Ordering::Relaxed);
+            if has != self.settings.taint && !told {
+                let (is, fix) = if has {
+                    (
+                        "has",
+                        format!(
+                            "kubectl taint node {} {}-",
+                            self.name(),
+                            names::VIRTUAL_NODE_TAINT
+                        ),
+                    )
+                } else {
+                    (
+                        "lacks",
+                        format!(
+                            "kubectl taint node {} {}={}:NoSchedule",
+                            self.name(),
+                            names::VIRTUAL_NODE_TAINT,
+                            names::VIRTUAL_NODE_TAINT_VALUE
+                        ),
+                    )
+                };
+                tracing::warn!(
+                    node = self.name(),
+                    "the Node {is} the taint {} against the settings; under a node identity NodeRestriction lets a node set its taints only when it registers: `{fix}`",
+                    names::VIRTUAL_NODE_TAINT
+                );
+            }
+        }
+        let taint = self.settings.retaint.then_some(self.settings.taint);
+        let Some(patch) = metadata_patch(&node, &self.labels(cap), &self.settings.extra_labels, taint) else {
             return;
         };
         let nodes: Api<Node> = Api::all(self.upper());
@@ -882,13 +923,16 @@ mod tests {
         // Unchanged settings: nothing to write.
         let same = labels(&[("kubernetes.io/os", "linux"), ("team", "a")]);
         assert_eq!(
-            metadata_patch(&node, &same, &labels(&[("team", "a")]), true),
+            metadata_patch(&node, &same, &labels(&[("team", "a")]), Some(true)),
             None
         );
         // --node-labels now zone=z1, os learned as windows, --disable-taint.
         let extra = labels(&[("zone", "z1")]);
         let wanted = labels(&[("kubernetes.io/os", "windows"), ("zone", "z1")]);
-        let patch = metadata_patch(&node, &wanted, &extra, false).unwrap();
+        let kept = metadata_patch(&node, &wanted, &extra, None).unwrap();
+        assert!(kept.get("spec").is_none(), "taints left alone: {kept}");
+        assert_eq!(kept["metadata"]["labels"]["zone"], "z1");
+        let patch = metadata_patch(&node, &wanted, &extra, Some(false)).unwrap();
         assert_eq!(
             patch["metadata"]["labels"],
             json!({"kubernetes.io/os": "windows", "zone": "z1", "team": null})
