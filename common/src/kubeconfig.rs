@@ -18,6 +18,8 @@ use crate::leader::{FenceLayer, Leadership};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    #[error("a stream client presents the configured credential, never a node identity")]
+    StreamWithIdentity,
     #[error("kubeconfig {path}: cannot read it: {source}")]
     Read {
         path: PathBuf,
@@ -545,6 +547,9 @@ impl ClientSource {
     /// the connect timeout and the per-call deadline (until the answer's head, or the `101`
     /// of an upgrade), and no retries.
     pub fn stream_client(&self) -> Result<kube::Client, Error> {
+        if self.identity.is_some() {
+            return Err(Error::StreamWithIdentity);
+        }
         stream_client(&self.config, &self.options).map_err(|source| self.client_error(source))
     }
 

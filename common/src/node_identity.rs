@@ -15,7 +15,7 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::certificates::v1::{CertificateSigningRequest, CertificateSigningRequestSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, PostParams};
-use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair};
+use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair, PublicKeyData as _};
 use x509_parser::prelude::FromDer as _;
 
 /// The signer of kubelet client certificates.
@@ -30,6 +30,10 @@ pub fn user(node: &str) -> String {
 pub const GROUP: &str = "system:nodes";
 /// Label on a request: the node it is for.
 pub const NODE_LABEL: &str = "tensile.io/node";
+
+/// The lifetime a node asks its certificate for: a day, so that one that leaked stops
+/// working within a day of the node's leaving.
+pub const LIFETIME_SECONDS: i32 = 24 * 3600;
 
 /// The name of node `node`'s request: one name, so its account's rights can name it (read it
 /// and delete it once answered) and a node never has more than one.
@@ -98,7 +102,7 @@ impl Issued {
         Duration::from_secs(u64::try_from(self.renew_at() - now).unwrap_or(0).max(10))
     }
 
-    fn read(node: &str, cert_pem: String, key_pem: String) -> Result<Self, Error> {
+    fn read(node: &str, cert_pem: String, key: &KeyPair) -> Result<Self, Error> {
         let unreadable = |message: String| Error::Unreadable {
             node: node.to_owned(),
             message,
@@ -117,6 +121,9 @@ impl Issued {
         if subject != user(node) {
             return Err(unreadable(format!("it names {subject:?}, not {}", user(node))));
         }
+        if cert.public_key().subject_public_key.data.as_ref() != key.der_bytes() {
+            return Err(unreadable("it is not for the key that was asked with".into()));
+        }
         let not_after = validity.not_after.timestamp();
         if not_after <= now_seconds() {
             return Err(Error::Expired {
@@ -128,7 +135,7 @@ impl Issued {
             not_before: validity.not_before.timestamp(),
             not_after,
             cert_pem,
-            key_pem,
+            key_pem: key.serialize_pem(),
         })
     }
 }
@@ -176,71 +183,136 @@ pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Re
             request: ByteString(request.into_bytes()),
             signer_name: SIGNER.to_owned(),
             usages: Some(USAGES.iter().map(|u| (*u).to_owned()).collect()),
+            // A day, from 1.22 on (older servers drop the field and sign for their own
+            // duration); the signer may make it shorter, never longer.
+            expiration_seconds: Some(LIFETIME_SECONDS),
             ..CertificateSigningRequestSpec::default()
         },
         status: None,
     };
     let api: Api<CertificateSigningRequest> = Api::all(client.clone());
-    // One left by an earlier run (killed before deleting it) goes first.
-    match api.delete(&name, &DeleteParams::default()).await {
-        Ok(_) => tracing::info!(node, request = %name, "deleted an earlier request"),
-        Err(kube::Error::Api(s)) if s.code == 404 => {}
-        Err(e) => return Err(api_error(e)),
-    }
-    api.create(&PostParams::default(), &csr)
-        .await
-        .map_err(api_error)?;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let not_issued = || Error::NotIssued {
+        name: name.clone(),
+        node: node.to_owned(),
+        timeout,
+    };
+    // The name is the node's, shared by its replicas: a request another replica made and
+    // that is not answered yet is waited for (it deletes it once answered); one answered, or
+    // older than the timeout (its maker died), is deleted first.
+    let uid = loop {
+        match api.create(&PostParams::default(), &csr).await {
+            Ok(made) => break made.metadata.uid.unwrap_or_default(),
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                if let Some(there) = api.get_opt(&name).await.map_err(api_error)? {
+                    let created = there
+                        .metadata
+                        .creation_timestamp
+                        .as_ref()
+                        .map(|t| t.0.as_second());
+                    let stale = created.is_none_or(|at| {
+                        now_seconds() - at > timeout.as_secs().try_into().unwrap_or(i64::MAX)
+                    });
+                    if answered(&there) || stale {
+                        let only_that = DeleteParams {
+                            preconditions: Some(kube::api::Preconditions {
+                                uid: there.metadata.uid.clone(),
+                                resource_version: None,
+                            }),
+                            ..DeleteParams::default()
+                        };
+                        match api.delete(&name, &only_that).await {
+                            Ok(_) => tracing::info!(node, request = %name, "deleted an earlier request"),
+                            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+                            Err(e) => return Err(api_error(e)),
+                        }
+                        continue;
+                    }
+                }
+            }
+            Err(e) => return Err(api_error(e)),
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(not_issued());
+        }
+        tokio::time::sleep(Duration::from_millis(500 + u64::from(now_nanos() % 500))).await;
+    };
     tracing::info!(node, request = %name, "asked for a node client certificate");
-    let answer = issued(&api, &name, node, key, timeout).await;
-    if let Err(e) = api.delete(&name, &DeleteParams::default()).await {
+    let answer = loop {
+        match api.get_opt(&name).await {
+            Ok(Some(csr)) if csr.metadata.uid.as_deref() == Some(uid.as_str()) => {
+                if let Some(answer) = answer_of(csr, &name, node, &key) {
+                    break answer;
+                }
+            }
+            // Gone, or another's: ours was deleted unanswered.
+            Ok(_) => {
+                break Err(Error::Refused {
+                    name: name.clone(),
+                    node: node.to_owned(),
+                    verdict: "deleted".into(),
+                    message: "the request was deleted before it was answered".into(),
+                });
+            }
+            Err(e) => tracing::debug!(node, request = %name, "reading the request: {e}"),
+        }
+        if tokio::time::Instant::now() >= deadline {
+            break Err(not_issued());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let ours = DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: Some(uid),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    if let Err(e) = api.delete(&name, &ours).await {
         tracing::debug!(node, request = %name, "deleting the answered request: {e}");
     }
     answer
 }
 
-/// The certificate `name` was issued, once it is.
-async fn issued(
-    api: &Api<CertificateSigningRequest>,
+/// A varying number, to spread retries of replicas that start together.
+fn now_nanos() -> u32 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos())
+}
+
+/// Whether `csr` was approved, denied, failed or issued.
+fn answered(csr: &CertificateSigningRequest) -> bool {
+    csr.status
+        .as_ref()
+        .is_some_and(|s| s.certificate.is_some() || s.conditions.as_ref().is_some_and(|c| !c.is_empty()))
+}
+
+/// The outcome `csr` shows, once it shows one: refused, or the certificate, which must be of
+/// `key`.
+fn answer_of(
+    csr: CertificateSigningRequest,
     name: &str,
     node: &str,
-    key: KeyPair,
-    timeout: Duration,
-) -> Result<Issued, Error> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        match api.get_opt(name).await {
-            Ok(Some(csr)) => {
-                let status = csr.status.unwrap_or_default();
-                if let Some(refusal) = status
-                    .conditions
-                    .unwrap_or_default()
-                    .into_iter()
-                    .find(|c| c.type_ == "Denied" || c.type_ == "Failed")
-                {
-                    return Err(Error::Refused {
-                        name: name.to_owned(),
-                        node: node.to_owned(),
-                        verdict: refusal.type_.to_lowercase(),
-                        message: refusal.message.unwrap_or_default(),
-                    });
-                }
-                if let Some(cert) = status.certificate.filter(|c| !c.0.is_empty()) {
-                    let cert_pem = String::from_utf8_lossy(&cert.0).into_owned();
-                    return Issued::read(node, cert_pem, key.serialize_pem());
-                }
-            }
-            Ok(None) => {}
-            Err(e) => tracing::debug!(node, request = %name, "reading the request: {e}"),
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(Error::NotIssued {
-                name: name.to_owned(),
-                node: node.to_owned(),
-                timeout,
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+    key: &KeyPair,
+) -> Option<Result<Issued, Error>> {
+    let status = csr.status.unwrap_or_default();
+    if let Some(refusal) = status
+        .conditions
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.type_ == "Denied" || c.type_ == "Failed")
+    {
+        return Some(Err(Error::Refused {
+            name: name.to_owned(),
+            node: node.to_owned(),
+            verdict: refusal.type_.to_lowercase(),
+            message: refusal.message.unwrap_or_default(),
+        }));
     }
+    let cert = status.certificate.filter(|c| !c.0.is_empty())?;
+    let cert_pem = String::from_utf8_lossy(&cert.0).into_owned();
+    Some(Issued::read(node, cert_pem, key))
 }
 
 /// Why a request is not approved.
@@ -272,16 +344,28 @@ pub fn judge(csr: &CertificateSigningRequest) -> Result<String, Refusal> {
     let (_, request) = x509_parser::certification_request::X509CertificationRequest::from_der(&pem.contents)
         .map_err(|e| Refusal(format!("the request cannot be parsed: {e}")))?;
     let info = &request.certification_request_info;
-    let names: Vec<&str> = info
-        .subject
-        .iter_common_name()
-        .filter_map(|n| n.as_str().ok())
-        .collect();
-    let organisations: Vec<&str> = info
-        .subject
-        .iter_organization()
-        .filter_map(|n| n.as_str().ok())
-        .collect();
+    // Every attribute of the subject, each decoded: one that cannot be read here may still be
+    // read by the apiserver and the signer (a second common name as a T61String, say), so it
+    // is refused, never skipped.
+    let mut names: Vec<&str> = Vec::new();
+    let mut organisations: Vec<&str> = Vec::new();
+    for attribute in info.subject.iter_attributes() {
+        let oid = attribute.attr_type();
+        let value = attribute.as_str().map_err(|_| {
+            Refusal(format!(
+                "subject attribute {oid} is not a string this approver reads"
+            ))
+        })?;
+        if *oid == x509_parser::oid_registry::OID_X509_COMMON_NAME {
+            names.push(value);
+        } else if *oid == x509_parser::oid_registry::OID_X509_ORGANIZATION_NAME {
+            organisations.push(value);
+        } else {
+            return Err(Refusal(format!(
+                "subject attribute {oid} has no place in a node certificate"
+            )));
+        }
+    }
     if organisations != [GROUP] {
         return Err(Refusal(format!(
             "organisations {organisations:?} are not [{GROUP:?}]"
@@ -393,6 +477,27 @@ mod tests {
         assert!(refused(&csr(request_of(named), SIGNER, &USAGES)).contains("alternative name"));
 
         assert!(refused(&csr("not a request".into(), SIGNER, &USAGES)).contains("PEM"));
+
+        // A common name in a string type this approver does not read is refused, never
+        // skipped: the apiserver reads it, and would issue for the name it hides.
+        let mut hidden = CertificateParams::default();
+        hidden.distinguished_name.push(DnType::OrganizationName, GROUP);
+        hidden.distinguished_name.push(
+            DnType::CommonName,
+            rcgen::DnValue::TeletexString(
+                rcgen::string::TeletexString::try_from("system:node:victim")
+                    .unwrap_or_else(|e| panic!("{e}")),
+            ),
+        );
+        assert!(refused(&csr(request_of(hidden), SIGNER, &USAGES)).contains("not a string"));
+
+        let mut extra = CertificateParams::default();
+        extra.distinguished_name.push(DnType::OrganizationName, GROUP);
+        extra
+            .distinguished_name
+            .push(DnType::CommonName, "system:node:vn-a");
+        extra.distinguished_name.push(DnType::CountryName, "DE");
+        assert!(refused(&csr(request_of(extra), SIGNER, &USAGES)).contains("no place"));
     }
 
     #[test]

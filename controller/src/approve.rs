@@ -12,10 +12,11 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
+use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
-use tensile_common::node_identity;
+use tensile_common::{names, node_identity};
 
 use crate::plan::{Settings, object_name};
 use crate::resource::LowerCluster;
@@ -38,8 +39,15 @@ fn answered(csr: &CertificateSigningRequest) -> bool {
         .is_some_and(|s| s.certificate.is_some() || s.conditions.as_ref().is_some_and(|c| !c.is_empty()))
 }
 
-/// The verdict on `csr` among `clusters`.
-pub fn decide(settings: &Settings, clusters: &[LowerCluster], csr: &CertificateSigningRequest) -> Verdict {
+/// The verdict on `csr` among `clusters`; `existing` is the upper Node of the name asked
+/// for, when there is one: a node that is not a virtual node (a real kubelet's) is never
+/// given away, and neither is a name two `LowerCluster`s claim.
+pub fn decide(
+    settings: &Settings,
+    clusters: &[LowerCluster],
+    csr: &CertificateSigningRequest,
+    existing: Option<&Node>,
+) -> Verdict {
     if answered(csr) {
         return Verdict::Ignore;
     }
@@ -55,7 +63,18 @@ pub fn decide(settings: &Settings, clusters: &[LowerCluster], csr: &CertificateS
         return Verdict::Ignore;
     };
     let own = cluster.node_name();
+    let claimed = clusters.iter().filter(|c| c.node_name() == own).count();
+    let virtual_node = |n: &Node| {
+        n.labels().get(names::VIRTUAL_NODE_TYPE_LABEL).map(String::as_str)
+            == Some(names::VIRTUAL_NODE_TYPE_VALUE)
+    };
     match node_identity::judge(csr) {
+        Ok(node) if node == own && claimed > 1 => Verdict::Deny {
+            reason: format!("node {node} is claimed by {claimed} LowerClusters"),
+        },
+        Ok(node) if node == own && existing.is_some_and(|n| !virtual_node(n)) => Verdict::Deny {
+            reason: format!("node {node} exists and is not a virtual node"),
+        },
         Ok(node) if node == own => Verdict::Approve { node },
         Ok(node) => Verdict::Deny {
             reason: format!("{requester} may ask for the certificate of node {own} only, not of {node}"),
@@ -100,7 +119,8 @@ pub async fn answer(api: &Api<CertificateSigningRequest>, csr: &CertificateSigni
 /// Answers the certificate requests of virtual nodes as they come, for ever.
 pub async fn run(upper: kube::Client, settings: Settings) {
     let api: Api<CertificateSigningRequest> = Api::all(upper.clone());
-    let clusters: Api<LowerCluster> = Api::all(upper);
+    let clusters: Api<LowerCluster> = Api::all(upper.clone());
+    let nodes: Api<Node> = Api::all(upper);
     let ours = format!(
         "{}={}",
         tensile_common::names::CONTROLLER_NAMESPACE,
@@ -118,7 +138,7 @@ pub async fn run(upper: kube::Client, settings: Settings) {
         let csr = match next {
             Ok(csr) => csr,
             Err(e) => {
-                tracing::debug!("watching certificate requests: {e}");
+                tracing::warn!("watching certificate requests: {e}");
                 continue;
             }
         };
@@ -136,7 +156,18 @@ pub async fn run(upper: kube::Client, settings: Settings) {
                 continue;
             }
         };
-        answer(&api, &csr, decide(&settings, &known, &csr)).await;
+        let asked = node_identity::judge(&csr).ok();
+        let existing = match asked {
+            Some(node) => match nodes.get_opt(&node).await {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::warn!("reading node {node} to judge a certificate request: {e}");
+                    continue;
+                }
+            },
+            None => None,
+        };
+        answer(&api, &csr, decide(&settings, &known, &csr, existing.as_ref())).await;
     }
 }
 
@@ -178,21 +209,50 @@ mod tests {
         let clusters = [a.clone(), b.clone()];
         let by_a = account_of(&settings, "lower-a");
         assert_eq!(
-            decide(&settings, &clusters, &request(a.node_name(), &by_a)),
+            decide(&settings, &clusters, &request(a.node_name(), &by_a), None),
             Verdict::Approve {
                 node: a.node_name().to_owned()
             }
         );
-        let Verdict::Deny { reason } = decide(&settings, &clusters, &request(b.node_name(), &by_a)) else {
+        let Verdict::Deny { reason } = decide(&settings, &clusters, &request(b.node_name(), &by_a), None)
+        else {
             panic!("another node's certificate must be denied");
         };
         assert!(reason.contains(b.node_name()), "{reason}");
         let mut server = request(a.node_name(), &by_a);
         server.spec.usages = Some(vec!["digital signature".into(), "server auth".into()]);
         assert!(matches!(
-            decide(&settings, &clusters, &server),
+            decide(&settings, &clusters, &server, None),
             Verdict::Deny { .. }
         ));
+    }
+
+    #[test]
+    fn a_real_nodes_name_or_one_two_clusters_claim_is_never_given_away() {
+        let settings = settings();
+        let a = cluster("lower-a");
+        let by_a = account_of(&settings, "lower-a");
+        let csr = request(a.node_name(), &by_a);
+        let kubelet: Node = serde_json::from_value(serde_json::json!({"metadata": {"name": a.node_name()}}))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let Verdict::Deny { reason } = decide(&settings, std::slice::from_ref(&a), &csr, Some(&kubelet))
+        else {
+            panic!("a real node's certificate must be denied");
+        };
+        assert!(reason.contains("not a virtual node"), "{reason}");
+        let ours: Node = serde_json::from_value(serde_json::json!({"metadata": {
+            "name": a.node_name(), "labels": {names::VIRTUAL_NODE_TYPE_LABEL: names::VIRTUAL_NODE_TYPE_VALUE}}}))
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(matches!(
+            decide(&settings, std::slice::from_ref(&a), &csr, Some(&ours)),
+            Verdict::Approve { .. }
+        ));
+        let mut rival = cluster("lower-b");
+        rival.spec.node_name = Some(a.node_name().to_owned());
+        let Verdict::Deny { reason } = decide(&settings, &[a.clone(), rival], &csr, None) else {
+            panic!("a name two clusters claim must be denied");
+        };
+        assert!(reason.contains("claimed by 2"), "{reason}");
     }
 
     #[test]
@@ -201,14 +261,14 @@ mod tests {
         let a = cluster("lower-a");
         let clusters = [a.clone()];
         let kubelet = request(a.node_name(), "system:node:real-node");
-        assert_eq!(decide(&settings, &clusters, &kubelet), Verdict::Ignore);
+        assert_eq!(decide(&settings, &clusters, &kubelet, None), Verdict::Ignore);
         let gone = request(a.node_name(), &account_of(&settings, "lower-gone"));
-        assert_eq!(decide(&settings, &clusters, &gone), Verdict::Ignore);
+        assert_eq!(decide(&settings, &clusters, &gone, None), Verdict::Ignore);
         let mut answered = request(a.node_name(), &account_of(&settings, "lower-a"));
         answered.status = Some(CertificateSigningRequestStatus {
             certificate: Some(ByteString(b"issued".to_vec())),
             ..CertificateSigningRequestStatus::default()
         });
-        assert_eq!(decide(&settings, &clusters, &answered), Verdict::Ignore);
+        assert_eq!(decide(&settings, &clusters, &answered, None), Verdict::Ignore);
     }
 }

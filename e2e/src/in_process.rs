@@ -136,7 +136,7 @@ subjects: [{{kind: ServiceAccount, name: {sa}, namespace: {ACCOUNTS}}}]
         let api: Api<CertificateSigningRequest> = Api::all(admin);
         loop {
             if let Ok(Some(csr)) = api.get_opt(&request).await {
-                let verdict = approve::decide(&settings, std::slice::from_ref(&cluster), &csr);
+                let verdict = approve::decide(&settings, std::slice::from_ref(&cluster), &csr, None);
                 approve::answer(&api, &csr, verdict).await;
             }
             tokio::time::sleep(std::time::Duration::from_millis(200)).await;

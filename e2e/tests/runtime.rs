@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tensile_e2e::check::{apply, eventually, kubectl};
 use tensile_e2e::descheduler::metric_sum;
-use tensile_e2e::in_process::{VirtualNodeProcess, admin_get};
+use tensile_e2e::in_process::{self, VirtualNode, VirtualNodeProcess, admin_get};
 use tensile_e2e::partition::Partition;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::wait::{must, until};
@@ -407,6 +407,48 @@ async fn a_partition_that_leaves_connections_half_open_stalls_no_lease_renewal()
     // whose calls stayed stuck on the lost connections would be Unknown by now.
     tokio::time::sleep(Duration::from_secs(15).saturating_sub(healed.elapsed())).await;
     renewed_and_ready(up(), "vn-cut", before).await.unwrap();
+}
+
+/// Two replicas of one virtual node started at the same instant, each acting as the node:
+/// they take turns on the node's one certificate request, each gets a certificate of its own
+/// key (a standby is Ready only once its caches synced, which takes a certificate), and no
+/// request is left behind.
+#[tokio::test]
+async fn replicas_started_together_each_get_their_node_certificate() {
+    let bed = bed();
+    let replica = || {
+        let mut args = in_process::options(&bed.upper, "vn-pair", &bed.lower).unwrap();
+        args.leader.leader_elect = true;
+        VirtualNode::run(args)
+    };
+    let (first, second) = (replica(), replica());
+    for vn in [&first, &second] {
+        must(
+            &format!("replica {} Ready", vn.admin_addr),
+            Duration::from_secs(120),
+            Duration::from_millis(500),
+            || async {
+                match admin_get(&vn.admin_addr, "/readyz").await {
+                    Some((200, body)) if body.contains("leading") || body.contains("standby") => Ok(()),
+                    seen => Err(format!("{seen:?}")),
+                }
+            },
+        )
+        .await;
+    }
+    eventually(
+        up(),
+        "no certificate request left behind",
+        30,
+        &[
+            "get",
+            "certificatesigningrequests",
+            "-o",
+            "jsonpath={.items[*].metadata.name}",
+        ],
+        "",
+    )
+    .await;
 }
 
 #[tokio::test]

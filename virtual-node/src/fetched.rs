@@ -53,6 +53,8 @@ struct Entry<K> {
 struct Inner<K> {
     client: kube::Client,
     entries: RwLock<HashMap<Key, Entry<K>>>,
+    /// Names whose last read failed: when to read them again, and how many failed in a row.
+    failures: std::sync::Mutex<HashMap<Key, (Instant, u32)>>,
     synced: watch::Receiver<bool>,
     changed: Arc<Notify>,
 }
@@ -149,8 +151,44 @@ impl<K: Reflected + Default> Fetched<K> {
         Ok(object)
     }
 
+    /// Records the outcome of a read of `key`: a failure is read again after a delay that
+    /// doubles up to a minute (a lasting refusal, a missing grant, is said at warning level).
+    fn record(&self, key: &Key, failed: Option<&kube::Error>) {
+        let mut failures = match self.inner.failures.lock() {
+            Ok(f) => f,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let Some(e) = failed else {
+            failures.remove(key);
+            return;
+        };
+        let count = failures.get(key).map_or(0, |(_, n)| *n) + 1;
+        let delay = Duration::from_secs(1u64 << count.min(6)).min(Duration::from_secs(60));
+        failures.insert(key.clone(), (Instant::now() + delay, count));
+        let (ns, name) = key;
+        if count == 4 {
+            tracing::warn!(kind = %K::KIND, object = %format!("{ns}/{name}"), "upper read keeps failing: {e}");
+        } else {
+            // A pod bound a moment ago may name what the Node authorizer does not allow
+            // yet; the next read comes after the delay.
+            tracing::debug!(kind = %K::KIND, object = %format!("{ns}/{name}"), "upper read: {e}");
+        }
+    }
+
+    /// Whether a read of `key` failed and its delay has not passed.
+    fn held(&self, key: &Key, now: Instant) -> bool {
+        let failures = match self.inner.failures.lock() {
+            Ok(f) => f,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        failures.get(key).is_some_and(|(next, _)| *next > now)
+    }
+
     /// Stops following what no bound pod references any more.
     fn keep_only(&self, wanted: &HashSet<Key>) {
+        if let Ok(mut failures) = self.inner.failures.lock() {
+            failures.retain(|key, _| wanted.contains(key));
+        }
         let mut entries = match self.inner.entries.write() {
             Ok(e) => e,
             Err(poisoned) => poisoned.into_inner(),
@@ -168,6 +206,7 @@ impl<K: Reflected + Default> Fetched<K> {
             .iter()
             .map(|key| (entries.get(key).map(|e| e.read_at), key))
             .filter(|(at, _)| at.is_none_or(|at| now.duration_since(at) >= period))
+            .filter(|(_, key)| !self.held(key, now))
             .collect();
         due.sort();
         due.into_iter().map(|(_, key)| key.clone()).collect()
@@ -216,6 +255,7 @@ pub fn fetched<K: Reflected + Default>(
         inner: Arc::new(Inner {
             client,
             entries: RwLock::new(HashMap::new()),
+            failures: Default::default(),
             synced,
             changed: changed.clone(),
         }),
@@ -235,20 +275,15 @@ pub fn fetched<K: Reflected + Default>(
                     .filter(|key| matches!(cache.get(&key.0, &key.1), Upper::Unknown))
                     .count();
                 let reads = budget(due, never_read, per_second, TICK);
-                let failed = futures::stream::iter(reads)
-                    .map(|key| {
+                futures::stream::iter(reads)
+                    .for_each_concurrent(8, |key| {
                         let cache = cache.clone();
-                        async move { cache.refresh(&key).await.err().map(|e| (key, e)) }
+                        async move {
+                            let read = cache.refresh(&key).await;
+                            cache.record(&key, read.as_ref().err());
+                        }
                     })
-                    .buffer_unordered(8)
-                    .filter_map(futures::future::ready)
-                    .collect::<Vec<_>>()
                     .await;
-                for ((ns, name), e) in &failed {
-                    // A pod bound a moment ago may name what the Node authorizer does not
-                    // allow yet; the next tick reads it again.
-                    tracing::debug!(kind = %K::KIND, object = %format!("{ns}/{name}"), "upper read: {e}");
-                }
                 // After the first round: what failed stays unknown and is read again.
                 if !*tx.borrow() {
                     tx.send_replace(true);

@@ -371,7 +371,13 @@ async fn renew(
 ) -> Option<String> {
     loop {
         let (_, current) = credential.current();
-        tokio::time::sleep(current.renew_in(node_identity::now_seconds())).await;
+        // Slept an hour at most at a time, the wall clock read again after each: a
+        // suspended machine or a clock that jumped renews late by an hour at most.
+        let now = node_identity::now_seconds();
+        if now < current.renew_at() {
+            tokio::time::sleep(current.renew_in(now).min(Duration::from_secs(3600))).await;
+            continue;
+        }
         loop {
             match node_identity::request(&asking, &node, timeout).await {
                 Ok(issued) => {
