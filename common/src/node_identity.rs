@@ -204,7 +204,7 @@ pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Re
         match api.create(&PostParams::default(), &csr).await {
             Ok(made) => break made.metadata.uid.unwrap_or_default(),
             Err(kube::Error::Api(s)) if s.code == 409 => {
-                if let Some(there) = api.get_opt(&name).await.map_err(api_error)? {
+                if let Ok(Some(there)) = api.get_opt(&name).await {
                     let created = there
                         .metadata
                         .creation_timestamp
@@ -222,15 +222,26 @@ pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Re
                             ..DeleteParams::default()
                         };
                         match api.delete(&name, &only_that).await {
-                            Ok(_) => tracing::info!(node, request = %name, "deleted an earlier request"),
-                            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
-                            Err(e) => return Err(api_error(e)),
+                            Ok(_) => {
+                                tracing::info!(node, request = %name, "deleted an earlier request");
+                                continue;
+                            }
+                            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => continue,
+                            Err(e) => {
+                                tracing::warn!(node, request = %name, "deleting an earlier request: {e}")
+                            }
                         }
-                        continue;
                     }
                 }
             }
-            Err(e) => return Err(api_error(e)),
+            // An apiserver that does not answer yet, or a refusal: tried again until the
+            // deadline, which then says what went wrong.
+            Err(e) => {
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(api_error(e));
+                }
+                tracing::warn!(node, request = %name, "asking for the node's certificate: {e}");
+            }
         }
         if tokio::time::Instant::now() >= deadline {
             return Err(not_issued());

@@ -200,13 +200,19 @@ impl VirtualNode {
             let Some((access, path)) = account else {
                 return tensile_virtual_node::run_until(args, never).await;
             };
-            let approver = node_identity(&access, &args.nodename, &path)
-                .await
-                .map_err(|e| tensile_virtual_node::Error::Flags(format!("the test's node identity: {e}")))?;
-            tokio::select! {
+            let node = args.nodename.clone();
+            let approver = node_identity(&access, &node, &path).await.map_err(|e| {
+                eprintln!("virtual node {node}: the test's node identity: {e}");
+                tensile_virtual_node::Error::Flags(format!("the test's node identity: {e}"))
+            })?;
+            let ran = tokio::select! {
                 ran = tensile_virtual_node::run_until(args, never) => ran,
                 () = approver => Ok(()),
+            };
+            if let Err(e) = &ran {
+                eprintln!("virtual node {node} stopped: {e}");
             }
+            ran
         });
         VirtualNode {
             kubelet_port,
