@@ -197,9 +197,9 @@ pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Re
         node: node.to_owned(),
         timeout,
     };
-    // The name is the node's, shared by its replicas: a request another replica made and
-    // that is not answered yet is waited for (it deletes it once answered); one answered, or
-    // older than the timeout (its maker died), is deleted first.
+    // The name is the node's, shared by its replicas: a request another replica made is
+    // waited for (it deletes it once it read the answer); one answered more than 10 s ago,
+    // or older than the timeout (its maker died), is deleted first.
     let uid = loop {
         match api.create(&PostParams::default(), &csr).await {
             Ok(made) => break made.metadata.uid.unwrap_or_default(),
@@ -213,7 +213,20 @@ pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Re
                     let stale = created.is_none_or(|at| {
                         now_seconds() - at > timeout.as_secs().try_into().unwrap_or(i64::MAX)
                     });
-                    if answered(&there) || stale {
+                    // Its maker deletes it once it read the answer: an answer is left to
+                    // it for 10 s, and deleted here only after that (its maker died).
+                    let answered_at = there
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.conditions.as_ref())
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|c| c.last_update_time.as_ref().or(c.last_transition_time.as_ref()))
+                        .map(|t| t.0.as_second())
+                        .max()
+                        .or(created);
+                    let left = answered(&there) && answered_at.is_none_or(|at| now_seconds() - at > 10);
+                    if left || stale {
                         let only_that = DeleteParams {
                             preconditions: Some(kube::api::Preconditions {
                                 uid: there.metadata.uid.clone(),
