@@ -306,7 +306,7 @@ fn now_nanos() -> u32 {
 }
 
 /// Whether `csr` was approved, denied, failed or issued.
-fn answered(csr: &CertificateSigningRequest) -> bool {
+pub fn answered(csr: &CertificateSigningRequest) -> bool {
     csr.status
         .as_ref()
         .is_some_and(|s| s.certificate.is_some() || s.conditions.as_ref().is_some_and(|c| !c.is_empty()))

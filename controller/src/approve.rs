@@ -32,13 +32,6 @@ pub enum Verdict {
     Ignore,
 }
 
-/// Whether `csr` was approved, denied or issued already.
-fn answered(csr: &CertificateSigningRequest) -> bool {
-    csr.status
-        .as_ref()
-        .is_some_and(|s| s.certificate.is_some() || s.conditions.as_ref().is_some_and(|c| !c.is_empty()))
-}
-
 /// The verdict on `csr` among `clusters`; `existing` is the upper Node of the name asked
 /// for, when there is one: a node that is not a virtual node (a real kubelet's) is never
 /// given away, and neither is a name two `LowerCluster`s claim.
@@ -48,7 +41,7 @@ pub fn decide(
     csr: &CertificateSigningRequest,
     existing: Option<&Node>,
 ) -> Verdict {
-    if answered(csr) {
+    if node_identity::answered(csr) {
         return Verdict::Ignore;
     }
     let requester = csr.spec.username.as_deref().unwrap_or_default();
@@ -142,7 +135,7 @@ pub async fn run(upper: kube::Client, settings: Settings) {
                 continue;
             }
         };
-        if answered(&csr) {
+        if node_identity::answered(&csr) {
             continue;
         }
         let known = match clusters
