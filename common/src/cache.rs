@@ -9,7 +9,8 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{Stream, StreamExt, TryStreamExt};
+use futures::future::BoxFuture;
+use futures::{FutureExt, Stream, StreamExt, TryStreamExt};
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Pod, PodSpec, PodStatus};
@@ -148,6 +149,222 @@ fn cache_of<K: Stored>(
         })
         .touched_objects();
     (Cache { store, synced }, stream)
+}
+
+/// Where a cache lists its objects: every namespace (one watch), or each namespace of a list
+/// (one watch each, for a credential that holds Roles in those namespaces only).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Namespaces {
+    All,
+    Only(Vec<String>),
+}
+
+impl Namespaces {
+    /// The APIs of kind `K` these namespaces are read through.
+    pub fn apis<K>(&self, client: &kube::Client) -> Vec<Api<K>>
+    where
+        K: kube::Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>,
+    {
+        match self {
+            Namespaces::All => vec![Api::all(client.clone())],
+            Namespaces::Only(list) => list
+                .iter()
+                .map(|ns| Api::namespaced(client.clone(), ns))
+                .collect(),
+        }
+    }
+
+    /// Whether `namespace` is read.
+    pub fn contains(&self, namespace: &str) -> bool {
+        match self {
+            Namespaces::All => true,
+            Namespaces::Only(list) => list.iter().any(|n| n == namespace),
+        }
+    }
+}
+
+/// As [`reflect_summaries`] over several APIs (one namespace each) kept in one cache: the
+/// cache is synced once every watch has listed, and a watch that lists again (after its
+/// resource version expired) changes only its own namespace's objects ([`Merge`]).
+pub fn reflect_summaries_in<K: Watched, S: Stored>(
+    apis: Vec<Api<K>>,
+    config: watcher::Config,
+    summary: fn(K) -> S,
+) -> (
+    Cache<S>,
+    impl Stream<Item = Result<S, watcher::Error>> + Send + 'static,
+) {
+    let namespaces: Vec<Option<String>> = apis.iter().map(|a| a.namespace().map(str::to_owned)).collect();
+    let sources = apis.into_iter().enumerate().map(|(i, api)| {
+        watcher(api, config.clone())
+            .map_ok(move |event| match event {
+                watcher::Event::Apply(o) => watcher::Event::Apply(summary(o)),
+                watcher::Event::Delete(o) => watcher::Event::Delete(summary(o)),
+                watcher::Event::Init => watcher::Event::Init,
+                watcher::Event::InitApply(o) => watcher::Event::InitApply(summary(o)),
+                watcher::Event::InitDone => watcher::Event::InitDone,
+            })
+            .backoff(watch_backoff())
+            .map(move |r| (i, r))
+            .boxed()
+    });
+    let (store, writer) = reflector::store::<S>();
+    let mut merge = Merge::new(namespaces, store.clone());
+    let events = futures::stream::select_all(sources)
+        .map(move |(i, r)| match r {
+            Ok(event) => merge.step(i, event).into_iter().map(Ok).collect::<Vec<_>>(),
+            Err(e) => vec![Err(e)],
+        })
+        .flat_map(futures::stream::iter);
+    let (tx, synced) = watch::channel(false);
+    let stream = reflector(writer, events)
+        .inspect_ok(move |event| {
+            if matches!(event, watcher::Event::InitDone) {
+                tx.send_replace(true);
+            }
+        })
+        .touched_objects();
+    (Cache { store, synced }, stream)
+}
+
+/// As [`watched_summaries`] over the APIs of `namespaces` ([`reflect_summaries_in`] when
+/// there are several).
+pub fn watched_summaries_in<K, S: Stored>(
+    client: &kube::Client,
+    namespaces: &Namespaces,
+    config: watcher::Config,
+    summary: fn(K) -> S,
+    changed: &Arc<Notify>,
+) -> (Cache<S>, BoxFuture<'static, ()>)
+where
+    K: Watched + kube::Resource<Scope = kube::core::NamespaceResourceScope>,
+{
+    let mut apis = namespaces.apis::<K>(client);
+    if apis.len() == 1 {
+        let (cache, feed) = watched_summaries(apis.remove(0), config, summary, changed);
+        return (cache, feed.boxed());
+    }
+    let (cache, feed) = feeding(reflect_summaries_in(apis, config, summary), changed);
+    (cache, feed.boxed())
+}
+
+/// As [`watched`] over the APIs of `namespaces`.
+pub fn watched_in<K>(
+    client: &kube::Client,
+    namespaces: &Namespaces,
+    config: watcher::Config,
+    changed: &Arc<Notify>,
+) -> (Cache<K>, BoxFuture<'static, ()>)
+where
+    K: Watched + kube::Resource<Scope = kube::core::NamespaceResourceScope>,
+{
+    fn kept<K: kube::Resource>(mut object: K) -> K {
+        without_managed_fields(&mut object);
+        object
+    }
+    watched_summaries_in(client, namespaces, config, kept::<K>, changed)
+}
+
+/// Several watches' events made into the events of one cache. kube's store replaces its whole
+/// content when a watch finishes a list (`InitDone`), so the watches' lists cannot simply be
+/// interleaved: until every watch has listed, their objects are gathered here and handed on as
+/// one list; after that, a watch that lists again has its list handed on as changes to its own
+/// namespace (applies, and deletes of what its namespace held that the new list lacks).
+pub struct Merge<K: kube::Resource<DynamicType = ()> + Clone + 'static> {
+    /// The namespace of each watch (`None`: every namespace).
+    namespaces: Vec<Option<String>>,
+    listed: Vec<bool>,
+    /// Before every watch has listed: what they listed and saw since.
+    gathered: Option<std::collections::HashMap<reflector::ObjectRef<K>, K>>,
+    /// A watch listing again: what it listed so far.
+    relisting: Vec<Option<Vec<K>>>,
+    store: Store<K>,
+}
+
+impl<K: kube::Resource<DynamicType = ()> + Clone + 'static> Merge<K> {
+    /// For watches of `namespaces`, feeding the cache whose store is `store`.
+    pub fn new(namespaces: Vec<Option<String>>, store: Store<K>) -> Self {
+        let n = namespaces.len();
+        Merge {
+            namespaces,
+            listed: vec![false; n],
+            gathered: Some(Default::default()),
+            relisting: vec![None; n],
+            store,
+        }
+    }
+
+    fn in_namespace(&self, source: usize, object: &K) -> bool {
+        self.namespaces[source]
+            .as_deref()
+            .is_none_or(|ns| object.meta().namespace.as_deref() == Some(ns))
+    }
+
+    /// The cache's events for watch `source`'s `event`.
+    pub fn step(&mut self, source: usize, event: watcher::Event<K>) -> Vec<watcher::Event<K>> {
+        if let Some(gathered) = self.gathered.as_mut() {
+            match event {
+                watcher::Event::Init => {
+                    let ns = self.namespaces[source].clone();
+                    gathered.retain(|key, _| ns.is_some() && key.namespace != ns);
+                }
+                watcher::Event::InitApply(o) | watcher::Event::Apply(o) => {
+                    gathered.insert(reflector::ObjectRef::from_obj(&o), o);
+                }
+                watcher::Event::Delete(o) => {
+                    gathered.remove(&reflector::ObjectRef::from_obj(&o));
+                }
+                watcher::Event::InitDone => self.listed[source] = true,
+            }
+            if !self.listed.iter().all(|l| *l) {
+                return Vec::new();
+            }
+            let gathered = self.gathered.take().unwrap_or_default();
+            let mut out = Vec::with_capacity(gathered.len() + 2);
+            out.push(watcher::Event::Init);
+            out.extend(gathered.into_values().map(watcher::Event::InitApply));
+            out.push(watcher::Event::InitDone);
+            return out;
+        }
+        match event {
+            watcher::Event::Init => {
+                self.relisting[source] = Some(Vec::new());
+                Vec::new()
+            }
+            watcher::Event::InitApply(o) => {
+                self.relisting[source].get_or_insert_with(Vec::new).push(o);
+                Vec::new()
+            }
+            watcher::Event::InitDone => {
+                let listed = self.relisting[source].take().unwrap_or_default();
+                let keys: std::collections::HashSet<_> =
+                    listed.iter().map(reflector::ObjectRef::from_obj).collect();
+                let gone: Vec<K> = self
+                    .store
+                    .state()
+                    .into_iter()
+                    .filter(|o| {
+                        self.in_namespace(source, o)
+                            && !keys.contains(&reflector::ObjectRef::from_obj(o.as_ref()))
+                    })
+                    .map(|o| o.as_ref().clone())
+                    .collect();
+                listed
+                    .into_iter()
+                    .map(watcher::Event::Apply)
+                    .chain(gone.into_iter().map(watcher::Event::Delete))
+                    .collect()
+            }
+            live => vec![live],
+        }
+    }
+}
+
+/// A cache that never holds anything and counts as synced: for what a scope does not read.
+pub fn empty<K: Stored>() -> Cache<K> {
+    let (store, _writer) = reflector::store::<K>();
+    let (_tx, synced) = watch::channel(true);
+    Cache { store, synced }
 }
 
 /// A cache of `api` narrowed by `config` whose every event wakes `changed`, and the future
@@ -429,6 +646,142 @@ pub fn watch_backoff() -> kube::runtime::watcher::ExponentialBackoff {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn config_map(ns: &str, name: &str, v: &str) -> k8s_openapi::api::core::v1::ConfigMap {
+        k8s_openapi::api::core::v1::ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some(ns.into()),
+                resource_version: Some(v.into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    /// Feeds `events` of watch `source` through `merge` into `writer`, as the reflector does.
+    fn feed(
+        merge: &mut Merge<k8s_openapi::api::core::v1::ConfigMap>,
+        writer: &mut reflector::store::Writer<k8s_openapi::api::core::v1::ConfigMap>,
+        source: usize,
+        events: Vec<watcher::Event<k8s_openapi::api::core::v1::ConfigMap>>,
+    ) -> usize {
+        let mut out = 0;
+        for event in events {
+            for e in merge.step(source, event) {
+                writer.apply_watcher_event(&e);
+                out += 1;
+            }
+        }
+        out
+    }
+
+    fn names(store: &Store<k8s_openapi::api::core::v1::ConfigMap>) -> Vec<String> {
+        let mut n: Vec<String> = store
+            .state()
+            .iter()
+            .map(|o| {
+                format!(
+                    "{}/{}@{}",
+                    o.metadata.namespace.as_deref().unwrap_or_default(),
+                    o.metadata.name.as_deref().unwrap_or_default(),
+                    o.metadata.resource_version.as_deref().unwrap_or_default()
+                )
+            })
+            .collect();
+        n.sort();
+        n
+    }
+
+    #[test]
+    fn namespaces_watched_apart_make_one_cache_and_a_relist_changes_only_its_namespace() {
+        use watcher::Event::*;
+        let (store, mut writer) = reflector::store();
+        let mut merge = Merge::new(vec![Some("a".into()), Some("b".into())], store.clone());
+        // a lists, and changes before b has listed: nothing reaches the cache yet.
+        let out = feed(
+            &mut merge,
+            &mut writer,
+            0,
+            vec![
+                Init,
+                InitApply(config_map("a", "x", "1")),
+                InitApply(config_map("a", "y", "1")),
+                InitDone,
+            ],
+        );
+        assert_eq!(out, 0);
+        feed(
+            &mut merge,
+            &mut writer,
+            0,
+            vec![
+                Delete(config_map("a", "y", "1")),
+                Apply(config_map("a", "z", "1")),
+            ],
+        );
+        assert!(names(&store).is_empty());
+        // b lists: both namespaces arrive together, a's changes included.
+        feed(
+            &mut merge,
+            &mut writer,
+            1,
+            vec![Init, InitApply(config_map("b", "x", "1")), InitDone],
+        );
+        assert_eq!(names(&store), ["a/x@1", "a/z@1", "b/x@1"]);
+        // Live changes pass through.
+        feed(&mut merge, &mut writer, 1, vec![Apply(config_map("b", "w", "1"))]);
+        assert_eq!(names(&store), ["a/x@1", "a/z@1", "b/w@1", "b/x@1"]);
+        // a lists again (its resource version expired): x changed, z is gone, b is untouched.
+        feed(
+            &mut merge,
+            &mut writer,
+            0,
+            vec![Init, InitApply(config_map("a", "x", "2"))],
+        );
+        assert_eq!(
+            names(&store),
+            ["a/x@1", "a/z@1", "b/w@1", "b/x@1"],
+            "nothing changes mid-list"
+        );
+        feed(&mut merge, &mut writer, 0, vec![InitDone]);
+        assert_eq!(names(&store), ["a/x@2", "b/w@1", "b/x@1"]);
+    }
+
+    #[test]
+    fn a_watch_that_lists_again_before_the_others_listed_replaces_only_its_own_gathered_objects() {
+        use watcher::Event::*;
+        let (store, mut writer) = reflector::store();
+        let mut merge = Merge::new(vec![Some("a".into()), Some("b".into())], store.clone());
+        feed(
+            &mut merge,
+            &mut writer,
+            1,
+            vec![Init, InitApply(config_map("b", "x", "1"))],
+        );
+        feed(
+            &mut merge,
+            &mut writer,
+            0,
+            vec![Init, InitApply(config_map("a", "old", "1")), InitDone],
+        );
+        feed(
+            &mut merge,
+            &mut writer,
+            0,
+            vec![Init, InitApply(config_map("a", "new", "1")), InitDone],
+        );
+        assert!(names(&store).is_empty(), "b has not listed");
+        feed(&mut merge, &mut writer, 1, vec![InitDone]);
+        assert_eq!(names(&store), ["a/new@1", "b/x@1"]);
+    }
+
+    #[test]
+    fn a_cache_of_nothing_is_synced_and_empty() {
+        let cache = empty::<k8s_openapi::api::core::v1::Node>();
+        futures::executor::block_on(cache.synced());
+        assert!(cache.state().is_empty());
+    }
 
     #[test]
     fn watch_retries_grow_to_two_seconds_and_start_over_after_a_success() {

@@ -747,7 +747,7 @@ pub async fn leave(args: &LeaveArgs) -> Result<String, Error> {
     };
     let started = Instant::now();
     loop {
-        let removal = teardown::remove_everything(&lower, &identity)
+        let removal = teardown::remove_everything(&lower, &identity, &tensile_common::cache::Namespaces::All)
             .await
             .map_err(api_error("lower", "remove", "the virtual node's objects"))?;
         if removal.done() {

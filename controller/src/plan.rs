@@ -284,6 +284,9 @@ pub fn node_args(settings: &Settings, cluster: &LowerCluster) -> Vec<String> {
     if settings.node_identity {
         args.push("--upper-identity=node".into());
     }
+    if !spec.namespaces.is_empty() {
+        args.push(format!("--lower-namespaces={}", spec.namespaces.join(",")));
+    }
     args.extend(spec.extra_args.iter().cloned());
     args
 }
@@ -587,6 +590,20 @@ pub(crate) mod tests {
         );
         c.metadata.generation = Some(3);
         c
+    }
+
+    #[test]
+    fn a_namespace_scoped_cluster_runs_its_node_over_those_namespaces_only() {
+        let mut c = cluster("lower-a");
+        assert!(
+            !node_args(&settings(), &c)
+                .iter()
+                .any(|a| a.starts_with("--lower-namespaces"))
+        );
+        assert_eq!(c.spec.served(), tensile_common::cache::Namespaces::All);
+        c.spec.namespaces = vec!["team-a".into(), "team-b".into()];
+        assert!(node_args(&settings(), &c).contains(&"--lower-namespaces=team-a,team-b".to_owned()));
+        assert!(c.spec.served().contains("team-b") && !c.spec.served().contains("default"));
     }
 
     #[test]

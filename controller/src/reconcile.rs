@@ -634,7 +634,7 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
             Ok(lower) => lower,
             Err(e) => return removing(api, cluster, format!("{e}; {hint}")).await,
         };
-        match teardown::remove_everything(&lower, &identity).await {
+        match teardown::remove_everything(&lower, &identity, &cluster.spec.served()).await {
             Ok(removal) if removal.done() => {
                 tracing::info!(cluster = %name, "below: {}", removal.summary());
                 // Recorded, so that a removal resumed after a restart goes on upstream even

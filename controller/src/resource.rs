@@ -66,6 +66,20 @@ pub struct LowerClusterSpec {
     /// More flags of this virtual node (`--name=value`), after the controller's own.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub extra_args: Vec<String>,
+    /// The lower namespaces served, when the credential holds Roles in them alone (the
+    /// virtual node's `--lower-namespaces`); every namespace when empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub namespaces: Vec<String>,
+}
+
+impl LowerClusterSpec {
+    /// The lower namespaces its virtual node reads and writes.
+    pub fn served(&self) -> tensile_common::cache::Namespaces {
+        match self.namespaces.is_empty() {
+            true => tensile_common::cache::Namespaces::All,
+            false => tensile_common::cache::Namespaces::Only(self.namespaces.clone()),
+        }
+    }
 }
 
 /// Where a lower cluster's credential is.
@@ -215,6 +229,7 @@ mod tests {
             disable_taint: true,
             replicas: Some(2),
             extra_args: vec!["--x".into()],
+            namespaces: vec!["team-a".into()],
         };
         let written = serde_json::to_value(&full).unwrap();
         let mut in_code: Vec<&str> = written.as_object().unwrap().keys().map(String::as_str).collect();

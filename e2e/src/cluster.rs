@@ -37,6 +37,9 @@ pub struct ClusterOptions {
     /// Record every write (create, update, patch, delete) with its user agent in
     /// `<dir>/audit.log` (see [`TestCluster::audited_writes`]).
     pub audit_writes: bool,
+    /// With `audit_writes`: every call of these users (reads and watches too) is recorded,
+    /// so a test can tell that an identity was never refused anything.
+    pub audit_users: Vec<String>,
     /// The kube-scheduler's and kube-controller-manager's client throttle
     /// (`--kube-api-qps`, `--kube-api-burst`); `None` keeps their defaults (50 and 100 in
     /// v1.20). Benchmarks raise it so a 50-qps queue in the test bed is not what they measure.
@@ -56,6 +59,7 @@ impl ClusterOptions {
             node_monitor_period: Duration::from_secs(2),
             ready_timeout: Duration::from_secs(90),
             audit_writes: false,
+            audit_users: Vec::new(),
             kube_api_qps: None,
         }
     }
@@ -68,9 +72,11 @@ impl ClusterOptions {
     }
 }
 
-/// One write an audited apiserver received.
+/// One write an audited apiserver received (or, for [`ClusterOptions::audit_users`], any
+/// call).
 #[derive(Clone, Debug)]
 pub struct AuditedWrite {
+    pub user: String,
     pub user_agent: String,
     pub verb: String,
     pub uri: String,
@@ -163,11 +169,17 @@ impl TestCluster {
         ];
         if options.audit_writes {
             let policy = dir.join("audit-policy.yaml");
+            let users = match options.audit_users.as_slice() {
+                [] => String::new(),
+                users => format!("- level: Metadata\n  users: {}\n", serde_json::json!(users)),
+            };
             write(
                 &policy,
-                "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n\
-                 - level: Metadata\n  verbs: [create, update, patch, delete, deletecollection]\n\
-                 - level: None\n",
+                &format!(
+                    "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n{users}\
+                     - level: Metadata\n  verbs: [create, update, patch, delete, deletecollection]\n\
+                     - level: None\n"
+                ),
             )?;
             apiserver_args.push(format!("--audit-policy-file={}", policy.display()));
             apiserver_args.push(format!("--audit-log-path={}", dir.join("audit.log").display()));
@@ -350,6 +362,7 @@ impl TestCluster {
             .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
             .filter_map(|e| {
                 Some(AuditedWrite {
+                    user: e["user"]["username"].as_str().unwrap_or_default().to_owned(),
                     user_agent: e["userAgent"].as_str()?.to_owned(),
                     verb: e["verb"].as_str()?.to_owned(),
                     uri: e["requestURI"].as_str()?.to_owned(),

@@ -28,6 +28,12 @@ const NODE: &str = "vn-iso";
 /// Lower namespaces other tenants use too, listed in `--shared-namespaces`.
 const SHARED: &str = "shared";
 const INJECTED: &str = "injected";
+/// The namespace-scoped virtual node, the lower namespace of its account (the chart's lower
+/// install, release [`SCOPED_RELEASE`]), and that account's user.
+const SCOPED: &str = "vn-scoped";
+const SCOPED_NS: &str = "tensile-scoped";
+const SCOPED_RELEASE: &str = "scoped";
+const SCOPED_USER: &str = "system:serviceaccount:tensile-scoped:scoped-tensile-lower";
 
 fn bed() -> &'static Bed {
     BED.get(|| async {
@@ -35,6 +41,7 @@ fn bed() -> &'static Bed {
             TestCluster::start(ClusterOptions::new("isolation", "upper")),
             TestCluster::start(ClusterOptions {
                 audit_writes: true,
+                audit_users: vec![SCOPED_USER.into()],
                 ..ClusterOptions::new("isolation", "lower")
             }),
         );
@@ -613,4 +620,346 @@ spec:
         "the stale lower pod got {deletes} deletes while it stopped"
     );
     running(up(), "stale", "twin").await;
+}
+
+/// A pod with requests (a quota on requests refuses pods without), bound to `node`, mounting
+/// ConfigMap `settings` and Secret `password`.
+fn requesting_pod(ns: &str, name: &str, node: &str) -> String {
+    format!(
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  nodeName: {node}
+  tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+  containers:
+  - name: app
+    image: busybox
+    resources: {{requests: {{cpu: 100m, memory: 64Mi}}}}
+    volumeMounts: [{{name: cfg, mountPath: /cfg}}, {{name: pw, mountPath: /pw}}]
+  volumes:
+  - {{name: cfg, configMap: {{name: settings}}}}
+  - {{name: pw, secret: {{secretName: password}}}}
+"#
+    )
+}
+
+/// A virtual node whose lower credential is the chart's namespace-scoped rendering (a Role in
+/// each served namespace, nothing cluster-wide) runs pods in those namespaces with what they
+/// reference, their Services, logs and exec; shows as room what the namespaces' quotas leave
+/// after another tenant's pod; refuses a pod of another namespace with the reason and writes
+/// nothing for it; and is never refused a call below (the lower apiserver's audit of its
+/// account), while the account is refused everything outside its namespaces.
+#[tokio::test]
+async fn a_namespace_scoped_node_serves_its_namespaces_and_is_refused_nothing_below() {
+    let bed = bed();
+    let lower = tensile_e2e::chart::Access::of(&bed.lower);
+    for ns in ["team-a", "team-b", SCOPED_NS] {
+        bed.lower.create_namespace(ns).await.unwrap();
+    }
+    // The lower admin's quota on team-a, and another tenant's pod in it.
+    apply(
+        low(),
+        r#"
+apiVersion: v1
+kind: ResourceQuota
+metadata: {name: team-a, namespace: team-a}
+spec: {hard: {requests.cpu: "4", requests.memory: 8Gi, pods: "10"}}
+"#,
+    )
+    .await;
+    eventually(
+        low(),
+        "the quota counted",
+        30,
+        &[
+            "-n",
+            "team-a",
+            "get",
+            "resourcequota",
+            "team-a",
+            "-o",
+            "jsonpath={.status.hard.pods}",
+        ],
+        "10",
+    )
+    .await;
+    apply(
+        low(),
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: tenant, namespace: team-a}
+spec:
+  containers: [{name: app, image: busybox, resources: {requests: {cpu: "1", memory: 1Gi}}}]
+"#,
+    )
+    .await;
+    running(low(), "team-a", "tenant").await;
+
+    // The chart's lower install for the two namespaces, as rendered.
+    let rendered = tensile_e2e::chart::helm_with(
+        &lower,
+        &[
+            "template",
+            SCOPED_RELEASE,
+            &tensile_e2e::chart::chart_dir().display().to_string(),
+            "-n",
+            SCOPED_NS,
+            "--set",
+            "target=lower",
+            "--set",
+            "lower.namespaces={team-a,team-b}",
+            "--set",
+            "virtualNodes.reflectServices=true",
+        ],
+    )
+    .await
+    .unwrap();
+    assert!(rendered.ok, "{}", rendered.stderr);
+    assert!(
+        !rendered.stdout.contains("kind: ClusterRole"),
+        "a namespace scope renders nothing cluster-wide:\n{}",
+        rendered.stdout
+    );
+    let file = bed.lower.dir().join("scoped-lower.yaml");
+    std::fs::write(&file, &rendered.stdout).unwrap();
+    kubectl(low(), &["apply", "-f", &file.display().to_string()]).await;
+    let credential = tensile_e2e::chart::service_account_kubeconfig_with(
+        &lower,
+        SCOPED_NS,
+        &format!("{SCOPED_RELEASE}-tensile-lower"),
+        &bed.lower.dir().join("scoped.kubeconfig"),
+    )
+    .await
+    .unwrap();
+
+    let mut args = in_process::options(&bed.upper, SCOPED, &bed.lower).unwrap();
+    args.lower.client_kubeconfig = credential.clone();
+    args.lower.namespaces = vec!["team-a".into(), "team-b".into()];
+    args.reflection.enable_controllers = vec![Controllers::Services];
+    args.reflection.copy_collection_delay = 1;
+    let _node = in_process::VirtualNode::run(args);
+    wait_ready(up(), SCOPED).await;
+
+    // The room: team-a's quota less the tenant's pod; team-b bounds nothing, so adds nothing.
+    eventually(
+        up(),
+        "the quota's room",
+        30,
+        &[
+            "get",
+            "node",
+            SCOPED,
+            "-o",
+            "jsonpath={.status.capacity.cpu}/{.status.allocatable.cpu}/{.status.allocatable.memory}/{.status.allocatable.pods}",
+        ],
+        "4/3/7516192768/9",
+    )
+    .await;
+    let usable = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerNodesUsable")].reason}: {.status.conditions[?(@.type=="tensile.io/LowerNodesUsable")].message}"#;
+    let condition = kubectl(up(), &["get", "node", SCOPED, "-o", usable]).await;
+    assert!(
+        condition.starts_with("ServedNamespaceQuotas: ") && condition.contains("team-b"),
+        "{condition}"
+    );
+
+    // A pod of a served namespace runs below with what it references, and its Service.
+    bed.upper.create_namespace("team-a").await.unwrap();
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "team-a",
+            "create",
+            "configmap",
+            "settings",
+            "--from-literal=k=v",
+        ],
+    )
+    .await;
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "team-a",
+            "create",
+            "secret",
+            "generic",
+            "password",
+            "--from-literal=p=s",
+        ],
+    )
+    .await;
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "team-a",
+            "create",
+            "service",
+            "clusterip",
+            "web",
+            "--tcp=80:8080",
+        ],
+    )
+    .await;
+    apply(up(), &requesting_pod("team-a", "app", SCOPED)).await;
+    running(up(), "team-a", "app").await;
+    running(low(), "team-a", "app").await;
+    for (kind, name) in [("configmap", "settings"), ("secret", "password")] {
+        assert!(exists_below("team-a", kind, name).await, "{kind} {name} below");
+    }
+    eventually(
+        low(),
+        "the Service below",
+        30,
+        &["-n", "team-a", "get", "service", "web", "-o", "name"],
+        "service/web",
+    )
+    .await;
+    let logs = kubectl(up(), &["-n", "team-a", "logs", "app"]).await;
+    assert!(logs.contains("team-a/app app line"), "{logs}");
+    let run = kubectl_run(
+        up(),
+        Via::WebSocket,
+        &["-n", "team-a", "exec", "app", "--", "echo", "scoped"],
+        None,
+    )
+    .await
+    .unwrap();
+    assert!(run.out().contains("scoped"), "{} {}", run.out(), run.stderr);
+
+    // A pod of a namespace not served is refused with the reason, and nothing is made for it.
+    bed.upper.create_namespace("team-c").await.unwrap();
+    apply(up(), &bound_pod("team-c", "outside", SCOPED, None)).await;
+    eventually(
+        up(),
+        "NamespaceNotServed",
+        60,
+        &["-n", "team-c", "get", "pod", "outside", "-o", SYNCED_REASON],
+        "NamespaceNotServed",
+    )
+    .await;
+    let message = kubectl(
+        up(),
+        &[
+            "-n",
+            "team-c",
+            "get",
+            "pod",
+            "outside",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
+        ],
+    )
+    .await;
+    assert!(message.contains("namespace team-c is not served"), "{message}");
+    let below = tensile_e2e::kubectl::run(low(), &["get", "namespace", "team-c"]).await;
+    assert!(
+        !below.ok && below.stderr.contains("NotFound"),
+        "team-c was made below: {}",
+        below.stdout
+    );
+
+    // The account may do nothing outside its namespaces (the lower apiserver's answers).
+    let can = |verb: &'static str, what: &'static str, ns: &'static str| {
+        let credential = credential.clone();
+        async move {
+            let mut args = vec!["auth", "can-i", verb, what];
+            if !ns.is_empty() {
+                args.extend(["-n", ns]);
+            }
+            tensile_e2e::kubectl::run(&credential, &args)
+                .await
+                .stdout
+                .trim()
+                .to_owned()
+        }
+    };
+    for (verb, what, ns) in [
+        ("list", "pods", "team-a"),
+        ("watch", "resourcequotas", "team-b"),
+        ("create", "secrets", "team-b"),
+    ] {
+        assert_eq!(can(verb, what, ns).await, "yes", "{verb} {what} in {ns}");
+    }
+    for (verb, what, ns) in [
+        ("list", "nodes", ""),
+        ("list", "pods", "team-c"),
+        ("get", "pods", "default"),
+        ("list", "secrets", "kube-system"),
+        ("create", "namespaces", ""),
+        ("get", "priorityclasses", ""),
+        ("get", "storageclasses", ""),
+        ("list", "pods", ""),
+    ] {
+        assert_eq!(can(verb, what, ns).await, "no", "{verb} {what} in {ns:?}");
+    }
+    let denied = tensile_e2e::kubectl::run(&credential, &["-n", "kube-system", "get", "secrets"]).await;
+    assert!(
+        !denied.ok && denied.stderr.contains("forbidden"),
+        "{} {}",
+        denied.stdout,
+        denied.stderr
+    );
+
+    // Deleted above, gone below with its copies.
+    kubectl(up(), &["-n", "team-a", "delete", "pod", "app", "--wait=false"]).await;
+    eventually(
+        low(),
+        "the lower pod gone",
+        60,
+        &[
+            "-n",
+            "team-a",
+            "get",
+            "pods",
+            "-o",
+            "name",
+            "--field-selector=metadata.name=app",
+        ],
+        "",
+    )
+    .await;
+    eventually(
+        low(),
+        "the copy gone",
+        60,
+        &[
+            "-n",
+            "team-a",
+            "get",
+            "configmaps",
+            "-o",
+            "name",
+            "--field-selector=metadata.name=settings",
+        ],
+        "",
+    )
+    .await;
+
+    // Every call the node made below was allowed.
+    let calls: Vec<_> = bed
+        .lower
+        .audited_writes()
+        .unwrap()
+        .into_iter()
+        .filter(|c| c.user == SCOPED_USER && c.user_agent.starts_with("tensile-virtual-node/"))
+        .collect();
+    // (A watch is recorded once it ends; a refused one ends at once, with its 403.)
+    assert!(
+        calls
+            .iter()
+            .any(|c| c.verb == "list" && c.uri.contains("/namespaces/team-b/")),
+        "the node's calls are audited: {} seen",
+        calls.len()
+    );
+    let refused: Vec<String> = calls
+        .iter()
+        .filter(|c| c.code == 403)
+        .map(|c| format!("{} {}", c.verb, c.uri))
+        .collect();
+    assert!(refused.is_empty(), "refused below: {refused:#?}");
 }

@@ -12,8 +12,11 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Node;
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Node, ResourceQuota};
 use tensile_common::quantity::ResourceMap;
+use tensile_common::quantity::parse_milli;
 use tensile_common::shape::{self, Group, Shape, covers, usable};
 use tokio::time::Instant;
 
@@ -35,7 +38,11 @@ pub struct ShapeArgs {
 pub struct Capacity {
     pub capacity: ResourceMap,
     pub allocatable: ResourceMap,
+    /// Lower nodes counted; under a namespace scope, served namespaces with a quota.
     pub usable_nodes: usize,
+    /// Under a namespace scope: from the served namespaces' quotas, and the served namespaces
+    /// whose quotas leave cpu, memory or pods unbounded (shown as no room of it).
+    pub quotas: Option<Vec<String>>,
     pub os: Option<String>,
     pub arch: Option<String>,
 }
@@ -78,6 +85,78 @@ pub fn compute<'a>(
     }
     out.allocatable = out.capacity.clone();
     out.allocatable.saturating_sub(&foreign);
+    out
+}
+
+/// The resource a ResourceQuota `hard` key bounds the pods' requests of: `requests.<name>`
+/// and the bare `cpu`, `memory`, `ephemeral-storage` are requests, `pods` the pod count;
+/// limits, object counts and claims bound nothing a node shows.
+fn quota_resource(key: &str) -> Option<&str> {
+    match key {
+        "pods" | "cpu" | "memory" | "ephemeral-storage" => Some(key),
+        _ => key.strip_prefix("requests.").filter(|r| *r != "storage"),
+    }
+}
+
+/// The room of the served namespaces `served`, from their ResourceQuotas and the load of every
+/// unfinished pod in them: per namespace, the tightest `hard` of each resource, less what pods
+/// this node does not manage request there (its own are counted upstream). A resource no
+/// quota of a namespace bounds adds nothing of that namespace (its room is unknown, never
+/// assumed); the namespaces that leave cpu, memory or pods unbounded are listed.
+pub fn compute_from_quotas<'a>(
+    served: &[String],
+    quotas: impl IntoIterator<Item = &'a ResourceQuota>,
+    pods: impl IntoIterator<Item = &'a PodLoad>,
+    identity: &Identity,
+) -> Capacity {
+    let mut hard: BTreeMap<&str, ResourceMap> = BTreeMap::new();
+    for quota in quotas {
+        let ns = quota.metadata.namespace.as_deref().unwrap_or_default();
+        let Some(ns) = served.iter().find(|s| *s == ns) else {
+            continue;
+        };
+        let Some(limits) = quota.spec.as_ref().and_then(|s| s.hard.as_ref()) else {
+            continue;
+        };
+        let room = hard.entry(ns.as_str()).or_default();
+        for (key, value) in limits {
+            let (Some(resource), Ok(v)) = (quota_resource(key), parse_milli(&value.0)) else {
+                continue;
+            };
+            let tightest = room.0.get(resource).map_or(v, |have| (*have).min(v));
+            room.0.insert(resource.to_owned(), tightest);
+        }
+    }
+    let mut foreign: BTreeMap<&str, ResourceMap> = BTreeMap::new();
+    for pod in pods {
+        let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
+        if pod.terminal || identity.owns(&pod.metadata) || !hard.contains_key(ns) {
+            continue;
+        }
+        if let Some((ns, _)) = hard.get_key_value(ns) {
+            foreign.entry(ns).or_default().add(&pod.requests);
+        }
+    }
+    let mut out = Capacity {
+        quotas: Some(Vec::new()),
+        ..Default::default()
+    };
+    for ns in served {
+        let Some(room) = hard.get(ns.as_str()) else {
+            out.quotas.get_or_insert_default().push(ns.clone());
+            continue;
+        };
+        out.usable_nodes += 1;
+        if ["cpu", "memory", "pods"].iter().any(|r| !room.0.contains_key(*r)) {
+            out.quotas.get_or_insert_default().push(ns.clone());
+        }
+        out.capacity.add(room);
+        let mut free = room.clone();
+        if let Some(used) = foreign.get(ns.as_str()) {
+            free.saturating_sub(used);
+        }
+        out.allocatable.add(&free);
+    }
     out
 }
 
@@ -250,6 +329,71 @@ mod tests {
             cluster_id: "c".into(),
             node: "vn".into(),
         }
+    }
+
+    fn quota(ns: &str, hard: serde_json::Value) -> ResourceQuota {
+        serde_json::from_value(json!({"metadata": {"name": "q", "namespace": ns}, "spec": {"hard": hard}}))
+            .unwrap()
+    }
+
+    fn in_namespace(ns: &str, mut pod: PodLoad) -> PodLoad {
+        pod.metadata.namespace = Some(ns.into());
+        pod
+    }
+
+    #[test]
+    fn a_namespace_scope_shows_the_tightest_quota_less_foreign_pods_and_names_what_is_unbounded() {
+        let served = ["a".to_owned(), "b".to_owned(), "c".to_owned()];
+        let quotas = [
+            // Two quotas in a: the tighter of each resource holds; limits and counts bound
+            // nothing a node shows.
+            quota(
+                "a",
+                json!({"requests.cpu": "8", "requests.memory": "16Gi", "pods": "20", "limits.cpu": "1"}),
+            ),
+            quota(
+                "a",
+                json!({"cpu": "6", "count/configmaps": "3", "requests.nvidia.com/gpu": "2"}),
+            ),
+            // b bounds cpu only; c has no quota; d is not served.
+            quota("b", json!({"requests.cpu": "2"})),
+            quota("d", json!({"requests.cpu": "100"})),
+        ];
+        let pods = [
+            in_namespace("a", pod("n1", "1", false, "Running")),
+            in_namespace("a", pod("n1", "3", true, "Running")),
+            in_namespace("a", pod("n1", "2", false, "Succeeded")),
+            in_namespace("b", pod("n2", "5", false, "Running")),
+            in_namespace("c", pod("n2", "1", false, "Running")),
+        ];
+        let cap = compute_from_quotas(&served, &quotas, &pods, &id());
+        assert_eq!(cap.capacity.to_strings()["cpu"], "8", "6 in a, 2 in b");
+        assert_eq!(cap.capacity.to_strings()["memory"], "17179869184");
+        assert_eq!(cap.capacity.to_strings()["pods"], "20");
+        assert_eq!(cap.capacity.to_strings()["nvidia.com/gpu"], "2");
+        assert!(
+            !cap.capacity.0.contains_key("limits.cpu") && !cap.capacity.0.contains_key("count/configmaps")
+        );
+        // a: 6 less the foreign running pod's 1 (ours and finished ones are not foreign);
+        // b: 2 less 5, never below zero.
+        assert_eq!(cap.allocatable.to_strings()["cpu"], "5");
+        assert_eq!(cap.allocatable.to_strings()["pods"], "19");
+        assert_eq!(cap.usable_nodes, 2);
+        assert_eq!(cap.quotas, Some(vec!["b".to_owned(), "c".to_owned()]));
+        let (status, reason, message) = crate::node::room_condition_for_tests(&cap);
+        assert_eq!((status, reason), ("True", "ServedNamespaceQuotas"));
+        assert!(
+            message.contains("b, c bound(s) no cpu, memory or pods"),
+            "{message}"
+        );
+
+        let none = compute_from_quotas(&served, &[], &pods, &id());
+        assert_eq!(none.usable_nodes, 0);
+        assert!(none.allocatable.0.is_empty(), "no quota: no room, never assumed");
+        assert_eq!(
+            crate::node::room_condition_for_tests(&none).1,
+            "NoServedNamespaceQuota"
+        );
     }
 
     #[test]

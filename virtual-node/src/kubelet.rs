@@ -277,6 +277,8 @@ pub struct KubeletState {
     pub authorizer: Authorizer,
     /// Bounds of spliced exec, attach and port-forward sessions.
     pub sessions: streams::Sessions,
+    /// Lower nodes can be read (not under a namespace scope): usage is read from them.
+    pub read_lower_nodes: bool,
 }
 
 pub async fn serve(
@@ -404,6 +406,12 @@ pub const SUMMARY_CONCURRENCY: usize = 8;
 /// The lower nodes' summaries, from the last fan-out when it is younger than [`SUMMARY_TTL`].
 /// Concurrent scrapes wait on one fan-out instead of each starting their own.
 async fn lower_summaries(state: &KubeletState) -> Result<Arc<Vec<serde_json::Value>>, String> {
+    if !state.read_lower_nodes {
+        return Err(
+            "usage is read from the lower nodes' summaries, and a namespace-scoped virtual node (--lower-namespaces) reads no lower node"
+                .into(),
+        );
+    }
     let mut last = state.summaries.lock().await;
     if let Some((at, summaries)) = last.as_ref()
         && at.elapsed() < SUMMARY_TTL

@@ -165,6 +165,48 @@ pub struct LowerArgs {
     /// Burst of writes to the lower cluster.
     #[arg(long = "client-burst", env = "TENSILE_CLIENT_BURST", default_value_t = 1000)]
     pub client_burst: u32,
+    /// Serve only these lower namespaces (comma-separated; empty: every namespace). The lower
+    /// credential then needs Roles in them alone and nothing cluster-wide: pods of any other
+    /// namespace are refused with the reason on the pod, namespaces are never made or
+    /// deleted below, and the room shown is what the namespaces' ResourceQuotas leave
+    /// (docs/virtual-node.md).
+    #[arg(
+        long = "lower-namespaces",
+        env = "TENSILE_LOWER_NAMESPACES",
+        value_delimiter = ','
+    )]
+    pub namespaces: Vec<String>,
+}
+
+impl LowerArgs {
+    /// The lower namespaces read and written; an error for a scope that cannot work.
+    pub fn scope(&self, gc_namespaces: bool) -> Result<tensile_common::cache::Namespaces, String> {
+        let mut served: Vec<String> = self.namespaces.iter().map(|n| n.trim().to_owned()).collect();
+        served.retain(|n| !n.is_empty());
+        served.sort();
+        served.dedup();
+        if served.is_empty() {
+            return Ok(tensile_common::cache::Namespaces::All);
+        }
+        let label = |n: &str| {
+            n.len() <= 63
+                && n.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !n.starts_with('-')
+                && !n.ends_with('-')
+        };
+        if let Some(bad) = served.iter().find(|n| !label(n)) {
+            return Err(format!("--lower-namespaces: {bad:?} is not a namespace name"));
+        }
+        if gc_namespaces {
+            return Err(
+                "--gc-namespaces cannot be given with --lower-namespaces: the served namespaces \
+                        are the lower admin's, never made or deleted by a virtual node"
+                    .into(),
+            );
+        }
+        Ok(tensile_common::cache::Namespaces::Only(served))
+    }
 }
 
 /// The kubelet API the upper apiserver calls for `kubectl logs`.
@@ -421,6 +463,10 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         )
         .map_err(Error::Flags)?;
     let leadership = Leadership::of(&election);
+    // A scope that cannot work stops the node before it asks for anything.
+    args.lower
+        .scope(args.reflection.gc_namespaces)
+        .map_err(Error::Flags)?;
     let stash_key = match args.stash_key_file.as_slice() {
         [_, ..] => Some(Arc::new(tensile_common::stash::StashKeys::from_files(
             &args.stash_key_file,
@@ -738,6 +784,10 @@ async fn compose(
         .unwrap_or_else(|| "lower".into());
     tracing::info!(node = %identity.node, cluster_id = %identity.cluster_id, "starting");
 
+    let lower_scope = args
+        .lower
+        .scope(args.reflection.gc_namespaces)
+        .map_err(Error::Flags)?;
     let scope = world::Scope {
         services: args
             .reflection
@@ -745,6 +795,7 @@ async fn compose(
             .contains(&Controllers::Services),
         system_services: args.reflection.reflect_system_services,
         upper_reads_per_second: args.reflection.upper_reads_per_second,
+        lower: lower_scope.clone(),
     };
     let (world, watches, signals) = world::World::build(&upper, &lower, &identity, &scope);
     let world::Watches {
@@ -804,6 +855,7 @@ async fn compose(
         metrics: metrics.clone(),
         classes: Default::default(),
         upper_classes: world.upper_classes.clone(),
+        read_lower_classes: lower_scope == tensile_common::cache::Namespaces::All,
         refused_expansions: Default::default(),
     });
     let lower_health = Arc::new(node::LowerHealth::default());
@@ -830,6 +882,7 @@ async fn compose(
         cluster_name: lower_name,
         usable_namespaces,
         shared_namespaces: args.reflection.shared_namespaces.clone(),
+        served: lower_scope.clone(),
         known_priority_classes: Default::default(),
         first_status_held: Default::default(),
         retries: Default::default(),
@@ -858,6 +911,8 @@ async fn compose(
         lower: lower.clone(),
         settings,
         lower_nodes: world.lower_nodes.clone(),
+        lower_quotas: world.lower_quotas.clone(),
+        served: lower_scope.clone(),
         lower_pods: world.lower_load.clone(),
         changed: signals.lower_changed.clone(),
         metrics: metrics.clone(),
@@ -878,6 +933,7 @@ async fn compose(
             args.kubelet.max_stream_sessions as usize,
             Duration::from_secs(args.kubelet.stream_idle_timeout_seconds),
         ),
+        read_lower_nodes: lower_scope == tensile_common::cache::Namespaces::All,
     });
     let kubelet_limits = tensile_common::serve::Limits {
         max_connections: args.kubelet.max_connections as usize,
@@ -1002,6 +1058,37 @@ async fn compose(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_namespace_scope_is_a_list_of_namespace_names_and_excludes_namespace_collection() {
+        let lower = |list: &[&str]| LowerArgs {
+            client_kubeconfig: "k".into(),
+            client_qps: 1,
+            client_burst: 1,
+            namespaces: list.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        assert_eq!(lower(&[]).scope(true), Ok(tensile_common::cache::Namespaces::All));
+        assert_eq!(
+            lower(&[" "]).scope(false),
+            Ok(tensile_common::cache::Namespaces::All)
+        );
+        assert_eq!(
+            lower(&["b", "a", "b"]).scope(false),
+            Ok(tensile_common::cache::Namespaces::Only(vec![
+                "a".into(),
+                "b".into()
+            ]))
+        );
+        for bad in ["Team", "a.b", "-a", "a_b"] {
+            let e = lower(&[bad]).scope(false).unwrap_err();
+            assert!(e.contains("is not a namespace name"), "{bad}: {e}");
+        }
+        let e = lower(&["a"]).scope(true).unwrap_err();
+        assert!(
+            e.contains("--gc-namespaces cannot be given with --lower-namespaces"),
+            "{e}"
+        );
+    }
     use clap::Parser;
 
     #[test]

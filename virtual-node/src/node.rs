@@ -114,13 +114,24 @@ impl NodeSettings {
 /// all cordoned or not Ready still runs its pods, so it is shown as no room (capacity and
 /// allocatable zero) and a condition that says why, never as NotReady, which would make the
 /// upper node lifecycle controller evict every pod of the node.
-fn judge(probe: Result<(), String>, failures: u32, was_ready: bool, usable_nodes: usize) -> Health {
+/// Under a namespace scope (`quotas`) the count is of served namespaces with a quota.
+fn judge(
+    probe: Result<(), String>,
+    failures: u32,
+    was_ready: bool,
+    usable_nodes: usize,
+    quotas: bool,
+) -> Health {
     let nodes_usable = usable_nodes > 0;
+    let places = match quotas {
+        true => "served namespace(s) with a ResourceQuota",
+        false => "usable node(s)",
+    };
     match probe {
         Ok(()) => Health {
             ready: true,
             reason: "LowerClusterReady",
-            message: format!("the lower cluster answers and has {usable_nodes} usable node(s)"),
+            message: format!("the lower cluster answers and has {usable_nodes} {places}"),
             nodes_usable,
         },
         Err(e) => Health {
@@ -130,6 +141,44 @@ fn judge(probe: Result<(), String>, failures: u32, was_ready: bool, usable_nodes
             nodes_usable,
         },
     }
+}
+
+/// The `tensile.io/LowerNodesUsable` condition: status, reason, message. Under a namespace
+/// scope it says where the room shown comes from, and which served namespaces bound none.
+fn room_condition(cap: &Capacity, usable: bool) -> (&'static str, &'static str, String) {
+    match (&cap.quotas, usable) {
+        (None, true) => (
+            "True",
+            "UsableLowerNodes",
+            "the lower cluster has a Ready schedulable node".into(),
+        ),
+        (None, false) => (
+            "False",
+            "NoUsableLowerNodes",
+            "no lower node is Ready and schedulable (cordoned or not Ready): the node offers no room until one is; its pods keep running below".into(),
+        ),
+        (Some(unbounded), true) => {
+            let mut message = "the room shown is what the served namespaces' ResourceQuotas leave".to_owned();
+            if !unbounded.is_empty() {
+                message.push_str(&format!(
+                    "; {} bound(s) no cpu, memory or pods, which adds no room of it",
+                    unbounded.join(", ")
+                ));
+            }
+            ("True", "ServedNamespaceQuotas", message)
+        }
+        (Some(_), false) => (
+            "False",
+            "NoServedNamespaceQuota",
+            "no served namespace has a ResourceQuota: the node offers no room until one has (hard: requests.cpu, requests.memory, pods)".into(),
+        ),
+    }
+}
+
+/// [`room_condition`] as a round shows it (usable when some place counted).
+#[cfg(test)]
+pub(crate) fn room_condition_for_tests(cap: &Capacity) -> (&'static str, &'static str, String) {
+    room_condition(cap, cap.usable_nodes > 0)
 }
 
 /// Whether node status is written this round: it changed since the last write, or is due
@@ -231,6 +280,7 @@ impl Heartbeat {
             self.failures,
             was_ready,
             seen.capacity.usable_nodes,
+            seen.capacity.quotas.is_some(),
         );
         let ready_changed = self.last_health.as_ref().map(|h| h.ready) != Some(health.ready);
         self.last_health = Some(health.clone());
@@ -283,6 +333,9 @@ pub struct NodeLoop {
     pub lower: kube::Client,
     pub settings: NodeSettings,
     pub lower_nodes: Cache<Node>,
+    /// The served namespaces' quotas, under a namespace scope (`served`).
+    pub lower_quotas: Cache<k8s_openapi::api::core::v1::ResourceQuota>,
+    pub served: tensile_common::cache::Namespaces,
     /// Every unfinished lower pod's load.
     pub lower_pods: Cache<PodLoad>,
     /// Woken when lower nodes or pods change.
@@ -459,8 +512,17 @@ impl NodeLoop {
     }
 
     fn capacity(&self) -> Capacity {
-        let nodes = self.lower_nodes.state();
         let pods = self.lower_pods.state();
+        if let tensile_common::cache::Namespaces::Only(served) = &self.served {
+            let quotas = self.lower_quotas.state();
+            return capacity::compute_from_quotas(
+                served,
+                quotas.iter().map(|q| q.as_ref()),
+                pods.iter().map(|p| p.as_ref()),
+                &self.settings.identity,
+            );
+        }
+        let nodes = self.lower_nodes.state();
         capacity::compute(
             nodes.iter().map(|n| n.as_ref()),
             pods.iter().map(|p| p.as_ref()),
@@ -494,9 +556,38 @@ impl NodeLoop {
         labels
     }
 
+    /// Under a namespace scope no lower node is seen, so no shape is published (the
+    /// multi-scheduler then passes the node unjudged, `no_shape`); one left from a cluster
+    /// scope is removed.
+    async fn withdraw_shape(&self) {
+        let shown = self
+            .upper_node
+            .get(&kube::runtime::reflector::ObjectRef::new(self.name()))
+            .is_some_and(|n| {
+                n.metadata
+                    .annotations
+                    .as_ref()
+                    .is_some_and(|a| a.contains_key(names::NODE_CAPACITY_SHAPE))
+            });
+        if !shown {
+            return;
+        }
+        let patch = json!({"metadata": {"annotations": {names::NODE_CAPACITY_SHAPE: null}}});
+        if let Err(e) = Api::<Node>::all(self.upper())
+            .patch(self.name(), &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            tracing::warn!(node = self.name(), "removing the capacity shape: {e}");
+        }
+    }
+
     /// Writes the capacity shape annotation when [`ShapePublisher`] says so, bumping the
     /// generation label in the same patch when the shape grew.
     async fn publish_shape(&self, publisher: &mut ShapePublisher) {
+        if self.served != tensile_common::cache::Namespaces::All {
+            self.withdraw_shape().await;
+            return;
+        }
         let wall = jiff::Timestamp::now();
         let computed = {
             let nodes = self.lower_nodes.state();
@@ -660,25 +751,13 @@ impl NodeLoop {
             .upper_node
             .get(&kube::runtime::reflector::ObjectRef::new(self.name()));
         let shown = shown.as_ref().and_then(|n| n.status.as_ref());
-        let (usable, usable_reason, usable_message) = if health.nodes_usable {
-            (
-                "True",
-                "UsableLowerNodes",
-                "the lower cluster has a Ready schedulable node",
-            )
-        } else {
-            (
-                "False",
-                "NoUsableLowerNodes",
-                "no lower node is Ready and schedulable (cordoned or not Ready): the node offers no room until one is; its pods keep running below",
-            )
-        };
+        let (usable, usable_reason, usable_message) = room_condition(cap, health.nodes_usable);
         json!({"status": {
             "capacity": resources_patch(&cap.capacity, shown.and_then(|s| s.capacity.as_ref())),
             "allocatable": resources_patch(&cap.allocatable, shown.and_then(|s| s.allocatable.as_ref())),
             "conditions": [
                 cond("Ready", if health.ready { "True" } else { "False" }, health.reason, &health.message, &since.ready),
-                cond(names::CONDITION_LOWER_NODES_USABLE, usable, usable_reason, usable_message, &since.nodes_usable),
+                cond(names::CONDITION_LOWER_NODES_USABLE, usable, usable_reason, &usable_message, &since.nodes_usable),
                 cond("MemoryPressure", "False", "LowerClusterHasNoPressure", "memory pressure is handled by the lower cluster", started),
                 cond("DiskPressure", "False", "LowerClusterHasNoPressure", "disk pressure is handled by the lower cluster", started),
                 cond("PIDPressure", "False", "LowerClusterHasNoPressure", "PID pressure is handled by the lower cluster", started),
@@ -948,27 +1027,27 @@ mod tests {
 
     #[test]
     fn one_failed_probe_is_a_blip_and_two_in_a_row_are_an_outage() {
-        let ready = judge(Ok(()), 0, false, 3);
+        let ready = judge(Ok(()), 0, false, 3, false);
         assert!(ready.ready);
         assert_eq!(ready.reason, "LowerClusterReady");
-        let blip = judge(Err("timeout".into()), 1, true, 3);
+        let blip = judge(Err("timeout".into()), 1, true, 3, false);
         assert!(blip.ready, "one failure keeps a Ready node Ready");
-        let outage = judge(Err("timeout".into()), 2, blip.ready, 3);
+        let outage = judge(Err("timeout".into()), 2, blip.ready, 3, false);
         assert!(!outage.ready);
         assert_eq!(outage.reason, "LowerClusterUnreachable");
         assert!(outage.message.contains("timeout"), "{}", outage.message);
         assert!(
-            !judge(Err("refused".into()), 1, false, 3).ready,
+            !judge(Err("refused".into()), 1, false, 3, false).ready,
             "a node not Ready stays so"
         );
     }
 
     #[test]
     fn a_lower_cluster_without_usable_nodes_stays_ready_and_says_it_has_no_room() {
-        let h = judge(Ok(()), 0, true, 0);
+        let h = judge(Ok(()), 0, true, 0, false);
         assert!(h.ready, "cordoned lower nodes still run their pods");
         assert!(!h.nodes_usable);
-        assert!(judge(Ok(()), 0, true, 2).nodes_usable);
+        assert!(judge(Ok(()), 0, true, 2, false).nodes_usable);
     }
 
     #[test]
@@ -1006,7 +1085,7 @@ mod tests {
     #[test]
     fn status_is_written_first_on_change_when_due_and_when_ready_was_rewritten_upstream() {
         let cap = Capacity::default();
-        let ready = judge(Ok(()), 0, false, 1);
+        let ready = judge(Ok(()), 0, false, 1, false);
         let sent = (cap.clone(), ready.clone());
         assert!(
             status_due(None, (&cap, &ready), false, None),
@@ -1020,7 +1099,7 @@ mod tests {
             status_due(Some(&sent), (&cap, &ready), true, Some(true)),
             "the period passed"
         );
-        let outage = judge(Err("x".into()), 2, true, 1);
+        let outage = judge(Err("x".into()), 2, true, 1, false);
         assert!(
             status_due(Some(&sent), (&cap, &outage), false, Some(true)),
             "health changed"

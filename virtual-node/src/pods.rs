@@ -26,6 +26,7 @@ use crate::ratelimit::WriteLimit;
 use crate::refs::{self, Blocked};
 use crate::translate::{self, Translation};
 use crate::trim::{LowerPod, UpperPod};
+use tensile_common::cache::Namespaces;
 
 /// What one reconcile needs.
 pub struct Context {
@@ -55,6 +56,8 @@ pub struct Context {
     pub usable_namespaces: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     /// Lower namespaces pods may share with others (`--shared-namespaces`; `*`: any).
     pub shared_namespaces: Vec<String>,
+    /// The lower namespaces served (`--lower-namespaces`).
+    pub served: Namespaces,
     /// Lower PriorityClasses known to exist.
     pub known_priority_classes: std::sync::Mutex<std::collections::HashSet<String>>,
     /// Failures in a row per pod, for the retry delay.
@@ -507,12 +510,18 @@ async fn blocked_below(ctx: &Context, upper: &Pod, blocked: Blocked) -> Result<A
     let (reason, event_reason, msg) = match blocked {
         Blocked::Missing(msg) => ("ReferenceMissing", "ReferenceMissing", msg),
         Blocked::Conflict(msg) => ("Conflict", "LowerCopyConflict", msg),
+        Blocked::NotServed(msg) => ("NamespaceNotServed", "NamespaceNotServed", msg),
+    };
+    // Only a restart with other flags serves another namespace: asked again rarely.
+    let again = match reason {
+        "NamespaceNotServed" => Duration::from_secs(300),
+        _ => Duration::from_secs(5),
     };
     if !synced_says(upper, |c| c.message.as_deref() == Some(msg.as_str())) {
         event(ctx, upper, EventType::Warning, event_reason, &msg);
     }
     set_condition(ctx, upper, names::CONDITION_LOWER_SYNCED, "False", reason, &msg).await?;
-    Ok(Action::requeue(Duration::from_secs(5)))
+    Ok(Action::requeue(again))
 }
 
 /// Creates `desired` below, after the namespace and what the pod references.
@@ -587,8 +596,9 @@ async fn create_in_namespace(
         // A PriorityClass only the upper cluster has would fail the create below (the
         // Priority admission plugin refuses unknown names): the pod runs there at the lower
         // cluster's default priority instead.
+        // A namespace scope cannot read classes (cluster-wide): it never keeps one.
         if let Some(class) = spec.priority_class_name.clone()
-            && !lower_priority_class_exists(ctx, &class).await?
+            && (ctx.served != Namespaces::All || !lower_priority_class_exists(ctx, &class).await?)
         {
             spec.priority_class_name = None;
         }
@@ -721,6 +731,19 @@ pub fn namespace_usable(namespace: &Namespace, cluster_id: &str, shared: &[Strin
 }
 
 async fn ensure_namespace_below(ctx: &Context, ns: &str) -> Result<Result<(), Blocked>, Error> {
+    // A namespace scope runs pods in the served namespaces as they are (the lower admin's),
+    // and nowhere else.
+    if let Namespaces::Only(served) = &ctx.served {
+        if ctx.served.contains(ns) {
+            return Ok(Ok(()));
+        }
+        return Ok(Err(Blocked::NotServed(format!(
+            "namespace {ns} is not served in lower cluster {} (served: {}); the virtual node's \
+             lower credential holds no rights there",
+            ctx.cluster_name,
+            served.join(", ")
+        ))));
+    }
     let api: Api<Namespace> = Api::all(ctx.lower.clone());
     if let Some(existing) =
         api.get_opt(ns)

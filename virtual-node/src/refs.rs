@@ -242,6 +242,8 @@ pub enum Blocked {
     Missing(String),
     /// A same-named lower object is not ours.
     Conflict(String),
+    /// The pod's namespace is not one this node serves below (`--lower-namespaces`).
+    NotServed(String),
 }
 
 /// The claims a pod spec mounts.

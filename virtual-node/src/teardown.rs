@@ -16,6 +16,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, PropagationPolicy};
 use kube::core::DynamicObject;
 use kube::discovery::{Scope, verbs};
+use tensile_common::cache::Namespaces;
 use tensile_common::names;
 
 use crate::lower_objects;
@@ -110,27 +111,48 @@ fn kind_name(r: &kube::discovery::ApiResource) -> String {
 /// the virtual nodes of one upper cluster over one lower cluster share them. They go once
 /// no lower pod of the upper cluster is left there, so another virtual node of the same
 /// upper cluster keeps what its pods use (and collects the rest itself).
-pub async fn remove_everything(client: &kube::Client, identity: &Identity) -> Result<Removal, kube::Error> {
+///
+/// Under a namespace scope (`served`), only the served namespaces are looked in, and
+/// namespaces (never made there) are left alone.
+pub async fn remove_everything(
+    client: &kube::Client,
+    identity: &Identity,
+    served: &Namespaces,
+) -> Result<Removal, kube::Error> {
     let mut removal = Removal::default();
     let kinds = lower_objects::kinds(client).await?;
     let own = ListParams::default().labels(&identity.selector());
-    sweep(client, &kinds, &own, &|meta| identity.owns(meta), &mut removal).await?;
+    sweep(
+        client,
+        served,
+        &kinds,
+        &own,
+        &|meta| identity.owns(meta),
+        &mut removal,
+    )
+    .await?;
     if !removal.remaining.is_empty() {
         return Ok(removal);
     }
     let cluster = format!("{}={}", names::MARK_CLUSTER, identity.cluster_id);
-    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::all(client.clone());
-    let others = pods
-        .list_metadata(&ListParams::default().labels(&cluster).limit(1))
-        .await?;
-    if others.items.is_empty() {
+    let mut others = false;
+    for pods in served.apis::<k8s_openapi::api::core::v1::Pod>(client) {
+        let found = pods
+            .list_metadata(&ListParams::default().labels(&cluster).limit(1))
+            .await?;
+        others |= !found.items.is_empty();
+    }
+    if !others {
         let shared = ListParams::default().labels(&format!(
             "{cluster},!{},!{}",
             names::MARK_NODE,
             names::LOWER_CLUSTER
         ));
         let is_shared = |meta: &ObjectMeta| shared_copy(meta, &identity.cluster_id);
-        sweep(client, &kinds, &shared, &is_shared, &mut removal).await?;
+        sweep(client, served, &kinds, &shared, &is_shared, &mut removal).await?;
+    }
+    if *served != Namespaces::All {
+        return Ok(removal);
     }
     // Namespaces last: one we made goes once nothing of ours is left anywhere and it holds
     // nothing of anyone's.
@@ -150,6 +172,7 @@ pub async fn remove_everything(client: &kube::Client, identity: &Identity) -> Re
 /// still there goes into `removal`.
 async fn sweep(
     client: &kube::Client,
+    served: &Namespaces,
     kinds: &[(kube::discovery::ApiResource, kube::discovery::ApiCapabilities)],
     params: &ListParams,
     ours: &(dyn Fn(&ObjectMeta) -> bool + Sync),
@@ -168,18 +191,29 @@ async fn sweep(
         {
             continue;
         }
-        let api: Api<DynamicObject> = Api::all_with(client.clone(), resource);
-        let list = match api.list_metadata(params).await {
-            Ok(list) => list,
-            Err(e) if matches!(tensile_common::api::code(&e), Some(403) | Some(405)) => {
-                if !removal.unseen.contains(&kind_name(resource)) {
-                    removal.unseen.push(kind_name(resource));
-                }
-                continue;
-            }
-            Err(e) => return Err(e),
+        let apis: Vec<Api<DynamicObject>> = match served {
+            Namespaces::All => vec![Api::all_with(client.clone(), resource)],
+            // Cluster-wide kinds are out of a namespace scope's reach, and nothing of them is
+            // made there.
+            Namespaces::Only(_) if caps.scope != Scope::Namespaced => continue,
+            Namespaces::Only(list) => list
+                .iter()
+                .map(|ns| Api::namespaced_with(client.clone(), ns, resource))
+                .collect(),
         };
-        for object in list.items {
+        let mut items = Vec::new();
+        for api in apis {
+            match api.list_metadata(params).await {
+                Ok(list) => items.extend(list.items),
+                Err(e) if matches!(tensile_common::api::code(&e), Some(403) | Some(405)) => {
+                    if !removal.unseen.contains(&kind_name(resource)) {
+                        removal.unseen.push(kind_name(resource));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        for object in items {
             if !ours(&object.metadata) {
                 continue;
             }

@@ -493,6 +493,8 @@ pub struct Volumes {
     pub classes: std::sync::Mutex<HashMap<String, bool>>,
     /// The upper StorageClasses (their reclaim policies).
     pub upper_classes: Cache<StorageClass>,
+    /// Whether lower StorageClasses can be read (not under a namespace scope).
+    pub read_lower_classes: bool,
     /// Expansions the lower cluster refused (`ns/name=size`), not asked again.
     pub refused_expansions: std::sync::Mutex<BTreeSet<String>>,
 }
@@ -595,6 +597,15 @@ impl Volumes {
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
                     .map_err(Error::on("upper", "patch", format!("claim {namespace}/{name}")))?;
+            }
+            Write::LearnClass { class } if !self.read_lower_classes => {
+                // Classes are cluster-wide, out of a namespace scope's reach: the claim is
+                // taken as ready while it binds, which holds for either binding mode (the
+                // lower scheduler holds the pod until its claim is bound).
+                if let Ok(mut m) = self.classes.lock() {
+                    m.insert(class, true);
+                }
+                return Ok(true);
             }
             Write::LearnClass { class } => {
                 let found = Api::<StorageClass>::all(self.lower.clone())

@@ -13,12 +13,12 @@ use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Endpoints, Node, PersistentVolume, PersistentVolumeClaim, Secret, Service,
+    ConfigMap, Endpoints, Node, PersistentVolume, PersistentVolumeClaim, ResourceQuota, Secret, Service,
 };
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::Api;
 use kube::runtime::watcher;
-use tensile_common::cache::{self, Cache, LeanPod, watched};
+use tensile_common::cache::{self, Cache, LeanPod, Namespaces, watched, watched_in};
 use tokio::sync::Notify;
 
 use crate::copies::ServiceStores;
@@ -33,9 +33,13 @@ pub struct World {
     pub upper_pods: Cache<UpperPod>,
     /// Lower pods carrying this node's marks.
     pub lower_pods: Cache<LowerPod>,
-    /// Every unfinished lower pod (other tenants' too): the load on the lower nodes.
+    /// Every unfinished lower pod (other tenants' too) of the namespaces read below: the load
+    /// on the lower nodes, or on the served namespaces' quotas.
     pub lower_load: Cache<PodLoad>,
+    /// The lower nodes (none under a namespace scope, which cannot read them).
     pub lower_nodes: Cache<Node>,
+    /// Under a namespace scope, the served namespaces' ResourceQuotas (the room shown).
+    pub lower_quotas: Cache<ResourceQuota>,
     /// This node's own upper Node.
     pub upper_node: Cache<Node>,
     /// Upper ConfigMaps and Secrets that pods bound here reference, metadata only (never
@@ -81,6 +85,8 @@ pub struct Scope {
     pub system_services: bool,
     /// The budget of by-name reads of upper ConfigMaps and Secrets ([`crate::fetched`]).
     pub upper_reads_per_second: u32,
+    /// The lower namespaces read and written: every one, or the served ones.
+    pub lower: Namespaces,
 }
 
 impl World {
@@ -94,31 +100,55 @@ impl World {
         let signals = Signals::default();
         let mut feeds: Vec<(&'static str, BoxFuture<'static, ()>)> = Vec::new();
 
-        let (lower_nodes, watch) = cache::watched_trimmed(
-            Api::all(lower.clone()),
-            watcher::Config::default(),
-            trim::lower_node,
-            &signals.lower_changed,
-        );
-        feeds.push(("the lower node watch", watch.boxed()));
-        let (lower_load, watch) = cache::watched_summaries(
-            Api::<LeanPod>::all(lower.clone()),
+        let below = &scope.lower;
+        let (lower_nodes, lower_quotas) = match below {
+            Namespaces::All => {
+                let (nodes, watch) = cache::watched_trimmed(
+                    Api::all(lower.clone()),
+                    watcher::Config::default(),
+                    trim::lower_node,
+                    &signals.lower_changed,
+                );
+                feeds.push(("the lower node watch", watch.boxed()));
+                (nodes, cache::empty())
+            }
+            Namespaces::Only(_) => {
+                let (quotas, watch) = watched_in::<ResourceQuota>(
+                    lower,
+                    below,
+                    watcher::Config::default(),
+                    &signals.lower_changed,
+                );
+                feeds.push(("the lower quota watch", watch));
+                (cache::empty(), quotas)
+            }
+        };
+        let (lower_load, watch) = cache::watched_summaries_in(
+            lower,
+            below,
             watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
-            |pod| PodLoad::of(pod.0),
+            |pod: LeanPod| PodLoad::of(pod.0),
             &signals.lower_changed,
         );
-        feeds.push(("the lower pod watch", watch.boxed()));
+        feeds.push(("the lower pod watch", watch));
         let (upper_node, watch) = watched::<Node>(
             Api::all(upper.clone()),
             watcher::Config::default().fields(&format!("metadata.name={}", identity.node)),
             &signals.lower_changed,
         );
         feeds.push(("the upper node watch", watch.boxed()));
-        let (lower_pods, lower_pod_events) = cache::reflect_summaries(
-            Api::<LeanPod>::all(lower.clone()),
-            watcher::Config::default().labels(&identity.selector()),
-            |pod| trim::packed_lower_pod(pod.0),
-        );
+        let ours = watcher::Config::default().labels(&identity.selector());
+        let summary = |pod: LeanPod| trim::packed_lower_pod(pod.0);
+        let (lower_pods, lower_pod_events) = match below {
+            Namespaces::All => {
+                let (c, s) = cache::reflect_summaries(Api::<LeanPod>::all(lower.clone()), ours, summary);
+                (c, s.boxed())
+            }
+            Namespaces::Only(_) => {
+                let (c, s) = cache::reflect_summaries_in(below.apis::<LeanPod>(lower), ours, summary);
+                (c, s.boxed())
+            }
+        };
         let (upper_pods, upper_pod_events) = cache::reflect_summaries(
             Api::<LeanPod>::all(upper.clone()),
             watcher::Config::default().fields(&format!("spec.nodeName={}", identity.node)),
@@ -143,8 +173,8 @@ impl World {
             scope.upper_reads_per_second,
             copies,
         );
-        let (lower_config_maps, w3) = watched::<ConfigMap>(Api::all(lower.clone()), ours_below(), copies);
-        let (lower_secrets, w4) = watched::<Secret>(Api::all(lower.clone()), ours_below(), copies);
+        let (lower_config_maps, w3) = watched_in::<ConfigMap>(lower, below, ours_below(), copies);
+        let (lower_secrets, w4) = watched_in::<Secret>(lower, below, ours_below(), copies);
         feeds.push((
             "the ConfigMap and Secret watches",
             async move {
@@ -157,8 +187,8 @@ impl World {
                 watched::<Service>(Api::all(upper.clone()), watcher::Config::default(), copies);
             let (upper_endpoints, w2) =
                 watched::<Endpoints>(Api::all(upper.clone()), watcher::Config::default(), copies);
-            let (lower_services, w3) = watched::<Service>(Api::all(lower.clone()), ours_below(), copies);
-            let (lower_endpoints, w4) = watched::<Endpoints>(Api::all(lower.clone()), ours_below(), copies);
+            let (lower_services, w3) = watched_in::<Service>(lower, below, ours_below(), copies);
+            let (lower_endpoints, w4) = watched_in::<Endpoints>(lower, below, ours_below(), copies);
             feeds.push((
                 "the Service and Endpoints watches",
                 async move {
@@ -183,8 +213,7 @@ impl World {
         let (upper_classes, w2) =
             watched::<StorageClass>(Api::all(upper.clone()), watcher::Config::default(), volumes);
         let (upper_volumes, w3) = watched::<PersistentVolume>(Api::all(upper.clone()), node_marks(), volumes);
-        let (lower_claims, w4) =
-            watched::<PersistentVolumeClaim>(Api::all(lower.clone()), node_marks(), volumes);
+        let (lower_claims, w4) = watched_in::<PersistentVolumeClaim>(lower, below, node_marks(), volumes);
         feeds.push((
             "the claim, class and volume watches",
             async move {
@@ -198,6 +227,7 @@ impl World {
             lower_pods,
             lower_load,
             lower_nodes,
+            lower_quotas,
             upper_node,
             upper_config_maps,
             upper_secrets,
@@ -232,6 +262,7 @@ impl World {
     pub async fn node_synced(&self) {
         self.pods_synced().await;
         self.lower_nodes.synced().await;
+        self.lower_quotas.synced().await;
         self.upper_node.synced().await;
     }
 
@@ -239,6 +270,7 @@ impl World {
     pub async fn synced(&self) {
         self.pods_synced().await;
         self.lower_nodes.synced().await;
+        self.lower_quotas.synced().await;
         self.upper_node.synced().await;
         self.upper_config_maps.synced().await;
         self.upper_secrets.synced().await;
