@@ -30,8 +30,10 @@ use tensile_virtual_node::translate::Identity;
 use crate::credential::{self, Endpoint};
 use crate::resource::{Credential, LowerCluster, LowerClusterSpec, condition};
 
-/// The rights of a virtual node in a lower cluster, as the chart renders them.
+/// The rights of a virtual node in a lower cluster, as the chart renders them: every
+/// namespace, and namespace scope (one served namespace).
 const LOWER_RBAC: &str = include_str!("../../deploy/lower-cluster-rbac.yaml");
+const LOWER_NAMESPACE_RBAC: &str = include_str!("../../deploy/lower-namespace-rbac.yaml");
 
 #[derive(Debug, clap::Parser)]
 #[command(
@@ -111,6 +113,10 @@ pub struct JoinArgs {
     /// Register the virtual node without its virtual-kubelet.io/provider taint.
     #[arg(long = "disable-taint")]
     pub disable_taint: bool,
+    /// Namespace scope: the lower namespaces the virtual node serves (comma-separated; they
+    /// must exist). The credential then holds a Role in each and nothing cluster-wide.
+    #[arg(long, value_delimiter = ',')]
+    pub namespaces: Vec<String>,
     /// How long to wait for Ready (0: do not wait).
     #[arg(long, default_value = "3m", value_parser = tensile_common::leader::parse_duration)]
     pub wait: Duration,
@@ -213,13 +219,14 @@ fn ours(meta: &ObjectMeta, cluster: &str) -> bool {
         && l.and_then(|l| l.get(names::LOWER_CLUSTER)).map(String::as_str) == Some(cluster)
 }
 
-/// The rules of `kind` in the chart's lower rendering.
-fn chart_rules(kind: &str) -> Vec<PolicyRule> {
-    for doc in LOWER_RBAC.split("\n---") {
+/// The rules of the first `kind` named `name` in the chart's lower rendering `rendered`.
+fn chart_rules(rendered: &str, kind: &str, name: &str) -> Vec<PolicyRule> {
+    for doc in rendered.split("\n---") {
         let Ok(value) = serde_yaml::from_str::<serde_json::Value>(doc) else {
             continue;
         };
         if value["kind"] == kind
+            && value["metadata"]["name"] == name
             && let Ok(rules) = serde_json::from_value::<Vec<PolicyRule>>(value["rules"].clone())
         {
             return rules;
@@ -228,19 +235,26 @@ fn chart_rules(kind: &str) -> Vec<PolicyRule> {
     Vec::new()
 }
 
+/// The chart's lower account name in the rendered files (release `tensile`).
+const CHART_ACCOUNT: &str = "tensile-lower";
+
 /// What `join` makes in the lower cluster.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LowerObjects {
     pub namespace: Namespace,
     pub account: ServiceAccount,
-    pub role: ClusterRole,
-    pub binding: ClusterRoleBinding,
+    /// Every namespace: one ClusterRole and its binding.
+    pub role: Option<ClusterRole>,
+    pub binding: Option<ClusterRoleBinding>,
+    /// Namespace scope: a Role and its binding in each served namespace.
+    pub namespace_grants: Vec<(Role, RoleBinding)>,
     pub token_role: Role,
     pub token_binding: RoleBinding,
 }
 
-/// The lower objects of cluster `name`, in `namespace`, for the upper cluster `upper_id`.
-pub fn lower_objects(name: &str, namespace: &str, upper_id: &str) -> LowerObjects {
+/// The lower objects of cluster `name`, in `namespace`, for the upper cluster `upper_id`;
+/// rights in every namespace, or in those of `served` only.
+pub fn lower_objects(name: &str, namespace: &str, upper_id: &str, served: &[String]) -> LowerObjects {
     let account = account_name(name);
     let meta = |ns: Option<&str>, object: &str| ObjectMeta {
         name: Some(object.to_owned()),
@@ -254,7 +268,7 @@ pub fn lower_objects(name: &str, namespace: &str, upper_id: &str) -> LowerObject
         namespace: Some(namespace.to_owned()),
         api_group: None,
     };
-    let token_rules = chart_rules("Role")
+    let token_rules = chart_rules(LOWER_RBAC, "Role", &format!("{CHART_ACCOUNT}-token"))
         .into_iter()
         .map(|mut rule| {
             rule.resource_names = Some(vec![account.clone()]);
@@ -270,12 +284,12 @@ pub fn lower_objects(name: &str, namespace: &str, upper_id: &str) -> LowerObject
             metadata: meta(Some(namespace), &account),
             ..Default::default()
         },
-        role: ClusterRole {
+        role: served.is_empty().then(|| ClusterRole {
             metadata: meta(None, &account),
-            rules: Some(chart_rules("ClusterRole")),
+            rules: Some(chart_rules(LOWER_RBAC, "ClusterRole", CHART_ACCOUNT)),
             aggregation_rule: None,
-        },
-        binding: ClusterRoleBinding {
+        }),
+        binding: served.is_empty().then(|| ClusterRoleBinding {
             metadata: meta(None, &account),
             role_ref: RoleRef {
                 api_group: "rbac.authorization.k8s.io".into(),
@@ -283,7 +297,26 @@ pub fn lower_objects(name: &str, namespace: &str, upper_id: &str) -> LowerObject
                 name: account.clone(),
             },
             subjects: Some(vec![subject.clone()]),
-        },
+        }),
+        namespace_grants: served
+            .iter()
+            .map(|ns| {
+                let role = Role {
+                    metadata: meta(Some(ns), &account),
+                    rules: Some(chart_rules(LOWER_NAMESPACE_RBAC, "Role", CHART_ACCOUNT)),
+                };
+                let binding = RoleBinding {
+                    metadata: meta(Some(ns), &account),
+                    role_ref: RoleRef {
+                        api_group: "rbac.authorization.k8s.io".into(),
+                        kind: "Role".into(),
+                        name: account.clone(),
+                    },
+                    subjects: Some(vec![subject.clone()]),
+                };
+                (role, binding)
+            })
+            .collect(),
         token_role: Role {
             metadata: meta(Some(namespace), &format!("{account}-token")),
             rules: Some(token_rules),
@@ -328,6 +361,7 @@ pub fn upper_objects(
             },
             node_labels: args.node_labels.iter().cloned().collect(),
             disable_taint: args.disable_taint,
+            namespaces: args.namespaces.clone(),
             ..Default::default()
         },
     );
@@ -435,14 +469,20 @@ pub async fn join(args: &JoinArgs) -> Result<String, Error> {
     let upper = upper_client(&args.clusters).await?;
     let upper_id = upper_id(&upper, &args.clusters).await?;
     let ns = args.lower.lower_namespace.as_str();
-    let lower_objects = lower_objects(name, ns, &upper_id);
+    let lower_objects = lower_objects(name, ns, &upper_id, &args.namespaces);
     if args.dry_run {
         let mut out = String::new();
         let _ = writeln!(out, "# In the lower cluster ({}):", endpoint.server);
         yaml(&mut out, &lower_objects.namespace);
         yaml(&mut out, &lower_objects.account);
-        yaml(&mut out, &lower_objects.role);
-        yaml(&mut out, &lower_objects.binding);
+        if let (Some(role), Some(binding)) = (&lower_objects.role, &lower_objects.binding) {
+            yaml(&mut out, role);
+            yaml(&mut out, binding);
+        }
+        for (role, binding) in &lower_objects.namespace_grants {
+            yaml(&mut out, role);
+            yaml(&mut out, binding);
+        }
         yaml(&mut out, &lower_objects.token_role);
         yaml(&mut out, &lower_objects.token_binding);
         let (mut secret, cluster) = upper_objects(args, &upper_id, &credential_kubeconfig, "");
@@ -524,8 +564,28 @@ pub async fn join(args: &JoinArgs) -> Result<String, Error> {
         apply(&namespaces, "lower", &lower_objects.namespace).await?;
     }
     apply(&accounts, "lower", &lower_objects.account).await?;
-    apply(&Api::all(lower.clone()), "lower", &lower_objects.role).await?;
-    apply(&Api::all(lower.clone()), "lower", &lower_objects.binding).await?;
+    // A served namespace is the lower admin's: it must be there, and join makes none.
+    for served in &args.namespaces {
+        if namespaces
+            .get_opt(served)
+            .await
+            .map_err(api_error("lower", "get", format!("namespace {served}")))?
+            .is_none()
+        {
+            return Err(Error::Refused(format!(
+                "lower cluster: namespace {served} (--namespaces) does not exist: a served namespace is made by the lower cluster's admin, not by join"
+            )));
+        }
+    }
+    if let (Some(role), Some(binding)) = (&lower_objects.role, &lower_objects.binding) {
+        apply(&Api::all(lower.clone()), "lower", role).await?;
+        apply(&Api::all(lower.clone()), "lower", binding).await?;
+    }
+    for (role, binding) in &lower_objects.namespace_grants {
+        let served = role.metadata.namespace.as_deref().unwrap_or_default();
+        apply(&Api::namespaced(lower.clone(), served), "lower", role).await?;
+        apply(&Api::namespaced(lower.clone(), served), "lower", binding).await?;
+    }
     apply(
         &Api::namespaced(lower.clone(), ns),
         "lower",
@@ -551,9 +611,13 @@ pub async fn join(args: &JoinArgs) -> Result<String, Error> {
     apply(&clusters, "upper", &cluster).await?;
 
     let mut out = String::new();
+    let grants = match args.namespaces.as_slice() {
+        [] => format!("ClusterRole {}", account_name(name)),
+        served => format!("a Role in namespace(s) {}", served.join(", ")),
+    };
     let _ = writeln!(
         out,
-        "lower cluster ({}): ServiceAccount {ns}/{account} with ClusterRole {account} and Role {account}-token; \
+        "lower cluster ({}): ServiceAccount {ns}/{account} with {grants} and Role {account}-token; \
          a token of it living {:?}",
         endpoint.server,
         args.token_lifetime,
@@ -792,6 +856,45 @@ pub async fn leave(args: &LeaveArgs) -> Result<String, Error> {
     if delete_ours(&Api::<ClusterRole>::all(lower.clone()), "lower", &account, name).await? {
         gone.push(format!("ClusterRole {account}"));
     }
+    // Namespace scope: the Role and binding join made in each served namespace.
+    let made_by_join = kube::api::ListParams::default().labels(&format!(
+        "{}={},{}={name}",
+        names::MANAGED_BY,
+        names::TENSILECTL,
+        names::LOWER_CLUSTER
+    ));
+    let grants = Api::<RoleBinding>::all(lower.clone())
+        .list_metadata(&made_by_join)
+        .await
+        .map_err(api_error("lower", "list", "rolebindings"))?;
+    for binding in grants.items {
+        let (Some(served), Some(object)) = (binding.metadata.namespace, binding.metadata.name) else {
+            continue;
+        };
+        if object != account {
+            continue;
+        }
+        if delete_ours(
+            &Api::<RoleBinding>::namespaced(lower.clone(), &served),
+            "lower",
+            &account,
+            name,
+        )
+        .await?
+        {
+            gone.push(format!("RoleBinding {served}/{account}"));
+        }
+        if delete_ours(
+            &Api::<Role>::namespaced(lower.clone(), &served),
+            "lower",
+            &account,
+            name,
+        )
+        .await?
+        {
+            gone.push(format!("Role {served}/{account}"));
+        }
+    }
     if delete_ours(
         &Api::<ServiceAccount>::namespaced(lower.clone(), ns),
         "lower",
@@ -852,8 +955,10 @@ mod tests {
 
     #[test]
     fn join_grants_below_exactly_the_rights_the_chart_renders_and_its_own_token() {
-        let objects = lower_objects("lower-a", "tensile", "upper-uid");
-        let rules = objects.role.rules.as_ref().unwrap();
+        let objects = lower_objects("lower-a", "tensile", "upper-uid", &[]);
+        assert!(objects.namespace_grants.is_empty());
+        let role = objects.role.clone().unwrap();
+        let rules = role.rules.as_ref().unwrap();
         assert!(!rules.is_empty(), "the chart's ClusterRole is read");
         assert!(
             rules.iter().any(|r| r
@@ -877,10 +982,42 @@ mod tests {
         for meta in [
             &objects.namespace.metadata,
             &objects.account.metadata,
-            &objects.role.metadata,
+            &role.metadata,
         ] {
             assert!(ours(meta, "lower-a"), "leave finds what join made");
             assert!(!ours(meta, "lower-b"), "and only that cluster's");
+        }
+    }
+
+    #[test]
+    fn join_with_namespaces_grants_the_charts_namespace_role_in_each_and_nothing_cluster_wide() {
+        let served = ["team-a".to_owned(), "team-b".to_owned()];
+        let objects = lower_objects("lower-a", "tensile", "upper-uid", &served);
+        assert!(
+            objects.role.is_none() && objects.binding.is_none(),
+            "nothing cluster-wide"
+        );
+        assert_eq!(objects.namespace_grants.len(), 2);
+        for ((role, binding), ns) in objects.namespace_grants.iter().zip(&served) {
+            assert_eq!(role.metadata.namespace.as_deref(), Some(ns.as_str()));
+            assert_eq!(binding.metadata.namespace.as_deref(), Some(ns.as_str()));
+            assert_eq!(binding.role_ref.kind, "Role");
+            assert!(ours(&role.metadata, "lower-a") && ours(&binding.metadata, "lower-a"));
+            let rules = role.rules.as_ref().unwrap();
+            let granted = |resource: &str| {
+                rules.iter().any(|r| {
+                    r.resources
+                        .as_ref()
+                        .is_some_and(|res| res.iter().any(|x| x == resource))
+                })
+            };
+            assert!(granted("pods") && granted("pods/exec") && granted("resourcequotas"));
+            assert!(!granted("nodes") && !granted("namespaces"), "{rules:?}");
+            let subject = &binding.subjects.as_ref().unwrap()[0];
+            assert_eq!(
+                (subject.name.as_str(), subject.namespace.as_deref()),
+                ("tensile-lower-a", Some("tensile"))
+            );
         }
     }
 

@@ -140,7 +140,7 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
     }
     observed.credential_secret = Some(secret_name.clone());
     if let (Some(lower), Some(secret)) = (&lower, &secret) {
-        observe_lower(lower, &mut observed).await;
+        observe_lower(lower, &mut observed, cluster.spec.namespaces.is_empty()).await;
         if observed.credential == Some(Ok(())) {
             observed.credential_expires = renew(lower, secret, &ctx, &name).await;
         }
@@ -280,7 +280,9 @@ async fn lower_client(
         .map_err(|e| e.to_string())
 }
 
-async fn observe_lower(lower: &kube::Client, observed: &mut Observed) {
+/// What the lower cluster says: its version, whether it takes the credential, and its node
+/// count when the credential may read nodes (`nodes`: not a namespace-scoped one).
+async fn observe_lower(lower: &kube::Client, observed: &mut Observed, nodes: bool) {
     match lower.apiserver_version().await {
         Ok(info) => {
             observed.lower = Some(Ok(info.git_version));
@@ -302,6 +304,9 @@ async fn observe_lower(lower: &kube::Client, observed: &mut Observed) {
             observed.credential = None;
             return;
         }
+    }
+    if !nodes {
+        return;
     }
     let nodes: Api<Node> = Api::all(lower.clone());
     match nodes.list_metadata(&ListParams::default()).await {

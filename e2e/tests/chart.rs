@@ -396,6 +396,67 @@ async fn the_lower_role_file_is_what_the_chart_renders() {
         "{} is stale: regenerate it with helm template (docs/deploy.md)",
         file.display()
     );
+    // The namespace scope, which tensilectl join --namespaces grants from.
+    let rendered = helm_ok(
+        up,
+        &[
+            "template",
+            "tensile",
+            &chart(),
+            "-n",
+            "tensile",
+            "--set",
+            "target=lower",
+            "--set",
+            "lower.namespaces={team-a}",
+        ],
+    )
+    .await;
+    let file = chart::chart_dir().join("../../lower-namespace-rbac.yaml");
+    let kept = std::fs::read_to_string(&file).unwrap();
+    assert_eq!(
+        kept.trim(),
+        rendered.trim(),
+        "{} is stale: regenerate it with helm template (docs/deploy.md)",
+        file.display()
+    );
+    assert!(!kept.contains("kind: ClusterRole"), "nothing cluster-wide");
+    // The upper install names the same namespaces on the node's LowerCluster.
+    let objects = rendered(
+        up,
+        "scoped",
+        &["--set", "virtualNodes.nodes[0].namespaces={team-a,team-b}"],
+    )
+    .await;
+    assert_eq!(
+        object(&objects, "LowerCluster", "a")["spec"]["namespaces"],
+        serde_json::json!(["team-a", "team-b"])
+    );
+    // The namespace scope and namespace collection exclude each other, with the reason.
+    let refused = chart::helm(
+        up,
+        &[
+            "template",
+            "tensile",
+            &chart(),
+            "--set",
+            "target=lower",
+            "--set",
+            "lower.namespaces={team-a}",
+            "--set",
+            "virtualNodes.gcNamespaces=true",
+        ],
+    )
+    .await
+    .unwrap();
+    assert!(
+        !refused.ok
+            && refused
+                .stderr
+                .contains("lower.namespaces and virtualNodes.gcNamespaces exclude each other"),
+        "{}",
+        refused.stderr
+    );
 }
 
 /// The stash keys reach both components: the webhook mounts and signs with `signWith` only,

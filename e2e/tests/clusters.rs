@@ -313,10 +313,42 @@ async fn lower_clusters_join_with_one_command_run_pods_renew_their_credential_an
         "nor above"
     );
 
-    // lower-b joins; the upper cluster as it then stands is what must come back after
-    // lower-a has joined and left.
+    // lower-b joins namespace-scoped: its admin made the namespace the fleet's pods use, with
+    // default requests and a quota, and join grants a Role there and nothing cluster-wide.
+    // The upper cluster as it then stands is what must come back after lower-a has joined
+    // and left.
+    low_b.create_namespace("fleet").await.unwrap();
+    apply(
+        low_b.kubeconfig(),
+        r#"
+apiVersion: v1
+kind: LimitRange
+metadata: {name: defaults, namespace: fleet}
+spec: {limits: [{type: Container, defaultRequest: {cpu: 100m, memory: 64Mi}}]}
+---
+apiVersion: v1
+kind: ResourceQuota
+metadata: {name: fleet, namespace: fleet}
+spec: {hard: {requests.cpu: "12", requests.memory: 24Gi, pods: "10"}}
+"#,
+    )
+    .await;
+    // Everything settles (the namespace's account and root CA) before lower-b's listing.
+    eventually(
+        low_b.kubeconfig(),
+        "fleet's account",
+        30,
+        &["-n", "fleet", "get", "serviceaccount", "default", "-o", "name"],
+        "serviceaccount/default",
+    )
+    .await;
+    let lower_b_before = listing(low_b, None).await;
     let mut join_b = common("lower-b", low_b);
-    join_b.extend(["--node-labels=region=b".into(), "--token-lifetime=10m".into()]);
+    join_b.extend([
+        "--node-labels=region=b".into(),
+        "--token-lifetime=10m".into(),
+        "--namespaces=fleet".into(),
+    ]);
     let join_b: Vec<&str> = join_b.iter().map(String::as_str).collect();
     let (ok, said) = tensilectl(&["join"].into_iter().chain(join_b).collect::<Vec<_>>()).await;
     assert!(
@@ -325,6 +357,20 @@ async fn lower_clusters_join_with_one_command_run_pods_renew_their_credential_an
         controller.log_tail(4000)
     );
     assert!(said.contains("lower-b node=lower-b ready=True"), "{said}");
+    assert!(said.contains("with a Role in namespace(s) fleet"), "{said}");
+    let granted = kubectl(
+        low_b.kubeconfig(),
+        &[
+            "get",
+            "clusterroles,clusterrolebindings",
+            "-l",
+            "tensile.io/lower-cluster=lower-b",
+            "-o",
+            "name",
+        ],
+    )
+    .await;
+    assert!(granted.trim().is_empty(), "nothing cluster-wide below: {granted}");
     let upper_before = listing(up, Some("fleet")).await;
 
     // A LowerCluster that claims lower-b's node name is refused and runs nothing; its
@@ -406,11 +452,24 @@ async fn lower_clusters_join_with_one_command_run_pods_renew_their_credential_an
         ["lower-a", "lower-a", "True", "v1.20.2", "2", "8"],
         "{fleet}"
     );
+    // lower-b's credential reads no node: its room is its namespace's quota.
     assert_eq!(
-        &rows[1][..6],
-        ["lower-b", "lower-b", "True", "v1.20.2", "3", "12"],
+        &rows[1][..4],
+        ["lower-b", "lower-b", "True", "v1.20.2"],
         "{fleet}"
     );
+    let room = kubectl(
+        up.kubeconfig(),
+        &[
+            "get",
+            "lowercluster",
+            "lower-b",
+            "-o",
+            "jsonpath={.status.lowerNodes}/{.status.allocatable.cpu}",
+        ],
+    )
+    .await;
+    assert_eq!(room, "/12", "no node count; the quota's cpu");
     let (ok, status) =
         tensilectl(&["status", &format!("--upper-kubeconfig={}", path(up.kubeconfig()))]).await;
     assert!(
@@ -721,6 +780,32 @@ async fn lower_clusters_join_with_one_command_run_pods_renew_their_credential_an
             == "lowercluster.tensile.io/lower-b",
         "lower-b stays"
     );
+
+    // lower-b leaves too: its Role and binding in the served namespace go with the rest of
+    // what join made, and the admin's namespace, quota and defaults stay.
+    kubectl(
+        up.kubeconfig(),
+        &["-n", "fleet", "delete", "deployment", "web", "--wait=true"],
+    )
+    .await;
+    let (ok, said) = tensilectl(&[
+        "leave",
+        "lower-b",
+        &format!("--lower-kubeconfig={}", path(low_b.kubeconfig())),
+        &format!("--upper-kubeconfig={}", path(up.kubeconfig())),
+        &format!("-n={NS}"),
+    ])
+    .await;
+    assert!(
+        ok,
+        "leave lower-b: {said}\ncontroller: {}",
+        controller.log_tail(4000)
+    );
+    assert!(
+        said.contains("RoleBinding fleet/tensile-lower-b") && said.contains("Role fleet/tensile-lower-b"),
+        "{said}"
+    );
+    listing_returns_to(low_b, None, &lower_b_before, "lower-b as it was before it joined").await;
 
     assert!(controller.exited().is_none(), "{}", controller.log_tail(4000));
     let log = controller.log_tail(4_000_000);
