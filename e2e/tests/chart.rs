@@ -375,7 +375,7 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
 #[tokio::test]
 async fn the_lower_role_file_is_what_the_chart_renders() {
     let up = &bed().upper;
-    let rendered = helm_ok(
+    let whole = helm_ok(
         up,
         &[
             "template",
@@ -392,12 +392,12 @@ async fn the_lower_role_file_is_what_the_chart_renders() {
     let kept = std::fs::read_to_string(&file).unwrap();
     assert_eq!(
         kept.trim(),
-        rendered.trim(),
+        whole.trim(),
         "{} is stale: regenerate it with helm template (docs/deploy.md)",
         file.display()
     );
     // The namespace scope, which tensilectl join --namespaces grants from.
-    let rendered = helm_ok(
+    let scoped = helm_ok(
         up,
         &[
             "template",
@@ -416,7 +416,7 @@ async fn the_lower_role_file_is_what_the_chart_renders() {
     let kept = std::fs::read_to_string(&file).unwrap();
     assert_eq!(
         kept.trim(),
-        rendered.trim(),
+        scoped.trim(),
         "{} is stale: regenerate it with helm template (docs/deploy.md)",
         file.display()
     );
