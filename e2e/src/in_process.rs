@@ -17,6 +17,8 @@ use crate::{TestCluster, free_port};
 
 /// The namespace of the test virtual nodes' accounts.
 const ACCOUNTS: &str = "tensile-e2e-nodes";
+/// The lower namespace of the chart's lower account the test virtual nodes act as below.
+const LOWER_ACCOUNTS: &str = "tensile-e2e-lower";
 /// The release name the chart's grants are rendered under.
 const RELEASE: &str = "e2e";
 
@@ -24,6 +26,70 @@ const RELEASE: &str = "e2e";
 fn identities() -> &'static Mutex<HashMap<PathBuf, Access>> {
     static IDENTITIES: OnceLock<Mutex<HashMap<PathBuf, Access>>> = OnceLock::new();
     IDENTITIES.get_or_init(Mutex::default)
+}
+
+/// The lower clusters of the lower accounts [`options`] named, by account kubeconfig.
+fn lower_identities() -> &'static Mutex<HashMap<PathBuf, Access>> {
+    static IDENTITIES: OnceLock<Mutex<HashMap<PathBuf, Access>>> = OnceLock::new();
+    IDENTITIES.get_or_init(Mutex::default)
+}
+
+/// Applies `file` on the cluster `access` reaches, again on a conflict (nodes started at once
+/// apply the same shared objects at once).
+async fn apply_shared(access: &Access, file: &Path, what: &str) -> anyhow::Result<()> {
+    let file = file.display().to_string();
+    let mut applied = access.kubectl(&["apply", "-f", &file]).await;
+    for _ in 0..10 {
+        if applied.ok {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        applied = access.kubectl(&["apply", "-f", &file]).await;
+    }
+    anyhow::ensure!(applied.ok, "applying {what}: {}", applied.stderr);
+    Ok(())
+}
+
+/// Writes to `account` the kubeconfig of the lower account the chart renders for the lower
+/// cluster `access` reaches (`--set target=lower`), with every option that widens it on
+/// (Service reflection, namespace collection, node usage): the widest cluster-scope lower
+/// identity an operator can install, and nothing of the lower admin's.
+async fn lower_account(access: &Access, account: &Path) -> anyhow::Result<()> {
+    let rendered = crate::chart::helm_with(
+        access,
+        &[
+            "template",
+            RELEASE,
+            &crate::chart::chart_dir().display().to_string(),
+            "-n",
+            LOWER_ACCOUNTS,
+            "--set",
+            "target=lower",
+            "--set",
+            "virtualNodes.reflectServices=true",
+            "--set",
+            "virtualNodes.gcNamespaces=true",
+            "--set",
+            "lower.nodeStats=true",
+        ],
+    )
+    .await?;
+    anyhow::ensure!(rendered.ok, "helm template (lower): {}", rendered.stderr);
+    let manifest = format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {LOWER_ACCOUNTS}}}\n---\n{}",
+        rendered.stdout
+    );
+    let file = access.dir.join(format!("{RELEASE}-lower.identity.yaml"));
+    std::fs::write(&file, manifest)?;
+    apply_shared(access, &file, "the chart's lower account").await?;
+    crate::chart::service_account_kubeconfig_with(
+        access,
+        LOWER_ACCOUNTS,
+        &format!("{RELEASE}-tensile-lower"),
+        account,
+    )
+    .await?;
+    Ok(())
 }
 
 /// Gives virtual node `node` of the upper cluster `access` reaches what the chart and the
@@ -105,20 +171,7 @@ subjects: [{{kind: ServiceAccount, name: {sa}, namespace: {ACCOUNTS}}}]
     );
     let file = access.dir.join(format!("{sa}.identity.yaml"));
     std::fs::write(&file, manifest)?;
-    // Nodes started at once apply the shared objects at once: a conflict is tried again.
-    let mut applied = access
-        .kubectl(&["apply", "-f", &file.display().to_string()])
-        .await;
-    for _ in 0..10 {
-        if applied.ok {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-        applied = access
-            .kubectl(&["apply", "-f", &file.display().to_string()])
-            .await;
-    }
-    anyhow::ensure!(applied.ok, "applying the node's grants: {}", applied.stderr);
+    apply_shared(access, &file, "the node's grants").await?;
     crate::chart::service_account_kubeconfig_with(access, ACCOUNTS, &sa, account).await?;
 
     let admin = tensile_common::kubeconfig::client_from_file(&access.kubeconfig, &Default::default()).await?;
@@ -155,16 +208,23 @@ pub struct VirtualNode {
 /// default, plus a loopback node IP, free kubelet and admin ports and the upper
 /// kubelet-client CA. Tests set further fields before [`VirtualNode::run`].
 /// The node acts upstream as the chart makes it act: as `system:node:<name>`, its account
-/// holding what the chart's grants give ([`node_identity`]).
+/// holding what the chart's grants give ([`node_identity`]); below, as the chart's lower
+/// account ([`lower_account`]).
 pub fn options(upper: &TestCluster, name: &str, lower: &TestCluster) -> anyhow::Result<Args> {
     let loopback = std::net::Ipv4Addr::LOCALHOST.into();
     let account = upper.dir().join(format!("vn-{name}.account.kubeconfig"));
+    let below = lower.dir().join(format!("vn-{name}.lower-account.kubeconfig"));
     let mut args = Args::new(name, loopback, Some(&account), lower.kubeconfig())?;
     args.upper.identity = UpperIdentity::Node;
+    args.lower.client_kubeconfig = below.clone();
     identities()
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .insert(account, Access::of(upper));
+    lower_identities()
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .insert(below, Access::of(lower));
     args.kubelet.kubelet_port = free_port()?;
     args.kubelet.client_verify_ca = Some(upper.kubelet_client_ca_path().to_owned());
     args.admin.admin_addr = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, free_port()?));
@@ -177,9 +237,15 @@ impl VirtualNode {
         Ok(Self::run(options(upper, name, lower)?))
     }
 
-    /// Starts a virtual node with `args` (see [`options`]); one whose account [`options`]
-    /// named gets it first, and its certificate requests are answered while it runs.
+    /// Starts a virtual node with `args` (see [`options`]); one whose accounts [`options`]
+    /// named gets them first, and its certificate requests are answered while it runs.
     pub fn run(args: Args) -> Self {
+        let below = lower_identities()
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&args.lower.client_kubeconfig)
+            .cloned()
+            .map(|access| (access, args.lower.client_kubeconfig.clone()));
         // Not `run`: that would take SIGTERM and SIGINT away from the test process.
         let never = tensile_common::runtime::CancellationToken::new();
         let account = args
@@ -197,6 +263,12 @@ impl VirtualNode {
             });
         let (kubelet_port, admin_addr) = (args.kubelet.kubelet_port, args.admin.admin_addr.to_string());
         let task = tokio::spawn(async move {
+            if let Some((access, path)) = below {
+                lower_account(&access, &path).await.map_err(|e| {
+                    eprintln!("virtual node {}: the test's lower account: {e}", args.nodename);
+                    tensile_virtual_node::Error::Flags(format!("the test's lower account: {e}"))
+                })?;
+            }
             let Some((access, path)) = account else {
                 return tensile_virtual_node::run_until(args, never).await;
             };
