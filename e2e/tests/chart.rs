@@ -375,52 +375,42 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
 #[tokio::test]
 async fn the_lower_role_file_is_what_the_chart_renders() {
     let up = &bed().upper;
-    let whole = helm_ok(
-        up,
-        &[
+    // Every namespace, and the namespace scope (which tensilectl join --namespaces grants
+    // from).
+    for (sets, file, scoped) in [
+        (vec![], "lower-cluster-rbac.yaml", false),
+        (
+            vec!["--set", "lower.namespaces={team-a}"],
+            "lower-namespace-rbac.yaml",
+            true,
+        ),
+    ] {
+        let chart = chart();
+        let mut args = vec![
             "template",
             "tensile",
-            &chart(),
+            &chart,
             "-n",
             "tensile",
             "--set",
             "target=lower",
-        ],
-    )
-    .await;
-    let file = chart::chart_dir().join("../../lower-cluster-rbac.yaml");
-    let kept = std::fs::read_to_string(&file).unwrap();
-    assert_eq!(
-        kept.trim(),
-        whole.trim(),
-        "{} is stale: regenerate it with helm template (docs/deploy.md)",
-        file.display()
-    );
-    // The namespace scope, which tensilectl join --namespaces grants from.
-    let scoped = helm_ok(
-        up,
-        &[
-            "template",
-            "tensile",
-            &chart(),
-            "-n",
-            "tensile",
-            "--set",
-            "target=lower",
-            "--set",
-            "lower.namespaces={team-a}",
-        ],
-    )
-    .await;
-    let file = chart::chart_dir().join("../../lower-namespace-rbac.yaml");
-    let kept = std::fs::read_to_string(&file).unwrap();
-    assert_eq!(
-        kept.trim(),
-        scoped.trim(),
-        "{} is stale: regenerate it with helm template (docs/deploy.md)",
-        file.display()
-    );
-    assert!(!kept.contains("kind: ClusterRole"), "nothing cluster-wide");
+        ];
+        args.extend(sets);
+        let rendered = helm_ok(up, &args).await;
+        let file = chart::chart_dir().join("../..").join(file);
+        let kept = std::fs::read_to_string(&file).unwrap();
+        assert_eq!(
+            kept.trim(),
+            rendered.trim(),
+            "{} is stale: regenerate it with helm template (docs/deploy.md)",
+            file.display()
+        );
+        assert_eq!(
+            !kept.contains("kind: ClusterRole"),
+            scoped,
+            "nothing cluster-wide in a namespace scope"
+        );
+    }
     // The upper install names the same namespaces on the node's LowerCluster.
     let objects = rendered(
         up,
