@@ -84,6 +84,25 @@ where
     }
 }
 
+/// A token of ServiceAccount `namespace/name` as `spec` asks for it (TokenRequest API).
+pub async fn request_token(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    spec: k8s_openapi::api::authentication::v1::TokenRequestSpec,
+) -> Result<String, kube::Error> {
+    use k8s_openapi::api::authentication::v1::TokenRequest;
+    let api: Api<k8s_openapi::api::core::v1::ServiceAccount> = Api::namespaced(client.clone(), namespace);
+    let request = TokenRequest {
+        spec,
+        ..Default::default()
+    };
+    let answer: TokenRequest = api
+        .create_subresource("token", name, &Default::default(), &request)
+        .await?;
+    Ok(answer.status.map(|s| s.token).unwrap_or_default())
+}
+
 /// Now, as API objects write a `Time` (RFC 3339, seconds).
 pub fn now() -> String {
     time(jiff::Timestamp::now())

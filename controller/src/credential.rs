@@ -16,9 +16,8 @@ use std::time::Duration;
 use base64::Engine as _;
 use jiff::{SignedDuration, Timestamp};
 use k8s_openapi::ByteString;
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
-use kube::api::{Api, PostParams};
+use k8s_openapi::api::authentication::v1::TokenRequestSpec;
+use k8s_openapi::api::core::v1::Secret;
 use serde::Deserialize;
 use tensile_common::names;
 
@@ -193,19 +192,12 @@ pub async fn request_token(
     name: &str,
     lifetime: Duration,
 ) -> Result<String, kube::Error> {
-    let api: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
-    let request = TokenRequest {
-        spec: TokenRequestSpec {
-            audiences: vec![],
-            expiration_seconds: Some(lifetime.as_secs().try_into().unwrap_or(i64::MAX)),
-            bound_object_ref: None,
-        },
-        ..Default::default()
+    let spec = TokenRequestSpec {
+        audiences: vec![],
+        expiration_seconds: Some(lifetime.as_secs().try_into().unwrap_or(i64::MAX)),
+        bound_object_ref: None,
     };
-    let answer: TokenRequest = api
-        .create_subresource("token", name, &PostParams::default(), &request)
-        .await?;
-    Ok(answer.status.map(|s| s.token).unwrap_or_default())
+    tensile_common::api::request_token(client, namespace, name, spec).await
 }
 
 /// The data of a credential Secret: the kubeconfig and the token it reads.

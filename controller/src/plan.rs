@@ -99,6 +99,16 @@ pub fn validate(settings: &Settings, cluster: &LowerCluster) -> Result<(), Inval
     if cluster.spec.credential.secret_name.is_empty() {
         return Err(Invalid("spec.credential.secretName is empty".into()));
     }
+    // A node asks for its pods' tokens as itself: the Node authorizer and NodeRestriction
+    // let it mint tokens only for the accounts of pods bound to it, bound to those pods.
+    if cluster.spec.upper_tokens.is_some() && !settings.node_identity {
+        return Err(Invalid(
+            "spec.upperTokens needs the node identity (the controller's --node-identity, the chart's \
+             virtualNodes.upperIdentity: node): under a credential, minting the pods' tokens would \
+             take serviceaccounts/token create on every ServiceAccount of the cluster"
+                .into(),
+        ));
+    }
     Ok(())
 }
 
@@ -286,6 +296,16 @@ pub fn node_args(settings: &Settings, cluster: &LowerCluster) -> Vec<String> {
     }
     if !spec.namespaces.is_empty() {
         args.push(format!("--lower-namespaces={}", spec.namespaces.join(",")));
+    }
+    if let Some(tokens) = &spec.upper_tokens {
+        args.push("--upper-service-account-tokens".into());
+        args.push(format!("--upper-api-endpoint={}", tokens.api_endpoint));
+        if !tokens.namespaces.is_empty() {
+            args.push(format!(
+                "--upper-token-namespaces={}",
+                tokens.namespaces.join(",")
+            ));
+        }
     }
     args.extend(spec.extra_args.iter().cloned());
     args
@@ -590,6 +610,32 @@ pub(crate) mod tests {
         );
         c.metadata.generation = Some(3);
         c
+    }
+
+    #[test]
+    fn upper_tokens_are_passed_to_the_node_and_need_its_node_identity() {
+        let mut c = cluster("lower-a");
+        c.spec.upper_tokens = Some(crate::resource::UpperTokens {
+            api_endpoint: "https://upper.example:6443".into(),
+            namespaces: vec!["team-a".into()],
+        });
+        let mut s = settings();
+        s.node_identity = true;
+        assert!(validate(&s, &c).is_ok());
+        let args = node_args(&s, &c);
+        for flag in [
+            "--upper-service-account-tokens",
+            "--upper-api-endpoint=https://upper.example:6443",
+            "--upper-token-namespaces=team-a",
+        ] {
+            assert!(args.contains(&flag.to_owned()), "{flag}: {args:?}");
+        }
+        let refused = validate(&settings(), &c).unwrap_err();
+        assert!(
+            refused.0.contains("spec.upperTokens needs the node identity"),
+            "{}",
+            refused.0
+        );
     }
 
     #[test]

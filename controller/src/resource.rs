@@ -70,6 +70,21 @@ pub struct LowerClusterSpec {
     /// virtual node's `--lower-namespaces`); every namespace when empty.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub namespaces: Vec<String>,
+    /// Pods below get tokens of the upper cluster for their upper ServiceAccount (the virtual
+    /// node's `--upper-service-account-tokens`); none when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upper_tokens: Option<UpperTokens>,
+}
+
+/// Upper service-account tokens for the pods of one lower cluster.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UpperTokens {
+    /// The upper apiserver as the lower cluster's pods reach it (`https://host[:port]`).
+    pub api_endpoint: String,
+    /// Only pods of these namespaces get tokens; every namespace when empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub namespaces: Vec<String>,
 }
 
 impl LowerClusterSpec {
@@ -230,6 +245,10 @@ mod tests {
             replicas: Some(2),
             extra_args: vec!["--x".into()],
             namespaces: vec!["team-a".into()],
+            upper_tokens: Some(UpperTokens {
+                api_endpoint: "https://upper:6443".into(),
+                namespaces: vec![],
+            }),
         };
         let written = serde_json::to_value(&full).unwrap();
         let mut in_code: Vec<&str> = written.as_object().unwrap().keys().map(String::as_str).collect();

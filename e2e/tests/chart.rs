@@ -1729,6 +1729,36 @@ async fn values_that_would_break_the_release_are_refused_with_the_reason() {
         );
     }
 
+    // Upper tokens under a credential identity (they would need a token grant on every
+    // ServiceAccount), and an endpoint in-cluster clients cannot use.
+    let tokens = |identity: &str, endpoint: &str| {
+        with_nodes(
+            &["a"],
+            &[
+                "--set",
+                &format!("virtualNodes.upperIdentity={identity}"),
+                "--set",
+                &format!("virtualNodes.nodes[0].upperTokens.apiEndpoint={endpoint}"),
+            ],
+        )
+    };
+    let err = refused("bad", tokens("credential", "https://upper:6443")).await;
+    assert!(
+        err.contains("virtualNodes.nodes[].upperTokens of a needs virtualNodes.upperIdentity: node"),
+        "{err}"
+    );
+    let err = refused("bad", tokens("node", "http://upper")).await;
+    assert!(
+        err.contains("virtualNodes.nodes.0.upperTokens.apiEndpoint: Does not match pattern"),
+        "{err}"
+    );
+    let fine = template(up, "bad", &tokens("node", "https://upper:6443")).await;
+    assert!(
+        fine.ok && fine.stdout.contains("apiEndpoint: https://upper:6443"),
+        "{}",
+        fine.stderr
+    );
+
     // No webhook replica with failurePolicy Fail: every opted-in pod would be refused.
     let err = refused("bad", with_nodes(&["a"], &["--set", "webhook.replicas=0"])).await;
     assert!(

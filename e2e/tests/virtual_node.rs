@@ -1946,3 +1946,328 @@ async fn a_followed_log_of_a_quiet_container_is_closed_below_when_kubectl_goes()
     )
     .await;
 }
+
+/// A kubeconfig at `path` that reaches the upper apiserver with `token`, trusting `ca` (PEM),
+/// as an in-cluster client of a lower pod would.
+fn token_kubeconfig(path: &Path, server: &str, ca: &str, token: &str) {
+    use base64::Engine as _;
+    let ca = base64::engine::general_purpose::STANDARD.encode(ca);
+    std::fs::write(
+        path,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters: [{{name: upper, cluster: {{server: \"{server}\", certificate-authority-data: {ca}}}}}]\n\
+             users: [{{name: pod, user: {{token: \"{token}\"}}}}]\n\
+             contexts: [{{name: pod, context: {{cluster: upper, user: pod}}}}]\ncurrent-context: pod\n"
+        ),
+    )
+    .unwrap();
+}
+
+/// Key `key` of lower Secret `ns/name`, decoded; empty while it is not there.
+async fn secret_key(lower: &TestCluster, ns: &str, name: &str, key: &str) -> String {
+    use base64::Engine as _;
+    let out = tensile_e2e::kubectl::run(
+        lower.kubeconfig(),
+        &[
+            "-n",
+            ns,
+            "get",
+            "secret",
+            name,
+            "-o",
+            &format!("jsonpath={{.data.{}}}", key.replace('.', "\\.")),
+        ],
+    )
+    .await;
+    let data = base64::engine::general_purpose::STANDARD
+        .decode(out.stdout.trim())
+        .unwrap_or_default();
+    String::from_utf8(data).unwrap_or_default()
+}
+
+/// `--upper-service-account-tokens`: a pod whose upper spec mounts its account's token gets,
+/// below, a token of the upper cluster for that account, mounted where in-cluster clients
+/// look, with KUBERNETES_SERVICE_HOST/PORT naming the upper endpoint. The token authenticates
+/// upstream as the pod's ServiceAccount and may do what it may and nothing more; it is renewed
+/// before it expires; once the upper pod is deleted it no longer authenticates and its Secret
+/// goes with the lower pod. A pod of a namespace the mode does not cover gets nothing.
+#[tokio::test]
+async fn a_pod_below_reaches_the_upper_api_as_its_own_service_account_while_its_upper_pod_lives() {
+    let bed = bed();
+    let node = "vn-tokens";
+    let server = bed.upper.url();
+    let _vn = VirtualNode::start_with(node, &bed.lower_a, |args| {
+        args.tokens.upper_tokens = true;
+        args.tokens.upper_api_endpoint = Some(server.clone());
+        args.tokens.token_namespaces = vec!["tok".into()];
+        // Tokens of 3607 s renewed after 18 s instead of 48 min.
+        args.tokens.renew_at = 0.005;
+    });
+    wait_ready(node).await;
+    for ns in ["tok", "plain"] {
+        bed.upper.create_namespace(ns).await.unwrap();
+    }
+    apply(
+        up(),
+        r#"
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: reader, namespace: tok}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {name: reader, namespace: tok}
+rules: [{apiGroups: [""], resources: [pods], verbs: [get, list]}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: reader, namespace: tok}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: reader}
+subjects: [{kind: ServiceAccount, name: reader, namespace: tok}]
+"#,
+    )
+    .await;
+    // (v1.20's token controller gives the account its token Secret, which admission mounts.)
+    tensile_e2e::wait::must(
+        "reader's token Secret",
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+        || async {
+            let name = kubectl(
+                up(),
+                &[
+                    "-n",
+                    "tok",
+                    "get",
+                    "serviceaccount",
+                    "reader",
+                    "-o",
+                    "jsonpath={.secrets[0].name}",
+                ],
+            )
+            .await;
+            if name.starts_with("reader-token-") {
+                Ok(())
+            } else {
+                Err(name)
+            }
+        },
+    )
+    .await;
+    let talker = |ns: &str, name: &str, account: &str| {
+        format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  serviceAccountName: {account}
+  nodeSelector: {{kubernetes.io/hostname: {node}}}
+  tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+  containers: [{{name: app, image: busybox}}]
+"#
+        )
+    };
+    apply(up(), &talker("tok", "talker", "reader")).await;
+    apply(up(), &talker("plain", "quiet", "default")).await;
+    for (ns, name) in [("tok", "talker"), ("plain", "quiet")] {
+        eventually(
+            up(),
+            &format!("{ns}/{name} Running"),
+            90,
+            &["-n", ns, "get", "pod", name, "-o", "jsonpath={.status.phase}"],
+            "Running",
+        )
+        .await;
+    }
+    let uid = kubectl(
+        up(),
+        &[
+            "-n",
+            "tok",
+            "get",
+            "pod",
+            "talker",
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ],
+    )
+    .await;
+    let secret = format!("tensile-upper-token-{uid}");
+    let low = bed.lower_a.kubeconfig();
+
+    // The lower pod mounts the Secret where the upper pod mounts its token, and its
+    // in-cluster clients go to the upper endpoint.
+    let lower_pod: serde_json::Value =
+        serde_json::from_str(&kubectl(low, &["-n", "tok", "get", "pod", "talker", "-o", "json"]).await)
+            .unwrap();
+    let spec = &lower_pod["spec"];
+    let volume = spec["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["secret"]["secretName"] == secret.as_str())
+        .unwrap_or_else(|| panic!("no volume reads {secret}: {spec}"));
+    let mounted = spec["containers"][0]["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|m| {
+            m["name"] == volume["name"] && m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"
+        });
+    assert!(mounted, "{spec}");
+    let port = server.rsplit(':').next().unwrap();
+    let env = &spec["containers"][0]["env"];
+    assert!(
+        env.as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == "KUBERNETES_SERVICE_HOST" && e["value"] == "127.0.0.1")
+            && env
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e["name"] == "KUBERNETES_SERVICE_PORT" && e["value"] == port),
+        "{env}"
+    );
+    assert_eq!(
+        spec["automountServiceAccountToken"], false,
+        "the lower account's own token is not mounted"
+    );
+
+    // The token authenticates upstream as the pod's account, with its rights and no more.
+    let first = tensile_e2e::wait::until(
+        "the token below",
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+        || async {
+            let t = secret_key(&bed.lower_a, "tok", &secret, "token-0").await;
+            (!t.is_empty())
+                .then_some(t)
+                .ok_or_else(|| "not there yet".to_owned())
+        },
+    )
+    .await
+    .unwrap();
+    let ca = secret_key(&bed.lower_a, "tok", &secret, "ca.crt").await;
+    assert_eq!(secret_key(&bed.lower_a, "tok", &secret, "namespace").await, "tok");
+    let as_pod = bed.lower_a.dir().join("talker.kubeconfig");
+    token_kubeconfig(&as_pod, &server, &ca, &first);
+    let can = |args: &'static [&'static str]| {
+        let as_pod = as_pod.clone();
+        async move { tensile_e2e::kubectl::run(&as_pod, args).await }
+    };
+    assert_eq!(
+        can(&["auth", "can-i", "list", "pods", "-n", "tok"])
+            .await
+            .stdout
+            .trim(),
+        "yes"
+    );
+    assert_eq!(
+        can(&["auth", "can-i", "list", "secrets", "-n", "tok"])
+            .await
+            .stdout
+            .trim(),
+        "no"
+    );
+    let listed = can(&["-n", "tok", "get", "pods", "-o", "name"]).await;
+    assert!(
+        listed.ok && listed.stdout.contains("pod/talker"),
+        "{} {}",
+        listed.stdout,
+        listed.stderr
+    );
+    let elsewhere = can(&["-n", "default", "get", "pods"]).await;
+    assert!(
+        !elsewhere.ok
+            && elsewhere
+                .stderr
+                .contains(r#"User "system:serviceaccount:tok:reader" cannot list resource "pods""#),
+        "{}",
+        elsewhere.stderr
+    );
+
+    // Renewed before it expires (at 0.5 % of its life here): a new token, which works too.
+    let renewed = tensile_e2e::wait::until(
+        "a renewed token",
+        Duration::from_secs(60),
+        Duration::from_secs(1),
+        || async {
+            let t = secret_key(&bed.lower_a, "tok", &secret, "token-0").await;
+            (!t.is_empty() && t != first)
+                .then_some(t)
+                .ok_or_else(|| "the first token still".to_owned())
+        },
+    )
+    .await
+    .unwrap();
+    token_kubeconfig(&as_pod, &server, &ca, &renewed);
+    assert_eq!(
+        can(&["auth", "can-i", "list", "pods", "-n", "tok"])
+            .await
+            .stdout
+            .trim(),
+        "yes"
+    );
+
+    // A pod of a namespace the mode does not cover gets nothing.
+    let quiet: serde_json::Value =
+        serde_json::from_str(&kubectl(low, &["-n", "plain", "get", "pod", "quiet", "-o", "json"]).await)
+            .unwrap();
+    assert!(
+        !quiet["spec"].to_string().contains("tensile-upper-token-")
+            && quiet["spec"]["automountServiceAccountToken"] == false,
+        "{}",
+        quiet["spec"]
+    );
+    let none = kubectl(low, &["-n", "plain", "get", "secrets", "-o", "name"]).await;
+    assert!(!none.contains("tensile-upper-token-"), "{none}");
+
+    // Deleted upstream: the token stops authenticating, and its Secret goes with the lower pod.
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "tok",
+            "delete",
+            "pod",
+            "talker",
+            "--wait=true",
+            "--timeout=60s",
+        ],
+    )
+    .await;
+    tensile_e2e::wait::must(
+        "the token refused",
+        Duration::from_secs(30),
+        Duration::from_secs(1),
+        || async {
+            let out = can(&["auth", "can-i", "list", "pods", "-n", "tok"]).await;
+            if !out.ok && (out.stderr.contains("Unauthorized") || out.stderr.contains("must be logged in")) {
+                Ok(())
+            } else {
+                Err(format!("{} {}", out.stdout, out.stderr))
+            }
+        },
+    )
+    .await;
+    let field = format!("metadata.name={secret}");
+    eventually(
+        low,
+        "the token Secret gone",
+        60,
+        &[
+            "-n",
+            "tok",
+            "get",
+            "secrets",
+            "-o",
+            "name",
+            "--field-selector",
+            &field,
+        ],
+        "",
+    )
+    .await;
+}

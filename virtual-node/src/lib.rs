@@ -28,6 +28,7 @@ pub mod refs;
 pub mod stats;
 pub mod streams;
 pub mod teardown;
+pub mod tokens;
 pub mod translate;
 pub mod trim;
 pub mod volumes;
@@ -104,6 +105,8 @@ pub struct Args {
     pub kubelet: KubeletArgs,
     #[command(flatten)]
     pub reflection: ReflectionArgs,
+    #[command(flatten)]
+    pub tokens: TokenArgs,
     #[command(flatten)]
     pub shape: capacity::ShapeArgs,
     #[command(flatten)]
@@ -325,6 +328,100 @@ pub struct ReflectionArgs {
     pub run_daemonset_pods: bool,
 }
 
+/// Upper service-account tokens for pods below ([`tokens`]).
+#[derive(Clone, Debug, clap::Args)]
+pub struct TokenArgs {
+    /// Give a pod that mounts its service-account token upstream, below, tokens of the upper
+    /// cluster for its upper ServiceAccount, bound to the upper pod and renewed at 80 % of
+    /// their lifetime, and point its in-cluster clients at --upper-api-endpoint. Off: pods
+    /// below get no token (docs/virtual-node.md, "Upper service-account tokens").
+    #[arg(
+        long = "upper-service-account-tokens",
+        env = "TENSILE_UPPER_SERVICE_ACCOUNT_TOKENS",
+        requires = "upper_api_endpoint"
+    )]
+    pub upper_tokens: bool,
+    /// The upper apiserver as pods of the lower cluster reach it (`https://host[:port]`):
+    /// their KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT.
+    #[arg(long = "upper-api-endpoint", env = "TENSILE_UPPER_API_ENDPOINT")]
+    pub upper_api_endpoint: Option<String>,
+    /// The CA bundle (PEM) that endpoint's certificate verifies with, mounted as `ca.crt`
+    /// (default: the upper kubeconfig's CA, or the in-cluster one).
+    #[arg(long = "upper-api-ca-file", env = "TENSILE_UPPER_API_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
+    /// Only pods of these namespaces get upper tokens (comma-separated; empty: every one).
+    #[arg(
+        long = "upper-token-namespaces",
+        env = "TENSILE_UPPER_TOKEN_NAMESPACES",
+        value_delimiter = ','
+    )]
+    pub token_namespaces: Vec<String>,
+    /// Share of a token's lifetime after which it is renewed (tests shorten it).
+    #[arg(
+        long = "upper-token-renew-at",
+        env = "TENSILE_UPPER_TOKEN_RENEW_AT",
+        default_value_t = 0.8,
+        hide = true
+    )]
+    pub renew_at: f64,
+}
+
+/// The CA bundle (PEM) of the upper cluster as its kubeconfig `kubeconfig` names it (the
+/// in-cluster one without).
+fn upper_ca(kubeconfig: Option<&Path>) -> Result<String, String> {
+    const IN_CLUSTER: &str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt";
+    let Some(path) = kubeconfig else {
+        return std::fs::read_to_string(IN_CLUSTER).map_err(|e| format!("{IN_CLUSTER}: {e}"));
+    };
+    let config = kube::config::Kubeconfig::read_from(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let context = config
+        .current_context
+        .as_ref()
+        .and_then(|c| config.contexts.iter().find(|n| &n.name == c))
+        .and_then(|n| n.context.as_ref());
+    let cluster = config
+        .clusters
+        .iter()
+        .find(|c| context.is_none_or(|x| x.cluster == c.name))
+        .and_then(|c| c.cluster.as_ref())
+        .ok_or_else(|| format!("{}: no cluster", path.display()))?;
+    if let Some(data) = &cluster.certificate_authority_data {
+        use base64::Engine as _;
+        let pem = base64::engine::general_purpose::STANDARD
+            .decode(data.trim())
+            .map_err(|e| format!("{}: certificate-authority-data: {e}", path.display()))?;
+        return String::from_utf8(pem)
+            .map_err(|e| format!("{}: certificate-authority-data: {e}", path.display()));
+    }
+    if let Some(file) = &cluster.certificate_authority {
+        let file = path.parent().map(|d| d.join(file)).unwrap_or_else(|| file.into());
+        return std::fs::read_to_string(&file).map_err(|e| format!("{}: {e}", file.display()));
+    }
+    Err(format!(
+        "{}: the cluster names no CA; give --upper-api-ca-file",
+        path.display()
+    ))
+}
+
+impl TokenArgs {
+    /// The mode's settings (`None`: off), or why they cannot be used.
+    pub fn settings(&self, upper_kubeconfig: Option<&Path>) -> Result<Option<tokens::Settings>, String> {
+        if !self.upper_tokens {
+            return Ok(None);
+        }
+        let endpoint = self
+            .upper_api_endpoint
+            .as_deref()
+            .ok_or("--upper-service-account-tokens needs --upper-api-endpoint")?;
+        let ca = match &self.ca_file {
+            Some(file) => std::fs::read_to_string(file)
+                .map_err(|e| format!("--upper-api-ca-file {}: {e}", file.display()))?,
+            None => upper_ca(upper_kubeconfig)?,
+        };
+        tokens::Settings::new(endpoint, ca, self.token_namespaces.clone(), self.renew_at).map(Some)
+    }
+}
+
 /// Optional reflections (tensile-kube's names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Controllers {
@@ -463,9 +560,12 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         )
         .map_err(Error::Flags)?;
     let leadership = Leadership::of(&election);
-    // A scope that cannot work stops the node before it asks for anything.
+    // A scope or a token mode that cannot work stops the node before it asks for anything.
     args.lower
         .scope(args.reflection.gc_namespaces)
+        .map_err(Error::Flags)?;
+    args.tokens
+        .settings(args.upper.kubeconfig.as_deref())
         .map_err(Error::Flags)?;
     let stash_key = match args.stash_key_file.as_slice() {
         [_, ..] => Some(Arc::new(tensile_common::stash::StashKeys::from_files(
@@ -788,6 +888,11 @@ async fn compose(
         .lower
         .scope(args.reflection.gc_namespaces)
         .map_err(Error::Flags)?;
+    let token_settings = args
+        .tokens
+        .settings(args.upper.kubeconfig.as_deref())
+        .map_err(Error::Flags)?
+        .map(Arc::new);
     let scope = world::Scope {
         services: args
             .reflection
@@ -796,6 +901,7 @@ async fn compose(
         system_services: args.reflection.reflect_system_services,
         upper_reads_per_second: args.reflection.upper_reads_per_second,
         lower: lower_scope.clone(),
+        tokens: token_settings.is_some(),
     };
     let (world, watches, signals) = world::World::build(&upper, &lower, &identity, &scope);
     let world::Watches {
@@ -866,6 +972,7 @@ async fn compose(
             identity: identity.clone(),
             ignore_labels: args.ignore_labels.clone(),
             stash_key: stash_key.clone(),
+            tokens: token_settings.clone(),
         },
         lower_pods: world.lower_pods.clone(),
         upper_pods: world.upper_pods.clone(),
@@ -889,6 +996,7 @@ async fn compose(
         settled: Default::default(),
         reconcile_timeout: Duration::from_secs(args.reconcile_timeout),
         lower_health: lower_health.clone(),
+        tokens_changed: signals.tokens_changed.clone(),
     });
 
     let orphans_suspected = Arc::new(tokio::sync::Notify::new());
@@ -1005,6 +1113,24 @@ async fn compose(
         });
     }
     tasks.spawn("the event publisher", events_run);
+    if let Some(settings) = &token_settings {
+        let keeper = tokens::Keeper {
+            upper: upper.clone(),
+            lower: lower.clone(),
+            identity: identity.clone(),
+            settings: (**settings).clone(),
+            upper_pods: world.upper_pods.clone(),
+            lower_pods: world.lower_pods.clone(),
+            secrets: world.lower_tokens.clone(),
+            limit: ctx.lower_limit.clone(),
+            metrics: resync_metrics.clone(),
+            tokenless: Default::default(),
+        };
+        tasks.spawn(
+            "the token keeper",
+            candidacy.when_leading(keeper.run(signals.tokens_changed.clone())),
+        );
+    }
     let pass_deadline = Duration::from_secs(args.reconcile_timeout);
     tasks.spawn(
         "the copy resync",
@@ -1120,6 +1246,10 @@ mod tests {
             (
                 vec!["--nodename=ok", "--node-ip=127.0.0.1", "--pod-sync-workers=0"],
                 "pod-sync-workers",
+            ),
+            (
+                vec!["--nodename=ok", "--node-ip=127.0.0.1", "--upper-service-account-tokens"],
+                "--upper-api-endpoint",
             ),
         ] {
             let mut argv = vec!["virtual-node", "--kubeconfig=/u", "--client-kubeconfig=/l"];

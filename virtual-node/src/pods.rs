@@ -68,6 +68,8 @@ pub struct Context {
     pub reconcile_timeout: Duration,
     /// Whether the lower cluster answers, as the node loop last judged it.
     pub lower_health: Arc<crate::node::LowerHealth>,
+    /// Told when a lower pod is made (its upper tokens are then issued).
+    pub tokens_changed: Arc<tokio::sync::Notify>,
 }
 
 /// Per-key retry delays: 1 s doubling to 5 min (`backon`'s exponential backoff, one per
@@ -586,7 +588,11 @@ async fn create_in_namespace(
         refs::drop_absent(spec, &absent);
         // The references that travelled, recorded: copies follow them, not what lower
         // admission adds to the spec.
-        let travelled = refs::references(spec, |_| true);
+        // (The pod's Secret of upper tokens is not a copy: it is not recorded.)
+        let travelled: Vec<refs::Reference> = refs::references(spec, |_| true)
+            .into_iter()
+            .filter(|r| !(r.kind == refs::Kind::Secret && crate::tokens::is_token_secret(&r.name)))
+            .collect();
         let record = refs::encode_references(travelled.iter().map(|r| (r.kind, r.name.as_str())));
         desired
             .metadata
@@ -607,6 +613,7 @@ async fn create_in_namespace(
     match lower_pods.create(&PostParams::default(), &desired).await {
         Ok(_) => {
             ctx.metrics.created();
+            ctx.tokens_changed.notify_one();
             event(
                 ctx,
                 upper,

@@ -131,6 +131,20 @@ pub async fn remove_everything(
         &mut removal,
     )
     .await?;
+    // The pods' Secrets of upper tokens go with their lower pods; any left (a lower cluster
+    // whose garbage collector is behind) go here.
+    let tokens = ListParams::default().labels(&crate::tokens::selector(identity));
+    let token_of = |meta: &ObjectMeta| {
+        let labels = meta.labels.as_ref();
+        labels.and_then(|l| l.get(crate::tokens::TOKEN_LABEL)) == Some(&identity.cluster_id)
+            && labels.and_then(|l| l.get(names::MARK_NODE)) == Some(&identity.node)
+    };
+    let secrets: Vec<_> = kinds
+        .iter()
+        .filter(|(r, _)| r.group.is_empty() && r.plural == "secrets")
+        .cloned()
+        .collect();
+    sweep(client, served, &secrets, &tokens, &token_of, &mut removal).await?;
     if !removal.remaining.is_empty() {
         return Ok(removal);
     }

@@ -79,6 +79,8 @@ pub struct Translation {
     /// With keys, only stashes the webhook signed for their pod are applied
     /// (`--stash-key-file`, one or more).
     pub stash_key: Option<std::sync::Arc<tensile_common::stash::StashKeys>>,
+    /// With `--upper-service-account-tokens`: pods get upper tokens below ([`crate::tokens`]).
+    pub tokens: Option<std::sync::Arc<crate::tokens::Settings>>,
 }
 
 /// The service account a pod runs as upstream.
@@ -183,16 +185,29 @@ impl Translation {
         spec.priority = None;
         spec.readiness_gates = None;
         spec.ephemeral_containers = None;
+        // In the upper-token mode the token volumes read the pod's lower Secret of upper tokens
+        // instead; the lower ServiceAccount's own token is never mounted either way.
+        let namespace = upper.metadata.namespace.as_deref().unwrap_or_default();
+        let rewritten = self
+            .tokens
+            .as_ref()
+            .filter(|t| t.applies(namespace))
+            .is_some_and(|t| {
+                crate::tokens::rewrite(&mut spec, &service_account, &crate::tokens::secret_name(uid), t)
+            });
         spec.service_account_name = None;
         spec.service_account = None;
         spec.automount_service_account_token = Some(false);
-        let dropped: Vec<String> = spec
-            .volumes
-            .iter()
-            .flatten()
-            .filter(|v| is_upper_token_volume(v, &service_account))
-            .map(|v| v.name.clone())
-            .collect();
+        let dropped: Vec<String> = match rewritten {
+            true => Vec::new(),
+            false => spec
+                .volumes
+                .iter()
+                .flatten()
+                .filter(|v| is_upper_token_volume(v, &service_account))
+                .map(|v| v.name.clone())
+                .collect(),
+        };
         if let Some(volumes) = &mut spec.volumes {
             volumes.retain(|v| !dropped.contains(&v.name));
             if volumes.is_empty() {
@@ -628,6 +643,7 @@ pub(crate) mod tests {
             },
             ignore_labels: vec!["team".into()],
             stash_key: None,
+            tokens: None,
         }
     }
 
@@ -717,6 +733,50 @@ pub(crate) mod tests {
         let id = &translation().identity;
         assert!(id.owns(&lower.metadata));
         assert_eq!(upper_uid(&lower), Some("u-1"));
+    }
+
+    #[test]
+    fn in_the_upper_token_mode_the_token_volumes_read_the_pods_secret_in_its_namespaces_only() {
+        let settings = crate::tokens::Settings::new(
+            "https://upper.example:6443",
+            "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n".into(),
+            vec!["shop".into()],
+            0.8,
+        )
+        .unwrap();
+        let t = Translation {
+            tokens: Some(std::sync::Arc::new(settings)),
+            ..translation()
+        };
+        let s = serde_json::to_value(t.lower_pod(&upper()).unwrap().spec).unwrap();
+        assert_eq!(s["volumes"][0]["secret"]["secretName"], "tensile-upper-token-u-1");
+        assert_eq!(
+            s["volumes"][1]["projected"]["sources"][0]["secret"]["name"],
+            "tensile-upper-token-u-1"
+        );
+        assert_eq!(
+            s["containers"][0]["volumeMounts"].as_array().unwrap().len(),
+            3,
+            "every mount kept"
+        );
+        assert_eq!(s["automountServiceAccountToken"], false);
+        assert!(
+            s.get("serviceAccountName").is_none(),
+            "the account may not exist below"
+        );
+        assert!(s["containers"][0]["env"].to_string().contains("upper.example"));
+
+        let mut elsewhere = upper();
+        elsewhere.metadata.namespace = Some("other".into());
+        let s = serde_json::to_value(t.lower_pod(&elsewhere).unwrap().spec).unwrap();
+        assert_eq!(
+            s["volumes"],
+            json!([{"name": "data", "secret": {"secretName": "app-data"}}])
+        );
+        assert!(
+            !s.to_string().contains("upper.example"),
+            "a namespace not covered gets nothing"
+        );
     }
 
     #[test]

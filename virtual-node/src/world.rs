@@ -56,6 +56,8 @@ pub struct World {
     /// Upper volumes and lower claims carrying this node's marks.
     pub upper_volumes: Cache<PersistentVolume>,
     pub lower_claims: Cache<PersistentVolumeClaim>,
+    /// The lower Secrets of upper tokens of this node's pods (empty when pods get none).
+    pub lower_tokens: Cache<Secret>,
 }
 
 /// What wakes each loop: lower nodes and pods (the node loop), what copies and volumes read.
@@ -64,6 +66,8 @@ pub struct Signals {
     pub lower_changed: Arc<Notify>,
     pub copies_changed: Arc<Notify>,
     pub volumes_changed: Arc<Notify>,
+    /// Token Secrets changed (the token keeper).
+    pub tokens_changed: Arc<Notify>,
 }
 
 /// The futures that keep the world current, and the pod controller's triggers.
@@ -87,6 +91,8 @@ pub struct Scope {
     pub upper_reads_per_second: u32,
     /// The lower namespaces read and written: every one, or the served ones.
     pub lower: Namespaces,
+    /// Pods get upper service-account tokens ([`crate::tokens`]).
+    pub tokens: bool,
 }
 
 impl World {
@@ -222,6 +228,19 @@ impl World {
             .boxed(),
         ));
 
+        let lower_tokens = match scope.tokens {
+            true => {
+                let (cache, watch) = watched_in::<Secret>(
+                    lower,
+                    below,
+                    watcher::Config::default().labels(&crate::tokens::selector(identity)),
+                    &signals.tokens_changed,
+                );
+                feeds.push(("the token Secret watch", watch));
+                cache
+            }
+            false => cache::empty(),
+        };
         let world = World {
             upper_pods,
             lower_pods,
@@ -238,6 +257,7 @@ impl World {
             upper_classes,
             upper_volumes,
             lower_claims,
+            lower_tokens,
         };
         let watches = Watches {
             feeds,

@@ -1,0 +1,726 @@
+//! Upper service-account tokens for pods below (`--upper-service-account-tokens`).
+//!
+//! By default a pod's service-account token stays upstream: the lower pod has none. In this
+//! mode a pod whose upper spec mounts a token (the legacy `<sa>-token-*` Secret volume, or a
+//! projected volume with `serviceAccountToken` sources such as `kube-api-access-*`) gets, below,
+//! tokens **of the upper cluster** for its upper ServiceAccount, asked for with the TokenRequest
+//! API and bound to the upper pod (they stop authenticating once it is deleted), with the
+//! audience and lifetime each source asks for. They are kept in one lower Secret per pod
+//! ([`secret_name`], owned by the lower pod, so it goes with it), with the upper CA (`ca.crt`)
+//! and the namespace, and mounted at the paths the upper pod mounts them; every container's
+//! `KUBERNETES_SERVICE_HOST`/`PORT` name the upper API endpoint the lower cluster reaches.
+//! [`Keeper`] asks for the tokens once the lower pod exists and again at 80 % of their
+//! lifetime (the kubelet's rule), so a token is never used past its renewal and never shared
+//! by two pods.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{
+    EnvVar, KeyToPath, PodSpec, Secret, SecretProjection, SecretVolumeSource, Volume, VolumeProjection,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::ResourceExt;
+use kube::api::{Api, PostParams};
+use kube::runtime::reflector::ObjectRef;
+use tensile_common::cache::Cache;
+use tensile_common::names;
+use tokio::sync::Notify;
+
+use crate::ratelimit::WriteLimit;
+use crate::translate::{self, Identity};
+use crate::trim::{LowerPod, UpperPod};
+
+/// Prefix of the lower Secret of a pod's upper tokens; the upper pod's UID follows.
+pub const SECRET_PREFIX: &str = "tensile-upper-token-";
+/// Label of those Secrets: the upper cluster's id (beside the node mark, never the copy mark
+/// that copies carry: they are not copies).
+pub const TOKEN_LABEL: &str = "tensile.io/upper-token";
+
+/// The selector of the token Secrets of node `identity`.
+pub fn selector(identity: &Identity) -> String {
+    format!(
+        "{TOKEN_LABEL}={},{}={}",
+        identity.cluster_id,
+        names::MARK_NODE,
+        identity.node
+    )
+}
+/// Annotation of those Secrets: when the first of their tokens is due for renewal (RFC 3339).
+pub const RENEW_AT: &str = "tensile.io/upper-token-renew-at";
+/// Keys of the Secret besides the tokens (`token-0`, `token-1`…).
+pub const CA_KEY: &str = "ca.crt";
+pub const NAMESPACE_KEY: &str = "namespace";
+/// The lifetime a token of a legacy token Secret volume is asked for (that volume's token
+/// never expired; the kubelet asks 3607 s for `kube-api-access-*`).
+pub const LEGACY_EXPIRATION: i64 = 3607;
+/// The API's default `expirationSeconds` of a projected token source.
+pub const PROJECTED_EXPIRATION: i64 = 3600;
+/// The well-known ConfigMap of the cluster CA a `kube-api-access-*` volume projects.
+pub const ROOT_CA_CONFIG_MAP: &str = "kube-root-ca.crt";
+
+/// The mode's settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Settings {
+    /// The upper API endpoint as the lower pods reach it.
+    pub host: String,
+    pub port: u16,
+    /// The CA bundle (PEM) that endpoint's certificate verifies with.
+    pub ca: String,
+    /// Namespaces whose pods get tokens; empty: every namespace.
+    pub namespaces: Vec<String>,
+    /// Share of a token's lifetime after which it is renewed.
+    pub renew_at: f64,
+}
+
+impl Settings {
+    /// `endpoint` (`https://host[:port]`), the CA, the namespaces and the renewal share, or
+    /// why they cannot be used.
+    pub fn new(endpoint: &str, ca: String, namespaces: Vec<String>, renew_at: f64) -> Result<Self, String> {
+        let uri: http::Uri = endpoint
+            .parse()
+            .map_err(|e| format!("--upper-api-endpoint {endpoint:?}: {e}"))?;
+        if uri.scheme_str() != Some("https") {
+            return Err(format!(
+                "--upper-api-endpoint {endpoint:?}: in-cluster clients speak https only; give https://host[:port]"
+            ));
+        }
+        if uri.path() != "/" && !uri.path().is_empty() {
+            return Err(format!(
+                "--upper-api-endpoint {endpoint:?}: in-cluster clients take a host and a port, not a path"
+            ));
+        }
+        let host = uri
+            .host()
+            .ok_or_else(|| format!("--upper-api-endpoint {endpoint:?} names no host"))?
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        if !ca.contains("-----BEGIN CERTIFICATE-----") {
+            return Err(
+                "the upper CA (--upper-api-ca-file, or the upper kubeconfig's) holds no PEM certificate"
+                    .into(),
+            );
+        }
+        if !(renew_at > 0.0 && renew_at < 1.0) {
+            return Err(format!(
+                "--upper-token-renew-at {renew_at} is not between 0 and 1"
+            ));
+        }
+        Ok(Settings {
+            host,
+            port: uri.port_u16().unwrap_or(443),
+            ca,
+            namespaces,
+            renew_at,
+        })
+    }
+
+    /// Whether pods of `namespace` get upper tokens.
+    pub fn applies(&self, namespace: &str) -> bool {
+        self.namespaces.is_empty() || self.namespaces.iter().any(|n| n == namespace)
+    }
+}
+
+/// The lower Secret of the upper tokens of the pod whose UID is `upper_uid`.
+pub fn secret_name(upper_uid: &str) -> String {
+    format!("{SECRET_PREFIX}{upper_uid}")
+}
+
+/// One token a pod's spec asks for: the Secret key it is kept under, its audience (`None`:
+/// the apiserver's), and its lifetime.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Wanted {
+    pub key: String,
+    pub audience: Option<String>,
+    pub expiration_seconds: i64,
+}
+
+fn token_key(i: usize) -> String {
+    format!("token-{i}")
+}
+
+fn item(key: &str, path: &str) -> KeyToPath {
+    KeyToPath {
+        key: key.to_owned(),
+        path: path.to_owned(),
+        mode: None,
+    }
+}
+
+/// The tokens the upper pod spec `spec` (running as `service_account`) asks for, in the order
+/// [`rewrite`] keys them.
+pub fn wanted(spec: &PodSpec, service_account: &str) -> Vec<Wanted> {
+    let mut out = Vec::new();
+    for v in spec.volumes.iter().flatten() {
+        if !translate::is_upper_token_volume(v, service_account) {
+            continue;
+        }
+        if v.secret.is_some() {
+            out.push(Wanted {
+                key: token_key(out.len()),
+                audience: None,
+                expiration_seconds: LEGACY_EXPIRATION,
+            });
+        }
+        for source in v.projected.iter().flat_map(|p| p.sources.iter().flatten()) {
+            if let Some(t) = &source.service_account_token {
+                out.push(Wanted {
+                    key: token_key(out.len()),
+                    audience: t.audience.clone().filter(|a| !a.is_empty()),
+                    expiration_seconds: t.expiration_seconds.unwrap_or(PROJECTED_EXPIRATION),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Rewrites the lower pod spec `spec` (still holding the upper pod's token volumes, for
+/// `service_account`) so that each token volume reads the Secret `secret` instead: a legacy
+/// token Secret volume becomes that Secret's `token-N`, `ca.crt` and `namespace`; in a projected
+/// volume each `serviceAccountToken` source becomes its `token-N` at the source's path and the
+/// `kube-root-ca.crt` ConfigMap source its `ca.crt` (the upper CA, where the lower cluster's own
+/// ConfigMap of that name holds the lower one); other sources stay. Every container's
+/// `KUBERNETES_SERVICE_HOST`/`PORT` name the upper endpoint. Returns whether a volume was
+/// rewritten (then the token volumes stay, rewritten; else nothing changed).
+pub fn rewrite(spec: &mut PodSpec, service_account: &str, secret: &str, settings: &Settings) -> bool {
+    let mut n = 0;
+    let mut rewrote = false;
+    for v in spec.volumes.iter_mut().flatten() {
+        if !translate::is_upper_token_volume(v, service_account) {
+            continue;
+        }
+        rewrote = true;
+        if let Some(legacy) = v.secret.take() {
+            *v = Volume {
+                name: v.name.clone(),
+                secret: Some(SecretVolumeSource {
+                    secret_name: Some(secret.to_owned()),
+                    items: Some(vec![
+                        item(&token_key(n), "token"),
+                        item(CA_KEY, CA_KEY),
+                        item(NAMESPACE_KEY, NAMESPACE_KEY),
+                    ]),
+                    default_mode: legacy.default_mode,
+                    optional: None,
+                }),
+                ..Default::default()
+            };
+            n += 1;
+            continue;
+        }
+        let Some(projected) = v.projected.as_mut() else {
+            continue;
+        };
+        for source in projected.sources.iter_mut().flatten() {
+            if let Some(t) = source.service_account_token.take() {
+                *source = VolumeProjection {
+                    secret: Some(SecretProjection {
+                        name: secret.to_owned(),
+                        items: Some(vec![item(&token_key(n), &t.path)]),
+                        optional: None,
+                    }),
+                    ..Default::default()
+                };
+                n += 1;
+            } else if source
+                .config_map
+                .as_ref()
+                .is_some_and(|c| c.name == ROOT_CA_CONFIG_MAP)
+            {
+                let items = source
+                    .config_map
+                    .take()
+                    .and_then(|c| c.items)
+                    .unwrap_or_else(|| vec![item(CA_KEY, CA_KEY)])
+                    .into_iter()
+                    .filter(|i| i.key == CA_KEY)
+                    .map(|i| KeyToPath {
+                        key: CA_KEY.to_owned(),
+                        ..i
+                    })
+                    .collect();
+                *source = VolumeProjection {
+                    secret: Some(SecretProjection {
+                        name: secret.to_owned(),
+                        items: Some(items),
+                        optional: None,
+                    }),
+                    ..Default::default()
+                };
+            }
+        }
+    }
+    if !rewrote {
+        return false;
+    }
+    let endpoint = [
+        ("KUBERNETES_SERVICE_HOST", settings.host.clone()),
+        ("KUBERNETES_SERVICE_PORT", settings.port.to_string()),
+    ];
+    let containers = spec
+        .containers
+        .iter_mut()
+        .chain(spec.init_containers.iter_mut().flatten());
+    for c in containers {
+        let env = c.env.get_or_insert_default();
+        env.retain(|e| !endpoint.iter().any(|(k, _)| *k == e.name));
+        env.extend(endpoint.iter().map(|(k, v)| EnvVar {
+            name: (*k).to_owned(),
+            value: Some(v.clone()),
+            value_from: None,
+        }));
+    }
+    true
+}
+
+/// When tokens issued `now`, living `lifetimes` seconds each, are due for renewal: the
+/// earliest `renew_at` share of a lifetime, and never sooner than 10 s.
+pub fn renew_time(now: jiff::Timestamp, lifetimes: &[i64], renew_at: f64) -> jiff::Timestamp {
+    let shortest = lifetimes.iter().copied().min().unwrap_or(LEGACY_EXPIRATION);
+    let after = ((shortest as f64) * renew_at).max(10.0);
+    now + Duration::from_secs_f64(after)
+}
+
+/// The lower Secret of `upper`'s tokens, owned by its lower pod `lower`.
+fn secret(
+    upper: &k8s_openapi::api::core::v1::Pod,
+    lower: &k8s_openapi::api::core::v1::Pod,
+    identity: &Identity,
+    tokens: Vec<(String, String)>,
+    settings: &Settings,
+    renew: jiff::Timestamp,
+) -> Secret {
+    let uid = upper.metadata.uid.clone().unwrap_or_default();
+    let ns = upper.namespace().unwrap_or_default();
+    let mut data: BTreeMap<String, ByteString> = tokens
+        .into_iter()
+        .map(|(k, t)| (k, ByteString(t.into_bytes())))
+        .collect();
+    data.insert(CA_KEY.to_owned(), ByteString(settings.ca.clone().into_bytes()));
+    data.insert(NAMESPACE_KEY.to_owned(), ByteString(ns.clone().into_bytes()));
+    Secret {
+        metadata: ObjectMeta {
+            name: Some(secret_name(&uid)),
+            namespace: Some(ns),
+            labels: Some(BTreeMap::from([
+                (TOKEN_LABEL.to_owned(), identity.cluster_id.clone()),
+                (names::MARK_NODE.to_owned(), identity.node.clone()),
+                (names::MARK_UPPER_UID.to_owned(), uid),
+            ])),
+            annotations: Some(BTreeMap::from([(RENEW_AT.to_owned(), renew.to_string())])),
+            owner_references: Some(vec![OwnerReference {
+                api_version: "v1".into(),
+                kind: "Pod".into(),
+                name: lower.name_any(),
+                uid: lower.metadata.uid.clone().unwrap_or_default(),
+                controller: None,
+                block_owner_deletion: None,
+            }]),
+            ..Default::default()
+        },
+        data: Some(data),
+        type_: Some("Opaque".into()),
+        ..Default::default()
+    }
+}
+
+/// When the Secret `held` is due for renewal, as it says.
+fn renewal(held: &Secret) -> Option<jiff::Timestamp> {
+    held.annotations().get(RENEW_AT)?.parse().ok()
+}
+
+/// Whether the Secret `held` must be issued again: its renewal time passed (or cannot be
+/// read), or it lacks a token the pod asks for.
+pub fn due(held: &Secret, wanted: &[Wanted], now: jiff::Timestamp) -> bool {
+    let keys = held.data.as_ref();
+    renewal(held).is_none_or(|r| r <= now)
+        || wanted
+            .iter()
+            .any(|w| keys.is_none_or(|d| !d.contains_key(&w.key)))
+}
+
+/// Issues and renews the upper tokens of this node's pods (see the module).
+pub struct Keeper {
+    pub upper: kube::Client,
+    pub lower: kube::Client,
+    pub identity: Identity,
+    pub settings: Settings,
+    pub upper_pods: Cache<UpperPod>,
+    pub lower_pods: Cache<LowerPod>,
+    /// The lower token Secrets of this node.
+    pub secrets: Cache<Secret>,
+    pub limit: WriteLimit,
+    pub metrics: Arc<crate::metrics::Metrics>,
+    /// Upper pods (by UID) that mount no token.
+    pub tokenless: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+impl Keeper {
+    /// Passes forever: at once when a lower pod is made or a token Secret changes, every
+    /// half second while a pod waits for its tokens, else every 5 s.
+    pub async fn run(self, changed: Arc<Notify>) {
+        self.upper_pods.synced().await;
+        self.lower_pods.synced().await;
+        self.secrets.synced().await;
+        loop {
+            let waiting = self.pass().await;
+            let period = match waiting {
+                true => Duration::from_millis(500),
+                false => Duration::from_secs(5),
+            };
+            tokio::select! {
+                () = changed.notified() => {}
+                () = tokio::time::sleep(period) => {}
+            }
+        }
+    }
+
+    /// Issues what is missing or due, for every running pod of this node in the mode;
+    /// whether some pod waits for its tokens (its lower pod is not seen yet, or a request
+    /// failed).
+    pub async fn pass(&self) -> bool {
+        let now = jiff::Timestamp::now();
+        let mut waiting = false;
+        for kept in self.upper_pods.state() {
+            if kept.terminal || kept.node.as_deref() != Some(self.identity.node.as_str()) {
+                continue;
+            }
+            let ns = kept.namespace().unwrap_or_default();
+            let uid = kept.uid().unwrap_or_default();
+            if !self.settings.applies(&ns) || self.tokenless.lock().is_ok_and(|t| t.contains(&uid)) {
+                continue;
+            }
+            // A Secret not due is passed by without reading the pod.
+            let held = self.secrets.get(&ObjectRef::new(&secret_name(&uid)).within(&ns));
+            if held.as_ref().is_some_and(|h| renewal(h).is_some_and(|r| r > now)) {
+                continue;
+            }
+            let Some(lower) = self.lower_pods.get(&ObjectRef::new(&kept.name_any()).within(&ns)) else {
+                waiting = true;
+                continue;
+            };
+            let (Ok(upper), Ok(lower)) = (kept.pod(), lower.unpack()) else {
+                continue;
+            };
+            if upper.metadata.deletion_timestamp.is_some()
+                || lower.metadata.deletion_timestamp.is_some()
+                || translate::upper_uid(&lower) != Some(uid.as_str())
+            {
+                continue;
+            }
+            let Some(spec) = upper.spec.as_ref() else {
+                continue;
+            };
+            let wanted = wanted(spec, &translate::service_account(spec));
+            if wanted.is_empty() {
+                // A pod's volumes never change: it never wants one.
+                if let Ok(mut t) = self.tokenless.lock() {
+                    t.insert(uid);
+                }
+                continue;
+            }
+            if held.as_ref().is_some_and(|h| !due(h, &wanted, now)) {
+                continue;
+            }
+            if let Err(e) = self.issue(&upper, &lower, &wanted, held.as_deref()).await {
+                waiting = true;
+                self.metrics.api_error(e.0, "token");
+                tracing::warn!(pod = %format!("{ns}/{}", upper.name_any()), "upper service-account token: {}", e.1);
+            }
+        }
+        // Forget pods that are gone.
+        if let Ok(mut t) = self.tokenless.lock()
+            && t.len() > self.upper_pods.len()
+        {
+            let live: std::collections::HashSet<String> =
+                self.upper_pods.state().iter().filter_map(|p| p.uid()).collect();
+            t.retain(|uid| live.contains(uid));
+        }
+        waiting
+    }
+
+    /// Asks for every token `upper` wants and writes them into its lower Secret.
+    async fn issue(
+        &self,
+        upper: &k8s_openapi::api::core::v1::Pod,
+        lower: &k8s_openapi::api::core::v1::Pod,
+        wanted: &[Wanted],
+        held: Option<&Secret>,
+    ) -> Result<(), (&'static str, String)> {
+        let ns = upper.namespace().unwrap_or_default();
+        let spec = upper.spec.as_ref().ok_or(("upper", "no spec".to_owned()))?;
+        let account = translate::service_account(spec);
+        let issued_at = jiff::Timestamp::now();
+        let mut tokens = Vec::with_capacity(wanted.len());
+        for w in wanted {
+            let request = TokenRequestSpec {
+                audiences: w.audience.iter().cloned().collect(),
+                expiration_seconds: Some(w.expiration_seconds),
+                bound_object_ref: Some(BoundObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("Pod".into()),
+                    name: Some(upper.name_any()),
+                    uid: upper.metadata.uid.clone(),
+                }),
+            };
+            let token = tensile_common::api::request_token(&self.upper, &ns, &account, request)
+                .await
+                .map_err(|e| ("upper", format!("a token of ServiceAccount {ns}/{account}: {e}")))?;
+            tokens.push((w.key.clone(), token));
+        }
+        let lifetimes: Vec<i64> = wanted.iter().map(|w| w.expiration_seconds).collect();
+        let renew = renew_time(issued_at, &lifetimes, self.settings.renew_at);
+        let mut desired = secret(upper, lower, &self.identity, tokens, &self.settings, renew);
+        let name = desired.name_any();
+        let api = Api::<Secret>::namespaced(self.lower.clone(), &ns);
+        self.limit.acquire().await;
+        // Created, or replaced at the version seen (a conflict is tried again next pass):
+        // the verbs a copy needs, nothing more.
+        let written = match held {
+            None => api.create(&PostParams::default(), &desired).await,
+            Some(h) => {
+                desired.metadata.resource_version = h.metadata.resource_version.clone();
+                api.replace(&name, &PostParams::default(), &desired).await
+            }
+        };
+        written.map_err(|e| ("lower", format!("writing Secret {ns}/{name}: {e}")))?;
+        tracing::info!(pod = %format!("{ns}/{}", upper.name_any()), %renew, "upper service-account tokens issued");
+        Ok(())
+    }
+}
+
+/// Whether `name` is the lower Secret of a pod's upper tokens (never a copy of an upper
+/// object).
+pub fn is_token_secret(name: &str) -> bool {
+    name.starts_with(SECRET_PREFIX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const CA: &str = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
+
+    fn settings(namespaces: &[&str]) -> Settings {
+        Settings::new(
+            "https://upper.example:6443",
+            CA.into(),
+            namespaces.iter().map(|n| (*n).to_owned()).collect(),
+            0.8,
+        )
+        .unwrap()
+    }
+
+    /// A pod spec as the upper apiserver's admission leaves it: 1.20 and older mount the
+    /// account's token Secret; 1.21 on a projected `kube-api-access-*` volume (token, root CA,
+    /// namespace); `extra` adds a projected volume of the pod's own.
+    fn spec(version: &str, extra: Option<serde_json::Value>) -> PodSpec {
+        let token_volume = match version {
+            "1.20" => {
+                json!({"name": "builder-token-abcde", "secret": {"secretName": "builder-token-abcde", "defaultMode": 420}})
+            }
+            _ => json!({"name": "kube-api-access-x1", "projected": {"defaultMode": 420, "sources": [
+                {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
+            ]}}),
+        };
+        let name = token_volume["name"].clone();
+        let mut volumes = vec![
+            token_volume,
+            json!({"name": "data", "configMap": {"name": "settings"}}),
+        ];
+        volumes.extend(extra);
+        serde_json::from_value(json!({
+            "serviceAccountName": "builder",
+            "containers": [{"name": "app", "image": "app",
+                "env": [{"name": "KUBERNETES_SERVICE_HOST", "value": "10.0.0.1"}, {"name": "KEEP", "value": "1"}],
+                "volumeMounts": [{"name": name, "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": true}]}],
+            "initContainers": [{"name": "init", "image": "init"}],
+            "volumes": volumes,
+        }))
+        .unwrap()
+    }
+
+    fn env(spec: &PodSpec, container: usize) -> Vec<(String, String)> {
+        let c = spec
+            .init_containers
+            .iter()
+            .flatten()
+            .chain(&spec.containers)
+            .nth(container)
+            .unwrap();
+        c.env
+            .iter()
+            .flatten()
+            .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
+            .collect()
+    }
+
+    #[test]
+    fn a_legacy_token_volume_reads_the_pods_secret_of_upper_tokens() {
+        let mut s = spec("1.20", None);
+        assert_eq!(
+            wanted(&s, "builder"),
+            [Wanted {
+                key: "token-0".into(),
+                audience: None,
+                expiration_seconds: LEGACY_EXPIRATION
+            }]
+        );
+        assert!(rewrite(
+            &mut s,
+            "builder",
+            "tensile-upper-token-u1",
+            &settings(&[])
+        ));
+        let v = serde_json::to_value(&s.volumes.as_ref().unwrap()[0]).unwrap();
+        assert_eq!(
+            v,
+            json!({"name": "builder-token-abcde", "secret": {"secretName": "tensile-upper-token-u1", "defaultMode": 420,
+                "items": [{"key": "token-0", "path": "token"}, {"key": "ca.crt", "path": "ca.crt"}, {"key": "namespace", "path": "namespace"}]}})
+        );
+        assert_eq!(
+            serde_json::to_value(&s.volumes.as_ref().unwrap()[1]).unwrap()["configMap"]["name"],
+            "settings"
+        );
+        // Every container's in-cluster clients go to the upper endpoint; other env stays.
+        assert_eq!(
+            env(&s, 1),
+            [
+                ("KEEP".to_owned(), "1".to_owned()),
+                ("KUBERNETES_SERVICE_HOST".to_owned(), "upper.example".to_owned()),
+                ("KUBERNETES_SERVICE_PORT".to_owned(), "6443".to_owned())
+            ]
+        );
+        assert_eq!(env(&s, 0).len(), 2, "init containers too");
+    }
+
+    #[test]
+    fn a_projected_token_volume_keeps_its_paths_with_the_upper_token_and_ca() {
+        let own = json!({"name": "vault", "projected": {"sources": [
+            {"serviceAccountToken": {"audience": "vault", "expirationSeconds": 600, "path": "vault-token"}},
+            {"secret": {"name": "vault-config"}},
+        ]}});
+        let mut s = spec("1.21", Some(own));
+        assert_eq!(
+            wanted(&s, "builder"),
+            [
+                Wanted {
+                    key: "token-0".into(),
+                    audience: None,
+                    expiration_seconds: 3607
+                },
+                Wanted {
+                    key: "token-1".into(),
+                    audience: Some("vault".into()),
+                    expiration_seconds: 600
+                },
+            ]
+        );
+        assert!(rewrite(
+            &mut s,
+            "builder",
+            "tensile-upper-token-u1",
+            &settings(&[])
+        ));
+        let volumes = serde_json::to_value(s.volumes.as_ref().unwrap()).unwrap();
+        assert_eq!(
+            volumes[0]["projected"]["sources"],
+            json!([
+                {"secret": {"name": "tensile-upper-token-u1", "items": [{"key": "token-0", "path": "token"}]}},
+                {"secret": {"name": "tensile-upper-token-u1", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
+            ])
+        );
+        assert_eq!(volumes[0]["projected"]["defaultMode"], 420);
+        assert_eq!(
+            volumes[2]["projected"]["sources"],
+            json!([
+                {"secret": {"name": "tensile-upper-token-u1", "items": [{"key": "token-1", "path": "vault-token"}]}},
+                {"secret": {"name": "vault-config"}},
+            ]),
+            "the pod's own sources stay, its token becomes the upper one"
+        );
+    }
+
+    #[test]
+    fn a_pod_that_mounts_no_token_is_left_as_it_is() {
+        let mut s: PodSpec = serde_json::from_value(json!({
+            "automountServiceAccountToken": false,
+            "containers": [{"name": "app", "image": "app"}],
+        }))
+        .unwrap();
+        let before = s.clone();
+        assert!(wanted(&s, "default").is_empty());
+        assert!(!rewrite(
+            &mut s,
+            "default",
+            "tensile-upper-token-u1",
+            &settings(&[])
+        ));
+        assert_eq!(s, before, "no env either");
+    }
+
+    #[test]
+    fn the_mode_needs_an_https_endpoint_a_ca_and_a_share_below_one() {
+        let s = settings(&["team-a"]);
+        assert_eq!((s.host.as_str(), s.port), ("upper.example", 6443));
+        assert!(s.applies("team-a") && !s.applies("team-b"));
+        assert!(settings(&[]).applies("anything"));
+        let v6 = Settings::new("https://[fd00::1]", CA.into(), vec![], 0.8).unwrap();
+        assert_eq!((v6.host.as_str(), v6.port), ("fd00::1", 443));
+        for (endpoint, ca, share, says) in [
+            ("http://upper:80", CA, 0.8, "https only"),
+            ("https://upper:6443/api", CA, 0.8, "not a path"),
+            ("not a url at all", CA, 0.8, "--upper-api-endpoint"),
+            ("https://upper", "no pem", 0.8, "holds no PEM certificate"),
+            ("https://upper", CA, 1.0, "is not between 0 and 1"),
+        ] {
+            let e = Settings::new(endpoint, ca.into(), vec![], share).unwrap_err();
+            assert!(e.contains(says), "{endpoint}: {e}");
+        }
+    }
+
+    #[test]
+    fn tokens_are_renewed_at_their_share_of_the_shortest_lifetime_and_a_secret_missing_one_is_due() {
+        let now: jiff::Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+        assert_eq!(
+            renew_time(now, &[3607, 600], 0.8).to_string(),
+            "2026-01-01T00:08:00Z"
+        );
+        assert_eq!(
+            renew_time(now, &[600], 0.001).to_string(),
+            "2026-01-01T00:00:10Z",
+            "never sooner than 10 s"
+        );
+        let held: Secret = serde_json::from_value(json!({
+            "metadata": {"name": "tensile-upper-token-u1", "annotations": {RENEW_AT: "2026-01-01T00:08:00Z"}},
+            "data": {"token-0": "dA==", "ca.crt": "Yw==", "namespace": "bg=="},
+        }))
+        .unwrap();
+        let one = [Wanted {
+            key: "token-0".into(),
+            audience: None,
+            expiration_seconds: 600,
+        }];
+        assert!(!due(&held, &one, now));
+        assert!(due(&held, &one, "2026-01-01T00:08:00Z".parse().unwrap()));
+        let two = [
+            one[0].clone(),
+            Wanted {
+                key: "token-1".into(),
+                audience: None,
+                expiration_seconds: 600,
+            },
+        ];
+        assert!(due(&held, &two, now), "a token the pod asks for is missing");
+        assert!(is_token_secret("tensile-upper-token-u1") && !is_token_secret("builder-token-abcde"));
+    }
+}
