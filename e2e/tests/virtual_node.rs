@@ -2211,6 +2211,30 @@ spec:
         "yes"
     );
 
+    // A lower admin who deletes the Secret gets a fresh one back, with a fresh token.
+    kubectl(low, &["-n", "tok", "delete", "secret", &secret]).await;
+    let fresh = tensile_e2e::wait::until(
+        "the Secret made again",
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+        || async {
+            let t = secret_key(&bed.lower_a, "tok", &secret, "token-0").await;
+            (!t.is_empty() && t != renewed)
+                .then_some(t)
+                .ok_or_else(|| "not made again yet".to_owned())
+        },
+    )
+    .await
+    .unwrap();
+    token_kubeconfig(&as_pod, &server, &ca, &fresh);
+    assert_eq!(
+        can(&["auth", "can-i", "list", "pods", "-n", "tok"])
+            .await
+            .stdout
+            .trim(),
+        "yes"
+    );
+
     // A pod of a namespace the mode does not cover gets nothing.
     let quiet: serde_json::Value =
         serde_json::from_str(&kubectl(low, &["-n", "plain", "get", "pod", "quiet", "-o", "json"]).await)

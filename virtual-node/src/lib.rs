@@ -1248,7 +1248,11 @@ mod tests {
                 "pod-sync-workers",
             ),
             (
-                vec!["--nodename=ok", "--node-ip=127.0.0.1", "--upper-service-account-tokens"],
+                vec![
+                    "--nodename=ok",
+                    "--node-ip=127.0.0.1",
+                    "--upper-service-account-tokens",
+                ],
                 "--upper-api-endpoint",
             ),
         ] {
