@@ -1985,6 +1985,23 @@ async fn secret_key(lower: &TestCluster, ns: &str, name: &str, key: &str) -> Str
     String::from_utf8(data).unwrap_or_default()
 }
 
+/// The token of lower Secret `tok/secret` once it is there and is not `before`.
+async fn token_other_than(lower: &TestCluster, secret: &str, before: &str, what: &str) -> String {
+    tensile_e2e::wait::until(
+        what,
+        Duration::from_secs(60),
+        Duration::from_millis(300),
+        || async {
+            let t = secret_key(lower, "tok", secret, "token-0").await;
+            (!t.is_empty() && t != before)
+                .then_some(t)
+                .ok_or_else(|| format!("no token but the one before ({})", before.len()))
+        },
+    )
+    .await
+    .unwrap()
+}
+
 /// `--upper-service-account-tokens`: a pod whose upper spec mounts its account's token gets,
 /// below, a token of the upper cluster for that account, mounted where in-cluster clients
 /// look, with KUBERNETES_SERVICE_HOST/PORT naming the upper endpoint. The token authenticates
@@ -2136,19 +2153,7 @@ spec:
     );
 
     // The token authenticates upstream as the pod's account, with its rights and no more.
-    let first = tensile_e2e::wait::until(
-        "the token below",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let t = secret_key(&bed.lower_a, "tok", &secret, "token-0").await;
-            (!t.is_empty())
-                .then_some(t)
-                .ok_or_else(|| "not there yet".to_owned())
-        },
-    )
-    .await
-    .unwrap();
+    let first = token_other_than(&bed.lower_a, &secret, "", "the token below").await;
     let ca = secret_key(&bed.lower_a, "tok", &secret, "ca.crt").await;
     assert_eq!(secret_key(&bed.lower_a, "tok", &secret, "namespace").await, "tok");
     let as_pod = bed.lower_a.dir().join("talker.kubeconfig");
@@ -2189,19 +2194,7 @@ spec:
     );
 
     // Renewed before it expires (at 0.5 % of its life here): a new token, which works too.
-    let renewed = tensile_e2e::wait::until(
-        "a renewed token",
-        Duration::from_secs(60),
-        Duration::from_secs(1),
-        || async {
-            let t = secret_key(&bed.lower_a, "tok", &secret, "token-0").await;
-            (!t.is_empty() && t != first)
-                .then_some(t)
-                .ok_or_else(|| "the first token still".to_owned())
-        },
-    )
-    .await
-    .unwrap();
+    let renewed = token_other_than(&bed.lower_a, &secret, &first, "a renewed token").await;
     token_kubeconfig(&as_pod, &server, &ca, &renewed);
     assert_eq!(
         can(&["auth", "can-i", "list", "pods", "-n", "tok"])
@@ -2213,19 +2206,7 @@ spec:
 
     // A lower admin who deletes the Secret gets a fresh one back, with a fresh token.
     kubectl(low, &["-n", "tok", "delete", "secret", &secret]).await;
-    let fresh = tensile_e2e::wait::until(
-        "the Secret made again",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let t = secret_key(&bed.lower_a, "tok", &secret, "token-0").await;
-            (!t.is_empty() && t != renewed)
-                .then_some(t)
-                .ok_or_else(|| "not made again yet".to_owned())
-        },
-    )
-    .await
-    .unwrap();
+    let fresh = token_other_than(&bed.lower_a, &secret, &renewed, "the Secret made again").await;
     token_kubeconfig(&as_pod, &server, &ca, &fresh);
     assert_eq!(
         can(&["auth", "can-i", "list", "pods", "-n", "tok"])
