@@ -84,13 +84,14 @@ where
     }
 }
 
-/// A token of ServiceAccount `namespace/name` as `spec` asks for it (TokenRequest API).
+/// A token of ServiceAccount `namespace/name` as `spec` asks for it (TokenRequest API), and
+/// when it expires as the apiserver granted it (it may cap the lifetime asked for).
 pub async fn request_token(
     client: &kube::Client,
     namespace: &str,
     name: &str,
     spec: k8s_openapi::api::authentication::v1::TokenRequestSpec,
-) -> Result<String, kube::Error> {
+) -> Result<(String, Option<jiff::Timestamp>), kube::Error> {
     use k8s_openapi::api::authentication::v1::TokenRequest;
     let api: Api<k8s_openapi::api::core::v1::ServiceAccount> = Api::namespaced(client.clone(), namespace);
     let request = TokenRequest {
@@ -100,7 +101,10 @@ pub async fn request_token(
     let answer: TokenRequest = api
         .create_subresource("token", name, &Default::default(), &request)
         .await?;
-    Ok(answer.status.map(|s| s.token).unwrap_or_default())
+    Ok(answer
+        .status
+        .map(|s| (s.token, Some(s.expiration_timestamp.0)))
+        .unwrap_or_default())
 }
 
 /// Now, as API objects write a `Time` (RFC 3339, seconds).

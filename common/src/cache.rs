@@ -195,6 +195,7 @@ pub fn reflect_summaries_in<K: Watched, S: Stored>(
     impl Stream<Item = Result<S, watcher::Error>> + Send + 'static,
 ) {
     let namespaces: Vec<Option<String>> = apis.iter().map(|a| a.namespace().map(str::to_owned)).collect();
+    let namespaces_of = namespaces.clone();
     let sources = apis.into_iter().enumerate().map(|(i, api)| {
         watcher(api, config.clone())
             .map_ok(move |event| match event {
@@ -205,6 +206,23 @@ pub fn reflect_summaries_in<K: Watched, S: Stored>(
                 watcher::Event::InitDone => watcher::Event::InitDone,
             })
             .backoff(watch_backoff())
+            .inspect({
+                // A namespace whose watch keeps failing (no Role there, say) holds the whole
+                // cache unsynced: said once per failing spell, with the namespace.
+                let mut failing = false;
+                let ns = namespaces_of[i].clone().unwrap_or_else(|| "every namespace".into());
+                move |r| match r {
+                    Err(e) if !failing => {
+                        failing = true;
+                        tracing::warn!(namespace = %ns, kind = K::kind(&()).as_ref(), "watch failing (retried): {e}");
+                    }
+                    Ok(_) if failing => {
+                        failing = false;
+                        tracing::info!(namespace = %ns, kind = K::kind(&()).as_ref(), "watch back");
+                    }
+                    _ => {}
+                }
+            })
             .map(move |r| (i, r))
             .boxed()
     });
@@ -304,9 +322,12 @@ impl<K: kube::Resource<DynamicType = ()> + Clone + 'static> Merge<K> {
     pub fn step(&mut self, source: usize, event: watcher::Event<K>) -> Vec<watcher::Event<K>> {
         if let Some(gathered) = self.gathered.as_mut() {
             match event {
+                // A watch listing again has not listed until it says so: its list so far
+                // must not be handed on as whole by another watch's end of list.
                 watcher::Event::Init => {
                     let ns = self.namespaces[source].clone();
                     gathered.retain(|key, _| ns.is_some() && key.namespace != ns);
+                    self.listed[source] = false;
                 }
                 watcher::Event::InitApply(o) | watcher::Event::Apply(o) => {
                     gathered.insert(reflector::ObjectRef::from_obj(&o), o);
@@ -414,26 +435,6 @@ fn feeding<K: Stored>(
         futures::future::ready(())
     });
     (cache, feed)
-}
-
-/// A cache of every `K` the client sees, narrowed by `config`, metadata only: the apiserver sends only
-/// metadata (a metadata watch), and each object is kept as `K::default()` with that metadata,
-/// `managedFields` dropped. For kinds whose content is read only when it is needed (fetched
-/// then), so neither the process nor the wire carries the content of objects it never uses.
-/// Every event wakes `changed`; the future keeps the cache current.
-pub fn watched_metadata<K: Watched + Default>(
-    client: kube::Client,
-    config: watcher::Config,
-    changed: &Arc<Notify>,
-) -> (Cache<K>, impl Future<Output = ()> + Send + 'static) {
-    fn header<K: Watched + Default>(partial: kube::core::PartialObjectMeta<K>) -> K {
-        let mut object = K::default();
-        *object.meta_mut() = partial.metadata;
-        object.meta_mut().managed_fields = None;
-        object
-    }
-    let api = Api::<kube::core::PartialObjectMeta<K>>::all(client);
-    watched_summaries(api, config, header::<K>, changed)
 }
 
 /// An object kept as its metadata (without `managedFields`) and the compact JSON of the rest,
@@ -774,6 +775,40 @@ mod tests {
         assert!(names(&store).is_empty(), "b has not listed");
         feed(&mut merge, &mut writer, 1, vec![InitDone]);
         assert_eq!(names(&store), ["a/new@1", "b/x@1"]);
+    }
+
+    #[test]
+    fn a_watch_listing_again_while_another_has_not_listed_is_awaited_to_its_end() {
+        use watcher::Event::*;
+        let (store, mut writer) = reflector::store();
+        let mut merge = Merge::new(vec![Some("a".into()), Some("b".into())], store.clone());
+        feed(
+            &mut merge,
+            &mut writer,
+            0,
+            vec![Init, InitApply(config_map("a", "x", "1")), InitDone],
+        );
+        // a lists again (its resource version expired) and is halfway when b finishes.
+        feed(
+            &mut merge,
+            &mut writer,
+            0,
+            vec![Init, InitApply(config_map("a", "x", "2"))],
+        );
+        feed(
+            &mut merge,
+            &mut writer,
+            1,
+            vec![Init, InitApply(config_map("b", "y", "1")), InitDone],
+        );
+        assert!(names(&store).is_empty(), "a is not listed yet");
+        feed(
+            &mut merge,
+            &mut writer,
+            0,
+            vec![InitApply(config_map("a", "z", "1")), InitDone],
+        );
+        assert_eq!(names(&store), ["a/x@2", "a/z@1", "b/y@1"]);
     }
 
     #[test]

@@ -149,6 +149,17 @@ pub const TENSILECTL: &str = "tensilectl";
 pub const CREDENTIAL_KUBECONFIG_KEY: &str = "kubeconfig";
 pub const CREDENTIAL_TOKEN_KEY: &str = "token";
 
+/// Whether `s` is a DNS-1123 label (a namespace's name): at most 63 lowercase letters,
+/// digits and `-`, starting and ending with a letter or digit.
+pub fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
 /// A `key=value` label, as a flag writes it (`--node-labels region=eu,zone=a`).
 pub fn parse_label(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
@@ -160,6 +171,14 @@ pub fn parse_label(s: &str) -> Result<(String, String), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_namespace_name_is_a_dns_label() {
+        assert!(is_dns_label("team-a") && is_dns_label("a1"));
+        for bad in ["", "Team", "a.b", "-a", "a-", "a_b", &"x".repeat(64)] {
+            assert!(!is_dns_label(bad), "{bad}");
+        }
+    }
 
     #[test]
     fn a_label_flag_is_key_equals_value() {

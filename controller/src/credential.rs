@@ -197,7 +197,9 @@ pub async fn request_token(
         expiration_seconds: Some(lifetime.as_secs().try_into().unwrap_or(i64::MAX)),
         bound_object_ref: None,
     };
-    tensile_common::api::request_token(client, namespace, name, spec).await
+    tensile_common::api::request_token(client, namespace, name, spec)
+        .await
+        .map(|(token, _)| token)
 }
 
 /// The data of a credential Secret: the kubeconfig and the token it reads.

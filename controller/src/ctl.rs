@@ -447,6 +447,15 @@ fn yaml<K: serde::Serialize + kube::Resource<DynamicType = ()>>(out: &mut String
 /// `tensilectl join`: returns what to print.
 pub async fn join(args: &JoinArgs) -> Result<String, Error> {
     let name = args.name.as_str();
+    if let Some(bad) = args
+        .namespaces
+        .iter()
+        .find(|n| !tensile_common::names::is_dns_label(n))
+    {
+        return Err(Error::Refused(format!(
+            "--namespaces: {bad:?} is not a namespace name"
+        )));
+    }
     if args.token_lifetime < credential::MIN_LIFETIME {
         return Err(Error::Refused(format!(
             "--token-lifetime {:?} is shorter than the 10 minutes the apiserver issues at least",
@@ -555,15 +564,6 @@ pub async fn join(args: &JoinArgs) -> Result<String, Error> {
         }
     }
     let namespaces: Api<Namespace> = Api::all(lower.clone());
-    if namespaces
-        .get_opt(ns)
-        .await
-        .map_err(api_error("lower", "get", format!("namespace {ns}")))?
-        .is_none()
-    {
-        apply(&namespaces, "lower", &lower_objects.namespace).await?;
-    }
-    apply(&accounts, "lower", &lower_objects.account).await?;
     // A served namespace is the lower admin's: it must be there, and join makes none.
     for served in &args.namespaces {
         if namespaces
@@ -577,6 +577,15 @@ pub async fn join(args: &JoinArgs) -> Result<String, Error> {
             )));
         }
     }
+    if namespaces
+        .get_opt(ns)
+        .await
+        .map_err(api_error("lower", "get", format!("namespace {ns}")))?
+        .is_none()
+    {
+        apply(&namespaces, "lower", &lower_objects.namespace).await?;
+    }
+    apply(&accounts, "lower", &lower_objects.account).await?;
     if let (Some(role), Some(binding)) = (&lower_objects.role, &lower_objects.binding) {
         apply(&Api::all(lower.clone()), "lower", role).await?;
         apply(&Api::all(lower.clone()), "lower", binding).await?;

@@ -99,6 +99,25 @@ pub fn validate(settings: &Settings, cluster: &LowerCluster) -> Result<(), Inval
     if cluster.spec.credential.secret_name.is_empty() {
         return Err(Invalid("spec.credential.secretName is empty".into()));
     }
+    let template_args = settings
+        .template
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|s| s.containers.first())
+        .and_then(|c| c.args.as_ref());
+    let collects = template_args
+        .into_iter()
+        .flatten()
+        .chain(&cluster.spec.extra_args)
+        .any(|a| a == "--gc-namespaces");
+    if !cluster.spec.namespaces.is_empty() && collects {
+        return Err(Invalid(
+            "spec.namespaces and --gc-namespaces exclude each other: the served namespaces are the lower \
+             admin's, never made or deleted by a virtual node"
+                .into(),
+        ));
+    }
     // A node asks for its pods' tokens as itself: the Node authorizer and NodeRestriction
     // let it mint tokens only for the accounts of pods bound to it, bound to those pods.
     if cluster.spec.upper_tokens.is_some() && !settings.node_identity {
@@ -650,6 +669,16 @@ pub(crate) mod tests {
         c.spec.namespaces = vec!["team-a".into(), "team-b".into()];
         assert!(node_args(&settings(), &c).contains(&"--lower-namespaces=team-a,team-b".to_owned()));
         assert!(c.spec.served().contains("team-b") && !c.spec.served().contains("default"));
+        assert!(validate(&settings(), &c).is_ok());
+        c.spec.extra_args = vec!["--gc-namespaces".into()];
+        let refused = validate(&settings(), &c).unwrap_err();
+        assert!(
+            refused
+                .0
+                .contains("spec.namespaces and --gc-namespaces exclude each other"),
+            "{}",
+            refused.0
+        );
     }
 
     #[test]

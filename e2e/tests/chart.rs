@@ -1752,6 +1752,24 @@ async fn values_that_would_break_the_release_are_refused_with_the_reason() {
         err.contains("virtualNodes.nodes.0.upperTokens.apiEndpoint: Does not match pattern"),
         "{err}"
     );
+    // A namespace-scoped node with namespace collection: it would stop at start-up.
+    let err = refused(
+        "bad",
+        with_nodes(
+            &["a"],
+            &[
+                "--set",
+                "virtualNodes.gcNamespaces=true",
+                "--set",
+                "virtualNodes.nodes[0].namespaces={team-a}",
+            ],
+        ),
+    )
+    .await;
+    assert!(
+        err.contains("virtualNodes.nodes[].namespaces of a and virtualNodes.gcNamespaces exclude each other"),
+        "{err}"
+    );
     let fine = template(up, "bad", &tokens("node", "https://upper:6443")).await;
     assert!(
         fine.ok && fine.stdout.contains("apiEndpoint: https://upper:6443"),

@@ -98,7 +98,7 @@ fn quota_resource(key: &str) -> Option<&str> {
     }
 }
 
-/// The room of the served namespaces `served`, from their ResourceQuotas and the load of every
+/// The room of the served namespaces `served`, from their unscoped ResourceQuotas and the load of every
 /// unfinished pod in them: per namespace, the tightest `hard` of each resource, less what pods
 /// this node does not manage request there (its own are counted upstream). A resource no
 /// quota of a namespace bounds adds nothing of that namespace (its room is unknown, never
@@ -115,7 +115,15 @@ pub fn compute_from_quotas<'a>(
         let Some(ns) = served.iter().find(|s| *s == ns) else {
             continue;
         };
-        let Some(limits) = quota.spec.as_ref().and_then(|s| s.hard.as_ref()) else {
+        // A scoped quota (BestEffort, Terminating, a priority class…) bounds only the pods
+        // it matches, not the namespace's room.
+        let spec = quota.spec.as_ref();
+        if spec
+            .is_some_and(|s| s.scopes.as_ref().is_some_and(|v| !v.is_empty()) || s.scope_selector.is_some())
+        {
+            continue;
+        }
+        let Some(limits) = spec.and_then(|s| s.hard.as_ref()) else {
             continue;
         };
         let room = hard.entry(ns.as_str()).or_default();
@@ -357,6 +365,10 @@ mod tests {
             ),
             // b bounds cpu only; c has no quota; d is not served.
             quota("b", json!({"requests.cpu": "2"})),
+            // A scoped quota bounds only the pods it matches.
+            serde_json::from_value(json!({"metadata": {"name": "be", "namespace": "a"},
+                "spec": {"hard": {"pods": "0"}, "scopes": ["BestEffort"]}}))
+            .unwrap(),
             quota("d", json!({"requests.cpu": "100"})),
         ];
         let pods = [

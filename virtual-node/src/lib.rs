@@ -191,14 +191,7 @@ impl LowerArgs {
         if served.is_empty() {
             return Ok(tensile_common::cache::Namespaces::All);
         }
-        let label = |n: &str| {
-            n.len() <= 63
-                && n.bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !n.starts_with('-')
-                && !n.ends_with('-')
-        };
-        if let Some(bad) = served.iter().find(|n| !label(n)) {
+        if let Some(bad) = served.iter().find(|n| !tensile_common::names::is_dns_label(n)) {
             return Err(format!("--lower-namespaces: {bad:?} is not a namespace name"));
         }
         if gc_namespaces {
@@ -349,7 +342,8 @@ pub struct TokenArgs {
     /// (default: the upper kubeconfig's CA, or the in-cluster one).
     #[arg(long = "upper-api-ca-file", env = "TENSILE_UPPER_API_CA_FILE")]
     pub ca_file: Option<PathBuf>,
-    /// Only pods of these namespaces get upper tokens (comma-separated; empty: every one).
+    /// Only pods of these namespaces get upper tokens (comma-separated; empty: every one but
+    /// the --shared-namespaces, where others below could read the tokens).
     #[arg(
         long = "upper-token-namespaces",
         env = "TENSILE_UPPER_TOKEN_NAMESPACES",
@@ -405,7 +399,12 @@ fn upper_ca(kubeconfig: Option<&Path>) -> Result<String, String> {
 
 impl TokenArgs {
     /// The mode's settings (`None`: off), or why they cannot be used.
-    pub fn settings(&self, upper_kubeconfig: Option<&Path>) -> Result<Option<tokens::Settings>, String> {
+    /// `shared`: the lower namespaces shared with others (`--shared-namespaces`).
+    pub fn settings(
+        &self,
+        upper_kubeconfig: Option<&Path>,
+        shared: &[String],
+    ) -> Result<Option<tokens::Settings>, String> {
         if !self.upper_tokens {
             return Ok(None);
         }
@@ -418,7 +417,14 @@ impl TokenArgs {
                 .map_err(|e| format!("--upper-api-ca-file {}: {e}", file.display()))?,
             None => upper_ca(upper_kubeconfig)?,
         };
-        tokens::Settings::new(endpoint, ca, self.token_namespaces.clone(), self.renew_at).map(Some)
+        tokens::Settings::new(
+            endpoint,
+            ca,
+            self.token_namespaces.clone(),
+            shared.to_vec(),
+            self.renew_at,
+        )
+        .map(Some)
     }
 }
 
@@ -565,7 +571,10 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         .scope(args.reflection.gc_namespaces)
         .map_err(Error::Flags)?;
     args.tokens
-        .settings(args.upper.kubeconfig.as_deref())
+        .settings(
+            args.upper.kubeconfig.as_deref(),
+            &args.reflection.shared_namespaces,
+        )
         .map_err(Error::Flags)?;
     let stash_key = match args.stash_key_file.as_slice() {
         [_, ..] => Some(Arc::new(tensile_common::stash::StashKeys::from_files(
@@ -890,7 +899,10 @@ async fn compose(
         .map_err(Error::Flags)?;
     let token_settings = args
         .tokens
-        .settings(args.upper.kubeconfig.as_deref())
+        .settings(
+            args.upper.kubeconfig.as_deref(),
+            &args.reflection.shared_namespaces,
+        )
         .map_err(Error::Flags)?
         .map(Arc::new);
     let scope = world::Scope {
@@ -1125,6 +1137,8 @@ async fn compose(
             limit: ctx.lower_limit.clone(),
             metrics: resync_metrics.clone(),
             tokenless: Default::default(),
+            failures: Default::default(),
+            unseen: Default::default(),
         };
         tasks.spawn(
             "the token keeper",

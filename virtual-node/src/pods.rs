@@ -591,7 +591,13 @@ async fn create_in_namespace(
         // (The pod's Secret of upper tokens is not a copy: it is not recorded.)
         let travelled: Vec<refs::Reference> = refs::references(spec, |_| true)
             .into_iter()
-            .filter(|r| !(r.kind == refs::Kind::Secret && crate::tokens::is_token_secret(&r.name)))
+            .filter(|r| {
+                !(r.kind == refs::Kind::Secret
+                    && crate::tokens::is_token_secret(
+                        &r.name,
+                        upper.metadata.uid.as_deref().unwrap_or_default(),
+                    ))
+            })
             .collect();
         let record = refs::encode_references(travelled.iter().map(|r| (r.kind, r.name.as_str())));
         desired

@@ -49,6 +49,8 @@ pub fn selector(identity: &Identity) -> String {
         identity.node
     )
 }
+/// Annotation of a lower pod made to mount a Secret of upper tokens: that Secret's name.
+pub const TOKEN_SECRET_ANNOTATION: &str = "tensile.io/upper-token-secret";
 /// Annotation of those Secrets: when the first of their tokens is due for renewal (RFC 3339).
 pub const RENEW_AT: &str = "tensile.io/upper-token-renew-at";
 /// Keys of the Secret besides the tokens (`token-0`, `token-1`…).
@@ -70,8 +72,11 @@ pub struct Settings {
     pub port: u16,
     /// The CA bundle (PEM) that endpoint's certificate verifies with.
     pub ca: String,
-    /// Namespaces whose pods get tokens; empty: every namespace.
+    /// Namespaces whose pods get tokens; empty: every namespace not shared below.
     pub namespaces: Vec<String>,
+    /// Lower namespaces shared with others (`--shared-namespaces`; `*`: any): with no list
+    /// above, their pods get no token (anyone who may read Secrets there could take it).
+    pub shared: Vec<String>,
     /// Share of a token's lifetime after which it is renewed.
     pub renew_at: f64,
 }
@@ -79,7 +84,13 @@ pub struct Settings {
 impl Settings {
     /// `endpoint` (`https://host[:port]`), the CA, the namespaces and the renewal share, or
     /// why they cannot be used.
-    pub fn new(endpoint: &str, ca: String, namespaces: Vec<String>, renew_at: f64) -> Result<Self, String> {
+    pub fn new(
+        endpoint: &str,
+        ca: String,
+        namespaces: Vec<String>,
+        shared: Vec<String>,
+        renew_at: f64,
+    ) -> Result<Self, String> {
         let uri: http::Uri = endpoint
             .parse()
             .map_err(|e| format!("--upper-api-endpoint {endpoint:?}: {e}"))?;
@@ -115,13 +126,17 @@ impl Settings {
             port: uri.port_u16().unwrap_or(443),
             ca,
             namespaces,
+            shared,
             renew_at,
         })
     }
 
     /// Whether pods of `namespace` get upper tokens.
     pub fn applies(&self, namespace: &str) -> bool {
-        self.namespaces.is_empty() || self.namespaces.iter().any(|n| n == namespace)
+        match self.namespaces.is_empty() {
+            true => !self.shared.iter().any(|s| s == "*" || s == namespace),
+            false => self.namespaces.iter().any(|n| n == namespace),
+        }
     }
 }
 
@@ -278,12 +293,23 @@ pub fn rewrite(spec: &mut PodSpec, service_account: &str, secret: &str, settings
     true
 }
 
-/// When tokens issued `now`, living `lifetimes` seconds each, are due for renewal: the
-/// earliest `renew_at` share of a lifetime, and never sooner than 10 s.
-pub fn renew_time(now: jiff::Timestamp, lifetimes: &[i64], renew_at: f64) -> jiff::Timestamp {
-    let shortest = lifetimes.iter().copied().min().unwrap_or(LEGACY_EXPIRATION);
-    let after = ((shortest as f64) * renew_at).max(10.0);
-    now + Duration::from_secs_f64(after)
+/// When tokens issued at `issued`, expiring at `expirations` (as the apiserver granted them,
+/// which may be shorter than asked), are due for renewal: the earliest `renew_at` share of a
+/// lifetime, and never sooner than 10 s.
+pub fn renew_time(
+    issued: jiff::Timestamp,
+    expirations: &[jiff::Timestamp],
+    renew_at: f64,
+) -> jiff::Timestamp {
+    let shortest = expirations
+        .iter()
+        .map(|e| e.duration_since(issued).as_secs_f64())
+        .fold(f64::INFINITY, f64::min);
+    let shortest = match shortest.is_finite() {
+        true => shortest,
+        false => LEGACY_EXPIRATION as f64,
+    };
+    issued + Duration::from_secs_f64((shortest * renew_at).max(10.0))
 }
 
 /// The lower Secret of `upper`'s tokens, owned by its lower pod `lower`.
@@ -358,18 +384,27 @@ pub struct Keeper {
     pub metrics: Arc<crate::metrics::Metrics>,
     /// Upper pods (by UID) that mount no token.
     pub tokenless: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Pods (by UID) whose tokens failed, with when to try again and the delay after that:
+    /// 1 s doubling to 5 minutes.
+    pub failures: std::sync::Mutex<std::collections::HashMap<String, (tokio::time::Instant, Duration)>>,
+    /// Pods (by UID) whose lower pod is not seen yet, and since when.
+    pub unseen: std::sync::Mutex<std::collections::HashMap<String, tokio::time::Instant>>,
 }
 
+/// How long a pod whose lower pod was just made is looked at twice a second.
+const JUST_MADE: Duration = Duration::from_secs(10);
+const MAX_RETRY: Duration = Duration::from_secs(300);
+
 impl Keeper {
-    /// Passes forever: at once when a lower pod is made or a token Secret changes, every
-    /// half second while a pod waits for its tokens, else every 5 s.
+    /// Passes forever: at once when a lower pod is made or a token Secret changes, twice a
+    /// second while a lower pod was just made and its tokens are not written yet, else
+    /// every 5 s.
     pub async fn run(self, changed: Arc<Notify>) {
         self.upper_pods.synced().await;
         self.lower_pods.synced().await;
         self.secrets.synced().await;
         loop {
-            let waiting = self.pass().await;
-            let period = match waiting {
+            let period = match self.pass().await {
                 true => Duration::from_millis(500),
                 false => Duration::from_secs(5),
             };
@@ -380,11 +415,11 @@ impl Keeper {
         }
     }
 
-    /// Issues what is missing or due, for every running pod of this node in the mode;
-    /// whether some pod waits for its tokens (its lower pod is not seen yet, or a request
-    /// failed).
+    /// Issues what is missing or due, for every running pod of this node in the mode whose
+    /// lower pod mounts them; whether a pod just made waits for its lower pod to be seen.
     pub async fn pass(&self) -> bool {
         let now = jiff::Timestamp::now();
+        let instant = tokio::time::Instant::now();
         let mut waiting = false;
         for kept in self.upper_pods.state() {
             if kept.terminal || kept.node.as_deref() != Some(self.identity.node.as_str()) {
@@ -395,15 +430,40 @@ impl Keeper {
             if !self.settings.applies(&ns) || self.tokenless.lock().is_ok_and(|t| t.contains(&uid)) {
                 continue;
             }
+            if self
+                .failures
+                .lock()
+                .is_ok_and(|f| f.get(&uid).is_some_and(|(next, _)| *next > instant))
+            {
+                continue;
+            }
             // A Secret not due is passed by without reading the pod.
             let held = self.secrets.get(&ObjectRef::new(&secret_name(&uid)).within(&ns));
             if held.as_ref().is_some_and(|h| renewal(h).is_some_and(|r| r > now)) {
                 continue;
             }
             let Some(lower) = self.lower_pods.get(&ObjectRef::new(&kept.name_any()).within(&ns)) else {
-                waiting = true;
+                if let Ok(mut unseen) = self.unseen.lock() {
+                    let since = *unseen.entry(uid).or_insert(instant);
+                    waiting |= instant.duration_since(since) < JUST_MADE;
+                }
                 continue;
             };
+            if let Ok(mut unseen) = self.unseen.lock() {
+                unseen.remove(&uid);
+            }
+            // Only a lower pod made to mount them gets tokens (one made before the mode, or
+            // before its namespace was covered, mounts none: minting for it would leave live
+            // tokens below that nothing uses).
+            let mounts = lower
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(TOKEN_SECRET_ANNOTATION))
+                .is_some_and(|s| *s == secret_name(&uid));
+            if !mounts {
+                continue;
+            }
             let (Ok(upper), Ok(lower)) = (kept.pod(), lower.unpack()) else {
                 continue;
             };
@@ -427,24 +487,58 @@ impl Keeper {
             if held.as_ref().is_some_and(|h| !due(h, &wanted, now)) {
                 continue;
             }
-            if let Err(e) = self.issue(&upper, &lower, &wanted, held.as_deref()).await {
-                waiting = true;
-                self.metrics.api_error(e.0, "token");
-                tracing::warn!(pod = %format!("{ns}/{}", upper.name_any()), "upper service-account token: {}", e.1);
+            match self.issue(&upper, &lower, &wanted, held.as_deref()).await {
+                Ok(()) => {
+                    if let Ok(mut f) = self.failures.lock() {
+                        f.remove(&uid);
+                    }
+                }
+                Err(e) => {
+                    let delay = self.failures.lock().map_or(MAX_RETRY, |mut f| {
+                        let delay = f
+                            .get(&uid)
+                            .map_or(Duration::from_secs(1), |(_, d)| (*d * 2).min(MAX_RETRY));
+                        f.insert(uid.clone(), (instant + delay, delay));
+                        delay
+                    });
+                    self.metrics.api_error(e.0, "token");
+                    tracing::warn!(
+                        pod = %format!("{ns}/{}", upper.name_any()),
+                        retry_in = ?delay,
+                        "upper service-account token: {}",
+                        e.1
+                    );
+                }
             }
         }
+        let live = || -> std::collections::HashSet<String> {
+            self.upper_pods.state().iter().filter_map(|p| p.uid()).collect()
+        };
         // Forget pods that are gone.
-        if let Ok(mut t) = self.tokenless.lock()
-            && t.len() > self.upper_pods.len()
-        {
-            let live: std::collections::HashSet<String> =
-                self.upper_pods.state().iter().filter_map(|p| p.uid()).collect();
-            t.retain(|uid| live.contains(uid));
+        for map_len in [
+            self.tokenless.lock().map_or(0, |t| t.len()),
+            self.failures.lock().map_or(0, |f| f.len()),
+            self.unseen.lock().map_or(0, |u| u.len()),
+        ] {
+            if map_len > 0 && map_len + 64 > self.upper_pods.len() {
+                let live = live();
+                if let Ok(mut t) = self.tokenless.lock() {
+                    t.retain(|uid| live.contains(uid));
+                }
+                if let Ok(mut f) = self.failures.lock() {
+                    f.retain(|uid, _| live.contains(uid));
+                }
+                if let Ok(mut u) = self.unseen.lock() {
+                    u.retain(|uid, _| live.contains(uid));
+                }
+                break;
+            }
         }
         waiting
     }
 
-    /// Asks for every token `upper` wants and writes them into its lower Secret.
+    /// Asks for every token `upper` wants and writes them into its lower Secret (`held`: as
+    /// the cache shows it).
     async fn issue(
         &self,
         upper: &k8s_openapi::api::core::v1::Pod,
@@ -453,10 +547,33 @@ impl Keeper {
         held: Option<&Secret>,
     ) -> Result<(), (&'static str, String)> {
         let ns = upper.namespace().unwrap_or_default();
+        let uid = upper.metadata.uid.clone().unwrap_or_default();
+        let name = secret_name(&uid);
+        let api = Api::<Secret>::namespaced(self.lower.clone(), &ns);
+        // The version to replace: the cache's, or (a Secret the cache does not show yet)
+        // what is there, when it is this node's for this pod; someone else's is never
+        // overwritten, and no token is asked for it.
+        let version = match held {
+            Some(h) => h.metadata.resource_version.clone(),
+            None => match api.get_opt(&name).await {
+                Ok(None) => None,
+                Ok(Some(found)) if self.ours(&found, &uid) => found.metadata.resource_version,
+                Ok(Some(_)) => {
+                    return Err((
+                        "lower",
+                        format!(
+                            "Secret {ns}/{name} exists and is not this node's: the pod gets no upper token until it is gone"
+                        ),
+                    ));
+                }
+                Err(e) => return Err(("lower", format!("reading Secret {ns}/{name}: {e}"))),
+            },
+        };
         let spec = upper.spec.as_ref().ok_or(("upper", "no spec".to_owned()))?;
         let account = translate::service_account(spec);
         let issued_at = jiff::Timestamp::now();
         let mut tokens = Vec::with_capacity(wanted.len());
+        let mut expirations = Vec::with_capacity(wanted.len());
         for w in wanted {
             let request = TokenRequestSpec {
                 audiences: w.audience.iter().cloned().collect(),
@@ -468,23 +585,22 @@ impl Keeper {
                     uid: upper.metadata.uid.clone(),
                 }),
             };
-            let token = tensile_common::api::request_token(&self.upper, &ns, &account, request)
+            let (token, expires) = tensile_common::api::request_token(&self.upper, &ns, &account, request)
                 .await
                 .map_err(|e| ("upper", format!("a token of ServiceAccount {ns}/{account}: {e}")))?;
             tokens.push((w.key.clone(), token));
+            expirations
+                .push(expires.unwrap_or(issued_at + Duration::from_secs(w.expiration_seconds.max(0) as u64)));
         }
-        let lifetimes: Vec<i64> = wanted.iter().map(|w| w.expiration_seconds).collect();
-        let renew = renew_time(issued_at, &lifetimes, self.settings.renew_at);
+        let renew = renew_time(issued_at, &expirations, self.settings.renew_at);
         let mut desired = secret(upper, lower, &self.identity, tokens, &self.settings, renew);
-        let name = desired.name_any();
-        let api = Api::<Secret>::namespaced(self.lower.clone(), &ns);
         self.limit.acquire().await;
-        // Created, or replaced at the version seen (a conflict is tried again next pass):
-        // the verbs a copy needs, nothing more.
-        let written = match held {
+        // Created, or replaced at the version seen (a conflict is tried again): the verbs a
+        // copy needs, nothing more.
+        let written = match version {
             None => api.create(&PostParams::default(), &desired).await,
-            Some(h) => {
-                desired.metadata.resource_version = h.metadata.resource_version.clone();
+            Some(v) => {
+                desired.metadata.resource_version = Some(v);
                 api.replace(&name, &PostParams::default(), &desired).await
             }
         };
@@ -492,12 +608,20 @@ impl Keeper {
         tracing::info!(pod = %format!("{ns}/{}", upper.name_any()), %renew, "upper service-account tokens issued");
         Ok(())
     }
+
+    /// Whether `found` is this node's Secret of the pod whose upper UID is `uid`.
+    fn ours(&self, found: &Secret, uid: &str) -> bool {
+        let labels = found.labels();
+        labels.get(TOKEN_LABEL) == Some(&self.identity.cluster_id)
+            && labels.get(names::MARK_NODE) == Some(&self.identity.node)
+            && labels.get(names::MARK_UPPER_UID).map(String::as_str) == Some(uid)
+    }
 }
 
-/// Whether `name` is the lower Secret of a pod's upper tokens (never a copy of an upper
-/// object).
-pub fn is_token_secret(name: &str) -> bool {
-    name.starts_with(SECRET_PREFIX)
+/// Whether `name` is the lower Secret of the upper tokens of the pod whose upper UID is
+/// `upper_uid` (never a copy of an upper object).
+pub fn is_token_secret(name: &str, upper_uid: &str) -> bool {
+    name == secret_name(upper_uid)
 }
 
 #[cfg(test)]
@@ -512,6 +636,7 @@ mod tests {
             "https://upper.example:6443",
             CA.into(),
             namespaces.iter().map(|n| (*n).to_owned()).collect(),
+            vec!["default".into()],
             0.8,
         )
         .unwrap()
@@ -674,7 +799,11 @@ mod tests {
         assert_eq!((s.host.as_str(), s.port), ("upper.example", 6443));
         assert!(s.applies("team-a") && !s.applies("team-b"));
         assert!(settings(&[]).applies("anything"));
-        let v6 = Settings::new("https://[fd00::1]", CA.into(), vec![], 0.8).unwrap();
+        assert!(
+            !settings(&[]).applies("default") && settings(&["default"]).applies("default"),
+            "a namespace shared below gets tokens only when listed"
+        );
+        let v6 = Settings::new("https://[fd00::1]", CA.into(), vec![], vec![], 0.8).unwrap();
         assert_eq!((v6.host.as_str(), v6.port), ("fd00::1", 443));
         for (endpoint, ca, share, says) in [
             ("http://upper:80", CA, 0.8, "https only"),
@@ -683,7 +812,7 @@ mod tests {
             ("https://upper", "no pem", 0.8, "holds no PEM certificate"),
             ("https://upper", CA, 1.0, "is not between 0 and 1"),
         ] {
-            let e = Settings::new(endpoint, ca.into(), vec![], share).unwrap_err();
+            let e = Settings::new(endpoint, ca.into(), vec![], vec![], share).unwrap_err();
             assert!(e.contains(says), "{endpoint}: {e}");
         }
     }
@@ -691,12 +820,22 @@ mod tests {
     #[test]
     fn tokens_are_renewed_at_their_share_of_the_shortest_lifetime_and_a_secret_missing_one_is_due() {
         let now: jiff::Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+        let at = |secs: u64| now + Duration::from_secs(secs);
         assert_eq!(
-            renew_time(now, &[3607, 600], 0.8).to_string(),
+            renew_time(now, &[at(3607), at(600)], 0.8).to_string(),
             "2026-01-01T00:08:00Z"
         );
         assert_eq!(
-            renew_time(now, &[600], 0.001).to_string(),
+            renew_time(now, &[at(3600)], 0.8).to_string(),
+            "2026-01-01T00:48:00Z",
+            "from what the apiserver granted"
+        );
+        assert_eq!(
+            renew_time(now, &[at(86_400)], 0.8).to_string(),
+            "2026-01-01T19:12:00Z"
+        );
+        assert_eq!(
+            renew_time(now, &[at(600)], 0.001).to_string(),
             "2026-01-01T00:00:10Z",
             "never sooner than 10 s"
         );
@@ -721,6 +860,10 @@ mod tests {
             },
         ];
         assert!(due(&held, &two, now), "a token the pod asks for is missing");
-        assert!(is_token_secret("tensile-upper-token-u1") && !is_token_secret("builder-token-abcde"));
+        assert!(is_token_secret("tensile-upper-token-u1", "u1"));
+        assert!(
+            !is_token_secret("tensile-upper-token-mine", "u1"),
+            "a user's Secret of that prefix is a copy"
+        );
     }
 }

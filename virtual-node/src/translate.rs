@@ -148,6 +148,7 @@ impl Translation {
                     "kubectl.kubernetes.io/last-applied-configuration",
                     names::COPIED_LABELS,
                     names::COPIED_ANNOTATIONS,
+                    crate::tokens::TOKEN_SECRET_ANNOTATION,
                 ]
                 .contains(&k.as_str())
             })
@@ -235,6 +236,12 @@ impl Translation {
         let copied_annotations = annotations.keys().cloned().collect::<Vec<_>>().join(",");
         annotations.insert(names::COPIED_LABELS.to_owned(), copied_labels.join(","));
         annotations.insert(names::COPIED_ANNOTATIONS.to_owned(), copied_annotations);
+        if rewritten {
+            annotations.insert(
+                crate::tokens::TOKEN_SECRET_ANNOTATION.to_owned(),
+                crate::tokens::secret_name(uid),
+            );
+        }
         Ok(Pod {
             metadata: ObjectMeta {
                 name: upper.metadata.name.clone(),
@@ -741,6 +748,7 @@ pub(crate) mod tests {
             "https://upper.example:6443",
             "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n".into(),
             vec!["shop".into()],
+            vec!["default".into()],
             0.8,
         )
         .unwrap();
@@ -765,6 +773,14 @@ pub(crate) mod tests {
             "the account may not exist below"
         );
         assert!(s["containers"][0]["env"].to_string().contains("upper.example"));
+        let lower = t.lower_pod(&upper()).unwrap();
+        assert_eq!(
+            kube::ResourceExt::annotations(&lower)
+                .get(crate::tokens::TOKEN_SECRET_ANNOTATION)
+                .map(String::as_str),
+            Some("tensile-upper-token-u-1"),
+            "the token keeper writes tokens only for a lower pod made to mount them"
+        );
 
         let mut elsewhere = upper();
         elsewhere.metadata.namespace = Some("other".into());
