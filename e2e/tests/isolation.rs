@@ -831,6 +831,85 @@ spec:
     .unwrap();
     assert!(run.out().contains("scoped"), "{} {}", run.out(), run.stderr);
 
+    // A claim: made below in the served namespace, bound there (the lower admin's class and
+    // volume), and its pod runs; nothing cluster-wide is read for it.
+    apply(
+        low(),
+        r#"
+apiVersion: v1
+kind: List
+items:
+- {apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {name: scoped-disk},
+   provisioner: kubernetes.io/no-provisioner, volumeBindingMode: Immediate}
+- apiVersion: v1
+  kind: PersistentVolume
+  metadata: {name: scoped-disk-0}
+  spec: {capacity: {storage: 1Gi}, accessModes: [ReadWriteOnce], storageClassName: scoped-disk,
+         hostPath: {path: /tmp/scoped-disk-0}}
+"#,
+    )
+    .await;
+    apply(
+        up(),
+        &format!(
+            r#"
+apiVersion: v1
+kind: List
+items:
+- {{apiVersion: storage.k8s.io/v1, kind: StorageClass, metadata: {{name: scoped-disk}},
+   provisioner: virtual-node.tensile.io, volumeBindingMode: WaitForFirstConsumer}}
+- apiVersion: v1
+  kind: PersistentVolumeClaim
+  metadata: {{name: data, namespace: team-a}}
+  spec: {{accessModes: [ReadWriteOnce], storageClassName: scoped-disk, resources: {{requests: {{storage: 500Mi}}}}}}
+- apiVersion: v1
+  kind: Pod
+  metadata: {{name: store, namespace: team-a}}
+  spec:
+    nodeName: {SCOPED}
+    tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+    volumes: [{{name: data, persistentVolumeClaim: {{claimName: data}}}}]
+    containers: [{{name: db, image: db, resources: {{requests: {{cpu: 100m, memory: 64Mi}}}},
+                  volumeMounts: [{{name: data, mountPath: /data}}]}}]
+"#
+        ),
+    )
+    .await;
+    running(low(), "team-a", "store").await;
+    running(up(), "team-a", "store").await;
+    eventually(
+        low(),
+        "the claim bound below",
+        60,
+        &[
+            "-n",
+            "team-a",
+            "get",
+            "pvc",
+            "data",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+        "Bound",
+    )
+    .await;
+    eventually(
+        up(),
+        "the claim bound above",
+        60,
+        &[
+            "-n",
+            "team-a",
+            "get",
+            "pvc",
+            "data",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+        "Bound",
+    )
+    .await;
+
     // A pod of a namespace not served is refused with the reason, and nothing is made for it.
     bed.upper.create_namespace("team-c").await.unwrap();
     apply(up(), &bound_pod("team-c", "outside", SCOPED, None)).await;
