@@ -126,6 +126,52 @@ impl ClientArgs {
     }
 }
 
+/// The cluster of `kubeconfig`'s context `context` (its current context when `None`).
+pub fn cluster_of<'a>(
+    kubeconfig: &'a Kubeconfig,
+    context: Option<&str>,
+) -> Option<&'a kube::config::Cluster> {
+    let context = context
+        .map(str::to_owned)
+        .or_else(|| kubeconfig.current_context.clone())?;
+    let cluster = kubeconfig
+        .contexts
+        .iter()
+        .find(|c| c.name == context)?
+        .context
+        .as_ref()?
+        .cluster
+        .clone();
+    kubeconfig
+        .clusters
+        .iter()
+        .find(|c| c.name == cluster)?
+        .cluster
+        .as_ref()
+}
+
+/// The CA (PEM) `cluster` names, inline (`certificate-authority-data`) or from its file;
+/// `None` when it names none.
+pub fn ca_pem(cluster: &kube::config::Cluster) -> std::io::Result<Option<Vec<u8>>> {
+    use base64::Engine as _;
+    if let Some(data) = &cluster.certificate_authority_data {
+        return base64::engine::general_purpose::STANDARD
+            .decode(data.trim())
+            .map(Some)
+            .map_err(|e| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("certificate-authority-data: {e}"),
+                )
+            });
+    }
+    cluster
+        .certificate_authority
+        .as_ref()
+        .map(std::fs::read)
+        .transpose()
+}
+
 /// Loads `path` and returns the [`kube::Config`] it describes.
 pub async fn config_from_file(path: &Path, options: &ClientOptions) -> Result<kube::Config, Error> {
     let kubeconfig = Kubeconfig::read_from(path).map_err(|source| Error::Read {

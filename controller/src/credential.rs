@@ -119,37 +119,17 @@ impl Endpoint {
     /// The current context's cluster of `kubeconfig` (or of `context`), the CA read from its
     /// file when the kubeconfig names one, so the result stands on its own (`--flatten`).
     pub fn of(kubeconfig: &kube::config::Kubeconfig, context: Option<&str>) -> Result<Self, Error> {
-        let context_name = context
-            .map(str::to_owned)
-            .or_else(|| kubeconfig.current_context.clone())
-            .ok_or(Error::NoCluster)?;
-        let cluster_name = kubeconfig
-            .contexts
-            .iter()
-            .find(|c| c.name == context_name)
-            .and_then(|c| c.context.as_ref())
-            .map(|c| c.cluster.clone())
-            .ok_or(Error::NoCluster)?;
-        let cluster = kubeconfig
-            .clusters
-            .iter()
-            .find(|c| c.name == cluster_name)
-            .and_then(|c| c.cluster.as_ref())
-            .ok_or(Error::NoCluster)?;
+        let cluster = tensile_common::kubeconfig::cluster_of(kubeconfig, context).ok_or(Error::NoCluster)?;
         let server = cluster.server.clone().ok_or(Error::NoServer)?;
-        let ca_data = match (
-            &cluster.certificate_authority_data,
-            &cluster.certificate_authority,
-        ) {
-            (Some(data), _) => Some(data.clone()),
-            (None, Some(path)) => {
-                let pem = std::fs::read(path).map_err(|source| Error::Read {
-                    path: path.clone(),
+        // Inline as written, or the file's PEM inlined.
+        let ca_data = match &cluster.certificate_authority_data {
+            Some(data) => Some(data.clone()),
+            None => tensile_common::kubeconfig::ca_pem(cluster)
+                .map_err(|source| Error::Read {
+                    path: cluster.certificate_authority.clone().unwrap_or_default(),
                     source,
-                })?;
-                Some(base64::engine::general_purpose::STANDARD.encode(pem))
-            }
-            (None, None) => None,
+                })?
+                .map(|pem| base64::engine::general_purpose::STANDARD.encode(pem)),
         };
         Ok(Self {
             server,

@@ -877,38 +877,24 @@ items:
     .await;
     running(low(), "team-a", "store").await;
     running(up(), "team-a", "store").await;
-    eventually(
-        low(),
-        "the claim bound below",
-        60,
-        &[
-            "-n",
-            "team-a",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Bound",
-    )
-    .await;
-    eventually(
-        up(),
-        "the claim bound above",
-        60,
-        &[
-            "-n",
-            "team-a",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Bound",
-    )
-    .await;
+    for (cluster, side) in [(low(), "below"), (up(), "above")] {
+        eventually(
+            cluster,
+            &format!("the claim bound {side}"),
+            60,
+            &[
+                "-n",
+                "team-a",
+                "get",
+                "pvc",
+                "data",
+                "-o",
+                "jsonpath={.status.phase}",
+            ],
+            "Bound",
+        )
+        .await;
+    }
 
     // A pod of a namespace not served is refused with the reason, and nothing is made for it.
     bed.upper.create_namespace("team-c").await.unwrap();

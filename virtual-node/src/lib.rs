@@ -368,33 +368,17 @@ fn upper_ca(kubeconfig: Option<&Path>) -> Result<String, String> {
         return std::fs::read_to_string(IN_CLUSTER).map_err(|e| format!("{IN_CLUSTER}: {e}"));
     };
     let config = kube::config::Kubeconfig::read_from(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let context = config
-        .current_context
-        .as_ref()
-        .and_then(|c| config.contexts.iter().find(|n| &n.name == c))
-        .and_then(|n| n.context.as_ref());
-    let cluster = config
-        .clusters
-        .iter()
-        .find(|c| context.is_none_or(|x| x.cluster == c.name))
-        .and_then(|c| c.cluster.as_ref())
-        .ok_or_else(|| format!("{}: no cluster", path.display()))?;
-    if let Some(data) = &cluster.certificate_authority_data {
-        use base64::Engine as _;
-        let pem = base64::engine::general_purpose::STANDARD
-            .decode(data.trim())
-            .map_err(|e| format!("{}: certificate-authority-data: {e}", path.display()))?;
-        return String::from_utf8(pem)
-            .map_err(|e| format!("{}: certificate-authority-data: {e}", path.display()));
-    }
-    if let Some(file) = &cluster.certificate_authority {
-        let file = path.parent().map(|d| d.join(file)).unwrap_or_else(|| file.into());
-        return std::fs::read_to_string(&file).map_err(|e| format!("{}: {e}", file.display()));
-    }
-    Err(format!(
-        "{}: the cluster names no CA; give --upper-api-ca-file",
-        path.display()
-    ))
+    let cluster =
+        kubeconfig::cluster_of(&config, None).ok_or_else(|| format!("{}: no cluster", path.display()))?;
+    let pem = kubeconfig::ca_pem(cluster)
+        .map_err(|e| format!("{}: the cluster's CA: {e}", path.display()))?
+        .ok_or_else(|| {
+            format!(
+                "{}: the cluster names no CA; give --upper-api-ca-file",
+                path.display()
+            )
+        })?;
+    String::from_utf8(pem).map_err(|e| format!("{}: the cluster's CA: {e}", path.display()))
 }
 
 impl TokenArgs {
@@ -1138,6 +1122,7 @@ async fn compose(
             metrics: resync_metrics.clone(),
             tokenless: Default::default(),
             failures: Default::default(),
+            retries: Default::default(),
             unseen: Default::default(),
         };
         tasks.spawn(

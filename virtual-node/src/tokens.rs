@@ -384,16 +384,16 @@ pub struct Keeper {
     pub metrics: Arc<crate::metrics::Metrics>,
     /// Upper pods (by UID) that mount no token.
     pub tokenless: std::sync::Mutex<std::collections::HashSet<String>>,
-    /// Pods (by UID) whose tokens failed, with when to try again and the delay after that:
-    /// 1 s doubling to 5 minutes.
-    pub failures: std::sync::Mutex<std::collections::HashMap<String, (tokio::time::Instant, Duration)>>,
+    /// Pods (by UID) whose tokens failed, and when to try again: the pod controller's
+    /// per-pod delays (1 s doubling to 5 minutes).
+    pub failures: std::sync::Mutex<std::collections::HashMap<String, tokio::time::Instant>>,
+    pub retries: crate::pods::Backoff,
     /// Pods (by UID) whose lower pod is not seen yet, and since when.
     pub unseen: std::sync::Mutex<std::collections::HashMap<String, tokio::time::Instant>>,
 }
 
 /// How long a pod whose lower pod was just made is looked at twice a second.
 const JUST_MADE: Duration = Duration::from_secs(10);
-const MAX_RETRY: Duration = Duration::from_secs(300);
 
 impl Keeper {
     /// Passes forever: at once when a lower pod is made or a token Secret changes, twice a
@@ -433,7 +433,7 @@ impl Keeper {
             if self
                 .failures
                 .lock()
-                .is_ok_and(|f| f.get(&uid).is_some_and(|(next, _)| *next > instant))
+                .is_ok_and(|f| f.get(&uid).is_some_and(|next| *next > instant))
             {
                 continue;
             }
@@ -492,15 +492,13 @@ impl Keeper {
                     if let Ok(mut f) = self.failures.lock() {
                         f.remove(&uid);
                     }
+                    self.retries.forget(&uid);
                 }
                 Err(e) => {
-                    let delay = self.failures.lock().map_or(MAX_RETRY, |mut f| {
-                        let delay = f
-                            .get(&uid)
-                            .map_or(Duration::from_secs(1), |(_, d)| (*d * 2).min(MAX_RETRY));
-                        f.insert(uid.clone(), (instant + delay, delay));
-                        delay
-                    });
+                    let delay = self.retries.next_delay(&uid);
+                    if let Ok(mut f) = self.failures.lock() {
+                        f.insert(uid.clone(), instant + delay);
+                    }
                     self.metrics.api_error(e.0, "token");
                     tracing::warn!(
                         pod = %format!("{ns}/{}", upper.name_any()),
@@ -511,28 +509,25 @@ impl Keeper {
                 }
             }
         }
-        let live = || -> std::collections::HashSet<String> {
-            self.upper_pods.state().iter().filter_map(|p| p.uid()).collect()
-        };
         // Forget pods that are gone.
-        for map_len in [
+        let remembered = [
             self.tokenless.lock().map_or(0, |t| t.len()),
             self.failures.lock().map_or(0, |f| f.len()),
             self.unseen.lock().map_or(0, |u| u.len()),
-        ] {
-            if map_len > 0 && map_len + 64 > self.upper_pods.len() {
-                let live = live();
-                if let Ok(mut t) = self.tokenless.lock() {
-                    t.retain(|uid| live.contains(uid));
-                }
-                if let Ok(mut f) = self.failures.lock() {
-                    f.retain(|uid, _| live.contains(uid));
-                }
-                if let Ok(mut u) = self.unseen.lock() {
-                    u.retain(|uid, _| live.contains(uid));
-                }
-                break;
+        ];
+        if remembered.iter().any(|n| *n > 0) {
+            let live: std::collections::HashSet<String> =
+                self.upper_pods.state().iter().filter_map(|p| p.uid()).collect();
+            if let Ok(mut t) = self.tokenless.lock() {
+                t.retain(|uid| live.contains(uid));
             }
+            if let Ok(mut f) = self.failures.lock() {
+                f.retain(|uid, _| live.contains(uid));
+            }
+            if let Ok(mut u) = self.unseen.lock() {
+                u.retain(|uid, _| live.contains(uid));
+            }
+            self.retries.retain(|uid| live.contains(uid));
         }
         waiting
     }
