@@ -71,6 +71,10 @@ pub const CONDITION_LOWER_SYNCED: &str = "tensile.io/LowerPodSynced";
 /// pod's spec, into which lower admission may inject references (a ServiceAccount's
 /// imagePullSecrets, a mesh's CA ConfigMap) that no upper pod named.
 pub const LOWER_POD_REFERENCES: &str = "tensile.io/references";
+/// Lower pod annotation: the override rules of its lower cluster that applied when it was
+/// made (JSON, the rules as written). Updates that follow the pod down go through these same
+/// rules, so a rule edited later reaches new pods only.
+pub const OVERRIDES: &str = "tensile.io/overrides";
 /// On a ConfigMap or Secret copy: the upper object's resourceVersion it was made from, and a
 /// digest of what was written (content, labels, annotations), so the copy is judged current
 /// without holding the upper content, and an edit below is still seen.

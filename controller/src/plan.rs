@@ -9,7 +9,9 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{SecretVolumeSource, ServiceAccount, Volume, VolumeMount};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, ConfigMapVolumeSource, SecretVolumeSource, ServiceAccount, Volume, VolumeMount,
+};
 use k8s_openapi::api::rbac::v1::{
     ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject,
 };
@@ -20,6 +22,9 @@ use crate::resource::{LowerCluster, LowerClusterStatus, condition};
 
 /// Where the credential Secret is mounted in the virtual node's pod.
 pub const CREDENTIAL_DIR: &str = "/etc/tensile/lower";
+/// Where the overrides ConfigMap is mounted in the virtual node's pod, and its key.
+pub const OVERRIDES_DIR: &str = "/etc/tensile/overrides";
+pub const OVERRIDES_KEY: &str = "overrides.json";
 /// The container of the template that is the virtual node.
 pub const CONTAINER: &str = "virtual-node";
 /// The heartbeat Leases' namespace.
@@ -63,9 +68,62 @@ pub struct Objects {
     pub leader_role: Role,
     pub leader_binding: RoleBinding,
     pub deployment: Deployment,
+    /// The overrides the virtual node follows (its `--overrides-file`), as checked.
+    pub overrides: Overrides,
     /// A budget keeping one replica up, for a virtual node of several (a PodDisruptionBudget
     /// of the configured API version).
     pub budget: Option<serde_json::Value>,
+}
+
+/// The ConfigMap of a virtual node's overrides.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Overrides {
+    /// `spec.overrides` passed its checks: the ConfigMap holds them.
+    Accepted(ConfigMap),
+    /// They did not (the reason): the ConfigMap keeps what it holds, and is made empty only
+    /// when it does not exist yet.
+    Refused(ConfigMap, String),
+}
+
+impl Overrides {
+    pub fn config_map(&self) -> &ConfigMap {
+        match self {
+            Overrides::Accepted(c) | Overrides::Refused(c, _) => c,
+        }
+    }
+}
+
+/// `spec.overrides` checked: the text the virtual node reads (JSON), and what it holds.
+pub fn checked_overrides(cluster: &LowerCluster) -> Result<(String, String), String> {
+    let value = cluster.spec.overrides.clone().unwrap_or_default();
+    let compiled = tensile_virtual_node::overrides::Overrides::from_value(value)
+        .and_then(tensile_virtual_node::overrides::Overrides::compile)
+        .map_err(|e| format!("spec.overrides: {e}; the overrides accepted before stay in force"))?;
+    let source = compiled.source();
+    let text = serde_json::to_string_pretty(source).map_err(|e| format!("spec.overrides: {e}"))?;
+    let said = format!(
+        "{} rule(s) and {} StorageClass name(s) in force{}",
+        source.rules.len(),
+        source.storage_classes.len(),
+        if source.allow_privileged {
+            ", isolation may be weakened (allowPrivileged)"
+        } else {
+            ""
+        }
+    );
+    Ok((text, said))
+}
+
+fn overrides(settings: &Settings, cluster: &LowerCluster, name: &str) -> Overrides {
+    let config_map = |text: String| ConfigMap {
+        metadata: meta(name, Some(settings.namespace.as_str()), cluster),
+        data: Some(BTreeMap::from([(OVERRIDES_KEY.to_owned(), text)])),
+        ..Default::default()
+    };
+    match checked_overrides(cluster) {
+        Ok((text, _)) => Overrides::Accepted(config_map(text)),
+        Err(why) => Overrides::Refused(config_map("{}".into()), why),
+    }
 }
 
 /// The name of every object made for `cluster` (Deployment, account, roles, bindings).
@@ -270,6 +328,7 @@ pub fn objects(settings: &Settings, cluster: &LowerCluster) -> Objects {
             subjects: Some(vec![account.clone()]),
         },
         budget: budget(settings, cluster, &name),
+        overrides: overrides(settings, cluster, &name),
         deployment: deployment(settings, cluster, &name),
     }
 }
@@ -316,6 +375,7 @@ pub fn node_args(settings: &Settings, cluster: &LowerCluster) -> Vec<String> {
     if !spec.namespaces.is_empty() {
         args.push(format!("--lower-namespaces={}", spec.namespaces.join(",")));
     }
+    args.push(format!("--overrides-file={OVERRIDES_DIR}/{OVERRIDES_KEY}"));
     if let Some(tokens) = &spec.upper_tokens {
         args.push("--upper-service-account-tokens".into());
         args.push(format!("--upper-api-endpoint={}", tokens.api_endpoint));
@@ -362,10 +422,19 @@ fn deployment(settings: &Settings, cluster: &LowerCluster, name: &str) -> Deploy
         .insert(names::LOWER_CLUSTER.to_owned(), cluster.name().to_owned());
     let pod = spec.template.spec.get_or_insert_with(Default::default);
     pod.service_account_name = Some(name.to_owned());
-    pod.volumes.get_or_insert_with(Vec::new).push(Volume {
+    let volumes = pod.volumes.get_or_insert_with(Vec::new);
+    volumes.push(Volume {
         name: "lower-credential".into(),
         secret: Some(SecretVolumeSource {
             secret_name: Some(cluster.spec.credential.secret_name.clone()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    volumes.push(Volume {
+        name: "overrides".into(),
+        config_map: Some(ConfigMapVolumeSource {
+            name: name.to_owned(),
             ..Default::default()
         }),
         ..Default::default()
@@ -375,15 +444,20 @@ fn deployment(settings: &Settings, cluster: &LowerCluster, name: &str) -> Deploy
             .args
             .get_or_insert_with(Vec::new)
             .extend(node_args(settings, cluster));
-        container
-            .volume_mounts
-            .get_or_insert_with(Vec::new)
-            .push(VolumeMount {
+        container.volume_mounts.get_or_insert_with(Vec::new).extend([
+            VolumeMount {
                 name: "lower-credential".into(),
                 mount_path: CREDENTIAL_DIR.into(),
                 read_only: Some(true),
                 ..Default::default()
-            });
+            },
+            VolumeMount {
+                name: "overrides".into(),
+                mount_path: OVERRIDES_DIR.into(),
+                read_only: Some(true),
+                ..Default::default()
+            },
+        ]);
     }
     deployment
 }
@@ -417,6 +491,8 @@ pub struct Observed {
     pub credential_expires: Option<String>,
     /// The credential Secret held for it.
     pub credential_secret: Option<String>,
+    /// `spec.overrides`: what is in force, or why they were refused.
+    pub overrides: Option<Result<String, String>>,
 }
 
 fn set(
@@ -557,6 +633,18 @@ pub fn status(cluster: &LowerCluster, observed: &Observed) -> LowerClusterStatus
         generation,
         (condition::READY, ready, &ready_reason, &ready_message),
     );
+    // Said apart from Ready: refused overrides leave the ones in force, and pods run.
+    if let Some(overrides) = &observed.overrides {
+        set(
+            &mut conditions,
+            before,
+            generation,
+            match overrides {
+                Ok(said) => (condition::OVERRIDES_ACCEPTED, true, "Accepted", said.as_str()),
+                Err(why) => (condition::OVERRIDES_ACCEPTED, false, "Invalid", why.as_str()),
+            },
+        );
+    }
     let previous = cluster.status.as_ref();
     LowerClusterStatus {
         observed_generation: generation,
@@ -629,6 +717,117 @@ pub(crate) mod tests {
         );
         c.metadata.generation = Some(3);
         c
+    }
+
+    #[test]
+    fn overrides_are_checked_and_handed_to_the_node_as_a_config_map_it_mounts() {
+        let s = settings();
+        let mut c = cluster("lower-a");
+        let name = object_name(&s, "lower-a");
+        c.spec.overrides = Some(serde_json::json!({
+            "rules": [{"name": "mirror", "image": {"prefix": {"from": "docker.io/", "to": "m.example/"}}}],
+            "storageClasses": {"fast": "premium"}}));
+        let made = objects(&s, &c);
+        let Overrides::Accepted(config_map) = &made.overrides else {
+            panic!("{:?}", made.overrides)
+        };
+        assert_eq!(config_map.metadata.name.as_deref(), Some(name.as_str()));
+        assert_eq!(
+            config_map.metadata.namespace.as_deref(),
+            Some(s.namespace.as_str())
+        );
+        let text = &config_map.data.as_ref().unwrap()[OVERRIDES_KEY];
+        let read = tensile_virtual_node::overrides::parse(text).unwrap();
+        assert_eq!(read.rules[0].name, "mirror");
+        assert_eq!(read.storage_classes["fast"], "premium");
+        let pod = made.deployment.spec.unwrap().template.spec.unwrap();
+        let volume = pod
+            .volumes
+            .unwrap()
+            .into_iter()
+            .find(|v| v.name == "overrides")
+            .unwrap();
+        assert_eq!(volume.config_map.unwrap().name, name);
+        let container = pod.containers.iter().find(|c| c.name == CONTAINER).unwrap();
+        assert!(
+            container
+                .args
+                .as_ref()
+                .unwrap()
+                .contains(&"--overrides-file=/etc/tensile/overrides/overrides.json".to_owned())
+        );
+        assert!(
+            container
+                .volume_mounts
+                .as_ref()
+                .unwrap()
+                .iter()
+                .any(|m| m.name == "overrides" && m.mount_path == OVERRIDES_DIR)
+        );
+        // Without overrides the node follows an empty set (adding some later restarts nothing).
+        c.spec.overrides = None;
+        let Overrides::Accepted(empty) = objects(&s, &c).overrides else {
+            panic!()
+        };
+        assert_eq!(
+            tensile_virtual_node::overrides::parse(&empty.data.unwrap()[OVERRIDES_KEY]).unwrap(),
+            Default::default()
+        );
+        // Refused: the reason, and a ConfigMap made empty only if none exists.
+        c.spec.overrides = Some(
+            serde_json::json!({"rules": [{"name": "mirror", "image": {"regex": {"pattern": "(", "replacement": ""}}}]}),
+        );
+        let Overrides::Refused(empty, why) = objects(&s, &c).overrides else {
+            panic!()
+        };
+        assert_eq!(empty.data.unwrap()[OVERRIDES_KEY], "{}");
+        assert!(
+            why.starts_with("spec.overrides: rule \"mirror\": image.regex: regex parse error"),
+            "{why}"
+        );
+        assert!(
+            why.ends_with("; the overrides accepted before stay in force"),
+            "{why}"
+        );
+        // The condition says it; Ready is not about it.
+        let observed = Observed {
+            overrides: Some(Err(why.clone())),
+            ..Default::default()
+        };
+        let status = status(&c, &observed);
+        let said = status
+            .conditions
+            .iter()
+            .find(|x| x.type_ == condition::OVERRIDES_ACCEPTED)
+            .unwrap();
+        assert_eq!(
+            (said.status.as_str(), said.reason.as_str(), said.message.as_str()),
+            ("False", "Invalid", why.as_str())
+        );
+        let ready = status
+            .conditions
+            .iter()
+            .find(|x| x.type_ == condition::READY)
+            .unwrap();
+        assert!(!ready.message.contains("Overrides"), "{}", ready.message);
+        let fine = Observed {
+            overrides: Some(checked_overrides(&cluster("lower-a")).map(|(_, said)| said)),
+            ..Default::default()
+        };
+        let said = status_of(&cluster("lower-a"), &fine, condition::OVERRIDES_ACCEPTED);
+        assert_eq!(
+            said,
+            (
+                "True".to_owned(),
+                "0 rule(s) and 0 StorageClass name(s) in force".to_owned()
+            )
+        );
+    }
+
+    fn status_of(c: &LowerCluster, observed: &Observed, type_: &str) -> (String, String) {
+        let status = status(c, observed);
+        let found = status.conditions.into_iter().find(|x| x.type_ == type_).unwrap();
+        (found.status, found.message)
     }
 
     #[test]
@@ -710,6 +909,7 @@ pub(crate) mod tests {
                 "--client-kubeconfig=/etc/tensile/lower/kubeconfig",
                 "--cluster-id=upper-uid",
                 "--node-labels=region=eu,zone=a",
+                "--overrides-file=/etc/tensile/overrides/overrides.json",
             ]
         );
         let volume = &pod.volumes.as_ref().unwrap()[0];

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, Secret, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, PersistentVolume, Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PropagationPolicy};
 use kube::runtime::controller::Action;
@@ -146,6 +146,7 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
         }
     }
 
+    observed.overrides = Some(plan::checked_overrides(&cluster).map(|(_, said)| said));
     apply(&ctx, &cluster).await?;
     observe_node(&ctx, cluster.node_name(), &mut observed).await?;
     write_status(&api, &cluster, plan::status(&cluster, &observed)).await?;
@@ -399,6 +400,19 @@ async fn apply(ctx: &Context, cluster: &LowerCluster) -> Result<(), Error> {
         &objects.leader_binding,
     )
     .await?;
+    // The overrides before the Deployment whose pods mount them.
+    let config_maps = Api::<ConfigMap>::namespaced(c.clone(), ns);
+    match &objects.overrides {
+        plan::Overrides::Accepted(config_map) => apply_one(config_maps, config_map).await?,
+        plan::Overrides::Refused(empty, _) => {
+            let name = empty.metadata.name.clone().unwrap_or_default();
+            if let Err(e) = config_maps.create(&Default::default(), empty).await
+                && code(&e) != Some(409)
+            {
+                return Err(ApiError::on("upper", "create", format!("configmap {ns}/{name}"))(e).into());
+            }
+        }
+    }
     apply_one(Api::<Deployment>::namespaced(c.clone(), ns), &objects.deployment).await?;
     let budgets = budget_api(ctx);
     let name = plan::object_name(&ctx.settings, cluster.name());
@@ -729,6 +743,13 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
     delete_made(&Api::<ClusterRole>::all(c.clone()), &object, &name, &plain).await?;
     delete_made(
         &Api::<ServiceAccount>::namespaced(c.clone(), ns),
+        &object,
+        &name,
+        &plain,
+    )
+    .await?;
+    delete_made(
+        &Api::<ConfigMap>::namespaced(c.clone(), ns),
         &object,
         &name,
         &plain,

@@ -27,6 +27,9 @@ pub mod condition {
     pub const NODE_READY: &str = "NodeReady";
     /// All of the above: pods bound to the virtual node run below.
     pub const READY: &str = "Ready";
+    /// `spec.overrides` passed its checks and is in force; when False, the overrides
+    /// accepted before stay in force. Ready does not depend on it.
+    pub const OVERRIDES_ACCEPTED: &str = "OverridesAccepted";
 }
 
 /// One lower cluster as the API stores it.
@@ -74,6 +77,11 @@ pub struct LowerClusterSpec {
     /// node's `--upper-service-account-tokens`); none when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upper_tokens: Option<UpperTokens>,
+    /// Rules applied to every pod that goes to this cluster, and its StorageClass names
+    /// (`tensile_virtual_node::overrides`). Kept as written: it is checked (and refused,
+    /// with the reason in the `OverridesAccepted` condition) apart from the rest of the spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overrides: Option<serde_json::Value>,
 }
 
 /// Upper service-account tokens for the pods of one lower cluster.
@@ -249,6 +257,7 @@ mod tests {
                 api_endpoint: "https://upper:6443".into(),
                 namespaces: vec![],
             }),
+            overrides: Some(serde_json::json!({"rules": []})),
         };
         let written = serde_json::to_value(&full).unwrap();
         let mut in_code: Vec<&str> = written.as_object().unwrap().keys().map(String::as_str).collect();

@@ -291,27 +291,6 @@ fn ready_since(node: &Node) -> Option<Timestamp> {
         .map(|c| c.last_transition_time.as_ref().map_or(Timestamp::MIN, |t| t.0))
 }
 
-/// Whether the label selector (as in topology spread) selects these labels.
-pub fn selects(selector: &LabelSelector, labels: &BTreeMap<String, String>) -> bool {
-    let by_label = selector
-        .match_labels
-        .iter()
-        .flatten()
-        .all(|(k, v)| labels.get(k) == Some(v));
-    let by_expression = selector.match_expressions.iter().flatten().all(|r| {
-        let value = labels.get(&r.key);
-        let values = r.values.as_deref().unwrap_or_default();
-        match r.operator.as_str() {
-            "In" => value.is_some_and(|v| values.contains(v)),
-            "NotIn" => value.is_none_or(|v| !values.contains(v)),
-            "Exists" => value.is_some(),
-            "DoesNotExist" => value.is_none(),
-            _ => false,
-        }
-    });
-    by_label && by_expression
-}
-
 /// The pod's preferred node affinity weight on `node`.
 fn preference(pod: &Pod, node: &Node) -> i32 {
     let name = node.metadata.name.as_deref().unwrap_or_default();
@@ -363,7 +342,10 @@ fn counts(
         let Some(domain) = node_of(p).and_then(|n| domain_of.get(n)) else {
             continue;
         };
-        if selects(selector, p.metadata.labels.as_ref().unwrap_or(&BTreeMap::new())) {
+        if tensile_common::fit::label_selector_matches(
+            selector,
+            p.metadata.labels.as_ref().unwrap_or(&BTreeMap::new()),
+        ) {
             *domains.entry(domain.clone()).or_insert(0) += 1;
         }
     }
@@ -1148,22 +1130,5 @@ mod tests {
             })
             .filter_map(|p| p.metadata.uid.clone())
             .max()
-    }
-
-    #[test]
-    fn the_label_selector_reads_as_the_api_defines_it() {
-        let sel: LabelSelector = serde_json::from_value(json!({"matchLabels": {"app": "web"},
-            "matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["db"]}, {"key": "app", "operator": "Exists"}]}))
-        .unwrap();
-        let l = |pairs: &[(&str, &str)]| {
-            pairs
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect()
-        };
-        assert!(selects(&sel, &l(&[("app", "web")])));
-        assert!(selects(&sel, &l(&[("app", "web"), ("tier", "front")])));
-        assert!(!selects(&sel, &l(&[("app", "web"), ("tier", "db")])));
-        assert!(!selects(&sel, &l(&[("app", "api")])));
     }
 }

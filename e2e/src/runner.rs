@@ -4,9 +4,9 @@
 //! Deployment of a namespace that carries `tensile.io/lower-cluster`, it runs one process of
 //! its `virtual-node` container with the Deployment's own flags. Only what a pod would give
 //! the process differs: the node's address and ports, a kubeconfig of the pod's
-//! ServiceAccount token, and each Secret volume (the credential, the stash keys) as a
-//! directory of files in place of its mount path, kept in step with its Secret (written
-//! whole and renamed into place, as the kubelet swaps a Secret volume). A Deployment that is deleted, or being deleted, has its process stopped
+//! ServiceAccount token, and each Secret or ConfigMap volume (the credential, the stash keys,
+//! the overrides) as a directory of files in place of its mount path, kept in step with its
+//! object (written whole and renamed into place, as the kubelet swaps such a volume). A Deployment that is deleted, or being deleted, has its process stopped
 //! as a kubelet stops a pod: SIGTERM, then SIGKILL after the grace period.
 
 use std::collections::{BTreeMap, HashMap};
@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, ListParams};
 use tokio_util::sync::CancellationToken;
 
@@ -25,18 +25,64 @@ use crate::{Result, TestCluster, free_port};
 /// The credential's volume, as the controller's Deployment names it.
 const CREDENTIAL_VOLUME: &str = "lower-credential";
 
-/// A Secret volume: which Secret, which keys as which files (all, as themselves, when
-/// `items` is empty), and where its files are.
-struct SecretVolume {
+/// A Secret or ConfigMap volume: which object, which keys as which files (all, as
+/// themselves, when `items` is empty), and where its files are.
+struct ObjectVolume {
     volume: String,
-    secret: String,
+    source: Source,
     items: Vec<(String, String)>,
     dir: PathBuf,
 }
 
+enum Source {
+    Secret(String),
+    ConfigMap(String),
+}
+
+impl Source {
+    /// The object's keys and contents.
+    async fn read(
+        &self,
+        client: &kube::Client,
+        namespace: &str,
+    ) -> std::result::Result<BTreeMap<String, Vec<u8>>, String> {
+        match self {
+            Source::Secret(name) => {
+                let secret = Api::<Secret>::namespaced(client.clone(), namespace)
+                    .get(name)
+                    .await
+                    .map_err(|e| format!("secret {name}: {e}"))?;
+                Ok(secret
+                    .data
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(k, v)| (k, v.0))
+                    .collect())
+            }
+            Source::ConfigMap(name) => {
+                let config_map = Api::<ConfigMap>::namespaced(client.clone(), namespace)
+                    .get(name)
+                    .await
+                    .map_err(|e| format!("configmap {name}: {e}"))?;
+                let text = config_map
+                    .data
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(k, v)| (k, v.into_bytes()));
+                let binary = config_map
+                    .binary_data
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(k, v)| (k, v.0));
+                Ok(text.chain(binary).collect())
+            }
+        }
+    }
+}
+
 struct Running {
     service: Service,
-    volumes: Vec<SecretVolume>,
+    volumes: Vec<ObjectVolume>,
 }
 
 /// What the runner has run, for a test to look at.
@@ -111,7 +157,6 @@ async fn run(
         }
     };
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &namespace);
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
     while !stop.is_cancelled() {
         let listed = deployments
             .list(&ListParams::default().labels(tensile_common::names::LOWER_CLUSTER))
@@ -136,8 +181,8 @@ async fn run(
             for (name, deployment) in &live {
                 if let Some(r) = running.get(name) {
                     for v in &r.volumes {
-                        if let Ok(secret) = secrets.get(&v.secret).await
-                            && mount(&secret, v).unwrap_or(false)
+                        if let Ok(data) = v.source.read(&client, &namespace).await
+                            && mount(data, v).unwrap_or(false)
                             && v.volume == CREDENTIAL_VOLUME
                             && let Ok(mut seen) = seen.lock()
                         {
@@ -146,7 +191,7 @@ async fn run(
                     }
                     continue;
                 }
-                match start(upper, &namespace, name, deployment, &secrets, &binary).await {
+                match start(upper, &namespace, name, deployment, &client, &binary).await {
                     Ok(r) => {
                         if let Ok(mut seen) = seen.lock() {
                             seen.logs.insert(name.clone(), r.service.log_path().to_owned());
@@ -179,18 +224,17 @@ async fn terminate(mut service: Service) {
     service.stop();
 }
 
-/// Writes the keys of `secret` as the files of `volume`, swapping the whole directory in at
-/// once when anything changed; whether it did.
-fn mount(secret: &Secret, volume: &SecretVolume) -> std::io::Result<bool> {
+/// Writes the keys of an object (`all`) as the files of `volume`, swapping the whole
+/// directory in at once when anything changed; whether it did.
+fn mount(all: BTreeMap<String, Vec<u8>>, volume: &ObjectVolume) -> std::io::Result<bool> {
     let dir = volume.dir.as_path();
-    let all = secret.data.clone().unwrap_or_default();
     let data: BTreeMap<String, Vec<u8>> = if volume.items.is_empty() {
-        all.into_iter().map(|(k, v)| (k, v.0)).collect()
+        all
     } else {
         volume
             .items
             .iter()
-            .filter_map(|(key, path)| all.get(key).map(|v| (path.clone(), v.0.clone())))
+            .filter_map(|(key, path)| all.get(key).map(|v| (path.clone(), v.clone())))
             .collect()
     };
     let unchanged = data
@@ -220,7 +264,7 @@ async fn start(
     namespace: &str,
     name: &str,
     deployment: &Deployment,
-    secrets: &Api<Secret>,
+    client: &kube::Client,
     binary: &Path,
 ) -> std::result::Result<Running, String> {
     let pod = deployment
@@ -238,32 +282,38 @@ async fn start(
     let mut volumes = Vec::new();
     let mut args: Vec<String> = container.args.clone().unwrap_or_default();
     for mount_point in container.volume_mounts.clone().unwrap_or_default() {
-        let Some(source) = pod
-            .volumes
-            .iter()
-            .flatten()
-            .find(|v| v.name == mount_point.name)
-            .and_then(|v| v.secret.clone())
-        else {
+        let Some(found) = pod.volumes.iter().flatten().find(|v| v.name == mount_point.name) else {
             continue;
         };
-        let volume = SecretVolume {
+        let (source, items) = match (&found.secret, &found.config_map) {
+            (Some(secret), _) => (
+                Source::Secret(
+                    secret
+                        .secret_name
+                        .clone()
+                        .ok_or("a Secret volume names no Secret")?,
+                ),
+                secret.items.clone(),
+            ),
+            (None, Some(config_map)) => (
+                Source::ConfigMap(config_map.name.clone()),
+                config_map.items.clone(),
+            ),
+            (None, None) => continue,
+        };
+        let volume = ObjectVolume {
             volume: mount_point.name.clone(),
-            secret: source
-                .secret_name
-                .clone()
-                .ok_or("a Secret volume names no Secret")?,
-            items: source
-                .items
+            source,
+            items: items
                 .unwrap_or_default()
                 .into_iter()
                 .map(|i| (i.key, i.path))
                 .collect(),
             dir: base.join(&mount_point.name),
         };
-        let secret = secrets.get(&volume.secret).await.map_err(|e| e.to_string())?;
+        let data = volume.source.read(client, namespace).await?;
         std::fs::create_dir_all(&base).map_err(|e| e.to_string())?;
-        mount(&secret, &volume).map_err(|e| e.to_string())?;
+        mount(data, &volume).map_err(|e| e.to_string())?;
         let local = volume.dir.display().to_string();
         args = args
             .into_iter()

@@ -1776,6 +1776,36 @@ async fn values_that_would_break_the_release_are_refused_with_the_reason() {
         "{}",
         fine.stderr
     );
+    // A node's overrides go into its LowerCluster as written; one that is not a mapping is
+    // refused by the schema.
+    let overrides = with_nodes(
+        &["a"],
+        &[
+            "--set",
+            "virtualNodes.nodes[0].overrides.rules[0].name=mirror",
+            "--set",
+            "virtualNodes.nodes[0].overrides.storageClasses.fast=premium",
+        ],
+    );
+    let fine = template(up, "bad", &overrides).await;
+    assert!(
+        fine.ok
+            && fine.stdout.contains(
+                "  overrides:\n    rules:\n    - name: mirror\n    storageClasses:\n      fast: premium"
+            ),
+        "{}{}",
+        fine.stderr,
+        fine.stdout
+    );
+    let err = refused(
+        "bad",
+        with_nodes(&["a"], &["--set", "virtualNodes.nodes[0].overrides=x"]),
+    )
+    .await;
+    assert!(
+        err.contains("virtualNodes.nodes.0.overrides: Invalid type"),
+        "{err}"
+    );
 
     // No webhook replica with failurePolicy Fail: every opted-in pod would be refused.
     let err = refused("bad", with_nodes(&["a"], &["--set", "webhook.replicas=0"])).await;

@@ -599,6 +599,161 @@ spec: {hard: {requests.cpu: "12", requests.memory: 24Gi, pods: "10"}}
         );
     }
 
+    // lower-b's overrides, said in its LowerCluster: the controller checks them, hands them
+    // to the virtual node as a ConfigMap it mounts, and pods made there from then on carry
+    // them; a malformed edit is refused with the reason and the rules in force stay.
+    kubectl(
+        up.kubeconfig(),
+        &[
+            "patch",
+            "lowercluster",
+            "lower-b",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"overrides":{"rules":[{"name":"region","labels":{"region":"b"},"env":[{"name":"REGION","value":"b"}]}]}}}"#,
+        ],
+    )
+    .await;
+    eventually(
+        up.kubeconfig(),
+        "lower-b's overrides accepted",
+        30,
+        &[
+            "get",
+            "lowercluster",
+            "lower-b",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="OverridesAccepted")].message}"#,
+        ],
+        "1 rule(s) and 0 StorageClass name(s) in force",
+    )
+    .await;
+    let log_b = runner.seen().logs[&format!("{FULL}-vn-lower-b")].clone();
+    tensile_e2e::wait::must(
+        "lower-b's virtual node follows its overrides",
+        Duration::from_secs(60),
+        Duration::from_millis(500),
+        || async {
+            let text = tensile_e2e::process::log_tail(&log_b, 4_000_000);
+            match text.contains("overrides loaded") {
+                true => Ok(()),
+                false => Err("not loaded yet".to_owned()),
+            }
+        },
+    )
+    .await;
+    apply(
+        up.kubeconfig(),
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: tagged, namespace: fleet}
+spec:
+  nodeSelector: {kubernetes.io/hostname: lower-b}
+  tolerations: [{key: virtual-kubelet.io/provider, operator: Exists}]
+  terminationGracePeriodSeconds: 1
+  containers: [{name: app, image: nginx}]
+"#,
+    )
+    .await;
+    eventually(
+        low_b.kubeconfig(),
+        "tagged below with lower-b's rule",
+        60,
+        &[
+            "-n",
+            "fleet",
+            "get",
+            "pod",
+            "tagged",
+            "-o",
+            "jsonpath={.metadata.labels.region} {.spec.containers[0].env[0].value}",
+        ],
+        "b b",
+    )
+    .await;
+    let untouched = kubectl(
+        low_b.kubeconfig(),
+        &["-n", "fleet", "get", "pods", "-l", "app=web,region", "-o", "name"],
+    )
+    .await;
+    assert!(
+        untouched.trim().is_empty(),
+        "pods made before keep what they were made with: {untouched}"
+    );
+    kubectl(
+        up.kubeconfig(),
+        &[
+            "patch",
+            "lowercluster",
+            "lower-b",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"overrides":{"rules":[{"name":"Region","labels":{"region":"c"}}]}}}"#,
+        ],
+    )
+    .await;
+    eventually(
+        up.kubeconfig(),
+        "the malformed overrides refused",
+        30,
+        &[
+            "get",
+            "lowercluster",
+            "lower-b",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="OverridesAccepted")].status} {.status.conditions[?(@.type=="Ready")].status}"#,
+        ],
+        "False True",
+    )
+    .await;
+    let why = kubectl(
+        up.kubeconfig(),
+        &[
+            "get",
+            "lowercluster",
+            "lower-b",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="OverridesAccepted")].message}"#,
+        ],
+    )
+    .await;
+    assert!(
+        why.starts_with("spec.overrides: rule \"Region\": the name must be a DNS label")
+            && why.ends_with("the overrides accepted before stay in force"),
+        "{why}"
+    );
+    let in_force = kubectl(
+        up.kubeconfig(),
+        &[
+            "-n",
+            NS,
+            "get",
+            "configmap",
+            &format!("{FULL}-vn-lower-b"),
+            "-o",
+            r"jsonpath={.data.overrides\.json}",
+        ],
+    )
+    .await;
+    assert!(
+        in_force.contains("\"region\"") && !in_force.contains("Region"),
+        "{in_force}"
+    );
+    kubectl(
+        up.kubeconfig(),
+        &[
+            "-n",
+            "fleet",
+            "delete",
+            "pod",
+            "tagged",
+            "--wait=true",
+            "--timeout=60s",
+        ],
+    )
+    .await;
+
     // A lower admin's own objects, in the namespace the virtual node made and in the one join
     // made, keep those namespaces.
     for ns in ["fleet", "tensile"] {

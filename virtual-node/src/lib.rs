@@ -22,6 +22,7 @@ pub mod kubelet;
 pub mod lower_objects;
 pub mod metrics;
 pub mod node;
+pub mod overrides;
 pub mod pods;
 pub mod ratelimit;
 pub mod refs;
@@ -87,6 +88,11 @@ pub struct Args {
         value_delimiter = ','
     )]
     pub stash_key_file: Vec<PathBuf>,
+    /// This lower cluster's pod overrides (YAML or JSON; docs/virtual-node.md): rules applied
+    /// to every pod created below, and a StorageClass name map for claims. The file is
+    /// followed; a change that fails its checks is refused, and the rules in force stay.
+    #[arg(long = "overrides-file", env = "TENSILE_OVERRIDES_FILE")]
+    pub overrides_file: Option<PathBuf>,
     /// Pods reconciled at once. Each reconcile mostly waits on the API, so a burst of
     /// thousands of pods needs many in flight (docs/virtual-node.md has the figures).
     #[arg(long = "pod-sync-workers", env = "TENSILE_POD_SYNC_WORKERS", default_value_t = 128,
@@ -560,6 +566,16 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
             &args.reflection.shared_namespaces,
         )
         .map_err(Error::Flags)?;
+    // Overrides that fail their checks at start stop the node: pods must not go below
+    // without the rules their cluster needs.
+    let overrides = match &args.overrides_file {
+        Some(path) => {
+            let (compiled, read) =
+                overrides::load(path).map_err(|e| Error::Flags(format!("--overrides-file {e}")))?;
+            (compiled, Some(read))
+        }
+        None => (overrides::Compiled::none(), None),
+    };
     let stash_key = match args.stash_key_file.as_slice() {
         [_, ..] => Some(Arc::new(tensile_common::stash::StashKeys::from_files(
             &args.stash_key_file,
@@ -658,7 +674,8 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         standing,
         candidacy: candidacy.clone(),
     };
-    let result = compose(&args, clients, serving, stash_key, metrics, started, &mut tasks).await;
+    let policy = Policy { stash_key, overrides };
+    let result = compose(&args, clients, serving, policy, metrics, started, &mut tasks).await;
     let outcome = match result {
         Ok(()) => tasks.run().await.map_err(Error::from),
         Err(e) => {
@@ -671,6 +688,10 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
     admin_handle.abort();
     outcome
 }
+
+/// How often the overrides file is looked at (a ConfigMap volume changes within a minute or
+/// so of its ConfigMap).
+const OVERRIDES_CHECK: Duration = Duration::from_secs(2);
 
 /// How long in-flight reconciles get to finish after SIGTERM.
 const DRAIN: Duration = runtime::DEFAULT_DRAIN;
@@ -748,6 +769,8 @@ fn pod_controller(
             ctx.retries.forget_all();
         })
     };
+    // Pods refused by the rules before are looked at again under new ones.
+    let overridden = ctx.overrides.changes();
     let (upper_pods, identity) = (world.upper_pods.clone(), ctx.translation.identity.clone());
     Controller::for_stream(objects_only(upper_events), world.upper_pods.store().clone())
         .with_config(controller::Config::default().concurrency(workers))
@@ -764,7 +787,10 @@ fn pod_controller(
             }
             Some(at)
         })
-        .reconcile_all_on(futures::stream::select(resync, recovered))
+        .reconcile_all_on(futures::stream::select(
+            futures::stream::select(resync, recovered),
+            overridden,
+        ))
 }
 
 /// Orphan collection ([`pods::collect_orphans`]): every `period` (the collection delay, 1 to
@@ -824,6 +850,13 @@ struct Serving {
     authorizer: kubelet::Authorizer,
 }
 
+/// What decides how pods go below besides the flags: the stash keys and the overrides.
+struct Policy {
+    stash_key: Option<Arc<tensile_common::stash::StashKeys>>,
+    /// The overrides, and the file's bytes they were read from.
+    overrides: (overrides::Compiled, Option<Vec<u8>>),
+}
+
 /// What `/readyz` says, and when this replica may act.
 struct Started {
     standing: Standing,
@@ -837,7 +870,7 @@ async fn compose(
     args: &Args,
     clients: Clients,
     serving: Serving,
-    stash_key: Option<Arc<tensile_common::stash::StashKeys>>,
+    policy: Policy,
     metrics: Arc<metrics::Metrics>,
     started: Started,
     tasks: &mut Supervisor,
@@ -854,6 +887,26 @@ async fn compose(
         authorizer,
     } = serving;
     let Started { standing, candidacy } = started;
+    let Policy {
+        stash_key,
+        overrides: (overrides, read),
+    } = policy;
+    let overrides = overrides::Current::new(overrides);
+    if let (Some(path), Some(read)) = (&args.overrides_file, read) {
+        tasks.spawn(
+            "the overrides file",
+            overrides::follow(
+                path.clone(),
+                overrides.clone(),
+                OVERRIDES_CHECK,
+                read,
+                (
+                    metrics.overrides_loaded.clone(),
+                    metrics.overrides_refused.clone(),
+                ),
+            ),
+        );
+    }
     let upper = upper_source.client()?;
     let cluster_id = match &args.upper.cluster_id {
         Some(id) => id.clone(),
@@ -959,6 +1012,7 @@ async fn compose(
         upper_classes: world.upper_classes.clone(),
         read_lower_classes: lower_scope == tensile_common::cache::Namespaces::All,
         refused_expansions: Default::default(),
+        overrides: overrides.clone(),
     });
     let lower_health = Arc::new(node::LowerHealth::default());
     let ctx = Arc::new(pods::Context {
@@ -970,6 +1024,7 @@ async fn compose(
             stash_key: stash_key.clone(),
             tokens: token_settings.clone(),
         },
+        overrides,
         lower_pods: world.lower_pods.clone(),
         upper_pods: world.upper_pods.clone(),
         host_ip: args.kubelet.node_ip.to_string(),

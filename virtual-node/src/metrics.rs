@@ -45,6 +45,9 @@ pub struct Metrics {
     pub stream_sessions: Family<StreamLabels, Gauge>,
     pub stream_sessions_total: Family<StreamLabels, Counter>,
     pub stream_refusals: Family<RefusalLabels, Counter>,
+    /// Changes of the overrides file that came into force, and those refused.
+    pub overrides_loaded: Counter,
+    pub overrides_refused: Counter,
 }
 
 /// One spliced session, counted in [`Metrics::stream_sessions`] until dropped.
@@ -74,6 +77,8 @@ impl Metrics {
             stream_sessions: Family::default(),
             stream_sessions_total: Family::default(),
             stream_refusals: Family::default(),
+            overrides_loaded: Counter::default(),
+            overrides_refused: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("tensile_virtual_node");
         r.register(
@@ -130,6 +135,16 @@ impl Metrics {
             "stream_refusals",
             "exec, attach and port-forward requests refused, by reason",
             m.stream_refusals.clone(),
+        );
+        r.register(
+            "overrides_loaded",
+            "Changes of the overrides file that came into force",
+            m.overrides_loaded.clone(),
+        );
+        r.register(
+            "overrides_refused",
+            "Changes of the overrides file refused (the rules in force stayed)",
+            m.overrides_refused.clone(),
         );
         m
     }

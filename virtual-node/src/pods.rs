@@ -33,6 +33,8 @@ pub struct Context {
     pub upper: kube::Client,
     pub lower: kube::Client,
     pub translation: Translation,
+    /// The lower cluster's override rules in force.
+    pub overrides: crate::overrides::Current,
     /// Lower pods carrying this node's marks.
     pub lower_pods: Cache<LowerPod>,
     pub upper_pods: Cache<UpperPod>,
@@ -251,8 +253,12 @@ pub enum Step {
     /// fails, so its controller replaces it.
     FailLost { message: String },
     /// Create the lower pod (what it references first). `lost`: it ran before and vanished
-    /// below, so this starts it again.
-    Create { desired: Box<Pod>, lost: bool },
+    /// below, so this starts it again. `overrides`: the override rules it was made with.
+    Create {
+        desired: Box<Pod>,
+        lost: bool,
+        overrides: Vec<String>,
+    },
     /// Follow the mutable fields (`patch` when they differ below) and bring status up.
     Sync { patch: Option<serde_json::Value> },
 }
@@ -260,6 +266,8 @@ pub enum Step {
 /// What [`decide`] knows besides the two pods.
 pub struct View<'a> {
     pub translation: &'a Translation,
+    /// The lower cluster's override rules in force ([`crate::overrides`]).
+    pub overrides: &'a crate::overrides::Compiled,
     pub run_daemonset_pods: bool,
     /// The caches have been up long enough to call a missing lower pod lost.
     pub warmed_up: bool,
@@ -336,10 +344,20 @@ pub fn decide(upper: &Pod, lower: Option<&Pod>, view: &View<'_>) -> Step {
     // The translation (and the stash's signature with it) guards the create only: a pod
     // that runs below always gets its status, even when its stash is no longer trusted (a
     // key turned on or rotated later); nothing of such a stash goes below.
+    // The override rules in force apply to a pod made now; a pod that runs is followed
+    // through the rules it was made with.
     match (lower, view.translation.lower_pod(upper)) {
-        (None, Ok(desired)) => Step::Create {
-            desired: Box::new(desired),
-            lost,
+        (None, Ok(mut desired)) => match view.overrides.apply(upper, &mut desired) {
+            Ok(overrides) => Step::Create {
+                desired: Box::new(desired),
+                lost,
+                overrides,
+            },
+            Err(message) => Step::Refuse {
+                reason: "OverrideFailed",
+                event: "OverrideFailed",
+                message,
+            },
         },
         (None, Err(e)) => {
             let reason = match e {
@@ -352,8 +370,16 @@ pub fn decide(upper: &Pod, lower: Option<&Pod>, view: &View<'_>) -> Step {
                 message: e.to_string(),
             }
         }
-        (Some(l), Ok(desired)) => Step::Sync {
-            patch: view.translation.update_patch(&desired, l),
+        (Some(l), Ok(mut desired)) => match crate::overrides::replay(l, &mut desired) {
+            Ok(()) => Step::Sync {
+                patch: view.translation.update_patch(&desired, l),
+            },
+            // Nothing follows a pod whose record was edited below: patched by another
+            // reading, its images would lose their rewrite.
+            Err(e) => {
+                tracing::warn!(pod = %key(upper), "not updated below: {e}");
+                Step::Sync { patch: None }
+            }
         },
         (Some(_), Err(_)) => Step::Sync { patch: None },
     }
@@ -380,8 +406,10 @@ async fn reconcile_inner(kept: &UpperPod, ctx: &Context) -> Result<Action, Error
         .map(|l| l.unpack().map_err(|e| Error::Cache("lower pod", e)))
         .transpose()?;
     let lower_pods: Api<Pod> = Api::namespaced(ctx.lower.clone(), &ns);
+    let overrides = ctx.overrides.get();
     let view = View {
         translation: &ctx.translation,
+        overrides: &overrides,
         run_daemonset_pods: ctx.run_daemonset_pods,
         warmed_up: ctx.started.elapsed() >= ctx.lost_grace,
         cluster_name: &ctx.cluster_name,
@@ -437,7 +465,14 @@ async fn reconcile_inner(kept: &UpperPod, ctx: &Context) -> Result<Action, Error
             event(ctx, upper, EventType::Warning, "LowerPodLost", &message);
             Ok(Action::await_change())
         }
-        (Step::Create { desired, lost }, _) => {
+        (
+            Step::Create {
+                desired,
+                lost,
+                overrides,
+            },
+            _,
+        ) => {
             if lost {
                 let msg = format!(
                     "the pod disappeared from lower cluster {}; starting it again",
@@ -445,7 +480,7 @@ async fn reconcile_inner(kept: &UpperPod, ctx: &Context) -> Result<Action, Error
                 );
                 event(ctx, upper, EventType::Warning, "LowerPodLost", &msg);
             }
-            create_lower(ctx, kept, upper, &lower_pods, &desired).await
+            create_lower(ctx, kept, upper, &lower_pods, &desired, &overrides).await
         }
         (Step::Sync { .. }, Some(_)) if !reachable => Ok(Action::requeue(UNREACHABLE_RECHECK)),
         (Step::Sync { patch }, Some(l)) => {
@@ -533,12 +568,13 @@ async fn create_lower(
     upper: &Pod,
     lower_pods: &Api<Pod>,
     desired: &Pod,
+    overrides: &[String],
 ) -> Result<Action, Error> {
     let ns = upper.namespace().unwrap_or_default();
     if let Err(blocked) = ensure_namespace(ctx, &ns).await? {
         return blocked_below(ctx, upper, blocked).await;
     }
-    let result = create_in_namespace(ctx, kept, upper, lower_pods, desired).await;
+    let result = create_in_namespace(ctx, kept, upper, lower_pods, desired, overrides).await;
     if result.is_err() {
         // The lower admin may have deleted the namespace since it was seen: the next attempt
         // looks again (one read) instead of failing until restart.
@@ -550,13 +586,15 @@ async fn create_lower(
 }
 
 /// Creates `desired` below once its namespace exists: what the pod references first
-/// (`kept`: the cache's summary of `upper`, with its references and claims).
+/// (`kept`: the cache's summary of `upper`, with its references and claims). `overrides`:
+/// the rules it was made with, named in the event.
 async fn create_in_namespace(
     ctx: &Context,
     kept: &UpperPod,
     upper: &Pod,
     lower_pods: &Api<Pod>,
     desired: &Pod,
+    overrides: &[String],
 ) -> Result<Action, Error> {
     let name = upper.name_any();
     let ns = upper.namespace().unwrap_or_default();
@@ -587,16 +625,15 @@ async fn create_in_namespace(
     if let Some(spec) = desired.spec.as_mut() {
         refs::drop_absent(spec, &absent);
         // The references that travelled, recorded: copies follow them, not what lower
-        // admission adds to the spec.
-        // (The pod's Secret of upper tokens is not a copy: it is not recorded.)
+        // admission adds to the spec. Only the upper pod's own references are copies: the
+        // pod's Secret of upper tokens and what override rules name (the lower cluster's
+        // own objects) are not recorded.
         let travelled: Vec<refs::Reference> = refs::references(spec, |_| true)
             .into_iter()
             .filter(|r| {
-                !(r.kind == refs::Kind::Secret
-                    && crate::tokens::is_token_secret(
-                        &r.name,
-                        upper.metadata.uid.as_deref().unwrap_or_default(),
-                    ))
+                kept.references
+                    .iter()
+                    .any(|(kind, name)| *kind == r.kind && *name == r.name)
             })
             .collect();
         let record = refs::encode_references(travelled.iter().map(|r| (r.kind, r.name.as_str())));
@@ -620,13 +657,11 @@ async fn create_in_namespace(
         Ok(_) => {
             ctx.metrics.created();
             ctx.tokens_changed.notify_one();
-            event(
-                ctx,
-                upper,
-                EventType::Normal,
-                "LowerPodCreated",
-                &format!("created in lower cluster {}", ctx.cluster_name),
-            );
+            let mut said = format!("created in lower cluster {}", ctx.cluster_name);
+            if !overrides.is_empty() {
+                said.push_str(&format!(" with override rules {}", overrides.join(", ")));
+            }
+            event(ctx, upper, EventType::Normal, "LowerPodCreated", &said);
             // The first status write sets LowerPodSynced=True (one write, not two).
             Ok(Action::requeue(Duration::from_secs(300)))
         }
@@ -1134,9 +1169,13 @@ mod tests {
     use super::*;
     use crate::translate::tests::translation;
 
+    static NO_OVERRIDES: std::sync::LazyLock<crate::overrides::Compiled> =
+        std::sync::LazyLock::new(crate::overrides::Compiled::none);
+
     fn view(t: &Translation) -> View<'_> {
         View {
             translation: t,
+            overrides: &NO_OVERRIDES,
             run_daemonset_pods: false,
             warmed_up: true,
             cluster_name: "lower-a",
@@ -1172,7 +1211,7 @@ mod tests {
     #[test]
     fn a_new_pod_is_created_below_with_the_marks_of_this_node_and_cluster() {
         let t = translation();
-        let Step::Create { desired, lost } = decide(&upper(json!({})), None, &view(&t)) else {
+        let Step::Create { desired, lost, .. } = decide(&upper(json!({})), None, &view(&t)) else {
             panic!("a pod with nothing below is created");
         };
         assert!(!lost);
@@ -1439,5 +1478,55 @@ mod tests {
         assert_eq!(b.next_delay("other").as_secs(), 1, "each pod has its own count");
         b.forget("p");
         assert_eq!(b.next_delay("p").as_secs(), 1);
+    }
+
+    #[test]
+    fn override_rules_shape_the_create_refuse_a_pod_they_cannot_apply_to_and_a_running_pod_follows_its_record()
+     {
+        let t = translation();
+        let rules = crate::overrides::parse(
+            "rules:\n- name: mirror\n  image: {prefix: {from: docker.io/, to: m.example/}}\n\
+             - name: pool\n  selector: {matchLabels: {tier: db}}\n  nodeSelector: {pool: fleet}\n",
+        )
+        .and_then(crate::overrides::Overrides::compile)
+        .unwrap();
+        let v = View {
+            overrides: &rules,
+            ..view(&t)
+        };
+        let Step::Create {
+            desired, overrides, ..
+        } = decide(&upper(json!({})), None, &v)
+        else {
+            panic!()
+        };
+        assert_eq!(overrides, ["mirror"]);
+        let lower = *desired;
+        let image = |p: &Pod| p.spec.as_ref().unwrap().containers[0].image.clone().unwrap();
+        assert_eq!(image(&lower), "m.example/library/nginx:1");
+        // A rule that cannot apply to one pod refuses that pod, with its reason.
+        let stashed = upper(json!({"metadata": {"labels": {"tier": "db"},
+            "annotations": {"clusterSelector": r#"{"nodeSelector":{"pool":"gpu"}}"#}}}));
+        let Step::Refuse { reason, message, .. } = decide(&stashed, None, &v) else {
+            panic!()
+        };
+        assert_eq!(reason, "OverrideFailed");
+        assert!(
+            message.ends_with("nodeSelector pool=fleet contradicts the pod's pool=gpu"),
+            "{message}"
+        );
+        // The running pod follows the rules it recorded, whatever is in force now.
+        let changed = upper(json!({"spec": {"containers": [{"name": "app", "image": "nginx:2"}]}}));
+        let Step::Sync { patch } = decide(&changed, Some(&lower), &view(&t)) else {
+            panic!()
+        };
+        assert_eq!(
+            patch,
+            Some(json!({"spec": {"containers": [{"name": "app", "image": "m.example/library/nginx:2"}]}}))
+        );
+        assert_eq!(
+            decide(&upper(json!({})), Some(&lower), &view(&t)),
+            Step::Sync { patch: None }
+        );
     }
 }

@@ -613,12 +613,6 @@ impl Keeper {
     }
 }
 
-/// Whether `name` is the lower Secret of the upper tokens of the pod whose upper UID is
-/// `upper_uid` (never a copy of an upper object).
-pub fn is_token_secret(name: &str, upper_uid: &str) -> bool {
-    name == secret_name(upper_uid)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -855,10 +849,5 @@ mod tests {
             },
         ];
         assert!(due(&held, &two, now), "a token the pod asks for is missing");
-        assert!(is_token_secret("tensile-upper-token-u1", "u1"));
-        assert!(
-            !is_token_secret("tensile-upper-token-mine", "u1"),
-            "a user's Secret of that prefix is a copy"
-        );
     }
 }

@@ -149,6 +149,7 @@ impl Translation {
                     names::COPIED_LABELS,
                     names::COPIED_ANNOTATIONS,
                     crate::tokens::TOKEN_SECRET_ANNOTATION,
+                    names::OVERRIDES,
                 ]
                 .contains(&k.as_str())
             })
@@ -181,9 +182,12 @@ impl Translation {
             });
         spec.tolerations = (!stash.tolerations.is_empty()).then(|| stash.tolerations.clone());
         // Upper-only fields: the scheduler name, priority value and readiness gates mean
-        // nothing below; the upper service-account token must not travel.
+        // nothing below; the upper service-account token must not travel. The overhead is
+        // the upper RuntimeClass's: the lower cluster's admission sets its own class's (and
+        // refuses a pod that says another).
         spec.scheduler_name = None;
         spec.priority = None;
+        spec.overhead = None;
         spec.readiness_gates = None;
         spec.ephemeral_containers = None;
         // In the upper-token mode the token volumes read the pod's lower Secret of upper tokens
@@ -665,6 +669,7 @@ pub(crate) mod tests {
             },
             "spec": {
                 "nodeName": "vn", "schedulerName": "multi", "priority": 5, "serviceAccountName": "builder",
+                "overhead": {"cpu": "250m"},
                 "nodeSelector": {"type": "virtual-kubelet"},
                 "tolerations": [{"key": "virtual-kubelet.io/provider", "operator": "Exists"}],
                 "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
@@ -721,7 +726,9 @@ pub(crate) mod tests {
             s["affinity"].get("podAntiAffinity").is_some(),
             "pod anti-affinity kept"
         );
-        assert!(s.get("schedulerName").is_none() && s.get("priority").is_none());
+        assert!(
+            s.get("schedulerName").is_none() && s.get("priority").is_none() && s.get("overhead").is_none()
+        );
         assert!(s.get("serviceAccountName").is_none());
         assert_eq!(s["automountServiceAccountToken"], false);
         assert_eq!(

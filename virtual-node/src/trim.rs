@@ -478,8 +478,10 @@ mod tests {
             crate::translate::upper_status(&upper, &small, "10.1.0.1"),
             crate::translate::upper_status(&upper, &full, "10.1.0.1")
         );
+        let none = crate::overrides::Compiled::none();
         let view = crate::pods::View {
             translation: &t,
+            overrides: &none,
             run_daemonset_pods: false,
             warmed_up: true,
             cluster_name: "lower-a",

@@ -43,6 +43,7 @@ use tensile_common::cache::Cache;
 use tensile_common::names;
 
 use crate::metrics::Metrics;
+use crate::overrides::Compiled;
 use crate::ratelimit::WriteLimit;
 use crate::refs::Blocked;
 use crate::translate::Identity;
@@ -67,6 +68,8 @@ pub struct View<'a> {
     pub classes: &'a HashMap<String, bool>,
     /// The upper StorageClasses: a reflected volume takes its class's `reclaimPolicy`.
     pub upper_classes: &'a [Arc<StorageClass>],
+    /// The lower cluster's overrides in force (its StorageClass names).
+    pub overrides: &'a Compiled,
 }
 
 /// The reclaim policy of volumes of upper class `class`: the class's `reclaimPolicy`, and
@@ -163,8 +166,12 @@ fn at(meta: &kube::api::ObjectMeta) -> (String, String) {
     )
 }
 
-/// The lower claim for `upper`.
-pub fn lower_claim(identity: &Identity, upper: &PersistentVolumeClaim) -> PersistentVolumeClaim {
+/// The lower claim for `upper`: its class named as the lower cluster's overrides map it.
+pub fn lower_claim(
+    identity: &Identity,
+    upper: &PersistentVolumeClaim,
+    overrides: &Compiled,
+) -> PersistentVolumeClaim {
     let spec = upper.spec.clone().unwrap_or_default();
     let mut labels: BTreeMap<String, String> = upper
         .labels()
@@ -187,7 +194,7 @@ pub fn lower_claim(identity: &Identity, upper: &PersistentVolumeClaim) -> Persis
             access_modes: spec.access_modes,
             resources: spec.resources,
             selector: spec.selector,
-            storage_class_name: spec.storage_class_name,
+            storage_class_name: overrides.storage_class(spec.storage_class_name),
             volume_mode: spec.volume_mode,
             ..Default::default()
         }),
@@ -317,7 +324,7 @@ pub fn plan(view: &View<'_>) -> Vec<Write> {
         }
         match lower_claims.get(key) {
             None if selected_here(id, upper) => writes.push(Write::CreateLowerClaim {
-                claim: Box::new(lower_claim(id, upper)),
+                claim: Box::new(lower_claim(id, upper, view.overrides)),
             }),
             None => {}
             // The lower claim of an earlier upper claim of the same name is never adopted.
@@ -495,6 +502,8 @@ pub struct Volumes {
     pub upper_classes: Cache<StorageClass>,
     /// Whether lower StorageClasses can be read (not under a namespace scope).
     pub read_lower_classes: bool,
+    /// The lower cluster's overrides in force (its StorageClass names).
+    pub overrides: crate::overrides::Current,
     /// Expansions the lower cluster refused (`ns/name=size`), not asked again.
     pub refused_expansions: std::sync::Mutex<BTreeSet<String>>,
 }
@@ -526,7 +535,7 @@ impl Volumes {
                 self.cluster_name
             ))));
         }
-        self.create_lower_claim(&lower_claim(&self.identity, &upper))
+        self.create_lower_claim(&lower_claim(&self.identity, &upper, &self.overrides.get()))
             .await
     }
 
@@ -566,6 +575,7 @@ impl Volumes {
             self.lower_pods.state(),
             self.upper_classes.state(),
         );
+        let overrides = self.overrides.get();
         let writes = plan(&View {
             identity: &self.identity,
             upper_pods: &upper_pods,
@@ -575,6 +585,7 @@ impl Volumes {
             lower_pods: &lower_pods,
             classes: &classes,
             upper_classes: &upper_classes,
+            overrides: &overrides,
         });
         let planned = writes.into_iter().map(|w| self.perform(w).boxed()).collect();
         crate::world::act(planned, 8, "volume", &self.metrics).await
@@ -761,6 +772,7 @@ mod tests {
                 lower_pods: &self.lower_pods,
                 classes: &self.classes,
                 upper_classes: &self.upper_classes,
+                overrides: &Compiled::none(),
             })
         }
     }
@@ -786,8 +798,12 @@ mod tests {
 
     /// The lower claim this node made for [`upper_claim`], with `extra` merged.
     fn lower_claim_made(extra: serde_json::Value) -> Arc<PersistentVolumeClaim> {
-        let mut v =
-            serde_json::to_value(lower_claim(&translation().identity, &upper_claim(json!({})))).unwrap();
+        let mut v = serde_json::to_value(lower_claim(
+            &translation().identity,
+            &upper_claim(json!({})),
+            &Compiled::none(),
+        ))
+        .unwrap();
         merge(&mut v, json!({"metadata": {"uid": "lower-u"}}));
         merge(&mut v, extra);
         Arc::new(serde_json::from_value(v).unwrap())
@@ -828,6 +844,15 @@ mod tests {
         assert_eq!(labels.get("app").map(String::as_str), Some("db"));
         let spec = claim.spec.clone().unwrap_or_default();
         assert_eq!(spec.storage_class_name.as_deref(), Some("fast"));
+        // The lower cluster's overrides name its own class.
+        let mapped = crate::overrides::parse("storageClasses: {fast: premium-b}")
+            .and_then(crate::overrides::Overrides::compile)
+            .unwrap();
+        let below = lower_claim(&translation().identity, &upper_claim(json!({})), &mapped);
+        assert_eq!(
+            below.spec.and_then(|s| s.storage_class_name).as_deref(),
+            Some("premium-b")
+        );
         assert!(
             spec.volume_name.is_none(),
             "the lower cluster provisions its own volume"
