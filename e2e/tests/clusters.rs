@@ -602,16 +602,16 @@ spec: {hard: {requests.cpu: "12", requests.memory: 24Gi, pods: "10"}}
     // lower-b's overrides, said in its LowerCluster: the controller checks them, hands them
     // to the virtual node as a ConfigMap it mounts, and pods made there from then on carry
     // them; a malformed edit is refused with the reason and the rules in force stay.
-    kubectl(
-        up.kubeconfig(),
-        &[
-            "patch",
-            "lowercluster",
-            "lower-b",
-            "--type=merge",
-            "-p",
-            r#"{"spec":{"overrides":{"rules":[{"name":"region","labels":{"region":"b"},"env":[{"name":"REGION","value":"b"}]}]}}}"#,
-        ],
+    let set_overrides = |overrides: &'static str| async move {
+        let patch = format!(r#"{{"spec":{{"overrides":{overrides}}}}}"#);
+        kubectl(
+            up.kubeconfig(),
+            &["patch", "lowercluster", "lower-b", "--type=merge", "-p", &patch],
+        )
+        .await
+    };
+    set_overrides(
+        r#"{"rules":[{"name":"region","labels":{"region":"b"},"env":[{"name":"REGION","value":"b"}]}]}"#,
     )
     .await;
     eventually(
@@ -681,18 +681,7 @@ spec:
         untouched.trim().is_empty(),
         "pods made before keep what they were made with: {untouched}"
     );
-    kubectl(
-        up.kubeconfig(),
-        &[
-            "patch",
-            "lowercluster",
-            "lower-b",
-            "--type=merge",
-            "-p",
-            r#"{"spec":{"overrides":{"rules":[{"name":"Region","labels":{"region":"c"}}]}}}"#,
-        ],
-    )
-    .await;
+    set_overrides(r#"{"rules":[{"name":"Region","labels":{"region":"c"}}]}"#).await;
     eventually(
         up.kubeconfig(),
         "the malformed overrides refused",

@@ -403,38 +403,24 @@ async fn each_lower_cluster_runs_the_same_workloads_as_its_own_rules_say_and_an_
     let db = placed("db", 2).await;
     for (lower, node, class) in [(low_a, "vn-a", "fast"), (low_b, "vn-b", "premium-b")] {
         let claim = format!("data-{}", on(&db, node));
-        eventually(
-            lower,
-            &format!("{claim} Bound below in class {class}"),
-            90,
-            &[
-                "-n",
-                "shop",
-                "get",
-                "pvc",
-                &claim,
-                "-o",
-                "jsonpath={.spec.storageClassName} {.status.phase}",
-            ],
-            &format!("{class} Bound"),
-        )
-        .await;
-        eventually(
-            up(),
-            &format!("{claim} Bound upstream in class fast"),
-            90,
-            &[
-                "-n",
-                "shop",
-                "get",
-                "pvc",
-                &claim,
-                "-o",
-                "jsonpath={.spec.storageClassName} {.status.phase}",
-            ],
-            "fast Bound",
-        )
-        .await;
+        for (cluster, want) in [(lower, format!("{class} Bound")), (up(), "fast Bound".to_owned())] {
+            eventually(
+                cluster,
+                &format!("{claim} {want}"),
+                90,
+                &[
+                    "-n",
+                    "shop",
+                    "get",
+                    "pvc",
+                    &claim,
+                    "-o",
+                    "jsonpath={.spec.storageClassName} {.status.phase}",
+                ],
+                &want,
+            )
+            .await;
+        }
         running_below(lower, &on(&db, node)).await;
     }
 
