@@ -75,22 +75,25 @@ pub struct Objects {
     pub budget: Option<serde_json::Value>,
 }
 
-/// The ConfigMap of a virtual node's overrides.
+/// What a virtual node's overrides ConfigMap becomes.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Overrides {
     /// `spec.overrides` passed its checks: the ConfigMap holds them.
-    Accepted(ConfigMap),
-    /// They did not (the reason): the ConfigMap keeps what it holds, and is made empty only
-    /// when it does not exist yet.
-    Refused(ConfigMap, String),
+    Accepted(Box<ConfigMap>),
+    /// They did not (the reason): the ConfigMap keeps what it holds. When there is none (no
+    /// overrides were ever accepted), the virtual node is not started until they pass: its
+    /// pods would go below without the rules their cluster needs.
+    Refused(String),
 }
 
-impl Overrides {
-    pub fn config_map(&self) -> &ConfigMap {
-        match self {
-            Overrides::Accepted(c) | Overrides::Refused(c, _) => c,
-        }
-    }
+/// Why overrides are refused, when some accepted before stay in force.
+pub fn kept_in_force(why: &str) -> String {
+    format!("{why}; the overrides accepted before stay in force")
+}
+
+/// Why overrides are refused, when none were ever accepted.
+pub fn none_in_force(why: &str) -> String {
+    format!("{why}; none were accepted before, so the virtual node is not started until they pass")
 }
 
 /// `spec.overrides` checked: the text the virtual node reads (JSON), and what it holds.
@@ -98,7 +101,7 @@ pub fn checked_overrides(cluster: &LowerCluster) -> Result<(String, String), Str
     let value = cluster.spec.overrides.clone().unwrap_or_default();
     let compiled = tensile_virtual_node::overrides::Overrides::from_value(value)
         .and_then(tensile_virtual_node::overrides::Overrides::compile)
-        .map_err(|e| format!("spec.overrides: {e}; the overrides accepted before stay in force"))?;
+        .map_err(|e| format!("spec.overrides: {e}"))?;
     let source = compiled.source();
     let text = serde_json::to_string_pretty(source).map_err(|e| format!("spec.overrides: {e}"))?;
     let said = format!(
@@ -115,14 +118,13 @@ pub fn checked_overrides(cluster: &LowerCluster) -> Result<(String, String), Str
 }
 
 fn overrides(settings: &Settings, cluster: &LowerCluster, name: &str) -> Overrides {
-    let config_map = |text: String| ConfigMap {
-        metadata: meta(name, Some(settings.namespace.as_str()), cluster),
-        data: Some(BTreeMap::from([(OVERRIDES_KEY.to_owned(), text)])),
-        ..Default::default()
-    };
     match checked_overrides(cluster) {
-        Ok((text, _)) => Overrides::Accepted(config_map(text)),
-        Err(why) => Overrides::Refused(config_map("{}".into()), why),
+        Ok((text, _)) => Overrides::Accepted(Box::new(ConfigMap {
+            metadata: meta(name, Some(settings.namespace.as_str()), cluster),
+            data: Some(BTreeMap::from([(OVERRIDES_KEY.to_owned(), text)])),
+            ..Default::default()
+        })),
+        Err(why) => Overrides::Refused(why),
     }
 }
 
@@ -773,22 +775,18 @@ pub(crate) mod tests {
             tensile_virtual_node::overrides::parse(&empty.data.unwrap()[OVERRIDES_KEY]).unwrap(),
             Default::default()
         );
-        // Refused: the reason, and a ConfigMap made empty only if none exists.
+        // Refused: the reason; the ConfigMap is not written.
         c.spec.overrides = Some(
             serde_json::json!({"rules": [{"name": "mirror", "image": {"regex": {"pattern": "(", "replacement": ""}}}]}),
         );
-        let Overrides::Refused(empty, why) = objects(&s, &c).overrides else {
+        let Overrides::Refused(why) = objects(&s, &c).overrides else {
             panic!()
         };
-        assert_eq!(empty.data.unwrap()[OVERRIDES_KEY], "{}");
         assert!(
             why.starts_with("spec.overrides: rule \"mirror\": image.regex: regex parse error"),
             "{why}"
         );
-        assert!(
-            why.ends_with("; the overrides accepted before stay in force"),
-            "{why}"
-        );
+        let why = kept_in_force(&why);
         // The condition says it; Ready is not about it.
         let observed = Observed {
             overrides: Some(Err(why.clone())),

@@ -105,6 +105,24 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
         write_status(&api, &cluster, plan::status(&cluster, &observed)).await?;
         return Ok(Action::requeue(ctx.resync * 6));
     }
+    observed.overrides = match plan::checked_overrides(&cluster) {
+        Ok((_, said)) => Some(Ok(said)),
+        Err(why) => {
+            let name = plan::object_name(&ctx.settings, &name);
+            let in_force = Api::<ConfigMap>::namespaced(ctx.upper.clone(), &ctx.settings.namespace)
+                .get_metadata_opt(&name)
+                .await
+                .map_err(ApiError::on("upper", "get", format!("configmap {name}")))?
+                .is_some();
+            if !in_force {
+                // Nothing to keep: the virtual node waits for overrides that pass.
+                observed.invalid = Some(plan::none_in_force(&why));
+                write_status(&api, &cluster, plan::status(&cluster, &observed)).await?;
+                return Ok(Action::requeue(ctx.resync * 6));
+            }
+            Some(Err(plan::kept_in_force(&why)))
+        }
+    };
 
     let secrets: Api<Secret> = Api::namespaced(ctx.upper.clone(), &ctx.settings.namespace);
     let secret_name = &cluster.spec.credential.secret_name;
@@ -146,7 +164,6 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
         }
     }
 
-    observed.overrides = Some(plan::checked_overrides(&cluster).map(|(_, said)| said));
     apply(&ctx, &cluster).await?;
     observe_node(&ctx, cluster.node_name(), &mut observed).await?;
     write_status(&api, &cluster, plan::status(&cluster, &observed)).await?;
@@ -402,16 +419,8 @@ async fn apply(ctx: &Context, cluster: &LowerCluster) -> Result<(), Error> {
     .await?;
     // The overrides before the Deployment whose pods mount them.
     let config_maps = Api::<ConfigMap>::namespaced(c.clone(), ns);
-    match &objects.overrides {
-        plan::Overrides::Accepted(config_map) => apply_one(config_maps, config_map).await?,
-        plan::Overrides::Refused(empty, _) => {
-            let name = empty.metadata.name.clone().unwrap_or_default();
-            if let Err(e) = config_maps.create(&Default::default(), empty).await
-                && code(&e) != Some(409)
-            {
-                return Err(ApiError::on("upper", "create", format!("configmap {ns}/{name}"))(e).into());
-            }
-        }
+    if let plan::Overrides::Accepted(config_map) = &objects.overrides {
+        apply_one(config_maps, config_map).await?;
     }
     apply_one(Api::<Deployment>::namespaced(c.clone(), ns), &objects.deployment).await?;
     let budgets = budget_api(ctx);

@@ -427,6 +427,58 @@ spec: {hard: {requests.cpu: "12", requests.memory: 24Gi, pods: "10"}}
         upper_before,
         "nothing of lower-b's was removed"
     );
+    // A LowerCluster whose first overrides fail their checks has nothing in force to keep:
+    // its virtual node is not started until they pass, and the status says why.
+    apply(
+        up.kubeconfig(),
+        &format!(
+            "apiVersion: tensile.io/v1alpha1\nkind: LowerCluster\nmetadata:\n  name: held\n  labels: {{tensile.io/controller-namespace: {NS}}}\n\
+             spec: {{credential: {{secretName: lower-b-credential}}, overrides: {{rules: [{{name: mirror, image: {{regex: {{pattern: '(', replacement: x}}}}}}]}}}}\n"
+        ),
+    )
+    .await;
+    tensile_e2e::wait::must(
+        "held refused for its overrides",
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+        || async {
+            let said = kubectl(
+                up.kubeconfig(),
+                &[
+                    "get",
+                    "lowercluster",
+                    "held",
+                    "-o",
+                    r#"jsonpath={.status.conditions[?(@.type=="Accepted")].message}"#,
+                ],
+            )
+            .await;
+            match said.starts_with("spec.overrides: rule \"mirror\": image.regex: regex parse error")
+                && said.ends_with(
+                    "none were accepted before, so the virtual node is not started until they pass",
+                ) {
+                true => Ok(()),
+                false => Err(said),
+            }
+        },
+    )
+    .await;
+    let made = kubectl(
+        up.kubeconfig(),
+        &["-n", NS, "get", "deployments,configmaps", "-o", "name"],
+    )
+    .await;
+    assert!(!made.contains("vn-held"), "nothing runs for it: {made}");
+    kubectl(
+        up.kubeconfig(),
+        &["delete", "lowercluster", "held", "--wait=true", "--timeout=60s"],
+    )
+    .await;
+    assert_eq!(
+        listing(up, Some("fleet")).await,
+        upper_before,
+        "its removal removed nothing"
+    );
 
     let mut join_a = common("lower-a", low_a);
     join_a.extend(["--node-labels=region=a".into(), "--token-lifetime=10m".into()]);

@@ -47,6 +47,10 @@ use tensile_common::names;
 /// The most node selector terms a conjunction may produce (rule terms times pod terms).
 const MAX_TERMS: usize = 64;
 
+/// The most bytes a set of rules may take written out: every lower pod may carry them in its
+/// record, and a pod's annotations hold 256 KiB in all.
+const MAX_RECORD: usize = 32 * 1024;
+
 /// One lower cluster's overrides, as written (in a `LowerCluster`'s `spec.overrides`, or the
 /// virtual node's `--overrides-file`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -195,9 +199,18 @@ impl Overrides {
                 .and_then(Value::as_str)
                 .map(|n| format!(" ({n})"))
                 .unwrap_or_default();
-            let rule: Rule =
-                serde_json::from_value(rule).map_err(|e| Invalid(format!("rules[{i}]{name}: {e}")))?;
-            overrides.rules.push(rule);
+            let parsed: Rule = serde_json::from_value(rule.clone())
+                .map_err(|e| Invalid(format!("rules[{i}]{name}: {e}")))?;
+            // The API types inside a rule (tolerations, env, selectors) ignore a field they
+            // lack: a misspelt one would be dropped without a word.
+            let read =
+                serde_json::to_value(&parsed).map_err(|e| Invalid(format!("rules[{i}]{name}: {e}")))?;
+            if let Some(path) = lost(&rule, &read, String::new()) {
+                return Err(Invalid(format!(
+                    "rules[{i}]{name}: {path} is not a field of a rule"
+                )));
+            }
+            overrides.rules.push(parsed);
         }
         Ok(overrides)
     }
@@ -219,6 +232,12 @@ impl Overrides {
                 )));
             }
         }
+        let size = serde_json::to_string(&self.rules).map_or(0, |r| r.len());
+        if size > MAX_RECORD {
+            return Err(Invalid(format!(
+                "the rules take {size} bytes written out; at most {MAX_RECORD} fit the record every lower pod carries"
+            )));
+        }
         let compiled = Compiled {
             overrides: self,
             rules,
@@ -233,6 +252,29 @@ impl Overrides {
 /// A Kubernetes object name (DNS subdomain).
 fn is_name(s: &str) -> bool {
     !s.is_empty() && s.len() <= 253 && s.split('.').all(names::is_dns_label)
+}
+
+/// Whether `key` is a label or annotation key: an optional DNS subdomain prefix and `/`,
+/// then a name of at most 63 letters, digits, `-`, `_` and `.`, starting and ending with a
+/// letter or digit.
+fn is_label_key(key: &str) -> bool {
+    let (prefix, name) = match key.rsplit_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, key),
+    };
+    prefix.is_none_or(is_name) && !name.is_empty() && is_label_value(name)
+}
+
+/// Whether `value` is a label value: empty, or at most 63 letters, digits, `-`, `_` and
+/// `.`, starting and ending with a letter or digit.
+fn is_label_value(value: &str) -> bool {
+    let edge = |c: Option<char>| c.is_none_or(|c| c.is_ascii_alphanumeric());
+    value.len() <= 63
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && edge(value.chars().next())
+        && edge(value.chars().last())
 }
 
 /// Whether the virtual node owns this label or annotation key of a lower pod.
@@ -303,13 +345,12 @@ fn ready(rule: &Rule) -> Result<Ready, String> {
     for t in &rule.tolerations {
         check_toleration(t)?;
     }
-    if let Some(v) = rule
+    if let Some((k, v)) = rule
         .node_selector
         .iter()
-        .find(|(k, _)| k.is_empty())
-        .map(|(_, v)| v)
+        .find(|(k, v)| !is_label_key(k) || !is_label_value(v))
     {
-        return Err(format!("nodeSelector: an empty key (value {v:?})"));
+        return Err(format!("nodeSelector: {k}={v} is not a label"));
     }
     for term in &rule.node_selector_terms {
         let expressions = term.match_expressions.iter().flatten();
@@ -333,18 +374,28 @@ fn ready(rule: &Rule) -> Result<Ready, String> {
     }
     let mut env = BTreeSet::new();
     for e in &rule.env {
-        if e.name.is_empty() || !env.insert(e.name.as_str()) {
-            return Err(format!("env: {:?} is empty or set twice", e.name));
+        if e.name.is_empty() || e.name.contains('=') || !env.insert(e.name.as_str()) {
+            return Err(format!("env: {:?} is empty, holds '=' or is set twice", e.name));
         }
     }
     for (what, map) in [("labels", &rule.labels), ("annotations", &rule.annotations)] {
-        if let Some(key) = map.keys().find(|k| k.is_empty() || reserved(k)) {
+        if let Some(key) = map.keys().find(|k| reserved(k)) {
             return Err(format!(
-                "{what}: {key:?} is empty or a key the virtual node owns ({}…, {})",
+                "{what}: {key:?} is a key the virtual node owns ({}…, {})",
                 names::PREFIX,
                 names::CLUSTER_SELECTOR
             ));
         }
+        if let Some(key) = map.keys().find(|k| !is_label_key(k)) {
+            return Err(format!(
+                "{what}: {key:?} is not a key (a DNS subdomain prefix and '/', then a name)"
+            ));
+        }
+    }
+    if let Some((k, v)) = rule.labels.iter().find(|(_, v)| !is_label_value(v)) {
+        return Err(format!(
+            "labels: {k}={v:?} is not a label value (at most 63 letters, digits, '-', '_' and '.')"
+        ));
     }
     let mut patch = Vec::new();
     for (i, op) in rule.patch.iter().enumerate() {
@@ -468,27 +519,33 @@ impl Compiled {
         class.map(|c| self.overrides.storage_classes.get(&c).cloned().unwrap_or(c))
     }
 
+    /// Applies `rule` to the sample pod: what it cannot do there, it cannot do anywhere. A
+    /// patch gated by a `test` operation holds or not by the pod: its operations are tried
+    /// each on its own. A rule that weakens isolation (allowed by `allowPrivileged`) must
+    /// name its namespaces: anyone may label a pod so that a selector takes it.
     fn sample_check(&self, rule: &Rule, ready: &Ready) -> Result<(), Invalid> {
         let mut pod = sample_pod();
-        let tried = Ready {
-            image: None,
-            // A test operation holds or not by the pod; the others must apply.
-            patch: ready
-                .patch
-                .iter()
-                .filter(|op| !matches!(op, PatchOperation::Test(_)))
-                .cloned()
-                .collect(),
-        };
+        let gated = ready.patch.iter().any(|op| matches!(op, PatchOperation::Test(_)));
         let before = Guarded::of(&pod);
-        apply_rule(rule, &tried, &mut pod)
-            .and_then(|()| before.check(&pod, self.overrides.allow_privileged))
-            .map_err(|e| {
-                Invalid(format!(
-                    "rule {:?} fails on a pod of one container: {e}",
-                    rule.name
-                ))
-            })
+        let said = |e: String| {
+            Invalid(format!(
+                "rule {:?} fails on a pod of one container: {e}",
+                rule.name
+            ))
+        };
+        apply_rule(rule, ready, &mut pod, gated)
+            .and_then(|()| before.owned_unchanged(&pod))
+            .map_err(said)?;
+        match before.isolation_kept(&pod) {
+            Ok(()) => Ok(()),
+            Err(e) if !self.overrides.allow_privileged => Err(said(not_allowed(e))),
+            Err(e) if rule.namespaces.is_empty() => Err(Invalid(format!(
+                "rule {:?} weakens isolation ({e}) in every namespace: with allowPrivileged, such a rule must \
+                 name its namespaces, since anyone may label a pod so that its selector takes it",
+                rule.name
+            ))),
+            Err(_) => Ok(()),
+        }
     }
 
     /// Applies the rules that select `upper` to its lower pod `lower` and records them on it;
@@ -515,7 +572,7 @@ impl Compiled {
         }
         let before = Guarded::of(lower);
         for (rule, ready) in &chosen {
-            apply_rule(rule, ready, lower)
+            apply_rule(rule, ready, lower, false)
                 .and_then(|()| before.check(lower, self.overrides.allow_privileged))
                 .map_err(|e| format!("override rule {:?} of this lower cluster: {e}", rule.name))?;
         }
@@ -532,21 +589,24 @@ impl Compiled {
 }
 
 /// Brings `desired` (a fresh translation of the upper pod) to what its lower pod `actual`
-/// was made with: the rules `actual` records, all of them, as recorded. `Err` when the
-/// record cannot be read or applied (it was edited below).
+/// was made with: the rules `actual` records, all of them, as recorded. A patch operation
+/// that no longer applies (a `remove` of a label the user dropped since) is passed over, and
+/// a `test` that no longer holds ends its rule's patch. `Err` when the record cannot be read
+/// (it was edited below). A record copied from the upper pod by a version before overrides
+/// (its key listed among the copied annotations) is the user's, not the node's: ignored.
 pub fn replay(actual: &Pod, desired: &mut Pod) -> Result<(), String> {
-    let Some(record) = actual
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(names::OVERRIDES))
-    else {
+    let annotations = actual.metadata.annotations.as_ref();
+    let Some(record) = annotations.and_then(|a| a.get(names::OVERRIDES)) else {
         return Ok(());
     };
-    let rules: Vec<Rule> = serde_json::from_str(record).map_err(|e| format!("{}: {e}", names::OVERRIDES))?;
-    for rule in &rules {
-        let ready = ready(rule).map_err(|e| format!("{} rule {:?}: {e}", names::OVERRIDES, rule.name))?;
-        apply_rule(rule, &ready, desired)
+    let copied = annotations
+        .and_then(|a| a.get(names::COPIED_ANNOTATIONS))
+        .is_some_and(|list| list.split(',').any(|k| k == names::OVERRIDES));
+    if copied {
+        return Ok(());
+    }
+    for (rule, ready) in recorded(record)?.iter() {
+        apply_rule(rule, ready, desired, true)
             .map_err(|e| format!("{} rule {:?}: {e}", names::OVERRIDES, rule.name))?;
     }
     desired
@@ -557,15 +617,48 @@ pub fn replay(actual: &Pod, desired: &mut Pod) -> Result<(), String> {
     Ok(())
 }
 
-/// The image as a container runtime reads it: a first component without `.` or `:` (and
-/// not `localhost`) is a Docker Hub repository, and a single one is under `library/`.
-fn qualified(image: &str) -> String {
-    match image.split_once('/') {
-        Some((first, _)) if first.contains('.') || first.contains(':') || first == "localhost" => {
-            image.to_owned()
+/// The rules of a record, ready: read once per distinct record (most pods of a cluster
+/// carry the same few), not on every reconcile.
+fn recorded(record: &str) -> Result<Arc<Vec<(Rule, Ready)>>, String> {
+    type Read = std::collections::HashMap<String, Arc<Vec<(Rule, Ready)>>>;
+    static READ: std::sync::LazyLock<std::sync::Mutex<Read>> = std::sync::LazyLock::new(Default::default);
+    if let Some(found) = READ.lock().ok().and_then(|read| read.get(record).cloned()) {
+        return Ok(found);
+    }
+    let rules: Vec<Rule> = serde_json::from_str(record).map_err(|e| format!("{}: {e}", names::OVERRIDES))?;
+    let mut list = Vec::with_capacity(rules.len());
+    for rule in rules {
+        let ready = ready(&rule).map_err(|e| format!("{} rule {:?}: {e}", names::OVERRIDES, rule.name))?;
+        list.push((rule, ready));
+    }
+    let list = Arc::new(list);
+    if let Ok(mut read) = READ.lock() {
+        if read.len() >= 64 {
+            read.clear();
         }
-        Some(_) => format!("docker.io/{image}"),
-        None => format!("docker.io/library/{image}"),
+        read.insert(record.to_owned(), list.clone());
+    }
+    Ok(list)
+}
+
+/// The image as a container runtime reads it: a first component without `.` or `:` (and
+/// not `localhost`) is a Docker Hub repository (`index.docker.io` is `docker.io`), and a
+/// Docker Hub repository of one component is under `library/`.
+fn qualified(image: &str) -> String {
+    let (registry, rest) = match image.split_once('/') {
+        Some((first, rest)) if first.contains('.') || first.contains(':') || first == "localhost" => {
+            (first, rest)
+        }
+        _ => ("docker.io", image),
+    };
+    let registry = if registry == "index.docker.io" {
+        "docker.io"
+    } else {
+        registry
+    };
+    match registry == "docker.io" && !rest.contains('/') {
+        true => format!("docker.io/library/{rest}"),
+        false => format!("{registry}/{rest}"),
     }
 }
 
@@ -585,8 +678,10 @@ fn rewrite(image: &str, how: &Rewrite) -> String {
     }
 }
 
-/// Applies one rule's operations, in the documented order.
-fn apply_rule(rule: &Rule, ready: &Ready, pod: &mut Pod) -> Result<(), String> {
+/// Applies one rule's operations, in the documented order. `lenient`: each patch operation
+/// on its own, one that does not apply passed over, a `test` that does not hold ending the
+/// patch (a replay, or a gated patch on the sample pod).
+fn apply_rule(rule: &Rule, ready: &Ready, pod: &mut Pod, lenient: bool) -> Result<(), String> {
     let spec = pod.spec.get_or_insert_default();
     let mut containers: Vec<&mut k8s_openapi::api::core::v1::Container> =
         spec.containers.iter_mut().collect();
@@ -654,7 +749,16 @@ fn apply_rule(rule: &Rule, ready: &Ready, pod: &mut Pod) -> Result<(), String> {
         .extend(rule.annotations.iter().map(|(k, v)| (k.clone(), v.clone())));
     if !ready.patch.is_empty() {
         let mut doc = serde_json::to_value(&*pod).map_err(|e| format!("the pod as JSON: {e}"))?;
-        json_patch::patch(&mut doc, &ready.patch).map_err(|e| format!("patch: {e}"))?;
+        if lenient {
+            for op in &ready.patch {
+                let held = json_patch::patch(&mut doc, std::slice::from_ref(op)).is_ok();
+                if !held && matches!(op, PatchOperation::Test(_)) {
+                    break;
+                }
+            }
+        } else {
+            json_patch::patch(&mut doc, &ready.patch).map_err(|e| format!("patch: {e}"))?;
+        }
         let patched: Pod =
             serde_json::from_value(doc.clone()).map_err(|e| format!("the patched pod is not a pod: {e}"))?;
         // A field the pod type does not have would be dropped without a word.
@@ -667,11 +771,18 @@ fn apply_rule(rule: &Rule, ready: &Ready, pod: &mut Pod) -> Result<(), String> {
     Ok(())
 }
 
-/// The first path of `written` (its non-null values) that `kept` lacks.
+/// The first path of `written` that `kept` lacks (null values, empty lists and empty
+/// mappings aside: their absence says the same).
 fn lost(written: &Value, kept: &Value, at: String) -> Option<String> {
+    let says_nothing = |v: &Value| match v {
+        Value::Null => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        _ => false,
+    };
     match (written, kept) {
         (Value::Object(w), Value::Object(k)) => {
-            w.iter().filter(|(_, v)| !v.is_null()).find_map(|(key, v)| {
+            w.iter().filter(|(_, v)| !says_nothing(v)).find_map(|(key, v)| {
                 let here = format!("{at}/{key}");
                 match k.get(key) {
                     None => Some(here),
@@ -730,6 +841,8 @@ struct Guarded {
     owned: BTreeMap<String, Option<String>>,
     place: (Option<String>, Option<String>),
     escalations: BTreeSet<String>,
+    /// The capabilities each container drops.
+    drops: BTreeMap<String, BTreeSet<String>>,
 }
 
 impl Guarded {
@@ -738,10 +851,19 @@ impl Guarded {
             owned: owned_keys(pod),
             place: (pod.metadata.name.clone(), pod.metadata.namespace.clone()),
             escalations: escalations(pod),
+            drops: drops(pod),
         }
     }
 
     fn check(&self, pod: &Pod, allow_privileged: bool) -> Result<(), String> {
+        self.owned_unchanged(pod)?;
+        match allow_privileged {
+            true => Ok(()),
+            false => self.isolation_kept(pod).map_err(not_allowed),
+        }
+    }
+
+    fn owned_unchanged(&self, pod: &Pod) -> Result<(), String> {
         if (pod.metadata.name.clone(), pod.metadata.namespace.clone()) != self.place {
             return Err("it changes the pod's name or namespace".into());
         }
@@ -754,18 +876,52 @@ impl Guarded {
         {
             return Err(format!("it changes {key}, which the virtual node owns"));
         }
-        if !allow_privileged {
-            let now = escalations(pod);
-            let added: Vec<&str> = now.difference(&self.escalations).map(String::as_str).collect();
-            if !added.is_empty() {
-                return Err(format!(
-                    "it would add {}, which this lower cluster's overrides do not allow (allowPrivileged)",
-                    added.join(", ")
+        Ok(())
+    }
+
+    /// `Err`: what the pod gained that weakens isolation, said in a list.
+    fn isolation_kept(&self, pod: &Pod) -> Result<(), String> {
+        let now = escalations(pod);
+        let mut added: Vec<String> = now.difference(&self.escalations).cloned().collect();
+        let dropped_now = drops(pod);
+        for (container, before) in &self.drops {
+            let after = dropped_now.get(container);
+            for cap in before.iter().filter(|c| after.is_none_or(|a| !a.contains(*c))) {
+                added.push(format!(
+                    "capability {cap} no longer dropped in container {container}"
                 ));
             }
         }
-        Ok(())
+        match added.is_empty() {
+            true => Ok(()),
+            false => Err(added.join(", ")),
+        }
     }
+}
+
+/// Why a change that weakens isolation (`added`, said in a list) is refused.
+fn not_allowed(added: String) -> String {
+    format!("it would add {added}, which this lower cluster's overrides do not allow (allowPrivileged)")
+}
+
+/// The capabilities each container and init container drops.
+fn drops(pod: &Pod) -> BTreeMap<String, BTreeSet<String>> {
+    let Some(spec) = &pod.spec else {
+        return BTreeMap::new();
+    };
+    spec.containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .map(|c| {
+            let dropped = c
+                .security_context
+                .as_ref()
+                .and_then(|s| s.capabilities.as_ref())
+                .and_then(|c| c.drop.clone())
+                .unwrap_or_default();
+            (c.name.clone(), dropped.into_iter().collect())
+        })
+        .collect()
 }
 
 /// The virtual node's labels and annotations of a pod, as `label <key>` and `annotation <key>`.
@@ -782,13 +938,47 @@ fn owned_keys(pod: &Pod) -> BTreeMap<String, Option<String>> {
     owned
 }
 
-/// What of a pod weakens isolation: host namespaces, privileged containers, added
-/// capabilities, host ports, hostPath volumes.
+/// What of a pod weakens isolation: what the Pod Security baseline forbids (host
+/// namespaces, privileged containers, escalation, added capabilities, host ports, hostPath
+/// volumes, unconfined seccomp or AppArmor, SELinux types, users and roles, unmasked /proc,
+/// sysctls, host processes), and what would give it a lower credential (a lower
+/// ServiceAccount, its token) or take it past the lower scheduler (`nodeName`).
 fn escalations(pod: &Pod) -> BTreeSet<String> {
     let mut found = BTreeSet::new();
+    for (key, value) in pod.metadata.annotations.iter().flatten() {
+        if key.starts_with("container.apparmor.security.beta.kubernetes.io/") && value == "unconfined" {
+            found.insert(format!("an unconfined AppArmor profile ({key})"));
+        }
+    }
     let Some(spec) = &pod.spec else {
         return found;
     };
+    if spec.automount_service_account_token == Some(true) {
+        found.insert("the token of a lower ServiceAccount (automountServiceAccountToken)".to_owned());
+    }
+    if let Some(account) = spec
+        .service_account_name
+        .as_ref()
+        .or(spec.service_account.as_ref())
+    {
+        found.insert(format!("lower ServiceAccount {account}"));
+    }
+    if let Some(node) = &spec.node_name {
+        found.insert(format!("nodeName {node} (past the lower scheduler)"));
+    }
+    if let Some(context) = &spec.security_context {
+        confinement(
+            "the pod",
+            context.seccomp_profile.as_ref().map(|p| p.type_.as_str()),
+            context.app_armor_profile.as_ref().map(|p| p.type_.as_str()),
+            context.se_linux_options.as_ref(),
+            context.windows_options.as_ref().and_then(|w| w.host_process),
+            &mut found,
+        );
+        for sysctl in context.sysctls.iter().flatten() {
+            found.insert(format!("sysctl {}", sysctl.name));
+        }
+    }
     for (on, what) in [
         (spec.host_network, "hostNetwork"),
         (spec.host_pid, "hostPID"),
@@ -821,13 +1011,59 @@ fn escalations(pod: &Pod) -> BTreeSet<String> {
         for port in c.ports.iter().flatten().filter_map(|p| p.host_port) {
             found.insert(format!("host port {port} in container {}", c.name));
         }
+        if let Some(context) = context {
+            confinement(
+                &format!("container {}", c.name),
+                context.seccomp_profile.as_ref().map(|p| p.type_.as_str()),
+                context.app_armor_profile.as_ref().map(|p| p.type_.as_str()),
+                context.se_linux_options.as_ref(),
+                context.windows_options.as_ref().and_then(|w| w.host_process),
+                &mut found,
+            );
+            if context.proc_mount.as_deref() == Some("Unmasked") {
+                found.insert(format!("an unmasked /proc in container {}", c.name));
+            }
+        }
     }
     for v in spec.volumes.iter().flatten() {
         if let Some(path) = &v.host_path {
             found.insert(format!("hostPath volume {} ({})", v.name, path.path));
         }
+        let token = v
+            .projected
+            .iter()
+            .flat_map(|p| p.sources.iter().flatten())
+            .any(|s| s.service_account_token.is_some());
+        if token {
+            found.insert(format!("the token of a lower ServiceAccount (volume {})", v.name));
+        }
     }
     found
+}
+
+/// The confinement a security context gives up, for [`escalations`].
+fn confinement(
+    whose: &str,
+    seccomp: Option<&str>,
+    app_armor: Option<&str>,
+    se_linux: Option<&k8s_openapi::api::core::v1::SELinuxOptions>,
+    host_process: Option<bool>,
+    found: &mut BTreeSet<String>,
+) {
+    if seccomp == Some("Unconfined") {
+        found.insert(format!("an unconfined seccomp profile for {whose}"));
+    }
+    if app_armor == Some("Unconfined") {
+        found.insert(format!("an unconfined AppArmor profile for {whose}"));
+    }
+    if let Some(options) = se_linux
+        && (options.type_.is_some() || options.user.is_some() || options.role.is_some())
+    {
+        found.insert(format!("SELinux type, user or role for {whose}"));
+    }
+    if host_process == Some(true) {
+        found.insert(format!("a host process for {whose}"));
+    }
 }
 
 /// The overrides in force, swapped whole when a valid set is loaded.
@@ -864,11 +1100,16 @@ impl Current {
 /// (what [`follow`] compares the file with).
 pub fn load(path: &Path) -> Result<(Compiled, Vec<u8>), Invalid> {
     let bytes = std::fs::read(path).map_err(|e| Invalid(format!("{}: {e}", path.display())))?;
-    let text = String::from_utf8_lossy(&bytes);
-    let compiled = parse(&text)
+    Ok((read(path, &bytes)?, bytes))
+}
+
+/// Checks the overrides `bytes` read from `path`.
+fn read(path: &Path, bytes: &[u8]) -> Result<Compiled, Invalid> {
+    let text =
+        std::str::from_utf8(bytes).map_err(|e| Invalid(format!("{}: not UTF-8: {e}", path.display())))?;
+    parse(text)
         .and_then(Overrides::compile)
-        .map_err(|e| Invalid(format!("{}: {e}", path.display())))?;
-    Ok((compiled, bytes))
+        .map_err(|e| Invalid(format!("{}: {e}", path.display())))
 }
 
 /// Follows the overrides file (a ConfigMap volume the kubelet swaps) from `last`, the bytes
@@ -899,9 +1140,10 @@ pub async fn follow(
         if last.as_ref() == Some(&now) {
             continue;
         }
+        let checked = read(&path, &now);
         last = Some(now);
-        match load(&path) {
-            Ok((compiled, _)) => {
+        match checked {
+            Ok(compiled) => {
                 tracing::info!(
                     file = %path.display(),
                     rules = compiled.source().rules.len(),
@@ -983,6 +1225,9 @@ mod tests {
         assert_eq!(s["containers"][1]["image"], "quay.b.example/x/side:2");
         assert_eq!(qualified("localhost:5000/a"), "localhost:5000/a");
         assert_eq!(qualified("team/app"), "docker.io/team/app");
+        assert_eq!(qualified("docker.io/nginx"), "docker.io/library/nginx");
+        assert_eq!(qualified("index.docker.io/nginx:1"), "docker.io/library/nginx:1");
+        assert_eq!(qualified("index.docker.io/team/app"), "docker.io/team/app");
     }
 
     #[test]
@@ -1157,6 +1402,27 @@ mod tests {
             desired.metadata.annotations.as_ref().unwrap()[names::OVERRIDES],
             actual.metadata.annotations.as_ref().unwrap()[names::OVERRIDES]
         );
+        // A gated patch that no longer applies is passed over: the user dropped the label the
+        // rule removed.
+        let (_, made) = applied(
+            json!({"rules": [{"name": "quiet", "patch": [
+                {"op": "test", "path": "/metadata/labels/debug", "value": "1"},
+                {"op": "remove", "path": "/metadata/labels/debug"}]}]}),
+            &pod(json!({"metadata": {"labels": {"debug": "1"}}})),
+        )
+        .unwrap();
+        let mut now = pod(json!({}));
+        replay(&made, &mut now).unwrap();
+        assert_eq!(now.metadata.labels.as_ref().unwrap().get("debug"), None);
+        // A record copied from the upper pod by a version before overrides is the user's.
+        let mut copied = actual.clone();
+        copied.metadata.annotations.as_mut().unwrap().insert(
+            names::COPIED_ANNOTATIONS.into(),
+            format!("note,{}", names::OVERRIDES),
+        );
+        let mut plain = pod(json!({"spec": {"containers": [{"name": "app", "image": "nginx:1.27"}]}}));
+        replay(&copied, &mut plain).unwrap();
+        assert_eq!(spec(&plain)["containers"][0]["image"], "nginx:1.27");
         // A record edited below is said, not guessed at.
         let mut edited = actual.clone();
         edited
@@ -1181,6 +1447,51 @@ mod tests {
             "rule \"host\" fails on a pod of one container: it would add hostNetwork, which this lower cluster's overrides do not allow (allowPrivileged)"
         );
         for (path, value, said) in [
+            (
+                "/spec/automountServiceAccountToken",
+                json!(true),
+                "the token of a lower ServiceAccount (automountServiceAccountToken)",
+            ),
+            (
+                "/spec/serviceAccountName",
+                json!("admin"),
+                "lower ServiceAccount admin",
+            ),
+            (
+                "/spec/nodeName",
+                json!("n-1"),
+                "nodeName n-1 (past the lower scheduler)",
+            ),
+            (
+                "/spec/securityContext",
+                json!({"seccompProfile": {"type": "Unconfined"}}),
+                "an unconfined seccomp profile for the pod",
+            ),
+            (
+                "/spec/securityContext",
+                json!({"sysctls": [{"name": "kernel.msgmax", "value": "1"}]}),
+                "sysctl kernel.msgmax",
+            ),
+            (
+                "/spec/containers/0/securityContext",
+                json!({"seLinuxOptions": {"type": "spc_t"}}),
+                "SELinux type, user or role for container app",
+            ),
+            (
+                "/spec/containers/0/securityContext",
+                json!({"procMount": "Unmasked"}),
+                "an unmasked /proc in container app",
+            ),
+            (
+                "/spec/volumes",
+                json!([{"name": "t", "projected": {"sources": [{"serviceAccountToken": {"path": "t"}}]}}]),
+                "the token of a lower ServiceAccount (volume t)",
+            ),
+            (
+                "/metadata/annotations/container.apparmor.security.beta.kubernetes.io~1app",
+                json!("unconfined"),
+                "an unconfined AppArmor profile",
+            ),
             (
                 "/spec/containers/0/securityContext",
                 json!({"privileged": true}),
@@ -1208,10 +1519,31 @@ mod tests {
             .unwrap_err();
             assert!(e.0.contains(said), "{e}");
         }
+        // Allowed for the cluster, such a rule names its namespaces: a tenant may label any
+        // pod so that a selector takes it, not put it in another namespace.
         let mut allowed = host;
         allowed["allowPrivileged"] = json!(true);
+        let e = compile(allowed.clone()).unwrap_err();
+        assert!(
+            e.0.starts_with("rule \"host\" weakens isolation (hostNetwork) in every namespace"),
+            "{e}"
+        );
+        allowed["rules"][0]["namespaces"] = json!(["shop"]);
         let (_, lower) = applied(allowed, &pod(json!({}))).unwrap();
         assert_eq!(spec(&lower)["hostNetwork"], true);
+        // A capability the pod drops stays dropped.
+        let upper = pod(json!({"spec": {"containers": [{"name": "app", "image": "a",
+            "securityContext": {"capabilities": {"drop": ["ALL"]}}}]}}));
+        let c = compile(json!({"rules": [{"name": "caps", "patch": [
+            {"op": "test", "path": "/spec/containers/0/name", "value": "app"},
+            {"op": "remove", "path": "/spec/containers/0/securityContext/capabilities"}]}]}))
+        .unwrap();
+        let mut lower = upper.clone();
+        let refused = c.apply(&upper, &mut lower).unwrap_err();
+        assert!(
+            refused.contains("it would add capability ALL no longer dropped in container app"),
+            "{refused}"
+        );
         // What the pod had already is not the rule's doing.
         let c = compile(json!({"rules": [{"name": "env", "env": [{"name": "A", "value": "1"}]}]})).unwrap();
         let upper = pod(json!({"spec": {"hostNetwork": true}}));
@@ -1224,7 +1556,7 @@ mod tests {
         for (rules, said) in [
             (
                 json!({"rules": [{"name": "r", "labels": {"tensile.io/virtual-node": "x"}}]}),
-                "labels: \"tensile.io/virtual-node\" is empty or a key the virtual node owns",
+                "labels: \"tensile.io/virtual-node\" is a key the virtual node owns",
             ),
             (
                 json!({"rules": [{"name": "r", "annotations": {"clusterSelector": "{}"}}]}),
@@ -1308,6 +1640,30 @@ mod tests {
                 "storageClasses",
             ),
             (json!({"rules": {"name": "a"}}), "rules must be a list"),
+            (
+                json!({"rules": [{"name": "a", "tolerations": [{"key": "k", "opertor": "Exists"}]}]}),
+                "rules[0] (a): /tolerations/0/opertor is not a field of a rule",
+            ),
+            (
+                json!({"rules": [{"name": "a", "labels": {"bad key": "x"}}]}),
+                "labels: \"bad key\" is not a key",
+            ),
+            (
+                json!({"rules": [{"name": "a", "labels": {"k": "-x"}}]}),
+                "labels: k=\"-x\" is not a label value",
+            ),
+            (
+                json!({"rules": [{"name": "a", "nodeSelector": {"": "x"}}]}),
+                "nodeSelector: =x is not a label",
+            ),
+            (
+                json!({"rules": [{"name": "a", "env": [{"name": "A=B"}]}]}),
+                "env: \"A=B\" is empty, holds '=' or is set twice",
+            ),
+            (
+                json!({"rules": [{"name": "a", "annotations": {"big": "x".repeat(40_000)}}]}),
+                "at most 32768 fit the record",
+            ),
             (json!({"allowPrivileged": "yes"}), "overrides: invalid type"),
         ] {
             let e = compile(rules).unwrap_err();
@@ -1319,6 +1675,12 @@ mod tests {
                 .0
                 .starts_with("not YAML or JSON")
         );
+        // A patch gated by a test holds or not by the pod: its removal of an optional field
+        // is not refused for the sample pod's lacking it.
+        let gated = compile(json!({"rules": [{"name": "g", "patch": [
+            {"op": "test", "path": "/spec/containers/0/name", "value": "app"},
+            {"op": "remove", "path": "/spec/containers/0/livenessProbe"}]}]}));
+        assert!(gated.is_ok(), "{gated:?}");
         assert_eq!(parse("").unwrap(), Overrides::default());
         let yaml = "rules:\n- name: mirror\n  image: {prefix: {from: docker.io/, to: m.example/}}\nstorageClasses: {fast: premium}\n";
         let c = parse(yaml).unwrap().compile().unwrap();
