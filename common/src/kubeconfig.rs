@@ -207,21 +207,7 @@ async fn config_of(
 /// when `None`). kube's own loading also takes `HTTPS_PROXY`, without client-go's rules for
 /// loopback addresses and `NO_PROXY`; [`tune`] applies those to a kubeconfig that names none.
 fn named_proxy(kubeconfig: &Kubeconfig, context: Option<&str>) -> Option<http::Uri> {
-    let context = context.or(kubeconfig.current_context.as_deref())?;
-    let cluster = kubeconfig
-        .contexts
-        .iter()
-        .find(|c| c.name == context)?
-        .context
-        .as_ref()?
-        .cluster
-        .clone();
-    kubeconfig
-        .clusters
-        .iter()
-        .find(|c| c.name == cluster)?
-        .cluster
-        .as_ref()?
+    cluster_of(kubeconfig, context)?
         .proxy_url
         .as_deref()
         .filter(|p| !p.trim().is_empty())?
