@@ -1,10 +1,8 @@
 //! Eviction through the `pods/eviction` subresource, with UID and resourceVersion
 //! preconditions.
 //!
-//! The body is written by hand, without `apiVersion` and `kind`: the apiserver then decodes
-//! it as the subresource's default kind, `policy/v1beta1` on 1.20 (which has no `policy/v1`
-//! Eviction) and either version from 1.22 on. kube's `Api::evict` cannot carry the
-//! precondition: it sends the delete options under a snake_case key the apiserver drops.
+//! The body is a `policy/v1` Eviction, the version every supported release serves, written
+//! by hand because kube's `Api::evict` cannot carry the precondition: it sends the delete options under a snake_case key the apiserver drops.
 //! With the UID, a pod recreated under the same name meanwhile is never evicted by mistake;
 //! with the resourceVersion, neither is the pod if it changed since it was judged (placed
 //! below meanwhile, say): the eviction then fails with 409 and the next round judges it
@@ -37,6 +35,8 @@ pub fn body(pod: &Pod) -> Value {
         preconditions["resourceVersion"] = json!(rv);
     }
     json!({
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
         "metadata": {"name": meta.name.as_deref().unwrap_or_default(), "namespace": meta.namespace.as_deref().unwrap_or_default()},
         "deleteOptions": {"preconditions": preconditions},
     })
@@ -70,9 +70,12 @@ mod tests {
     }
 
     #[test]
-    fn the_body_names_no_version_and_carries_the_uid_precondition_in_camel_case() {
+    fn the_body_is_a_policy_v1_eviction_with_the_uid_precondition_in_camel_case() {
         let b = body(&pod());
-        assert!(b.get("apiVersion").is_none() && b.get("kind").is_none());
+        assert_eq!(
+            (&b["apiVersion"], &b["kind"]),
+            (&json!("policy/v1"), &json!("Eviction"))
+        );
         assert_eq!(b["deleteOptions"]["preconditions"]["uid"], "u-1");
         assert_eq!(b["metadata"]["namespace"], "shop");
         assert_eq!(b["metadata"]["name"], "web-1");

@@ -36,6 +36,7 @@ pub mod shape;
 pub mod stash;
 pub mod telemetry;
 pub mod tls;
+pub mod versions;
 
 /// The global allocator of every tensile binary: mimalloc. Admission reviews and watch events
 /// are decoded into many small strings and maps that live for one request; with the system

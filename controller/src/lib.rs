@@ -66,11 +66,10 @@ pub struct Args {
     /// namespace UID, as the virtual node's own default).
     #[arg(long = "cluster-id", env = "TENSILE_CLUSTER_ID")]
     pub cluster_id: Option<String>,
-    /// The PodDisruptionBudget API version (`policy/v1`; `policy/v1beta1` before 1.21) of
-    /// the budget a virtual node of several replicas gets; none without it.
-    #[arg(long = "pdb-api-version", env = "TENSILE_PDB_API_VERSION",
-          value_parser = ["policy/v1", "policy/v1beta1"])]
-    pub pdb_api_version: Option<String>,
+    /// Give a virtual node of several replicas a `policy/v1` PodDisruptionBudget keeping one
+    /// replica up.
+    #[arg(long = "disruption-budgets", env = "TENSILE_DISRUPTION_BUDGETS")]
+    pub disruption_budgets: bool,
     /// Seconds between two looks at each lower cluster.
     #[arg(long = "resync-seconds", env = "TENSILE_RESYNC_SECONDS", default_value_t = 10,
           value_parser = clap::value_parser!(u64).range(1..))]
@@ -206,7 +205,7 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
                 .unwrap_or_else(|| format!("{}-virtual-node", args.name_prefix)),
             template,
             cluster_id,
-            pdb_api_version: args.pdb_api_version.clone(),
+            disruption_budgets: args.disruption_budgets,
             node_identity: args.node_identity,
         },
         lower_options: args.client.options(),

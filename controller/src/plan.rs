@@ -43,9 +43,8 @@ pub struct Settings {
     pub template: Deployment,
     /// The upper cluster's id in the lower objects' marks.
     pub cluster_id: String,
-    /// The PodDisruptionBudget API (`policy/v1`, or `policy/v1beta1` before 1.21) of the
-    /// budget a virtual node of several replicas gets; none without it.
-    pub pdb_api_version: Option<String>,
+    /// A virtual node of several replicas gets a `policy/v1` PodDisruptionBudget.
+    pub disruption_budgets: bool,
     /// Virtual nodes act upstream as `system:node:<name>` (`--upper-identity=node`): their
     /// grants name that user, and their account may only ask for its certificate.
     pub node_identity: bool,
@@ -336,7 +335,9 @@ pub fn objects(settings: &Settings, cluster: &LowerCluster) -> Objects {
 }
 
 fn budget(settings: &Settings, cluster: &LowerCluster, name: &str) -> Option<serde_json::Value> {
-    let version = settings.pdb_api_version.as_deref()?;
+    if !settings.disruption_budgets {
+        return None;
+    }
     let template = settings.template.spec.as_ref();
     let replicas = cluster
         .spec
@@ -349,7 +350,7 @@ fn budget(settings: &Settings, cluster: &LowerCluster, name: &str) -> Option<ser
     let deployment = deployment(settings, cluster, name);
     let selector = deployment.spec.map(|s| s.selector).unwrap_or_default();
     Some(serde_json::json!({
-        "apiVersion": version,
+        "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": {"name": name, "namespace": settings.namespace, "labels": labels(cluster)},
         "spec": {"minAvailable": 1, "selector": selector},
@@ -700,7 +701,7 @@ pub(crate) mod tests {
             shared_role: "tensile-virtual-node".into(),
             template,
             cluster_id: "upper-uid".into(),
-            pdb_api_version: Some("policy/v1".into()),
+            disruption_budgets: true,
             node_identity: false,
         }
     }
@@ -1027,16 +1028,8 @@ pub(crate) mod tests {
             budget["spec"]["selector"]["matchLabels"][names::LOWER_CLUSTER],
             "a"
         );
-        let old = Settings {
-            pdb_api_version: Some("policy/v1beta1".into()),
-            ..settings()
-        };
-        assert_eq!(
-            objects(&old, &two).budget.unwrap()["apiVersion"],
-            "policy/v1beta1"
-        );
         let none = Settings {
-            pdb_api_version: None,
+            disruption_budgets: false,
             ..settings()
         };
         assert!(objects(&none, &two).budget.is_none());

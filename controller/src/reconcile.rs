@@ -444,11 +444,12 @@ async fn apply(ctx: &Context, cluster: &LowerCluster) -> Result<(), Error> {
     Ok(())
 }
 
-/// The PodDisruptionBudgets of the configured API version in the controller's namespace.
+/// The PodDisruptionBudgets in the controller's namespace, when it makes them.
 fn budget_api(ctx: &Context) -> Option<Api<kube::core::DynamicObject>> {
-    let version = ctx.settings.pdb_api_version.as_deref()?;
-    let (group, version) = version.split_once('/')?;
-    let gvk = kube::core::GroupVersionKind::gvk(group, version, "PodDisruptionBudget");
+    if !ctx.settings.disruption_budgets {
+        return None;
+    }
+    let gvk = kube::core::GroupVersionKind::gvk("policy", "v1", "PodDisruptionBudget");
     let resource = kube::discovery::ApiResource::from_gvk(&gvk);
     Some(Api::namespaced_with(
         ctx.upper.clone(),

@@ -221,7 +221,7 @@ pub async fn virtual_node(
         format!("--kubeconfig={}", upper.kubeconfig().display()),
         format!("--client-kubeconfig={}", lower.kubeconfig().display()),
         "--nodename=vn-bench".into(),
-        "--node-ip=127.0.0.1".into(),
+        format!("--node-ip={}", crate::node_ip()?),
         format!("--kubelet-port={}", free_port()?),
         format!("--admin-addr=127.0.0.1:{}", free_port()?),
         format!("--client-verify-ca={}", upper.kubelet_client_ca_path().display()),

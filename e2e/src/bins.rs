@@ -1,17 +1,21 @@
 //! Where the binaries come from.
 //!
-//! Control plane: `KUBE_BIN_DIR` (kube-apiserver, kube-scheduler, kube-controller-manager)
-//! and `ETCD_BIN` select any set of binaries; without them, `scripts/kube-bins.sh` builds
-//! v1.20.2 from Debian's source package once into the user's cache and reports where.
+//! Control plane: each cluster of the bed runs one Kubernetes version of the supported range
+//! ([`version_for`]); `scripts/kube-bins.sh VERSION` builds that version's kube-apiserver,
+//! kube-scheduler, kube-controller-manager and kubectl from the published Go modules once into
+//! the user's cache and reports where. `KUBE_BIN_DIR` selects one directory of all four for every
+//! cluster instead (no skew then); `ETCD_BIN` an etcd, which `scripts/kube-bins.sh --etcd` builds
+//! otherwise.
 //!
 //! The suite's own daemons (`virtual-node`, `webhook`, `descheduler`): `TENSILE_BIN_DIR`, or the
 //! cargo profile directory the running executable was built into ([`suite_binary`]). `cargo test`
 //! alone does not build them all (only packages with tests of their own get their binaries
 //! built), so `make test` runs `cargo build --workspace --bins` first.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -21,53 +25,95 @@ pub enum Error {
     Binary { what: String, detail: String },
 }
 
+/// The cluster of the default bed that runs the oldest supported version, so that every
+/// scenario with two lower clusters crosses a version skew, as production does.
+pub const SKEWED_CLUSTER: &str = "lower-b";
+
+/// The version a cluster named `name` runs unless its options say otherwise: `KUBE_SKEW_VERSION`
+/// (default `oldest`) for [`SKEWED_CLUSTER`], `KUBE_VERSION` (default `newest`) for every other.
+/// A version is `newest`, `oldest`, `1.MINOR` or an exact `v1.MINOR.PATCH`
+/// (`scripts/kube-bins.sh --versions` lists the supported range).
+pub fn version_for(name: &str) -> String {
+    let (var, default) = if name == SKEWED_CLUSTER {
+        ("KUBE_SKEW_VERSION", "oldest")
+    } else {
+        ("KUBE_VERSION", "newest")
+    };
+    std::env::var(var)
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .unwrap_or_else(|| default.to_owned())
+}
+
 /// A located set of control-plane binaries and the version they report.
 #[derive(Clone, Debug)]
 pub struct Binaries {
     pub apiserver: PathBuf,
     pub scheduler: PathBuf,
     pub controller_manager: PathBuf,
-    pub etcd: PathBuf,
-    /// Minor version of the Kubernetes binaries (20 for v1.20.2).
+    /// The kubectl of the same version.
+    pub kubectl: PathBuf,
+    /// Minor version of the Kubernetes binaries (37 for v1.37.2).
     pub minor: u32,
     pub version: String,
 }
 
 impl Binaries {
-    /// Locates (building if needed) the binaries; cached for the life of the process.
-    pub fn get() -> Result<&'static Binaries, Error> {
-        static BINS: OnceLock<Result<Binaries, String>> = OnceLock::new();
-        BINS.get_or_init(|| Self::locate().map_err(|e| e.to_string()))
-            .as_ref()
-            .map_err(|e| Error::Build(e.clone()))
+    /// Locates (building if needed) the binaries of `version` (see [`version_for`]); cached
+    /// for the life of the process.
+    pub fn of(version: &str) -> Result<&'static Binaries, Error> {
+        static BINS: OnceLock<Mutex<HashMap<String, Result<&'static Binaries, String>>>> = OnceLock::new();
+        let mut known = BINS
+            .get_or_init(Default::default)
+            .lock()
+            .map_err(|_| Error::Build("binary cache lock poisoned".into()))?;
+        known
+            .entry(version.to_owned())
+            .or_insert_with(|| {
+                Self::locate(version)
+                    .map(|b| &*Box::leak(Box::new(b)))
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(Error::Build)
     }
 
-    fn locate() -> Result<Binaries, Error> {
+    /// The binaries of the newest supported version (or `KUBE_VERSION`).
+    pub fn newest() -> Result<&'static Binaries, Error> {
+        Self::of(&version_for("upper"))
+    }
+
+    fn locate(version: &str) -> Result<Binaries, Error> {
         let dir = match std::env::var_os("KUBE_BIN_DIR") {
             Some(dir) => PathBuf::from(dir),
-            None => build()?,
-        };
-        let etcd = match std::env::var_os("ETCD_BIN") {
-            Some(p) => PathBuf::from(p),
-            None => which("etcd").ok_or_else(|| Error::Binary {
-                what: "etcd".into(),
-                detail:
-                    "not on PATH and ETCD_BIN is unset; run `make kube-bins` (installs Debian's etcd-server) \
-                         or set ETCD_BIN"
-                        .into(),
-            })?,
+            None => PathBuf::from(run_script(&[version])?),
         };
         let apiserver = dir.join("kube-apiserver");
         let (version, minor) = version_of(&apiserver)?;
         Ok(Binaries {
             scheduler: existing(dir.join("kube-scheduler"))?,
             controller_manager: existing(dir.join("kube-controller-manager"))?,
+            kubectl: existing(dir.join("kubectl"))?,
             apiserver,
-            etcd: existing(etcd)?,
             minor,
             version,
         })
     }
+}
+
+/// The etcd binary: `ETCD_BIN`, or the one `scripts/kube-bins.sh --etcd` builds; cached for the
+/// life of the process.
+pub fn etcd() -> Result<PathBuf, Error> {
+    static ETCD: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    ETCD.get_or_init(|| {
+        let path = match std::env::var_os("ETCD_BIN") {
+            Some(p) => PathBuf::from(p),
+            None => PathBuf::from(run_script(&["--etcd"]).map_err(|e| e.to_string())?),
+        };
+        existing(path).map_err(|e| e.to_string())
+    })
+    .clone()
+    .map_err(Error::Build)
 }
 
 fn existing(p: PathBuf) -> Result<PathBuf, Error> {
@@ -81,35 +127,29 @@ fn existing(p: PathBuf) -> Result<PathBuf, Error> {
     }
 }
 
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join(name))
-            .find(|p| p.is_file())
-    })
-}
-
 /// The repository's build script (the crate sits one level below the workspace root).
 pub fn build_script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kube-bins.sh")
 }
 
-fn build() -> Result<PathBuf, Error> {
+/// Runs the build script with `args`; what it printed.
+fn run_script(args: &[&str]) -> Result<String, Error> {
     let script = build_script();
     let out = Command::new("bash")
         .arg(&script)
+        .args(args)
         .stderr(std::process::Stdio::inherit())
         .output()
         .map_err(|e| Error::Build(format!("cannot run {}: {e}", script.display())))?;
     if !out.status.success() {
         return Err(Error::Build(format!(
-            "{} failed ({}); its messages above say which step and how to fix it",
+            "{} {} failed ({}); its messages above say which step and how to fix it",
             script.display(),
+            args.join(" "),
             out.status
         )));
     }
-    let dir = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-    Ok(PathBuf::from(dir))
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
 /// The suite's binary `name` (`virtual-node`, `webhook`, `descheduler`) as cargo built it: in
@@ -176,8 +216,8 @@ mod tests {
     #[test]
     fn versions_parse() {
         assert_eq!(
-            parse_version("Kubernetes v1.20.2\n"),
-            Some(("v1.20.2".into(), 20))
+            parse_version("Kubernetes v1.37.2\n"),
+            Some(("v1.37.2".into(), 37))
         );
         assert_eq!(
             parse_version("Kubernetes v1.28.0-dirty"),

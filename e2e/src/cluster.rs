@@ -40,9 +40,11 @@ pub struct ClusterOptions {
     /// With `audit_writes`: every call of these users (reads and watches too) is recorded,
     /// so a test can tell that an identity was never refused anything.
     pub audit_users: Vec<String>,
+    /// The Kubernetes version it runs: `newest`, `oldest`, `1.MINOR` or `v1.MINOR.PATCH`
+    /// (default: [`crate::bins::version_for`] its name).
+    pub version: String,
     /// The kube-scheduler's and kube-controller-manager's client throttle
-    /// (`--kube-api-qps`, `--kube-api-burst`); `None` keeps their defaults (50 and 100 in
-    /// v1.20). Benchmarks raise it so a 50-qps queue in the test bed is not what they measure.
+    /// (`--kube-api-qps`, `--kube-api-burst`); `None` keeps their defaults (50 and 100). Benchmarks raise it so a 50-qps queue in the test bed is not what they measure.
     pub kube_api_qps: Option<(u32, u32)>,
 }
 
@@ -61,7 +63,14 @@ impl ClusterOptions {
             audit_writes: false,
             audit_users: Vec::new(),
             kube_api_qps: None,
+            version: crate::bins::version_for(name),
         }
+    }
+
+    /// Runs Kubernetes `version` instead of the default for its name.
+    pub fn version(mut self, version: &str) -> Self {
+        self.version = version.to_owned();
+        self
     }
 
     /// Only etcd and the apiserver.
@@ -120,7 +129,8 @@ impl TestCluster {
 
     /// Starts a cluster on the given etcd.
     pub async fn start_on(options: ClusterOptions, etcd: Arc<Etcd>) -> Result<TestCluster> {
-        let binaries = tokio::task::spawn_blocking(Binaries::get)
+        let version = options.version.clone();
+        let binaries = tokio::task::spawn_blocking(move || Binaries::of(&version))
             .await
             .map_err(|e| Error::Etcd(e.to_string()))??;
         let started = Instant::now();
@@ -204,6 +214,7 @@ impl TestCluster {
             etcd,
         };
         cluster.wait_apiserver_ready().await?;
+        crate::kubectl::register(&cluster.url(), &binaries.kubectl);
 
         let kc = kubeconfig.display().to_string();
         let throttle: Vec<String> = options
@@ -223,11 +234,6 @@ impl TestCluster {
                 format!("--secure-port={}", free_port()?),
                 "--leader-elect=false".into(),
             ];
-            // v1.22 and older also open an insecure port unless told not to; later
-            // releases reject the flag.
-            if binaries.minor < 23 {
-                args.push("--port=0".into());
-            }
             args.extend(throttle.iter().cloned());
             others.push(Service::start(
                 "kube-scheduler",
@@ -262,9 +268,6 @@ impl TestCluster {
                 format!("--cluster-signing-key-file={}", p("ca.key")),
                 format!("--cluster-signing-duration={}s", NODE_CERTIFICATE_SECONDS),
             ];
-            if binaries.minor < 24 {
-                args.push("--port=0".into());
-            }
             args.extend(throttle.iter().cloned());
             others.push(Service::start(
                 "kube-controller-manager",
@@ -317,9 +320,14 @@ impl TestCluster {
         &self.kubelet_client_ca
     }
 
-    /// The Kubernetes version of the binaries (`v1.20.2`).
+    /// The Kubernetes version of the binaries (`v1.37.2`).
     pub fn version(&self) -> &str {
         &self.binaries.version
+    }
+
+    /// The minor of [`TestCluster::version`] (37 for `v1.37.2`).
+    pub fn minor(&self) -> u32 {
+        self.binaries.minor
     }
 
     /// A new admin client bound to the calling runtime.
@@ -487,14 +495,11 @@ impl TestCluster {
     /// that names its own kubeconfig), logging to `<dir>/<log_name>.log`. Dropping the
     /// returned service stops it.
     pub fn start_scheduler(&self, config: &Path, log_name: &str) -> Result<Service> {
-        let mut args = vec![
+        let args = vec![
             format!("--config={}", config.display()),
             "--bind-address=127.0.0.1".into(),
             format!("--secure-port={}", free_port()?),
         ];
-        if self.binaries.minor < 23 {
-            args.push("--port=0".into());
-        }
         Ok(Service::start(
             log_name,
             &self.binaries.scheduler,

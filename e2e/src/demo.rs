@@ -28,7 +28,7 @@ use tokio::net::{UnixListener, UnixStream};
 
 use tensile_common::names;
 
-use crate::multi_scheduler::{CONFIG_V1BETA1, ExtenderProcess, scheduler_config};
+use crate::multi_scheduler::{CONFIG_V1, ExtenderProcess, scheduler_config};
 use crate::process::Service;
 use crate::testbed::{ClusterSpec, Testbed};
 use crate::{Error, Result, free_port, io_err};
@@ -75,6 +75,7 @@ impl DemoOptions {
             cpu: cpu.to_owned(),
             memory: memory.to_owned(),
             pods: "110".to_owned(),
+            version: None,
         };
         Self {
             dir: dir.to_owned(),
@@ -218,7 +219,7 @@ impl Demo {
                 format!("--kubeconfig={}", upper_kc.display()),
                 format!("--client-kubeconfig={}", testbed.kubeconfig(&name).display()),
                 format!("--nodename={name}"),
-                "--node-ip=127.0.0.1".to_owned(),
+                format!("--node-ip={}", crate::node_ip()?),
                 format!("--kubelet-port={}", free_port()?),
                 format!("--admin-addr={admin}"),
                 format!(
@@ -252,7 +253,7 @@ impl Demo {
 
         let multi_scheduler = if options.multi_scheduler {
             let extender = ExtenderProcess::start(upper, &[], "demo").map_err(|e| demo_err(e.to_string()))?;
-            let config = scheduler_config(CONFIG_V1BETA1, &upper_kc, &extender.url, &extender.ca_file)
+            let config = scheduler_config(CONFIG_V1, &upper_kc, &extender.url, &extender.ca_file)
                 .map_err(|e| demo_err(e.to_string()))?;
             let config_path = dir.join("tensile-scheduler.yaml");
             std::fs::write(&config_path, config).map_err(io_err(&config_path))?;
@@ -396,7 +397,17 @@ impl Demo {
 
     /// The commands to try, grouped under a line saying what they show.
     pub fn hints(&self) -> Vec<(String, Vec<String>)> {
-        let up = format!("kubectl --kubeconfig {}", shown(&self.kubeconfig(UPPER)));
+        // Each cluster's own kubectl: the bed's clusters run different versions, and kubectl
+        // keeps to one minor of skew from its apiserver.
+        let kubectl = |cluster: &str| {
+            let kubeconfig = self.kubeconfig(cluster);
+            format!(
+                "{} --kubeconfig {}",
+                shown(&crate::kubectl::binary_for(&kubeconfig)),
+                shown(&kubeconfig)
+            )
+        };
+        let up = kubectl(UPPER);
         let lowers = self.lower_names();
         let first = lowers.first().cloned().unwrap_or_default();
         let others = lowers.iter().skip(1).cloned().collect::<Vec<_>>().join(", ");
@@ -404,12 +415,11 @@ impl Demo {
         let ctl = &self.options.control_command;
         let secs = self.options.toleration_seconds;
         let mut below = vec![format!("{up} -n {NAMESPACE} get pods -o wide")];
-        below.extend(lowers.iter().map(|l| {
-            format!(
-                "kubectl --kubeconfig {} -n {NAMESPACE} get pods -o wide",
-                shown(&self.kubeconfig(l))
-            )
-        }));
+        below.extend(
+            lowers
+                .iter()
+                .map(|l| format!("{} -n {NAMESPACE} get pods -o wide", kubectl(l))),
+        );
         vec![
             (
                 "The virtual nodes: one per lower cluster, its capacity the sum of that cluster's nodes"

@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::process::{Service, pid_alive};
-use crate::{Binaries, Error, free_port};
+use crate::{Error, free_port};
 
 const DATA_PREFIX: &str = "tensile-e2e-etcd-";
 
@@ -37,7 +37,7 @@ impl Etcd {
 
     /// Starts a private etcd, logging under `log_dir`; it stops when the value is dropped.
     pub fn start(log_dir: &Path) -> Result<Etcd, Error> {
-        let bins = Binaries::get()?;
+        let binary = crate::bins::etcd()?;
         sweep_stale_data();
         let root = if Path::new("/dev/shm").is_dir() {
             PathBuf::from("/dev/shm")
@@ -63,7 +63,7 @@ impl Etcd {
                 "--auto-compaction-retention=5m".into(),
             ];
             let log = log_dir.join("etcd.log");
-            let service = Service::start("etcd", &bins.etcd, &args, &log)?;
+            let service = Service::start("etcd", &binary, &args, &log)?;
             let etcd = Etcd {
                 service: std::sync::Mutex::new(service),
                 url,

@@ -318,7 +318,7 @@ impl ReadyWatch {
     /// Starts `kubectl get pods --watch --output-watch-events -o json` in `namespace` and a
     /// thread that reads it.
     pub fn start(kubeconfig: &Path, namespace: &str) -> anyhow::Result<ReadyWatch> {
-        let mut child = std::process::Command::new("kubectl")
+        let mut child = std::process::Command::new(crate::kubectl::binary_for(kubeconfig))
             .arg("--kubeconfig")
             .arg(kubeconfig)
             .args([

@@ -181,7 +181,7 @@ subjects: [{{kind: ServiceAccount, name: {sa}, namespace: {ACCOUNTS}}}]
         shared_role: format!("{RELEASE}-tensile-virtual-node"),
         template: Default::default(),
         cluster_id: String::new(),
-        pdb_api_version: None,
+        disruption_budgets: false,
         node_identity: true,
     };
     let cluster = LowerCluster::new(node, LowerClusterSpec::default());
@@ -205,16 +205,16 @@ pub struct VirtualNode {
 }
 
 /// The options of a virtual node `name` for `upper` over `lower` in a test bed: every
-/// default, plus a loopback node IP, free kubelet and admin ports and the upper
+/// default, plus the bed's node address ([`crate::node_ip`]), free kubelet and admin ports and the upper
 /// kubelet-client CA. Tests set further fields before [`VirtualNode::run`].
 /// The node acts upstream as the chart makes it act: as `system:node:<name>`, its account
 /// holding what the chart's grants give ([`node_identity`]); below, as the chart's lower
 /// account ([`lower_account`]).
 pub fn options(upper: &TestCluster, name: &str, lower: &TestCluster) -> anyhow::Result<Args> {
-    let loopback = std::net::Ipv4Addr::LOCALHOST.into();
+    let node_ip = crate::node_ip()?;
     let account = upper.dir().join(format!("vn-{name}.account.kubeconfig"));
     let below = lower.dir().join(format!("vn-{name}.lower-account.kubeconfig"));
-    let mut args = Args::new(name, loopback, Some(&account), lower.kubeconfig())?;
+    let mut args = Args::new(name, node_ip, Some(&account), lower.kubeconfig())?;
     args.upper.identity = UpperIdentity::Node;
     args.lower.client_kubeconfig = below.clone();
     identities()
@@ -308,12 +308,13 @@ fn argv_for(
     lower: &TestCluster,
     kubelet_port: u16,
     admin_addr: &str,
+    node_ip: std::net::IpAddr,
 ) -> Vec<String> {
     vec![
         format!("--kubeconfig={}", upper.kubeconfig().display()),
         format!("--client-kubeconfig={}", lower.kubeconfig().display()),
         format!("--nodename={name}"),
-        "--node-ip=127.0.0.1".into(),
+        format!("--node-ip={node_ip}"),
         format!("--kubelet-port={kubelet_port}"),
         format!("--admin-addr={admin_addr}"),
         format!("--client-verify-ca={}", upper.kubelet_client_ca_path().display()),
@@ -345,10 +346,11 @@ impl VirtualNodeProcess {
             let name = flag.split('=').next().unwrap_or_default();
             extra.iter().any(|e| e.split('=').next() == Some(name))
         };
-        let mut args: Vec<String> = argv_for(upper, name, lower, kubelet_port, &admin_addr)
-            .into_iter()
-            .filter(|f| !overridden(f))
-            .collect();
+        let mut args: Vec<String> =
+            argv_for(upper, name, lower, kubelet_port, &admin_addr, crate::node_ip()?)
+                .into_iter()
+                .filter(|f| !overridden(f))
+                .collect();
         args.extend(extra.iter().map(|s| s.to_string()));
         let program = crate::bins::suite_binary("virtual-node")?;
         let log = upper.dir().join(format!("virtual-node-{log_name}.log"));

@@ -37,7 +37,7 @@ pub mod testbed;
 pub mod tls;
 pub mod wait;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 pub use bins::Binaries;
 pub use cluster::{ClusterOptions, TestCluster};
@@ -56,6 +56,8 @@ pub enum Error {
     Tls(#[from] tls::Error),
     #[error("etcd: {0}")]
     Etcd(String),
+    #[error("the bed's node address: {0}")]
+    NodeAddress(String),
     #[error("cluster {cluster}: {message}")]
     Cluster { cluster: String, message: String },
     #[error("{path}: {source}")]
@@ -151,6 +153,35 @@ pub async fn wait_for_signal() -> anyhow::Result<()> {
         _ = term.recv() => {}
     }
     Ok(())
+}
+
+/// The bed's node address: the `InternalIP` of simulated and virtual nodes, where their kubelet
+/// API listens. Not loopback, since the apiserver refuses to proxy `nodes/proxy` to a loopback
+/// node address; `scripts/bed-net.sh` makes it once per machine (or `TENSILE_NODE_IP` names one).
+pub fn node_ip() -> Result<std::net::IpAddr> {
+    static NODE_IP: std::sync::OnceLock<std::result::Result<std::net::IpAddr, String>> =
+        std::sync::OnceLock::new();
+    NODE_IP
+        .get_or_init(|| {
+            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/bed-net.sh");
+            let out = std::process::Command::new("bash")
+                .arg(&script)
+                .stderr(std::process::Stdio::inherit())
+                .output()
+                .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "{} failed ({}); its messages above say why and how to fix it",
+                    script.display(),
+                    out.status
+                ));
+            }
+            let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+            text.parse()
+                .map_err(|e| format!("{} printed {text:?}, not an address: {e}", script.display()))
+        })
+        .clone()
+        .map_err(Error::NodeAddress)
 }
 
 /// A port on 127.0.0.1 that nothing listens on now, for a server the caller starts soon.

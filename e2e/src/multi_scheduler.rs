@@ -10,8 +10,8 @@ use crate::pki::Ca;
 use crate::process::Service;
 use crate::{TestCluster, free_port};
 
-/// The shipped configuration for Kubernetes 1.20 (`kubescheduler.config.k8s.io/v1beta1`).
-pub const CONFIG_V1BETA1: &str = include_str!("../../multi-scheduler/config/scheduler-v1beta1.yaml");
+/// The shipped configuration (`kubescheduler.config.k8s.io/v1`).
+pub const CONFIG_V1: &str = include_str!("../../multi-scheduler/config/scheduler-v1.yaml");
 
 /// A running `multi-scheduler --mode=extender`.
 pub struct ExtenderProcess {
@@ -159,16 +159,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_shipped_v1beta1_file_is_filled_in_and_keeps_its_extender_settings() {
+    fn the_shipped_file_is_filled_in_and_keeps_its_extender_settings() {
         let text = scheduler_config(
-            CONFIG_V1BETA1,
+            CONFIG_V1,
             Path::new("/k/upper.kubeconfig"),
             "https://127.0.0.1:1234",
             Path::new("/k/ca.crt"),
         )
         .unwrap();
         let config: serde_json::Value = serde_yaml::from_str(&text).unwrap();
-        assert_eq!(config["apiVersion"], "kubescheduler.config.k8s.io/v1beta1");
+        assert_eq!(config["apiVersion"], "kubescheduler.config.k8s.io/v1");
         assert_eq!(config["clientConnection"]["kubeconfig"], "/k/upper.kubeconfig");
         assert_eq!(config["leaderElection"]["leaderElect"], false);
         let extender = &config["extenders"][0];

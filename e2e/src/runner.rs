@@ -337,7 +337,7 @@ async fn start(
         &args,
         &[
             format!("--kubeconfig={}", kubeconfig.display()),
-            "--node-ip=127.0.0.1".into(),
+            format!("--node-ip={}", crate::node_ip().map_err(|e| e.to_string())?),
             format!("--kubelet-port={}", port("kubelet port")?),
             format!("--admin-addr=127.0.0.1:{}", port("admin port")?),
             format!("--client-verify-ca={}", upper.kubelet_client_ca_path().display()),

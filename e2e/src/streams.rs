@@ -62,7 +62,7 @@ spec:
 /// `kubectl --kubeconfig KUBECONFIG ARGS…` speaking `via` for exec, attach and port-forward;
 /// killed when dropped.
 pub fn kubectl_command(kubeconfig: &Path, via: Via, args: &[&str]) -> tokio::process::Command {
-    let mut cmd = tokio::process::Command::new("kubectl");
+    let mut cmd = tokio::process::Command::new(crate::kubectl::binary_for(kubeconfig));
     cmd.arg("--kubeconfig").arg(kubeconfig).args(args);
     cmd.env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", via.websockets_env())
         .env("KUBECTL_PORT_FORWARD_WEBSOCKETS", via.websockets_env())

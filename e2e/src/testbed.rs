@@ -13,10 +13,13 @@ pub struct ClusterSpec {
     pub cpu: String,
     pub memory: String,
     pub pods: String,
+    /// The Kubernetes version it runs (`newest`, `oldest`, `1.MINOR`, `v1.MINOR.PATCH`); `None`
+    /// is the default for its name ([`crate::bins::version_for`]).
+    pub version: Option<String>,
 }
 
 impl ClusterSpec {
-    /// Parses `NAME` or `NAME:nodes=N[,cpu=C][,memory=M][,pods=P]`.
+    /// Parses `NAME` or `NAME:nodes=N[,cpu=C][,memory=M][,pods=P][,version=V]`.
     pub fn parse(s: &str) -> Result<Self, String> {
         let (name, rest) = s.split_once(':').unwrap_or((s, ""));
         let valid = !name.is_empty()
@@ -37,6 +40,7 @@ impl ClusterSpec {
             cpu: "4".into(),
             memory: "8Gi".into(),
             pods: "110".into(),
+            version: None,
         };
         for item in rest.split(',').filter(|s| !s.is_empty()) {
             let (k, v) = item
@@ -52,7 +56,12 @@ impl ClusterSpec {
                         .map(|n| n.to_string())
                         .map_err(|_| format!("pods={v:?} is not a count"))?
                 }
-                _ => return Err(format!("unknown key {k:?} in {s:?} (nodes, cpu, memory, pods)")),
+                "version" => spec.version = Some(version(v)?),
+                _ => {
+                    return Err(format!(
+                        "unknown key {k:?} in {s:?} (nodes, cpu, memory, pods, version)"
+                    ));
+                }
             }
         }
         Ok(spec)
@@ -68,6 +77,21 @@ impl ClusterSpec {
                     .resource("pods", &self.pods)
             })
             .collect()
+    }
+}
+
+/// A version as the build script reads it: `newest`, `oldest`, `1.MINOR` or `v1.MINOR.PATCH`.
+fn version(v: &str) -> Result<String, String> {
+    let numbers: Vec<&str> = v.trim_start_matches('v').split('.').collect();
+    let numeric = numbers
+        .iter()
+        .all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    if v == "newest" || v == "oldest" || (numeric && numbers[0] == "1" && (2..=3).contains(&numbers.len())) {
+        Ok(v.to_owned())
+    } else {
+        Err(format!(
+            "version={v:?} is not newest, oldest, 1.MINOR or v1.MINOR.PATCH"
+        ))
     }
 }
 
@@ -119,6 +143,9 @@ impl Testbed {
             let etcd = etcd.clone();
             let mut options = ClusterOptions::new("testbed", &spec.name);
             options.dir = log_dir.join(&spec.name);
+            if let Some(version) = &spec.version {
+                options.version = version.clone();
+            }
             async move {
                 let cluster = TestCluster::start_on(options, etcd).await?;
                 let sim = if spec.nodes > 0 {
@@ -187,6 +214,11 @@ mod tests {
         );
         assert_eq!(s.node_configs()[2].name, "lower-a-node-2");
         assert_eq!(ClusterSpec::parse("upper").unwrap().nodes, 0);
+        assert_eq!(ClusterSpec::parse("upper").unwrap().version, None);
+        for v in ["1.33", "v1.36.3", "oldest", "newest"] {
+            let s = ClusterSpec::parse(&format!("lower-b:version={v}")).unwrap();
+            assert_eq!(s.version.as_deref(), Some(v));
+        }
         for (bad, needle) in [
             ("Upper", "lowercase"),
             ("", "lowercase"),
@@ -194,6 +226,9 @@ mod tests {
             ("a:cpu=lots", "quantity"),
             ("a:gpu=1", "unknown key"),
             ("a:nodes", "key=value"),
+            ("a:version=latest", "not newest"),
+            ("a:version=2.1", "not newest"),
+            ("a:version=1.x", "not newest"),
         ] {
             let err = ClusterSpec::parse(bad).unwrap_err();
             assert!(err.contains(needle), "{bad}: {err}");

@@ -1506,12 +1506,13 @@ async fn pdb_versions(up: &TestCluster, kube_version: &str) -> (Vec<String>, Vec
         .filter(|o| o["kind"] == "PodDisruptionBudget")
         .map(|o| o["apiVersion"].as_str().unwrap().to_owned())
         .collect();
-    // The budgets of virtual nodes are the cluster controller's to make, in the version the
-    // chart names; its role lets it write them in that version's group.
+    // The budgets of virtual nodes are the cluster controller's to make; its role lets it
+    // write them.
     let controller = container_args(object(&objects, "Deployment", "pdb-tensile-cluster-controller"));
     let told: Vec<String> = controller
         .iter()
-        .filter_map(|a| a.strip_prefix("--pdb-api-version=").map(str::to_owned))
+        .filter(|a| a.contains("budget"))
+        .cloned()
         .collect();
     let role = release_role(&objects, "pdb-tensile-cluster-controller");
     assert!(
@@ -1526,19 +1527,13 @@ async fn pdb_versions(up: &TestCluster, kube_version: &str) -> (Vec<String>, Vec
     (budgets, told)
 }
 
-/// Offline, as `helm template --kube-version` renders for a cluster it cannot ask: `policy/v1`
-/// wherever the target serves it (1.21 on; 1.25 serves nothing else), `policy/v1beta1` for
-/// 1.20. Installed here (v1.20.2) the budgets are accepted (the install test lists them).
+/// Every supported version gets `policy/v1` budgets, the only PodDisruptionBudget API it
+/// serves, and the cluster controller is told to make its virtual nodes' budgets; a cluster
+/// older than the supported range is refused by the chart's `kubeVersion`, naming it.
 #[tokio::test]
-async fn the_disruption_budgets_use_the_policy_api_the_target_version_serves() {
+async fn the_disruption_budgets_are_policy_v1_and_older_clusters_are_refused() {
     let up = &bed().upper;
-    for (version, want) in [
-        ("1.20.2", "policy/v1beta1"),
-        ("1.21.0", "policy/v1"),
-        ("1.25.0", "policy/v1"),
-        ("1.33.0", "policy/v1"),
-        ("v1.33.0-eks-1234", "policy/v1"),
-    ] {
+    for version in ["1.33.0", "v1.33.0-eks-1234", "1.35.4", "1.37.2"] {
         let (versions, told) = pdb_versions(up, version).await;
         assert_eq!(
             versions.len(),
@@ -1546,15 +1541,36 @@ async fn the_disruption_budgets_use_the_policy_api_the_target_version_serves() {
             "webhook, descheduler, multi-scheduler and cluster controller: {versions:?}"
         );
         assert!(
-            versions.iter().all(|v| v == want),
-            "{version}: {versions:?}, want {want}"
+            versions.iter().all(|v| v == "policy/v1"),
+            "{version}: {versions:?}"
         );
         assert_eq!(
             told,
-            [want],
-            "{version}: the version the controller makes virtual nodes' budgets in"
+            ["--disruption-budgets"],
+            "{version}: the controller makes virtual nodes' budgets"
         );
     }
+    let old = helm(
+        up,
+        &[
+            "template",
+            "old",
+            &chart(),
+            "--kube-version",
+            "1.32.9",
+            "--set",
+            "virtualNodes.nodes[0].name=a",
+            "--set",
+            "virtualNodes.nodes[0].kubeconfig.value=x",
+        ],
+    )
+    .await
+    .unwrap();
+    assert!(
+        !old.ok && old.stderr.contains("1.32.9") && old.stderr.contains(">=1.33.0-0"),
+        "{}",
+        old.stderr
+    );
 }
 
 /// Leader election whatever the replica count: one replica still runs two pods during a

@@ -172,7 +172,7 @@ async fn the_demo_runs_its_workload_below_shows_it_above_and_cleans_up() {
     for (_, commands) in demo.hints() {
         for command in commands
             .iter()
-            .filter(|c| c.starts_with("kubectl ") && !c.ends_with(" -w"))
+            .filter(|c| c.contains("/kubectl --kubeconfig ") && !c.ends_with(" -w"))
         {
             let out = shell(command).await;
             assert!(

@@ -92,8 +92,11 @@ async fn the_documented_commands_install_join_show_and_leave_a_lower_cluster() {
     .unwrap();
     let helm = chart::helm_binary().unwrap();
     let tensilectl = tensile_e2e::bins::suite_binary("tensilectl").unwrap();
+    // The commands' `kubectl` is the one of the upper cluster's version.
+    let kubectl = tensile_e2e::kubectl::binary_for(up.kubeconfig());
     let path = format!(
-        "{}:{}:{}",
+        "{}:{}:{}:{}",
+        kubectl.parent().unwrap().display(),
         helm.parent().unwrap().display(),
         tensilectl.parent().unwrap().display(),
         std::env::var("PATH").unwrap_or_default()
@@ -134,7 +137,10 @@ async fn the_documented_commands_install_join_show_and_leave_a_lower_cluster() {
         }
         if command.starts_with("tensilectl join") {
             assert!(
-                said.contains("lower-a node=lower-a ready=True version=v1.20.2 nodes=1"),
+                said.contains(&format!(
+                    "lower-a node=lower-a ready=True version={} nodes=1",
+                    low.version()
+                )),
                 "{said}"
             );
         }
@@ -147,7 +153,7 @@ async fn the_documented_commands_install_join_show_and_leave_a_lower_cluster() {
                 .collect();
             assert_eq!(
                 &row[..5],
-                ["lower-a", "lower-a", "True", "v1.20.2", "1"],
+                ["lower-a", "lower-a", "True", low.version(), "1"],
                 "{said}"
             );
         }

@@ -1,6 +1,6 @@
 //! The multi-scheduler end to end, behind a real kube-scheduler: an upper cluster with its
 //! default scheduler and a second one, `tensile-scheduler`, started from the shipped
-//! `scheduler-v1beta1.yaml` with the `multi-scheduler` extender; three lower clusters, each
+//! `scheduler-v1.yaml` with the `multi-scheduler` extender; three lower clusters, each
 //! shown as one virtual node:
 //!
 //! * lower-a: many 2-CPU nodes (a large aggregate, no big node);
@@ -29,7 +29,7 @@ use tensile_common::stash::Stash;
 use tensile_e2e::check::{Namespaces, apply, kubectl, webhook_registration};
 use tensile_e2e::descheduler::DeschedulerProcess;
 use tensile_e2e::in_process;
-use tensile_e2e::multi_scheduler::{CONFIG_V1BETA1, ExtenderProcess, StandaloneProcess, scheduler_config};
+use tensile_e2e::multi_scheduler::{CONFIG_V1, ExtenderProcess, StandaloneProcess, scheduler_config};
 use tensile_e2e::process::Service;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::wait::must;
@@ -253,13 +253,8 @@ fn bed() -> &'static Bed {
         let extender =
             ExtenderProcess::start_as(&upper, &extender_identity, &[], "extender").map_err(demo)?;
         extender.wait_ready(Duration::from_secs(30)).await.map_err(demo)?;
-        let config = scheduler_config(
-            CONFIG_V1BETA1,
-            upper.kubeconfig(),
-            &extender.url,
-            &extender.ca_file,
-        )
-        .map_err(demo)?;
+        let config = scheduler_config(CONFIG_V1, upper.kubeconfig(), &extender.url, &extender.ca_file)
+            .map_err(demo)?;
         let config_path = upper.dir().join("tensile-scheduler.yaml");
         std::fs::write(&config_path, config).map_err(|e| tensile_e2e::Error::Demo(e.to_string()))?;
         let scheduler = upper.start_scheduler(&config_path, "tensile-scheduler")?;
@@ -1079,9 +1074,9 @@ async fn all_running(api: &Api<Pod>, what: &str) {
 
 /// kube-scheduler picks preemption victims by the virtual node's aggregate room. On vn-a
 /// (2-CPU lower nodes) no eviction can ever let a 6-CPU pod run below, so none of its pods
-/// may be evicted for one. From 1.21 the extender's `preempt` verb drops vn-a; kube-scheduler
-/// v1.20.2 never calls it, so the shipped 1.20 configuration turns preemption off for the
-/// scheduler's pods, and the pod waits without a nomination.
+/// may be evicted for one: kube-scheduler marks vn-a unresolvable from the extender's filter
+/// answer and asks the extender's `preempt` verb about the other candidates, which drops every
+/// node where evicting cannot let a lower node hold the pod.
 #[tokio::test]
 async fn a_high_priority_pod_no_lower_node_can_hold_evicts_nothing() {
     use k8s_openapi::api::scheduling::v1::PriorityClass;

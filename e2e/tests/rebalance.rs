@@ -67,7 +67,7 @@ struct ReadyWatch {
 
 impl ReadyWatch {
     fn start(up: &Path) -> ReadyWatch {
-        let mut child = std::process::Command::new("kubectl")
+        let mut child = std::process::Command::new(tensile_e2e::kubectl::binary_for(up))
             .arg("--kubeconfig")
             .arg(up)
             .args([

@@ -130,7 +130,7 @@ spec:
     let out = tokio::process::Command::new("timeout")
         .args([
             "3.5",
-            "kubectl",
+            tensile_e2e::kubectl::binary_for(c.kubeconfig()).to_str().unwrap(),
             "--kubeconfig",
             c.kubeconfig().to_str().unwrap(),
             "-n",
@@ -500,7 +500,11 @@ async fn dropping_a_cluster_leaves_no_process_and_the_apiserver_restarts_with_it
 #[tokio::test]
 async fn the_kubelet_endpoint_admits_only_the_apiservers_client_certificate() {
     let bed = bed();
-    let url = format!("https://127.0.0.1:{}/healthz", bed.sim.kubelet_port());
+    let url = format!(
+        "https://{}:{}/healthz",
+        tensile_e2e::node_ip().unwrap(),
+        bed.sim.kubelet_port()
+    );
     let pki = bed.cluster.dir().join("pki");
     let anonymous = tokio::process::Command::new("curl")
         .args(["-sk", "--max-time", "5", &url])

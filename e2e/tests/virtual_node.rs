@@ -178,7 +178,14 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
     .await;
     assert_eq!(taints, "virtual-kubelet.io/provider=tensile:NoSchedule");
     let ip = kubectl(up(), &["get", "node", "vn-node", "-o", r#"jsonpath={.status.addresses[*].type}={.status.addresses[*].address} {.status.nodeInfo.kubeletVersion}"#]).await;
-    assert_eq!(ip, format!("InternalIP=127.0.0.1 {}", bed.lower_b.version()));
+    assert_eq!(
+        ip,
+        format!(
+            "InternalIP={} {}",
+            tensile_e2e::node_ip().unwrap(),
+            bed.lower_b.version()
+        )
+    );
     // The shape is rewritten at most every 5 s: it shows the three nodes within that.
     tensile_e2e::wait::must(
         "the capacity shape summarises the three lower nodes",
@@ -496,7 +503,7 @@ async fn kubectl_logs_reach_the_lower_pod_and_callers_are_authenticated() {
     let out = tokio::process::Command::new("timeout")
         .args([
             "3.5",
-            "kubectl",
+            tensile_e2e::kubectl::binary_for(up()).to_str().unwrap(),
             "--kubeconfig",
             up().to_str().unwrap(),
             "-n",
@@ -522,7 +529,8 @@ async fn kubectl_logs_reach_the_lower_pod_and_callers_are_authenticated() {
 
     // Without the apiserver's client certificate the kubelet API answers 401.
     let url = format!(
-        "https://127.0.0.1:{}/containerLogs/logs/talker/app",
+        "https://{}:{}/containerLogs/logs/talker/app",
+        tensile_e2e::node_ip().unwrap(),
         vn.kubelet_port
     );
     let anon = tokio::process::Command::new("curl")
@@ -580,7 +588,7 @@ async fn the_kubelet_api_caps_and_cuts_idle_and_slow_clients_while_logs_work() {
         "Running",
     )
     .await;
-    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], vn.kubelet_port));
+    let addr = std::net::SocketAddr::new(tensile_e2e::node_ip().unwrap(), vn.kubelet_port);
     let flood = tensile_e2e::flood::Flood::open(addr, 64, 16).await;
     flood.assert_capped(64, 16).await;
     for _ in 0..3 {
@@ -1902,7 +1910,7 @@ async fn a_followed_log_of_a_quiet_container_is_closed_below_when_kubectl_goes()
             .and_then(|l| l.split_whitespace().last()?.parse::<i64>().ok())
             .unwrap_or(0)
     };
-    let mut follow = tokio::process::Command::new("kubectl")
+    let mut follow = tokio::process::Command::new(tensile_e2e::kubectl::binary_for(up()))
         .args(["--kubeconfig", &up().display().to_string()])
         .args(["-n", "quiet", "logs", "-f", "hush"])
         .stdout(std::process::Stdio::piped())

@@ -505,10 +505,7 @@ mod tests {
 
     #[test]
     fn the_shipped_scheduler_configurations_call_the_verbs_this_server_serves() {
-        for (file, version) in [
-            ("scheduler-v1beta1.yaml", "kubescheduler.config.k8s.io/v1beta1"),
-            ("scheduler-v1.yaml", "kubescheduler.config.k8s.io/v1"),
-        ] {
+        for (file, version) in [("scheduler-v1.yaml", "kubescheduler.config.k8s.io/v1")] {
             let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("config")
                 .join(file);
@@ -532,10 +529,9 @@ mod tests {
             let preemption_off = config["profiles"][0]["plugins"]["postFilter"]["disabled"]
                 .as_array()
                 .is_some_and(|d| d.iter().any(|p| p["name"] == "DefaultPreemption"));
-            assert_eq!(
-                preemption_off,
-                file == "scheduler-v1beta1.yaml",
-                "{file}: 1.20.2 preempts without asking the extender, so preemption is off there only"
+            assert!(
+                !preemption_off,
+                "{file}: preemption stays on and asks the extender"
             );
         }
     }

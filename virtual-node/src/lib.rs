@@ -929,6 +929,16 @@ async fn compose(
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "lower".into());
     tracing::info!(node = %identity.node, cluster_id = %identity.cluster_id, "starting");
+    // A version outside the supported range is served, with a warning naming it; the lower
+    // cluster's is checked where the node reads it (the heartbeat's probe).
+    match upper.apiserver_version().await {
+        Ok(info) => {
+            if let Some(warning) = tensile_common::versions::warning("the upper cluster", &info.git_version) {
+                tracing::warn!(node = %identity.node, "{warning}");
+            }
+        }
+        Err(e) => tracing::warn!(node = %identity.node, "reading the upper cluster's version: {e}"),
+    }
 
     let lower_scope = args
         .lower

@@ -851,7 +851,11 @@ impl NodeLoop {
         loop {
             let probe = match self.probe().await {
                 Ok(v) => {
-                    if !v.is_empty() {
+                    if !v.is_empty() && v != version {
+                        let lower = format!("the lower cluster of node {}", self.name());
+                        if let Some(warning) = tensile_common::versions::warning(&lower, &v) {
+                            tracing::warn!(node = self.name(), "{warning}");
+                        }
                         version = v;
                     }
                     Ok(())

@@ -1,7 +1,7 @@
 //! The simulated kubelet's HTTPS endpoint: `containerLogs`, `exec`, `attach` and
 //! `portForward` ([`super::streams`]) for every simulated pod.
 //!
-//! It serves on 127.0.0.1 with a self-signed certificate (the apiserver does not verify
+//! It serves on the bed's node address ([`crate::node_ip`]) with a self-signed certificate (the apiserver does not verify
 //! kubelet certificates unless told to) and, when given the apiserver's kubelet-client CA,
 //! admits only clients presenting a certificate from it.
 
@@ -21,9 +21,8 @@ use crate::{Result, io_err};
 use tensile_common::kubelet::{Body, streamed, text};
 
 pub(super) async fn bind(client_ca_pem: Option<&str>) -> Result<(TcpListener, Arc<rustls::ServerConfig>)> {
-    let listener = TcpListener::bind("127.0.0.1:0")
-        .await
-        .map_err(io_err("127.0.0.1:0"))?;
+    let addr = std::net::SocketAddr::new(crate::node_ip()?, 0);
+    let listener = TcpListener::bind(addr).await.map_err(io_err(&addr.to_string()))?;
     let cert = crate::pki::self_signed_server("tensile-simulated-kubelet")?;
     let config = crate::tls::server_config(&cert.cert_pem, &cert.key_pem, client_ca_pem)?;
     Ok((listener, config))

@@ -2,7 +2,7 @@
 //! for the pods the real scheduler binds to them.
 //!
 //! * Nodes are created with the given capacity, allocatable, labels and taints, an
-//!   `InternalIP` of 127.0.0.1 and the simulator's kubelet port in `daemonEndpoints`.
+//!   `InternalIP` of the bed's node address ([`crate::node_ip`]) and the simulator's kubelet port in `daemonEndpoints`.
 //! * Each node renews its Lease in `kube-node-lease` every 10 s and patches its status at
 //!   least every minute; [`NodeSimulator::stop_heartbeat`] silences one node for failure tests.
 //! * Pods bound to a simulated node go Pending → Running with a pod IP from the node's range;
@@ -140,6 +140,8 @@ pub(crate) struct Inner {
     client: kube::Client,
     options: SimulatorOptions,
     kubelet_port: u16,
+    /// Every node's `InternalIP`, where its kubelet endpoint listens.
+    node_ip: std::net::IpAddr,
     server_config: Arc<rustls::ServerConfig>,
     kubelet_version: String,
     nodes: RwLock<HashMap<String, NodeState>>,
@@ -188,6 +190,7 @@ impl NodeSimulator {
         let inner = Arc::new(Inner {
             client,
             kubelet_port,
+            node_ip: crate::node_ip()?,
             server_config: server_config.clone(),
             kubelet_version,
             writes: tokio::sync::Semaphore::new(options.write_concurrency.max(1)),
@@ -233,9 +236,10 @@ impl NodeSimulator {
 
     /// Registers a node (creating it when absent) and starts its heartbeat.
     pub async fn add_node(&self, config: NodeConfig) -> Result<()> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        let addr = std::net::SocketAddr::new(crate::node_ip()?, 0);
+        let listener = tokio::net::TcpListener::bind(addr)
             .await
-            .map_err(crate::io_err("127.0.0.1:0"))?;
+            .map_err(crate::io_err(&addr.to_string()))?;
         let kubelet_port = listener
             .local_addr()
             .map_err(crate::io_err("kubelet listener"))?
@@ -419,13 +423,13 @@ impl Inner {
                 cond("PIDPressure", "False", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
                 cond("Ready", "True", "KubeletReady", "kubelet is posting ready status"),
             ],
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
+            "addresses": [{"type": "InternalIP", "address": self.node_ip.to_string()}],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": self.node_kubelet_port(&config.name)}},
             "nodeInfo": {
                 "machineID": config.name, "systemUUID": config.name, "bootID": self.options.name,
                 "kernelVersion": "simulated", "osImage": "tensile node simulator",
                 "containerRuntimeVersion": "simulated://1", "kubeletVersion": self.kubelet_version,
-                "kubeProxyVersion": self.kubelet_version, "operatingSystem": "linux", "architecture": "amd64",
+                "operatingSystem": "linux", "architecture": "amd64",
             },
         }});
         let nodes: Api<Node> = Api::all(self.client.clone());

@@ -604,11 +604,23 @@ impl PodActor {
             started: start_time.to_owned(),
             finished: start_time.to_owned(),
         };
+        // A restartable init container (a sidecar, `restartPolicy: Always`) runs beside the main
+        // containers, as the kubelet keeps it; the others ran to completion before them.
         let init: Vec<Value> = spec
             .init_containers
             .unwrap_or_default()
             .iter()
-            .map(|c| container_status(&c.name, c.image.as_deref(), &self.uid, &done, None, 0, false))
+            .map(|c| {
+                let sidecar = c.restart_policy.as_deref() == Some("Always");
+                if sidecar && !matches!(state, State::Terminated { .. }) {
+                    let running = State::Running {
+                        started: start_time.to_owned(),
+                    };
+                    container_status(&c.name, c.image.as_deref(), &self.uid, &running, None, 0, true)
+                } else {
+                    container_status(&c.name, c.image.as_deref(), &self.uid, &done, None, 0, false)
+                }
+            })
             .collect();
         let terminal = phase == "Succeeded" || phase == "Failed";
         let ready_reason = if terminal {
@@ -616,8 +628,12 @@ impl PodActor {
         } else {
             "ContainersNotReady"
         };
+        // As a 1.37 kubelet writes them: each condition and the status say which generation of
+        // the pod they describe (the apiserver drops the fields where the feature is off).
+        let generation = pod.metadata.generation.unwrap_or(1);
         let cond = |kind: &str, ok: bool, reason: &str| {
             let mut c = json!({"type": kind, "status": if ok { "True" } else { "False" },
+                               "observedGeneration": generation,
                                "lastProbeTime": null, "lastTransitionTime": now});
             if !ok {
                 c["reason"] = json!(reason);
@@ -625,10 +641,13 @@ impl PodActor {
             c
         };
         let mut status = json!({
+            "observedGeneration": generation,
             "phase": phase,
-            "hostIP": "127.0.0.1",
+            "hostIP": self.inner.node_ip.to_string(),
+            "hostIPs": [{"ip": self.inner.node_ip.to_string()}],
             "startTime": start_time,
             "conditions": [
+                cond("PodReadyToStartContainers", !terminal, ""),
                 cond("Initialized", true, ""),
                 cond("Ready", ready, ready_reason),
                 cond("ContainersReady", ready, ready_reason),

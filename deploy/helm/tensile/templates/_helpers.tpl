@@ -97,17 +97,6 @@ app.kubernetes.io/component: {{ .component }}
 - --leader-elect-resource-namespace={{ .Release.Namespace }}
 {{- end -}}
 
-{{/* The PodDisruptionBudget API of the target Kubernetes: policy/v1 from 1.21 (policy/v1beta1
-     is gone in 1.25), policy/v1beta1 for 1.20. Offline (helm template) the API list is
-     helm's own and names no kinds, so the version decides; --kube-version sets it. */}}
-{{- define "tensile.pdbApiVersion" -}}
-{{- if or (.Capabilities.APIVersions.Has "policy/v1/PodDisruptionBudget") (semverCompare ">=1.21-0" .Capabilities.KubeVersion.Version) -}}
-policy/v1
-{{- else -}}
-policy/v1beta1
-{{- end -}}
-{{- end -}}
-
 {{/* Probes on the admin port. */}}
 {{- define "tensile.probes" -}}
 livenessProbe:
@@ -146,7 +135,7 @@ affinity: {{ toYaml . | nindent 2 }}
 {{- define "tensile.pdb" -}}
 {{- if gt (int .replicas) 1 }}
 ---
-apiVersion: {{ include "tensile.pdbApiVersion" .root }}
+apiVersion: policy/v1
 kind: PodDisruptionBudget
 metadata:
   name: {{ .name }}
