@@ -56,6 +56,8 @@ complete() {
 etcd_path() { echo "$CACHE/etcd-$ETCD_VERSION/bin/etcd"; }
 
 ensure_go() {
+  # Go's own installer puts it in /usr/local/go, which a login shell may not have on PATH.
+  command -v go >/dev/null || { [ -x /usr/local/go/bin/go ] && export PATH="$PATH:/usr/local/go/bin"; }
   command -v go >/dev/null || die "no go on PATH" "install Go 1.25 or newer (Kubernetes 1.37 needs it)"
   export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
 }

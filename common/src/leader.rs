@@ -473,10 +473,22 @@ impl Elector {
     }
 
     async fn try_acquire_or_renew(&self) -> Attempt {
+        match self.attempt().await {
+            // Another candidate created the Lease first: it holds it, and this one says so at
+            // once rather than a retry period later.
+            Err(Created::ByAnother) => self.attempt().await.unwrap_or_else(Created::failed),
+            Err(created) => created.failed(),
+            Ok(attempt) => attempt,
+        }
+    }
+
+    /// One look at the Lease and, where it is free, a write taking it; `Err` when creating it
+    /// failed.
+    async fn attempt(&self) -> Result<Attempt, Created> {
         let started = Instant::now();
         let current = match self.leases.get_opt(&self.config.name).await {
             Ok(l) => l,
-            Err(e) => return Attempt::Failed(format!("reading the Lease: {e}")),
+            Err(e) => return Ok(Attempt::Failed(format!("reading the Lease: {e}"))),
         };
         let Some(mut lease) = current else {
             let lease = Lease {
@@ -488,8 +500,9 @@ impl Elector {
                 spec: Some(self.desired(None)),
             };
             return match self.leases.create(&PostParams::default(), &lease).await {
-                Ok(created) => self.won(created.spec, started),
-                Err(e) => Attempt::Failed(format!("creating the Lease: {e}")),
+                Ok(created) => Ok(self.won(created.spec, started)),
+                Err(kube::Error::Api(s)) if s.code == 409 => Err(Created::ByAnother),
+                Err(e) => Err(Created::Failed(e.to_string())),
             };
         };
         let spec = lease.spec.clone();
@@ -499,7 +512,7 @@ impl Elector {
             .unwrap_or_default();
         let observed_at = {
             let Ok(mut observed) = self.observed.lock() else {
-                return Attempt::Failed("the observed Lease record is poisoned".into());
+                return Ok(Attempt::Failed("the observed Lease record is poisoned".into()));
             };
             if observed.spec != spec {
                 observed.spec = spec.clone();
@@ -513,22 +526,24 @@ impl Elector {
             .map(|s| Duration::from_secs(s.max(0) as u64))
             .unwrap_or(self.config.lease_duration);
         if !holder.is_empty() && holder != self.config.identity && Instant::now() < observed_at + lease_secs {
-            return Attempt::HeldBy(holder);
+            return Ok(Attempt::HeldBy(holder));
         }
         lease.spec = Some(self.desired(spec.as_ref()));
-        match self
-            .leases
-            .replace(&self.config.name, &PostParams::default(), &lease)
-            .await
-        {
-            Ok(updated) => self.won(updated.spec, started),
-            Err(kube::Error::Api(s)) if s.code == 409 => Attempt::HeldBy(if holder.is_empty() {
-                "another candidate".into()
-            } else {
-                holder
-            }),
-            Err(e) => Attempt::Failed(format!("writing the Lease: {e}")),
-        }
+        Ok(
+            match self
+                .leases
+                .replace(&self.config.name, &PostParams::default(), &lease)
+                .await
+            {
+                Ok(updated) => self.won(updated.spec, started),
+                Err(kube::Error::Api(s)) if s.code == 409 => Attempt::HeldBy(if holder.is_empty() {
+                    "another candidate".into()
+                } else {
+                    holder
+                }),
+                Err(e) => Attempt::Failed(format!("writing the Lease: {e}")),
+            },
+        )
     }
 
     fn won(&self, spec: Option<LeaseSpec>, started: Instant) -> Attempt {
@@ -538,6 +553,24 @@ impl Elector {
         }
         self.leadership.extend(started + self.config.renew_deadline);
         Attempt::Leading
+    }
+}
+
+/// Why creating the Lease failed.
+enum Created {
+    /// Another candidate created it first (409).
+    ByAnother,
+    Failed(String),
+}
+
+impl Created {
+    fn failed(self) -> Attempt {
+        match self {
+            Created::ByAnother => {
+                Attempt::Failed("creating the Lease: another candidate created it meanwhile".into())
+            }
+            Created::Failed(e) => Attempt::Failed(format!("creating the Lease: {e}")),
+        }
     }
 }
 

@@ -86,6 +86,8 @@ pub struct Access {
     pub kubeconfig: PathBuf,
     /// The apiserver's URL.
     pub server: String,
+    /// The Kubernetes version the cluster runs (`v1.37.2`).
+    pub version: String,
 }
 
 impl Access {
@@ -95,6 +97,7 @@ impl Access {
             dir: cluster.dir().to_owned(),
             kubeconfig: cluster.kubeconfig().to_owned(),
             server: cluster.url(),
+            version: cluster.version().to_owned(),
         }
     }
 
@@ -103,12 +106,17 @@ impl Access {
     }
 }
 
-/// [`helm`] on the cluster `access` reaches.
+/// [`helm`] on the cluster `access` reaches. `helm template` renders for the cluster's version
+/// unless the arguments name one (offline, helm assumes the version its own client library
+/// was built for).
 pub async fn helm_with(access: &Access, args: &[&str]) -> Result<crate::kubectl::Output> {
     let bin = helm_binary()?.to_owned();
     let home = access.dir.join("helm");
     let kubeconfig = access.kubeconfig.clone();
-    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    let mut args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    if args.first().is_some_and(|a| a == "template") && !args.iter().any(|a| a == "--kube-version") {
+        args.extend(["--kube-version".to_owned(), access.version.clone()]);
+    }
     let out = tokio::task::spawn_blocking(move || {
         Command::new(&bin)
             .args(&args)

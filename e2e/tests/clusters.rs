@@ -490,7 +490,10 @@ spec: {hard: {requests.cpu: "12", requests.memory: 24Gi, pods: "10"}}
         controller.log_tail(4000)
     );
     assert!(
-        said.contains("lower-a node=lower-a ready=True version=v1.20.2 nodes=2"),
+        said.contains(&format!(
+            "lower-a node=lower-a ready=True version={} nodes=2",
+            low_a.version()
+        )),
         "{said}"
     );
 
@@ -501,13 +504,13 @@ spec: {hard: {requests.cpu: "12", requests.memory: 24Gi, pods: "10"}}
     assert_eq!(rows.len(), 2, "{fleet}");
     assert_eq!(
         &rows[0][..6],
-        ["lower-a", "lower-a", "True", "v1.20.2", "2", "8"],
+        ["lower-a", "lower-a", "True", low_a.version(), "2", "8"],
         "{fleet}"
     );
     // lower-b's credential reads no node: its room is its namespace's quota.
     assert_eq!(
         &rows[1][..4],
-        ["lower-b", "lower-b", "True", "v1.20.2"],
+        ["lower-b", "lower-b", "True", low_b.version()],
         "{fleet}"
     );
     let room = kubectl(

@@ -799,6 +799,10 @@ async fn an_opted_in_bare_pod_is_replaced_in_lower_b_and_never_lost() {
     assert_stash_intact_and_lower_a_empty(&scene, "app=solo").await;
 }
 
+/// Jobs are tracked by finalizers on every supported version, so an evicted pod counts as a
+/// failure unless the Job's `podFailurePolicy` ignores `DisruptionTarget`: the Job with that
+/// rule moves and keeps its `backoffLimit: 0`; the Job without it is left in place, with a
+/// `JobPodNotMoved` warning saying what to add, and does not fail either.
 #[tokio::test]
 async fn a_statefulset_and_a_job_move_and_the_job_keeps_its_backoff_limit() {
     let scene = Scene::start("ds-owners", 2).await;
@@ -811,16 +815,26 @@ async fn a_statefulset_and_a_job_move_and_the_job_keeps_its_backoff_limit() {
                  "template": scene.template("db", "3", json!({}), json!({}))},
     })
     .to_string();
-    let mut template = scene.template("batch", "3", json!({}), json!({}));
-    template["spec"]["restartPolicy"] = json!("Never");
-    let job = json!({
-        "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": "batch", "namespace": ns},
-        "spec": {"backoffLimit": 0, "template": template},
-    })
-    .to_string();
+    let job = |name: &str, policy: Value| {
+        let mut template = scene.template(name, "3", json!({}), json!({}));
+        template["spec"]["restartPolicy"] = json!("Never");
+        let mut spec = json!({"backoffLimit": 0, "template": template});
+        if !policy.is_null() {
+            spec["podFailurePolicy"] = policy;
+        }
+        json!({
+            "apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": spec,
+        })
+        .to_string()
+    };
+    let ignore_disruption = json!({"rules": [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    ]});
     apply(up(), &sts).await;
-    apply(up(), &job).await;
+    apply(up(), &job("batch", ignore_disruption)).await;
+    apply(up(), &job("strict", Value::Null)).await;
     let (db, batch) = tokio::join!(
         until_moved(&scene, "app=db", 1, 180),
         until_moved(&scene, "app=batch", 1, 180)
@@ -832,22 +846,47 @@ async fn a_statefulset_and_a_job_move_and_the_job_keeps_its_backoff_limit() {
         "the same name, a new pod"
     );
     assert_eq!(batch.on_a.len(), 1);
-    let status = kubectl(
-        up(),
-        &[
-            "-n",
-            ns,
-            "get",
-            "job",
-            "batch",
-            "-o",
-            "jsonpath={.status.failed}|{.status.active}|{.status.conditions[*].type}",
-        ],
-    )
-    .await;
+    let status = |job: &'static str| async move {
+        kubectl(
+            up(),
+            &[
+                "-n",
+                ns,
+                "get",
+                "job",
+                job,
+                "-o",
+                "jsonpath={.status.failed}|{.status.active}|{.status.conditions[*].type}",
+            ],
+        )
+        .await
+    };
     assert_eq!(
-        status, "|1|",
+        status("batch").await,
+        "|1|",
         "the eviction did not count as a failure (failed|active|conditions)"
+    );
+    // The Job without the rule: its pod stays where it was placed, said once, and the Job
+    // neither fails nor loses its pod.
+    let strict_pods = scene.pods("app=strict").await;
+    assert_eq!(strict_pods.len(), 1, "{strict_pods:?}");
+    assert_eq!(node_of(&strict_pods[0]), scene.vn_a, "left in place");
+    let warned = events(ns, "JobPodNotMoved").await;
+    assert!(
+        warned.iter().any(|e| {
+            e["involvedObject"]["name"] == strict_pods[0]["metadata"]["name"]
+                && e["type"] == "Warning"
+                && e["message"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .contains("DisruptionTarget")
+        }),
+        "{warned:?}"
+    );
+    assert_eq!(
+        status("strict").await,
+        "|1|",
+        "the Job is neither failed nor short of its pod"
     );
     assert_stash_intact_and_lower_a_empty(&scene, "app=db").await;
     assert_stash_intact_and_lower_a_empty(&scene, "app=batch").await;

@@ -255,7 +255,7 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
     .await;
     apply(
         &up,
-        &json!({"apiVersion": "policy/v1beta1", "kind": "PodDisruptionBudget",
+        &json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": {"name": "guarded", "namespace": NS},
             "spec": {"minAvailable": 2, "selector": {"matchLabels": {"app": "guarded"}}}})
         .to_string(),

@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use serde_json::json;
+
 use tensile_e2e::shared::Shared;
 use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
 
@@ -464,6 +466,113 @@ async fn a_node_without_heartbeat_becomes_unreachable_and_recovers() {
         "",
     )
     .await;
+}
+
+/// The pod status a simulated kubelet writes is what a kubelet of the cluster's version
+/// writes: a sidecar (a restartable init container) runs and is ready beside the main
+/// container while a plain init container shows Completed, `PodReadyToStartContainers` is
+/// among the conditions, and, from 1.35 (GA; beta and on in 1.34, alpha and off in 1.33), the
+/// status and each condition say which generation of the pod they describe. On the oldest
+/// supported version the apiserver drops `observedGeneration`, as a 1.33 kubelet never
+/// writes it.
+#[tokio::test]
+async fn pod_status_is_written_as_a_kubelet_of_the_clusters_version_writes_it() {
+    let newest = &bed().cluster;
+    let oldest = TestCluster::start(
+        ClusterOptions::new("kubelet-contract", "oldest")
+            .version("oldest")
+            .apiserver_only(),
+    )
+    .await
+    .unwrap();
+    let options = SimulatorOptions::new("oldest", Some(oldest.kubelet_client_ca_pem()));
+    let _sim = NodeSimulator::start(
+        oldest.client().await.unwrap(),
+        options,
+        vec![NodeConfig::new("node-0")],
+    )
+    .await
+    .unwrap();
+    oldest.wait_pods_admitted("default").await.unwrap();
+    for (cluster, tracks_generation) in [(newest, true), (&oldest, false)] {
+        let version = cluster.version();
+        apply(
+            cluster,
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: sidecar, namespace: default}
+spec:
+  nodeName: node-0
+  initContainers:
+  - {name: setup, image: busybox}
+  - {name: proxy, image: envoy, restartPolicy: Always}
+  containers: [{name: app, image: nginx}]
+"#,
+        )
+        .await;
+        eventually(
+            cluster,
+            &format!("the sidecar pod Ready on {version}"),
+            60,
+            &[
+                "get",
+                "pod",
+                "sidecar",
+                "-o",
+                r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
+            ],
+            "True",
+        )
+        .await;
+        let pod: serde_json::Value =
+            serde_json::from_str(&kubectl(cluster, &["get", "pod", "sidecar", "-o", "json"]).await).unwrap();
+        let status = &pod["status"];
+        let generation = &pod["metadata"]["generation"];
+        let conditions = status["conditions"].as_array().unwrap();
+        let condition = |kind: &str| {
+            conditions
+                .iter()
+                .find(|c| c["type"] == kind)
+                .unwrap_or_else(|| panic!("{version}: no {kind} in {conditions:?}"))
+        };
+        for kind in [
+            "PodReadyToStartContainers",
+            "Initialized",
+            "ContainersReady",
+            "Ready",
+        ] {
+            assert_eq!(condition(kind)["status"], "True", "{version}: {kind}");
+        }
+        let init = status["initContainerStatuses"].as_array().unwrap();
+        let setup = init.iter().find(|c| c["name"] == "setup").unwrap();
+        let proxy = init.iter().find(|c| c["name"] == "proxy").unwrap();
+        assert_eq!(
+            setup["state"]["terminated"]["reason"], "Completed",
+            "{version}: {setup}"
+        );
+        assert_eq!(setup["ready"], false, "{version}: {setup}");
+        assert!(proxy["state"]["running"].is_object(), "{version}: {proxy}");
+        assert_eq!(
+            (&proxy["ready"], &proxy["started"]),
+            (&json!(true), &json!(true)),
+            "{version}"
+        );
+        if tracks_generation {
+            assert_eq!(generation, &json!(1), "{version}");
+            assert_eq!(&status["observedGeneration"], generation, "{version}: {status}");
+            for c in conditions {
+                assert_eq!(&c["observedGeneration"], generation, "{version}: {c}");
+            }
+        } else {
+            assert!(status.get("observedGeneration").is_none(), "{version}: {status}");
+            assert!(
+                conditions.iter().all(|c| c.get("observedGeneration").is_none()),
+                "{version}: {conditions:?}"
+            );
+        }
+        kubectl(cluster, &["delete", "pod", "sidecar", "--wait=false"]).await;
+    }
 }
 
 #[tokio::test]

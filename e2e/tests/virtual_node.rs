@@ -2052,31 +2052,21 @@ subjects: [{kind: ServiceAccount, name: reader, namespace: tok}]
 "#,
     )
     .await;
-    // (v1.20's token controller gives the account its token Secret, which admission mounts.)
-    tensile_e2e::wait::must(
-        "reader's token Secret",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let name = kubectl(
-                up(),
-                &[
-                    "-n",
-                    "tok",
-                    "get",
-                    "serviceaccount",
-                    "reader",
-                    "-o",
-                    "jsonpath={.secrets[0].name}",
-                ],
-            )
-            .await;
-            if name.starts_with("reader-token-") {
-                Ok(())
-            } else {
-                Err(name)
-            }
-        },
+    // Admission mounts the account's token as a projected volume once the account exists.
+    eventually(
+        up(),
+        "the ServiceAccount reader",
+        30,
+        &[
+            "-n",
+            "tok",
+            "get",
+            "serviceaccount",
+            "reader",
+            "-o",
+            "jsonpath={.metadata.name}",
+        ],
+        "reader",
     )
     .await;
     let talker = |ns: &str, name: &str, account: &str| {
