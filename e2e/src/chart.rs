@@ -137,10 +137,8 @@ pub async fn helm_with(access: &Access, args: &[&str]) -> Result<crate::kubectl:
     })
 }
 
-/// Writes a kubeconfig for ServiceAccount `namespace/name` of `cluster` to `path`, with the
-/// token the cluster issued it: the token Secret the token controller made (v1.23 and older),
-/// or, when none comes, one requested with a `kubernetes.io/service-account-token` Secret
-/// (which every release fills in).
+/// Writes a kubeconfig for ServiceAccount `namespace/name` of `cluster` to `path`, with a token
+/// the cluster issued it, requested with a `kubernetes.io/service-account-token` Secret.
 pub async fn service_account_kubeconfig(
     cluster: &TestCluster,
     namespace: &str,
@@ -157,50 +155,24 @@ pub async fn service_account_kubeconfig_with(
     name: &str,
     path: &Path,
 ) -> Result<PathBuf> {
-    let secret_of_sa = || async {
-        let out = cluster
-            .kubectl(&[
-                "-n",
-                namespace,
-                "get",
-                "serviceaccount",
-                name,
-                "-o",
-                "jsonpath={.secrets[0].name}",
-            ])
-            .await;
-        Some(out.stdout.trim().to_owned()).filter(|s| out.ok && !s.is_empty())
-    };
-    let mut secret = None;
-    for _ in 0..50 {
-        secret = secret_of_sa().await;
-        if secret.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    // No supported version makes an account's token Secret by itself (none has since 1.24):
+    // a `service-account-token` Secret naming the account asks the token controller for one.
+    let secret = format!("{name}-token-requested");
+    let manifest = format!(
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {secret}\n  namespace: {namespace}\n  \
+         annotations:\n    kubernetes.io/service-account.name: {name}\ntype: kubernetes.io/service-account-token\n"
+    );
+    let file = cluster.dir.join(format!("{secret}.yaml"));
+    std::fs::write(&file, manifest).map_err(io_err(&file))?;
+    let out = cluster
+        .kubectl(&["apply", "-f", &file.display().to_string()])
+        .await;
+    if !out.ok {
+        return Err(Error::Demo(format!(
+            "requesting a token for {name}: {}",
+            out.stderr
+        )));
     }
-    let secret = match secret {
-        Some(s) => s,
-        None => {
-            let requested = format!("{name}-token-requested");
-            let manifest = format!(
-                "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {requested}\n  namespace: {namespace}\n  \
-                 annotations:\n    kubernetes.io/service-account.name: {name}\ntype: kubernetes.io/service-account-token\n"
-            );
-            let file = cluster.dir.join(format!("{requested}.yaml"));
-            std::fs::write(&file, manifest).map_err(io_err(&file))?;
-            let out = cluster
-                .kubectl(&["apply", "-f", &file.display().to_string()])
-                .await;
-            if !out.ok {
-                return Err(Error::Demo(format!(
-                    "requesting a token for {name}: {}",
-                    out.stderr
-                )));
-            }
-            requested
-        }
-    };
     let token = crate::wait::until(
         &format!("the token of ServiceAccount {namespace}/{name}"),
         Duration::from_secs(30),

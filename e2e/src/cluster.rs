@@ -104,7 +104,8 @@ pub struct TestCluster {
     kubelet_client_ca_pem: String,
     kubelet_client_ca: PathBuf,
     apiserver: Mutex<Service>,
-    others: Mutex<Vec<Service>>,
+    /// The scheduler and controller-manager, restarted when they exit ([`supervise`]).
+    others: Arc<Mutex<Vec<Service>>>,
     ready_timeout: Duration,
     binaries: &'static Binaries,
     etcd: Arc<Etcd>,
@@ -209,7 +210,7 @@ impl TestCluster {
             kubelet_client_ca_pem: files.kubelet_client_ca.clone(),
             kubelet_client_ca,
             apiserver: Mutex::new(apiserver),
-            others: Mutex::new(Vec::new()),
+            others: Arc::new(Mutex::new(Vec::new())),
             ready_timeout: options.ready_timeout,
             binaries,
             etcd,
@@ -278,6 +279,7 @@ impl TestCluster {
             )?);
         }
         *cluster.others.lock().map_err(|_| cluster.err("lock poisoned"))? = others;
+        supervise(&cluster.name, &cluster.others);
         if options.controller_manager {
             cluster.wait_pods_admitted("default").await?;
         }
@@ -531,6 +533,30 @@ impl Drop for TestCluster {
         }
         self.stop_apiserver();
     }
+}
+
+/// Restarts a scheduler or controller-manager of `cluster` that exits, once a second at most,
+/// as the kubelet of a real control plane restarts its static pods: kube-scheduler exits on
+/// purpose when its cache sees a pod move between nodes, which an apiserver killed mid-bind
+/// can cause. Each restart is logged, and the component's log goes on in the same file. Ends
+/// with the cluster.
+fn supervise(cluster: &str, others: &Arc<Mutex<Vec<Service>>>) {
+    let (cluster, others) = (cluster.to_owned(), Arc::downgrade(others));
+    std::thread::spawn(move || {
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+            let Some(others) = others.upgrade() else { return };
+            let Ok(mut others) = others.lock() else { return };
+            for service in others.iter_mut() {
+                if let Some(status) = service.exited() {
+                    tracing::warn!(%cluster, component = service.name(), %status, "exited; restarting it");
+                    if let Err(e) = service.restart() {
+                        tracing::warn!(%cluster, component = service.name(), "restarting: {e}");
+                    }
+                }
+            }
+        }
+    });
 }
 
 struct Pki {

@@ -77,12 +77,21 @@ fn up() -> &'static Path {
     bed().upper.kubeconfig()
 }
 
+/// Waits until `node` is Ready and the node lifecycle controller has taken away the
+/// `node.kubernetes.io/not-ready` taint that admission puts on every new Node (it does so on
+/// its next pass after Ready, so for a moment a Ready node still carries it).
 async fn wait_ready(node: &str) {
     eventually(
         up(),
-        &format!("{node} Ready"),
+        &format!("{node} Ready, without the not-ready taint"),
         60,
-        &["get", "node", node, "-o", READY],
+        &[
+            "get",
+            "node",
+            node,
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status} {.spec.taints[?(@.key=="node.kubernetes.io/not-ready")].effect}"#,
+        ],
         "True",
     )
     .await;
@@ -2117,12 +2126,31 @@ spec:
         serde_json::from_str(&kubectl(low, &["-n", "tok", "get", "pod", "talker", "-o", "json"]).await)
             .unwrap();
     let spec = &lower_pod["spec"];
+    // Admission mounts the token as a projected volume (`kube-api-access-*`): below, its token
+    // and CA sources read the Secret; the namespace still comes from the downward API.
     let volume = spec["volumes"]
         .as_array()
         .unwrap()
         .iter()
-        .find(|v| v["secret"]["secretName"] == secret.as_str())
+        .find(|v| {
+            v["projected"]["sources"].as_array().is_some_and(|sources| {
+                let reads = |key: &str| {
+                    sources.iter().any(|s| {
+                        s["secret"]["name"] == secret.as_str() && s["secret"]["items"][0]["key"] == key
+                    })
+                };
+                reads("token-0") && reads("ca.crt")
+            })
+        })
         .unwrap_or_else(|| panic!("no volume reads {secret}: {spec}"));
+    assert!(
+        !volume["projected"]["sources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s.get("serviceAccountToken").is_some()),
+        "no lower token is asked for: {volume}"
+    );
     let mounted = spec["containers"][0]["volumeMounts"]
         .as_array()
         .unwrap()

@@ -418,6 +418,10 @@ pub fn metadata_patch(
 /// lower cluster without usable nodes shows no room instead of the last figures.
 const STATED_RESOURCES: [&str; 3] = ["cpu", "memory", "pods"];
 
+/// The node feature (`status.declaredFeatures`) by which a kubelet says it takes WebSocket
+/// exec, attach and port-forward streams from the apiserver.
+pub const EXTEND_WEBSOCKETS_TO_KUBELET: &str = "ExtendWebSocketsToKubelet";
+
 /// The `capacity` or `allocatable` map of a status patch: `now`, the resources every node
 /// states at zero when absent, and a removal (`null`) for each resource the Node shows that
 /// no lower node offers any more (a strategic merge keeps keys a patch leaves out).
@@ -764,11 +768,14 @@ impl NodeLoop {
             ],
             "addresses": [{"type": "InternalIP", "address": self.settings.node_ip}],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": self.settings.kubelet_port}},
+            // The kubelet API takes WebSocket streams itself (crate::streams), so an upper
+            // apiserver of 1.36+ proxies a client's WebSocket to it rather than translating it
+            // to SPDY; older apiservers drop the field and translate.
+            "declaredFeatures": [EXTEND_WEBSOCKETS_TO_KUBELET],
             "nodeInfo": {
                 "machineID": self.settings.identity.cluster_id, "systemUUID": self.name(), "bootID": started,
                 "kernelVersion": "", "osImage": "tensile virtual node",
                 "containerRuntimeVersion": "tensile://lower-cluster", "kubeletVersion": version,
-                "kubeProxyVersion": version,
                 "operatingSystem": cap.os.clone().unwrap_or_else(|| "linux".into()),
                 "architecture": cap.arch.clone().unwrap_or_else(|| "amd64".into()),
             },

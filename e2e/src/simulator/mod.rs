@@ -425,6 +425,10 @@ impl Inner {
             ],
             "addresses": [{"type": "InternalIP", "address": self.node_ip.to_string()}],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": self.node_kubelet_port(&config.name)}},
+            // As a 1.36+ kubelet declares it: its API takes WebSocket streams, so the
+            // apiserver proxies them rather than translating them to SPDY (an older apiserver
+            // drops the field).
+            "declaredFeatures": ["ExtendWebSocketsToKubelet"],
             "nodeInfo": {
                 "machineID": config.name, "systemUUID": config.name, "bootID": self.options.name,
                 "kernelVersion": "simulated", "osImage": "tensile node simulator",
