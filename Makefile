@@ -14,9 +14,11 @@ build:
 # Format check, lints, then every test (end-to-end ones against real control planes). The
 # end-to-end tests start the suite's daemons as processes, so every binary is built first:
 # cargo builds a package's binaries for tests only when that package has tests of its own.
+# scripts/test.sh runs what `cargo test --workspace --all-targets` runs, three test binaries
+# at once (TEST_JOBS).
 test: deps lint
 	$(CARGO) build --workspace --bins
-	$(CARGO) test --workspace --all-targets
+	bash scripts/test.sh
 
 lint:
 	$(CARGO) fmt --all --check

@@ -478,13 +478,9 @@ async fn a_node_without_heartbeat_becomes_unreachable_and_recovers() {
 #[tokio::test]
 async fn pod_status_is_written_as_a_kubelet_of_the_clusters_version_writes_it() {
     let newest = &bed().cluster;
-    let oldest = TestCluster::start(
-        ClusterOptions::new("kubelet-contract", "oldest")
-            .version("oldest")
-            .apiserver_only(),
-    )
-    .await
-    .unwrap();
+    let oldest = TestCluster::start(ClusterOptions::new("kubelet-contract", "oldest").version("oldest"))
+        .await
+        .unwrap();
     let options = SimulatorOptions::new("oldest", Some(oldest.kubelet_client_ca_pem()));
     let _sim = NodeSimulator::start(
         oldest.client().await.unwrap(),
@@ -493,7 +489,6 @@ async fn pod_status_is_written_as_a_kubelet_of_the_clusters_version_writes_it() 
     )
     .await
     .unwrap();
-    oldest.wait_pods_admitted("default").await.unwrap();
     for (cluster, tracks_generation) in [(newest, true), (&oldest, false)] {
         let version = cluster.version();
         apply(
