@@ -504,35 +504,34 @@ mod tests {
     }
 
     #[test]
-    fn the_shipped_scheduler_configurations_call_the_verbs_this_server_serves() {
-        for (file, version) in [("scheduler-v1.yaml", "kubescheduler.config.k8s.io/v1")] {
-            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("config")
-                .join(file);
-            let text = std::fs::read_to_string(&path).unwrap();
-            let config: serde_json::Value = serde_yaml::from_str(&text).unwrap();
-            assert_eq!(config["apiVersion"], version, "{file}");
-            assert_eq!(config["kind"], "KubeSchedulerConfiguration");
-            assert_eq!(config["profiles"][0]["schedulerName"], "tensile-scheduler");
-            let extender = &config["extenders"][0];
-            assert_eq!(extender["filterVerb"], "filter");
-            assert_eq!(extender["prioritizeVerb"], "prioritize");
-            assert_eq!(
-                extender["preemptVerb"], "preempt",
-                "{file}: preemption asks the extender"
-            );
-            assert_eq!(extender["nodeCacheCapable"], true);
-            assert_eq!(extender["enableHTTPS"], true);
-            assert_eq!(extender["ignorable"], false);
-            assert!(extender["tlsConfig"]["caFile"].is_string());
-            assert!(extender["bindVerb"].is_null(), "the default binder binds");
-            let preemption_off = config["profiles"][0]["plugins"]["postFilter"]["disabled"]
-                .as_array()
-                .is_some_and(|d| d.iter().any(|p| p["name"] == "DefaultPreemption"));
-            assert!(
-                !preemption_off,
-                "{file}: preemption stays on and asks the extender"
-            );
-        }
+    fn the_shipped_scheduler_configuration_calls_the_verbs_this_server_serves() {
+        let file = "scheduler-v1.yaml";
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("config")
+            .join(file);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let config: serde_json::Value = serde_yaml::from_str(&text).unwrap();
+        assert_eq!(config["apiVersion"], "kubescheduler.config.k8s.io/v1", "{file}");
+        assert_eq!(config["kind"], "KubeSchedulerConfiguration");
+        assert_eq!(config["profiles"][0]["schedulerName"], "tensile-scheduler");
+        let extender = &config["extenders"][0];
+        assert_eq!(extender["filterVerb"], "filter");
+        assert_eq!(extender["prioritizeVerb"], "prioritize");
+        assert_eq!(
+            extender["preemptVerb"], "preempt",
+            "{file}: preemption asks the extender"
+        );
+        assert_eq!(extender["nodeCacheCapable"], true);
+        assert_eq!(extender["enableHTTPS"], true);
+        assert_eq!(extender["ignorable"], false);
+        assert!(extender["tlsConfig"]["caFile"].is_string());
+        assert!(extender["bindVerb"].is_null(), "the default binder binds");
+        let preemption_off = config["profiles"][0]["plugins"]["postFilter"]["disabled"]
+            .as_array()
+            .is_some_and(|d| d.iter().any(|p| p["name"] == "DefaultPreemption"));
+        assert!(
+            !preemption_off,
+            "{file}: preemption stays on and asks the extender"
+        );
     }
 }

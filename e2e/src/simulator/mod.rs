@@ -505,8 +505,11 @@ impl Inner {
                 .err()
                 .map(|e| format!("lease renewal failed: {e}"));
             let mut status = None;
-            if resumed || last_status.elapsed() >= self.options.status_period {
-                match self.patch_node_status(&config, resumed).await {
+            // After a beat that failed (the apiserver was away), the status goes at once, as a
+            // kubelet's next sync finds its conditions overwritten by the node controller
+            // (Ready Unknown) and writes them back, instead of waiting for the status period.
+            if resumed || failing || last_status.elapsed() >= self.options.status_period {
+                match self.patch_node_status(&config, resumed || failing).await {
                     Ok(()) => last_status = tokio::time::Instant::now(),
                     Err(e) => status = Some(format!("status patch failed: {e}")),
                 }
