@@ -189,35 +189,69 @@ pub fn node_ip() -> Result<std::net::IpAddr> {
 /// It is taken below the kernel's ephemeral range (`ip_local_port_range`, 32768 and up by
 /// default): a port from that range can be taken, between this answer and the server's bind,
 /// by any outgoing connection (every API client makes them) or by a bind to port 0, and a
-/// control-plane component that loses that race fails to start. Each port is handed out once
-/// per process, starting at an offset derived from the process id, so test processes running
-/// side by side rarely try the same one.
+/// control-plane component that loses that race fails to start. Test processes running side
+/// by side (`scripts/test.sh`) never hand out the same port: each holds a lock on a block of
+/// ports (a file under the temporary directory, released when the process ends, however it
+/// ends) and hands out each port of its blocks once.
 pub fn free_port() -> Result<u16> {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(0);
+    use std::sync::Mutex;
     const LOW: u32 = 10_000;
+    const BLOCK: u32 = 500;
+    struct Blocks {
+        /// The lock files of the blocks this process holds.
+        held: Vec<std::fs::File>,
+        next: u32,
+        end: u32,
+    }
+    static BLOCKS: Mutex<Blocks> = Mutex::new(Blocks {
+        held: Vec::new(),
+        next: 0,
+        end: 0,
+    });
     let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
         .unwrap_or(32_768);
-    if ephemeral_low <= LOW + 1_000 {
+    if ephemeral_low <= LOW + BLOCK {
         // No room below the ephemeral range: let the kernel choose.
         let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io_err("127.0.0.1:0"))?;
         return Ok(listener.local_addr().map_err(io_err("127.0.0.1:0"))?.port());
     }
-    let span = ephemeral_low - LOW;
-    let start = std::process::id().wrapping_mul(2_654_435_761) % span;
-    for _ in 0..span {
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let port = u16::try_from(LOW + (start + n) % span).unwrap_or(u16::MAX);
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return Ok(port);
+    let blocks = (ephemeral_low - LOW) / BLOCK;
+    let dir = std::env::temp_dir().join("tensile-ports");
+    std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+    let mut mine = BLOCKS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    loop {
+        while mine.next < mine.end {
+            let port = u16::try_from(mine.next).unwrap_or(u16::MAX);
+            mine.next += 1;
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
         }
+        // Another block: the first free one after an offset of this process's own, so that
+        // processes started together rarely try the same lock first.
+        let start = std::process::id().wrapping_mul(2_654_435_761) % blocks;
+        let taken = (0..blocks).map(|i| (start + i) % blocks).find_map(|block| {
+            let path = dir.join(format!("block-{block}"));
+            let file = std::fs::File::options()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)
+                .ok()?;
+            file.try_lock().ok().map(|()| (block, file))
+        });
+        let Some((block, file)) = taken else {
+            return Err(io_err("127.0.0.1")(std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                format!("every block of ports in {LOW}..{ephemeral_low} is held by another process"),
+            )));
+        };
+        mine.held.push(file);
+        mine.next = LOW + block * BLOCK;
+        mine.end = mine.next + BLOCK;
     }
-    Err(io_err("127.0.0.1")(std::io::Error::new(
-        std::io::ErrorKind::AddrInUse,
-        format!("no free port in {LOW}..{ephemeral_low}"),
-    )))
 }
 
 #[cfg(test)]
