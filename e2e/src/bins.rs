@@ -127,29 +127,9 @@ fn existing(p: PathBuf) -> Result<PathBuf, Error> {
     }
 }
 
-/// The repository's build script (the crate sits one level below the workspace root).
-pub fn build_script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kube-bins.sh")
-}
-
 /// Runs the build script with `args`; what it printed.
 fn run_script(args: &[&str]) -> Result<String, Error> {
-    let script = build_script();
-    let out = Command::new("bash")
-        .arg(&script)
-        .args(args)
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .map_err(|e| Error::Build(format!("cannot run {}: {e}", script.display())))?;
-    if !out.status.success() {
-        return Err(Error::Build(format!(
-            "{} {} failed ({}); its messages above say which step and how to fix it",
-            script.display(),
-            args.join(" "),
-            out.status
-        )));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    crate::run_script("kube-bins.sh", args).map_err(Error::Build)
 }
 
 /// The suite's binary `name` (`virtual-node`, `webhook`, `descheduler`) as cargo built it: in

@@ -49,25 +49,10 @@ pub async fn install_exclusion_records(kubeconfig: &Path) -> Result<()> {
 /// The helm binary: `HELM_BIN`, or what `scripts/helm.sh` installed (installing it first).
 pub fn helm_binary() -> Result<&'static Path> {
     static HELM: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    HELM.get_or_init(|| {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/helm.sh");
-        let out = Command::new("bash")
-            .arg(&script)
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
-        if !out.status.success() {
-            return Err(format!(
-                "{} failed ({}); its messages above say which step and how to fix it",
-                script.display(),
-                out.status
-            ));
-        }
-        Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-    })
-    .as_ref()
-    .map(PathBuf::as_path)
-    .map_err(|e| Error::Demo(e.clone()))
+    HELM.get_or_init(|| crate::run_script("helm.sh", &[]).map(PathBuf::from))
+        .as_ref()
+        .map(PathBuf::as_path)
+        .map_err(|e| Error::Demo(e.clone()))
 }
 
 /// Runs `helm ARGS…` against `cluster` (its admin kubeconfig), with helm's own state under the

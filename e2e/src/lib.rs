@@ -163,25 +163,35 @@ pub fn node_ip() -> Result<std::net::IpAddr> {
         std::sync::OnceLock::new();
     NODE_IP
         .get_or_init(|| {
-            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/bed-net.sh");
-            let out = std::process::Command::new("bash")
-                .arg(&script)
-                .stderr(std::process::Stdio::inherit())
-                .output()
-                .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
-            if !out.status.success() {
-                return Err(format!(
-                    "{} failed ({}); its messages above say why and how to fix it",
-                    script.display(),
-                    out.status
-                ));
-            }
-            let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+            let text = run_script("bed-net.sh", &[])?;
             text.parse()
-                .map_err(|e| format!("{} printed {text:?}, not an address: {e}", script.display()))
+                .map_err(|e| format!("scripts/bed-net.sh printed {text:?}, not an address: {e}"))
         })
         .clone()
         .map_err(Error::NodeAddress)
+}
+
+/// Runs `scripts/<name> ARGS…` of this repository, its messages passed on to stderr; what it
+/// printed, trimmed, or why it failed.
+pub(crate) fn run_script(name: &str, args: &[&str]) -> std::result::Result<String, String> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../scripts")
+        .join(name);
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .args(args)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{} {} failed ({}); its messages above say which step and how to fix it",
+            script.display(),
+            args.join(" "),
+            out.status
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
 /// A port on 127.0.0.1 that nothing listens on now, for a server the caller starts soon.
