@@ -53,8 +53,6 @@ pub struct Binaries {
     pub controller_manager: PathBuf,
     /// The kubectl of the same version.
     pub kubectl: PathBuf,
-    /// Minor version of the Kubernetes binaries (37 for v1.37.2).
-    pub minor: u32,
     pub version: String,
 }
 
@@ -89,13 +87,12 @@ impl Binaries {
             None => PathBuf::from(run_script(&[version])?),
         };
         let apiserver = dir.join("kube-apiserver");
-        let (version, minor) = version_of(&apiserver)?;
+        let version = version_of(&apiserver)?;
         Ok(Binaries {
             scheduler: existing(dir.join("kube-scheduler"))?,
             controller_manager: existing(dir.join("kube-controller-manager"))?,
             kubectl: existing(dir.join("kubectl"))?,
             apiserver,
-            minor,
             version,
         })
     }
@@ -168,7 +165,7 @@ pub fn suite_binary(name: &str) -> Result<PathBuf, Error> {
 }
 
 /// Runs `binary --version` and parses `Kubernetes v1.MINOR.PATCH`.
-fn version_of(binary: &Path) -> Result<(String, u32), Error> {
+fn version_of(binary: &Path) -> Result<String, Error> {
     let out = Command::new(binary)
         .arg("--version")
         .output()
@@ -177,10 +174,12 @@ fn version_of(binary: &Path) -> Result<(String, u32), Error> {
             detail: format!("cannot run it: {e}"),
         })?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
-    parse_version(&text).ok_or_else(|| Error::Binary {
-        what: binary.display().to_string(),
-        detail: format!("unexpected --version output {text:?}"),
-    })
+    parse_version(&text)
+        .map(|(version, _)| version)
+        .ok_or_else(|| Error::Binary {
+            what: binary.display().to_string(),
+            detail: format!("unexpected --version output {text:?}"),
+        })
 }
 
 fn parse_version(text: &str) -> Option<(String, u32)> {

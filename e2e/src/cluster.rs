@@ -45,7 +45,8 @@ pub struct ClusterOptions {
     /// (default: [`crate::bins::version_for`] its name).
     pub version: String,
     /// The kube-scheduler's and kube-controller-manager's client throttle
-    /// (`--kube-api-qps`, `--kube-api-burst`); `None` keeps their defaults (50 and 100). Benchmarks raise it so a 50-qps queue in the test bed is not what they measure.
+    /// (`--kube-api-qps`, `--kube-api-burst`); `None` keeps their defaults (50 and 100).
+    /// Benchmarks raise it so a 50-qps queue in the test bed is not what they measure.
     pub kube_api_qps: Option<(u32, u32)>,
 }
 
@@ -326,11 +327,6 @@ impl TestCluster {
     /// The Kubernetes version of the binaries (`v1.37.2`).
     pub fn version(&self) -> &str {
         &self.binaries.version
-    }
-
-    /// The minor of [`TestCluster::version`] (37 for `v1.37.2`).
-    pub fn minor(&self) -> u32 {
-        self.binaries.minor
     }
 
     /// A new admin client bound to the calling runtime.
