@@ -579,6 +579,9 @@ impl Pki {
         // What every kubelet of a kubeadm cluster holds: a certificate from the same CA for
         // its own node. It authenticates, and must not be enough to read another node's logs.
         let other_kubelet = kubelet_ca.client("system:node:some-other-node", Some("system:nodes"))?;
+        // Two common names: the apiserver reads the last as the user; a kubelet must not
+        // read another.
+        let two_names = kubelet_ca.client_with_two_names("tensile-log-reader", "tensile-tenant")?;
         let (sa_key, sa_pub) = pki::service_account_keys()?;
         for (file, content) in [
             ("ca.crt", ca.cert_pem()),
@@ -590,6 +593,8 @@ impl Pki {
             ("kubelet-client.key", kubelet_client.key_pem.clone()),
             ("other-kubelet.crt", other_kubelet.cert_pem.clone()),
             ("other-kubelet.key", other_kubelet.key_pem.clone()),
+            ("two-names.crt", two_names.cert_pem.clone()),
+            ("two-names.key", two_names.key_pem.clone()),
             ("sa.key", sa_key),
             ("sa.pub", sa_pub),
         ] {

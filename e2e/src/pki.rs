@@ -91,6 +91,23 @@ impl Ca {
         self.leaf(params)
     }
 
+    /// A client certificate whose subject holds two common names, `first` then `last`: Go's
+    /// x509 authenticator (the apiserver's) takes the last as the user.
+    pub fn client_with_two_names(&self, first: &str, last: &str) -> Result<CertKey, Error> {
+        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(ctx("client params"))?;
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, first);
+        // The common name's own OID under another key: the name map holds one value a type.
+        dn.push(DnType::CustomDnType(vec![2, 5, 4, 3]), last);
+        params.distinguished_name = dn;
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        self.leaf(params)
+    }
+
     fn leaf(&self, params: CertificateParams) -> Result<CertKey, Error> {
         let key = KeyPair::generate().map_err(ctx("leaf key"))?;
         let cert = params

@@ -566,6 +566,40 @@ async fn kubectl_logs_reach_the_lower_pod_and_callers_are_authenticated() {
         other.contains("system:node:some-other-node") && !other.contains("talker app line"),
         "{other}"
     );
+    // A certificate naming two users: the apiserver would take the last (tensile-tenant, who
+    // may do nothing); the kubelet API must not act on the first (allowed to read logs here),
+    // and refuses the certificate.
+    apply(
+        up(),
+        r#"
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: e2e-log-reader}
+rules: [{apiGroups: [""], resources: [nodes/proxy, nodes/log], verbs: [get, create]}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: e2e-log-reader}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: e2e-log-reader}
+subjects: [{apiGroup: rbac.authorization.k8s.io, kind: User, name: tensile-log-reader}]
+"#,
+    )
+    .await;
+    let two = tokio::process::Command::new("curl")
+        .args(["-sk", "-w", "\n%{http_code}", "--cert"])
+        .arg(pki.join("two-names.crt"))
+        .arg("--key")
+        .arg(pki.join("two-names.key"))
+        .arg(&url)
+        .output()
+        .await
+        .unwrap();
+    let two = String::from_utf8_lossy(&two.stdout);
+    assert!(two.ends_with("\n401"), "{two}");
+    assert!(
+        two.contains("more than one common name") && !two.contains("talker app line"),
+        "{two}"
+    );
 }
 
 /// Idle and slow clients cannot take the kubelet API away from the apiserver: with a cap of
@@ -1285,22 +1319,43 @@ async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resu
     .await;
     // Statuses resume: a new pod runs and an existing one keeps reporting.
     apply(up(), &pod("outage", "newcomer", "vn-outage", "Always", "", "10m")).await;
-    eventually(
-        up(),
+    let phase = &[
+        "-n",
+        "outage",
+        "get",
+        "pod",
+        "newcomer",
+        "-o",
+        "jsonpath={.status.phase}",
+    ];
+    let running = tensile_e2e::wait::until(
         "new pod Running after recovery",
-        60,
-        &[
-            "-n",
-            "outage",
-            "get",
-            "pod",
-            "newcomer",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Running",
+        Duration::from_secs(60),
+        Duration::from_millis(300),
+        || async {
+            let out = tensile_e2e::kubectl::run(up(), phase).await;
+            match out.stdout.trim() {
+                "Running" => Ok(()),
+                other => Err(format!("{other:?} {}", out.stderr.trim())),
+            }
+        },
     )
     .await;
+    if let Err(e) = running {
+        // What the lower cluster made of it, to tell a stuck lower scheduler or kubelet
+        // from a virtual node that never wrote.
+        let below = tensile_e2e::kubectl::run(
+            bed.lower_b.kubeconfig(),
+            &["-n", "outage", "get", "pod,events", "-o", "wide"],
+        )
+        .await;
+        let nodes =
+            tensile_e2e::kubectl::run(bed.lower_b.kubeconfig(), &["get", "nodes", "-o", "wide"]).await;
+        panic!(
+            "{e}\nbelow:\n{}{}\nlower nodes:\n{}",
+            below.stdout, below.stderr, nodes.stdout
+        );
+    }
     kubectl(
         up(),
         &["-n", "outage", "delete", "pod", "survivor", "--wait=true"],

@@ -235,17 +235,35 @@ impl Authorizer {
 }
 
 /// The caller's user (CN) and groups (O) from its verified certificate, as the apiserver's
-/// x509 authenticator reads them; `None` when it presented none.
-pub fn identity(peer: &Peer) -> Option<(String, Vec<String>)> {
-    let leaf = peer.certificates.as_ref()?.first()?;
-    let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref()).ok()?;
+/// x509 authenticator reads them; `Ok(None)` when it presented none. A subject with more than
+/// one common name is refused: Go takes the last, a reader taking another would authorise
+/// someone the apiserver never authenticated.
+pub fn identity(peer: &Peer) -> Result<Option<(String, Vec<String>)>, &'static str> {
+    match peer.certificates.as_ref().and_then(|c| c.first()) {
+        Some(leaf) => certificate_identity(leaf.as_ref()).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// The user and groups of a client certificate (DER), as [`identity`] reads them.
+fn certificate_identity(der: &[u8]) -> Result<(String, Vec<String>), &'static str> {
+    let (_, cert) =
+        x509_parser::parse_x509_certificate(der).map_err(|_| "the client certificate cannot be read")?;
     let subject = cert.subject();
-    let user = subject.iter_common_name().next()?.as_str().ok()?.to_owned();
+    let mut names = subject.iter_common_name();
+    let user = match (names.next(), names.next()) {
+        (Some(name), None) => name
+            .as_str()
+            .map_err(|_| "the client certificate's common name is not a string")?
+            .to_owned(),
+        (None, _) => return Err("the client certificate has no common name"),
+        (Some(_), Some(_)) => return Err("the client certificate has more than one common name"),
+    };
     let groups = subject
         .iter_organization()
         .filter_map(|o| o.as_str().ok().map(str::to_owned))
         .collect();
-    Some((user, groups))
+    Ok((user, groups))
 }
 
 /// The kubelet's verb for a method.
@@ -299,7 +317,10 @@ pub async fn serve(
 }
 
 async fn route(state: &KubeletState, peer: &Peer, req: Request<Incoming>) -> Response<Body> {
-    let identity = identity(peer);
+    let identity = match identity(peer) {
+        Ok(identity) => identity,
+        Err(refusal) => return text(StatusCode::UNAUTHORIZED, refusal),
+    };
     if state.require_client_cert && identity.is_none() {
         return text(
             StatusCode::UNAUTHORIZED,
@@ -697,6 +718,45 @@ mod tests {
         assert_eq!(
             resolve("vn", Some(&upper("vn", "u-1")), Some(&lower(Some("u-1"))), stale),
             Err("pod ns/web on node vn has another UID than u-0".to_owned())
+        );
+    }
+
+    fn certificate(names: &[(rcgen::DnType, &str)]) -> Vec<u8> {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        let mut dn = rcgen::DistinguishedName::new();
+        for (kind, value) in names {
+            dn.push(kind.clone(), *value);
+        }
+        params.distinguished_name = dn;
+        let key = rcgen::KeyPair::generate().unwrap();
+        params.self_signed(&key).unwrap().der().to_vec()
+    }
+
+    #[test]
+    fn a_certificate_is_read_as_the_apiserver_reads_it_and_two_common_names_are_refused() {
+        use rcgen::DnType;
+        let one = certificate(&[(DnType::CommonName, "alice"), (DnType::OrganizationName, "team")]);
+        assert_eq!(
+            certificate_identity(&one),
+            Ok(("alice".to_owned(), vec!["team".to_owned()]))
+        );
+        // The common name's OID a second time: Go's authenticator would read "mallory".
+        let two = certificate(&[
+            (DnType::CommonName, "alice"),
+            (DnType::CustomDnType(vec![2, 5, 4, 3]), "mallory"),
+        ]);
+        assert_eq!(
+            certificate_identity(&two),
+            Err("the client certificate has more than one common name")
+        );
+        let none = certificate(&[(DnType::OrganizationName, "team")]);
+        assert_eq!(
+            certificate_identity(&none),
+            Err("the client certificate has no common name")
+        );
+        assert_eq!(
+            certificate_identity(b"not a certificate"),
+            Err("the client certificate cannot be read")
         );
     }
 }
