@@ -2357,3 +2357,182 @@ spec:
     )
     .await;
 }
+
+/// A projected volume is judged source by source: a token beside a Secret never mounts the
+/// lower Secret of that name (another tenant's, in a namespace shared below), and without
+/// upper tokens the pod's own sources still travel.
+#[tokio::test]
+async fn a_token_in_a_projected_volume_carries_no_lower_secret_and_drops_no_source_of_the_pod() {
+    let bed = bed();
+    let node = "vn-projected";
+    let server = bed.upper.url();
+    let _vn = VirtualNode::start_with(node, &bed.lower_a, |args| {
+        args.tokens.upper_tokens = true;
+        args.tokens.upper_api_endpoint = Some(server.clone());
+        args.tokens.token_namespaces = vec!["projtok".into()];
+    });
+    wait_ready(node).await;
+    let low = bed.lower_a.kubeconfig();
+    let pod = |ns: &str, name: &str, source: &str| {
+        format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  nodeSelector: {{kubernetes.io/hostname: {node}}}
+  tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+  terminationGracePeriodSeconds: 1
+  containers: [{{name: app, image: busybox, volumeMounts: [{{name: mixed, mountPath: /mixed}}]}}]
+  volumes:
+  - name: mixed
+    projected:
+      sources:
+      - serviceAccountToken: {{path: token, expirationSeconds: 3600}}
+      - {source}
+"#
+        )
+    };
+    let phase = |ns: &'static str, name: &'static str| async move {
+        eventually(
+            up(),
+            &format!("{ns}/{name} Running"),
+            90,
+            &["-n", ns, "get", "pod", name, "-o", "jsonpath={.status.phase}"],
+            "Running",
+        )
+        .await;
+    };
+    for ns in ["projtok", "projplain"] {
+        namespace(ns).await;
+    }
+    // A first pod makes the namespace below; then someone else's Secret lives there.
+    apply(
+        up(),
+        &pod(
+            "projtok",
+            "first",
+            "downwardAPI: {items: [{path: podname, fieldRef: {fieldPath: metadata.name}}]}",
+        ),
+    )
+    .await;
+    phase("projtok", "first").await;
+    kubectl(
+        low,
+        &[
+            "-n",
+            "projtok",
+            "create",
+            "secret",
+            "generic",
+            "db-root",
+            "--from-literal=password=lower-only",
+        ],
+    )
+    .await;
+
+    // The Secret exists below only: the pod waits for it upstream, and nothing mounts it.
+    apply(up(), &pod("projtok", "thief", "secret: {name: db-root}")).await;
+    let synced = format!(
+        "jsonpath={{.status.conditions[?(@.type==\"{}\")].reason}}",
+        tensile_common::names::CONDITION_LOWER_SYNCED
+    );
+    eventually(
+        up(),
+        "thief waits for db-root upstream",
+        60,
+        &["-n", "projtok", "get", "pod", "thief", "-o", &synced],
+        "ReferenceMissing",
+    )
+    .await;
+    // Made upstream too: the lower one is someone else's, never replaced nor mounted.
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "projtok",
+            "create",
+            "secret",
+            "generic",
+            "db-root",
+            "--from-literal=password=upper",
+        ],
+    )
+    .await;
+    eventually(
+        up(),
+        "thief refused for the foreign db-root below",
+        60,
+        &["-n", "projtok", "get", "pod", "thief", "-o", &synced],
+        "Conflict",
+    )
+    .await;
+    let below = tensile_e2e::kubectl::run(low, &["-n", "projtok", "get", "pod", "thief"]).await;
+    assert!(
+        !below.ok && below.stderr.contains("NotFound"),
+        "{}{}",
+        below.stdout,
+        below.stderr
+    );
+    let kept = kubectl(
+        low,
+        &[
+            "-n",
+            "projtok",
+            "get",
+            "secret",
+            "db-root",
+            "-o",
+            "jsonpath={.data.password}",
+        ],
+    )
+    .await;
+    assert_eq!(kept, "bG93ZXItb25seQ==", "the lower Secret is untouched");
+
+    // Without upper tokens the pod's own ConfigMap source travels and is mounted below.
+    kubectl(
+        up(),
+        &[
+            "-n",
+            "projplain",
+            "create",
+            "configmap",
+            "settings",
+            "--from-literal=mode=fast",
+        ],
+    )
+    .await;
+    apply(up(), &pod("projplain", "reader", "configMap: {name: settings}")).await;
+    phase("projplain", "reader").await;
+    let sources = kubectl(
+        low,
+        &[
+            "-n",
+            "projplain",
+            "get",
+            "pod",
+            "reader",
+            "-o",
+            "jsonpath={.spec.volumes[?(@.name==\"mixed\")].projected.sources[*].configMap.name}",
+        ],
+    )
+    .await;
+    assert_eq!(sources, "settings", "the ConfigMap source is mounted below");
+    let copied = kubectl(
+        low,
+        &[
+            "-n",
+            "projplain",
+            "get",
+            "configmap",
+            "settings",
+            "-o",
+            "jsonpath={.data.mode}",
+        ],
+    )
+    .await;
+    assert_eq!(copied, "fast");
+    for ns in ["projtok", "projplain"] {
+        kubectl(up(), &["-n", ns, "delete", "pod", "--all", "--wait=true"]).await;
+    }
+}

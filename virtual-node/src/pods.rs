@@ -628,7 +628,7 @@ async fn create_in_namespace(
         // admission adds to the spec. Only the upper pod's own references are copies: the
         // pod's Secret of upper tokens and what override rules name (the lower cluster's
         // own objects) are not recorded.
-        let travelled: Vec<refs::Reference> = refs::references(spec, |_| true)
+        let travelled: Vec<refs::Reference> = refs::references(spec, None)
             .into_iter()
             .filter(|r| {
                 kept.references

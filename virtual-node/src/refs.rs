@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use k8s_openapi::api::core::v1::{Pod, PodSpec, Volume};
+use k8s_openapi::api::core::v1::{Pod, PodSpec};
 
 use crate::translate;
 
@@ -43,9 +43,11 @@ pub struct Reference {
     pub via: String,
 }
 
-/// Every ConfigMap and Secret `spec` references, in spec order, skipping volumes for which
-/// `carried` is false (volumes that do not travel with the pod).
-pub fn references(spec: &PodSpec, carried: impl Fn(&Volume) -> bool) -> Vec<Reference> {
+/// Every ConfigMap and Secret `spec` references, in spec order. With `upper_service_account`
+/// (the spec is an upper pod's, running as that account), what reaches the upper API is left
+/// out: it stays behind ([`translate::is_upper_token_volume`]); every other source of a
+/// projected volume is a reference like any other.
+pub fn references(spec: &PodSpec, upper_service_account: Option<&str>) -> Vec<Reference> {
     let mut refs = Vec::new();
     let mut add = |kind, name: &str, optional: Option<bool>, via: String| {
         if !name.is_empty() {
@@ -57,7 +59,11 @@ pub fn references(spec: &PodSpec, carried: impl Fn(&Volume) -> bool) -> Vec<Refe
             });
         }
     };
-    for v in spec.volumes.iter().flatten().filter(|v| carried(v)) {
+    for v in spec.volumes.iter().flatten() {
+        let upper_api = upper_service_account.is_some_and(|sa| translate::is_upper_token_volume(v, sa));
+        if upper_api && v.secret.is_some() {
+            continue;
+        }
         let via = || format!("volume {:?}", v.name);
         if let Some(c) = &v.config_map {
             add(Kind::ConfigMap, &c.name, c.optional, via());
@@ -70,7 +76,8 @@ pub fn references(spec: &PodSpec, carried: impl Fn(&Volume) -> bool) -> Vec<Refe
                 via(),
             );
         }
-        for source in v.projected.iter().flat_map(|p| p.sources.iter().flatten()) {
+        let sources = v.projected.iter().flat_map(|p| p.sources.iter().flatten());
+        for source in sources.filter(|s| !(upper_api && translate::is_upper_api_source(s))) {
             if let Some(c) = &source.config_map {
                 add(Kind::ConfigMap, &c.name, c.optional, via());
             }
@@ -231,8 +238,7 @@ pub fn upper_references(pod: &Pod) -> Vec<Reference> {
     let Some(spec) = &pod.spec else {
         return Vec::new();
     };
-    let service_account = translate::service_account(spec);
-    references(spec, |v| !translate::is_upper_token_volume(v, &service_account))
+    references(spec, Some(&translate::service_account(spec)))
 }
 
 /// Why a pod cannot be created below yet.

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Affinity, Pod, PodSpec, Volume};
+use k8s_openapi::api::core::v1::{Affinity, Pod, PodSpec, Volume, VolumeProjection};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{Value, json};
 use tensile_common::names;
@@ -91,8 +91,11 @@ pub fn service_account(spec: &PodSpec) -> String {
         .unwrap_or_else(|| "default".into())
 }
 
-/// A volume the upper cluster's service-account admission added: a secret-based
-/// `<sa>-token-*` volume or a projected `kube-api-access-*` one.
+/// A volume through which a pod reaches the upper API: a secret-based `<sa>-token-*` volume,
+/// or a projected volume with a `serviceAccountToken` source (what the upper cluster's
+/// service-account admission adds as `kube-api-access-*`, or a pod's own). In a projected one
+/// only the upper-API sources ([`is_upper_api_source`]) are the upper cluster's; its other
+/// sources are the pod's, judged one by one as in any volume, as a kubelet does.
 pub fn is_upper_token_volume(v: &Volume, service_account: &str) -> bool {
     if let Some(secret) = &v.secret {
         let prefix = format!("{service_account}-token-");
@@ -101,15 +104,44 @@ pub fn is_upper_token_volume(v: &Volume, service_account: &str) -> bool {
             .as_deref()
             .is_some_and(|n| n.starts_with(&prefix));
     }
-    if let Some(projected) = &v.projected {
-        let has_token = projected
-            .sources
-            .iter()
-            .flatten()
-            .any(|s| s.service_account_token.is_some());
-        return has_token || v.name.starts_with("kube-api-access-");
+    v.projected
+        .iter()
+        .flat_map(|p| p.sources.iter().flatten())
+        .any(|s| s.service_account_token.is_some())
+}
+
+/// A source of an upper token volume ([`is_upper_token_volume`]) that belongs to the upper
+/// API: a token, or the upper cluster's root CA published beside it (`kube-root-ca.crt`, which
+/// the lower cluster publishes in every namespace too).
+pub fn is_upper_api_source(source: &VolumeProjection) -> bool {
+    source.service_account_token.is_some()
+        || source
+            .config_map
+            .as_ref()
+            .is_some_and(|c| c.name == crate::tokens::ROOT_CA_CONFIG_MAP)
+}
+
+/// Takes the upper API out of `spec` where no upper token replaces it: a secret-based token
+/// volume goes, and so do a projected token volume's upper-API sources; such a volume left with
+/// nothing but the downward API (the namespace beside the token) goes too. Returns the names of
+/// the volumes that went, whose mounts must go with them.
+fn drop_upper_api(spec: &mut PodSpec, service_account: &str) -> Vec<String> {
+    let mut dropped = Vec::new();
+    for v in spec.volumes.iter_mut().flatten() {
+        if !is_upper_token_volume(v, service_account) {
+            continue;
+        }
+        let Some(projected) = v.projected.as_mut() else {
+            dropped.push(v.name.clone());
+            continue;
+        };
+        let sources = projected.sources.get_or_insert_default();
+        sources.retain(|s| !is_upper_api_source(s));
+        if sources.iter().all(|s| s.downward_api.is_some()) {
+            dropped.push(v.name.clone());
+        }
     }
-    false
+    dropped
 }
 
 impl Translation {
@@ -203,15 +235,9 @@ impl Translation {
         spec.service_account_name = None;
         spec.service_account = None;
         spec.automount_service_account_token = Some(false);
-        let dropped: Vec<String> = match rewritten {
+        let dropped = match rewritten {
             true => Vec::new(),
-            false => spec
-                .volumes
-                .iter()
-                .flatten()
-                .filter(|v| is_upper_token_volume(v, &service_account))
-                .map(|v| v.name.clone())
-                .collect(),
+            false => drop_upper_api(&mut spec, &service_account),
         };
         if let Some(volumes) = &mut spec.volumes {
             volumes.retain(|v| !dropped.contains(&v.name));
@@ -799,6 +825,112 @@ pub(crate) mod tests {
         assert!(
             !s.to_string().contains("upper.example"),
             "a namespace not covered gets nothing"
+        );
+    }
+
+    /// An upper pod whose own projected volume holds a token beside a Secret, a ConfigMap, the
+    /// root CA and the downward API, next to the admission's `kube-api-access-*` volume and a
+    /// volume merely named like one.
+    fn upper_with_own_projection() -> Pod {
+        let mut pod = upper();
+        let spec = pod.spec.as_mut().unwrap();
+        spec.volumes = Some(
+            serde_json::from_value(json!([
+                {"name": "mixed", "projected": {"sources": [
+                    {"serviceAccountToken": {"path": "token", "audience": "vault"}},
+                    {"secret": {"name": "db-root"}},
+                    {"configMap": {"name": "settings"}},
+                    {"configMap": {"name": "kube-root-ca.crt"}},
+                    {"downwardAPI": {"items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}}]}},
+                {"name": "kube-api-access-xyz", "projected": {"sources": [
+                    {"serviceAccountToken": {"path": "token"}},
+                    {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                    {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}},
+                {"name": "kube-api-access-lookalike", "projected": {"sources": [{"secret": {"name": "other-pods-secret"}}]}},
+            ]))
+            .unwrap(),
+        );
+        spec.containers[0].volume_mounts = Some(
+            serde_json::from_value(json!([
+                {"name": "mixed", "mountPath": "/mixed"},
+                {"name": "kube-api-access-xyz", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"},
+                {"name": "kube-api-access-lookalike", "mountPath": "/lookalike"},
+            ]))
+            .unwrap(),
+        );
+        pod
+    }
+
+    #[test]
+    fn a_projected_volume_is_judged_source_by_source() {
+        let pod = upper_with_own_projection();
+        // Its own sources travel (copied and conflict-checked like any other), the upper
+        // API's stay behind; a name alone makes no volume the upper API's.
+        let references: Vec<(String, String)> = crate::refs::upper_references(&pod)
+            .into_iter()
+            .map(|r| (r.kind.to_string(), r.name))
+            .collect();
+        assert_eq!(
+            references,
+            [
+                ("Secret", "db-root"),
+                ("ConfigMap", "settings"),
+                ("Secret", "other-pods-secret"),
+                ("Secret", "db"),
+            ]
+            .map(|(k, n)| (k.to_owned(), n.to_owned()))
+        );
+
+        // Without upper tokens: the token and root CA go, the pod's own sources stay; the
+        // admission's volume, left with the namespace only, goes with its mount.
+        let s = serde_json::to_value(translation().lower_pod(&pod).unwrap().spec).unwrap();
+        assert_eq!(
+            s["volumes"],
+            json!([
+                {"name": "mixed", "projected": {"sources": [
+                    {"secret": {"name": "db-root"}},
+                    {"configMap": {"name": "settings"}},
+                    {"downwardAPI": {"items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}}]}},
+                {"name": "kube-api-access-lookalike", "projected": {"sources": [{"secret": {"name": "other-pods-secret"}}]}},
+            ])
+        );
+        assert_eq!(
+            s["containers"][0]["volumeMounts"],
+            json!([
+                {"name": "mixed", "mountPath": "/mixed"},
+                {"name": "kube-api-access-lookalike", "mountPath": "/lookalike"},
+            ])
+        );
+
+        // With upper tokens: the token and root CA read the pod's Secret of upper tokens; the
+        // other sources are still the pod's own references, never part of that Secret.
+        let settings = crate::tokens::Settings::new(
+            "https://upper.example:6443",
+            "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n".into(),
+            vec!["shop".into()],
+            vec!["default".into(), "builder".into()],
+            0.8,
+        )
+        .unwrap();
+        let t = Translation {
+            tokens: Some(std::sync::Arc::new(settings)),
+            ..translation()
+        };
+        let s = serde_json::to_value(t.lower_pod(&pod).unwrap().spec).unwrap();
+        let mixed = &s["volumes"][0]["projected"]["sources"];
+        assert_eq!(mixed[0]["secret"]["name"], "tensile-upper-token-u-1");
+        assert_eq!(mixed[1], json!({"secret": {"name": "db-root"}}));
+        assert_eq!(mixed[2], json!({"configMap": {"name": "settings"}}));
+        assert_eq!(mixed[3]["secret"]["name"], "tensile-upper-token-u-1");
+        assert_eq!(
+            s["volumes"][2],
+            json!({"name": "kube-api-access-lookalike", "projected": {"sources": [{"secret": {"name": "other-pods-secret"}}]}})
+        );
+        let wanted = crate::tokens::wanted(pod.spec.as_ref().unwrap(), "builder");
+        assert_eq!(
+            wanted.len(),
+            2,
+            "one token a token source, none for a lookalike name"
         );
     }
 

@@ -59,7 +59,7 @@ impl PodLoad {
         let (references, claims) = match &pod.spec {
             Some(spec) => (
                 recorded.unwrap_or_else(|| {
-                    refs::references(spec, |_| true)
+                    refs::references(spec, None)
                         .into_iter()
                         .map(|r| (r.kind, r.name))
                         .collect()
@@ -286,7 +286,7 @@ mod tests {
             assert_eq!(load.terminal, is_terminal(&full), "{phase}");
             assert_eq!(identity().owns(&load.metadata), identity().owns(&full.metadata));
             assert_eq!(identity().owns(&load.metadata), ours);
-            let refs: Vec<(Kind, String)> = refs::references(full.spec.as_ref().unwrap(), |_| true)
+            let refs: Vec<(Kind, String)> = refs::references(full.spec.as_ref().unwrap(), None)
                 .into_iter()
                 .map(|r| (r.kind, r.name))
                 .collect();
