@@ -1494,3 +1494,91 @@ async fn a_replaced_immutable_copy_exists_again_before_the_pod_that_needs_it() {
         "the replaced copy (resourceVersion {copy}) exists before the pod (resourceVersion {pod})"
     );
 }
+
+/// A claim the upper scheduler (or its owner, by annotation) picked the virtual node for goes
+/// below only where the virtual node's pods may go: never into a lower namespace someone else
+/// made, where it would spend their quota.
+#[tokio::test]
+async fn a_claim_picked_for_the_node_never_goes_into_a_foreign_lower_namespace() {
+    let bed = bed();
+    let node = "vn-pv-foreign";
+    let _vn = virtual_node_with(node, |args| {
+        args.reflection.shared_namespaces = vec!["default".into()];
+    })
+    .await;
+    // `pvforeign` below is another tenant's.
+    for ns in ["pvforeign", "pvfree"] {
+        bed.upper.create_namespace(ns).await.unwrap();
+    }
+    bed.lower.create_namespace("pvforeign").await.unwrap();
+    // A pod of the node makes `pvfree` below, marked as this upper cluster's.
+    apply(
+        up(),
+        &pod(
+            "pvfree",
+            "first",
+            node,
+            "  containers: [{name: app, image: busybox}]",
+        ),
+    )
+    .await;
+    running_below("pvfree", "first").await;
+    let claim = |ns: &str, name: &str, size: &str| {
+        format!(
+            r#"
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: {name}
+  namespace: {ns}
+  annotations: {{volume.kubernetes.io/selected-node: {node}}}
+spec:
+  accessModes: [ReadWriteOnce]
+  selector: {{matchLabels: {{disk: someone-elses}}}}
+  resources: {{requests: {{storage: {size}}}}}
+"#
+        )
+    };
+    apply(up(), &claim("pvforeign", "huge", "10Ti")).await;
+    apply(up(), &claim("pvfree", "small", "1Gi")).await;
+    // The claim in the node's own namespace is made below: the pass has run.
+    eventually(
+        low(),
+        "the claim below in a namespace the node made",
+        60,
+        &[
+            "-n",
+            "pvfree",
+            "get",
+            "pvc",
+            "small",
+            "-o",
+            "jsonpath={.metadata.name}",
+        ],
+        "small",
+    )
+    .await;
+    let foreign = kubectl(low(), &["-n", "pvforeign", "get", "pvc", "-o", "name"]).await;
+    assert_eq!(foreign, "", "nothing in the foreign namespace");
+    let selector = kubectl(
+        low(),
+        &[
+            "-n",
+            "pvfree",
+            "get",
+            "pvc",
+            "small",
+            "-o",
+            "jsonpath={.spec.selector}",
+        ],
+    )
+    .await;
+    assert_eq!(selector, "", "an upper selector names no lower volume");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let foreign = kubectl(low(), &["-n", "pvforeign", "get", "pvc", "-o", "name"]).await;
+    assert_eq!(foreign, "", "nothing in the foreign namespace later either");
+    kubectl(up(), &["-n", "pvfree", "delete", "pod", "first", "--wait=true"]).await;
+    for ns in ["pvforeign", "pvfree"] {
+        kubectl(up(), &["-n", ns, "delete", "pvc", "--all", "--wait=false"]).await;
+    }
+}

@@ -553,7 +553,7 @@ pub struct Copies {
     /// Services and their Endpoints, when their reflection is enabled.
     pub services: Option<ServiceStores>,
     /// Lower namespaces the pod path judged usable (shared with it).
-    pub usable_namespaces: Arc<Mutex<std::collections::HashSet<String>>>,
+    pub namespaces: Arc<crate::lower_namespaces::LowerNamespaces>,
     /// Reports conflicts found by the resync on the upper object.
     pub events: crate::events::Events,
 }
@@ -773,7 +773,7 @@ impl Copies {
             upper_services
                 .as_deref()
                 .zip(self.services.as_ref().map(|s| s.include_system)),
-            |ns| self.usable_namespaces.lock().is_ok_and(|u| u.contains(ns)),
+            |ns| self.namespaces.known(ns),
         );
         let mut work: Vec<Pending<'_>> = Vec::new();
         {

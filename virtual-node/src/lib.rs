@@ -19,6 +19,7 @@ pub mod copies;
 pub mod events;
 pub mod fetched;
 pub mod kubelet;
+pub mod lower_namespaces;
 pub mod lower_objects;
 pub mod metrics;
 pub mod node;
@@ -983,8 +984,15 @@ async fn compose(
     );
     let lower_limit = ratelimit::WriteLimit::new(args.lower.client_qps, args.lower.client_burst);
     let upper_limit = ratelimit::WriteLimit::new(args.upper.upper_qps, args.upper.upper_burst);
-    // Lower namespaces the pod path judged usable; Service reflection keeps to them.
-    let usable_namespaces: Arc<std::sync::Mutex<std::collections::HashSet<String>>> = Arc::default();
+    // Lower namespaces judged usable for pods and claims; Service reflection keeps to them.
+    let namespaces = Arc::new(lower_namespaces::LowerNamespaces::new(
+        lower.clone(),
+        identity.clone(),
+        lower_name.clone(),
+        args.reflection.shared_namespaces.clone(),
+        lower_scope.clone(),
+        lower_limit.clone(),
+    ));
     let copies = Arc::new(copies::Copies {
         upper: upper.clone(),
         lower: lower.clone(),
@@ -1002,7 +1010,7 @@ async fn compose(
         unreferenced_since: Default::default(),
         conflicts: Default::default(),
         services: world.services.clone(),
-        usable_namespaces: usable_namespaces.clone(),
+        namespaces: namespaces.clone(),
         events: events.clone(),
     });
     let volumes = Arc::new(volumes::Volumes {
@@ -1023,6 +1031,7 @@ async fn compose(
         read_lower_classes: lower_scope == tensile_common::cache::Namespaces::All,
         refused_expansions: Default::default(),
         overrides: overrides.clone(),
+        namespaces: namespaces.clone(),
     });
     let lower_health = Arc::new(node::LowerHealth::default());
     let ctx = Arc::new(pods::Context {
@@ -1048,8 +1057,7 @@ async fn compose(
         started: Instant::now(),
         lost_grace: Duration::from_secs(10),
         cluster_name: lower_name,
-        usable_namespaces,
-        shared_namespaces: args.reflection.shared_namespaces.clone(),
+        namespaces: namespaces.clone(),
         served: lower_scope.clone(),
         known_priority_classes: Default::default(),
         first_status_held: Default::default(),

@@ -54,10 +54,8 @@ pub struct Context {
     pub cluster_name: String,
     /// Upper pods (by UID) whose first status write is held back, and since when.
     pub first_status_held: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
-    /// Lower namespaces known to exist and usable.
-    pub usable_namespaces: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
-    /// Lower namespaces pods may share with others (`--shared-namespaces`; `*`: any).
-    pub shared_namespaces: Vec<String>,
+    /// The lower namespaces this node may use, and making them.
+    pub namespaces: Arc<crate::lower_namespaces::LowerNamespaces>,
     /// The lower namespaces served (`--lower-namespaces`).
     pub served: Namespaces,
     /// Lower PriorityClasses known to exist.
@@ -571,16 +569,14 @@ async fn create_lower(
     overrides: &[String],
 ) -> Result<Action, Error> {
     let ns = upper.namespace().unwrap_or_default();
-    if let Err(blocked) = ensure_namespace(ctx, &ns).await? {
+    if let Err(blocked) = ctx.namespaces.ensure(&ns).await? {
         return blocked_below(ctx, upper, blocked).await;
     }
     let result = create_in_namespace(ctx, kept, upper, lower_pods, desired, overrides).await;
     if result.is_err() {
         // The lower admin may have deleted the namespace since it was seen: the next attempt
         // looks again (one read) instead of failing until restart.
-        if let Ok(mut known) = ctx.usable_namespaces.lock() {
-            known.remove(&ns);
-        }
+        ctx.namespaces.forget(&ns);
     }
     result
 }
@@ -748,84 +744,6 @@ async fn foreign_pod_below(
         return pod_conflict(ctx, upper).await.map(Some);
     }
     Ok(None)
-}
-
-async fn ensure_namespace(ctx: &Context, ns: &str) -> Result<Result<(), Blocked>, Error> {
-    // A namespace seen once stays known until this node collects it (`--gc-namespaces`) or
-    // a create in it fails.
-    if ctx.usable_namespaces.lock().is_ok_and(|k| k.contains(ns)) {
-        return Ok(Ok(()));
-    }
-    let result = ensure_namespace_below(ctx, ns).await;
-    if matches!(result, Ok(Ok(())))
-        && let Ok(mut known) = ctx.usable_namespaces.lock()
-    {
-        known.insert(ns.to_owned());
-    }
-    result
-}
-
-/// Whether an existing lower namespace may be used: this upper cluster made it (any of its
-/// virtual nodes), or `--shared-namespaces` lists it.
-pub fn namespace_usable(namespace: &Namespace, cluster_id: &str, shared: &[String]) -> bool {
-    let name = namespace.metadata.name.as_deref().unwrap_or_default();
-    let ours = namespace
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(names::MARK_CLUSTER))
-        .is_some_and(|id| id == cluster_id);
-    ours || shared.iter().any(|s| s == "*" || s == name)
-}
-
-async fn ensure_namespace_below(ctx: &Context, ns: &str) -> Result<Result<(), Blocked>, Error> {
-    // A namespace scope runs pods in the served namespaces as they are (the lower admin's),
-    // and nowhere else.
-    if let Namespaces::Only(served) = &ctx.served {
-        if ctx.served.contains(ns) {
-            return Ok(Ok(()));
-        }
-        return Ok(Err(Blocked::NotServed(format!(
-            "namespace {ns} is not served in lower cluster {} (served: {}); the virtual node's \
-             lower credential holds no rights there",
-            ctx.cluster_name,
-            served.join(", ")
-        ))));
-    }
-    let api: Api<Namespace> = Api::all(ctx.lower.clone());
-    if let Some(existing) =
-        api.get_opt(ns)
-            .await
-            .map_err(Error::api("lower", "get", format!("namespace {ns}")))?
-    {
-        if namespace_usable(
-            &existing,
-            &ctx.translation.identity.cluster_id,
-            &ctx.shared_namespaces,
-        ) {
-            return Ok(Ok(()));
-        }
-        return Ok(Err(Blocked::Conflict(format!(
-            "lower cluster {} already has a namespace {ns} that this upper cluster did not create; \
-             pods are not run in it unless --shared-namespaces lists it",
-            ctx.cluster_name
-        ))));
-    }
-    let namespace: Namespace = Namespace {
-        metadata: kube::api::ObjectMeta {
-            name: Some(ns.to_owned()),
-            labels: Some(ctx.translation.identity.marks()),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    ctx.lower_limit.acquire().await;
-    match api.create(&PostParams::default(), &namespace).await {
-        Ok(_) => Ok(Ok(())),
-        // Including 409 (made meanwhile, by another virtual node of ours or by someone
-        // else): the retry reads it and judges whose it is.
-        Err(e) => Err(Error::api("lower", "create", format!("namespace {ns}"))(e)),
-    }
 }
 
 /// Deletes exactly `pod` (UID precondition) in `cluster`. Already gone (404) or replaced by
@@ -1149,9 +1067,7 @@ pub async fn collect_namespaces(ctx: &Context, empty_before: &mut std::collectio
         {
             continue;
         }
-        if let Ok(mut known) = ctx.usable_namespaces.lock() {
-            known.remove(&name);
-        }
+        ctx.namespaces.forget(&name);
         ctx.lower_limit.acquire().await;
         match tensile_common::api::delete_exact(&api, &name, ns.metadata.uid.clone(), None).await {
             Ok(tensile_common::api::Deleted::Accepted) => {
@@ -1276,29 +1192,6 @@ mod tests {
             Step::AwaitLowerGone,
             "the same grace is not sent again"
         );
-    }
-
-    #[test]
-    fn a_lower_namespace_is_used_when_ours_or_listed_as_shared() {
-        let ns = |name: &str, cluster: Option<&str>| -> Namespace {
-            let labels = cluster
-                .map(|c| json!({names::MARK_CLUSTER: c}))
-                .unwrap_or(json!({}));
-            serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}})).unwrap()
-        };
-        let default_shared = ["default".to_owned()];
-        assert!(namespace_usable(&ns("shop", Some("c1")), "c1", &default_shared));
-        assert!(
-            !namespace_usable(&ns("shop", Some("c2")), "c1", &default_shared),
-            "another upper cluster's"
-        );
-        assert!(
-            !namespace_usable(&ns("shop", None), "c1", &default_shared),
-            "the lower admin's"
-        );
-        assert!(namespace_usable(&ns("default", None), "c1", &default_shared));
-        assert!(namespace_usable(&ns("shop", None), "c1", &["shop".to_owned()]));
-        assert!(namespace_usable(&ns("shop", None), "c1", &["*".to_owned()]));
     }
 
     #[test]

@@ -235,6 +235,21 @@ impl Translation {
         spec.service_account_name = None;
         spec.service_account = None;
         spec.automount_service_account_token = Some(false);
+        // A generic ephemeral volume's claim is made below by the lower cluster from its
+        // template: like any claim made below, never bound to a chosen lower volume nor filled
+        // from lower data (see `volumes::lower_claim`).
+        for v in spec.volumes.iter_mut().flatten() {
+            if let Some(claim) = v
+                .ephemeral
+                .as_mut()
+                .and_then(|e| e.volume_claim_template.as_mut())
+            {
+                claim.spec.selector = None;
+                claim.spec.volume_name = None;
+                claim.spec.data_source = None;
+                claim.spec.data_source_ref = None;
+            }
+        }
         let dropped = match rewritten {
             true => Vec::new(),
             false => drop_upper_api(&mut spec, &service_account),
@@ -931,6 +946,34 @@ pub(crate) mod tests {
             wanted.len(),
             2,
             "one token a token source, none for a lookalike name"
+        );
+    }
+
+    #[test]
+    fn an_ephemeral_claim_below_names_no_lower_volume_or_data() {
+        let mut pod = upper();
+        pod.spec.as_mut().unwrap().volumes = Some(
+            serde_json::from_value(
+                json!([{"name": "scratch", "ephemeral": {"volumeClaimTemplate": {"spec": {
+                    "accessModes": ["ReadWriteOnce"],
+                    "storageClassName": "fast",
+                    "resources": {"requests": {"storage": "1Gi"}},
+                    "selector": {"matchLabels": {"disk": "theirs"}},
+                    "volumeName": "their-volume",
+                    "dataSource": {"kind": "PersistentVolumeClaim", "name": "their-claim"},
+                    "dataSourceRef": {"kind": "PersistentVolumeClaim", "name": "their-claim"},
+                }}}}]),
+            )
+            .unwrap(),
+        );
+        let s = serde_json::to_value(translation().lower_pod(&pod).unwrap().spec).unwrap();
+        assert_eq!(
+            s["volumes"][0]["ephemeral"]["volumeClaimTemplate"]["spec"],
+            json!({
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "fast",
+                "resources": {"requests": {"storage": "1Gi"}},
+            })
         );
     }
 

@@ -166,7 +166,10 @@ fn at(meta: &kube::api::ObjectMeta) -> (String, String) {
     )
 }
 
-/// The lower claim for `upper`: its class named as the lower cluster's overrides map it.
+/// The lower claim for `upper`: its class named as the lower cluster's overrides map it. What
+/// would pick an existing lower volume or copy lower data (a selector, a volume name, a data
+/// source) stays upstream: those name the upper cluster's objects, and below they would name
+/// someone else's. A lower claim is always provisioned afresh by its class.
 pub fn lower_claim(
     identity: &Identity,
     upper: &PersistentVolumeClaim,
@@ -193,7 +196,6 @@ pub fn lower_claim(
         spec: Some(k8s_openapi::api::core::v1::PersistentVolumeClaimSpec {
             access_modes: spec.access_modes,
             resources: spec.resources,
-            selector: spec.selector,
             storage_class_name: overrides.storage_class(spec.storage_class_name),
             volume_mode: spec.volume_mode,
             ..Default::default()
@@ -506,6 +508,8 @@ pub struct Volumes {
     pub overrides: crate::overrides::Current,
     /// Expansions the lower cluster refused (`ns/name=size`), not asked again.
     pub refused_expansions: std::sync::Mutex<BTreeSet<String>>,
+    /// The lower namespaces claims may go into: those pods may.
+    pub namespaces: Arc<crate::lower_namespaces::LowerNamespaces>,
 }
 
 impl Volumes {
@@ -596,7 +600,14 @@ impl Volumes {
         let upper_volumes: Api<PersistentVolume> = Api::all(self.upper.clone());
         match write {
             Write::CreateLowerClaim { claim } => {
-                if let Err(blocked) = self.create_lower_claim(&claim).await? {
+                // A claim the upper scheduler picked this node for goes where the pods using
+                // it may go, never into another tenant's namespace.
+                let (ns, _) = at(&claim.metadata);
+                let made = match self.namespaces.ensure(&ns).await? {
+                    Ok(()) => self.create_lower_claim(&claim).await?,
+                    Err(blocked) => Err(blocked),
+                };
+                if let Err(blocked) = made {
                     tracing::warn!("{blocked:?}");
                 }
             }
@@ -856,6 +867,18 @@ mod tests {
         assert!(
             spec.volume_name.is_none(),
             "the lower cluster provisions its own volume"
+        );
+        let chosen = upper_claim(json!({"spec": {
+            "selector": {"matchLabels": {"disk": "theirs"}},
+            "volumeName": "their-volume",
+            "dataSource": {"kind": "PersistentVolumeClaim", "name": "their-claim"},
+        }}));
+        let below = lower_claim(&translation().identity, &chosen, &Compiled::default())
+            .spec
+            .unwrap_or_default();
+        assert!(
+            below.selector.is_none() && below.volume_name.is_none() && below.data_source.is_none(),
+            "no upper choice of volume or data names a lower one: {below:?}"
         );
     }
 
