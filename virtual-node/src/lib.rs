@@ -390,11 +390,14 @@ fn upper_ca(kubeconfig: Option<&Path>) -> Result<String, String> {
 
 impl TokenArgs {
     /// The mode's settings (`None`: off), or why they cannot be used.
-    /// `shared`: the lower namespaces shared with others (`--shared-namespaces`).
+    /// `shared`: the lower namespaces shared with others (`--shared-namespaces`); under a
+    /// namespace scope (`scope`) the served namespaces are too: they are the lower cluster's
+    /// users', who can read the Secrets there.
     pub fn settings(
         &self,
         upper_kubeconfig: Option<&Path>,
         shared: &[String],
+        scope: &tensile_common::cache::Namespaces,
     ) -> Result<Option<tokens::Settings>, String> {
         if !self.upper_tokens {
             return Ok(None);
@@ -408,14 +411,11 @@ impl TokenArgs {
                 .map_err(|e| format!("--upper-api-ca-file {}: {e}", file.display()))?,
             None => upper_ca(upper_kubeconfig)?,
         };
-        tokens::Settings::new(
-            endpoint,
-            ca,
-            self.token_namespaces.clone(),
-            shared.to_vec(),
-            self.renew_at,
-        )
-        .map(Some)
+        let mut shared = shared.to_vec();
+        if let tensile_common::cache::Namespaces::Only(served) = scope {
+            shared.extend(served.iter().cloned());
+        }
+        tokens::Settings::new(endpoint, ca, self.token_namespaces.clone(), shared, self.renew_at).map(Some)
     }
 }
 
@@ -558,13 +558,15 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         .map_err(Error::Flags)?;
     let leadership = Leadership::of(&election);
     // A scope or a token mode that cannot work stops the node before it asks for anything.
-    args.lower
+    let scope = args
+        .lower
         .scope(args.reflection.gc_namespaces)
         .map_err(Error::Flags)?;
     args.tokens
         .settings(
             args.upper.kubeconfig.as_deref(),
             &args.reflection.shared_namespaces,
+            &scope,
         )
         .map_err(Error::Flags)?;
     // Overrides that fail their checks at start stop the node: pods must not go below
@@ -950,9 +952,13 @@ async fn compose(
         .settings(
             args.upper.kubeconfig.as_deref(),
             &args.reflection.shared_namespaces,
+            &lower_scope,
         )
         .map_err(Error::Flags)?
         .map(Arc::new);
+    if let Some(settings) = &token_settings {
+        tracing::info!(node = %identity.node, "upper tokens go to pods of {}", settings.describe());
+    }
     let scope = world::Scope {
         services: args
             .reflection
@@ -1256,6 +1262,41 @@ async fn compose(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn by_default_upper_tokens_go_to_no_namespace_others_share_below_and_under_a_scope_to_none() {
+        use tensile_common::cache::Namespaces;
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.crt");
+        std::fs::write(
+            &ca,
+            "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        let tokens = |listed: &[&str]| TokenArgs {
+            upper_tokens: true,
+            upper_api_endpoint: Some("https://upper.example:6443".into()),
+            ca_file: Some(ca.clone()),
+            token_namespaces: listed.iter().map(|s| (*s).to_owned()).collect(),
+            renew_at: 0.8,
+        };
+        let shared = ["default".to_owned()];
+        let all = tokens(&[])
+            .settings(None, &shared, &Namespaces::All)
+            .unwrap()
+            .unwrap();
+        assert!(all.applies("shop") && !all.applies("default"));
+        // The served namespaces are the lower cluster's users': shared, so no token by default.
+        let scope = Namespaces::Only(vec!["team-a".into(), "team-b".into()]);
+        let scoped = tokens(&[]).settings(None, &shared, &scope).unwrap().unwrap();
+        assert!(!scoped.applies("team-a") && !scoped.applies("team-b"));
+        // An operator who lists a namespace means it.
+        let listed = tokens(&["team-a"])
+            .settings(None, &shared, &scope)
+            .unwrap()
+            .unwrap();
+        assert!(listed.applies("team-a") && !listed.applies("team-b"));
+    }
 
     #[test]
     fn a_namespace_scope_is_a_list_of_namespace_names_and_excludes_namespace_collection() {

@@ -138,6 +138,18 @@ impl Settings {
             false => self.namespaces.iter().any(|n| n == namespace),
         }
     }
+
+    /// Which namespaces get upper tokens, in words, for the log.
+    pub fn describe(&self) -> String {
+        match (self.namespaces.is_empty(), self.shared.iter().any(|s| s == "*")) {
+            (false, _) => format!("namespaces {}", self.namespaces.join(", ")),
+            (true, true) => "no namespace (every one is shared below)".to_owned(),
+            (true, false) => format!(
+                "every namespace but those shared below ({})",
+                self.shared.join(", ")
+            ),
+        }
+    }
 }
 
 /// The lower Secret of the upper tokens of the pod whose UID is `upper_uid`.
