@@ -459,6 +459,62 @@ async fn each_lower_cluster_runs_the_same_workloads_as_its_own_rules_say_and_an_
     apply(up(), &pod("later", "vn-a", "busybox:1", "{}")).await;
     eventually_image(low_a, "later", "mirror2.a.example/library/busybox:1").await;
 
+    // A rule is judged by what it can produce: a `test` on a label the sample pod lacks hides
+    // no hostNetwork, and allowPrivileged does not let a rule that names no namespace weaken
+    // isolation. Refused at load; the rules in force stay.
+    write(
+        &file_a,
+        "allowPrivileged: true\nrules:\n- name: gated\n  patch:\n  \
+         - {op: test, path: /metadata/labels/fast, value: 'yes'}\n  \
+         - {op: add, path: /spec/hostNetwork, value: true}\n",
+    );
+    until_counted(&vn_a, "overrides_refused", 2).await;
+    // What the sample pod cannot show (a second container) is checked on each pod.
+    write(
+        &file_a,
+        "allowPrivileged: true\nrules:\n- name: sidecar\n  patch:\n  \
+         - {op: test, path: /spec/containers/1/name, value: side}\n  \
+         - {op: add, path: /spec/containers/1/securityContext, value: {privileged: true}}\n",
+    );
+    until_counted(&vn_a, "overrides_loaded", 2).await;
+    apply(
+        up(),
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: sided, namespace: shop}
+spec:
+  nodeSelector: {kubernetes.io/hostname: vn-a}
+  tolerations: [{key: virtual-kubelet.io/provider, operator: Exists}]
+  terminationGracePeriodSeconds: 1
+  containers: [{name: app, image: nginx}, {name: side, image: busybox}]
+"#,
+    )
+    .await;
+    eventually(
+        up(),
+        "sided refused by the rule",
+        30,
+        &[
+            "-n",
+            "shop",
+            "get",
+            "pod",
+            "sided",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
+        ],
+        "override rule \"sidecar\" of this lower cluster: it would add a privileged container side, \
+         which allowPrivileged allows only to rules that name their namespaces",
+    )
+    .await;
+    let below = tensile_e2e::kubectl::run(low_a, &["-n", "shop", "get", "pod", "sided"]).await;
+    assert!(
+        !below.ok && below.stderr.contains("NotFound"),
+        "nothing below: {}",
+        below.stdout
+    );
+
     // A rule that cannot apply to one pod refuses that pod, with the reason; the others run.
     apply(
         up(),

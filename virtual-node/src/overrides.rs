@@ -520,12 +520,15 @@ impl Compiled {
     }
 
     /// Applies `rule` to the sample pod: what it cannot do there, it cannot do anywhere. A
-    /// patch gated by a `test` operation holds or not by the pod: its operations are tried
-    /// each on its own. A rule that weakens isolation (allowed by `allowPrivileged`) must
-    /// name its namespaces: anyone may label a pod so that a selector takes it.
+    /// patch gated by a `test` operation holds or not by the pod: it is judged by what it can
+    /// produce, every test taken to hold and each operation tried on its own (a test on a
+    /// label the sample lacks hides nothing). A rule that weakens isolation (allowed by
+    /// `allowPrivileged`) must name its namespaces: anyone may label a pod so that a selector
+    /// takes it. [`apply`](Self::apply) checks each real pod the same way.
     fn sample_check(&self, rule: &Rule, ready: &Ready) -> Result<(), Invalid> {
         let mut pod = sample_pod();
         let gated = ready.patch.iter().any(|op| matches!(op, PatchOperation::Test(_)));
+        let patching = if gated { Patching::Reach } else { Patching::Strict };
         let before = Guarded::of(&pod);
         let said = |e: String| {
             Invalid(format!(
@@ -533,10 +536,10 @@ impl Compiled {
                 rule.name
             ))
         };
-        apply_rule(rule, ready, &mut pod, gated)
+        apply_rule(rule, ready, &mut pod, patching)
             .and_then(|()| before.owned_unchanged(&pod))
             .map_err(said)?;
-        match before.isolation_kept(&pod) {
+        match before.isolation_kept(&pod, rule) {
             Ok(()) => Ok(()),
             Err(e) if !self.overrides.allow_privileged => Err(said(not_allowed(e))),
             Err(e) if rule.namespaces.is_empty() => Err(Invalid(format!(
@@ -572,8 +575,8 @@ impl Compiled {
         }
         let before = Guarded::of(lower);
         for (rule, ready) in &chosen {
-            apply_rule(rule, ready, lower, false)
-                .and_then(|()| before.check(lower, self.overrides.allow_privileged))
+            apply_rule(rule, ready, lower, Patching::Strict)
+                .and_then(|()| before.check(lower, rule, self.overrides.allow_privileged))
                 .map_err(|e| format!("override rule {:?} of this lower cluster: {e}", rule.name))?;
         }
         let record: Vec<&Rule> = chosen.iter().map(|(rule, _)| *rule).collect();
@@ -606,7 +609,7 @@ pub fn replay(actual: &Pod, desired: &mut Pod) -> Result<(), String> {
         return Ok(());
     }
     for (rule, ready) in recorded(record)?.iter() {
-        apply_rule(rule, ready, desired, true)
+        apply_rule(rule, ready, desired, Patching::Replay)
             .map_err(|e| format!("{} rule {:?}: {e}", names::OVERRIDES, rule.name))?;
     }
     desired
@@ -678,10 +681,21 @@ fn rewrite(image: &str, how: &Rewrite) -> String {
     }
 }
 
-/// Applies one rule's operations, in the documented order. `lenient`: each patch operation
-/// on its own, one that does not apply passed over, a `test` that does not hold ending the
-/// patch (a replay, or a gated patch on the sample pod).
-fn apply_rule(rule: &Rule, ready: &Ready, pod: &mut Pod, lenient: bool) -> Result<(), String> {
+/// How a rule's JSON patch is applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Patching {
+    /// Whole, or the pod is refused.
+    Strict,
+    /// Each operation on its own, one that does not apply passed over, a `test` that does not
+    /// hold ending the patch (a replay of the rules a lower pod records).
+    Replay,
+    /// Each operation on its own, one that does not apply passed over, every `test` taken to
+    /// hold: what a gated patch can produce (the sample pod's check).
+    Reach,
+}
+
+/// Applies one rule's operations, in the documented order, its patch as `patching` says.
+fn apply_rule(rule: &Rule, ready: &Ready, pod: &mut Pod, patching: Patching) -> Result<(), String> {
     let spec = pod.spec.get_or_insert_default();
     let mut containers: Vec<&mut k8s_openapi::api::core::v1::Container> =
         spec.containers.iter_mut().collect();
@@ -749,15 +763,27 @@ fn apply_rule(rule: &Rule, ready: &Ready, pod: &mut Pod, lenient: bool) -> Resul
         .extend(rule.annotations.iter().map(|(k, v)| (k.clone(), v.clone())));
     if !ready.patch.is_empty() {
         let mut doc = serde_json::to_value(&*pod).map_err(|e| format!("the pod as JSON: {e}"))?;
-        if lenient {
-            for op in &ready.patch {
-                let held = json_patch::patch(&mut doc, std::slice::from_ref(op)).is_ok();
-                if !held && matches!(op, PatchOperation::Test(_)) {
-                    break;
+        match patching {
+            Patching::Strict => {
+                json_patch::patch(&mut doc, &ready.patch).map_err(|e| format!("patch: {e}"))?;
+            }
+            Patching::Replay => {
+                for op in &ready.patch {
+                    let held = json_patch::patch(&mut doc, std::slice::from_ref(op)).is_ok();
+                    if !held && matches!(op, PatchOperation::Test(_)) {
+                        break;
+                    }
                 }
             }
-        } else {
-            json_patch::patch(&mut doc, &ready.patch).map_err(|e| format!("patch: {e}"))?;
+            Patching::Reach => {
+                for op in ready
+                    .patch
+                    .iter()
+                    .filter(|op| !matches!(op, PatchOperation::Test(_)))
+                {
+                    let _passed_over = json_patch::patch(&mut doc, std::slice::from_ref(op));
+                }
+            }
         }
         let patched: Pod =
             serde_json::from_value(doc.clone()).map_err(|e| format!("the patched pod is not a pod: {e}"))?;
@@ -843,6 +869,8 @@ struct Guarded {
     escalations: BTreeSet<String>,
     /// The capabilities each container drops.
     drops: BTreeMap<String, BTreeSet<String>>,
+    /// The pod's RuntimeClass (a sandbox, perhaps).
+    runtime_class: Option<String>,
 }
 
 impl Guarded {
@@ -852,14 +880,22 @@ impl Guarded {
             place: (pod.metadata.name.clone(), pod.metadata.namespace.clone()),
             escalations: escalations(pod),
             drops: drops(pod),
+            runtime_class: runtime_class(pod),
         }
     }
 
-    fn check(&self, pod: &Pod, allow_privileged: bool) -> Result<(), String> {
+    /// What `rule` did to the real pod `pod`: isolation weakened only with `allowPrivileged`,
+    /// and then only by a rule that names its namespaces (as the sample check asks of the
+    /// rules whose sample shows it).
+    fn check(&self, pod: &Pod, rule: &Rule, allow_privileged: bool) -> Result<(), String> {
         self.owned_unchanged(pod)?;
-        match allow_privileged {
-            true => Ok(()),
-            false => self.isolation_kept(pod).map_err(not_allowed),
+        match self.isolation_kept(pod, rule) {
+            Ok(()) => Ok(()),
+            Err(e) if !allow_privileged => Err(not_allowed(e)),
+            Err(e) if rule.namespaces.is_empty() => Err(format!(
+                "it would add {e}, which allowPrivileged allows only to rules that name their namespaces"
+            )),
+            Err(_) => Ok(()),
         }
     }
 
@@ -879,10 +915,24 @@ impl Guarded {
         Ok(())
     }
 
-    /// `Err`: what the pod gained that weakens isolation, said in a list.
-    fn isolation_kept(&self, pod: &Pod) -> Result<(), String> {
+    /// `Err`: what the pod gained that weakens isolation (by `rule`), said in a list. A
+    /// RuntimeClass changed other than by the rule's own mapping may leave a sandbox.
+    fn isolation_kept(&self, pod: &Pod, rule: &Rule) -> Result<(), String> {
         let now = escalations(pod);
         let mut added: Vec<String> = now.difference(&self.escalations).cloned().collect();
+        let class = runtime_class(pod);
+        let mapped = self
+            .runtime_class
+            .as_ref()
+            .and_then(|c| rule.runtime_class_names.get(c));
+        if class != self.runtime_class && (mapped.is_none() || class.as_ref() != mapped) {
+            let name = |c: &Option<String>| c.clone().unwrap_or_else(|| "none".to_owned());
+            added.push(format!(
+                "RuntimeClass {} in place of {}",
+                name(&class),
+                name(&self.runtime_class)
+            ));
+        }
         let dropped_now = drops(pod);
         for (container, before) in &self.drops {
             let after = dropped_now.get(container);
@@ -924,6 +974,11 @@ fn drops(pod: &Pod) -> BTreeMap<String, BTreeSet<String>> {
         .collect()
 }
 
+/// The RuntimeClass a pod names.
+fn runtime_class(pod: &Pod) -> Option<String> {
+    pod.spec.as_ref().and_then(|s| s.runtime_class_name.clone())
+}
+
 /// The virtual node's labels and annotations of a pod, as `label <key>` and `annotation <key>`.
 fn owned_keys(pod: &Pod) -> BTreeMap<String, Option<String>> {
     let mut owned = BTreeMap::new();
@@ -942,7 +997,9 @@ fn owned_keys(pod: &Pod) -> BTreeMap<String, Option<String>> {
 /// namespaces, privileged containers, escalation, added capabilities, host ports, hostPath
 /// volumes, unconfined seccomp or AppArmor, SELinux types, users and roles, unmasked /proc,
 /// sysctls, host processes), and what would give it a lower credential (a lower
-/// ServiceAccount, its token) or take it past the lower scheduler (`nodeName`).
+/// ServiceAccount, its token, any lower Secret it names: in env, a volume or a projected
+/// source it could read, or as an image pull secret) or take it past the lower scheduler
+/// (`nodeName`). A rule comparing before and after counts what it added.
 fn escalations(pod: &Pod) -> BTreeSet<String> {
     let mut found = BTreeSet::new();
     for (key, value) in pod.metadata.annotations.iter().flatten() {
@@ -1011,6 +1068,22 @@ fn escalations(pod: &Pod) -> BTreeSet<String> {
         for port in c.ports.iter().flatten().filter_map(|p| p.host_port) {
             found.insert(format!("host port {port} in container {}", c.name));
         }
+        for e in c.env.iter().flatten() {
+            if let Some(secret) = e.value_from.as_ref().and_then(|f| f.secret_key_ref.as_ref()) {
+                found.insert(format!(
+                    "lower Secret {} (env {} of container {})",
+                    secret.name, e.name, c.name
+                ));
+            }
+        }
+        for e in c.env_from.iter().flatten() {
+            if let Some(secret) = &e.secret_ref {
+                found.insert(format!(
+                    "lower Secret {} (envFrom of container {})",
+                    secret.name, c.name
+                ));
+            }
+        }
         if let Some(context) = context {
             confinement(
                 &format!("container {}", c.name),
@@ -1037,6 +1110,18 @@ fn escalations(pod: &Pod) -> BTreeSet<String> {
         if token {
             found.insert(format!("the token of a lower ServiceAccount (volume {})", v.name));
         }
+        let secrets = v.secret.iter().filter_map(|s| s.secret_name.clone()).chain(
+            v.projected
+                .iter()
+                .flat_map(|p| p.sources.iter().flatten())
+                .filter_map(|s| s.secret.as_ref().map(|s| s.name.clone())),
+        );
+        for secret in secrets {
+            found.insert(format!("lower Secret {secret} (volume {})", v.name));
+        }
+    }
+    for pull in spec.image_pull_secrets.iter().flatten() {
+        found.insert(format!("lower Secret {} (imagePullSecrets)", pull.name));
     }
     found
 }
@@ -1549,6 +1634,81 @@ mod tests {
         let upper = pod(json!({"spec": {"hostNetwork": true}}));
         let mut lower = upper.clone();
         c.apply(&upper, &mut lower).unwrap();
+    }
+
+    #[test]
+    fn a_rule_is_judged_by_what_it_can_produce_and_checked_again_on_each_pod() {
+        // A test on a label the sample pod lacks hides nothing the patch adds.
+        let gated = json!({"rules": [{"name": "gated", "patch": [
+            {"op": "test", "path": "/metadata/labels/fast", "value": "yes"},
+            {"op": "add", "path": "/spec/hostNetwork", "value": true}]}]});
+        let e = compile(gated.clone()).unwrap_err();
+        assert!(e.0.contains("it would add hostNetwork"), "{e}");
+        let mut allowed = gated;
+        allowed["allowPrivileged"] = json!(true);
+        let e = compile(allowed).unwrap_err();
+        assert!(
+            e.0.contains("weakens isolation (hostNetwork) in every namespace"),
+            "{e}"
+        );
+
+        // A lower Secret a rule hands the pod, to read or to pull with; a RuntimeClass a patch
+        // changes (out of a sandbox, perhaps).
+        for (rule, said) in [
+            (
+                json!({"name": "r", "env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "admin-token-x", "key": "token"}}}]}),
+                "lower Secret admin-token-x (env T of container app)",
+            ),
+            (
+                json!({"name": "r", "patch": [{"op": "add", "path": "/spec/containers/0/envFrom",
+                    "value": [{"secretRef": {"name": "db-root"}}]}]}),
+                "lower Secret db-root (envFrom of container app)",
+            ),
+            (
+                json!({"name": "r", "patch": [{"op": "add", "path": "/spec/volumes",
+                    "value": [{"name": "t", "secret": {"secretName": "default-token-abcde"}}]}]}),
+                "lower Secret default-token-abcde (volume t)",
+            ),
+            (
+                json!({"name": "r", "patch": [{"op": "add", "path": "/spec/imagePullSecrets",
+                    "value": [{"name": "registry-admin"}]}]}),
+                "lower Secret registry-admin (imagePullSecrets)",
+            ),
+            (
+                json!({"name": "r", "patch": [{"op": "add", "path": "/spec/runtimeClassName", "value": "runc"}]}),
+                "RuntimeClass runc in place of none",
+            ),
+        ] {
+            let e = compile(json!({"rules": [rule]})).unwrap_err();
+            assert!(e.0.contains(said), "{said}: {e}");
+        }
+        // The rule's own class map is the cluster's word, not an escape.
+        let mapped = json!({"rules": [{"name": "m", "runtimeClassNames": {"gvisor": "gvisor-b"}}]});
+        let upper = pod(json!({"spec": {"runtimeClassName": "gvisor"}}));
+        let (_, lower) = applied(mapped, &upper).unwrap();
+        assert_eq!(spec(&lower)["runtimeClassName"], "gvisor-b");
+        let away = compile(json!({"rules": [{"name": "away", "patch": [
+            {"op": "test", "path": "/spec/containers/0/name", "value": "app"},
+            {"op": "remove", "path": "/spec/runtimeClassName"}]}]}))
+        .unwrap();
+        let mut lower = upper.clone();
+        let e = away.apply(&upper, &mut lower).unwrap_err();
+        assert!(e.contains("RuntimeClass none in place of gvisor"), "{e}");
+
+        // What the sample cannot show (a second container) is checked on the real pod: with
+        // allowPrivileged too, a rule that names no namespace may not weaken it.
+        let second = json!({"allowPrivileged": true, "rules": [{"name": "second", "patch": [
+            {"op": "test", "path": "/spec/containers/1/name", "value": "side"},
+            {"op": "add", "path": "/spec/containers/1/securityContext", "value": {"privileged": true}}]}]});
+        let c = compile(second).unwrap();
+        let upper = pod(json!({"spec": {"containers": [
+            {"name": "app", "image": "a"}, {"name": "side", "image": "s"}]}}));
+        let mut lower = upper.clone();
+        let e = c.apply(&upper, &mut lower).unwrap_err();
+        assert!(
+            e.contains("a privileged container side, which allowPrivileged allows only to rules that name their namespaces"),
+            "{e}"
+        );
     }
 
     #[test]
