@@ -76,6 +76,7 @@ async fn release_objects(cluster: &TestCluster, release: &str) -> Vec<String> {
     for kinds in [
         "deployments,services,serviceaccounts,secrets,configmaps,roles,rolebindings,poddisruptionbudgets",
         "clusterroles,clusterrolebindings,mutatingwebhookconfigurations,lowerclusters",
+        "validatingadmissionpolicies,validatingadmissionpolicybindings",
     ] {
         let out = kubectl(
             cluster.kubeconfig(),
@@ -137,6 +138,8 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
         "deployment.apps/life-tensile-descheduler",
         "deployment.apps/life-tensile-multi-scheduler",
         "mutatingwebhookconfiguration.admissionregistration.k8s.io/life-tensile-webhook",
+        "validatingadmissionpolicy.admissionregistration.k8s.io/life-tensile-nodes",
+        "validatingadmissionpolicybinding.admissionregistration.k8s.io/life-tensile-node-volumes",
         "poddisruptionbudget.policy/life-tensile-webhook",
         "poddisruptionbudget.policy/life-tensile-descheduler",
         "lowercluster.tensile.io/vn-life",
@@ -1150,6 +1153,22 @@ items:
         "",
     )
     .await;
+    // Its reflected volume goes too, deleted by the node under the chart's volume policy.
+    eventually(
+        up.kubeconfig(),
+        "the reflected volume gone upstream",
+        30,
+        &[
+            "get",
+            "pv",
+            "-l",
+            &format!("tensile.io/virtual-node={node}"),
+            "-o",
+            "jsonpath={.items[*].metadata.name}",
+        ],
+        "",
+    )
+    .await;
 
     // Not one call was refused, in any daemon.
     let logs = runner.seen().logs;
@@ -1280,6 +1299,467 @@ async fn node_identity_is_confined_like_a_kubelet(up: &TestCluster, ns: &str, ap
     }
     kubectl(up.kubeconfig(), &["delete", "node", other]).await;
     kubectl(up.kubeconfig(), &["-n", app, "delete", "secret", "unreferenced"]).await;
+}
+
+/// A reflected volume as virtual node `node` makes it (volumes.rs): marked with the upper
+/// cluster and the node, CSI driver `virtual-node.tensile.io`, pinned to the node, pre-bound.
+fn reflected_volume(name: &str, node: &str, reclaim: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: PersistentVolume
+metadata:
+  name: {name}
+  labels: {{tensile.io/upper-cluster: marks-cluster, tensile.io/virtual-node: {node}}}
+  annotations: {{pv.kubernetes.io/provisioned-by: virtual-node.tensile.io}}
+spec:
+  capacity: {{storage: 1Gi}}
+  accessModes: [ReadWriteOnce]
+  storageClassName: marks-reflected
+  persistentVolumeReclaimPolicy: {reclaim}
+  claimRef: {{apiVersion: v1, kind: PersistentVolumeClaim, namespace: marks-app, name: {name}}}
+  csi: {{driver: virtual-node.tensile.io, volumeHandle: {node}/marks-app/{name}/u}}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions: [{{key: kubernetes.io/hostname, operator: In, values: [{node}]}}]
+"#
+    )
+}
+
+/// Runs each of `calls` as `who`: what differs from its answer (allowed, or refused saying
+/// the message given), one line each.
+async fn each_as(
+    who: &str,
+    run: impl AsyncFn(&[&str]) -> tensile_e2e::kubectl::Output,
+    calls: &[(&[&str], Result<(), &str>)],
+) -> Vec<String> {
+    let mut wrong = Vec::new();
+    for (args, want) in calls {
+        let out = run(args).await;
+        let right = match want {
+            Ok(()) => out.ok,
+            Err(message) => !out.ok && out.stderr.contains(message),
+        };
+        if !right {
+            wrong.push(format!(
+                "as {who}: kubectl {args:?} wanted {want:?}, got: {} {}",
+                out.stdout.trim(),
+                out.stderr.trim()
+            ));
+        }
+    }
+    wrong
+}
+
+/// A client of `cluster` acting as `user` in `groups` (impersonated, as `kubectl --as`).
+async fn client_as(cluster: &TestCluster, user: &str, groups: &[&str]) -> kube::Client {
+    let mut config = tensile_common::kubeconfig::config_from_file(cluster.kubeconfig(), &Default::default())
+        .await
+        .unwrap();
+    config.auth_info.impersonate = Some(user.to_owned());
+    config.auth_info.impersonate_groups = Some(groups.iter().map(|g| (*g).to_owned()).collect());
+    kube::Client::try_from(config).unwrap()
+}
+
+/// The merge patch `body` of `pv NAME` or `pvc NS/NAME`, dry run, sent as virtual-node sends
+/// it (kubectl reads an object before it patches it, which a node may not); kubectl's answer.
+async fn merge_patch(
+    client: &kube::Client,
+    kind: &str,
+    name: &str,
+    body: &str,
+) -> tensile_e2e::kubectl::Output {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+    use kube::api::{Api, Patch, PatchParams};
+    let patch: serde_json::Value = serde_json::from_str(body).unwrap();
+    let params = PatchParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let done = match (kind, name.split_once('/')) {
+        ("pvc", Some((ns, name))) => Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns)
+            .patch(name, &params, &Patch::Merge(&patch))
+            .await
+            .map(|_| ()),
+        ("pv", None) => Api::<PersistentVolume>::all(client.clone())
+            .patch(name, &params, &Patch::Merge(&patch))
+            .await
+            .map(|_| ()),
+        other => panic!("no such patch: {other:?}"),
+    };
+    tensile_e2e::kubectl::Output {
+        ok: done.is_ok(),
+        stdout: format!("{kind} {name} patched (dry run)"),
+        stderr: done.err().map(|e| e.to_string()).unwrap_or_default(),
+    }
+}
+
+/// The release's accounts and its virtual nodes' identities hold some rights cluster-wide
+/// (RBAC cannot name Nodes and volumes made later): the chart's admission policies confine
+/// each write to what the suite made. The cluster controller deletes and cordons virtual
+/// Nodes only, and deletes only volumes a virtual node reflected (never a retained one); a
+/// node identity makes, resizes and deletes only its own reflected volumes (CSI
+/// `virtual-node.tensile.io`, pinned to it, never hostPath) and never re-points one; an
+/// account of the release marks a claim with a node only where none was named, changing
+/// nothing else. Then the controller, removing its LowerCluster, cordons and deletes its
+/// virtual Node and its volume through those policies without one refused call.
+#[tokio::test]
+async fn the_releases_identities_change_only_the_nodes_and_volumes_the_suite_made() {
+    let up = &bed().upper;
+    let (ns, release, full, node) = ("tensile-marks", "marks", "marks-tensile", "vn-marks");
+    up.create_namespace(ns).await.unwrap();
+    up.create_namespace("marks-app").await.unwrap();
+    helm_ok(
+        up,
+        &[
+            "install",
+            release,
+            &chart(),
+            "-n",
+            ns,
+            "--set",
+            &format!("virtualNodes.nodes[0].name={node}"),
+            "--set",
+            "virtualNodes.nodes[0].kubeconfig.value=placeholder",
+            // The upper cluster id the volumes below are marked with.
+            "--set",
+            "virtualNodes.clusterId=marks-cluster",
+            // Its registration (nobody serves it) must not catch the other tests' pods.
+            "--set",
+            "webhook.objectSelector.matchLabels.chart-test=marks",
+        ],
+    )
+    .await;
+    // The virtual node's registration, as it makes it (it is not run here), a real node's,
+    // and volumes: one reflected for this node, one retained, one of another virtual node,
+    // one an administrator made on a host path; claims, one selected for another node.
+    let dir = up.dir().join("marks");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = |name: &str, text: String| -> String {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    let host_path_pv = |name: &str, labels: &str| {
+        format!(
+            "apiVersion: v1\nkind: PersistentVolume\nmetadata:\n  name: {name}\n  labels: {{{labels}}}\n\
+             spec:\n  capacity: {{storage: 1Gi}}\n  accessModes: [ReadWriteOnce]\n  storageClassName: marks-reflected\n  \
+             hostPath: {{path: /}}\n  claimRef: {{namespace: marks-app, name: colluding}}\n"
+        )
+    };
+    apply(
+        up.kubeconfig(),
+        &format!(
+            "apiVersion: v1\nkind: List\nitems:\n\
+             - {{apiVersion: v1, kind: Node, metadata: {{name: {node}, labels: {{type: virtual-kubelet}}}}}}\n\
+             - {{apiVersion: v1, kind: Node, metadata: {{name: marks-real-node}}}}\n\
+             - {{apiVersion: v1, kind: PersistentVolumeClaim, metadata: {{name: data, namespace: marks-app}},\n   \
+                spec: {{accessModes: [ReadWriteOnce], storageClassName: marks-unbound, resources: {{requests: {{storage: 1Gi}}}}}}}}\n\
+             - {{apiVersion: v1, kind: PersistentVolumeClaim, metadata: {{name: chosen, namespace: marks-app,\n   \
+                annotations: {{volume.kubernetes.io/selected-node: vn-other}}}},\n   \
+                spec: {{accessModes: [ReadWriteOnce], storageClassName: marks-unbound, resources: {{requests: {{storage: 1Gi}}}}}}}}\n"
+        ),
+    )
+    .await;
+    for text in [
+        reflected_volume("pvc-marks-own", node, "Delete"),
+        reflected_volume("pvc-marks-kept", node, "Retain"),
+        reflected_volume("pvc-marks-other", "vn-other", "Delete"),
+        host_path_pv("marks-foreign", ""),
+    ] {
+        apply(up.kubeconfig(), &text).await;
+    }
+
+    // The apiserver checked every expression of the chart's policies against the types of
+    // what they match, and warns of none.
+    for policy in ["nodes", "grants", "volumes", "claims", "node-volumes"] {
+        let checked = tensile_e2e::wait::must(
+            &format!("the policy {full}-{policy} type-checked"),
+            Duration::from_secs(30),
+            Duration::from_millis(300),
+            || async {
+                let out = up
+                    .kubectl(&[
+                        "get",
+                        "validatingadmissionpolicy",
+                        &format!("{full}-{policy}"),
+                        "-o",
+                        "jsonpath={.status.observedGeneration} {.status.typeChecking}",
+                    ])
+                    .await;
+                match out.stdout.split_once(' ') {
+                    Some(("1", checked)) if out.ok => Ok(checked.to_owned()),
+                    _ => Err(format!("{} {}", out.stdout, out.stderr)),
+                }
+            },
+        )
+        .await;
+        assert!(!checked.contains("expressionWarnings"), "{policy}: {checked}");
+    }
+
+    // The controller, run with the chart's flags and account, grants the node's user the
+    // shared role.
+    let mut controller = chart::run_cluster_controller(up, ns, full, &[]).await.unwrap();
+    let node_user = format!("system:node:{node}");
+    tensile_e2e::wait::must(
+        "the node's user bound to the shared role by the controller",
+        Duration::from_secs(30),
+        Duration::from_millis(500),
+        || async {
+            let who = format!("--as={node_user}");
+            let out = up
+                .kubectl(&["auth", "can-i", "create", "persistentvolumes", &who])
+                .await;
+            if out.stdout.starts_with("yes") {
+                Ok(())
+            } else {
+                Err(out.stdout)
+            }
+        },
+    )
+    .await;
+
+    let cc = token_kubeconfig(
+        up,
+        ns,
+        &format!("{full}-cluster-controller"),
+        "marks-cc.kubeconfig",
+    )
+    .await;
+    let cordon = r#"{"spec":{"unschedulable":true}}"#;
+    let not_virtual = "only virtual nodes";
+    let not_reflected = "not reflected by a virtual node";
+    let retained = "persistentVolumeReclaimPolicy: Retain";
+    let mut wrong = each_as(
+        "the cluster controller",
+        async |args: &[&str]| tensile_e2e::kubectl::run(&cc, args).await,
+        &[
+            (
+                &["delete", "node", "marks-real-node", "--dry-run=server"],
+                Err(not_virtual),
+            ),
+            (&["delete", "node", node, "--dry-run=server"], Ok(())),
+            (
+                &[
+                    "patch",
+                    "node",
+                    "marks-real-node",
+                    "-p",
+                    cordon,
+                    "--dry-run=server",
+                ],
+                Err(not_virtual),
+            ),
+            (&["patch", "node", node, "-p", cordon, "--dry-run=server"], Ok(())),
+            (
+                &["delete", "pv", "marks-foreign", "--dry-run=server"],
+                Err(not_reflected),
+            ),
+            (
+                &["delete", "pv", "pvc-marks-kept", "--dry-run=server"],
+                Err(retained),
+            ),
+            (&["delete", "pv", "pvc-marks-own", "--dry-run=server"], Ok(())),
+            (
+                &["delete", "clusterrole", "system:node", "--dry-run=server"],
+                Err("made by the cluster controller"),
+            ),
+        ],
+    )
+    .await;
+
+    let own_shape = |name: &str, mark: &str, pinned: &str| {
+        reflected_volume(name, mark, "Delete")
+            .replace(&format!("values: [{mark}]"), &format!("values: [{pinned}]"))
+    };
+    let files = [
+        file(
+            "host-path.yaml",
+            host_path_pv(
+                "marks-planted",
+                &format!("tensile.io/upper-cluster: c, tensile.io/virtual-node: {node}"),
+            ),
+        ),
+        file(
+            "another.yaml",
+            own_shape("pvc-marks-another", "vn-other", "vn-other"),
+        ),
+        file(
+            "unpinned.yaml",
+            own_shape("pvc-marks-unpinned", node, "marks-real-node"),
+        ),
+        file("own.yaml", own_shape("pvc-marks-new", node, node)),
+    ];
+    let claim_ref = r#"{"spec":{"claimRef":{"name":"stolen"}}}"#;
+    let resize = r#"{"spec":{"capacity":{"storage":"2Gi"}}}"#;
+    let selected = |n: &str| {
+        format!(r#"{{"metadata":{{"annotations":{{"volume.kubernetes.io/selected-node":"{n}"}}}}}}"#)
+    };
+    let for_me = selected(node);
+    let labelled = format!(
+        r#"{{"metadata":{{"labels":{{"team":"b"}},"annotations":{{"volume.kubernetes.io/selected-node":"{node}"}}}}}}"#
+    );
+    let other_node = "marked tensile.io/virtual-node=vn-marks";
+    let as_the_node = client_as(up, &node_user, &["system:nodes"]).await;
+    wrong.extend(
+        each_as(
+            &node_user,
+            async |args: &[&str]| match *args {
+                ["patch", kind, name, body] => merge_patch(&as_the_node, kind, name, body).await,
+                _ => as_node(up, node, args).await,
+            },
+            &[
+                (
+                    &["create", "-f", &files[0], "--dry-run=server"],
+                    Err("CSI driver virtual-node.tensile.io"),
+                ),
+                (&["create", "-f", &files[1], "--dry-run=server"], Err(other_node)),
+                (&["create", "-f", &files[2], "--dry-run=server"], Err("pinned")),
+                (&["create", "-f", &files[3], "--dry-run=server"], Ok(())),
+                (&["patch", "pv", "marks-foreign", claim_ref], Err(other_node)),
+                (
+                    &["patch", "pv", "pvc-marks-own", claim_ref],
+                    Err("only its capacity"),
+                ),
+                (&["patch", "pv", "pvc-marks-other", resize], Err(other_node)),
+                (&["patch", "pv", "pvc-marks-own", resize], Ok(())),
+                (
+                    &["delete", "pv", "marks-foreign", "--dry-run=server"],
+                    Err(other_node),
+                ),
+                (
+                    &["delete", "pv", "pvc-marks-other", "--dry-run=server"],
+                    Err(other_node),
+                ),
+                (
+                    &["delete", "pv", "pvc-marks-kept", "--dry-run=server"],
+                    Err(retained),
+                ),
+                (&["delete", "pv", "pvc-marks-own", "--dry-run=server"], Ok(())),
+                // NodeRestriction lets a node write no claim but its status; nor does the
+                // chart grant it.
+                (
+                    &["patch", "pvc", "marks-app/data", &for_me],
+                    Err("cannot patch resource"),
+                ),
+            ],
+        )
+        .await,
+    );
+    // Under a credential (upperIdentity: credential) a virtual node's account holds the same
+    // volume rights and marks claims: any account of the release holding them is confined
+    // alike, and marks a claim with a node only where none was named.
+    let account_user = format!("system:serviceaccount:{ns}:{full}-vn-credential");
+    let role = format!("{full}-credential-volumes");
+    kubectl(
+        up.kubeconfig(),
+        &[
+            "create",
+            "clusterrole",
+            &role,
+            "--verb=create,patch,delete",
+            "--resource=persistentvolumes,persistentvolumeclaims",
+        ],
+    )
+    .await;
+    kubectl(
+        up.kubeconfig(),
+        &[
+            "create",
+            "clusterrolebinding",
+            &role,
+            &format!("--clusterrole={role}"),
+            &format!("--user={account_user}"),
+        ],
+    )
+    .await;
+    let account_groups = [
+        "system:serviceaccounts".to_owned(),
+        format!("system:serviceaccounts:{ns}"),
+    ];
+    let as_the_account = client_as(up, &account_user, &[&account_groups[0], &account_groups[1]]).await;
+    let who = format!("--as={account_user}");
+    wrong.extend(
+        each_as(
+            &account_user,
+            async |args: &[&str]| match *args {
+                ["patch", kind, name, body] => merge_patch(&as_the_account, kind, name, body).await,
+                _ => up.kubectl(&[args, &[who.as_str()]].concat()).await,
+            },
+            &[
+                (
+                    &["create", "-f", &files[0], "--dry-run=server"],
+                    Err("CSI driver virtual-node.tensile.io"),
+                ),
+                (
+                    &["delete", "pv", "marks-foreign", "--dry-run=server"],
+                    Err(not_reflected),
+                ),
+                (
+                    &["patch", "pvc", "marks-app/data", &labelled],
+                    Err("changes nothing else"),
+                ),
+                (
+                    &["patch", "pvc", "marks-app/chosen", &for_me],
+                    Err("where no other node was named"),
+                ),
+                (&["patch", "pvc", "marks-app/data", &for_me], Ok(())),
+            ],
+        )
+        .await,
+    );
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+
+    // The LowerCluster leaves (its lower objects given up: its credential is a placeholder):
+    // the controller cordons and deletes its virtual Node and deletes its reflected volume,
+    // through the policies, and keeps the retained one.
+    kubectl(
+        up.kubeconfig(),
+        &[
+            "annotate",
+            "lowercluster",
+            node,
+            "tensile.io/orphan-lower-objects=true",
+        ],
+    )
+    .await;
+    kubectl(
+        up.kubeconfig(),
+        &["delete", "lowercluster", node, "--wait=true", "--timeout=120s"],
+    )
+    .await;
+    for gone in [format!("node/{node}"), "pv/pvc-marks-own".to_owned()] {
+        kubectl(up.kubeconfig(), &["wait", "--for=delete", &gone, "--timeout=30s"]).await;
+    }
+    kubectl(
+        up.kubeconfig(),
+        &[
+            "get",
+            "node/marks-real-node",
+            "pv/pvc-marks-kept",
+            "pv/marks-foreign",
+        ],
+    )
+    .await;
+    assert_no_denied("cluster-controller", &controller);
+    assert!(controller.exited().is_none(), "{}", controller.log_tail(3000));
+    drop(controller);
+    helm_ok(up, &["uninstall", release, "-n", ns, "--wait"]).await;
+    kubectl(
+        up.kubeconfig(),
+        &[
+            "delete",
+            "node/marks-real-node",
+            "pv/pvc-marks-kept",
+            "pv/pvc-marks-other",
+            "pv/marks-foreign",
+            &format!("clusterrole/{role}"),
+            &format!("clusterrolebinding/{role}"),
+            "namespace/marks-app",
+            "--wait=false",
+        ],
+    )
+    .await;
 }
 
 /// The objects `helm template` renders for `sets` (on top of one virtual node), as JSON.

@@ -210,3 +210,87 @@ spec:
 {{- define "tensile.stashDir" -}}
 /etc/tensile/stash-keys
 {{- end -}}
+
+{{/* Admission policy variable `mark`: the node a PersistentVolume is marked with
+     (tensile.io/virtual-node; volumes.rs), as made (CREATE) or as it is (UPDATE, DELETE). */}}
+{{- define "tensile.volumeMark" -}}
+- name: mark
+  expression: >-
+    (request.operation == 'CREATE' ? object : oldObject).metadata.?labels[?'tensile.io/virtual-node'].orValue('')
+{{- end -}}
+
+{{/* Admission policy validations of PersistentVolume writes: a volume is made, changed and
+     deleted as a virtual node reflects one (volumes.rs), by the node its mark names. Each
+     holds unless `variables.acting`; `variables.node` is the node whose volumes the writer
+     may write, `variables.who` names the writer. */}}
+{{- define "tensile.volumeValidations" -}}
+- expression: >-
+    !variables.acting || request.operation != 'CREATE'
+    || (variables.node != '' && variables.mark == variables.node
+        && object.metadata.?labels[?'tensile.io/upper-cluster'].orValue('') != '')
+  messageExpression: >-
+    'PersistentVolume ' + request.name + ': ' + variables.who + ' may make only volumes
+    marked tensile.io/virtual-node=' + (variables.node == '' ? '<its node>' : variables.node)
+    + ' and tensile.io/upper-cluster'
+  reason: Forbidden
+- expression: >-
+    !variables.acting || request.operation != 'CREATE'
+    || (has(object.spec.csi) && object.spec.csi.driver == 'virtual-node.tensile.io')
+  messageExpression: >-
+    'PersistentVolume ' + request.name + ': a volume a virtual node reflects has one source,
+    the CSI driver virtual-node.tensile.io (never hostPath, local or another driver)'
+  reason: Forbidden
+- expression: >-
+    !variables.acting || request.operation != 'CREATE'
+    || (has(object.spec.nodeAffinity) && has(object.spec.nodeAffinity.required)
+        && object.spec.nodeAffinity.required.nodeSelectorTerms.size() > 0
+        && object.spec.nodeAffinity.required.nodeSelectorTerms.all(t, has(t.matchExpressions)
+             && t.matchExpressions.exists(e, e.key == 'kubernetes.io/hostname' && e.operator == 'In'
+                  && has(e.values) && e.values == [variables.node])))
+  messageExpression: >-
+    'PersistentVolume ' + request.name + ': a reflected volume is pinned to its node: every
+    term of its node affinity requires kubernetes.io/hostname In [' + variables.node + ']'
+  reason: Forbidden
+- expression: >-
+    !variables.acting || request.operation != 'CREATE'
+    || has(object.spec.claimRef)
+  messageExpression: >-
+    'PersistentVolume ' + request.name + ': a reflected volume is made pre-bound to its claim
+    (spec.claimRef)'
+  reason: Forbidden
+- expression: >-
+    !variables.acting || request.operation == 'CREATE'
+    || (variables.node != '' && variables.mark == variables.node
+        && has(oldObject.spec.csi) && oldObject.spec.csi.driver == 'virtual-node.tensile.io')
+  messageExpression: >-
+    'PersistentVolume ' + request.name + ' is not reflected by a virtual node as ' + variables.who
+    + ' may change or delete: only volumes marked tensile.io/virtual-node='
+    + (variables.node == '' ? '<a node>' : variables.node) + ' with the CSI driver virtual-node.tensile.io'
+  reason: Forbidden
+- expression: >-
+    !variables.acting || request.operation != 'UPDATE'
+    || (object.metadata.?labels[?'tensile.io/virtual-node'] == oldObject.metadata.?labels[?'tensile.io/virtual-node']
+        && object.metadata.?labels[?'tensile.io/upper-cluster'] == oldObject.metadata.?labels[?'tensile.io/upper-cluster']
+        && object.spec.?claimRef == oldObject.spec.?claimRef
+        && object.spec.?persistentVolumeReclaimPolicy == oldObject.spec.?persistentVolumeReclaimPolicy)
+  messageExpression: >-
+    'PersistentVolume ' + request.name + ': only its capacity may change; its marks, claimRef and
+    reclaim policy stay as the virtual node made them'
+  reason: Forbidden
+- expression: >-
+    !variables.acting || request.operation != 'DELETE'
+    || oldObject.spec.?persistentVolumeReclaimPolicy.orValue('Delete') != 'Retain'
+  messageExpression: >-
+    'PersistentVolume ' + request.name + ' is retained (persistentVolumeReclaimPolicy: Retain):
+    deleting it is for an administrator'
+  reason: Forbidden
+{{- end -}}
+
+{{/* The match condition of the admission policies that hold for the release's accounts
+     only: every ServiceAccount of the release (the cluster controller's, each virtual
+     node's, the other daemons'), and nothing else in the cluster. */}}
+{{- define "tensile.accountsOnly" -}}
+matchConditions:
+- name: an-account-of-the-release
+  expression: "request.userInfo.username.startsWith('system:serviceaccount:{{ .Release.Namespace }}:{{ include "tensile.fullname" . }}-')"
+{{- end -}}
