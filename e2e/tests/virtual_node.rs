@@ -610,6 +610,7 @@ async fn the_kubelet_api_caps_and_cuts_idle_and_slow_clients_while_logs_work() {
     let bed = bed();
     let vn = VirtualNode::start_with("vn-flood", &bed.lower_a, |args| {
         args.kubelet.max_connections = 16;
+        args.kubelet.max_stream_sessions = 8;
         args.kubelet.idle_timeout_seconds = 4;
     });
     wait_ready("vn-flood").await;
@@ -2534,5 +2535,126 @@ spec:
     assert_eq!(copied, "fast");
     for ns in ["projtok", "projplain"] {
         kubectl(up(), &["-n", ns, "delete", "pod", "--all", "--wait=true"]).await;
+    }
+}
+
+/// One tenant cannot shut the kubelet API for the others: followed logs take slots of the
+/// long-lived streams, one namespace holds at most its share, the next is refused saying
+/// which bound, and another namespace's logs still stream. The apiserver's log calls share
+/// HTTP/2 connections instead of taking one connection each.
+#[tokio::test]
+async fn followed_logs_of_one_namespace_keep_a_share_for_the_others_and_share_connections() {
+    let bed = bed();
+    let vn = VirtualNode::start_with("vn-fair", &bed.lower_a, |args| {
+        args.kubelet.max_stream_sessions = 6;
+        args.kubelet.max_stream_sessions_per_namespace = 3;
+    });
+    wait_ready("vn-fair").await;
+    let quiet = format!("{}: \"lines=1\"", tensile_common::names::SIM_BEHAVIOR);
+    for ns in ["fair-a", "fair-b"] {
+        namespace(ns).await;
+        apply(up(), &pod(ns, "hush", "vn-fair", "Always", &quiet, "10m")).await;
+    }
+    for ns in ["fair-a", "fair-b"] {
+        eventually(
+            up(),
+            &format!("{ns}/hush Running"),
+            60,
+            &["-n", ns, "get", "pod", "hush", "-o", "jsonpath={.status.phase}"],
+            "Running",
+        )
+        .await;
+    }
+    let follow = |ns: &str| {
+        let mut child = tokio::process::Command::new(tensile_e2e::kubectl::binary_for(up()))
+            .args(["--kubeconfig", &up().display().to_string()])
+            .args(["-n", ns, "logs", "-f", "hush"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let stdout = tokio::io::BufReader::new(child.stdout.take().unwrap());
+        (child, stdout)
+    };
+    let first_line = |mut stdout: tokio::io::BufReader<tokio::process::ChildStdout>| async move {
+        let mut line = String::new();
+        let read = tokio::time::timeout(
+            Duration::from_secs(20),
+            tokio::io::AsyncBufReadExt::read_line(&mut stdout, &mut line),
+        )
+        .await;
+        assert!(matches!(read, Ok(Ok(n)) if n > 0), "a first line: {read:?}");
+        line
+    };
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let (child, stdout) = follow("fair-a");
+        assert_eq!(first_line(stdout).await, "fair-a/hush app line 0\n");
+        held.push(child);
+    }
+    // The apiserver multiplexes its calls to this node over HTTP/2: three streams, fewer
+    // connections.
+    let port = format!("sport = :{}", vn.kubelet_port);
+    let ss = std::process::Command::new("ss")
+        .args(["-Htn", "state", "established", &port])
+        .output()
+        .unwrap();
+    let connections = String::from_utf8_lossy(&ss.stdout).lines().count();
+    assert!(
+        (1..3).contains(&connections),
+        "three followed logs over {connections} connections"
+    );
+    // The namespace's fourth is refused (503: the apiserver says it cannot handle the
+    // request), counted under the bound it met.
+    let refused = tensile_e2e::kubectl::run(up(), &["-n", "fair-a", "logs", "-f", "hush"]).await;
+    assert!(
+        !refused.ok && refused.stderr.contains("unable to handle the request"),
+        "{} {}",
+        refused.stdout,
+        refused.stderr
+    );
+    let metrics = tensile_e2e::in_process::admin_get(&vn.admin_addr, "/metrics")
+        .await
+        .map(|(_, body)| body)
+        .unwrap_or_default();
+    let counted = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(
+                r#"tensile_virtual_node_stream_refusals_total{kind="logs",reason="namespace_share"} "#,
+            )
+        })
+        .and_then(|n| n.trim().parse::<u64>().ok());
+    assert!(counted.is_some_and(|n| n >= 1), "{metrics}");
+    // Another namespace's log streams.
+    let (mut other, stdout) = follow("fair-b");
+    assert_eq!(first_line(stdout).await, "fair-b/hush app line 0\n");
+    other.kill().await.unwrap();
+    // A slot given back is free for the namespace again.
+    held.pop().unwrap().kill().await.unwrap();
+    tensile_e2e::wait::must(
+        "a fair-a follow once one ended",
+        Duration::from_secs(20),
+        Duration::from_millis(500),
+        || async {
+            let (mut child, stdout) = follow("fair-a");
+            let mut line = String::new();
+            let mut stdout = stdout;
+            let read = tokio::time::timeout(
+                Duration::from_secs(5),
+                tokio::io::AsyncBufReadExt::read_line(&mut stdout, &mut line),
+            )
+            .await;
+            let _ = child.kill().await;
+            match read {
+                Ok(Ok(n)) if n > 0 => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    for mut child in held {
+        let _ = child.kill().await;
     }
 }

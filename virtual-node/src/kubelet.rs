@@ -147,7 +147,10 @@ pub fn tls_config(cert: &ServingCert, auth: &ClientAuth) -> Result<Arc<rustls::S
     let mut config = builder
         .with_single_cert(chain, key)
         .map_err(|e| Error::Tls(e.to_string()))?;
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    // HTTP/2 where the caller offers it: the apiserver then carries its log and stats calls
+    // to this node on one connection; its upgrades (exec, attach, port-forward) ask for
+    // HTTP/1.1.
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }
 
@@ -593,6 +596,16 @@ async fn logs(state: &KubeletState, ns: &str, pod: &str, container: &str, o: Log
         tail_lines: o.tail_lines.map(|n| n as i64),
         timestamps: o.timestamps,
     };
+    // A followed log holds its stream for as long as the caller reads: it takes a slot of the
+    // long-lived streams, within its namespace's share.
+    let slot = match o.follow.then(|| state.sessions.take(ns)).transpose() {
+        Ok(slot) => slot,
+        Err(full) => {
+            let (why, message) = state.sessions.refused(full, "logs", ns);
+            state.metrics.stream_refused("logs", why);
+            return text(StatusCode::SERVICE_UNAVAILABLE, message);
+        }
+    };
     let api: Api<Pod> = Api::namespaced(state.lower.clone(), ns);
     let mut reader = match api.log_stream(pod, &params).await {
         Ok(r) => Box::pin(r),
@@ -607,7 +620,7 @@ async fn logs(state: &KubeletState, ns: &str, pod: &str, container: &str, o: Log
     // stream left open after its caller went shows.
     let session = o.follow.then(|| state.metrics.stream_opened("logs"));
     tokio::spawn(async move {
-        let _session = session;
+        let _session = (session, slot);
         let mut buf = vec![0u8; 16 * 1024];
         loop {
             let read = tokio::select! {

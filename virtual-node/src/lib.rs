@@ -260,15 +260,37 @@ pub struct KubeletArgs {
     #[arg(long = "kubelet-idle-timeout-seconds", env = "TENSILE_KUBELET_IDLE_TIMEOUT_SECONDS",
           default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub idle_timeout_seconds: u64,
-    /// Exec, attach and port-forward sessions at once at most; more are refused (503).
+    /// Long-lived streams at once at most (exec, attach and port-forward sessions, followed
+    /// logs); more are refused (503). Below --kubelet-max-connections, so that streams never
+    /// take every connection.
     #[arg(long = "kubelet-max-stream-sessions", env = "TENSILE_KUBELET_MAX_STREAM_SESSIONS",
           default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_stream_sessions: u32,
+    /// Of those, what the pods of one namespace may hold at once (at most all of them); more
+    /// are refused (503), so one tenant keeps a share for the others.
+    #[arg(long = "kubelet-max-stream-sessions-per-namespace", env = "TENSILE_KUBELET_MAX_STREAM_SESSIONS_PER_NAMESPACE",
+          default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_stream_sessions_per_namespace: u32,
     /// Seconds an exec, attach or port-forward session may pass without a byte either way
     /// before it is closed (the kubelet's --streaming-connection-idle-timeout, 4 h).
     #[arg(long = "stream-idle-timeout-seconds", env = "TENSILE_STREAM_IDLE_TIMEOUT_SECONDS",
           default_value_t = 14400, value_parser = clap::value_parser!(u64).range(1..))]
     pub stream_idle_timeout_seconds: u64,
+}
+
+impl KubeletArgs {
+    /// Bounds that hold together: streams below the connections, else streams could take
+    /// every one.
+    pub fn check(&self) -> Result<(), String> {
+        if self.max_stream_sessions >= self.max_connections {
+            return Err(format!(
+                "--kubelet-max-stream-sessions ({}) must be below --kubelet-max-connections ({}): \
+                 streams would otherwise hold every connection of the kubelet API",
+                self.max_stream_sessions, self.max_connections
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// See [`KubeletArgs::authorization`].
@@ -557,7 +579,9 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         )
         .map_err(Error::Flags)?;
     let leadership = Leadership::of(&election);
-    // A scope or a token mode that cannot work stops the node before it asks for anything.
+    // A scope, a token mode or kubelet API bounds that cannot work stop the node before it
+    // asks for anything.
+    args.kubelet.check().map_err(Error::Flags)?;
     let scope = args
         .lower
         .scope(args.reflection.gc_namespaces)
@@ -1114,6 +1138,7 @@ async fn compose(
         authorizer,
         sessions: streams::Sessions::new(
             args.kubelet.max_stream_sessions as usize,
+            args.kubelet.max_stream_sessions_per_namespace as usize,
             Duration::from_secs(args.kubelet.stream_idle_timeout_seconds),
         ),
         read_lower_nodes: lower_scope == tensile_common::cache::Namespaces::All,

@@ -133,7 +133,7 @@ impl Metrics {
         );
         r.register(
             "stream_refusals",
-            "exec, attach and port-forward requests refused, by reason",
+            "exec, attach, port-forward and followed-log requests refused, by reason",
             m.stream_refusals.clone(),
         );
         r.register(

@@ -257,22 +257,104 @@ pub fn lower_refusal(kind: Kind, code: u16, body: &[u8]) -> (StatusCode, String)
     }
 }
 
-/// What bounds spliced sessions: how many at once, how long one may stay silent, and the
-/// token that ends every one (cancelled when the kubelet API stops, so no session outlives
-/// the process's leadership or a shutdown).
+/// What bounds the kubelet API's long-lived streams (exec, attach and port-forward sessions,
+/// and followed logs): how many at once, how many of them one namespace may hold, how long a
+/// session may stay silent, and the token that ends every one (cancelled when the kubelet API
+/// stops, so no session outlives the process's leadership or a shutdown). Every call reaches
+/// the kubelet API through the upper apiserver, one caller: the namespace in the path is the
+/// tenant, and its share keeps room for the others.
 #[derive(Clone, Debug)]
 pub struct Sessions {
-    pub slots: Arc<tokio::sync::Semaphore>,
+    max: usize,
+    per_namespace: usize,
+    held: Arc<std::sync::Mutex<Held>>,
     pub idle: std::time::Duration,
     pub stop: tokio_util::sync::CancellationToken,
 }
 
+#[derive(Debug, Default)]
+struct Held {
+    total: usize,
+    by_namespace: std::collections::HashMap<String, usize>,
+}
+
+/// One stream's place among [`Sessions`], given back when dropped.
+#[derive(Debug)]
+pub struct Slot {
+    held: Arc<std::sync::Mutex<Held>>,
+    namespace: String,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.total = held.total.saturating_sub(1);
+        if let Some(n) = held.by_namespace.get_mut(&self.namespace) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                held.by_namespace.remove(&self.namespace);
+            }
+        }
+    }
+}
+
+/// Why a stream got no slot.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Full {
+    /// The server runs `--kubelet-max-stream-sessions` streams.
+    Server,
+    /// The namespace holds its share, `--kubelet-max-stream-sessions-per-namespace`.
+    Namespace,
+}
+
 impl Sessions {
-    pub fn new(max: usize, idle: std::time::Duration) -> Self {
+    pub fn new(max: usize, per_namespace: usize, idle: std::time::Duration) -> Self {
         Sessions {
-            slots: Arc::new(tokio::sync::Semaphore::new(max)),
+            max,
+            per_namespace: per_namespace.min(max),
+            held: Arc::default(),
             idle,
             stop: tokio_util::sync::CancellationToken::new(),
+        }
+    }
+
+    /// A slot for a stream of a pod in `namespace`, or which bound is reached.
+    pub fn take(&self, namespace: &str) -> Result<Slot, Full> {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if held.total >= self.max {
+            return Err(Full::Server);
+        }
+        let of_namespace = held.by_namespace.get(namespace).copied().unwrap_or(0);
+        if of_namespace >= self.per_namespace {
+            return Err(Full::Namespace);
+        }
+        held.total += 1;
+        held.by_namespace.insert(namespace.to_owned(), of_namespace + 1);
+        Ok(Slot {
+            held: self.held.clone(),
+            namespace: namespace.to_owned(),
+        })
+    }
+
+    /// The 503 a stream gets without a slot: which bound, in words.
+    pub fn refused(&self, full: Full, what: &str, namespace: &str) -> (&'static str, String) {
+        match full {
+            Full::Server => (
+                "too_many_sessions",
+                format!(
+                    "the virtual node runs as many {what} streams as it may (--kubelet-max-stream-sessions={}); \
+                     try again later",
+                    self.max
+                ),
+            ),
+            Full::Namespace => (
+                "namespace_share",
+                format!(
+                    "namespace {namespace} holds as many streams as one namespace may \
+                     (--kubelet-max-stream-sessions-per-namespace={}); end one or try again later",
+                    self.per_namespace
+                ),
+            ),
         }
     }
 }
@@ -380,15 +462,13 @@ pub async fn splice(
     target: &Target,
     mut req: Request<Incoming>,
 ) -> Response<Body> {
-    let Ok(slot) = sessions.slots.clone().try_acquire_owned() else {
-        metrics.stream_refused(target.kind.name(), "too_many_sessions");
-        return refusal(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!(
-                "the virtual node runs as many {} sessions as it may (--kubelet-max-stream-sessions); try again later",
-                target.kind.name()
-            ),
-        );
+    let slot = match sessions.take(&target.namespace) {
+        Ok(slot) => slot,
+        Err(full) => {
+            let (why, message) = sessions.refused(full, target.kind.name(), &target.namespace);
+            metrics.stream_refused(target.kind.name(), why);
+            return refusal(StatusCode::SERVICE_UNAVAILABLE, message);
+        }
     };
     if !is_upgrade(req.headers()) {
         return refusal(
@@ -499,6 +579,31 @@ pub async fn splice(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_namespace_takes_its_share_and_leaves_the_rest_to_others() {
+        let sessions = Sessions::new(4, 2, std::time::Duration::from_secs(1));
+        let a1 = sessions.take("a").unwrap();
+        let _a2 = sessions.take("a").unwrap();
+        assert_eq!(sessions.take("a").unwrap_err(), Full::Namespace);
+        let _b1 = sessions.take("b").unwrap();
+        let _b2 = sessions.take("b").unwrap();
+        assert_eq!(sessions.take("c").unwrap_err(), Full::Server);
+        // A slot given back is free again, for the namespace that held it or another.
+        drop(a1);
+        let _c1 = sessions.take("c").unwrap();
+        assert_eq!(sessions.take("a").unwrap_err(), Full::Server);
+        let (why, message) = sessions.refused(Full::Namespace, "logs", "a");
+        assert_eq!(why, "namespace_share");
+        assert!(
+            message.contains("namespace a") && message.contains("per-namespace=2"),
+            "{message}"
+        );
+        // A share above the whole is the whole.
+        let one = Sessions::new(1, 128, std::time::Duration::from_secs(1));
+        let _x = one.take("x").unwrap();
+        assert_eq!(one.take("y").unwrap_err(), Full::Server);
+    }
 
     fn target(kind: Kind, container: Option<&str>) -> Target {
         Target {
