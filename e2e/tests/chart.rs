@@ -2644,3 +2644,136 @@ async fn each_component_takes_pod_settings_from_values() {
         out.stderr
     );
 }
+
+/// A signed stash cannot be replayed onto another pod after admission: the chart's policy lets
+/// no update add, change or copy a stash signature (or the stash it signs) into a pod, while
+/// other edits and taking the stash out stay allowed. Shown on the apiserver itself.
+#[tokio::test]
+async fn a_signed_stash_is_set_at_creation_only() {
+    let up = &bed().upper;
+    let key = format!("stashKeys.keys.only={}", "k".repeat(40));
+    let chart = chart();
+    let args = [
+        "template",
+        "replay",
+        chart.as_str(),
+        "-n",
+        "tensile",
+        "--set",
+        "virtualNodes.nodes[0].name=a",
+        "--set",
+        "virtualNodes.nodes[0].kubeconfig.value=x",
+        "--set",
+        &key,
+        "--set",
+        "stashKeys.signWith=only",
+    ];
+    let text = helm_ok(up, &args).await;
+    let policies: Vec<String> = text
+        .split("\n---")
+        .filter(|doc| doc.contains("name: replay-tensile-webhook-stash"))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(policies.len(), 2, "the policy and its binding are rendered");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policy.yaml");
+    std::fs::write(&file, policies.join("\n---\n")).unwrap();
+    let file = file.display().to_string();
+    kubectl(up.kubeconfig(), &["apply", "-f", &file]).await;
+
+    up.create_namespace("replay").await.unwrap();
+    let pod = |name: &str, annotations: &str| {
+        format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: replay, annotations: {{{annotations}}}}}
+spec: {{containers: [{{name: app, image: nginx}}]}}
+"#
+        )
+    };
+    apply(
+        up.kubeconfig(),
+        &pod(
+            "mine",
+            "clusterSelector: '{}', tensile.io/stash-signature: v2.only.aaaa",
+        ),
+    )
+    .await;
+    apply(up.kubeconfig(), &pod("bare", "note: x")).await;
+    let annotate = |pod: &'static str, set: &'static [&'static str]| async move {
+        let mut all = vec!["-n", "replay", "annotate", "pod", pod, "--overwrite"];
+        all.extend_from_slice(set);
+        up.kubectl(&all).await
+    };
+    let replay: &[&str] = &[
+        "tensile.io/stash-signature=v2.only.bbbb",
+        r#"clusterSelector={"tolerations":[{"key":"gpu","operator":"Exists"}]}"#,
+    ];
+    // The policy takes effect within seconds of its creation: awaited without writing
+    // (a server dry run runs admission too).
+    tensile_e2e::wait::must(
+        "the policy in effect",
+        Duration::from_secs(30),
+        Duration::from_millis(500),
+        || async {
+            let mut all = vec![
+                "-n",
+                "replay",
+                "annotate",
+                "pod",
+                "mine",
+                "--overwrite",
+                "--dry-run=server",
+            ];
+            all.extend_from_slice(replay);
+            match up.kubectl(&all).await.ok {
+                false => Ok(()),
+                true => Err("accepted".to_owned()),
+            }
+        },
+    )
+    .await;
+    let refused = tensile_e2e::wait::must(
+        "the replay of another pod's signature refused",
+        Duration::from_secs(5),
+        Duration::from_millis(500),
+        || async {
+            let out = annotate("mine", replay).await;
+            match out.ok {
+                false => Ok(out.stderr),
+                true => Err("accepted".to_owned()),
+            }
+        },
+    )
+    .await;
+    assert!(
+        refused.contains("a signed stash (annotations clusterSelector and tensile.io/stash-signature) is set when the pod is created"),
+        "{refused}"
+    );
+    // Nor added to a pod that had none, nor the stash changed under a kept signature.
+    let added = annotate("bare", &["tensile.io/stash-signature=v2.only.bbbb"]).await;
+    assert!(
+        !added.ok && added.stderr.contains("may not be added or changed later"),
+        "{}",
+        added.stderr
+    );
+    let changed = annotate("mine", &[r#"clusterSelector={"nodeSelector":{"pool":"gpu"}}"#]).await;
+    assert!(
+        !changed.ok,
+        "the stash under a kept signature changed: {}",
+        changed.stdout
+    );
+    // Other edits go through, and so does taking the stash out.
+    let other = annotate("mine", &["note=edited"]).await;
+    assert!(other.ok, "{}", other.stderr);
+    let removed = annotate("mine", &["tensile.io/stash-signature-", "clusterSelector-"]).await;
+    assert!(removed.ok, "{}", removed.stderr);
+
+    kubectl(up.kubeconfig(), &["delete", "-f", &file]).await;
+    kubectl(
+        up.kubeconfig(),
+        &["delete", "namespace", "replay", "--wait=false"],
+    )
+    .await;
+}
