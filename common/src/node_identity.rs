@@ -7,7 +7,9 @@
 //!
 //! The request is made with the process's own credential (its ServiceAccount); what approves
 //! it is [`judge`]: the request must ask for exactly a node client certificate, for the node
-//! the requesting account is made for (the cluster controller approves with it).
+//! the requesting account is made for, and [`bounded_lifetime`]: for [`LIFETIME_SECONDS`] at
+//! most (the cluster controller approves with both). A certificate cannot be revoked, so that
+//! lifetime is how long one outlives its node's leaving.
 
 use std::time::Duration;
 
@@ -31,8 +33,8 @@ pub const GROUP: &str = "system:nodes";
 /// Label on a request: the node it is for.
 pub const NODE_LABEL: &str = "tensile.io/node";
 
-/// The lifetime a node asks its certificate for: a day, so that one that leaked stops
-/// working within a day of the node's leaving.
+/// The lifetime a node asks its certificate for, and the longest the approver grants: a day,
+/// so that one that leaked stops working within a day of the node's leaving.
 pub const LIFETIME_SECONDS: i32 = 24 * 3600;
 
 /// The name of node `node`'s request: one name, so its account's rights can name it (read it
@@ -183,8 +185,8 @@ pub async fn request(client: &kube::Client, node: &str, timeout: Duration) -> Re
             request: ByteString(request.into_bytes()),
             signer_name: SIGNER.to_owned(),
             usages: Some(USAGES.iter().map(|u| (*u).to_owned()).collect()),
-            // A day, from 1.22 on (older servers drop the field and sign for their own
-            // duration); the signer may make it shorter, never longer.
+            // Asked for, or the approver denies the request; the signer may make it shorter
+            // (its --cluster-signing-duration), never longer.
             expiration_seconds: Some(LIFETIME_SECONDS),
             ..CertificateSigningRequestSpec::default()
         },
@@ -419,6 +421,23 @@ pub fn judge(csr: &CertificateSigningRequest) -> Result<String, Refusal> {
         ));
     }
     Ok(node.to_owned())
+}
+
+/// Whether `csr` asks for a lifetime of [`LIFETIME_SECONDS`] at most: without
+/// `spec.expirationSeconds` the signer issues for its own maximum (a year by default), and a
+/// certificate cannot be revoked.
+pub fn bounded_lifetime(csr: &CertificateSigningRequest) -> Result<(), Refusal> {
+    match csr.spec.expiration_seconds {
+        None => Err(Refusal(format!(
+            "spec.expirationSeconds is not set, so the signer would issue for its own maximum: a node's \
+             certificate is issued for {LIFETIME_SECONDS} s at most"
+        ))),
+        Some(asked) if asked > LIFETIME_SECONDS => Err(Refusal(format!(
+            "spec.expirationSeconds {asked} is longer than the {LIFETIME_SECONDS} s a node's certificate is \
+             issued for"
+        ))),
+        Some(_) => Ok(()),
+    }
 }
 
 #[cfg(test)]

@@ -4,9 +4,13 @@
 //! `system:node:<name>` ([`tensile_common::node_identity`]). The controller approves a
 //! request only when the account that made it is the one it made for a `LowerCluster`, and
 //! the request asks for exactly the client certificate of that cluster's node: one account,
-//! one node, so a compromised virtual node cannot become another node. A request of such an
-//! account for anything else is denied with the reason; requests of anyone else are left to
-//! the cluster's other approvers.
+//! one node, so a compromised virtual node cannot become another node, and asks for a
+//! lifetime of a day at most ([`node_identity::LIFETIME_SECONDS`]): an issued certificate
+//! cannot be revoked, so its lifetime is how long it outlives the node's leaving. A request of
+//! such an account for anything else, of a cluster that is leaving, or of an account of the
+//! controller's naming whose cluster is gone, is denied with the reason; requests of anyone
+//! else are left to the cluster's other approvers. When a cluster has left, whatever its
+//! account asked that is still unanswered is denied ([`deny_unanswered`]).
 
 use std::time::Duration;
 
@@ -45,16 +49,26 @@ pub fn decide(
         return Verdict::Ignore;
     }
     let requester = csr.spec.username.as_deref().unwrap_or_default();
-    let Some(cluster) = clusters.iter().find(|c| {
-        requester
-            == format!(
-                "system:serviceaccount:{}:{}",
-                settings.namespace,
-                object_name(settings, c.name())
-            )
-    }) else {
-        return Verdict::Ignore;
+    let Some(cluster) = clusters.iter().find(|c| requester == account(settings, c.name())) else {
+        // Every account of this naming is one the controller made for a LowerCluster.
+        return if requester.starts_with(&account(settings, "")) {
+            Verdict::Deny {
+                reason: format!(
+                    "{requester} is the account of no LowerCluster: it may ask for no certificate"
+                ),
+            }
+        } else {
+            Verdict::Ignore
+        };
     };
+    if cluster.metadata.deletion_timestamp.is_some() {
+        return Verdict::Deny {
+            reason: format!(
+                "LowerCluster {} is leaving: its node gets no new certificate",
+                cluster.name()
+            ),
+        };
+    }
     let own = cluster.node_name();
     let claimed = clusters.iter().filter(|c| c.node_name() == own).count();
     let virtual_node = |n: &Node| {
@@ -68,7 +82,10 @@ pub fn decide(
         Ok(node) if node == own && existing.is_some_and(|n| !virtual_node(n)) => Verdict::Deny {
             reason: format!("node {node} exists and is not a virtual node"),
         },
-        Ok(node) if node == own => Verdict::Approve { node },
+        Ok(node) if node == own => match node_identity::bounded_lifetime(csr) {
+            Ok(()) => Verdict::Approve { node },
+            Err(refusal) => Verdict::Deny { reason: refusal.0 },
+        },
         Ok(node) => Verdict::Deny {
             reason: format!("{requester} may ask for the certificate of node {own} only, not of {node}"),
         },
@@ -78,35 +95,76 @@ pub fn decide(
     }
 }
 
+/// The user name of the account the controller makes for LowerCluster `cluster`.
+pub fn account(settings: &Settings, cluster: &str) -> String {
+    format!(
+        "system:serviceaccount:{}:{}",
+        settings.namespace,
+        object_name(settings, cluster)
+    )
+}
+
 /// Answers `csr` as `verdict` says (approved or denied with the reason; nothing when ignored).
 pub async fn answer(api: &Api<CertificateSigningRequest>, csr: &CertificateSigningRequest, verdict: Verdict) {
+    if let Err(e) = write_answer(api, csr, verdict).await {
+        tracing::warn!(request = %csr.name_any(), "answering the certificate request: {e}");
+    }
+}
+
+/// Writes the answer `verdict` to `csr`, guarded by the version that was judged: a request
+/// answered meanwhile is never answered again.
+async fn write_answer(
+    api: &Api<CertificateSigningRequest>,
+    csr: &CertificateSigningRequest,
+    verdict: Verdict,
+) -> Result<(), kube::Error> {
     let name = csr.name_any();
-    let (kind, reason, message) = match verdict {
-        Verdict::Ignore => return,
+    let (kind, message) = match verdict {
+        Verdict::Ignore => return Ok(()),
         Verdict::Approve { node } => (
             "Approved",
-            "TensileNodeIdentity",
             format!("the client certificate of virtual node {node}, asked for by its account"),
         ),
-        Verdict::Deny { reason } => ("Denied", "TensileNodeIdentity", reason),
+        Verdict::Deny { reason } => ("Denied", reason),
     };
     let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::now());
     let patch = serde_json::json!({
+        "metadata": {"resourceVersion": csr.metadata.resource_version},
         "status": {"conditions": [{
             "type": kind,
             "status": "True",
-            "reason": reason,
+            "reason": "TensileNodeIdentity",
             "message": message,
             "lastUpdateTime": now,
         }]}
     });
-    match api
-        .patch_approval(&name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-    {
-        Ok(_) => tracing::info!(request = %name, "{kind}: {message}"),
-        Err(e) => tracing::warn!(request = %name, "answering the certificate request: {e}"),
+    api.patch_approval(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    tracing::info!(request = %name, "{kind}: {message}");
+    Ok(())
+}
+
+/// Denies every unanswered request that `account` made, of any signer and labelled or not,
+/// saying that LowerCluster `cluster` left; how many there were.
+pub async fn deny_unanswered(
+    api: &Api<CertificateSigningRequest>,
+    account: &str,
+    cluster: &str,
+) -> Result<usize, kube::Error> {
+    let mut denied = 0;
+    for csr in api.list(&kube::api::ListParams::default()).await?.items {
+        if csr.spec.username.as_deref() != Some(account) || node_identity::answered(&csr) {
+            continue;
+        }
+        let reason = format!("LowerCluster {cluster} left: its account may ask for no certificate");
+        match write_answer(api, &csr, Verdict::Deny { reason }).await {
+            Ok(()) => denied += 1,
+            // Deleted meanwhile.
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(e),
+        }
     }
+    Ok(denied)
 }
 
 /// Answers the certificate requests of virtual nodes as they come, for ever.
@@ -181,18 +239,11 @@ mod tests {
                 signer_name: node_identity::SIGNER.into(),
                 usages: Some(node_identity::USAGES.iter().map(|u| (*u).to_owned()).collect()),
                 username: Some(by.into()),
+                expiration_seconds: Some(node_identity::LIFETIME_SECONDS),
                 ..CertificateSigningRequestSpec::default()
             },
             ..CertificateSigningRequest::default()
         }
-    }
-
-    fn account_of(settings: &Settings, cluster: &str) -> String {
-        format!(
-            "system:serviceaccount:{}:{}",
-            settings.namespace,
-            object_name(settings, cluster)
-        )
     }
 
     #[test]
@@ -200,7 +251,7 @@ mod tests {
         let settings = settings();
         let (a, b) = (cluster("lower-a"), cluster("lower-b"));
         let clusters = [a.clone(), b.clone()];
-        let by_a = account_of(&settings, "lower-a");
+        let by_a = account(&settings, "lower-a");
         assert_eq!(
             decide(&settings, &clusters, &request(a.node_name(), &by_a), None),
             Verdict::Approve {
@@ -224,7 +275,7 @@ mod tests {
     fn a_real_nodes_name_or_one_two_clusters_claim_is_never_given_away() {
         let settings = settings();
         let a = cluster("lower-a");
-        let by_a = account_of(&settings, "lower-a");
+        let by_a = account(&settings, "lower-a");
         let csr = request(a.node_name(), &by_a);
         let kubelet: Node = serde_json::from_value(serde_json::json!({"metadata": {"name": a.node_name()}}))
             .unwrap_or_else(|e| panic!("{e}"));
@@ -249,15 +300,86 @@ mod tests {
     }
 
     #[test]
+    fn a_certificate_is_issued_for_the_lifetime_a_node_asks_at_most() {
+        let settings = settings();
+        let a = cluster("lower-a");
+        let clusters = [a.clone()];
+        let by_a = account(&settings, "lower-a");
+        let mut csr = request(a.node_name(), &by_a);
+        assert_eq!(
+            decide(&settings, &clusters, &csr, None),
+            Verdict::Approve {
+                node: a.node_name().to_owned()
+            },
+            "exactly the lifetime a node asks for"
+        );
+        csr.spec.expiration_seconds = Some(600);
+        assert!(
+            matches!(decide(&settings, &clusters, &csr, None), Verdict::Approve { .. }),
+            "shorter is fine"
+        );
+        // Without one, the signer issues for its own maximum (a year by default).
+        csr.spec.expiration_seconds = None;
+        let Verdict::Deny { reason } = decide(&settings, &clusters, &csr, None) else {
+            panic!("a request without a lifetime must be denied");
+        };
+        assert_eq!(
+            reason,
+            "spec.expirationSeconds is not set, so the signer would issue for its own maximum: a node's \
+             certificate is issued for 86400 s at most"
+        );
+        csr.spec.expiration_seconds = Some(10 * 365 * 24 * 3600);
+        let Verdict::Deny { reason } = decide(&settings, &clusters, &csr, None) else {
+            panic!("a request for ten years must be denied");
+        };
+        assert_eq!(
+            reason,
+            "spec.expirationSeconds 315360000 is longer than the 86400 s a node's certificate is issued for"
+        );
+        csr.spec.expiration_seconds = Some(node_identity::LIFETIME_SECONDS + 1);
+        assert!(matches!(
+            decide(&settings, &clusters, &csr, None),
+            Verdict::Deny { .. }
+        ));
+    }
+
+    #[test]
+    fn a_leaving_or_gone_clusters_account_gets_no_certificate() {
+        let settings = settings();
+        let mut a = cluster("lower-a");
+        a.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            jiff::Timestamp::now(),
+        ));
+        let csr = request(a.node_name(), &account(&settings, "lower-a"));
+        assert_eq!(
+            decide(&settings, std::slice::from_ref(&a), &csr, None),
+            Verdict::Deny {
+                reason: "LowerCluster lower-a is leaving: its node gets no new certificate".into()
+            }
+        );
+        // An account of the controller's naming whose LowerCluster is gone asks for nothing.
+        let gone = request(a.node_name(), &account(&settings, "lower-gone"));
+        assert_eq!(
+            decide(&settings, &[cluster("lower-a")], &gone, None),
+            Verdict::Deny {
+                reason:
+                    "system:serviceaccount:tensile:tensile-vn-lower-gone is the account of no LowerCluster: \
+                         it may ask for no certificate"
+                        .into()
+            }
+        );
+    }
+
+    #[test]
     fn requests_of_anyone_else_or_already_answered_are_left_alone() {
         let settings = settings();
         let a = cluster("lower-a");
         let clusters = [a.clone()];
         let kubelet = request(a.node_name(), "system:node:real-node");
         assert_eq!(decide(&settings, &clusters, &kubelet, None), Verdict::Ignore);
-        let gone = request(a.node_name(), &account_of(&settings, "lower-gone"));
-        assert_eq!(decide(&settings, &clusters, &gone, None), Verdict::Ignore);
-        let mut answered = request(a.node_name(), &account_of(&settings, "lower-a"));
+        let elsewhere = request(a.node_name(), "system:serviceaccount:other:tensile-vn-lower-a");
+        assert_eq!(decide(&settings, &clusters, &elsewhere, None), Verdict::Ignore);
+        let mut answered = request(a.node_name(), &account(&settings, "lower-a"));
         answered.status = Some(CertificateSigningRequestStatus {
             certificate: Some(ByteString(b"issued".to_vec())),
             ..CertificateSigningRequestStatus::default()

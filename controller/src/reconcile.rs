@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, PersistentVolume, Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
@@ -18,6 +19,7 @@ use tensile_common::names;
 use tensile_virtual_node::teardown;
 use tensile_virtual_node::translate::Identity;
 
+use crate::approve;
 use crate::credential::{self, Claims};
 use crate::plan::{self, NODE_LEASE_NAMESPACE, Observed, Settings};
 use crate::resource::{LowerCluster, LowerClusterStatus, condition};
@@ -62,7 +64,8 @@ pub enum RemovalStep {
     Stopped,
     /// What it made below is removed.
     Below,
-    /// Its volumes, Node, Lease and grants upstream are removed.
+    /// Its volumes, Node, Lease, grants and account upstream are removed, and what its
+    /// account asked that is unanswered is denied.
     Upstream,
     /// Its credential Secret is released; the finalizer is still on.
     Released,
@@ -562,8 +565,8 @@ async fn removing(api: &Api<LowerCluster>, cluster: &LowerCluster, why: String) 
 }
 
 /// Removes `cluster`'s virtual node: its Deployment first (so nothing writes any more), then
-/// everything it made below, then its Node, Leases, volumes and accounts upstream; the
-/// finalizer goes last.
+/// everything it made below, then its Node, Leases, volumes and accounts upstream (and the
+/// unanswered certificate requests of its account); the finalizer goes last.
 async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) -> Result<Action, Error> {
     let name = cluster.name().to_owned();
     if !cluster
@@ -758,6 +761,23 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
         &plain,
     )
     .await?;
+    // With the account gone it asks for nothing more; what it asked that is unanswered is
+    // denied, so no one approves it later. A certificate issued before cannot be revoked: it
+    // ends within the lifetime the approver bounds (a day at most).
+    if ctx.settings.node_identity {
+        let account = approve::account(&ctx.settings, &name);
+        let requests = Api::<CertificateSigningRequest>::all(c.clone());
+        let denied = approve::deny_unanswered(&requests, &account, &name)
+            .await
+            .map_err(ApiError::on(
+                "upper",
+                "deny",
+                format!("certificatesigningrequests of {account}"),
+            ))?;
+        if denied > 0 {
+            tracing::info!(cluster = %name, denied, "unanswered certificate requests of its account denied");
+        }
+    }
     delete_made(
         &Api::<ConfigMap>::namespaced(c.clone(), ns),
         &object,

@@ -15,6 +15,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use base64::Engine as _;
+use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
+use tensile_common::node_identity;
 use tensile_e2e::chart::{self, helm};
 use tensile_e2e::check::{apply, eventually, kubectl};
 use tensile_e2e::process::Service;
@@ -263,6 +265,180 @@ async fn spread(up: &TestCluster) -> String {
         .map(|(n, c)| format!("{n}={c}"))
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// A client of `up` as ServiceAccount `NS/account`, with a token of an hour the apiserver
+/// issued it (no object is made for it).
+async fn account_client(up: &TestCluster, account: &str) -> kube::Client {
+    let token = kubectl(
+        up.kubeconfig(),
+        &["-n", NS, "create", "token", account, "--duration=1h"],
+    )
+    .await;
+    let ca = kubectl(
+        up.kubeconfig(),
+        &[
+            "config",
+            "view",
+            "--raw",
+            "--minify",
+            "-o",
+            "jsonpath={.clusters[0].cluster.certificate-authority-data}",
+        ],
+    )
+    .await;
+    let file = up.dir().join(format!("{account}.token.kubeconfig"));
+    std::fs::write(
+        &file,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: up\n  cluster: {{server: '{}', certificate-authority-data: {}}}\n\
+             users:\n- name: {account}\n  user: {{token: {}}}\ncontexts:\n- name: up\n  context: {{cluster: up, user: {account}}}\n\
+             current-context: up\n",
+            up.url(),
+            ca.trim(),
+            token.trim()
+        ),
+    )
+    .unwrap();
+    tensile_common::kubeconfig::client_from_file(&file, &Default::default())
+        .await
+        .unwrap()
+}
+
+/// A request `name` for the client certificate of `node`, exactly as a virtual node makes it
+/// but for its lifetime (`spec.expirationSeconds`) and, unless `labelled`, the label the
+/// approver watches.
+fn node_request(name: &str, node: &str, lifetime: Option<i32>, labelled: bool) -> CertificateSigningRequest {
+    let (pem, _) = node_identity::certificate_request(node).unwrap();
+    let mut csr: CertificateSigningRequest = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name},
+        "spec": {
+            "request": base64::engine::general_purpose::STANDARD.encode(pem),
+            "signerName": node_identity::SIGNER,
+            "usages": node_identity::USAGES,
+        },
+    }))
+    .unwrap();
+    csr.spec.expiration_seconds = lifetime;
+    if labelled {
+        csr.metadata.labels = Some([(node_identity::NODE_LABEL.to_owned(), node.to_owned())].into());
+    }
+    csr
+}
+
+/// The answer on request `name`, as `type: message` of its first condition once it has one.
+async fn answer(up: &TestCluster, name: &str) -> String {
+    kubectl(
+        up.kubeconfig(),
+        &[
+            "get",
+            "csr",
+            name,
+            "-o",
+            "jsonpath={.status.conditions[0].type}: {.status.conditions[0].message}",
+        ],
+    )
+    .await
+}
+
+/// Waits until request `name` is answered; the answer.
+async fn answered(up: &TestCluster, name: &str) -> String {
+    tensile_e2e::wait::must(
+        &format!("request {name} answered"),
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+        || async {
+            let said = answer(up, name).await;
+            if said.trim() == ":" {
+                Err("unanswered".to_owned())
+            } else {
+                Ok(said)
+            }
+        },
+    )
+    .await
+}
+
+/// What was lower-a's node account, asking for its node's certificate as a leaked credential
+/// of its virtual node could: without a lifetime, or for ten years, the signer would issue a
+/// certificate for its own maximum that no one can revoke, so both are denied with the reason;
+/// for the day a node asks, it is approved. A request the approver does not watch (no node
+/// label) waits, and is what [`node_identity_ends_with_the_cluster`] finds denied.
+async fn node_account_asks_for_a_bounded_lifetime_only(up: &TestCluster) -> kube::Client {
+    let account = account_client(up, &format!("{FULL}-vn-lower-a")).await;
+    let requests: kube::Api<CertificateSigningRequest> = kube::Api::all(account.clone());
+    let post = kube::api::PostParams::default();
+    let ten_years = 10 * 365 * 24 * 3600;
+    for csr in [
+        node_request("lower-a-no-lifetime", "lower-a", None, true),
+        node_request("lower-a-ten-years", "lower-a", Some(ten_years), true),
+        node_request(
+            "lower-a-a-day",
+            "lower-a",
+            Some(node_identity::LIFETIME_SECONDS),
+            true,
+        ),
+        node_request(
+            "lower-a-unwatched",
+            "lower-a",
+            Some(node_identity::LIFETIME_SECONDS),
+            false,
+        ),
+    ] {
+        requests.create(&post, &csr).await.unwrap();
+    }
+    assert_eq!(
+        answered(up, "lower-a-no-lifetime").await,
+        "Denied: spec.expirationSeconds is not set, so the signer would issue for its own maximum: a \
+         node's certificate is issued for 86400 s at most"
+    );
+    assert_eq!(
+        answered(up, "lower-a-ten-years").await,
+        "Denied: spec.expirationSeconds 315360000 is longer than the 86400 s a node's certificate is \
+         issued for"
+    );
+    assert_eq!(
+        answered(up, "lower-a-a-day").await,
+        "Approved: the client certificate of virtual node lower-a, asked for by its account"
+    );
+    assert_eq!(answer(up, "lower-a-unwatched").await.trim(), ":", "unanswered");
+    account
+}
+
+/// Once lower-a has left, its node identity is unusable: what its account asked that was
+/// unanswered is denied, the account can ask for nothing more (its token names an account
+/// that is gone), and its Node is gone. A certificate issued before ends with its lifetime.
+async fn node_identity_ends_with_the_cluster(up: &TestCluster, account: kube::Client) {
+    assert_eq!(
+        answer(up, "lower-a-unwatched").await,
+        "Denied: LowerCluster lower-a left: its account may ask for no certificate"
+    );
+    let requests: kube::Api<CertificateSigningRequest> = kube::Api::all(account);
+    let again = node_request(
+        "lower-a-again",
+        "lower-a",
+        Some(node_identity::LIFETIME_SECONDS),
+        true,
+    );
+    match requests.create(&kube::api::PostParams::default(), &again).await {
+        Err(kube::Error::Api(s)) => assert_eq!(s.code, 401, "{s:?}"),
+        other => panic!("the account of a cluster that left asked again: {other:?}"),
+    }
+    let node = tensile_e2e::kubectl::run(up.kubeconfig(), &["get", "node", "lower-a"]).await;
+    assert!(!node.ok && node.stderr.contains("NotFound"), "{}", node.stdout);
+    kubectl(
+        up.kubeconfig(),
+        &[
+            "delete",
+            "csr",
+            "lower-a-no-lifetime",
+            "lower-a-ten-years",
+            "lower-a-a-day",
+            "lower-a-unwatched",
+            "--ignore-not-found",
+        ],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -808,6 +984,8 @@ spec:
         .await;
     }
 
+    let lower_a_account = node_account_asks_for_a_bounded_lifetime_only(up).await;
+
     // lower-a leaves: its pods move to lower-b, and nothing of it is left in either cluster.
     // Its removal survives the controller killed after each step (as `kill -9` ends it, its
     // election Lease still held) and the credential Secret deleted half-way: each run finds
@@ -910,6 +1088,7 @@ spec:
         controller.log_tail(6000)
     );
     assert!(said.contains("lower-a has left"), "{said}");
+    node_identity_ends_with_the_cluster(up, lower_a_account).await;
     assert!(
         said.contains("namespace tensile holds objects of others: kept"),
         "{said}"
