@@ -2658,3 +2658,143 @@ async fn followed_logs_of_one_namespace_keep_a_share_for_the_others_and_share_co
         let _ = child.kill().await;
     }
 }
+
+/// Under a namespace scope the served namespaces are the lower cluster's users': by default no
+/// upper token is written there, where anyone with `secrets get` below could act upstream as
+/// the pod's account; the pod runs below without one. A namespace the operator lists gets
+/// tokens.
+#[tokio::test]
+async fn under_a_namespace_scope_upper_tokens_go_only_where_the_operator_lists() {
+    let bed = bed();
+    let server = bed.upper.url();
+    let low = bed.lower_a.kubeconfig();
+    for ns in ["scoped-tok", "scoped-listed"] {
+        namespace(ns).await;
+        // The lower admin's namespaces, served as they are, with the quota a scoped node
+        // shows as its room.
+        bed.lower_a.create_namespace(ns).await.unwrap();
+        apply(
+            low,
+            &format!(
+                "{{apiVersion: v1, kind: ResourceQuota, metadata: {{name: room, namespace: {ns}}}, \
+                 spec: {{hard: {{requests.cpu: '4', requests.memory: 8Gi, pods: '10'}}}}}}"
+            ),
+        )
+        .await;
+    }
+    let start = |node: &'static str, listed: Vec<String>| {
+        let server = server.clone();
+        VirtualNode::start_with(node, &bed.lower_a, move |args| {
+            args.lower.namespaces = vec!["scoped-tok".into(), "scoped-listed".into()];
+            args.tokens.upper_tokens = true;
+            args.tokens.upper_api_endpoint = Some(server);
+            args.tokens.token_namespaces = listed;
+        })
+    };
+    let _default = start("vn-scoped-tok", Vec::new());
+    let _listed = start("vn-scoped-listed", vec!["scoped-listed".into()]);
+    wait_ready("vn-scoped-tok").await;
+    wait_ready("vn-scoped-listed").await;
+    let talker = |ns: &str, node: &str| {
+        format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: talker, namespace: {ns}}}
+spec:
+  nodeSelector: {{kubernetes.io/hostname: {node}}}
+  tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+  terminationGracePeriodSeconds: 1
+  containers: [{{name: app, image: busybox, resources: {{requests: {{cpu: 10m, memory: 16Mi}}}}}}]
+"#
+        )
+    };
+    // Admission mounts the default account's token once the account exists.
+    for ns in ["scoped-tok", "scoped-listed"] {
+        eventually(
+            up(),
+            &format!("the default ServiceAccount of {ns}"),
+            30,
+            &[
+                "-n",
+                ns,
+                "get",
+                "serviceaccount",
+                "default",
+                "-o",
+                "jsonpath={.metadata.name}",
+            ],
+            "default",
+        )
+        .await;
+    }
+    apply(up(), &talker("scoped-tok", "vn-scoped-tok")).await;
+    apply(up(), &talker("scoped-listed", "vn-scoped-listed")).await;
+    for ns in ["scoped-tok", "scoped-listed"] {
+        let phase = &["-n", ns, "get", "pod", "talker", "-o", "jsonpath={.status.phase}"];
+        let running = tensile_e2e::wait::until(
+            &format!("{ns}/talker Running"),
+            Duration::from_secs(90),
+            Duration::from_millis(300),
+            || async {
+                match tensile_e2e::kubectl::run(up(), phase).await.stdout.trim() {
+                    "Running" => Ok(()),
+                    other => Err(other.to_owned()),
+                }
+            },
+        )
+        .await;
+        if let Err(e) = running {
+            let why =
+                tensile_e2e::kubectl::run(up(), &["-n", ns, "get", "pod", "talker", "-o", "yaml"]).await;
+            panic!("{e}\n{}", why.stdout);
+        }
+    }
+    let token_secrets = |ns: &'static str| async move {
+        kubectl(
+            low,
+            &["-n", ns, "get", "secrets", "-l", tokens_label(), "-o", "name"],
+        )
+        .await
+    };
+    // The listed namespace gets its Secret of upper tokens; the other gets none, and its
+    // lower pod mounts no token.
+    tensile_e2e::wait::must(
+        "a Secret of upper tokens in the listed namespace",
+        Duration::from_secs(30),
+        Duration::from_millis(500),
+        || async {
+            match token_secrets("scoped-listed").await {
+                found if found.contains("tensile-upper-token-") => Ok(()),
+                other => Err(other),
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        token_secrets("scoped-tok").await,
+        "",
+        "no upper token where others read Secrets"
+    );
+    let volumes = kubectl(
+        low,
+        &[
+            "-n",
+            "scoped-tok",
+            "get",
+            "pod",
+            "talker",
+            "-o",
+            "jsonpath={.spec.volumes}",
+        ],
+    )
+    .await;
+    assert!(!volumes.contains("tensile-upper-token-"), "{volumes}");
+    for ns in ["scoped-tok", "scoped-listed"] {
+        kubectl(up(), &["-n", ns, "delete", "pod", "talker", "--wait=true"]).await;
+    }
+}
+
+fn tokens_label() -> &'static str {
+    tensile_virtual_node::tokens::TOKEN_LABEL
+}
