@@ -670,6 +670,7 @@ pub fn status(cluster: &LowerCluster, observed: &Observed) -> LowerClusterStatus
         credential_expires: observed.credential_expires.clone(),
         // Only a removal sets it.
         lower_removed: None,
+        upper_token_namespaces: cluster.spec.token_namespaces(),
     }
 }
 

@@ -90,12 +90,43 @@ pub struct LowerClusterSpec {
 pub struct UpperTokens {
     /// The upper apiserver as the lower cluster's pods reach it (`https://host[:port]`).
     pub api_endpoint: String,
-    /// Only pods of these namespaces get tokens; every namespace when empty.
+    /// Only pods of these namespaces get tokens. When empty, every namespace but those shared
+    /// with others below, and none under a namespace scope (see
+    /// [`LowerClusterSpec::token_namespaces`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub namespaces: Vec<String>,
 }
 
 impl LowerClusterSpec {
+    /// With `upperTokens`: which namespaces' pods get upper tokens below, in words, as its
+    /// virtual node decides: those listed; else, under a namespace scope, none (the served
+    /// namespaces are the lower cluster's users', who could read the tokens there); else every
+    /// namespace but those shared with others below (`--shared-namespaces` in `extraArgs`,
+    /// `default` by default).
+    pub fn token_namespaces(&self) -> Option<String> {
+        let tokens = self.upper_tokens.as_ref()?;
+        if !tokens.namespaces.is_empty() {
+            return Some(tokens.namespaces.join(", "));
+        }
+        if !self.namespaces.is_empty() {
+            return Some(
+                "none: the served namespaces are the lower cluster's users'; list namespaces in \
+                 upperTokens.namespaces to give them tokens"
+                    .to_owned(),
+            );
+        }
+        let shared = self
+            .extra_args
+            .iter()
+            .rev()
+            .find_map(|a| a.strip_prefix("--shared-namespaces="))
+            .unwrap_or("default");
+        Some(match shared.split(',').any(|s| s.trim() == "*") {
+            true => "none: every namespace is shared below".to_owned(),
+            false => format!("every namespace but those shared below ({shared})"),
+        })
+    }
+
     /// The lower namespaces its virtual node reads and writes.
     pub fn served(&self) -> tensile_common::cache::Namespaces {
         match self.namespaces.is_empty() {
@@ -156,6 +187,9 @@ pub struct LowerClusterStatus {
     /// a restart does not need the lower cluster (or its credential) again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lower_removed: Option<bool>,
+    /// With `spec.upperTokens`: the namespaces whose pods get upper tokens below, in words.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upper_token_namespaces: Option<String>,
 }
 
 impl LowerCluster {
@@ -269,6 +303,40 @@ mod tests {
     }
 
     #[test]
+    fn the_status_says_which_namespaces_get_upper_tokens_as_the_virtual_node_decides() {
+        let spec = |namespaces: &[&str], listed: &[&str], extra: &[&str]| LowerClusterSpec {
+            namespaces: namespaces.iter().map(|s| (*s).to_owned()).collect(),
+            upper_tokens: Some(UpperTokens {
+                api_endpoint: "https://upper:6443".into(),
+                namespaces: listed.iter().map(|s| (*s).to_owned()).collect(),
+            }),
+            extra_args: extra.iter().map(|s| (*s).to_owned()).collect(),
+            ..Default::default()
+        };
+        assert_eq!(
+            spec(&[], &[], &[]).token_namespaces().as_deref(),
+            Some("every namespace but those shared below (default)")
+        );
+        assert_eq!(
+            spec(&[], &[], &["--shared-namespaces=default,ops"])
+                .token_namespaces()
+                .as_deref(),
+            Some("every namespace but those shared below (default,ops)")
+        );
+        assert!(
+            spec(&["team-a"], &[], &[])
+                .token_namespaces()
+                .is_some_and(|s| s.starts_with("none: the served namespaces are the lower cluster's users'"))
+        );
+        assert_eq!(
+            spec(&["team-a"], &["team-a"], &[]).token_namespaces().as_deref(),
+            Some("team-a")
+        );
+        let off = LowerClusterSpec::default();
+        assert_eq!(off.token_namespaces(), None);
+    }
+
+    #[test]
     fn the_status_fields_the_printer_columns_name_are_the_ones_written() {
         let crd = crd();
         let status = LowerClusterStatus {
@@ -291,6 +359,7 @@ mod tests {
             credential_expires: Some("2026-01-02T00:00:00Z".into()),
             credential_secret: Some("s".into()),
             lower_removed: None,
+            upper_token_namespaces: Some("every namespace but those shared below (default)".into()),
         };
         let written = serde_json::to_value(&status).unwrap();
         for column in crd["spec"]["versions"][0]["additionalPrinterColumns"]
