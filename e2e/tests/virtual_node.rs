@@ -551,16 +551,25 @@ async fn kubectl_logs_reach_the_lower_pod_and_callers_are_authenticated() {
     // Another node's kubelet certificate (same CA, user system:node:some-other-node) is
     // authenticated but not authorised for nodes/proxy of this node: 403, no logs.
     let pki = bed.upper.dir().join("pki");
-    let other = tokio::process::Command::new("curl")
-        .args(["-sk", "-w", "\n%{http_code}", "--cert"])
-        .arg(pki.join("other-kubelet.crt"))
-        .arg("--key")
-        .arg(pki.join("other-kubelet.key"))
-        .arg(&url)
-        .output()
-        .await
-        .unwrap();
-    let other = String::from_utf8_lossy(&other.stdout);
+    // The body and, on its own last line, the status code of a GET of `url` with a client
+    // certificate of the upper pki.
+    let curl_as = |name: &str| {
+        let (cert, key) = (pki.join(format!("{name}.crt")), pki.join(format!("{name}.key")));
+        let url = url.clone();
+        async move {
+            let out = tokio::process::Command::new("curl")
+                .args(["-sk", "-w", "\n%{http_code}", "--cert"])
+                .arg(cert)
+                .arg("--key")
+                .arg(key)
+                .arg(&url)
+                .output()
+                .await
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        }
+    };
+    let other = curl_as("other-kubelet").await;
     assert!(other.ends_with("\n403"), "{other}");
     assert!(
         other.contains("system:node:some-other-node") && !other.contains("talker app line"),
@@ -585,16 +594,7 @@ subjects: [{apiGroup: rbac.authorization.k8s.io, kind: User, name: tensile-log-r
 "#,
     )
     .await;
-    let two = tokio::process::Command::new("curl")
-        .args(["-sk", "-w", "\n%{http_code}", "--cert"])
-        .arg(pki.join("two-names.crt"))
-        .arg("--key")
-        .arg(pki.join("two-names.key"))
-        .arg(&url)
-        .output()
-        .await
-        .unwrap();
-    let two = String::from_utf8_lossy(&two.stdout);
+    let two = curl_as("two-names").await;
     assert!(two.ends_with("\n401"), "{two}");
     assert!(
         two.contains("more than one common name") && !two.contains("talker app line"),
@@ -1352,9 +1352,34 @@ async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resu
         .await;
         let nodes =
             tensile_e2e::kubectl::run(bed.lower_b.kubeconfig(), &["get", "nodes", "-o", "wide"]).await;
+        // And upstream: whether the upper scheduler placed it, and what the node offered.
+        let upstream = tensile_e2e::kubectl::run(
+            up(),
+            &[
+                "-n",
+                "outage",
+                "get",
+                "pod",
+                "newcomer",
+                "-o",
+                "jsonpath={.spec.nodeName} {.status.conditions}",
+            ],
+        )
+        .await;
+        let node = tensile_e2e::kubectl::run(
+            up(),
+            &[
+                "get",
+                "node",
+                "vn-outage",
+                "-o",
+                "jsonpath={.spec.taints} {.status.allocatable}",
+            ],
+        )
+        .await;
         panic!(
-            "{e}\nbelow:\n{}{}\nlower nodes:\n{}",
-            below.stdout, below.stderr, nodes.stdout
+            "{e}\nupstream: {}\nvn-outage: {}\nbelow:\n{}{}\nlower nodes:\n{}",
+            upstream.stdout, node.stdout, below.stdout, below.stderr, nodes.stdout
         );
     }
     kubectl(
