@@ -107,6 +107,8 @@ pub struct TestCluster {
     apiserver: Mutex<Service>,
     /// The scheduler and controller-manager, restarted when they exit ([`supervise`]).
     others: Arc<Mutex<Vec<Service>>>,
+    /// When [`TestCluster::stop_apiserver`] stopped the apiserver, until it starts again.
+    stopped_at: Mutex<Option<Instant>>,
     ready_timeout: Duration,
     binaries: &'static Binaries,
     etcd: Arc<Etcd>,
@@ -212,6 +214,7 @@ impl TestCluster {
             kubelet_client_ca,
             apiserver: Mutex::new(apiserver),
             others: Arc::new(Mutex::new(Vec::new())),
+            stopped_at: Mutex::new(None),
             ready_timeout: options.ready_timeout,
             binaries,
             etcd,
@@ -396,15 +399,34 @@ impl TestCluster {
         if let Ok(mut s) = self.apiserver.lock() {
             s.stop();
         }
+        if let Ok(mut at) = self.stopped_at.lock() {
+            at.get_or_insert_with(Instant::now);
+        }
     }
 
-    /// Starts the apiserver again on the same port and waits until it is ready.
+    /// Starts the apiserver again on the same port and waits until it is ready. After an
+    /// outage longer than a leader election's renew deadline, the scheduler and
+    /// controller-manager start again too, as they do in a real control plane: there they
+    /// elect a leader, cannot renew its lease while the apiserver is away, and exit, and the
+    /// kubelet starts them afresh. (Kept running instead, with election off, their informers
+    /// can stay behind the restarted apiserver: a 1.37 controller-manager was seen reading a
+    /// lease version older than one it had written for minutes, keeping every node NotReady
+    /// and tainted, and new pods unscheduled.)
     pub async fn start_apiserver(&self) -> Result<()> {
         self.apiserver
             .lock()
             .map_err(|_| self.err("lock poisoned"))?
             .restart()?;
-        self.wait_apiserver_ready().await
+        self.wait_apiserver_ready().await?;
+        let stopped = self.stopped_at.lock().ok().and_then(|mut at| at.take());
+        if stopped.is_some_and(|at| at.elapsed() >= LEADER_RENEW_DEADLINE) {
+            let mut others = self.others.lock().map_err(|_| self.err("lock poisoned"))?;
+            for service in others.iter_mut() {
+                tracing::info!(cluster = %self.name, component = service.name(), "restarted after the apiserver outage");
+                service.restart().map_err(|e| self.err(&e.to_string()))?;
+            }
+        }
+        Ok(())
     }
 
     fn apiserver_failure(&self) -> Option<String> {
@@ -530,6 +552,10 @@ impl Drop for TestCluster {
         self.stop_apiserver();
     }
 }
+
+/// How long a leader may fail to renew its lease before it gives up: kube-scheduler's and
+/// kube-controller-manager's `--leader-elect-renew-deadline` default.
+const LEADER_RENEW_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Restarts a scheduler or controller-manager of `cluster` that exits, once a second at most,
 /// as the kubelet of a real control plane restarts its static pods: kube-scheduler exits on
