@@ -423,7 +423,7 @@ impl TestCluster {
             let mut others = self.others.lock().map_err(|_| self.err("lock poisoned"))?;
             for service in others.iter_mut() {
                 tracing::info!(cluster = %self.name, component = service.name(), "restarted after the apiserver outage");
-                service.restart().map_err(|e| self.err(&e.to_string()))?;
+                service.restart().map_err(|e| self.err(e.to_string()))?;
             }
         }
         Ok(())
