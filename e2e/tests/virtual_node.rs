@@ -1823,6 +1823,23 @@ spec:
         tensile_e2e::kubectl::run(bed.lower_a.kubeconfig(), &["-n", ns, "get", "pod", "replayed"]).await;
     assert!(!below.ok && below.stderr.contains("NotFound"), "{}", below.stdout);
 
+    // The same annotations on an opted-in pod, as the descheduler writes the replacement of a
+    // bare pod it moves: the webhook signs the stash for this pod's own name, and it runs.
+    apply(up(), &manifest("moved", "virtual-pod: \"true\"", &copied)).await;
+    eventually(
+        up(),
+        "the moved pod Running",
+        60,
+        &["-n", ns, "get", "pod", "moved", "-o", "jsonpath={.status.phase}"],
+        "Running",
+    )
+    .await;
+    let resigned = annotation("moved", tensile_common::names::STASH_SIGNATURE).await;
+    assert!(
+        resigned.starts_with("v2:new:") && resigned != signature,
+        "signed for its own name: {resigned}"
+    );
+
     // A stash signed with the old key of the rotation, for its pod, is applied.
     let old_stash = r#"{"tolerations":[{"key":"dedicated","operator":"Exists"}]}"#;
     let old_signed = format!(

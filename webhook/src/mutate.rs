@@ -345,6 +345,38 @@ pub fn judge_excluding<'a>(
                     }
                 }
                 ops.extend(scheduler_op(pod.spec.as_ref(), policy));
+                // With a key, the stash it was written with is signed for this pod, as a stash
+                // made here would be: a bare pod the descheduler moves carries its original's
+                // signature, bound to another name. (Writing a stash gains a pod nothing its
+                // spec could not ask for: the same constraints in its spec would be stashed
+                // and signed here.)
+                let mut signed = None;
+                if let Some(key) = &policy.stash_key {
+                    let namespace = review.request.namespace.as_deref().unwrap_or_default();
+                    let controller = controller_uid(pod.metadata.as_ref());
+                    match sign(
+                        key,
+                        namespace,
+                        pod.metadata.as_ref(),
+                        controller.as_deref(),
+                        review.request.uid.as_str(),
+                        text,
+                    ) {
+                        Ok(pair) => signed = Some(pair),
+                        Err(message) => return Judgement::Decided(deny(review, message)),
+                    }
+                }
+                if let Some((signature, given)) = &signed {
+                    if pod.annotation(names::STASH_SIGNATURE) != Some(signature) {
+                        ops.push(add(
+                            &["metadata", "annotations", names::STASH_SIGNATURE],
+                            New::Stash(signature),
+                        ));
+                    }
+                    if let Some(name) = given {
+                        ops.push(add(&["metadata", "name"], New::Name(name)));
+                    }
+                }
                 return Judgement::Decided(if ops.is_empty() {
                     outcome
                 } else {
@@ -722,6 +754,39 @@ fn toleration(key: &str, effect: &str, seconds: Option<i64>) -> Toleration {
     }
 }
 
+/// The signature of `stash` for the pod of `metadata` in `namespace`, bound to its holder: its
+/// controller (`controller_uid`), else its name; a bare `generateName` pod is named here, as
+/// the apiserver would name it (its name is only given after mutating admission), and that
+/// name is returned to be written.
+fn sign(
+    key: &tensile_common::stash::StashKey,
+    namespace: &str,
+    metadata: Option<&MetadataMembers>,
+    controller_uid: Option<&str>,
+    request_uid: &str,
+    stash: &str,
+) -> Result<(String, Option<String>), String> {
+    let name = metadata.and_then(|m| m.name.as_deref()).filter(|n| !n.is_empty());
+    let prefix = metadata
+        .and_then(|m| m.generate_name.as_deref())
+        .filter(|n| !n.is_empty());
+    let given = match (controller_uid, name, prefix) {
+        (None, None, Some(prefix)) => Some(generated_name(prefix, request_uid)),
+        _ => None,
+    };
+    let holder = match (controller_uid, name, &given) {
+        (Some(uid), _, _) => Holder::Controller(uid),
+        (None, Some(name), _) => Holder::Name(name),
+        (None, None, Some(given)) => Holder::Name(given),
+        (None, None, None) => {
+            return Err(
+                "the pod has no controller, name or generateName to bind its stash signature to".into(),
+            );
+        }
+    };
+    Ok((key.sign(namespace, holder, stash), given))
+}
+
 /// The patch and warnings for a pod that opted in and carries no stash; `request_uid` is the
 /// admission request's, which names a bare `generateName` pod whose stash is signed.
 // One call site; the arguments are the review's parts and the outside knowledge.
@@ -881,32 +946,18 @@ fn plan(
     // The signature binds the stash to the pod's controller, or to the name of a bare pod.
     // A bare `generateName` pod is named here, as the apiserver would name it, since its name
     // is only given after mutating admission.
-    let mut given_name = None;
-    let signature = match &policy.stash_key {
-        None => None,
+    let (signature, given_name) = match &policy.stash_key {
+        None => (None, None),
         Some(key) => {
-            let name = metadata
-                .as_ref()
-                .and_then(|m| m.name.as_deref())
-                .filter(|n| !n.is_empty());
-            let prefix = metadata
-                .as_ref()
-                .and_then(|m| m.generate_name.as_deref())
-                .filter(|n| !n.is_empty());
-            let holder = match (&controller_uid, name, prefix) {
-                (Some(uid), _, _) => Holder::Controller(uid),
-                (None, Some(name), _) => Holder::Name(name),
-                (None, None, Some(prefix)) => {
-                    Holder::Name(given_name.insert(generated_name(prefix, request_uid)).as_str())
-                }
-                (None, None, None) => {
-                    return Err(
-                        "the pod has no controller, name or generateName to bind its stash signature to"
-                            .into(),
-                    );
-                }
-            };
-            Some(key.sign(namespace, holder, &stash_text))
+            let (signature, given_name) = sign(
+                key,
+                namespace,
+                metadata.as_ref(),
+                controller_uid.as_deref(),
+                request_uid,
+                &stash_text,
+            )?;
+            (Some(signature), given_name)
         }
     };
 

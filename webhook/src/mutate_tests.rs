@@ -1002,3 +1002,36 @@ fn a_template_copied_from_an_excluded_pod_gets_the_current_exclusion_not_the_sta
         assert!(text.contains("vn-c"), "{text}");
     }
 }
+
+#[test]
+fn a_pod_written_with_its_stash_is_signed_for_itself_not_for_its_original() {
+    let (policy, keys) = signing();
+    // A bare pod signed for its name, then copied under another name (a descheduler move).
+    let (_, original) = run(
+        opted_in(json!({"containers": containers(), "tolerations": [{"key": "gpu", "operator": "Exists"}]})),
+        &policy,
+    );
+    assert_eq!(keys.check(&metadata(&original)), Ok(()));
+    let mut moved = original.clone();
+    moved["metadata"]["name"] = json!("p-abcde");
+    assert!(
+        keys.check(&metadata(&moved)).is_err(),
+        "the copy's signature is its original's"
+    );
+    let (outcome, after) = run(moved, &policy);
+    assert_eq!(outcome.verdict, Verdict::Mutated);
+    assert_eq!(keys.check(&metadata(&after)), Ok(()), "signed for its own name");
+    assert_eq!(
+        after["metadata"]["annotations"][names::CLUSTER_SELECTOR],
+        original["metadata"]["annotations"][names::CLUSTER_SELECTOR],
+        "the stash itself is untouched"
+    );
+    // A re-invocation, or a pod whose signature already holds: nothing to change.
+    let (outcome, _) = run(after, &policy);
+    assert_eq!(outcome.verdict, Verdict::Unchanged);
+    // Without a key a written stash passes as it is.
+    let mut unsigned = original.clone();
+    unsigned["metadata"]["name"] = json!("p-fghij");
+    let (outcome, _) = run(unsigned, &Policy::default());
+    assert_eq!(outcome.verdict, Verdict::Unchanged);
+}
