@@ -1087,7 +1087,7 @@ async fn compose(
         started: Instant::now(),
         lost_grace: Duration::from_secs(10),
         cluster_name: lower_name,
-        namespaces: namespaces.clone(),
+        namespaces,
         served: lower_scope.clone(),
         known_priority_classes: Default::default(),
         first_status_held: Default::default(),
