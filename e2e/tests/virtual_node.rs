@@ -2403,19 +2403,20 @@ spec:
 
 /// A projected volume is judged source by source: a token beside a Secret never mounts the
 /// lower Secret of that name (another tenant's, in a namespace shared below), and without
-/// upper tokens the pod's own sources still travel.
+/// upper tokens the pod's own sources still travel. Run over lower-b, the bed's oldest supported
+/// version.
 #[tokio::test]
 async fn a_token_in_a_projected_volume_carries_no_lower_secret_and_drops_no_source_of_the_pod() {
     let bed = bed();
     let node = "vn-projected";
     let server = bed.upper.url();
-    let _vn = VirtualNode::start_with(node, &bed.lower_a, |args| {
+    let _vn = VirtualNode::start_with(node, &bed.lower_b, |args| {
         args.tokens.upper_tokens = true;
         args.tokens.upper_api_endpoint = Some(server.clone());
         args.tokens.token_namespaces = vec!["projtok".into()];
     });
     wait_ready(node).await;
-    let low = bed.lower_a.kubeconfig();
+    let low = bed.lower_b.kubeconfig();
     let pod = |ns: &str, name: &str, source: &str| {
         format!(
             r#"
