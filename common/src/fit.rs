@@ -463,15 +463,7 @@ fn labels_match(
     selector: &BTreeMap<String, String>,
     terms: Option<&[NodeSelectorTerm]>,
 ) -> bool {
-    let selector_ok = selector_matches(selector, labels);
-    let affinity_ok = terms.is_none_or(|terms| {
-        terms.iter().any(|t| {
-            let exprs = t.match_expressions.as_deref().unwrap_or_default();
-            // An empty term selects nothing.
-            !exprs.is_empty() && exprs.iter().all(|r| requirement_matches(labels, r))
-        })
-    });
-    selector_ok && affinity_ok
+    selector_matches(selector, labels) && terms_match(terms, None, labels)
 }
 
 pub fn requirement_matches(labels: &BTreeMap<String, String>, r: &NodeSelectorRequirement) -> bool {
@@ -510,22 +502,127 @@ pub fn untolerated_taint<'a>(node: &'a Node, tolerations: &[Toleration]) -> Opti
         .find(|t| matches!(t.effect.as_str(), "NoSchedule" | "NoExecute") && !tolerated(t, tolerations))
 }
 
-/// True when a node of this name and these labels satisfies the required node selector
-/// terms, as the scheduler reads them: any term, every expression and field of it
-/// (`matchFields` knows `metadata.name` only); an empty term selects nothing. An empty list
-/// of terms constrains nothing.
-pub fn terms_match(terms: &[NodeSelectorTerm], name: &str, labels: &BTreeMap<String, String>) -> bool {
-    if terms.is_empty() {
+/// True when a node of these labels (and this name, when known) satisfies the required node
+/// selector terms, as kube-scheduler reads them: `None` (no required affinity) constrains
+/// nothing; otherwise some term matches, a term matching when it has at least one
+/// requirement and all of them hold (`matchFields` knows `metadata.name` only, and a node
+/// whose name is not known matches no field requirement). So an empty term, and an empty
+/// list of terms, select nothing.
+pub fn terms_match(
+    terms: Option<&[NodeSelectorTerm]>,
+    name: Option<&str>,
+    labels: &BTreeMap<String, String>,
+) -> bool {
+    let Some(terms) = terms else {
         return true;
-    }
-    let fields = BTreeMap::from([("metadata.name".to_owned(), name.to_owned())]);
+    };
+    let fields = name.map(|n| BTreeMap::from([("metadata.name".to_owned(), n.to_owned())]));
     terms.iter().any(|t| {
         let exprs = t.match_expressions.as_deref().unwrap_or_default();
         let by_field = t.match_fields.as_deref().unwrap_or_default();
         (!exprs.is_empty() || !by_field.is_empty())
             && exprs.iter().all(|r| requirement_matches(labels, r))
-            && by_field.iter().all(|r| requirement_matches(&fields, r))
+            && by_field
+                .iter()
+                .all(|r| fields.as_ref().is_some_and(|f| requirement_matches(f, r)))
     })
+}
+
+/// Why the upper scheduler keeps a pod off a node by the node itself: what kube-scheduler's
+/// NodeUnschedulable, TaintToleration and NodeAffinity filters check, and the node's
+/// readiness (which kube-scheduler reads through the `not-ready` taint the node controller
+/// sets).
+#[derive(Clone, Debug, PartialEq)]
+pub enum UpperRefusal {
+    NotReady,
+    /// `spec.unschedulable`, and the pod does not tolerate `node.kubernetes.io/unschedulable`.
+    Cordoned,
+    /// A `NoSchedule`/`NoExecute` taint no toleration of the pod tolerates.
+    Taint(Taint),
+    /// A `nodeSelector` pair the node's labels lack.
+    NodeSelector(String, String),
+    /// No term of the required node affinity matches.
+    Affinity,
+}
+
+impl UpperRefusal {
+    /// The refusal in kube-scheduler's words, as its `FailedScheduling` message counts them.
+    pub fn scheduler_reason(&self) -> String {
+        match self {
+            UpperRefusal::NotReady => "node(s) were not ready".into(),
+            UpperRefusal::Cordoned => "node(s) were unschedulable".into(),
+            UpperRefusal::Taint(t) => format!(
+                "node(s) had taint {{{}: {}}}, that the pod didn't tolerate",
+                t.key,
+                t.value.as_deref().unwrap_or_default()
+            ),
+            UpperRefusal::NodeSelector(..) | UpperRefusal::Affinity => {
+                "node(s) didn't match node selector".into()
+            }
+        }
+    }
+
+    /// The refusal of the node `name`, in a sentence.
+    pub fn of_node(&self, name: &str) -> String {
+        match self {
+            UpperRefusal::NotReady => format!("{name} is not Ready"),
+            UpperRefusal::Cordoned => format!("{name} is cordoned"),
+            UpperRefusal::Taint(t) => format!("{name} has the taint {} the pod does not tolerate", t.key),
+            UpperRefusal::NodeSelector(k, v) => {
+                format!("{name} does not match the pod's nodeSelector {k}={v}")
+            }
+            UpperRefusal::Affinity => format!("{name} does not match the pod's required node affinity"),
+        }
+    }
+}
+
+/// The taint kube-scheduler's NodeUnschedulable filter takes a cordon for: a pod tolerating
+/// it may go to a cordoned node.
+const UNSCHEDULABLE_TAINT: &str = "node.kubernetes.io/unschedulable";
+
+/// Why the upper scheduler would not bind a pod of these tolerations, `nodeSelector` and
+/// required node affinity terms to `node`, by the node itself (`None`: it would, capacity
+/// aside). The one upper predicate of the suite: the multi-scheduler's filter and the
+/// descheduler's choice of targets both ask it.
+pub fn upper_refusal(
+    node: &Node,
+    tolerations: &[Toleration],
+    node_selector: Option<&BTreeMap<String, String>>,
+    terms: Option<&[NodeSelectorTerm]>,
+) -> Option<UpperRefusal> {
+    if !is_ready(node) {
+        return Some(UpperRefusal::NotReady);
+    }
+    let cordon = Taint {
+        key: UNSCHEDULABLE_TAINT.into(),
+        effect: "NoSchedule".into(),
+        ..Default::default()
+    };
+    if node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true) && !tolerated(&cordon, tolerations) {
+        return Some(UpperRefusal::Cordoned);
+    }
+    if let Some(taint) = untolerated_taint(node, tolerations) {
+        return Some(UpperRefusal::Taint(taint.clone()));
+    }
+    let empty = BTreeMap::new();
+    let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
+    if let Some((k, v)) = node_selector
+        .into_iter()
+        .flatten()
+        .find(|(k, v)| labels.get(*k) != Some(*v))
+    {
+        return Some(UpperRefusal::NodeSelector(k.clone(), v.clone()));
+    }
+    (!terms_match(terms, node.metadata.name.as_deref(), labels)).then_some(UpperRefusal::Affinity)
+}
+
+/// The pod's required node affinity terms (`None`: it has none).
+pub fn required_terms(spec: &k8s_openapi::api::core::v1::PodSpec) -> Option<&[NodeSelectorTerm]> {
+    spec.affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref())
+        .map(|r| r.node_selector_terms.as_slice())
 }
 
 /// True when the labels carry every key and value of the nodeSelector.
@@ -936,15 +1033,75 @@ mod tests {
         ]))
         .unwrap();
         let labels = |zone: &str| BTreeMap::from([(ZONE.to_owned(), zone.to_owned())]);
-        assert!(terms_match(&terms, "vn-a", &labels("a")), "the first term");
         assert!(
-            terms_match(&terms, "vn-b", &labels("z")),
+            terms_match(Some(&terms), Some("vn-a"), &labels("a")),
+            "the first term"
+        );
+        assert!(
+            terms_match(Some(&terms), Some("vn-b"), &labels("z")),
             "the second term, by name"
         );
-        assert!(!terms_match(&terms, "vn-c", &labels("z")));
+        assert!(!terms_match(Some(&terms), Some("vn-c"), &labels("z")));
+        assert!(
+            !terms_match(Some(&terms), None, &labels("z")),
+            "a field requirement of an unnamed node"
+        );
         let empty: Vec<NodeSelectorTerm> = serde_json::from_value(json!([{}])).unwrap();
-        assert!(!terms_match(&empty, "vn-a", &labels("a")));
-        assert!(terms_match(&[], "vn-a", &labels("a")), "no terms, no constraint");
+        assert!(!terms_match(Some(&empty), Some("vn-a"), &labels("a")));
+        assert!(
+            !terms_match(Some(&[]), Some("vn-a"), &labels("a")),
+            "an empty list of terms selects nothing, as in kube-scheduler"
+        );
+        assert!(
+            terms_match(None, Some("vn-a"), &labels("a")),
+            "no required affinity, no constraint"
+        );
+    }
+
+    #[test]
+    fn the_upper_predicate_is_kube_schedulers_node_filters() {
+        let node = |spec: serde_json::Value| -> Node {
+            serde_json::from_value(json!({"metadata": {"name": "vn-a", "labels": {ZONE: "a"}},
+                "spec": spec,
+                "status": {"conditions": [{"type": "Ready", "status": "True"}]}}))
+            .unwrap()
+        };
+        let toleration = |key: &str| Toleration {
+            key: Some(key.into()),
+            operator: Some("Exists".into()),
+            ..Default::default()
+        };
+        let plain = node(json!({}));
+        assert_eq!(upper_refusal(&plain, &[], None, None), None);
+        let cordoned = node(json!({"unschedulable": true}));
+        assert_eq!(
+            upper_refusal(&cordoned, &[], None, None),
+            Some(UpperRefusal::Cordoned)
+        );
+        assert_eq!(
+            upper_refusal(&cordoned, &[toleration(UNSCHEDULABLE_TAINT)], None, None),
+            None,
+            "a pod tolerating the cordon's taint goes to a cordoned node"
+        );
+        let tainted = node(json!({"taints": [{"key": "gpu", "effect": "NoSchedule"}]}));
+        assert!(
+            matches!(upper_refusal(&tainted, &[], None, None), Some(UpperRefusal::Taint(t)) if t.key == "gpu")
+        );
+        let selector = BTreeMap::from([(ZONE.to_owned(), "b".to_owned())]);
+        assert_eq!(
+            upper_refusal(&plain, &[], Some(&selector), None),
+            Some(UpperRefusal::NodeSelector(ZONE.into(), "b".into()))
+        );
+        assert_eq!(
+            upper_refusal(&plain, &[], None, Some(&[])),
+            Some(UpperRefusal::Affinity)
+        );
+        let mut not_ready = plain.clone();
+        not_ready.status = None;
+        assert_eq!(
+            upper_refusal(&not_ready, &[], None, None),
+            Some(UpperRefusal::NotReady)
+        );
     }
 
     #[test]

@@ -10,10 +10,8 @@
 //! are not the workload's own constraints and are left out; the new exclusion is applied
 //! by the caller.
 
-use std::collections::BTreeMap;
-
 use k8s_openapi::api::core::v1::{Node, NodeSelectorTerm, Pod};
-use tensile_common::fit::{self, Options, PodFacts, ShapeFacts, Verdict};
+use tensile_common::fit::{self, Options, PodFacts, ShapeFacts, UpperRefusal, Verdict};
 use tensile_common::names;
 
 /// Why a virtual node would not take the pod.
@@ -58,24 +56,11 @@ pub fn refuses(pod: &Pod, node: &Node, options: &Options) -> Option<NotFit> {
 /// Whether `node` would take the pod, apart from the exclusions of ours it carries.
 pub fn takes(pod: &Pod, node: &Node, options: &Options) -> Take {
     let name = node.metadata.name.as_deref().unwrap_or_default();
-    if !fit::is_ready(node) {
-        return Take::No(NotFit::Upper(format!("{name} is not Ready")));
-    }
-    if node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true) {
-        return Take::No(NotFit::Upper(format!("{name} is cordoned")));
-    }
-    let Some(spec) = pod.spec.as_ref() else {
+    if pod.spec.is_none() {
         return Take::Unknown;
-    };
-    let tolerations = spec.tolerations.as_deref().unwrap_or_default();
-    if let Some(taint) = fit::untolerated_taint(node, tolerations) {
-        return Take::No(NotFit::Upper(format!(
-            "{name} has the taint {} the pod does not tolerate",
-            taint.key
-        )));
     }
-    if let Some(why) = unmatched(pod, node) {
-        return Take::No(NotFit::Upper(why));
+    if let Some(why) = upper_refusal(pod, node) {
+        return Take::No(NotFit::Upper(why.of_node(name)));
     }
     match fit::judge(&PodFacts::of(pod), ShapeFacts::of(node).as_ref(), options).verdict {
         Verdict::Rejected(why) => Take::No(NotFit::Shape(format!(
@@ -89,29 +74,24 @@ pub fn takes(pod: &Pod, node: &Node, options: &Options) -> Take {
 /// Whether `node` matches the pod's `nodeSelector` and required node affinity (the
 /// exclusions of ours it carries left out).
 pub fn matches_constraints(pod: &Pod, node: &Node) -> bool {
-    unmatched(pod, node).is_none()
+    !matches!(
+        upper_refusal(pod, node),
+        Some(UpperRefusal::NodeSelector(..) | UpperRefusal::Affinity)
+    )
 }
 
-/// Which of the pod's `nodeSelector` and required node affinity `node` does not match.
-fn unmatched(pod: &Pod, node: &Node) -> Option<String> {
-    let name = node.metadata.name.as_deref().unwrap_or_default();
+/// Why the upper scheduler would keep the pod's replacement off `node`, by the suite's one
+/// upper predicate: the pod's tolerations, `nodeSelector` and required node affinity, the
+/// exclusions of ours it carries left out.
+fn upper_refusal(pod: &Pod, node: &Node) -> Option<UpperRefusal> {
     let spec = pod.spec.as_ref()?;
-    let empty = BTreeMap::new();
-    let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
-    for (k, v) in spec.node_selector.iter().flatten() {
-        if labels.get(k) != Some(v) {
-            return Some(format!("{name} does not match the pod's nodeSelector {k}={v}"));
-        }
-    }
-    let terms = spec
-        .affinity
-        .as_ref()
-        .and_then(|a| a.node_affinity.as_ref())
-        .and_then(|na| na.required_during_scheduling_ignored_during_execution.as_ref())
-        .map(|r| without_our_exclusions(&r.node_selector_terms, &excluded_by_us(pod)))
-        .unwrap_or_default();
-    (!fit::terms_match(&terms, name, labels))
-        .then(|| format!("{name} does not match the pod's required node affinity"))
+    let terms = fit::required_terms(spec).map(|terms| without_our_exclusions(terms, &excluded_by_us(pod)));
+    fit::upper_refusal(
+        node,
+        spec.tolerations.as_deref().unwrap_or_default(),
+        spec.node_selector.as_ref(),
+        terms.as_deref(),
+    )
 }
 
 /// The terms with the webhook's own `kubernetes.io/hostname NotIn` values taken out: they

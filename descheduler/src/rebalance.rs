@@ -302,7 +302,9 @@ fn preference(pod: &Pod, node: &Node) -> i32 {
         .and_then(|na| na.preferred_during_scheduling_ignored_during_execution.as_ref())
         .into_iter()
         .flatten()
-        .filter(|t| tensile_common::fit::terms_match(std::slice::from_ref(&t.preference), name, &labels))
+        .filter(|t| {
+            tensile_common::fit::terms_match(Some(std::slice::from_ref(&t.preference)), Some(name), &labels)
+        })
         .map(|t| t.weight)
         .sum()
 }

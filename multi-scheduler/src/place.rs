@@ -160,35 +160,15 @@ pub fn refusal(name: &str, constraints: &str) -> String {
 
 /// Why the node refuses the pod by what the upper scheduler checks; `None`: it does not.
 fn upper_refusal(pod: &Pod, node: &Node, requests: &ResourceMap, requested: &ResourceMap) -> Option<String> {
-    if !fit::is_ready(node) {
-        return Some("node(s) were not ready".into());
-    }
-    if node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true) {
-        return Some("node(s) were unschedulable".into());
-    }
     let spec = pod.spec.as_ref();
     let tolerations = spec.and_then(|s| s.tolerations.as_deref()).unwrap_or_default();
-    if let Some(taint) = fit::untolerated_taint(node, tolerations) {
-        let value = taint.value.as_deref().unwrap_or_default();
-        return Some(format!(
-            "node(s) had taint {{{}: {value}}}, that the pod didn't tolerate",
-            taint.key
-        ));
-    }
-    let empty = BTreeMap::new();
-    let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
-    let selector_ok = spec
-        .and_then(|s| s.node_selector.as_ref())
-        .is_none_or(|selector| fit::selector_matches(selector, labels));
-    let terms = spec
-        .and_then(|s| s.affinity.as_ref())
-        .and_then(|a| a.node_affinity.as_ref())
-        .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref())
-        .map(|r| r.node_selector_terms.as_slice())
-        .unwrap_or_default();
-    let name = node.metadata.name.as_deref().unwrap_or_default();
-    if !selector_ok || !fit::terms_match(terms, name, labels) {
-        return Some("node(s) didn't match node selector".into());
+    if let Some(why) = fit::upper_refusal(
+        node,
+        tolerations,
+        spec.and_then(|s| s.node_selector.as_ref()),
+        spec.and_then(fit::required_terms),
+    ) {
+        return Some(why.scheduler_reason());
     }
     let allocatable = node
         .status
