@@ -31,7 +31,7 @@ use crate::job;
 use crate::metrics::{Metrics, NodeLabels, ReasonLabels, ResultLabels};
 use crate::pairs::{self, PairStep};
 use crate::rebalance;
-use crate::store::Store;
+use crate::store::{self, Store};
 use tensile_common::evict::{self, Evicted};
 
 /// The per-round caps (`0`: none).
@@ -243,9 +243,9 @@ impl Descheduler {
                         tracing::debug!(pod = %key(&pod), "not moved this round: {cap} reached");
                         continue;
                     }
-                    self.perform(&pod, &m, now, &mut exclusions).await;
+                    self.perform(&pod, &m, &mut exclusions).await;
                 }
-                Verdict::GiveUp(g) => self.give_up(&pod, &g, now, &mut exclusions).await,
+                Verdict::GiveUp(g) => self.give_up(&pod, &g, &mut exclusions).await,
                 Verdict::Release(r) => {
                     if self.backing_off(&pod) {
                         continue;
@@ -256,7 +256,7 @@ impl Descheduler {
                         tracing::debug!(pod = %key(&pod), "not recreated this round: {cap} reached");
                         continue;
                     }
-                    self.release(&pod, &r, now, &mut exclusions).await;
+                    self.release(&pod, &r, &mut exclusions).await;
                 }
             }
         }
@@ -300,7 +300,7 @@ impl Descheduler {
     }
 
     /// Moves one pod: records the exclusion, then evicts it (owned) or replaces it (bare).
-    async fn perform(&self, pod: &Pod, m: &Move, now: Timestamp, exclusions: &mut Exclusions) {
+    async fn perform(&self, pod: &Pod, m: &Move, exclusions: &mut Exclusions) {
         let ns = pod.metadata.namespace.clone().unwrap_or_default();
         let name = pod.metadata.name.clone().unwrap_or_default();
         let owner = m.workload.describe(&name);
@@ -318,7 +318,7 @@ impl Descheduler {
             return;
         }
         if m.record_changed {
-            match self.store.put(m.workload.key(), &m.record, now).await {
+            match self.store.put(m.workload.key(), &m.record, exclusions).await {
                 Ok(()) => {
                     self.metrics.exclusion_writes.get_or_create(&ok()).inc();
                     if let Workload::Owned { .. } = &m.workload {
@@ -334,6 +334,12 @@ impl Descheduler {
                         .await;
                     }
                 }
+                Err(e @ store::Error::Changed(_)) => {
+                    self.metrics.exclusion_writes.get_or_create(&changed()).inc();
+                    self.metrics.moved("changed", &m.refusal.reason, node, &ns);
+                    tracing::info!(pod = %format!("{ns}/{name}"), "not moved: {e}; judged again on the newer record");
+                    return;
+                }
                 Err(e) => {
                     self.metrics.exclusion_writes.get_or_create(&failed()).inc();
                     self.failed(
@@ -347,9 +353,6 @@ impl Descheduler {
                 }
             }
         }
-        exclusions
-            .records
-            .insert(m.workload.key().to_owned(), m.record.clone());
         if let Workload::Bare { .. } = &m.workload {
             bare::crash_point(self.crash_at, bare::Step::Recorded);
         }
@@ -511,7 +514,7 @@ impl Descheduler {
     /// nodes whose shape holds it again out of the record, then evicts the pod (its
     /// controller recreates it, and the webhook writes the record's current exclusion) or
     /// replaces it (a bare pod).
-    async fn release(&self, pod: &Pod, r: &Release, now: Timestamp, exclusions: &mut Exclusions) {
+    async fn release(&self, pod: &Pod, r: &Release, exclusions: &mut Exclusions) {
         let ns = pod.metadata.namespace.clone().unwrap_or_default();
         let name = pod.metadata.name.clone().unwrap_or_default();
         let owner = r.workload.describe(&name);
@@ -530,12 +533,15 @@ impl Descheduler {
             return;
         }
         if let Some(record) = &r.record {
-            match self.store.put(r.workload.key(), record, now).await {
+            match self.store.put(r.workload.key(), record, exclusions).await {
                 Ok(()) => {
                     self.metrics.exclusion_writes.get_or_create(&ok()).inc();
-                    exclusions
-                        .records
-                        .insert(r.workload.key().to_owned(), record.clone());
+                }
+                Err(e @ store::Error::Changed(_)) => {
+                    self.metrics.exclusion_writes.get_or_create(&changed()).inc();
+                    self.released("changed");
+                    tracing::info!(pod = %key(pod), "not recreated: {e}; judged again on the newer record");
+                    return;
                 }
                 Err(e) => {
                     self.metrics.exclusion_writes.get_or_create(&failed()).inc();
@@ -723,7 +729,7 @@ impl Descheduler {
         }
     }
 
-    async fn give_up(&self, pod: &Pod, g: &GiveUp, now: Timestamp, exclusions: &mut Exclusions) {
+    async fn give_up(&self, pod: &Pod, g: &GiveUp, exclusions: &mut Exclusions) {
         let ns = pod.metadata.namespace.clone().unwrap_or_default();
         let name = pod.metadata.name.clone().unwrap_or_default();
         let owner = g.workload.describe(&name);
@@ -731,10 +737,10 @@ impl Descheduler {
             "stopped moving {owner}: it was moved {} times within the exclusion TTL and the lower cluster of {} still cannot place {ns}/{name} ({})",
             g.record.moves, g.refusal.node, g.refusal.message
         );
-        exclusions
-            .records
-            .insert(g.workload.key().to_owned(), g.record.clone());
         if self.dry_run {
+            exclusions
+                .records
+                .insert(g.workload.key().to_owned(), g.record.clone());
             tracing::warn!("dry run: would give up: {note}");
             self.metrics
                 .gave_up
@@ -744,8 +750,12 @@ impl Descheduler {
                 .inc();
             return;
         }
-        if let Err(e) = self.store.put(g.workload.key(), &g.record, now).await {
-            self.metrics.exclusion_writes.get_or_create(&failed()).inc();
+        if let Err(e) = self.store.put(g.workload.key(), &g.record, exclusions).await {
+            let result = match e {
+                store::Error::Changed(_) => changed(),
+                _ => failed(),
+            };
+            self.metrics.exclusion_writes.get_or_create(&result).inc();
             tracing::warn!(pod = %format!("{ns}/{name}"), "recording that {owner} was given up on: {e}");
             return;
         }
@@ -846,6 +856,12 @@ fn ok() -> ResultLabels {
 fn failed() -> ResultLabels {
     ResultLabels {
         result: "error".into(),
+    }
+}
+
+fn changed() -> ResultLabels {
+    ResultLabels {
+        result: "changed".into(),
     }
 }
 

@@ -43,11 +43,34 @@ impl Store {
         self.writer.current()
     }
 
-    /// Sets the record of workload `key`.
-    pub async fn put(&self, key: &str, record: &Record, _now: Timestamp) -> Result<(), Error> {
-        self.writer.put(key, record).await?;
-        tokio::time::sleep(SETTLE).await;
-        Ok(())
+    /// Sets the record of workload `key` to `record`, computed from `exclusions` (the round's
+    /// view), and brings that view up to date: with the record written, or, when the record
+    /// changed meanwhile ([`Error::Changed`]: nothing written), with the record as the watch
+    /// shows it now, so what the round judges next starts from it.
+    pub async fn put(&self, key: &str, record: &Record, exclusions: &mut Exclusions) -> Result<(), Error> {
+        let base = exclusions.versions.get(key).cloned();
+        match self.writer.put(key, record, base.as_deref()).await {
+            Ok(version) => {
+                exclusions.records.insert(key.to_owned(), record.clone());
+                exclusions.versions.insert(key.to_owned(), version);
+                tokio::time::sleep(SETTLE).await;
+                Ok(())
+            }
+            Err(e) => {
+                if let Error::Changed(_) = e {
+                    let now = self.current();
+                    match now.records.get(key) {
+                        Some(r) => exclusions.records.insert(key.to_owned(), r.clone()),
+                        None => exclusions.records.remove(key),
+                    };
+                    match now.versions.get(key) {
+                        Some(v) => exclusions.versions.insert(key.to_owned(), v.clone()),
+                        None => exclusions.versions.remove(key),
+                    };
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Deletes expired records, unless a sweep ran within the last minute.

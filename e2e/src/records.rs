@@ -109,7 +109,7 @@ pub async fn exclusions(live: usize, moves: usize, old_live: usize) -> anyhow::R
     for i in 0..moves {
         let t0 = Instant::now();
         let (key, r) = record(live + i, until);
-        writer.put(&key, &r).await?;
+        writer.put(&key, &r, None).await?;
         write_ms.push(t0.elapsed().as_secs_f64() * 1000.0);
         let body = serde_json::json!({
             "metadata": {"name": format!("moved-{i}"), "namespace": NAMESPACE},

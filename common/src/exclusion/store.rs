@@ -19,12 +19,12 @@ pub enum Error {
     Api(#[from] ApiError),
     #[error("encoding the exclusion record: {0}")]
     Encode(#[from] serde_json::Error),
-    #[error("exclusion record {0}: still conflicting after {1} attempts")]
-    Conflict(String, usize),
+    /// The record is no longer the one the new record was computed from: written or
+    /// deleted by someone else meanwhile. Nothing was written; judge again on what the watch
+    /// shows now.
+    #[error("exclusion record {0} changed since it was read; nothing written")]
+    Changed(String),
 }
-
-/// Attempts of one write when its resourceVersion was stale.
-const ATTEMPTS: usize = 5;
 /// Deletes in flight at once during a sweep.
 const SWEEP_CONCURRENCY: usize = 16;
 /// How long a write waits for the writer's own watch to show it.
@@ -73,17 +73,25 @@ impl Writer {
         format!("{} {}/{}", super::KIND, self.location.namespace, object_name(key))
     }
 
-    /// Sets the record of workload `key`: one object written, none other read or touched.
-    /// Returns once the writer's own watch shows it (or after 2 s), so that readers, which
-    /// get the same event at about the same moment, most likely have it too.
-    pub async fn put(&self, key: &str, record: &Record) -> Result<(), Error> {
+    /// Sets the record of workload `key` to `record`, computed from the object at
+    /// resourceVersion `base` as the watch showed it (`None`: from no object). One object
+    /// written, none other read or touched; its new resourceVersion is returned once the
+    /// writer's own watch shows it (or after 2 s), so that readers, which get the same event
+    /// at about the same moment, most likely have it too.
+    ///
+    /// The write is guarded by `base`: if the object changed meanwhile (another writer, a
+    /// hand edit, a leader that had not yet stopped), nothing is written and
+    /// [`Error::Changed`] says so, after the watch has caught up with the change, so the
+    /// caller computes the record again from the newer one instead of overwriting it. Only
+    /// an object deleted meanwhile is created afresh: nothing of it is left to lose.
+    pub async fn put(&self, key: &str, record: &Record, base: Option<&str>) -> Result<String, Error> {
         let name = object_name(key);
         let pp = PostParams {
             field_manager: Some(self.manager.clone()),
             ..Default::default()
         };
-        let mut version = self.current().versions.get(key).cloned();
-        for _ in 0..ATTEMPTS {
+        let mut version = base.map(str::to_owned);
+        loop {
             let object = encode(
                 &self.location.namespace,
                 key,
@@ -97,18 +105,16 @@ impl Writer {
             };
             match written {
                 Ok(object) => {
-                    self.wait_seen(key, object.metadata.resource_version.as_deref())
-                        .await;
-                    return Ok(());
+                    let written = object.metadata.resource_version.unwrap_or_default();
+                    self.wait_seen(key, |shown| shown == Some(written.as_str())).await;
+                    return Ok(written);
                 }
-                // Created meanwhile, replaced meanwhile, or gone: start from what is there.
-                Err(e) if matches!(code(&e), Some(409) | Some(404)) => {
-                    version = self
-                        .api
-                        .get_opt(&name)
-                        .await
-                        .map_err(ApiError::on("upper", "get", self.what(key)))?
-                        .and_then(|o| o.metadata.resource_version);
+                // Deleted since it was read (an expired record swept): nothing to lose.
+                Err(e) if code(&e) == Some(404) && version.is_some() => version = None,
+                // Created or replaced meanwhile: not ours to overwrite.
+                Err(e) if code(&e) == Some(409) => {
+                    self.wait_seen(key, |shown| shown.is_some() && shown != base).await;
+                    return Err(Error::Changed(self.what(key)));
                 }
                 Err(e) => {
                     let verb = if version.is_some() { "replace" } else { "create" };
@@ -116,19 +122,16 @@ impl Writer {
                 }
             }
         }
-        Err(Error::Conflict(self.what(key), ATTEMPTS))
     }
 
-    /// Waits until the watch shows the object of `key` at `version` (the record as the
-    /// apiserver keeps it: its times in whole seconds, so never compared with ours).
-    async fn wait_seen(&self, key: &str, version: Option<&str>) {
-        let Some(version) = version else {
-            return;
-        };
+    /// Waits until the watch shows the object of `key` at a resourceVersion `shown` accepts
+    /// (the record as the apiserver keeps it: its times in whole seconds, so never compared
+    /// with ours), for 2 s at most.
+    async fn wait_seen(&self, key: &str, shown: impl Fn(Option<&str>) -> bool) {
         let mut seen = self.seen.clone();
-        let shown = seen.wait_for(|ex| ex.versions.get(key).map(String::as_str) == Some(version));
+        let shown = seen.wait_for(|ex| shown(ex.versions.get(key).map(String::as_str)));
         if tokio::time::timeout(SEEN_WITHIN, shown).await.is_err() {
-            tracing::debug!(record = %self.what(key), "the watch has not shown our write after {SEEN_WITHIN:?}");
+            tracing::debug!(record = %self.what(key), "the watch has not shown the record's change after {SEEN_WITHIN:?}");
         }
     }
 
