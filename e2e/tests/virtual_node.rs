@@ -2841,3 +2841,81 @@ spec:
 fn tokens_label() -> &'static str {
     tensile_virtual_node::tokens::TOKEN_LABEL
 }
+
+#[tokio::test]
+async fn a_lower_pod_with_pod_level_requests_takes_its_requests_from_the_room_shown() {
+    let bed = bed();
+    let ns = "pod-level";
+    let low = bed.lower_a.kubeconfig();
+    bed.lower_a.create_namespace(ns).await.unwrap();
+    apply(
+        low,
+        &format!(
+            "{{apiVersion: v1, kind: ResourceQuota, metadata: {{name: room, namespace: {ns}}}, \
+             spec: {{hard: {{requests.cpu: '4', requests.memory: 8Gi, pods: '10'}}}}}}"
+        ),
+    )
+    .await;
+    // Scoped to one namespace, the node's room is its quota less the other pods there, so
+    // the other tests' pods on lower-a change nothing this test reads.
+    let _vn = VirtualNode::start_with("vn-pod-level", &bed.lower_a, |args| {
+        args.lower.namespaces = vec![ns.into()];
+    });
+    wait_ready("vn-pod-level").await;
+    let room = [
+        "get",
+        "node",
+        "vn-pod-level",
+        "-o",
+        "jsonpath={.status.allocatable.cpu}/{.status.allocatable.memory}",
+    ];
+    eventually(up(), "the quota's room", 30, &room, "4/8589934592").await;
+
+    // Someone else's pod in the served namespace, its requests on the pod level
+    // (`spec.resources`, KEP-2837) and a little on its container.
+    apply(
+        low,
+        &format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: pod-level, namespace: {ns}}}
+spec:
+  terminationGracePeriodSeconds: 1
+  resources: {{requests: {{cpu: 1500m, memory: 1Gi}}}}
+  containers: [{{name: app, image: busybox, resources: {{requests: {{cpu: 100m, memory: 64Mi}}}}}}]
+"#
+        ),
+    )
+    .await;
+    // The pod level is on by default from 1.34; a 1.33 apiserver drops it, and its scheduler
+    // charges the container alone.
+    let kept = kubectl(
+        low,
+        &[
+            "-n",
+            ns,
+            "get",
+            "pod",
+            "pod-level",
+            "-o",
+            "jsonpath={.spec.resources.requests.cpu}",
+        ],
+    )
+    .await;
+    let minor: u32 = bed.lower_a.version().split('.').nth(1).unwrap().parse().unwrap();
+    assert_eq!(
+        kept,
+        if minor >= 34 { "1500m" } else { "" },
+        "pod level kept by {}",
+        bed.lower_a.version()
+    );
+    let want = if minor >= 34 {
+        "2500m/7516192768" // 4 - 1500m, 8Gi - 1Gi
+    } else {
+        "3900m/8522825728" // 4 - 100m, 8Gi - 64Mi
+    };
+    eventually(up(), "the room less the pod's requests", 30, &room, want).await;
+    kubectl(low, &["-n", ns, "delete", "pod", "pod-level", "--wait=true"]).await;
+    eventually(up(), "the whole room again", 30, &room, "4/8589934592").await;
+}
