@@ -12,7 +12,10 @@
 //! the pod's workload must avoid some virtual nodes (`--exclusions-configmap`, keyed by the
 //! controller's UID), every upper node-affinity term also gets `kubernetes.io/hostname
 //! NotIn` those nodes, after the split, so the exclusion steers the upper scheduler and
-//! never enters the stash. virtual-node restores the stash below.
+//! never enters the stash. virtual-node restores the stash below. With
+//! `--job-disruption-rule`, an opted-in Job (its pod template carries the label) gets a
+//! `podFailurePolicy` rule ignoring `DisruptionTarget` at CREATE ([`job`]), so the
+//! descheduler may move its pods without costing it a failure.
 //!
 //! [`mutate::mutate`] is pure (review in, response out); [`server`] adds HTTPS, limits and
 //! metrics; [`tensile_common::tls`] and [`ca_bundle`] handle the certificate. Every other pod, and every
@@ -20,6 +23,7 @@
 
 pub mod ca_bundle;
 pub mod ca_secret;
+pub mod job;
 pub mod metrics;
 pub mod mutate;
 pub mod policy;
@@ -172,6 +176,13 @@ pub struct Args {
     /// theirs. Unset: schedulerName is left alone.
     #[arg(long, env = "WEBHOOK_SCHEDULER_NAME", value_parser = scheduler_name)]
     pub scheduler_name: Option<String>,
+    /// Give every opted-in Job (its pod template carries `--pod-label`) the rule
+    /// `{action: Ignore, onPodConditions: [{type: DisruptionTarget}]}` first in its
+    /// `spec.podFailurePolicy` at CREATE, so the descheduler may move its pods without a
+    /// failure counting against `backoffLimit`. The registration must send Jobs (the chart's
+    /// `webhook.jobDisruptionRule`).
+    #[arg(long, env = "TENSILE_JOB_DISRUPTION_RULE")]
+    pub job_disruption_rule: bool,
     #[command(flatten)]
     pub client: tensile_common::kubeconfig::ClientArgs,
     #[command(flatten)]
@@ -217,6 +228,7 @@ impl Args {
                 None => None,
             },
             scheduler_name: self.scheduler_name.clone(),
+            job_disruption_rule: self.job_disruption_rule,
         })
     }
 }

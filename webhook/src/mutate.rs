@@ -239,7 +239,7 @@ fn encode(ops: &[Op<'_>]) -> Result<Vec<u8>, String> {
 }
 
 /// The review allowed with `patch` (JSON patch text).
-fn patched(review: &Review, patch: Vec<u8>, warnings: Vec<String>) -> Outcome {
+pub(crate) fn patched(review: &Review, patch: Vec<u8>, warnings: Vec<String>) -> Outcome {
     // `with_patch` is the only way to set the patch type; the patch itself is written
     // straight from the typed values.
     match allow(review).with_patch(Patch::default()) {
@@ -302,13 +302,16 @@ pub fn judge_excluding<'a>(
             verdict: Verdict::Unchanged,
         })
     };
+    if crate::job::is_job(review) {
+        return Judgement::Decided(crate::job::judge(review, policy));
+    }
     let object = match target(review, policy) {
         Ok(Some(object)) => object,
         Ok(None) => return unchanged(allow(review)),
         Err(Skip::NotAPod(what)) => {
             let mut response = allow(review);
             response.warnings = Some(vec![format!(
-                "tensile webhook: {what} is not a pod and passes unchanged; the webhook registration should send only pods"
+                "tensile webhook: {what} is not a pod and passes unchanged; the webhook registration should send only pods and opted-in Jobs"
             )]);
             return unchanged(response);
         }
@@ -543,11 +546,11 @@ fn stashed(review: &Review, text: Option<&str>) -> Outcome {
     }
 }
 
-fn allow(review: &Review) -> AdmissionResponse {
+pub(crate) fn allow(review: &Review) -> AdmissionResponse {
     AdmissionResponse::from(&review.request)
 }
 
-fn deny(review: &Review, message: String) -> Outcome {
+pub(crate) fn deny(review: &Review, message: String) -> Outcome {
     Outcome {
         response: allow(review).deny(format!("tensile webhook: {message}")),
         verdict: Verdict::Denied,

@@ -74,6 +74,9 @@ pub struct Policy {
     /// workloads need no edit. Only a pod left to the default scheduler is moved: one that
     /// names a scheduler of its own keeps it.
     pub scheduler_name: Option<String>,
+    /// Opted-in Jobs (their pod template carries `opt_in`) get the rule ignoring
+    /// `DisruptionTarget` first in their `podFailurePolicy` at CREATE ([`crate::job`]).
+    pub job_disruption_rule: bool,
 }
 
 impl Default for Policy {
@@ -88,6 +91,7 @@ impl Default for Policy {
             unreachable_seconds: 300,
             stash_key: None,
             scheduler_name: None,
+            job_disruption_rule: false,
         }
     }
 }

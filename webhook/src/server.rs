@@ -192,7 +192,7 @@ async fn admit(state: &State, request: Request<Incoming>, bodies: &serve::Bodies
         match outcome.verdict {
             Verdict::Mutated => {
                 metrics.mutations.inc();
-                tracing::debug!("stashed the pod's lower-cluster constraints");
+                tracing::debug!(kind = %req.kind.kind, "mutated: a pod stashed, or a Job given the disruption rule");
             }
             Verdict::Denied => tracing::info!(reason = %outcome.response.result.message, "denied"),
             Verdict::Unchanged => {}
