@@ -34,13 +34,44 @@ use crate::rebalance;
 use crate::store::{self, Store};
 use tensile_common::evict::{self, Evicted};
 
-/// The per-round caps (`0`: none).
+/// The eviction caps (`0`: none), per `--descheduling-interval`.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Caps {
     pub total: u32,
     pub per_namespace: u32,
     pub per_node: u32,
     pub per_owner: u32,
+}
+
+/// The caps' window. Rounds run whenever pods or nodes change (the descheduler's own
+/// evictions included), so caps per round would bound nothing over a minute; as
+/// kubernetes-sigs/descheduler bounds evictions per descheduling cycle, the caps bound the
+/// evictions of every round within one `--descheduling-interval`, counted from the first
+/// round after the previous window closed.
+#[derive(Debug)]
+pub(crate) struct Window {
+    opened: Instant,
+    budget: Budget,
+}
+
+impl Window {
+    fn new(now: Instant, caps: Caps) -> Self {
+        Self {
+            opened: now,
+            budget: Budget::new(caps.total, caps.per_namespace, caps.per_node, caps.per_owner),
+        }
+    }
+
+    /// Whether the window is still open at `now`.
+    fn open(&self, now: Instant, interval: Duration) -> bool {
+        now.duration_since(self.opened) < interval
+    }
+
+    /// When the window closes, on the wall clock whose time is `now` now.
+    fn closes(&self, now: Timestamp, interval: Duration) -> Timestamp {
+        let left = interval.saturating_sub(self.opened.elapsed());
+        now + jiff::SignedDuration::try_from(left).unwrap_or(jiff::SignedDuration::ZERO)
+    }
 }
 
 /// Rebalancing's part of the state (`--rebalance`).
@@ -85,6 +116,8 @@ pub struct Descheduler {
     pub(crate) told: Mutex<HashSet<(String, &'static str)>>,
     /// Replacements (UIDs) whose original is gone: their pair is over for good.
     pub(crate) settled: Mutex<HashSet<String>>,
+    /// The caps' window: when it opened, and what its rounds used (see [`Window`]).
+    pub(crate) window: Mutex<Option<Window>>,
     /// For tests: abort the process at this step of a bare-pod move.
     pub crash_at: Option<bare::Step>,
     /// `--rebalance`.
@@ -131,6 +164,7 @@ impl Descheduler {
             backoff: Mutex::default(),
             told: Mutex::default(),
             settled: Mutex::default(),
+            window: Mutex::default(),
             crash_at: None,
             rebalancing: None,
         }
@@ -187,12 +221,13 @@ impl Descheduler {
         pods.sort_by_key(|p| decide::refusal(p, &self.settings.reasons).map(|r| r.since));
         self.forget_gone(&pods);
 
-        let mut budget = Budget::new(
-            self.caps.total,
-            self.caps.per_namespace,
-            self.caps.per_node,
-            self.caps.per_owner,
-        );
+        let mut window = self
+            .window
+            .lock()
+            .ok()
+            .and_then(|mut w| w.take())
+            .filter(|w| w.open(Instant::now(), self.interval))
+            .unwrap_or_else(|| Window::new(Instant::now(), self.caps));
         let mut due: Option<Timestamp> = None;
         let mut candidates: BTreeMap<String, i64> = nodes.keys().map(|n| (n.clone(), 0)).collect();
         let mut skipped: BTreeMap<&'static str, i64> = BTreeMap::new();
@@ -237,10 +272,11 @@ impl Descheduler {
                         continue;
                     }
                     let ns = pod.metadata.namespace.clone().unwrap_or_default();
-                    if let Err(cap) = budget.take(&ns, &m.refusal.node, m.workload.key()) {
+                    if let Err(cap) = window.budget.take(&ns, &m.refusal.node, m.workload.key()) {
                         self.metrics
                             .moved("limited", &m.refusal.reason, &m.refusal.node, &ns);
-                        tracing::debug!(pod = %key(&pod), "not moved this round: {cap} reached");
+                        tracing::debug!(pod = %key(&pod), "not moved in this interval: {cap} reached");
+                        due = Some(window.closes(Timestamp::now(), self.interval).min(due.unwrap_or(Timestamp::MAX)));
                         continue;
                     }
                     self.perform(&pod, &m, &mut exclusions).await;
@@ -251,14 +287,18 @@ impl Descheduler {
                         continue;
                     }
                     let ns = pod.metadata.namespace.clone().unwrap_or_default();
-                    if let Err(cap) = budget.take_unbound(&ns, r.workload.key()) {
+                    if let Err(cap) = window.budget.take_unbound(&ns, r.workload.key()) {
                         self.released("limited");
-                        tracing::debug!(pod = %key(&pod), "not recreated this round: {cap} reached");
+                        tracing::debug!(pod = %key(&pod), "not recreated in this interval: {cap} reached");
+                        due = Some(window.closes(Timestamp::now(), self.interval).min(due.unwrap_or(Timestamp::MAX)));
                         continue;
                     }
                     self.release(&pod, &r, &mut exclusions).await;
                 }
             }
+        }
+        if let Ok(mut kept) = self.window.lock() {
+            *kept = Some(window);
         }
         if let Some(r) = &self.rebalancing {
             self.rebalance(r, &pods, &nodes, &exclusions).await;
@@ -890,5 +930,54 @@ fn owner_ref(pod: &Pod, workload: &Workload) -> ObjectReference {
             ..Default::default()
         },
         Workload::Bare { .. } => pod.object_ref(&()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn caps(total: u32) -> Caps {
+        Caps {
+            total,
+            ..Caps::default()
+        }
+    }
+
+    /// Rounds every 300 ms for a minute (each eviction's watch events start one) under a
+    /// total cap of 2 and a 30 s interval: 4 evictions, 2 per window.
+    #[tokio::test(start_paused = true)]
+    async fn the_caps_bound_the_evictions_of_all_rounds_within_one_interval() {
+        let interval = Duration::from_secs(30);
+        let mut kept: Option<Window> = None;
+        let mut evicted = Vec::new();
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(60) {
+            let mut window = kept
+                .take()
+                .filter(|w| w.open(Instant::now(), interval))
+                .unwrap_or_else(|| Window::new(Instant::now(), caps(2)));
+            if window.budget.take("shop", "vn-a", "rs").is_ok() {
+                evicted.push(started.elapsed().as_secs());
+            }
+            kept = Some(window);
+            tokio::time::advance(Duration::from_millis(300)).await;
+        }
+        assert_eq!(evicted, vec![0, 0, 30, 30], "two at the start of each interval");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_limited_pod_is_due_when_the_window_closes() {
+        let interval = Duration::from_secs(30);
+        let window = Window::new(Instant::now(), caps(1));
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let now: Timestamp = "2024-05-01T10:00:00Z".parse().unwrap();
+        assert_eq!(
+            window.closes(now, interval),
+            "2024-05-01T10:00:20Z".parse::<Timestamp>().unwrap()
+        );
+        assert!(window.open(Instant::now(), interval));
+        tokio::time::advance(Duration::from_secs(20)).await;
+        assert!(!window.open(Instant::now(), interval), "closed after one interval");
     }
 }

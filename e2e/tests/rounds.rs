@@ -52,7 +52,6 @@ async fn stored(kubeconfig: &std::path::Path) -> Record {
 async fn a_record_write_computed_from_an_older_record_overwrites_nothing() {
     let mut options = ClusterOptions::new("rounds-records", "upper");
     options.scheduler = false;
-    options.controller_manager = false;
     let cluster = TestCluster::start(options).await.expect("the upper cluster");
     let kubeconfig = cluster.kubeconfig().to_path_buf();
     tensile_e2e::chart::install_exclusion_records(&kubeconfig)
@@ -72,7 +71,10 @@ async fn a_record_write_computed_from_an_older_record_overwrites_nothing() {
     let writer = exclusion::store::Writer::new(client, location, seen.clone(), "tensile-descheduler");
 
     // One move recorded: the base of the next computation.
-    let base = writer.put(KEY, &record(1, None), None).await.expect("the first write");
+    let base = writer
+        .put(KEY, &record(1, None), None)
+        .await
+        .expect("the first write");
     assert_eq!(stored(&kubeconfig).await.moves, 1);
 
     // Someone else writes the record: three moves, given up.
@@ -93,7 +95,10 @@ async fn a_record_write_computed_from_an_older_record_overwrites_nothing() {
     let now = stored(&kubeconfig).await;
     assert_eq!(now.moves, 3, "the newer record's moves survive: {now:?}");
     assert!(now.exhausted.is_some(), "the give-up survives: {now:?}");
-    assert!(now.nodes.contains_key("vn-b"), "the newer exclusion survives: {now:?}");
+    assert!(
+        now.nodes.contains_key("vn-b"),
+        "the newer exclusion survives: {now:?}"
+    );
     let shown = seen.borrow().clone();
     assert_eq!(
         shown.records.get(KEY).map(|r| r.moves),
@@ -115,7 +120,13 @@ async fn a_record_write_computed_from_an_older_record_overwrites_nothing() {
     let current = seen.borrow().versions.get(KEY).cloned();
     kubectl(
         &kubeconfig,
-        &["-n", NAMESPACE, "delete", "exclusionrecords", &exclusion::object_name(KEY)],
+        &[
+            "-n",
+            NAMESPACE,
+            "delete",
+            "exclusionrecords",
+            &exclusion::object_name(KEY),
+        ],
     )
     .await;
     writer
