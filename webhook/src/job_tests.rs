@@ -115,11 +115,23 @@ fn the_rule_goes_before_the_jobs_own_rules_which_stay_as_written() {
     );
     decodes(&after);
 
-    // A policy without rules gets them.
-    let mut j = job("Never");
-    j["spec"]["podFailurePolicy"] = json!({});
-    let (_, after) = run(&j, &on());
-    assert_eq!(after["spec"]["podFailurePolicy"], json!({"rules": [rule()]}));
+    // A policy without rules, with no rules or with null ones gets them.
+    for policy in [
+        json!({}),
+        json!({"rules": []}),
+        json!({"rules": null}),
+        json!(null),
+    ] {
+        let mut j = job("Never");
+        j["spec"]["podFailurePolicy"] = policy.clone();
+        let (_, after) = run(&j, &on());
+        assert_eq!(
+            after["spec"]["podFailurePolicy"],
+            json!({"rules": [rule()]}),
+            "{policy}"
+        );
+        decodes(&after);
+    }
 }
 
 #[test]
