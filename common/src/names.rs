@@ -63,6 +63,12 @@ pub const LOWER_CLAIM_RECLAIM_POLICY: &str = "tensile.io/reclaim-policy";
 /// Upper pod condition: whether the lower scheduler placed the pod (reason `Unschedulable`
 /// with the lower scheduler's message when it could not). The descheduler acts on it.
 pub const CONDITION_LOWER_SCHEDULED: &str = "tensile.io/LowerPodScheduled";
+/// Upper pod condition, True while the lower cluster is making room for the unscheduled
+/// lower pod: its scheduler preempted pods for it (the lower `status.nominatedNodeName`,
+/// reason `Preempting`). The upper pod cannot carry a nomination of its own: an apiserver
+/// of 1.35 or later refuses `status.nominatedNodeName` on a bound pod. The descheduler does
+/// not move a pod while this holds, for a bounded time.
+pub const CONDITION_LOWER_NOMINATED: &str = "tensile.io/LowerPodNominated";
 /// Upper pod condition: whether the lower pod exists and matches (reasons `Conflict`,
 /// `CreateFailed`, `DaemonSetPod`, `LowerPodLost`).
 pub const CONDITION_LOWER_SYNCED: &str = "tensile.io/LowerPodSynced";
@@ -203,6 +209,7 @@ mod tests {
             CONTROLLER_NAMESPACE,
             CONDITION_LOWER_SCHEDULED,
             CONDITION_LOWER_SYNCED,
+            CONDITION_LOWER_NOMINATED,
             CONDITION_LOWER_NODES_USABLE,
             NODE_CAPACITY_SHAPE,
             NODE_SHAPE_GENERATION,

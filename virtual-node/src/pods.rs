@@ -835,7 +835,7 @@ const STATUS_RECHECK: Duration = Duration::from_secs(300);
 /// says when to look again, and whether the status was not yet current (written or held).
 async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(Action, bool), Error> {
     let again = Action::requeue(STATUS_RECHECK);
-    let (mut status, differs) = translate::upper_status(upper, lower, &ctx.host_ip);
+    let (mut status, differs) = translate::upper_status(upper, lower, &ctx.host_ip, jiff::Timestamp::now());
     if !differs {
         return Ok((again, false));
     }

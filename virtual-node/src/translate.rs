@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Affinity, Pod, PodSpec, Volume, VolumeProjection};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{Value, json};
@@ -603,9 +604,48 @@ pub fn changed_conditions(upper: &Pod, desired: &[Value]) -> Vec<Value> {
     out
 }
 
+/// The `tensile.io/LowerPodNominated` condition the upper pod should show: True, reason
+/// `Preempting`, while the lower pod is unbound and the lower scheduler has nominated a node
+/// for it (`status.nominatedNodeName`: it preempted pods there and waits for them to end).
+/// Its `lastTransitionTime` is when the upper pod first showed it (kept while it holds, `now`
+/// otherwise), from which the descheduler bounds how long it protects the pod. The upper
+/// pod's own `status.nominatedNodeName` cannot carry it: an apiserver of 1.35 or later
+/// (`ClearingNominatedNodeNameAfterBinding`) refuses it on a bound pod, and the upper
+/// scheduler reads nominations of unbound pods only.
+fn lower_nomination(upper: &Pod, lower: &Pod, now: Timestamp) -> Option<Value> {
+    let bound = lower
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .is_some_and(|n| !n.is_empty());
+    let node = lower
+        .status
+        .as_ref()?
+        .nominated_node_name
+        .as_deref()
+        .filter(|n| !n.is_empty() && !bound)?;
+    let since = upper
+        .status
+        .iter()
+        .flat_map(|s| s.conditions.iter().flatten())
+        .find(|c| c.type_ == names::CONDITION_LOWER_NOMINATED && c.status == "True")
+        .and_then(|c| c.last_transition_time.as_ref())
+        .map_or_else(
+            || tensile_common::api::time(now),
+            |t| tensile_common::api::time(t.0),
+        );
+    Some(json!({
+        "type": names::CONDITION_LOWER_NOMINATED,
+        "status": "True",
+        "reason": "Preempting",
+        "message": format!("the lower scheduler preempted pods on node {node} for this pod and waits for them to end"),
+        "lastTransitionTime": since,
+    }))
+}
+
 /// The status fields the upper pod should show for `lower`, as a merge-patch body, and
 /// whether they differ from what the upper pod shows now.
-pub fn upper_status(upper: &Pod, lower: &Pod, host_ip: &str) -> (Value, bool) {
+pub fn upper_status(upper: &Pod, lower: &Pod, host_ip: &str, now: Timestamp) -> (Value, bool) {
     let ls = lower.status.clone().unwrap_or_default();
     let lower_json = serde_json::to_value(&ls).unwrap_or_else(|_| json!({}));
     let upper_json = upper
@@ -616,13 +656,15 @@ pub fn upper_status(upper: &Pod, lower: &Pod, host_ip: &str) -> (Value, bool) {
 
     // Conditions: the upper scheduler's PodScheduled stays; the lower pod's own conditions
     // come up; the lower scheduler's verdict becomes our LowerPodScheduled; conditions of
-    // other writers upstream are kept.
+    // other writers upstream are kept; our LowerPodNominated is made afresh.
     let lower_types: Vec<String> = ls.conditions.iter().flatten().map(|c| c.type_.clone()).collect();
     let mut conditions: Vec<Value> = Vec::new();
     for c in upper.status.iter().flat_map(|s| s.conditions.iter().flatten()) {
         let keep = c.type_ == "PodScheduled"
             || c.type_ == names::CONDITION_LOWER_SYNCED
-            || (!lower_types.contains(&c.type_) && c.type_ != names::CONDITION_LOWER_SCHEDULED);
+            || (!lower_types.contains(&c.type_)
+                && c.type_ != names::CONDITION_LOWER_SCHEDULED
+                && c.type_ != names::CONDITION_LOWER_NOMINATED);
         if keep && let Ok(v) = serde_json::to_value(c) {
             conditions.push(v);
         }
@@ -639,6 +681,7 @@ pub fn upper_status(upper: &Pod, lower: &Pod, host_ip: &str) -> (Value, bool) {
         }
         conditions.push(v);
     }
+    conditions.extend(lower_nomination(upper, lower, now));
     gate_readiness(upper, &mut conditions);
     conditions.sort_by(|a, b| a["type"].as_str().cmp(&b["type"].as_str()));
 
@@ -1063,7 +1106,7 @@ pub(crate) mod tests {
             .unwrap()
         };
         let ready = |upper: &Pod| {
-            let (status, _) = upper_status(upper, &lower, "10.1.1.1");
+            let (status, _) = upper_status(upper, &lower, "10.1.1.1", Timestamp::UNIX_EPOCH);
             status["conditions"]
                 .as_array()
                 .unwrap()
@@ -1272,7 +1315,7 @@ pub(crate) mod tests {
             "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                             "message": "0/3 nodes are available: 3 Insufficient cpu."}]}}))
         .unwrap();
-        let (status, differs) = upper_status(&up, &lower, "10.1.1.1");
+        let (status, differs) = upper_status(&up, &lower, "10.1.1.1", Timestamp::UNIX_EPOCH);
         assert!(differs);
         let conds = status["conditions"].as_array().unwrap();
         let get = |t: &str| conds.iter().find(|c| c["type"] == t).cloned();
@@ -1301,8 +1344,76 @@ pub(crate) mod tests {
             applied["status"][k] = v.clone();
         }
         let applied: Pod = serde_json::from_value(applied).unwrap();
-        let (_, again) = upper_status(&applied, &lower, "10.1.1.1");
+        let (_, again) = upper_status(&applied, &lower, "10.1.1.1", Timestamp::UNIX_EPOCH);
         assert!(!again, "no write when nothing changed");
+    }
+
+    #[test]
+    fn a_lower_nomination_comes_up_as_our_condition_from_when_it_was_first_shown_until_it_ends() {
+        let nominated = |node_name: Value, nominated: Value| -> Pod {
+            serde_json::from_value(json!({"spec": {"containers": [], "nodeName": node_name}, "status": {
+                "phase": "Pending", "nominatedNodeName": nominated,
+                "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                "message": "0/3 nodes are available: 3 Insufficient cpu. preemption: ..."}]}}))
+            .unwrap()
+        };
+        let (t1, t2) = (
+            "2024-05-01T10:00:00Z".parse::<Timestamp>().unwrap(),
+            "2024-05-01T10:05:00Z".parse::<Timestamp>().unwrap(),
+        );
+        let apply = |up: &Pod, status: &Value| -> Pod {
+            let mut applied = serde_json::to_value(up).unwrap();
+            for (k, v) in status.as_object().unwrap() {
+                applied["status"][k] = v.clone();
+            }
+            serde_json::from_value(applied).unwrap()
+        };
+        let condition = |status: &Value| {
+            status["conditions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["type"] == names::CONDITION_LOWER_NOMINATED)
+                .cloned()
+        };
+
+        // The lower scheduler preempted on low-2 for the unbound lower pod.
+        let lower = nominated(json!(null), json!("low-2"));
+        let (status, differs) = upper_status(&upper(), &lower, "10.1.1.1", t1);
+        assert!(differs);
+        let c = condition(&status).expect("the nomination comes up");
+        assert_eq!(
+            (&c["status"], &c["reason"], &c["lastTransitionTime"]),
+            (
+                &json!("True"),
+                &json!("Preempting"),
+                &json!("2024-05-01T10:00:00Z")
+            )
+        );
+        assert!(c["message"].as_str().unwrap().contains("low-2"), "{c}");
+        assert!(
+            status.get("nominatedNodeName").is_none(),
+            "never the upper pod's own field: a bound pod cannot carry it"
+        );
+
+        // Later, still nominated: the condition keeps its time, and nothing is written.
+        let shown = apply(&upper(), &status);
+        let (later, again) = upper_status(&shown, &lower, "10.1.1.1", t2);
+        assert!(!again, "no write while the nomination holds");
+        assert_eq!(
+            condition(&later).unwrap()["lastTransitionTime"],
+            "2024-05-01T10:00:00Z"
+        );
+
+        // The nomination ends (bound below, or dropped by the lower scheduler): it goes.
+        for ended in [
+            nominated(json!(null), json!(null)),
+            nominated(json!("low-2"), json!("low-2")),
+        ] {
+            let (status, differs) = upper_status(&shown, &ended, "10.1.1.1", t2);
+            assert!(differs);
+            assert_eq!(condition(&status), None, "{status}");
+        }
     }
 
     fn lower_with_status(status: Value) -> Pod {
