@@ -16,6 +16,10 @@
 //! ([`Release`]): no pod stays unplaced upstream because of an exclusion that no longer
 //! holds.
 //!
+//! A pod the lower cluster is making room for (`tensile.io/LowerPodNominated=True`: its
+//! scheduler preempted pods for it) is not refused while the nomination is younger than
+//! [`NOMINATION_PROTECTS`].
+//!
 //! Only pods the suite is responsible for are judged: opted in with the webhook's label, in
 //! a namespace the webhook serves. A lower create failure another cluster could resolve
 //! (`tensile.io/LowerPodSynced=False`, reason `CreateFailed`) is a refusal like the lower
@@ -38,6 +42,13 @@ use crate::job::{self, JobRisk};
 /// Never `Conflict` (a lower object of that name is not ours) nor `StashNotTrusted` or
 /// `InvalidPod` (no cluster would run it).
 pub const CREATE_FAILURES: &[&str] = &["CreateFailed"];
+
+/// How long the lower cluster making room for a pod protects it at most, from when the
+/// upper pod first showed it (`tensile.io/LowerPodNominated`): victims of a preemption get
+/// their grace period (30 s by default) and a new node a few minutes; cluster-autoscaler
+/// gives up on a node that has not come up after 15 minutes (its default
+/// `--max-node-provision-time`). A nomination older than this no longer protects the pod.
+pub const NOMINATION_PROTECTS: Duration = Duration::from_secs(15 * 60);
 
 /// Which bare pods are moved. Moving one means creating its replacement, the only reason
 /// the descheduler may need `create` on pods: with `off` it needs none.
@@ -303,6 +314,25 @@ pub fn refusal(pod: &Pod, reasons: &[String]) -> Option<Refusal> {
     })
 }
 
+/// Until when the pod is being made room for below: the time of its
+/// `tensile.io/LowerPodNominated=True` condition plus [`NOMINATION_PROTECTS`], when that is
+/// still ahead of `now` (a condition without a time protects nothing: it could not be
+/// bounded). Such a pod is not refused: the lower scheduler preempted pods for it and binds
+/// it once they are gone.
+pub fn made_room_until(pod: &Pod, now: Timestamp) -> Option<Timestamp> {
+    let since = pod
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == names::CONDITION_LOWER_NOMINATED && c.status == "True")?
+        .last_transition_time
+        .as_ref()?
+        .0;
+    Some(after(since, NOMINATION_PROTECTS)).filter(|until| *until > now)
+}
+
 /// Whether the suite is responsible for the pod: opted in with the webhook's label, in a
 /// namespace the webhook serves. Other pods on a virtual node are never moved: their
 /// replacements would get no exclusion, so moving them could only repeat.
@@ -441,6 +471,9 @@ pub fn judge(pod: &Pod, view: &View<'_>, settings: &Settings) -> Verdict {
     let due = after(refusal.since, settings.threshold);
     if view.now < due {
         return Verdict::WaitUntil(due);
+    }
+    if let Some(until) = made_room_until(pod, view.now) {
+        return Verdict::WaitUntil(until);
     }
     let skip = |why| Verdict::Skip {
         node: refusal.node.clone(),
@@ -856,6 +889,37 @@ mod tests {
             judged(&pod(refused("2024-05-01T09:59:30Z"))),
             Verdict::WaitUntil(t("2024-05-01T10:00:30Z"))
         );
+    }
+
+    #[test]
+    fn a_pod_the_lower_cluster_makes_room_for_is_not_refused_until_the_nomination_is_too_old() {
+        let nominated = |since: serde_json::Value| {
+            let mut v = refused("2024-05-01T09:00:00Z");
+            v["status"]["conditions"].as_array_mut().unwrap().push(json!(
+                {"type": "tensile.io/LowerPodNominated", "status": "True", "reason": "Preempting",
+                 "message": "the lower scheduler preempted pods on node low-2 for this pod", "lastTransitionTime": since}));
+            pod(v)
+        };
+        // Refused for an hour, nominated for 2 minutes: it waits for the bound.
+        assert_eq!(
+            judged(&nominated(json!("2024-05-01T09:58:00Z"))),
+            Verdict::WaitUntil(t("2024-05-01T10:13:00Z"))
+        );
+        // Nominated for the whole bound: it no longer protects, the pod moves.
+        assert!(matches!(
+            judged(&nominated(json!("2024-05-01T09:45:00Z"))),
+            Verdict::Move(_)
+        ));
+        // A nomination without a time cannot be bounded, and protects nothing.
+        assert!(matches!(judged(&nominated(json!(null))), Verdict::Move(_)));
+        // Nor does one that ended (False).
+        let mut v = serde_json::to_value(nominated(json!("2024-05-01T09:58:00Z"))).unwrap();
+        v["status"]["conditions"][2]["status"] = json!("False");
+        assert!(matches!(judged(&pod(v)), Verdict::Move(_)));
+        // A refusal younger than the threshold waits for the threshold first.
+        let mut v = serde_json::to_value(nominated(json!("2024-05-01T09:59:50Z"))).unwrap();
+        v["status"]["conditions"][1]["lastTransitionTime"] = json!("2024-05-01T09:59:50Z");
+        assert_eq!(judged(&pod(v)), Verdict::WaitUntil(t("2024-05-01T10:00:50Z")));
     }
 
     #[test]
