@@ -1580,3 +1580,103 @@ async fn a_template_written_with_its_stash_follows_its_workloads_current_exclusi
         annotations["clusterSelector"]
     );
 }
+
+/// Lower-a's scheduler preempts a low-priority pod for a high-priority opted-in pod; the
+/// victim takes 20 s to stop (its grace period is 60 s). The upper pod shows the lower
+/// refusal for far longer than the 3 s threshold, but it is being made room for: it is not
+/// moved, and runs where its victim was.
+#[tokio::test]
+async fn a_pod_the_lower_scheduler_preempted_for_is_not_moved_while_its_victim_stops_and_runs_there() {
+    let scene = Scene::start("ds-preempt", 1).await;
+    let ns = &scene.ns;
+    let (target, high, victims) = (format!("{ns}-a0"), format!("{ns}-high"), format!("{ns}-low"));
+    // The class exists in both clusters, so the lower pod keeps it (docs/virtual-node.md).
+    let class = json!({
+        "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+        "metadata": {"name": high}, "value": 1_000_000,
+    })
+    .to_string();
+    apply(up(), &class).await;
+    apply(bed().lower_a.kubeconfig(), &class).await;
+    // A pod of the lower cluster's own, at priority 0, holds 1.5 of the target's 2 CPUs.
+    bed().lower_a.create_namespace(&victims).await.unwrap();
+    let victim = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "victim", "namespace": victims, "annotations": {"tensile.io/sim": "stop=20s"}},
+        "spec": {
+            "nodeName": target, "terminationGracePeriodSeconds": 60,
+            "containers": [{"name": "app", "image": "nginx", "resources": {"requests": {"cpu": "1500m"}}}],
+        },
+    })
+    .to_string();
+    apply(bed().lower_a.kubeconfig(), &victim).await;
+    wait("the victim running in lower-a", 60, || async {
+        let pods = pods_of(bed().lower_a.kubeconfig(), &victims, "").await;
+        match pods.first() {
+            Some(p) if phase(p) == "Running" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+
+    let _d = scene.descheduler(&[], "preempt").await;
+    let mut deployment: Value =
+        serde_json::from_str(&scene.deployment("urgent", 1, "1", json!({"kubernetes.io/hostname": target})))
+            .unwrap();
+    deployment["spec"]["template"]["spec"]["priorityClassName"] = json!(high);
+    apply(up(), &deployment.to_string()).await;
+
+    let mut first: Option<String> = None;
+    let mut nominated_seen = false;
+    let mut refused_from: Option<Instant> = None;
+    let deadline = Instant::now() + Duration::from_secs(150);
+    let running = loop {
+        let pods = scene.pods("app=urgent").await;
+        for p in &pods {
+            let original = first.get_or_insert_with(|| uid(p));
+            assert_eq!(
+                (&uid(p), terminating(p)),
+                (&*original, false),
+                "the pod was moved while lower-a made room for it: {pods:?}"
+            );
+        }
+        if let Some(p) = pods.first() {
+            let conditions = p["status"]["conditions"].as_array().cloned().unwrap_or_default();
+            if refused_since(p).is_some() {
+                refused_from.get_or_insert_with(Instant::now);
+            }
+            nominated_seen |= conditions
+                .iter()
+                .any(|c| c["type"] == "tensile.io/LowerPodNominated" && c["status"] == "True");
+            if node_of(p) == scene.vn_a && phase(p) == "Running" {
+                break p.clone();
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not running on {}: {pods:?}",
+            scene.vn_a
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let refused_for = refused_from.map(|t| t.elapsed()).unwrap_or_default();
+    assert!(
+        refused_for > Duration::from_secs(10),
+        "the lower refusal lasted well past the threshold ({refused_for:?})"
+    );
+    assert!(nominated_seen, "the upper pod showed the nomination below");
+    let lower = pods_of(bed().lower_a.kubeconfig(), ns, "app=urgent").await;
+    assert_eq!(lower.len(), 1, "{lower:?}");
+    assert_eq!(node_of(&lower[0]), target, "it runs where its victim was");
+    assert!(
+        pods_of(bed().lower_a.kubeconfig(), &victims, "").await.is_empty(),
+        "the victim is gone"
+    );
+    assert!(events(ns, "Descheduled").await.is_empty());
+    println!(
+        "figure: descheduler, preemption in lower-a: refused {:.1} s (threshold 3 s), Running on {} as {}",
+        refused_for.as_secs_f64(),
+        scene.vn_a,
+        name(&running)
+    );
+}
