@@ -1665,6 +1665,13 @@ async fn a_pod_the_lower_scheduler_preempted_for_is_not_moved_while_its_victim_s
         "the lower refusal lasted well past the threshold ({refused_for:?})"
     );
     assert!(nominated_seen, "the upper pod showed the nomination below");
+    assert!(
+        !running["status"]["conditions"]
+            .to_string()
+            .contains("tensile.io/LowerPodNominated"),
+        "the nomination ended with the bind below: {}",
+        running["status"]
+    );
     let lower = pods_of(bed().lower_a.kubeconfig(), ns, "app=urgent").await;
     assert_eq!(lower.len(), 1, "{lower:?}");
     assert_eq!(node_of(&lower[0]), target, "it runs where its victim was");
