@@ -1269,3 +1269,144 @@ async fn the_standalone_scheduler_refuses_a_pod_with_inter_pod_constraints_and_s
     println!("standalone refusal: {message}");
     clean_up(&api).await;
 }
+
+/// A StatefulSet of `replicas` in `ns` whose pods the webhook pinned to `node` by their
+/// volume (a PVC bound below there): the pin is `matchFields metadata.name In [node]`
+/// joined to each required upper term, as the webhook writes it; `scheduler` places them.
+fn volume_pinned_set(ns: &str, name: &str, scheduler: &str, node: &str, replicas: i32) -> Value {
+    json!({
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "replicas": replicas,
+            "serviceName": name,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name, names::VIRTUAL_POD_LABEL: names::VIRTUAL_POD_VALUE},
+                             "annotations": {names::CLUSTER_SELECTOR: "{}"}},
+                "spec": {
+                    "schedulerName": scheduler,
+                    "terminationGracePeriodSeconds": 1,
+                    "tolerations": [{"key": names::VIRTUAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+                    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
+                        "matchExpressions": [{"key": names::VIRTUAL_NODE_TYPE_LABEL, "operator": "In",
+                                              "values": [names::VIRTUAL_NODE_TYPE_VALUE]}],
+                        "matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}}},
+                    "containers": [{"name": "db", "image": "postgres", "resources": {"requests": {"cpu": "100m"}}}],
+                },
+            },
+        },
+    })
+}
+
+/// The descheduler's record excluding `node` for the StatefulSet `name` (by its UID) for
+/// ten minutes, written where `location` says.
+async fn exclude_set(ns: &str, name: &str, node: &str, location: &Location) {
+    use tensile_common::exclusion::{ExclusionRecord, Record, encode};
+    let client = bed().upper.client().await.unwrap();
+    let set: Api<k8s_openapi::api::apps::v1::StatefulSet> = Api::namespaced(client.clone(), ns);
+    let uid = set.get(name).await.unwrap().metadata.uid.unwrap();
+    let until = jiff::Timestamp::now() + jiff::SignedDuration::from_mins(10);
+    let record = Record {
+        namespace: ns.to_owned(),
+        kind: "StatefulSet".into(),
+        name: name.to_owned(),
+        nodes: [(node.to_owned(), until)].into(),
+        moves: 1,
+        expires: until,
+        exhausted: None,
+    };
+    let object = encode(&location.namespace, &uid, &record, None, "e2e").unwrap();
+    Api::<ExclusionRecord>::namespaced(client, &location.namespace)
+        .create(&PostParams::default(), &object)
+        .await
+        .unwrap();
+}
+
+/// A StatefulSet pod whose volume lives below one virtual node can run nowhere else. When
+/// the descheduler excluded that node for the StatefulSet (a sibling was refused there),
+/// the webhook and the descheduler leave such a pod alone; the extender and the standalone
+/// scheduler must too, or the pod stays Pending until the exclusion expires.
+#[tokio::test]
+async fn a_volume_pinned_pod_of_an_excluded_statefulset_runs_on_its_volumes_node_in_both_modes() {
+    let _scene = scene().await;
+    let bed = bed();
+    let standalone = StandaloneProcess::start(
+        &bed.upper,
+        &bed.standalone,
+        STANDALONE,
+        &[STANDALONE_EXCLUSIONS.to_owned()],
+        "standalone-pinned",
+    )
+    .unwrap();
+    standalone.wait_ready(Duration::from_secs(30)).await.unwrap();
+    let ns = "volume-pinned";
+    let api = namespace(ns).await;
+    let kubeconfig = bed.upper.kubeconfig();
+    let sets = [
+        (
+            "db-extender",
+            SCHEDULER,
+            tensile_common::exclusion::DEFAULT_LOCATION.parse().unwrap(),
+        ),
+        (
+            "db-standalone",
+            STANDALONE,
+            "kube-system/tensile-standalone-exclusions".parse().unwrap(),
+        ),
+    ];
+    for (name, scheduler, location) in &sets {
+        apply(
+            kubeconfig,
+            &volume_pinned_set(ns, name, scheduler, VN_B, 0).to_string(),
+        )
+        .await;
+        exclude_set(ns, name, VN_B, location).await;
+    }
+    // The records reach the schedulers' caches before the pods exist.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for (name, scheduler, _) in &sets {
+        apply(
+            kubeconfig,
+            &volume_pinned_set(ns, name, scheduler, VN_B, 1).to_string(),
+        )
+        .await;
+    }
+    let outcome = tensile_e2e::wait::until(
+        "each pinned pod Running on its volume's node",
+        Duration::from_secs(60),
+        Duration::from_millis(300),
+        || async {
+            let pods = api
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .items;
+            let placed: Vec<String> = pods
+                .iter()
+                .filter(|p| node_of(p) == VN_B && running(p))
+                .map(name_of)
+                .collect();
+            if placed.len() == sets.len() {
+                Ok(placed)
+            } else {
+                let mut seen = Vec::new();
+                for p in &pods {
+                    let failed = failed_scheduling(ns, &name_of(p)).await;
+                    seen.push(format!("{} on {:?}: {:?}", name_of(p), node_of(p), failed.last()));
+                }
+                Err(format!("{seen:?}"))
+            }
+        },
+    )
+    .await;
+    kubectl(
+        kubeconfig,
+        &["-n", ns, "delete", "statefulset", "--all", "--wait=true"],
+    )
+    .await;
+    let placed =
+        outcome.unwrap_or_else(|e| panic!("{e}; standalone log:\n{}", standalone.service.log_tail(8_000)));
+    println!("volume-pinned pods of excluded StatefulSets on {VN_B}: {placed:?}");
+    clean_up(&api).await;
+}

@@ -16,6 +16,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ListMeta;
 use serde::{Deserialize, Serialize};
 use tensile_common::exclusion::Exclusions;
 use tensile_common::names;
+use tensile_common::pin;
 
 use tensile_common::quantity::ResourceMap;
 
@@ -256,8 +257,13 @@ fn judge_node(
     (Some(judgement), outcome, message)
 }
 
-/// The pod's active exclusions at `now`: node → the message a rejection there gives.
+/// The pod's active exclusions at `now`: node → the message a rejection there gives. None
+/// for a pod its volume pins to one node ([`pin::volume_pinned`]), as the webhook and
+/// the descheduler exempt it: it can run nowhere else.
 pub fn exclusions_for(pod: &Pod, exclusions: &Exclusions, now: jiff::Timestamp) -> BTreeMap<String, String> {
+    if pin::volume_pinned(pod) {
+        return BTreeMap::new();
+    }
     let Some(record) = owner_key(pod).and_then(|k| exclusions.records.get(&k)) else {
         return BTreeMap::new();
     };
@@ -528,6 +534,34 @@ mod tests {
         assert_eq!(
             run(other, &nodes(), &exclusions).0["NodeNames"],
             json!(["vn-a", "vn-b"])
+        );
+    }
+
+    #[test]
+    fn a_pod_its_volume_pins_to_an_excluded_node_is_never_refused_by_the_exclusion() {
+        let record = json!({"namespace": "ns", "kind": "StatefulSet", "name": "db", "moves": 1,
+                            "nodes": {"vn-b": "2024-05-01T10:05:00Z"}, "expires": "2024-05-01T10:10:00Z"});
+        let cm =
+            serde_json::from_value(json!({"metadata": {"name": "x"}, "data": {"uid-1": record.to_string()}}))
+                .unwrap();
+        let exclusions = Exclusions::from_config_map(&cm);
+        let mut pinned = pod("1", Some("uid-1"));
+        pinned["spec"]["affinity"] = json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["vn-b"]}]}]}}});
+        let body = json!({"Pod": pinned, "NodeNames": ["vn-b"]});
+        let (out, outcomes) = run(body, &nodes(), &exclusions);
+        assert_eq!(out["NodeNames"], json!(["vn-b"]), "{out}");
+        assert_eq!(outcomes, [Outcome::Passed]);
+        // The standalone scheduler reads the same exclusions.
+        let pinned: Pod = serde_json::from_value(pinned).unwrap();
+        assert!(exclusions_for(&pinned, &exclusions, now()).is_empty());
+        let sibling: Pod = serde_json::from_value(pod("1", Some("uid-1"))).unwrap();
+        assert_eq!(
+            exclusions_for(&sibling, &exclusions, now())
+                .keys()
+                .collect::<Vec<_>>(),
+            ["vn-b"],
+            "an unpinned sibling is still kept off"
         );
     }
 
