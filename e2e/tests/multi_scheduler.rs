@@ -1410,3 +1410,123 @@ async fn a_volume_pinned_pod_of_an_excluded_statefulset_runs_on_its_volumes_node
     println!("volume-pinned pods of excluded StatefulSets on {VN_B}: {placed:?}");
     clean_up(&api).await;
 }
+
+/// The conditions of pod `name` of `api`: PodScheduled's status, message and transition.
+async fn pod_scheduled(api: &Api<Pod>, name: &str) -> Result<(String, String, String), String> {
+    let p = api.get(name).await.map_err(|e| e.to_string())?;
+    let c = p
+        .status
+        .iter()
+        .flat_map(|s| s.conditions.iter().flatten())
+        .find(|c| c.type_ == "PodScheduled")
+        .ok_or("no PodScheduled condition")?;
+    Ok((
+        c.status.clone(),
+        c.message.clone().unwrap_or_default(),
+        c.last_transition_time
+            .as_ref()
+            .map(|t| t.0.to_string())
+            .unwrap_or_default(),
+    ))
+}
+
+/// kube-scheduler moves `PodScheduled.lastTransitionTime` only when the condition's status
+/// changes, and the descheduler's release rule measures a pod's wait from it. A pod no node
+/// takes, whose message changes as the lower clusters change, keeps the time it became
+/// unschedulable.
+#[tokio::test]
+async fn a_waiting_pods_podscheduled_transition_time_stays_while_lower_churn_changes_its_message() {
+    let _scene = scene().await;
+    let bed = bed();
+    let standalone = StandaloneProcess::start(
+        &bed.upper,
+        &bed.standalone,
+        STANDALONE,
+        &[STANDALONE_EXCLUSIONS.to_owned()],
+        "standalone-transition",
+    )
+    .unwrap();
+    standalone.wait_ready(Duration::from_secs(30)).await.unwrap();
+    let api = namespace("transition").await;
+    let twenty = pod(
+        "twenty",
+        Some(STANDALONE),
+        json!({"cpu": "20"}),
+        &Stash::default(),
+    );
+    api.create(&PostParams::default(), &twenty).await.unwrap();
+    let (_, first, since) = must(
+        "PodScheduled=False",
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+        || async {
+            let c = pod_scheduled(&api, "twenty").await?;
+            if c.0 == "False" {
+                Ok(c)
+            } else {
+                Err(format!("{c:?}"))
+            }
+        },
+    )
+    .await;
+    // Whole seconds: a later write would show a later time.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // Lower churn: pods created directly in lower-b leave one CPU free on each of its
+    // nodes, so vn-b's next shape changes the reason the pod gets there.
+    let lower = bed.lowers[1].client().await.unwrap();
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), "default");
+    let mut churn = Vec::new();
+    for n in Api::<Node>::all(lower)
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+    {
+        let cpus = n
+            .status
+            .as_ref()
+            .and_then(|s| s.allocatable.as_ref())
+            .and_then(|a| a.get("cpu"))
+            .and_then(|q| q.0.parse::<u32>().ok())
+            .unwrap_or(0);
+        if cpus < 2 || !tensile_common::shape::usable(&n) {
+            continue;
+        }
+        let node = n.metadata.name.clone().unwrap_or_default();
+        let p: Pod = serde_json::from_value(json!({
+            "metadata": {"name": format!("churn-{node}")},
+            "spec": {"nodeName": node, "terminationGracePeriodSeconds": 0,
+                     "containers": [{"name": "c", "image": "busybox",
+                                     "resources": {"requests": {"cpu": (cpus - 1).to_string()}}}]},
+        }))
+        .unwrap();
+        lower_pods.create(&PostParams::default(), &p).await.unwrap();
+        churn.push(name_of(&p));
+    }
+    let outcome = tensile_e2e::wait::until(
+        "a new message for the waiting pod",
+        Duration::from_secs(45),
+        Duration::from_millis(300),
+        || async {
+            let c = pod_scheduled(&api, "twenty").await?;
+            if c.1 != first {
+                Ok(c)
+            } else {
+                Err(format!("{c:?}"))
+            }
+        },
+    )
+    .await;
+    for name in &churn {
+        let _ = lower_pods.delete(name, &DeleteParams::default()).await;
+    }
+    let (status, message, transition) = outcome.unwrap();
+    println!("PodScheduled {status}: {first:?} at {since}, then {message:?} at {transition}");
+    assert_eq!(status, "False");
+    assert_eq!(
+        transition, since,
+        "the status stayed False, so lastTransitionTime must stay ({first:?} -> {message:?})"
+    );
+    clean_up(&api).await;
+}

@@ -14,12 +14,16 @@
 //! taken out of the node's shape until a shape computed after the bind arrives, or the
 //! lower scheduler placed the pod long enough ago for a changed shape to be published, so
 //! two pods never get the same free space.
+//!
+//! `PodScheduled` is written as kube-scheduler writes it: its `lastTransitionTime` moves
+//! only when its status changes, so a pod that waits with a changing message keeps the time
+//! it became unschedulable, which the descheduler's release rule measures from.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, Pod, PodCondition};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::ObjectRef;
@@ -312,16 +316,7 @@ impl Scheduler {
             .iter()
             .flat_map(|s| s.conditions.iter().flatten())
             .find(|c| c.type_ == "PodScheduled");
-        let same = current.is_some_and(|c| {
-            c.status == "False"
-                && c.reason.as_deref() == Some("Unschedulable")
-                && c.message.as_deref() == Some(message)
-        });
-        if !same {
-            let patch = json!({"status": {"conditions": [{
-                "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
-                "lastProbeTime": null, "lastTransitionTime": tensile_common::api::now(),
-            }]}});
+        if let Some(patch) = unschedulable_patch(current, message, jiff::Timestamp::now()) {
             let api: Api<Pod> = Api::namespaced(self.client.clone(), &pod.namespace().unwrap_or_default());
             if let Err(e) = api
                 .patch_status(
@@ -352,6 +347,39 @@ impl Scheduler {
     }
 }
 
+/// The status patch that makes `current` say `PodScheduled=False`, reason `Unschedulable`,
+/// with `message`; `None` when it already says so. As kube-scheduler's `UpdatePodCondition`:
+/// `lastTransitionTime` is `now` when the status changes (or there was no condition), and
+/// stays what it was when only the reason or message changes.
+fn unschedulable_patch(
+    current: Option<&PodCondition>,
+    message: &str,
+    now: jiff::Timestamp,
+) -> Option<serde_json::Value> {
+    let unchanged = current.is_some_and(|c| {
+        c.status == "False"
+            && c.reason.as_deref() == Some("Unschedulable")
+            && c.message.as_deref() == Some(message)
+    });
+    if unchanged {
+        return None;
+    }
+    let mut condition = json!({
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
+        "lastProbeTime": null,
+    });
+    match current.filter(|c| c.status == "False") {
+        // The field left out of the merge keeps what the pod has.
+        Some(c) => {
+            if let Some(t) = &c.last_transition_time {
+                condition["lastTransitionTime"] = json!(tensile_common::api::time(t.0));
+            }
+        }
+        None => condition["lastTransitionTime"] = json!(tensile_common::api::time(now)),
+    }
+    Some(json!({"status": {"conditions": [condition]}}))
+}
+
 /// Since when the lower scheduler has the pod placed, as its virtual node reports it.
 fn placed_below_since(pod: &Pod) -> Option<jiff::Timestamp> {
     let c = pod
@@ -366,4 +394,155 @@ fn placed_below_since(pod: &Pod) -> Option<jiff::Timestamp> {
 
 fn uid(pod: &Pod) -> String {
     pod.metadata.uid.clone().unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::extender::FactsCache;
+    use serde_json::Value;
+    use std::sync::Mutex;
+    use tensile_common::exclusion::Exclusions;
+
+    #[test]
+    fn podscheduled_moves_its_transition_time_only_when_its_status_changes() {
+        let now: jiff::Timestamp = "2024-05-01T10:00:07Z".parse().unwrap();
+        let condition = |status: &str, message: &str| -> PodCondition {
+            serde_json::from_value(
+                json!({"type": "PodScheduled", "status": status, "reason": "Unschedulable",
+                                          "message": message, "lastTransitionTime": "2024-05-01T10:00:00Z"}),
+            )
+            .unwrap()
+        };
+        let written = |patch: Option<Value>| patch.unwrap()["status"]["conditions"][0].clone();
+        let first = written(unschedulable_patch(
+            None,
+            "0/3 nodes are available: 3 Insufficient cpu.",
+            now,
+        ));
+        assert_eq!(first["status"], "False");
+        assert_eq!(
+            first["lastTransitionTime"], "2024-05-01T10:00:07Z",
+            "a new condition"
+        );
+        let old = condition("False", "0/3 nodes are available: 3 Insufficient cpu.");
+        assert_eq!(
+            unschedulable_patch(Some(&old), "0/3 nodes are available: 3 Insufficient cpu.", now),
+            None,
+            "nothing new: no write"
+        );
+        let churned = written(unschedulable_patch(
+            Some(&old),
+            "0/3 nodes are available: 1 Insufficient cpu, 2 no lower node fits cpu=20 (largest free 8).",
+            now,
+        ));
+        assert_eq!(
+            churned["lastTransitionTime"], "2024-05-01T10:00:00Z",
+            "a new message, the same status"
+        );
+        assert!(churned["message"].as_str().unwrap().contains("largest free 8"));
+        let was_true = condition("True", "");
+        assert_eq!(
+            written(unschedulable_patch(
+                Some(&was_true),
+                "0/1 nodes are available.",
+                now
+            ))["lastTransitionTime"],
+            "2024-05-01T10:00:07Z",
+            "True to False is a transition"
+        );
+    }
+
+    /// The calls a fake apiserver received: method, path and JSON body.
+    type Calls = Arc<Mutex<Vec<(String, String, Value)>>>;
+
+    /// An upper apiserver that answers every call with `{}` and keeps what was sent.
+    fn recording_client() -> (kube::Client, Calls) {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
+            let log = log.clone();
+            async move {
+                let (parts, body) = req.into_parts();
+                let bytes = http_body_util::BodyExt::collect(body).await?.to_bytes();
+                let value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+                log.lock()
+                    .unwrap()
+                    .push((parts.method.to_string(), parts.uri.path().to_owned(), value));
+                let answer = http::Response::new(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")));
+                Ok::<_, tower::BoxError>(answer)
+            }
+        });
+        (kube::Client::new(service, "default"), seen)
+    }
+
+    fn scheduler(client: kube::Client) -> Scheduler {
+        let (_, exclusions) = watch::channel(Arc::new(Exclusions::default()));
+        let recorder = Recorder::new(
+            client.clone(),
+            kube::runtime::events::Reporter {
+                controller: "tensile-scheduler".into(),
+                instance: None,
+            },
+        );
+        Scheduler {
+            client,
+            name: "tensile-scheduler".into(),
+            pods: tensile_common::cache::empty(),
+            nodes: tensile_common::cache::empty(),
+            exclusions,
+            facts: FactsCache::default(),
+            score: Score::Binpack,
+            max_age: None,
+            metrics: Arc::new(Metrics::new(&mut prometheus_client::registry::Registry::default())),
+            recorder,
+            changed: Arc::new(Notify::new()),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_new_message_is_written_with_the_transition_time_the_pod_has() {
+        let (client, seen) = recording_client();
+        let scheduler = scheduler(client);
+        let waiting: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+            "spec": {"containers": [{"name": "c"}]},
+            "status": {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                       "message": "0/1 nodes are available: 1 Insufficient cpu.",
+                                       "lastTransitionTime": "2024-05-01T10:00:00Z"}]},
+        }))
+        .unwrap();
+        tokio::time::advance(Duration::from_secs(90)).await;
+        scheduler
+            .unschedulable(
+                &waiting,
+                "0/1 nodes are available: 1 no lower node fits cpu=20 (largest free 8).",
+            )
+            .await;
+        scheduler
+            .unschedulable(&waiting, "0/1 nodes are available: 1 Insufficient cpu.")
+            .await;
+        let seen = seen.lock().unwrap();
+        let patches: Vec<&Value> = seen
+            .iter()
+            .filter(|(method, path, _)| method == "PATCH" && path == "/api/v1/namespaces/ns/pods/p/status")
+            .map(|(_, _, body)| body)
+            .collect();
+        assert_eq!(
+            patches.len(),
+            1,
+            "the unchanged message is not written again: {seen:?}"
+        );
+        let condition = &patches[0]["status"]["conditions"][0];
+        assert_eq!(condition["lastTransitionTime"], "2024-05-01T10:00:00Z");
+        assert!(condition["message"].as_str().unwrap().contains("largest free 8"));
+        let events = seen
+            .iter()
+            .filter(|(_, path, _)| path.contains("/events"))
+            .count();
+        assert_eq!(
+            events, 2,
+            "a FailedScheduling event (or its series) each attempt: {seen:?}"
+        );
+    }
 }
