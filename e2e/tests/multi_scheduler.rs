@@ -1530,3 +1530,206 @@ async fn a_waiting_pods_podscheduled_transition_time_stays_while_lower_churn_cha
     );
     clean_up(&api).await;
 }
+
+/// vn-b's shape: when it was computed, and the cpu of each frontier vector, sorted.
+async fn vn_b_shape(upper: &kube::Client) -> Result<(jiff::Timestamp, Vec<i128>), String> {
+    let node = Api::<Node>::all(upper.clone())
+        .get(VN_B)
+        .await
+        .map_err(|e| e.to_string())?;
+    let text = node
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(names::NODE_CAPACITY_SHAPE))
+        .ok_or("no shape")?;
+    let shape = tensile_common::shape::Shape::decode(text).map_err(|e| e.to_string())?;
+    let at = shape
+        .at
+        .as_deref()
+        .ok_or("no at")?
+        .parse::<jiff::Timestamp>()
+        .map_err(|e| e.to_string())?;
+    let mut cpus = Vec::new();
+    for group in &shape.groups {
+        cpus.extend(
+            group
+                .free_maps()
+                .map_err(|e| e.to_string())?
+                .iter()
+                .map(|m| m.get("cpu")),
+        );
+    }
+    cpus.sort_unstable();
+    Ok((at, cpus))
+}
+
+/// A pod created directly in lower-b on `node`, requesting `cpu`.
+fn lower_pod(name: &str, node: &str, cpu: &str) -> Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"nodeName": node, "terminationGracePeriodSeconds": 0,
+                 "containers": [{"name": "c", "image": "busybox", "resources": {"requests": {"cpu": cpu}}}]},
+    }))
+    .unwrap()
+}
+
+/// kube-scheduler keeps a bound pod in its cache (assumed) until it sees it; the standalone
+/// scheduler keeps a placed pod's requests out of its node's shape until the shape can show
+/// it. A newer shape is not enough: while the virtual node has not created the lower pod
+/// (here a lower ResourceQuota refuses the create), every shape it computes shows the space
+/// free, and giving it to the next pod sends two pods to one lower node's room.
+#[tokio::test]
+async fn a_placed_pods_space_is_not_given_again_while_its_lower_create_is_slow() {
+    let _scene = scene().await;
+    let bed = bed();
+    let standalone = StandaloneProcess::start(
+        &bed.upper,
+        &bed.standalone,
+        STANDALONE,
+        &[STANDALONE_EXCLUSIONS.to_owned()],
+        "standalone-slow-create",
+    )
+    .unwrap();
+    standalone.wait_ready(Duration::from_secs(30)).await.unwrap();
+    let ns = "slow-create";
+    let api = namespace(ns).await;
+    let upper = bed.upper.client().await.unwrap();
+    let lower_b = &bed.lowers[1];
+    // vn-b makes the lower namespace for its first pod there.
+    let warm = pinned("warm", STANDALONE, "100m", VN_B, None);
+    api.create(&PostParams::default(), &warm).await.unwrap();
+    all_running(&api, "the first pod Running below").await;
+    clean_up(&api).await;
+
+    // Lower-b: one node with 8 CPUs and 4Gi free, every other one with 5 CPUs and all its
+    // memory (an aggregate with room for two 6-CPU pods, a lower node for one; each node
+    // on the frontier, so a change of the others changes the shape).
+    let lower = lower_b.client().await.unwrap();
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), "default");
+    let mut usable: Vec<(String, u32, String)> = Api::<Node>::all(lower)
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .filter(|n| tensile_common::shape::usable(n))
+        .filter_map(|n| {
+            let allocatable = n.status.as_ref()?.allocatable.as_ref()?;
+            let cpus = allocatable.get("cpu")?.0.parse().ok()?;
+            let memory = allocatable.get("memory").map(|q| q.0.clone()).unwrap_or_default();
+            Some((n.metadata.name.clone()?, cpus, memory))
+        })
+        .collect();
+    usable.sort();
+    let free = usable
+        .iter()
+        .position(|(_, cpus, memory)| *cpus == 8 && memory == "16Gi")
+        .expect("an 8-CPU, 16Gi lower node in lower-b");
+    let (free, _, _) = usable.remove(free);
+    let mut made = Vec::new();
+    let mut fill = vec![(free.clone(), json!({"memory": "12Gi"}))];
+    fill.extend(
+        usable
+            .iter()
+            .filter(|(_, cpus, _)| *cpus > 5)
+            .map(|(node, cpus, _)| (node.clone(), json!({"cpu": (cpus - 5).to_string()}))),
+    );
+    for (node, requests) in fill {
+        let mut p = lower_pod(&format!("fill-{node}"), &node, "0");
+        p.spec.as_mut().unwrap().containers[0].resources =
+            Some(serde_json::from_value(json!({"requests": requests})).unwrap());
+        lower_pods.create(&PostParams::default(), &p).await.unwrap();
+        made.push(name_of(&p));
+    }
+    let outcome = async {
+        let (eight, five) = (8_000, 5_000);
+        tensile_e2e::wait::until(
+            "vn-b's shape showing 8 CPUs free on one lower node, 5 on the others",
+            Duration::from_secs(30),
+            Duration::from_millis(250),
+            || async {
+                let (_, cpus) = vn_b_shape(&upper).await?;
+                let top = cpus.iter().rev().take(2).copied().collect::<Vec<_>>();
+                if top == [eight, five] { Ok(()) } else { Err(format!("{cpus:?}")) }
+            },
+        )
+        .await?;
+        // The lower namespace now refuses every pod: vn-b's create of the next one fails
+        // and is retried, as under a slow or refusing lower apiserver.
+        let quota = json!({"apiVersion": "v1", "kind": "ResourceQuota",
+                           "metadata": {"name": "no-pods", "namespace": ns}, "spec": {"hard": {"pods": "0"}}});
+        apply(lower_b.kubeconfig(), &quota.to_string()).await;
+        let first = pod("first", Some(STANDALONE), json!({"cpu": "6"}), &Stash::default());
+        api.create(&PostParams::default(), &first).await.unwrap();
+        tensile_e2e::wait::until("the first 6-CPU pod bound to vn-b", Duration::from_secs(20), Duration::from_millis(200), || async {
+            let p = api.get("first").await.map_err(|e| e.to_string())?;
+            if node_of(&p) == VN_B { Ok(()) } else { Err(format!("on {:?}", node_of(&p))) }
+        })
+        .await?;
+        let bound = jiff::Timestamp::now();
+        // Lower churn elsewhere: a small pod on each node but the free one changes the
+        // frontier, so vn-b writes a shape computed after the bind, without the first pod.
+        for (node, _, _) in &usable {
+            let p = lower_pod(&format!("churn-{node}"), node, "100m");
+            lower_pods.create(&PostParams::default(), &p).await.unwrap();
+            made.push(name_of(&p));
+        }
+        let newer = tensile_e2e::wait::until(
+            "a shape computed after the bind, still showing 8 CPUs free",
+            Duration::from_secs(20),
+            Duration::from_millis(250),
+            || async {
+                let (at, cpus) = vn_b_shape(&upper).await?;
+                let fresh = at > bound + jiff::SignedDuration::from_secs(1) && cpus.last() == Some(&eight);
+                if fresh && !cpus.contains(&five) { Ok((at, cpus)) } else { Err(format!("{at}: {cpus:?}")) }
+            },
+        )
+        .await?;
+        let second = pod("second", Some(STANDALONE), json!({"cpu": "6"}), &Stash::default());
+        api.create(&PostParams::default(), &second).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        let first = api.get("first").await.unwrap();
+        let second = api.get("second").await.unwrap();
+        let failed = failed_scheduling(ns, "second").await;
+        Ok::<_, tensile_e2e::Error>((newer, first, second, failed))
+    }
+    .await;
+    for name in &made {
+        let _ = lower_pods.delete(name, &DeleteParams::default()).await;
+    }
+    kubectl(
+        lower_b.kubeconfig(),
+        &[
+            "-n",
+            ns,
+            "delete",
+            "resourcequota",
+            "no-pods",
+            "--ignore-not-found",
+        ],
+    )
+    .await;
+    let ((at, cpus), first, second, failed) =
+        outcome.unwrap_or_else(|e| panic!("{e}; standalone log:\n{}", standalone.service.log_tail(8_000)));
+    println!("shape at {at}: {cpus:?}; the second pod: {failed:?}");
+    assert!(
+        !first
+            .status
+            .iter()
+            .flat_map(|s| s.conditions.iter().flatten())
+            .any(|c| c.type_ == names::CONDITION_LOWER_SCHEDULED && c.status == "True"),
+        "the first pod is still not placed below"
+    );
+    assert_eq!(
+        node_of(&second),
+        "",
+        "the lower node's room went to the first pod; {failed:?}; log:\n{}",
+        standalone.service.log_tail(8_000)
+    );
+    assert!(
+        failed.iter().any(|m| m.contains("no lower node fits cpu=6")),
+        "{failed:?}"
+    );
+    clean_up(&api).await;
+}

@@ -9,11 +9,13 @@
 //! Warning event that say which and what to do: this scheduler does not see the pods those
 //! need, and placing the pod anyway would silently break them.
 //!
-//! Between a bind and the virtual node's next shape, the pod's requests are held in a
-//! ledger: counted against the node's allocatable until the watch shows the pod bound, and
-//! taken out of the node's shape until a shape computed after the bind arrives, or the
-//! lower scheduler placed the pod long enough ago for a changed shape to be published, so
-//! two pods never get the same free space.
+//! Between a bind and the shape that shows it, the pod's requests are held in a [`Ledger`]
+//! (kube-scheduler's assume cache, for the shape): counted against the node's allocatable
+//! until the watch shows the pod bound, and taken out of the node's shape until the shape
+//! can reflect the pod, that is until the lower scheduler placed it (its
+//! `tensile.io/LowerPodScheduled=True`, or the pod Running) and a changed shape has had time
+//! to be published since, so two pods never get the same free space. A newer shape alone
+//! frees nothing: the virtual node may not have created the lower pod when it computed it.
 //!
 //! `PodScheduled` is written as kube-scheduler writes it: its `lastTransitionTime` moves
 //! only when its status changes, so a pod that waits with a changing message keeps the time
@@ -43,21 +45,103 @@ use crate::place::{Candidate, Placement, place, refusal, unsupported_constraints
 use crate::queue::Queue;
 use tensile_common::fit::Options;
 
-/// How long a placed pod stays in the ledger at most.
-const ASSUMED_FOR: Duration = Duration::from_secs(30);
-/// How long after the lower scheduler placed a pod its virtual node's shape reflects it:
+/// How long a placed pod stays in the ledger at most: long enough for a virtual node's
+/// retried lower create under a slow lower apiserver, bounded so that a pod whose placement
+/// below is never reported (a virtual node that writes no `LowerPodScheduled`, a pod that
+/// never runs) does not hold its node's space for good.
+const ASSUMED_FOR: Duration = Duration::from_secs(120);
+/// How long after the watch shows a pod placed below its virtual node's shape reflects it:
 /// virtual-node writes a changed shape within 5 s (and 300 ms) of the change, and writes
-/// nothing when the frontier did not change (identical lower nodes are one vector).
-const SHAPE_CATCH_UP: jiff::SignedDuration = jiff::SignedDuration::from_secs(6);
+/// nothing when the frontier did not change (identical lower nodes are one vector). Measured
+/// on this process's monotonic clock from when it saw the placement, never by comparing a
+/// shape's `at` with another process's clock.
+const SHAPE_CATCH_UP: Duration = Duration::from_secs(6);
 
 /// A pod placed by this scheduler that the caches may not reflect yet.
 struct Placed {
     node: String,
     requests: ResourceMap,
-    /// When it was bound (wall clock, to compare with a shape's `at`).
-    at: jiff::Timestamp,
-    /// When it was bound (monotonic, for expiry).
+    /// When it was bound.
     since: Instant,
+    /// When the watch first showed it placed by the lower scheduler.
+    below: Option<Instant>,
+}
+
+/// The assume ledger: the pods this scheduler placed whose requests the caches may not
+/// show yet, by UID. Time comes in as an argument, so a test drives it with its own clock.
+#[derive(Default)]
+pub struct Ledger {
+    placed: HashMap<String, Placed>,
+}
+
+impl Ledger {
+    /// Holds `requests` on `node` for the pod `uid`, bound at `now`.
+    pub fn assume(&mut self, uid: &str, node: &str, requests: ResourceMap, now: Instant) {
+        let placed = Placed {
+            node: node.to_owned(),
+            requests,
+            since: now,
+            below: None,
+        };
+        self.placed.insert(uid.to_owned(), placed);
+    }
+
+    pub fn contains(&self, uid: &str) -> bool {
+        self.placed.contains_key(uid)
+    }
+
+    /// Brings the ledger up to the pods the watch shows at `now`: a pod gone or terminal
+    /// leaves; a pod placed below starts its catch-up, and leaves once it has passed; any
+    /// pod leaves [`ASSUMED_FOR`] after its bind. True when one left (its space is back).
+    pub fn sync<'a>(&mut self, pods: impl IntoIterator<Item = &'a Pod>, now: Instant) -> bool {
+        let pods: HashMap<&str, &Pod> = pods
+            .into_iter()
+            .filter_map(|p| p.metadata.uid.as_deref().map(|u| (u, p)))
+            .collect();
+        let before = self.placed.len();
+        self.placed.retain(|uid, p| {
+            let Some(pod) = pods.get(uid.as_str()).filter(|p| !is_terminal(p)) else {
+                return false;
+            };
+            if placed_below(pod) {
+                p.below.get_or_insert(now);
+            }
+            let caught_up = p.below.is_some_and(|b| now.duration_since(b) >= SHAPE_CATCH_UP);
+            !caught_up && now.duration_since(p.since) < ASSUMED_FOR
+        });
+        self.placed.len() < before
+    }
+
+    /// How long until an entry leaves by time alone (`None`: the ledger is empty).
+    pub fn next_release(&self, now: Instant) -> Option<Duration> {
+        self.placed
+            .values()
+            .map(|p| {
+                let expiry = p.since + ASSUMED_FOR;
+                let at = p.below.map_or(expiry, |b| (b + SHAPE_CATCH_UP).min(expiry));
+                at.saturating_duration_since(now)
+            })
+            .min()
+    }
+
+    /// The requests taken out of `node`'s shape: every pod placed there that the shape may
+    /// not reflect yet.
+    pub fn taken(&self, node: &str) -> Vec<ResourceMap> {
+        self.placed
+            .values()
+            .filter(|p| p.node == node)
+            .map(|p| p.requests.clone())
+            .collect()
+    }
+
+    /// Requests per node of the pods placed whose binding the watch does not show yet
+    /// (`bound`: the UIDs it shows bound).
+    fn unbound<'a>(&'a self, bound: &'a HashSet<String>) -> impl Iterator<Item = (&'a str, &'a ResourceMap)> {
+        self.placed
+            .iter()
+            .filter(|(uid, _)| !bound.contains(*uid))
+            .map(|(_, p)| (p.node.as_str(), &p.requests))
+    }
 }
 
 pub struct Scheduler {
@@ -103,12 +187,18 @@ impl Scheduler {
     /// Runs until `stop`.
     pub async fn run(self, stop: CancellationToken) {
         let mut queue = Queue::default();
-        let mut placed: HashMap<String, Placed> = HashMap::new();
+        let mut placed = Ledger::default();
         // UIDs of pods refused for constraints this scheduler does not honour: those are
         // immutable, so the pods are told once and not tried again.
         let mut refused: HashSet<String> = HashSet::new();
         loop {
-            let wait = queue.next_due(Instant::now()).unwrap_or(Duration::from_secs(60));
+            let now = Instant::now();
+            // Space the ledger gives back is a cluster change no watch reports.
+            let wait = [queue.next_due(now), placed.next_release(now)]
+                .into_iter()
+                .flatten()
+                .min()
+                .unwrap_or(Duration::from_secs(60));
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = self.changed.notified() => queue.cluster_changed(Instant::now()),
@@ -128,13 +218,13 @@ impl Scheduler {
 
     /// Queues every pod that is ours and unbound, forgets the rest, and drops ledger entries
     /// the caches now reflect.
-    fn sync(&self, queue: &mut Queue, placed: &mut HashMap<String, Placed>, refused: &mut HashSet<String>) {
+    fn sync(&self, queue: &mut Queue, placed: &mut Ledger, refused: &mut HashSet<String>) {
         let pods = self.pods.state();
         let mut ours = HashSet::new();
         let mut still_refused = HashSet::new();
         for pod in pods.iter().filter(|p| self.is_ours(p)) {
             let key = key_of(pod);
-            if placed.contains_key(&uid(pod)) {
+            if placed.contains(&uid(pod)) {
                 continue;
             }
             if refused.contains(&uid(pod)) {
@@ -156,18 +246,15 @@ impl Scheduler {
         for key in gone {
             queue.remove(&key);
         }
-        let (now, wall) = (Instant::now(), jiff::Timestamp::now());
-        let reflected: HashSet<String> = pods
-            .iter()
-            .filter(|p| placed_below_since(p).is_some_and(|t| wall.duration_since(t) >= SHAPE_CATCH_UP))
-            .map(|p| uid(p))
-            .collect();
-        placed.retain(|uid, p| now.duration_since(p.since) < ASSUMED_FOR && !reflected.contains(uid));
+        let now = Instant::now();
+        if placed.sync(pods.iter().map(|p| p.as_ref()), now) {
+            queue.cluster_changed(now);
+        }
     }
 
     /// Requests per virtual node of the pods bound to it, with those just placed that the
     /// watch does not show bound yet.
-    fn requested(&self, placed: &HashMap<String, Placed>) -> HashMap<String, ResourceMap> {
+    fn requested(&self, placed: &Ledger) -> HashMap<String, ResourceMap> {
         let mut out: HashMap<String, ResourceMap> = HashMap::new();
         let mut seen_bound = HashSet::new();
         for pod in self.pods.state() {
@@ -177,10 +264,8 @@ impl Scheduler {
                 out.entry(node.to_owned()).or_default().add(&pod_requests(&pod));
             }
         }
-        for (uid, p) in placed {
-            if !seen_bound.contains(uid) {
-                out.entry(p.node.clone()).or_default().add(&p.requests);
-            }
+        for (node, requests) in placed.unbound(&seen_bound) {
+            out.entry(node.to_owned()).or_default().add(requests);
         }
         out
     }
@@ -189,7 +274,7 @@ impl Scheduler {
         &self,
         key: &str,
         queue: &mut Queue,
-        placed: &mut HashMap<String, Placed>,
+        placed: &mut Ledger,
         refused: &mut HashSet<String>,
     ) {
         let Some((ns, name)) = key.split_once('/') else {
@@ -218,25 +303,12 @@ impl Scheduler {
         let candidates: Vec<Candidate<'_>> = nodes
             .iter()
             .map(|n| {
-                let facts = self.facts.facts(n);
                 let node_name = n.name_any();
-                let shape_at = facts
-                    .shape
-                    .as_ref()
-                    .and_then(|s| s.as_ref().ok())
-                    .and_then(|s| s.at());
-                // A shape computed after a bind (its `at` has whole seconds) counts the pod.
-                let taken = placed
-                    .values()
-                    .filter(|p| p.node == node_name)
-                    .filter(|p| shape_at.is_none_or(|at| at <= p.at + jiff::SignedDuration::from_secs(1)))
-                    .map(|p| p.requests.clone())
-                    .collect();
                 Candidate {
                     node: n.as_ref(),
-                    facts,
+                    facts: self.facts.facts(n),
                     requested: requested.get(&node_name).cloned().unwrap_or_default(),
-                    taken,
+                    taken: placed.taken(&node_name),
                 }
             })
             .collect();
@@ -259,7 +331,7 @@ impl Scheduler {
         }
     }
 
-    async fn bind(&self, pod: &Pod, node: &str, queue: &mut Queue, placed: &mut HashMap<String, Placed>) {
+    async fn bind(&self, pod: &Pod, node: &str, queue: &mut Queue, placed: &mut Ledger) {
         let key = key_of(pod);
         let ns = pod.namespace().unwrap_or_default();
         let binding = json!({
@@ -279,15 +351,7 @@ impl Scheduler {
         match result {
             Ok(_) => {
                 queue.remove(&key);
-                placed.insert(
-                    uid(pod),
-                    Placed {
-                        node: node.to_owned(),
-                        requests: pod_requests(pod),
-                        at: jiff::Timestamp::now(),
-                        since: Instant::now(),
-                    },
-                );
+                placed.assume(&uid(pod), node, pod_requests(pod), Instant::now());
                 self.metrics.bind("success");
                 tracing::info!(pod = key, node, "bound");
                 let note = format!("Successfully assigned {key} to {node}");
@@ -380,16 +444,16 @@ fn unschedulable_patch(
     Some(json!({"status": {"conditions": [condition]}}))
 }
 
-/// Since when the lower scheduler has the pod placed, as its virtual node reports it.
-fn placed_below_since(pod: &Pod) -> Option<jiff::Timestamp> {
-    let c = pod
-        .status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == tensile_common::names::CONDITION_LOWER_SCHEDULED && c.status == "True")?;
-    c.last_transition_time.as_ref().map(|t| t.0)
+/// Whether the lower scheduler has placed the pod, as its virtual node reports it: its
+/// `tensile.io/LowerPodScheduled=True`, or the pod Running.
+fn placed_below(pod: &Pod) -> bool {
+    let status = pod.status.as_ref();
+    status.and_then(|s| s.phase.as_deref()) == Some("Running")
+        || status
+            .and_then(|s| s.conditions.as_ref())
+            .into_iter()
+            .flatten()
+            .any(|c| c.type_ == tensile_common::names::CONDITION_LOWER_SCHEDULED && c.status == "True")
 }
 
 fn uid(pod: &Pod) -> String {
@@ -400,9 +464,139 @@ fn uid(pod: &Pod) -> String {
 mod tests {
     use super::*;
     use crate::extender::FactsCache;
+    use crate::place::Candidate;
     use serde_json::Value;
+    use std::collections::BTreeMap;
     use std::sync::Mutex;
     use tensile_common::exclusion::Exclusions;
+    use tensile_common::names;
+    use tensile_common::shape::{DEFAULT_GROUP_CAP, build};
+
+    fn pod(uid: &str, status: Value) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": uid, "namespace": "ns", "uid": uid},
+            "spec": {"nodeName": "vn-b", "containers": [{"name": "c", "resources": {"requests": {"cpu": "6"}}}]},
+            "status": status,
+        }))
+        .unwrap()
+    }
+
+    fn lower_scheduled() -> Value {
+        json!({"phase": "Pending", "conditions": [{"type": names::CONDITION_LOWER_SCHEDULED, "status": "True"}]})
+    }
+
+    fn cpu(n: &str) -> ResourceMap {
+        ResourceMap::parse([(&"cpu".to_owned(), &n.to_owned())]).0
+    }
+
+    /// vn-b over two identical 8-CPU lower nodes (one frontier vector), its shape computed
+    /// at `at`.
+    fn virtual_node(at: jiff::Timestamp) -> Node {
+        let lower = |name: &str| -> Node {
+            serde_json::from_value(json!({
+                "metadata": {"name": name},
+                "status": {"allocatable": {"cpu": "8", "memory": "16Gi", "pods": "110"},
+                           "conditions": [{"type": "Ready", "status": "True"}]},
+            }))
+            .unwrap()
+        };
+        let shape = build(&[lower("b0"), lower("b1")], [], &[], DEFAULT_GROUP_CAP, at)
+            .encode()
+            .unwrap();
+        serde_json::from_value(json!({
+            "metadata": {"name": "vn-b",
+                         "labels": {names::VIRTUAL_NODE_TYPE_LABEL: names::VIRTUAL_NODE_TYPE_VALUE},
+                         "annotations": {names::NODE_CAPACITY_SHAPE: shape}},
+            "status": {"allocatable": {"cpu": "16", "memory": "32Gi", "pods": "220"},
+                       "conditions": [{"type": "Ready", "status": "True"}]},
+        }))
+        .unwrap()
+    }
+
+    /// Where a 6-CPU pod goes, given the ledger and vn-b's shape computed at `at`.
+    fn second_pod(ledger: &Ledger, at: jiff::Timestamp) -> crate::place::Placement {
+        let node = virtual_node(at);
+        let cache = FactsCache::default();
+        let candidates = [Candidate {
+            node: &node,
+            facts: cache.facts(&node),
+            requested: cpu("6"),
+            taken: ledger.taken("vn-b"),
+        }];
+        let options = Options {
+            now: at,
+            max_age: None,
+        };
+        let new: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "second", "namespace": "ns"},
+            "spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": "6"}}}]},
+        }))
+        .unwrap();
+        place(&new, &candidates, &BTreeMap::new(), &options, Score::Binpack).0
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_placed_pod_holds_its_space_through_newer_shapes_until_placed_below_and_caught_up() {
+        let bound_at = jiff::Timestamp::now();
+        let mut ledger = Ledger::default();
+        ledger.assume("p1", "vn-b", cpu("6"), Instant::now());
+        // The lower create is slow: shapes computed after the bind keep coming, none with
+        // the pod in it, and the space stays taken.
+        for seconds in [5, 10, 20] {
+            tokio::time::advance(Duration::from_secs(5)).await;
+            assert!(!ledger.sync([&pod("p1", json!({"phase": "Pending"}))], Instant::now()));
+            let shape_at = bound_at + jiff::SignedDuration::from_secs(seconds);
+            assert_eq!(
+                second_pod(&ledger, shape_at),
+                crate::place::Placement::Unschedulable(
+                    "0/1 nodes are available: 1 no lower node fits cpu=6 (largest free 2).".into()
+                ),
+                "a shape {seconds} s after the bind, the lower pod not created yet"
+            );
+        }
+        // The lower scheduler placed it: the shape catches up within SHAPE_CATCH_UP.
+        assert!(!ledger.sync([&pod("p1", lower_scheduled())], Instant::now()));
+        assert_eq!(ledger.taken("vn-b"), [cpu("6")]);
+        assert_eq!(ledger.next_release(Instant::now()), Some(SHAPE_CATCH_UP));
+        tokio::time::advance(SHAPE_CATCH_UP - Duration::from_millis(1)).await;
+        assert!(!ledger.sync([&pod("p1", lower_scheduled())], Instant::now()));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(
+            ledger.sync([&pod("p1", lower_scheduled())], Instant::now()),
+            "released, so the waiting pods are tried again"
+        );
+        assert!(ledger.taken("vn-b").is_empty());
+        assert_eq!(ledger.next_release(Instant::now()), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pod_never_placed_below_holds_its_space_until_the_expiry() {
+        let mut ledger = Ledger::default();
+        ledger.assume("p1", "vn-b", cpu("6"), Instant::now());
+        let pending = pod("p1", json!({"phase": "Pending"}));
+        assert_eq!(ledger.next_release(Instant::now()), Some(ASSUMED_FOR));
+        tokio::time::advance(ASSUMED_FOR - Duration::from_secs(1)).await;
+        assert!(!ledger.sync([&pending], Instant::now()));
+        assert_eq!(ledger.next_release(Instant::now()), Some(Duration::from_secs(1)));
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(ledger.sync([&pending], Instant::now()));
+        assert!(!ledger.contains("p1"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_running_pod_counts_as_placed_below_and_a_gone_or_terminal_one_leaves_at_once() {
+        let mut ledger = Ledger::default();
+        for uid in ["running", "gone", "failed"] {
+            ledger.assume(uid, "vn-b", cpu("1"), Instant::now());
+        }
+        let running = pod("running", json!({"phase": "Running"}));
+        let failed = pod("failed", json!({"phase": "Failed"}));
+        assert!(ledger.sync([&running, &failed], Instant::now()));
+        assert!(ledger.contains("running") && !ledger.contains("gone") && !ledger.contains("failed"));
+        tokio::time::advance(SHAPE_CATCH_UP).await;
+        assert!(ledger.sync([&running], Instant::now()));
+        assert!(!ledger.contains("running"));
+    }
 
     #[test]
     fn podscheduled_moves_its_transition_time_only_when_its_status_changes() {
