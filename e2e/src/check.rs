@@ -102,6 +102,55 @@ pub fn webhook_registration(
     namespaces: Namespaces<'_>,
     ca_pem: Option<&str>,
 ) -> String {
+    let pods = webhook_entry(
+        "pods.tensile.io",
+        r#"{operations: [CREATE], apiGroups: [""], apiVersions: [v1], resources: [pods], scope: Namespaced}"#,
+        r#"objectSelector: {matchLabels: {virtual-pod: "true"}}"#,
+        port,
+        namespaces,
+        ca_pem,
+    );
+    format!(
+        r#"
+apiVersion: admissionregistration.k8s.io/v1
+kind: MutatingWebhookConfiguration
+metadata: {{name: {name}}}
+webhooks:
+{pods}"#
+    )
+}
+
+/// [`webhook_registration`] with the chart's second webhook: Jobs at CREATE whose pod
+/// template opted in (the label `virtual-pod=true`, matched by the apiserver itself), so
+/// the webhook can give them the disruption rule (`--job-disruption-rule`).
+pub fn webhook_registration_with_jobs(
+    name: &str,
+    port: u16,
+    namespaces: Namespaces<'_>,
+    ca_pem: Option<&str>,
+) -> String {
+    let jobs = webhook_entry(
+        "jobs.tensile.io",
+        "{operations: [CREATE], apiGroups: [batch], apiVersions: [v1], resources: [jobs], scope: Namespaced}",
+        r#"matchConditions:
+  - name: pod-template-opted-in
+    expression: "object.spec.template.metadata.?labels[?'virtual-pod'].orValue('') == 'true'""#,
+        port,
+        namespaces,
+        ca_pem,
+    );
+    format!("{}{jobs}", webhook_registration(name, port, namespaces, ca_pem))
+}
+
+/// One webhook of a registration: `rule`, then `selects` (which objects of it are sent).
+fn webhook_entry(
+    name: &str,
+    rule: &str,
+    selects: &str,
+    port: u16,
+    namespaces: Namespaces<'_>,
+    ca_pem: Option<&str>,
+) -> String {
     use base64::Engine as _;
     let ca = ca_pem
         .map(|pem| {
@@ -118,20 +167,15 @@ pub fn webhook_registration(
         }
     };
     format!(
-        r#"
-apiVersion: admissionregistration.k8s.io/v1
-kind: MutatingWebhookConfiguration
-metadata: {{name: {name}}}
-webhooks:
-- name: pods.tensile.io
+        r#"- name: {name}
   admissionReviewVersions: [v1]
   sideEffects: None
   failurePolicy: Fail
   reinvocationPolicy: Never
   timeoutSeconds: 5
   clientConfig: {{url: "https://127.0.0.1:{port}/mutate"{ca}}}
-  rules: [{{operations: [CREATE], apiGroups: [""], apiVersions: [v1], resources: [pods], scope: Namespaced}}]
-  objectSelector: {{matchLabels: {{virtual-pod: "true"}}}}
+  rules: [{rule}]
+  {selects}
   namespaceSelector:
     matchExpressions:
     - {selector}

@@ -3,7 +3,8 @@
 //!
 //! Each test registers its own MutatingWebhookConfiguration scoped to its own namespace
 //! (plus the production objectSelector `virtual-pod=true`), so tests sharing the cluster do
-//! not see each other's webhook.
+//! not see each other's webhook. The Job tests run on a bed of their own: an upper cluster
+//! with its scheduler over lower-a and lower-b, virtual nodes and the descheduler.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
 
 use std::net::SocketAddr;
@@ -17,7 +18,7 @@ use tensile_common::stash::Stash;
 use tensile_e2e::pki::Ca;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::wait::until;
-use tensile_e2e::{ClusterOptions, TestCluster, free_port};
+use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
 use tensile_webhook::{Certificates, Options, Policy, Running};
 
 static UPPER: Shared<TestCluster> = Shared::new();
@@ -711,4 +712,410 @@ async fn one_http2_client_gets_the_stream_cap_and_a_connection_budget_of_bodies_
     let _ = c
         .kubectl(&["delete", "mutatingwebhookconfiguration", config])
         .await;
+}
+
+/// The bed of the Job test: an upper cluster with its scheduler, lower-a (1.37) and lower-b
+/// (the oldest supported version), each with simulated kubelets.
+struct Lowers {
+    upper: TestCluster,
+    lower_a: TestCluster,
+    lower_b: TestCluster,
+    sim_a: NodeSimulator,
+    sim_b: NodeSimulator,
+}
+
+static LOWERS: Shared<Lowers> = Shared::new();
+
+fn lowers() -> &'static Lowers {
+    LOWERS
+        .get(|| async {
+            let (upper, lower_a, lower_b) = tokio::join!(
+                TestCluster::start(ClusterOptions::new("webhook-jobs", "upper")),
+                TestCluster::start(ClusterOptions::new("webhook-jobs", "lower-a")),
+                TestCluster::start(ClusterOptions::new("webhook-jobs", "lower-b")),
+            );
+            let (upper, lower_a, lower_b) = (upper?, lower_a?, lower_b?);
+            tensile_e2e::chart::install_exclusion_records(upper.kubeconfig()).await?;
+            let sim_a = simulator("lower-a", &lower_a).await?;
+            let sim_b = simulator("lower-b", &lower_b).await?;
+            Ok(Lowers {
+                upper,
+                lower_a,
+                lower_b,
+                sim_a,
+                sim_b,
+            })
+        })
+        .unwrap_or_else(|e| panic!("test bed: {e}"))
+}
+
+async fn simulator(name: &str, lower: &TestCluster) -> tensile_e2e::Result<NodeSimulator> {
+    let options = SimulatorOptions::new(name, Some(lower.kubelet_client_ca_pem()));
+    NodeSimulator::start(lower.client().await?, options, Vec::new()).await
+}
+
+/// Label key of the Job test's virtual nodes (both carry it), kept upstream by the webhook.
+const VN_KEY: &str = "tensile-e2e-vn";
+/// Label key telling the Job test's two virtual nodes apart (`a`, `b`), kept upstream too.
+const SIDE_KEY: &str = "tensile-e2e-side";
+/// Label key of the Job test's lower nodes, which the stash carries down.
+const LOWER_KEY: &str = "tensile-e2e";
+
+/// A `backoffLimit: 0` Job `name` of one `restartPolicy: Never` pod of `cpu` CPUs, opted in
+/// by its pod template's label (not its own), on the scene's virtual nodes (`side`: only
+/// that one), preferring vn-a.
+fn job(ns: &str, name: &str, cpu: &str, side: Option<&str>) -> String {
+    let mut selector = json!({VN_KEY: ns, LOWER_KEY: ns});
+    if let Some(side) = side {
+        selector[SIDE_KEY] = json!(side);
+    }
+    json!({
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": name, "namespace": ns, "labels": {"app": name}},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "metadata": {"labels": {"app": name, "virtual-pod": "true"}},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "terminationGracePeriodSeconds": 5,
+                    "nodeSelector": selector,
+                    "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                        {"weight": 100, "preference": {"matchExpressions": [
+                            {"key": SIDE_KEY, "operator": "In", "values": ["a"]}]}}]}},
+                    "containers": [{"name": "work", "image": "busybox", "resources": {"requests": {"cpu": cpu}}}],
+                },
+            },
+        },
+    })
+    .to_string()
+}
+
+/// A Job whose pod lower-a refuses (3 CPUs, 2-CPU nodes) while lower-b fits it is tracked by
+/// finalizers, so the descheduler moves its pod only when the Job's `podFailurePolicy`
+/// ignores `DisruptionTarget`. With `--job-disruption-rule` the webhook gives every opted-in
+/// Job that rule at CREATE: the `backoffLimit: 0` Job is moved from vn-a (lower-a, 1.37) to
+/// vn-b (lower-b, 1.33) and completes with no failure. Jobs placed directly on either lower
+/// cluster complete under the rule too, so both versions run a Job's pod with it.
+#[tokio::test]
+async fn with_the_job_disruption_rule_a_job_refused_below_moves_and_completes() {
+    init();
+    let bed = lowers();
+    let ns = "wh-jobs";
+    let name = ns.to_owned();
+    LOWERS
+        .handle()
+        .unwrap()
+        .spawn(async move {
+            for i in 0..12 {
+                let node = NodeConfig::new(&format!("{name}-a{i}"))
+                    .resource("cpu", "2")
+                    .label(LOWER_KEY, &name);
+                bed.sim_a.add_node(node).await.unwrap();
+            }
+            let node = NodeConfig::new(&format!("{name}-b0"))
+                .resource("cpu", "8")
+                .resource("memory", "16Gi")
+                .label(LOWER_KEY, &name);
+            bed.sim_b.add_node(node).await.unwrap();
+        })
+        .await
+        .unwrap();
+    namespace(&bed.upper, ns).await;
+    let identity = tensile_e2e::descheduler::chart_identity(&bed.upper, ns, "annotated")
+        .await
+        .unwrap();
+    let records = tensile_common::exclusion::Location {
+        namespace: ns.to_owned(),
+        name: format!("{ns}-tensile-exclusions"),
+    };
+
+    let port = free_port().unwrap();
+    let config = format!("tensile-webhook-{ns}");
+    let out = apply(
+        &bed.upper,
+        &tensile_e2e::check::webhook_registration_with_jobs(
+            &config,
+            port,
+            tensile_e2e::check::Namespaces::Labelled(ns),
+            None,
+        ),
+    )
+    .await;
+    assert!(out.ok, "{}", out.stderr);
+    let mut opts = options(
+        port,
+        Certificates::SelfSigned {
+            names: vec!["127.0.0.1".into()],
+        },
+    );
+    opts.client = Some(bed.upper.client().await.unwrap());
+    opts.webhook_config_name = Some(config.clone());
+    opts.policy = Policy {
+        ignore_selector_keys: [VN_KEY.to_owned(), SIDE_KEY.to_owned()].into(),
+        job_disruption_rule: true,
+        ..Policy::default()
+    };
+    opts.exclusions = Some(records.clone());
+    // On the bed's runtime: the in-process virtual nodes keep this test's thread busy.
+    let webhook = LOWERS
+        .handle()
+        .unwrap()
+        .spawn(tensile_webhook::start(opts))
+        .await
+        .unwrap()
+        .unwrap();
+    must_within("the webhook's caBundle written", 30, || async {
+        webhook
+            .state
+            .ready
+            .get()
+            .then_some(())
+            .ok_or("not ready".to_owned())
+    })
+    .await;
+
+    let (vn_a, vn_b) = (format!("{ns}-a"), format!("{ns}-b"));
+    let node = |name: &str, side: &str, lower: &TestCluster| {
+        let mut args = tensile_e2e::in_process::options(&bed.upper, name, lower).unwrap();
+        args.node_labels = vec![
+            (VN_KEY.to_owned(), ns.to_owned()),
+            (SIDE_KEY.to_owned(), side.to_owned()),
+        ];
+        tensile_e2e::in_process::VirtualNode::run(args)
+    };
+    let _nodes = [node(&vn_a, "a", &bed.lower_a), node(&vn_b, "b", &bed.lower_b)];
+    for vn in [&vn_a, &vn_b] {
+        must_within(&format!("{vn} Ready"), 60, || async {
+            let out = bed
+                .upper
+                .kubectl(&[
+                    "get",
+                    "node",
+                    vn,
+                    "-o",
+                    r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
+                ])
+                .await;
+            (out.stdout.trim() == "True").then_some(()).ok_or(out.stdout)
+        })
+        .await;
+    }
+    let flags = [
+        format!("--node-selector=type=virtual-kubelet,{VN_KEY}={ns}"),
+        format!("--exclusions-configmap={records}"),
+        "--unschedulable-threshold=3".to_owned(),
+        "--descheduling-interval=5s".to_owned(),
+    ];
+    let descheduler =
+        tensile_e2e::descheduler::DeschedulerProcess::start_as(&bed.upper, &identity, &flags, "jobs")
+            .unwrap();
+    descheduler.wait_ready(Duration::from_secs(30)).await.unwrap();
+
+    // Refused by lower-a, fits lower-b; and one Job placed on each lower cluster directly.
+    for (name, cpu, side) in [
+        ("moved", "3", None),
+        ("on-a", "1", Some("a")),
+        ("on-b", "1", Some("b")),
+    ] {
+        let out = apply(&bed.upper, &job(ns, name, cpu, side)).await;
+        assert!(out.ok, "{name}: {}", out.stderr);
+    }
+
+    // Every Job completes; meanwhile, which virtual nodes each Job's pods were seen on.
+    let mut seen: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> = Default::default();
+    let deadline = std::time::Instant::now() + Duration::from_secs(180);
+    loop {
+        let pods: Value = serde_json::from_str(
+            &kubectl(
+                &bed.upper,
+                &["-n", ns, "get", "pods", "-l", "job-name", "-o", "json"],
+            )
+            .await,
+        )
+        .unwrap();
+        let pods = pods["items"].as_array().cloned().unwrap_or_default();
+        for p in &pods {
+            let (job, node) = (&p["metadata"]["labels"]["job-name"], &p["spec"]["nodeName"]);
+            if let (Some(job), Some(node)) = (job.as_str(), node.as_str()) {
+                seen.entry(job.to_owned()).or_default().insert(node.to_owned());
+            }
+        }
+        let status = kubectl(
+            &bed.upper,
+            &[
+                "-n",
+                ns,
+                "get",
+                "jobs",
+                "-o",
+                r#"jsonpath={range .items[*]}{.metadata.name}:{.status.succeeded}|{.status.failed}|{.status.active} {end}"#,
+            ],
+        )
+        .await;
+        if status.split_whitespace().filter(|j| j.contains(":1|")).count() == 3 {
+            assert_eq!(
+                status.trim(),
+                "moved:1|| on-a:1|| on-b:1||",
+                "name:succeeded|failed|active"
+            );
+            break;
+        }
+        if std::time::Instant::now() > deadline {
+            let pods: Vec<String> = pods
+                .iter()
+                .map(|p| {
+                    format!(
+                        "{} on {} {}",
+                        p["metadata"]["name"], p["spec"]["nodeName"], p["status"]["phase"]
+                    )
+                })
+                .collect();
+            panic!(
+                "not every Job completed within 180 s (name:succeeded|failed|active): {status}; pods: {pods:?}; seen on: {seen:?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    for name in ["moved", "on-a", "on-b"] {
+        let stored: Value =
+            serde_json::from_str(&kubectl(&bed.upper, &["-n", ns, "get", "job", name, "-o", "json"]).await)
+                .unwrap();
+        assert_eq!(
+            stored["spec"]["podFailurePolicy"]["rules"][0],
+            json!({"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}),
+            "{name}: {}",
+            stored["spec"]
+        );
+    }
+    let on = |job: &str| {
+        seen.get(job)
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        on("moved"),
+        [vn_a.as_str(), vn_b.as_str()],
+        "refused on vn-a, moved to vn-b"
+    );
+    assert_eq!(on("on-a"), [vn_a.as_str()]);
+    assert_eq!(on("on-b"), [vn_b.as_str()]);
+    let warned = kubectl(
+        &bed.upper,
+        &[
+            "-n",
+            ns,
+            "get",
+            "events",
+            "--field-selector",
+            "reason=JobPodNotMoved",
+            "-o",
+            "name",
+        ],
+    )
+    .await;
+    assert_eq!(warned.trim(), "", "no Job was held back");
+    drop(descheduler);
+    webhook.stop().await;
+    let _ = bed
+        .upper
+        .kubectl(&["delete", "mutatingwebhookconfiguration", &config])
+        .await;
+}
+
+/// `webhook.jobDisruptionRule` gives the chart's webhook `--job-disruption-rule` and its
+/// registration a second webhook for Jobs at CREATE, sent by the apiserver only when their pod
+/// template carries the opt-in label; the apiservers of both ends of the supported range
+/// (1.37 above, 1.33 in lower-b) compile its condition and accept the registration. Off, the
+/// chart renders neither.
+#[tokio::test]
+async fn the_charts_job_webhook_is_rendered_with_its_value_and_accepted_by_both_versions() {
+    init();
+    let bed = lowers();
+    let render = |on: bool| async move {
+        let chart = tensile_e2e::chart::chart_dir().display().to_string();
+        let value = format!("webhook.jobDisruptionRule={on}");
+        let args = [
+            "template",
+            "r",
+            &chart,
+            "-n",
+            "tensile",
+            "--show-only",
+            "templates/webhook.yaml",
+            "--set",
+            &value,
+        ];
+        let out = tensile_e2e::chart::helm(&bed.upper, &args).await.unwrap();
+        assert!(out.ok, "helm template: {}", out.stderr);
+        let objects: Vec<Value> = out
+            .stdout
+            .split("\n---")
+            .filter_map(|doc| serde_yaml::from_str::<Value>(doc).ok())
+            .filter(Value::is_object)
+            .collect();
+        let of = |kind: &str| {
+            objects
+                .iter()
+                .find(|o| o["kind"] == kind)
+                .cloned()
+                .unwrap_or_else(|| panic!("no {kind} rendered"))
+        };
+        (of("MutatingWebhookConfiguration"), of("Deployment"))
+    };
+    let args =
+        |deployment: &Value| deployment["spec"]["template"]["spec"]["containers"][0]["args"].to_string();
+
+    let (registration, deployment) = render(true).await;
+    assert!(
+        args(&deployment).contains("\"--job-disruption-rule\""),
+        "{}",
+        args(&deployment)
+    );
+    let webhooks = registration["webhooks"].as_array().unwrap();
+    let names: Vec<&str> = webhooks.iter().filter_map(|w| w["name"].as_str()).collect();
+    assert_eq!(names, ["pods.tensile.io", "jobs.tensile.io"]);
+    let jobs = &webhooks[1];
+    assert_eq!(
+        jobs["rules"],
+        json!([{"operations": ["CREATE"], "apiGroups": ["batch"], "apiVersions": ["v1"], "resources": ["jobs"], "scope": "Namespaced"}])
+    );
+    assert!(jobs.get("objectSelector").is_none(), "{jobs}");
+    assert_eq!(
+        jobs["matchConditions"][0]["expression"],
+        r#"object.spec.template.metadata.?labels[?"virtual-pod"].orValue('') == "true""#
+    );
+    for key in [
+        "failurePolicy",
+        "timeoutSeconds",
+        "clientConfig",
+        "namespaceSelector",
+        "sideEffects",
+    ] {
+        assert_eq!(jobs[key], webhooks[0][key], "{key} as the pods' webhook");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("registration.json");
+    std::fs::write(&path, registration.to_string()).unwrap();
+    for cluster in [&bed.upper, &bed.lower_b] {
+        let out = cluster
+            .kubectl(&["apply", "--dry-run=server", "-f", path.to_str().unwrap()])
+            .await;
+        assert!(out.ok, "{}: {}", cluster.kubeconfig().display(), out.stderr);
+    }
+
+    let (registration, deployment) = render(false).await;
+    assert!(!args(&deployment).contains("job-disruption-rule"));
+    assert_eq!(registration["webhooks"].as_array().map(Vec::len), Some(1));
+}
+
+/// Waits up to `secs` for `probe`; panics saying what did not happen.
+async fn must_within<F, Fut>(what: &str, secs: u64, probe: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), String>>,
+{
+    tensile_e2e::wait::must(what, Duration::from_secs(secs), Duration::from_millis(250), probe).await
 }
