@@ -46,30 +46,45 @@ pub struct Caps {
 /// The caps' window. Rounds run whenever pods or nodes change (the descheduler's own
 /// evictions included), so caps per round would bound nothing over a minute; as
 /// kubernetes-sigs/descheduler bounds evictions per descheduling cycle, the caps bound the
-/// evictions of every round within one `--descheduling-interval`, counted from the first
-/// round after the previous window closed.
+/// evictions of every round within one `--descheduling-interval`, counted from the
+/// window's first eviction.
 #[derive(Debug)]
 pub(crate) struct Window {
-    opened: Instant,
+    /// When its first eviction was made (`None`: none yet, and it stays open).
+    opened: Option<Instant>,
     budget: Budget,
 }
 
 impl Window {
-    fn new(now: Instant, caps: Caps) -> Self {
+    fn new(caps: Caps) -> Self {
         Self {
-            opened: now,
+            opened: None,
             budget: Budget::new(caps.total, caps.per_namespace, caps.per_node, caps.per_owner),
         }
     }
 
     /// Whether the window is still open at `now`.
     fn open(&self, now: Instant, interval: Duration) -> bool {
-        now.duration_since(self.opened) < interval
+        self.opened
+            .is_none_or(|opened| now.duration_since(opened) < interval)
+    }
+
+    /// Takes one eviction of pod of `namespace` on `node` (`None`: unbound) of workload
+    /// `owner` from the window's budget; `Err`: which cap it reached.
+    fn take(&mut self, namespace: &str, node: Option<&str>, owner: &str) -> Result<(), &'static str> {
+        match node {
+            Some(node) => self.budget.take(namespace, node, owner),
+            None => self.budget.take_unbound(namespace, owner),
+        }?;
+        self.opened.get_or_insert_with(Instant::now);
+        Ok(())
     }
 
     /// When the window closes, on the wall clock whose time is `now` now.
     fn closes(&self, now: Timestamp, interval: Duration) -> Timestamp {
-        let left = interval.saturating_sub(self.opened.elapsed());
+        let left = self
+            .opened
+            .map_or(Duration::ZERO, |opened| interval.saturating_sub(opened.elapsed()));
         now + jiff::SignedDuration::try_from(left).unwrap_or(jiff::SignedDuration::ZERO)
     }
 }
@@ -227,7 +242,7 @@ impl Descheduler {
             .ok()
             .and_then(|mut w| w.take())
             .filter(|w| w.open(Instant::now(), self.interval))
-            .unwrap_or_else(|| Window::new(Instant::now(), self.caps));
+            .unwrap_or_else(|| Window::new(self.caps));
         let mut due: Option<Timestamp> = None;
         let mut candidates: BTreeMap<String, i64> = nodes.keys().map(|n| (n.clone(), 0)).collect();
         let mut skipped: BTreeMap<&'static str, i64> = BTreeMap::new();
@@ -272,7 +287,7 @@ impl Descheduler {
                         continue;
                     }
                     let ns = pod.metadata.namespace.clone().unwrap_or_default();
-                    if let Err(cap) = window.budget.take(&ns, &m.refusal.node, m.workload.key()) {
+                    if let Err(cap) = window.take(&ns, Some(&m.refusal.node), m.workload.key()) {
                         self.metrics
                             .moved("limited", &m.refusal.reason, &m.refusal.node, &ns);
                         tracing::debug!(pod = %key(&pod), "not moved in this interval: {cap} reached");
@@ -287,7 +302,7 @@ impl Descheduler {
                         continue;
                     }
                     let ns = pod.metadata.namespace.clone().unwrap_or_default();
-                    if let Err(cap) = window.budget.take_unbound(&ns, r.workload.key()) {
+                    if let Err(cap) = window.take(&ns, None, r.workload.key()) {
                         self.released("limited");
                         tracing::debug!(pod = %key(&pod), "not recreated in this interval: {cap} reached");
                         due = Some(window.closes(Timestamp::now(), self.interval).min(due.unwrap_or(Timestamp::MAX)));
@@ -944,8 +959,9 @@ mod tests {
         }
     }
 
-    /// Rounds every 300 ms for a minute (each eviction's watch events start one) under a
-    /// total cap of 2 and a 30 s interval: 4 evictions, 2 per window.
+    /// Rounds every 300 ms for a minute (each eviction's watch events start one), the first
+    /// refused pod at 5 s, under a total cap of 2 and a 30 s interval: 2 evictions at 5 s,
+    /// the next 2 one interval later.
     #[tokio::test(start_paused = true)]
     async fn the_caps_bound_the_evictions_of_all_rounds_within_one_interval() {
         let interval = Duration::from_secs(30);
@@ -956,20 +972,28 @@ mod tests {
             let mut window = kept
                 .take()
                 .filter(|w| w.open(Instant::now(), interval))
-                .unwrap_or_else(|| Window::new(Instant::now(), caps(2)));
-            if window.budget.take("shop", "vn-a", "rs").is_ok() {
+                .unwrap_or_else(|| Window::new(caps(2)));
+            if started.elapsed() >= Duration::from_secs(5) && window.take("shop", Some("vn-a"), "rs").is_ok()
+            {
                 evicted.push(started.elapsed().as_secs());
             }
             kept = Some(window);
             tokio::time::advance(Duration::from_millis(300)).await;
         }
-        assert_eq!(evicted, vec![0, 0, 30, 30], "two at the start of each interval");
+        assert_eq!(evicted, vec![5, 5, 35, 35], "two at the start of each window");
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_limited_pod_is_due_when_the_window_closes() {
+    async fn a_window_opens_at_its_first_eviction_and_a_limited_pod_is_due_when_it_closes() {
         let interval = Duration::from_secs(30);
-        let window = Window::new(Instant::now(), caps(1));
+        let mut window = Window::new(caps(1));
+        tokio::time::advance(Duration::from_secs(100)).await;
+        assert!(
+            window.open(Instant::now(), interval),
+            "no eviction yet: still open"
+        );
+        window.take("shop", None, "rs").unwrap();
+        assert_eq!(window.take("shop", None, "rs"), Err("--max-pods-to-evict-total"));
         tokio::time::advance(Duration::from_secs(10)).await;
         let now: Timestamp = "2024-05-01T10:00:00Z".parse().unwrap();
         assert_eq!(
@@ -978,6 +1002,9 @@ mod tests {
         );
         assert!(window.open(Instant::now(), interval));
         tokio::time::advance(Duration::from_secs(20)).await;
-        assert!(!window.open(Instant::now(), interval), "closed after one interval");
+        assert!(
+            !window.open(Instant::now(), interval),
+            "closed one interval after its first eviction"
+        );
     }
 }

@@ -244,8 +244,10 @@ impl Scene {
             format!("--node-selector=type=virtual-kubelet,{VN_KEY}={}", self.ns),
             format!("--exclusions-configmap={}", exclusions(&self.ns)),
             "--unschedulable-threshold=3".to_owned(),
-            "--descheduling-interval=5s".to_owned(),
         ];
+        if !extra.iter().any(|f| f.starts_with("--descheduling-interval")) {
+            flags.push("--descheduling-interval=5s".to_owned());
+        }
         flags.extend(extra.iter().map(|s| s.to_string()));
         flags
     }
@@ -590,6 +592,69 @@ async fn a_deployment_refused_by_lower_a_ends_running_in_lower_b_with_its_stash_
         "figure: descheduler, Deployment of 4 x 3 CPU refused by lower-a: refusal -> Running in lower-b p50 {:.1} s, max {:.1} s (threshold 3 s; {escaped} replacement(s) escaped the exclusion and moved twice)",
         p50.as_secs_f64(),
         max.as_secs_f64()
+    );
+}
+
+/// Every eviction makes watch events, and every event starts a round 300 ms later: caps per
+/// round would let four refused pods go within seconds. The caps hold per
+/// `--descheduling-interval`, as kubernetes-sigs/descheduler's hold per cycle.
+#[tokio::test]
+async fn the_eviction_cap_holds_per_descheduling_interval_whatever_the_rounds() {
+    let scene = Scene::start("ds-caps", 2).await;
+    let d = scene
+        .descheduler(
+            &["--max-pods-to-evict-total=1", "--descheduling-interval=20s"],
+            "caps",
+        )
+        .await;
+    apply(up(), &scene.deployment("web", 4, "3", json!({}))).await;
+    let moved = || async {
+        metric_sum(
+            &d.metrics().await,
+            "tensile_descheduler_pods_moved_total",
+            &[("result", "success")],
+        )
+    };
+    wait("the first pod moved", 120, || async {
+        if moved().await >= 1.0 {
+            Ok(())
+        } else {
+            Err("none yet".into())
+        }
+    })
+    .await;
+    let first = Instant::now();
+    // The other three stay refused on vn-a, and rounds keep running on their events, but
+    // the interval's one eviction is spent.
+    let mut rounds_at_first = None;
+    while first.elapsed() < Duration::from_secs(10) {
+        let metrics = d.metrics().await;
+        let rounds = metric_sum(&metrics, "tensile_descheduler_cycles_total", &[]);
+        rounds_at_first.get_or_insert(rounds);
+        let n = metric_sum(&metrics, "tensile_descheduler_pods_moved_total", &[("result", "success")]);
+        assert_eq!(n, 1.0, "one eviction per interval; {n} after {:?}", first.elapsed());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let metrics = d.metrics().await;
+    let limited = metric_sum(&metrics, "tensile_descheduler_pods_moved_total", &[("result", "limited")]);
+    assert!(limited >= 1.0, "the waiting pods are counted as limited: {metrics}");
+    // The next window lets the next one go, and so on, until all four run in lower-b.
+    let watch = until_moved(&scene, "app=web", 4, 180).await;
+    let total = moved().await;
+    assert!(
+        total >= 4.0,
+        "every replica moved: {total} ({:?})",
+        watch.on_a
+    );
+    let spent = first.elapsed();
+    assert!(
+        spent >= Duration::from_secs(40),
+        "three more evictions need three more intervals of 20 s: {spent:?}"
+    );
+    println!(
+        "figure: descheduler, 4 refused pods under --max-pods-to-evict-total=1 per 20 s interval: last moved {:.0} s after the first, {} rounds meanwhile",
+        spent.as_secs_f64(),
+        metric_sum(&d.metrics().await, "tensile_descheduler_cycles_total", &[]) - rounds_at_first.unwrap_or(0.0)
     );
 }
 
