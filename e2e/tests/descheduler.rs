@@ -631,21 +631,33 @@ async fn the_eviction_cap_holds_per_descheduling_interval_whatever_the_rounds() 
         let metrics = d.metrics().await;
         let rounds = metric_sum(&metrics, "tensile_descheduler_cycles_total", &[]);
         rounds_at_first.get_or_insert(rounds);
-        let n = metric_sum(&metrics, "tensile_descheduler_pods_moved_total", &[("result", "success")]);
-        assert_eq!(n, 1.0, "one eviction per interval; {n} after {:?}", first.elapsed());
+        let n = metric_sum(
+            &metrics,
+            "tensile_descheduler_pods_moved_total",
+            &[("result", "success")],
+        );
+        assert_eq!(
+            n,
+            1.0,
+            "one eviction per interval; {n} after {:?}",
+            first.elapsed()
+        );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let metrics = d.metrics().await;
-    let limited = metric_sum(&metrics, "tensile_descheduler_pods_moved_total", &[("result", "limited")]);
-    assert!(limited >= 1.0, "the waiting pods are counted as limited: {metrics}");
+    let limited = metric_sum(
+        &metrics,
+        "tensile_descheduler_pods_moved_total",
+        &[("result", "limited")],
+    );
+    assert!(
+        limited >= 1.0,
+        "the waiting pods are counted as limited: {metrics}"
+    );
     // The next window lets the next one go, and so on, until all four run in lower-b.
     let watch = until_moved(&scene, "app=web", 4, 180).await;
     let total = moved().await;
-    assert!(
-        total >= 4.0,
-        "every replica moved: {total} ({:?})",
-        watch.on_a
-    );
+    assert!(total >= 4.0, "every replica moved: {total} ({:?})", watch.on_a);
     let spent = first.elapsed();
     assert!(
         spent >= Duration::from_secs(40),
@@ -654,7 +666,8 @@ async fn the_eviction_cap_holds_per_descheduling_interval_whatever_the_rounds() 
     println!(
         "figure: descheduler, 4 refused pods under --max-pods-to-evict-total=1 per 20 s interval: last moved {:.0} s after the first, {} rounds meanwhile",
         spent.as_secs_f64(),
-        metric_sum(&d.metrics().await, "tensile_descheduler_cycles_total", &[]) - rounds_at_first.unwrap_or(0.0)
+        metric_sum(&d.metrics().await, "tensile_descheduler_cycles_total", &[])
+            - rounds_at_first.unwrap_or(0.0)
     );
 }
 
