@@ -21,6 +21,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 use crate::names;
+use crate::overrides::{Placement, PlacementOverrides};
 use crate::quantity::{ResourceMap, format_milli};
 use crate::resources::pod_requests;
 use crate::shape::{Group, Shape};
@@ -53,6 +54,11 @@ pub enum FailOpen {
     MatchFields,
     /// No listed vector fits, but a matching group's frontier was cut.
     Truncated,
+    /// The node's placement overrides do not decode (the error says why).
+    BadOverrides(String),
+    /// An override rule changes the pod below in a way the shape cannot judge: the rule
+    /// and what.
+    Override(String, &'static str),
 }
 
 impl FailOpen {
@@ -66,6 +72,8 @@ impl FailOpen {
             FailOpen::UnpublishedLabel(_) => "unpublished_label",
             FailOpen::MatchFields => "match_fields",
             FailOpen::Truncated => "truncated",
+            FailOpen::BadOverrides(_) => "bad_overrides",
+            FailOpen::Override(..) => "override",
         }
     }
 }
@@ -80,6 +88,10 @@ impl std::fmt::Display for FailOpen {
             FailOpen::UnpublishedLabel(k) => write!(f, "the capacity shape does not publish label {k:?}"),
             FailOpen::MatchFields => write!(f, "the stashed affinity uses matchFields"),
             FailOpen::Truncated => write!(f, "a matching group of the capacity shape is truncated"),
+            FailOpen::BadOverrides(e) => write!(f, "{e}"),
+            FailOpen::Override(rule, what) => {
+                write!(f, "override rule {rule:?} of the lower cluster: {what}")
+            }
         }
     }
 }
@@ -110,6 +122,10 @@ pub struct PodFacts {
     pub requests: ResourceMap,
     /// The stash (empty without one), or why it does not decode.
     stash: Result<Stash, String>,
+    /// What override rules select a pod by: its namespace, labels and RuntimeClass.
+    namespace: String,
+    labels: BTreeMap<String, String>,
+    runtime_class: Option<String>,
 }
 
 impl PodFacts {
@@ -120,6 +136,9 @@ impl PodFacts {
         Self {
             requests: pod_requests(pod),
             stash,
+            namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+            labels: pod.metadata.labels.clone().unwrap_or_default(),
+            runtime_class: pod.spec.as_ref().and_then(|s| s.runtime_class_name.clone()),
         }
     }
 }
@@ -129,6 +148,8 @@ impl PodFacts {
 #[derive(Clone, Debug)]
 pub struct ShapeFacts {
     shape: Shape,
+    /// The placement part of the node's override rules: `None` when it publishes none.
+    overrides: Option<Result<PlacementOverrides, String>>,
     at: Option<jiff::Timestamp>,
     /// Each group's frontier, in milli-units.
     free: Vec<Vec<ResourceMap>>,
@@ -159,7 +180,13 @@ impl ShapeFacts {
             .map(Group::max_map)
             .collect::<Result<_, _>>()
             .map_err(|e| e.to_string())?;
-        Ok(Self { shape, at, free, max })
+        Ok(Self {
+            shape,
+            overrides: None,
+            at,
+            free,
+            max,
+        })
     }
 
     /// When the shape was computed (`None` for the first form).
@@ -196,13 +223,15 @@ impl ShapeFacts {
         out
     }
 
-    /// The shape a node publishes; `None` when it publishes none.
+    /// The shape a node publishes, with the placement overrides it publishes; `None` when
+    /// it publishes no shape.
     pub fn of(node: &Node) -> Option<Result<Self, String>> {
-        node.metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(names::NODE_CAPACITY_SHAPE))
-            .map(|t| Self::decode(t))
+        let annotations = node.metadata.annotations.as_ref();
+        let shape = annotations.and_then(|a| a.get(names::NODE_CAPACITY_SHAPE))?;
+        Some(Self::decode(shape).map(|mut facts| {
+            facts.overrides = PlacementOverrides::of(annotations);
+            facts
+        }))
     }
 }
 
@@ -258,10 +287,43 @@ pub fn judge(pod: &PodFacts, shape: Option<&Result<ShapeFacts, String>>, options
         Err(e) => return Judgement::open(FailOpen::BadStash(e.clone())),
     };
     let shape = &facts.shape;
-    let terms = stash
+    let stashed_terms = stash
         .node_affinity()
         .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref())
         .map(|s| s.node_selector_terms.as_slice());
+    // The pod as the virtual node creates it below: the stash changed by the override
+    // rules that select it.
+    let placed = match &facts.overrides {
+        None => None,
+        Some(Err(e)) => return Judgement::open(FailOpen::BadOverrides(e.clone())),
+        Some(Ok(o)) => match o.place(
+            &pod.namespace,
+            &pod.labels,
+            pod.runtime_class.as_deref(),
+            &stash.node_selector,
+            stashed_terms,
+            &stash.tolerations,
+        ) {
+            Placement::Known {
+                node_selector,
+                terms,
+                tolerations,
+            } => Some((node_selector, terms, tolerations)),
+            Placement::Refused(rule, why) => {
+                return Judgement {
+                    verdict: Verdict::Rejected(format!(
+                        "override rule {rule:?} of the lower cluster refuses the pod: {why}"
+                    )),
+                    shares: Vec::new(),
+                };
+            }
+            Placement::Unknown(rule, what) => return Judgement::open(FailOpen::Override(rule, what)),
+        },
+    };
+    let (node_selector, terms, tolerations) = match &placed {
+        Some((selector, terms, tolerations)) => (selector, terms.as_deref(), tolerations.as_slice()),
+        None => (&stash.node_selector, stashed_terms, stash.tolerations.as_slice()),
+    };
     if terms
         .into_iter()
         .flatten()
@@ -269,7 +331,7 @@ pub fn judge(pod: &PodFacts, shape: Option<&Result<ShapeFacts, String>>, options
     {
         return Judgement::open(FailOpen::MatchFields);
     }
-    let referenced = stash.node_selector.keys().map(String::as_str).chain(
+    let referenced = node_selector.keys().map(String::as_str).chain(
         terms
             .into_iter()
             .flatten()
@@ -286,18 +348,13 @@ pub fn judge(pod: &PodFacts, shape: Option<&Result<ShapeFacts, String>>, options
     let selected: Vec<usize> = (0..shape.groups.len())
         .filter(|i| {
             let g = &shape.groups[*i];
-            g.count > 0 && labels_match(&g.labels, &stash.node_selector, terms)
+            g.count > 0 && labels_match(&g.labels, node_selector, terms)
         })
         .collect();
     let candidates: Vec<usize> = selected
         .iter()
         .copied()
-        .filter(|i| {
-            shape.groups[*i]
-                .taints
-                .iter()
-                .all(|t| tolerated(t, &stash.tolerations))
-        })
+        .filter(|i| shape.groups[*i].taints.iter().all(|t| tolerated(t, tolerations)))
         .collect();
     let shares: Vec<f64> = candidates
         .iter()
@@ -337,7 +394,7 @@ pub fn judge(pod: &PodFacts, shape: Option<&Result<ShapeFacts, String>>, options
             &groups(&candidates),
             requests,
             &vectors,
-            &stash.tolerations,
+            tolerations,
         )),
         shares: Vec::new(),
     }
@@ -853,6 +910,88 @@ mod tests {
                     .into()
             )
         );
+    }
+
+    /// The node with its shape and the placement overrides it publishes.
+    fn overridden(shape: &str, rules: Value) -> Node {
+        let mut node = virtual_node(Some(shape));
+        let overrides = json!({"v": 1, "rules": rules}).to_string();
+        node.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(names::NODE_PLACEMENT_OVERRIDES.into(), overrides);
+        node
+    }
+
+    #[test]
+    fn the_pod_judged_is_the_one_the_override_rules_make_below() {
+        // Dedicated nodes behind a taint, and a rule that tolerates it for namespace ns.
+        let shape = shape_of(
+            &[lower("fleet", "a", "8", "32Gi", Some("dedicated"))],
+            DEFAULT_GROUP_CAP,
+        );
+        let dedicated = json!([{"name": "dedicated", "namespaces": ["ns"],
+            "tolerations": [{"key": "dedicated", "operator": "Exists"}]}]);
+        let node = overridden(&shape, dedicated.clone());
+        assert_eq!(
+            judge_node(&cpu("6"), &node, &options()),
+            Verdict::Fits,
+            "the rule's toleration reaches the pod below"
+        );
+        assert!(
+            !judge_node(&cpu("6"), &virtual_node(Some(&shape)), &options()).passes(),
+            "without the rule, the taint keeps the pod off"
+        );
+        let mut elsewhere = cpu("6");
+        elsewhere.metadata.namespace = Some("other".into());
+        assert!(
+            !judge_node(&elsewhere, &node, &options()).passes(),
+            "a rule selects by namespace"
+        );
+
+        // The reverse: a rule's nodeSelector keeps the pod to zone a, where nothing fits.
+        let mut nodes = two_cpu_cluster();
+        nodes.push(lower("big", "b", "8", "32Gi", None));
+        let shape = shape_of(&nodes, DEFAULT_GROUP_CAP);
+        let zone_a = overridden(&shape, json!([{"name": "zone-a", "nodeSelector": {ZONE: "a"}}]));
+        assert_eq!(
+            judge_node(&cpu("6"), &zone_a, &options()),
+            Verdict::Rejected(format!("no lower node fits cpu=6 (largest free 2 in {ZONE}=a)"))
+        );
+        let terms = overridden(
+            &shape,
+            json!([{"name": "not-b", "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": ZONE, "operator": "NotIn", "values": ["b"]}]}]}]),
+        );
+        assert!(
+            !judge_node(&cpu("6"), &terms, &options()).passes(),
+            "terms conjoined"
+        );
+
+        // A rule the virtual node would refuse the pod by: no lower node takes it.
+        let mine = pod(json!({"cpu": "1"}), Some(json!({"nodeSelector": {ZONE: "b"}})));
+        assert!(matches!(
+            judge_node(&mine, &zone_a, &options()),
+            Verdict::Rejected(why) if why.contains("zone-a") && why.contains("contradicts")
+        ));
+        // What the shape cannot judge passes, and says why.
+        let opaque = overridden(&shape, json!([{"name": "patched", "opaque": true}]));
+        assert_eq!(
+            judge_node(&cpu("6"), &opaque, &options()),
+            Verdict::FailOpen(FailOpen::Override(
+                "patched".into(),
+                "its patch may change the pod's placement"
+            ))
+        );
+        let mut bad = virtual_node(Some(&shape));
+        bad.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(names::NODE_PLACEMENT_OVERRIDES.into(), "{".into());
+        assert!(matches!(
+            judge_node(&cpu("6"), &bad, &options()),
+            Verdict::FailOpen(FailOpen::BadOverrides(_))
+        ));
     }
 
     #[test]

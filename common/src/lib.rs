@@ -12,7 +12,8 @@
 //! The suite's vocabulary: every label, annotation and taint name ([`names`]), the codec of
 //! the stashed lower-cluster constraints ([`stash`]), the descheduler's exclusion record
 //! ([`exclusion`]) and the volume pin that exempts a pod from it ([`pin`]), the one
-//! predicate of whether a pod fits a virtual node's lower nodes ([`fit`]), exact resource
+//! predicate of whether a pod fits a virtual node's lower nodes ([`fit`]) and what a lower
+//! cluster's override rules change of it ([`overrides`]), exact resource
 //! arithmetic ([`quantity`], [`resources`]), the kubelet API's shared parsing ([`kubelet`]), and the
 //! memory allocator every binary uses ([`Allocator`]).
 
@@ -28,6 +29,7 @@ pub mod kubelet;
 pub mod leader;
 pub mod names;
 pub mod node_identity;
+pub mod overrides;
 pub mod pin;
 pub mod quantity;
 pub mod resources;

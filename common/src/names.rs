@@ -97,6 +97,9 @@ pub const SERVICE_SELECTOR: &str = "tensile.io/service-selector";
 /// Node condition: whether some lower node is Ready and schedulable (reason
 /// `NoUsableLowerNodes` when none is; the node then offers no room, and stays Ready).
 pub const CONDITION_LOWER_NODES_USABLE: &str = "tensile.io/LowerNodesUsable";
+/// Node annotation: the placement part of the lower cluster's override rules in force
+/// (JSON, see `crate::overrides`), for the fit predicate.
+pub const NODE_PLACEMENT_OVERRIDES: &str = "tensile.io/placement-overrides";
 /// Node annotation: the capacity shape of the lower cluster (JSON, see `crate::shape`).
 pub const NODE_CAPACITY_SHAPE: &str = "tensile.io/capacity-shape";
 /// Node label the virtual node bumps (a counter) when its capacity shape grows: the upper
@@ -212,6 +215,7 @@ mod tests {
             CONDITION_LOWER_NOMINATED,
             CONDITION_LOWER_NODES_USABLE,
             NODE_CAPACITY_SHAPE,
+            NODE_PLACEMENT_OVERRIDES,
             NODE_SHAPE_GENERATION,
             NODE_EXTRA_LABELS,
             SERVICE_SELECTOR,

@@ -581,3 +581,185 @@ spec:
     assert_eq!(counter(&vn_b, "overrides_refused").await, 0);
     drop((vn_a, vn_b));
 }
+
+/// The documented "dedicated nodes behind a taint" rule: lower-b's nodes are tainted
+/// `dedicated=fleet:NoSchedule`, and its rule tolerates the taint for every pod it creates
+/// there. The fit predicate must judge that lower pod, not the stash alone, or the
+/// multi-scheduler filters the node out for every pod (and the descheduler never moves a
+/// pod there). Here the standalone multi-scheduler is given a node over lower-b alone.
+#[tokio::test]
+async fn the_multi_scheduler_places_pods_on_a_cluster_whose_rule_tolerates_its_dedicated_taint() {
+    let bed = bed();
+    tensile_e2e::chart::install_exclusion_records(up()).await.unwrap();
+    let file: PathBuf = bed.upper.dir().join("overrides-fleet.yaml");
+    write(&file, DEDICATED);
+    let mut args = in_process::options(&bed.upper, "vn-fleet", &bed.lower_b).unwrap();
+    args.overrides_file = Some(file);
+    args.node_labels = vec![("fleet-test".into(), "yes".into())];
+    let _vn = VirtualNode::run(args);
+    // The published shape and rules: the group's taint, and the rule that tolerates it.
+    eventually(
+        up(),
+        "vn-fleet's shape and placement overrides published",
+        60,
+        &[
+            "get",
+            "node",
+            "vn-fleet",
+            "-o",
+            r#"jsonpath={.metadata.annotations.tensile\.io/placement-overrides}"#,
+        ],
+        r#"{"v":1,"rules":[{"name":"dedicated","tolerations":[{"effect":"NoSchedule","key":"dedicated","operator":"Equal","value":"fleet"}],"nodeSelector":{"pool":"fleet"}}]}"#,
+    )
+    .await;
+    let shape = kubectl(
+        up(),
+        &[
+            "get",
+            "node",
+            "vn-fleet",
+            "-o",
+            r#"jsonpath={.metadata.annotations.tensile\.io/capacity-shape}"#,
+        ],
+    )
+    .await;
+    assert!(
+        shape.contains("dedicated"),
+        "the lower nodes' taint is in the shape: {shape}"
+    );
+    // Only this test's pods go to vn-fleet.
+    kubectl(
+        up(),
+        &[
+            "taint",
+            "node",
+            "vn-fleet",
+            "fleet-test=yes:NoSchedule",
+            "--overwrite",
+        ],
+    )
+    .await;
+    bed.upper.create_namespace("fleet").await.unwrap();
+
+    let scheduler = tensile_e2e::multi_scheduler::StandaloneProcess::start(
+        &bed.upper,
+        up(),
+        "fleet-scheduler",
+        &[
+            "--node-selector=type=virtual-kubelet,fleet-test=yes".to_owned(),
+            "--exclusions-configmap=kube-system/fleet-exclusions".to_owned(),
+        ],
+        "fleet",
+    )
+    .unwrap();
+    scheduler.wait_ready(Duration::from_secs(30)).await.unwrap();
+    apply(
+        up(),
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: worker, namespace: fleet}
+spec:
+  schedulerName: fleet-scheduler
+  tolerations:
+  - {key: virtual-kubelet.io/provider, operator: Exists}
+  - {key: fleet-test, operator: Exists}
+  terminationGracePeriodSeconds: 1
+  containers: [{name: app, image: "nginx:1.25", resources: {requests: {cpu: 100m}}}]
+"#,
+    )
+    .await;
+    eventually(
+        up(),
+        "the pod bound to vn-fleet",
+        60,
+        &[
+            "-n",
+            "fleet",
+            "get",
+            "pod",
+            "worker",
+            "-o",
+            "jsonpath={.spec.nodeName}",
+        ],
+        "vn-fleet",
+    )
+    .await;
+    let low_b = bed.lower_b.kubeconfig();
+    eventually(
+        low_b,
+        "the pod Running in lower-b",
+        90,
+        &[
+            "-n",
+            "fleet",
+            "get",
+            "pod",
+            "worker",
+            "-o",
+            "jsonpath={.status.phase}",
+        ],
+        "Running",
+    )
+    .await;
+    let below = json(low_b, &["-n", "fleet", "get", "pod", "worker"]).await;
+    assert!(
+        below["spec"]["nodeName"]
+            .as_str()
+            .is_some_and(|n| n.starts_with("b-")),
+        "on a dedicated node: {}",
+        below["spec"]["nodeName"]
+    );
+    assert_eq!(recorded(&below), vec!["dedicated".to_owned()]);
+
+    // A pod whose own nodeSelector the rule contradicts is refused by the virtual node, so
+    // the multi-scheduler keeps it off vn-fleet and says why.
+    apply(
+        up(),
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: elsewhere, namespace: fleet, annotations: {clusterSelector: '{"nodeSelector":{"pool":"batch"}}'}}
+spec:
+  schedulerName: fleet-scheduler
+  tolerations:
+  - {key: virtual-kubelet.io/provider, operator: Exists}
+  - {key: fleet-test, operator: Exists}
+  containers: [{name: app, image: "nginx:1.25"}]
+"#,
+    )
+    .await;
+    eventually(
+        up(),
+        "the contradicting pod refused with the rule named",
+        60,
+        &[
+            "-n",
+            "fleet",
+            "get",
+            "pod",
+            "elsewhere",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="PodScheduled")].reason}"#,
+        ],
+        "Unschedulable",
+    )
+    .await;
+    let message = kubectl(
+        up(),
+        &[
+            "-n",
+            "fleet",
+            "get",
+            "pod",
+            "elsewhere",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="PodScheduled")].message}"#,
+        ],
+    )
+    .await;
+    assert!(
+        message.contains("dedicated") && message.contains("contradicts"),
+        "the message names the rule: {message}"
+    );
+}

@@ -1073,7 +1073,7 @@ async fn compose(
             stash_key: stash_key.clone(),
             tokens: token_settings.clone(),
         },
-        overrides,
+        overrides: overrides.clone(),
         lower_pods: world.lower_pods.clone(),
         upper_pods: world.upper_pods.clone(),
         host_ip: args.kubelet.node_ip.to_string(),
@@ -1126,6 +1126,7 @@ async fn compose(
         upper_node: world.upper_node.clone(),
         lower_health,
         taint_told: Default::default(),
+        overrides,
     };
     let kubelet_state = Arc::new(KubeletState {
         node: identity.node.clone(),

@@ -347,17 +347,21 @@ pub struct NodeLoop {
     pub lower_health: Arc<LowerHealth>,
     /// The taint's difference from the settings was told (under a node identity).
     pub taint_told: std::sync::atomic::AtomicBool,
+    /// The override rules in force: their placement part is published on the Node.
+    pub overrides: crate::overrides::Current,
 }
 
 /// The merge patch that brings `node` to `labels` (every label the virtual node sets), with
-/// `extra` the `--node-labels` among them, and to the virtual-node taint present or not;
-/// `None` when nothing differs; `taint` `None` leaves the taints alone. Labels of others are never touched; a `--node-labels` key no
+/// `extra` the `--node-labels` among them, to the placement overrides `placement` (the
+/// annotation's text; `None`: none published), and to the virtual-node taint present or
+/// not; `None` when nothing differs; `taint` `None` leaves the taints alone. Labels of others are never touched; a `--node-labels` key no
 /// longer given is removed. The patch carries the Node's resourceVersion when it rewrites
 /// the taints (a list shared with the node controller), so it never overwrites a newer one.
 pub fn metadata_patch(
     node: &Node,
     labels: &BTreeMap<String, String>,
     extra: &BTreeMap<String, String>,
+    placement: Option<&str>,
     taint: Option<bool>,
 ) -> Option<Value> {
     let have = node.metadata.labels.clone().unwrap_or_default();
@@ -385,7 +389,16 @@ pub fn metadata_patch(
         patch["metadata"]["labels"] = Value::Object(label_patch);
     }
     if recorded != extra_keys {
-        patch["metadata"]["annotations"] = json!({names::NODE_EXTRA_LABELS: extra_keys});
+        patch["metadata"]["annotations"][names::NODE_EXTRA_LABELS] = json!(extra_keys);
+    }
+    let published = node
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(names::NODE_PLACEMENT_OVERRIDES))
+        .map(String::as_str);
+    if published != placement {
+        patch["metadata"]["annotations"][names::NODE_PLACEMENT_OVERRIDES] = json!(placement);
     }
     let taints = node
         .spec
@@ -697,7 +710,14 @@ impl NodeLoop {
             }
         }
         let taint = self.settings.retaint.then_some(self.settings.taint);
-        let Some(patch) = metadata_patch(&node, &self.labels(cap), &self.settings.extra_labels, taint) else {
+        let placement = self.overrides.get().placement().map(|p| p.encode());
+        let Some(patch) = metadata_patch(
+            &node,
+            &self.labels(cap),
+            &self.settings.extra_labels,
+            placement.as_deref(),
+            taint,
+        ) else {
             return;
         };
         let nodes: Api<Node> = Api::all(self.upper());
@@ -705,7 +725,10 @@ impl NodeLoop {
             .patch(self.name(), &PatchParams::default(), &Patch::Merge(&patch))
             .await
         {
-            Ok(_) => tracing::info!(node = self.name(), "node labels and taint brought up to date"),
+            Ok(_) => tracing::info!(
+                node = self.name(),
+                "node labels, taint and placement overrides brought up to date"
+            ),
             // 409: the Node changed meanwhile (its taints are shared with the node
             // controller); the next round looks again.
             Err(e) => tracing::debug!(node = self.name(), "node labels and taint: {e}"),
@@ -1013,16 +1036,16 @@ mod tests {
         // Unchanged settings: nothing to write.
         let same = labels(&[("kubernetes.io/os", "linux"), ("team", "a")]);
         assert_eq!(
-            metadata_patch(&node, &same, &labels(&[("team", "a")]), Some(true)),
+            metadata_patch(&node, &same, &labels(&[("team", "a")]), None, Some(true)),
             None
         );
         // --node-labels now zone=z1, os learned as windows, --disable-taint.
         let extra = labels(&[("zone", "z1")]);
         let wanted = labels(&[("kubernetes.io/os", "windows"), ("zone", "z1")]);
-        let kept = metadata_patch(&node, &wanted, &extra, None).unwrap();
+        let kept = metadata_patch(&node, &wanted, &extra, None, None).unwrap();
         assert!(kept.get("spec").is_none(), "taints left alone: {kept}");
         assert_eq!(kept["metadata"]["labels"]["zone"], "z1");
-        let patch = metadata_patch(&node, &wanted, &extra, Some(false)).unwrap();
+        let patch = metadata_patch(&node, &wanted, &extra, None, Some(false)).unwrap();
         assert_eq!(
             patch["metadata"]["labels"],
             json!({"kubernetes.io/os": "windows", "zone": "z1", "team": null})

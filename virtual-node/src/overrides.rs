@@ -43,9 +43,7 @@ use prometheus_client::metrics::counter::Counter;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tensile_common::names;
-
-/// The most node selector terms a conjunction may produce (rule terms times pod terms).
-const MAX_TERMS: usize = 64;
+use tensile_common::overrides::{self as placement, PlacementOverrides, PlacementRule};
 
 /// The most bytes a set of rules may take written out: every lower pod may carry them in its
 /// record, and a pod's annotations hold 256 KiB in all.
@@ -514,6 +512,38 @@ impl Compiled {
         &self.overrides
     }
 
+    /// The placement part of the rules, for the fit predicate of the descheduler and the
+    /// multi-scheduler (published on the Node): the rules that change where a pod may go
+    /// below, in order; `None` when no rule does.
+    pub fn placement(&self) -> Option<PlacementOverrides> {
+        let rules: Vec<PlacementRule> = self
+            .overrides
+            .rules
+            .iter()
+            .map(|r| PlacementRule {
+                name: r.name.clone(),
+                namespaces: r.namespaces.clone(),
+                selector: r.selector.clone(),
+                tolerations: r.tolerations.clone(),
+                node_selector: r.node_selector.clone(),
+                node_selector_terms: r.node_selector_terms.clone(),
+                runtime_class_names: r.runtime_class_names.clone(),
+                opaque: placement::patch_changes_placement(&r.patch),
+            })
+            .filter(|r| {
+                r.opaque
+                    || !r.tolerations.is_empty()
+                    || !r.node_selector.is_empty()
+                    || !r.node_selector_terms.is_empty()
+                    || !r.runtime_class_names.is_empty()
+            })
+            .collect();
+        (!rules.is_empty()).then_some(PlacementOverrides {
+            v: placement::VERSION,
+            rules,
+        })
+    }
+
     /// The lower StorageClass of a claim of upper class `class`.
     pub fn storage_class(&self, class: Option<String>) -> Option<String> {
         class.map(|c| self.overrides.storage_classes.get(&c).cloned().unwrap_or(c))
@@ -563,11 +593,7 @@ impl Compiled {
             .iter()
             .zip(&self.rules)
             .filter(|(rule, _)| {
-                (rule.namespaces.is_empty() || rule.namespaces.iter().any(|n| n == namespace))
-                    && rule
-                        .selector
-                        .as_ref()
-                        .is_none_or(|s| tensile_common::fit::label_selector_matches(s, labels))
+                placement::selects(&rule.namespaces, rule.selector.as_ref(), namespace, labels)
             })
             .collect();
         if chosen.is_empty() {
@@ -717,25 +743,10 @@ fn apply_rule(rule: &Rule, ready: &Ready, pod: &mut Pod, patching: Patching) -> 
         }
     }
     if !rule.tolerations.is_empty() {
-        let have = spec.tolerations.get_or_insert_default();
-        for t in &rule.tolerations {
-            if !have.contains(t) {
-                have.push(t.clone());
-            }
-        }
+        placement::add_tolerations(spec.tolerations.get_or_insert_default(), &rule.tolerations);
     }
     if !rule.node_selector.is_empty() {
-        let have = spec.node_selector.get_or_insert_default();
-        for (k, v) in &rule.node_selector {
-            match have.get(k) {
-                Some(theirs) if theirs != v => {
-                    return Err(format!("nodeSelector {k}={v} contradicts the pod's {k}={theirs}"));
-                }
-                _ => {
-                    have.insert(k.clone(), v.clone());
-                }
-            }
-        }
+        placement::add_node_selector(spec.node_selector.get_or_insert_default(), &rule.node_selector)?;
     }
     if !rule.node_selector_terms.is_empty() {
         conjoin(spec, &rule.node_selector_terms)?;
@@ -825,40 +836,15 @@ fn lost(written: &Value, kept: &Value, at: String) -> Option<String> {
     }
 }
 
-/// The pod's required node affinity, in conjunction with `terms`: (a ∨ b) ∧ (x ∨ y) is
-/// (a∧x) ∨ (a∧y) ∨ (b∧x) ∨ (b∧y).
+/// The pod's required node affinity, in conjunction with `terms` (see
+/// [`placement::conjoin`]).
 fn conjoin(spec: &mut PodSpec, terms: &[NodeSelectorTerm]) -> Result<(), String> {
     let affinity = spec.affinity.get_or_insert_with(Affinity::default);
     let node = affinity.node_affinity.get_or_insert_with(NodeAffinity::default);
     let required = node
         .required_during_scheduling_ignored_during_execution
         .get_or_insert_with(NodeSelector::default);
-    let theirs = std::mem::take(&mut required.node_selector_terms);
-    if theirs.is_empty() {
-        required.node_selector_terms = terms.to_vec();
-        return Ok(());
-    }
-    if theirs.len() * terms.len() > MAX_TERMS {
-        return Err(format!(
-            "nodeSelectorTerms: {} of the pod's terms times {} of the rule's exceed {MAX_TERMS}",
-            theirs.len(),
-            terms.len()
-        ));
-    }
-    let join = |a: &Option<Vec<NodeSelectorRequirement>>, b: &Option<Vec<NodeSelectorRequirement>>| {
-        let all: Vec<NodeSelectorRequirement> = a.iter().chain(b).flatten().cloned().collect();
-        (!all.is_empty()).then_some(all)
-    };
-    required.node_selector_terms = theirs
-        .iter()
-        .flat_map(|t| {
-            terms.iter().map(move |r| NodeSelectorTerm {
-                match_expressions: join(&t.match_expressions, &r.match_expressions),
-                match_fields: join(&t.match_fields, &r.match_fields),
-            })
-        })
-        .collect();
-    Ok(())
+    placement::conjoin(&mut required.node_selector_terms, terms)
 }
 
 /// What rules must leave as they found it: the virtual node's own keys, the pod's name and
