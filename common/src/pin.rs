@@ -3,7 +3,7 @@
 //! node affinity (see the webhook's docs). Such a pod can run nowhere else, so no exclusion of
 //! its workload applies to it and the descheduler never moves it.
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{NodeSelectorTerm, Pod};
 
 /// Whether a volume pins `pod` to one node: a `matchFields metadata.name In` requirement in a
 /// term of its upper required node affinity.
@@ -13,14 +13,17 @@ pub fn volume_pinned(pod: &Pod) -> bool {
         .and_then(|s| s.affinity.as_ref())
         .and_then(|a| a.node_affinity.as_ref())
         .and_then(|na| na.required_during_scheduling_ignored_during_execution.as_ref())
-        .is_some_and(|r| {
-            r.node_selector_terms.iter().any(|t| {
-                t.match_fields
-                    .iter()
-                    .flatten()
-                    .any(|f| f.key == "metadata.name" && f.operator == "In")
-            })
-        })
+        .is_some_and(|r| pins(&r.node_selector_terms))
+}
+
+/// Whether required node selector terms carry the volume pin.
+pub fn pins(terms: &[NodeSelectorTerm]) -> bool {
+    terms.iter().any(|t| {
+        t.match_fields
+            .iter()
+            .flatten()
+            .any(|f| f.key == "metadata.name" && f.operator == "In")
+    })
 }
 
 #[cfg(test)]

@@ -412,19 +412,7 @@ pub(crate) fn protected(pod: &Pod, settings: &Settings) -> Result<Workload, Skip
     {
         return Err(Skip::OptedOut);
     }
-    let pinned = spec
-        .and_then(|s| s.affinity.as_ref())
-        .and_then(|a| a.node_affinity.as_ref())
-        .and_then(|na| na.required_during_scheduling_ignored_during_execution.as_ref())
-        .is_some_and(|r| {
-            r.node_selector_terms.iter().any(|t| {
-                t.match_fields
-                    .iter()
-                    .flatten()
-                    .any(|f| f.key == "metadata.name" && f.operator == "In")
-            })
-        });
-    if pinned {
+    if tensile_common::pin::volume_pinned(pod) {
         return Err(Skip::VolumePinned);
     }
     match controller {

@@ -464,13 +464,7 @@ fn stashed_exclusion(
         .required_during_scheduling_ignored_during_execution
         .map(|r| r.node_selector_terms)
         .unwrap_or_default();
-    let pinned = terms.iter().any(|t| {
-        t.match_fields
-            .iter()
-            .flatten()
-            .any(|f| f.key == "metadata.name" && f.operator == "In")
-    });
-    if pinned {
+    if tensile_common::pin::pins(&terms) {
         return None;
     }
     let mut terms: Vec<NodeSelectorTerm> = terms
