@@ -181,7 +181,7 @@ pub struct Args {
     /// `spec.podFailurePolicy` at CREATE, so the descheduler may move its pods without a
     /// failure counting against `backoffLimit`. The registration must send Jobs (the chart's
     /// `webhook.jobDisruptionRule`).
-    #[arg(long, env = "TENSILE_JOB_DISRUPTION_RULE")]
+    #[arg(long, env = "WEBHOOK_JOB_DISRUPTION_RULE")]
     pub job_disruption_rule: bool,
     #[command(flatten)]
     pub client: tensile_common::kubeconfig::ClientArgs,
