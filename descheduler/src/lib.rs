@@ -5,7 +5,8 @@
 //! bind a pod to a lower cluster none of whose nodes fits it. The virtual node then shows
 //! the lower refusal on the upper pod as `tensile.io/LowerPodScheduled=False` (reason
 //! `Unschedulable`) while the pod stays Pending and holds the node's allocatable. Once that
-//! refusal is older than `--unschedulable-threshold`, the descheduler:
+//! refusal is older than `--unschedulable-threshold` (and the lower scheduler is not making
+//! room for the pod: `tensile.io/LowerPodNominated`), the descheduler:
 //!
 //! 1. records, durably and shared between replicas, that the pod's workload (keyed by its
 //!    controller's UID) should avoid that virtual node until `--exclusion-ttl` has passed
@@ -18,7 +19,7 @@
 //!
 //! What qualifies and what to do is decided by pure functions ([`decide`], [`fit`]); the
 //! loop ([`rounds`]) runs them on every pod or node change, when a refusal reaches the
-//! threshold, and every `--descheduling-interval`, within per-round and per-workload caps.
+//! threshold, and every `--descheduling-interval`, within caps that hold per interval.
 //! `--dry-run` writes nothing and logs and counts what it would do.
 //!
 //! Only pods the suite is responsible for are touched: opted in with `--pod-label`, outside
