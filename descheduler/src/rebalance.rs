@@ -1,6 +1,6 @@
 //! Rebalancing (`--rebalance`), pure: the pods of the virtual nodes, the nodes, the
-//! exclusion records, what was moved before and the time in; which pods to evict now, and
-//! which workloads are held back and why, out.
+//! exclusion records, what was moved before and the time in; which pods to evict now, which
+//! refusals to remember, and which workloads are held back and why, out.
 //!
 //! When a lower cluster fails, its virtual node goes NotReady and the upper cluster moves
 //! its pods to the others; when it recovers, nothing brings them back. A workload is moved
@@ -8,20 +8,20 @@
 //! be:
 //!
 //! - **topology spread** across virtual nodes (any `topologyKey` the virtual nodes carry,
-//!   `ScheduleAnyway` included): the pods matching the constraint's selector in the
-//!   workload's namespace are counted per domain of the Ready virtual nodes that match the
-//!   pod's `nodeSelector` and required node affinity, and the largest count exceeds the
-//!   smallest by more than `maxSkew` (the upper scheduler's skew);
+//!   `ScheduleAnyway` included), with the skew kube-scheduler's PodTopologySpread computes
+//!   ([`Spread`]): the largest count of matching pods in a domain, less the global minimum,
+//!   exceeds `maxSkew`;
 //! - **preferred node affinity**: a pod runs on a virtual node whose preference weight is
 //!   lower than another Ready node's (a workload that prefers cluster A returns to A),
 //!   unless the move would break a spread constraint.
 //!
 //! For both, the target node must have been Ready for the stabilization window (a node
 //! that flaps never pulls pods), must hold the pod by its capacity shape (the one fit
-//! predicate, [`crate::fit`]: a move never lands a pod where it would be refused), and must
-//! not be excluded for the workload by a record of the descheduler. Only pods of a
-//! ReplicaSet, StatefulSet or ReplicationController move (their controller recreates them;
-//! the upper scheduler places the replacement, steered by the same constraint).
+//! predicate, [`crate::fit`]: a move never lands a pod where it would be refused), must
+//! not be excluded for the workload by a record of the descheduler, and must not have
+//! refused the workload after an earlier rebalance (below). Only pods of a ReplicaSet,
+//! StatefulSet or ReplicationController move (their controller recreates them; the upper
+//! scheduler places the replacement, steered by the same constraint).
 //!
 //! **Budget.** A workload moves only while fewer than `max_unavailable` of its pods are
 //! unavailable (Pending, not Ready or being deleted), and only once the pod it moved last
@@ -30,6 +30,16 @@
 //! `max_per_round` pods go per round; the eviction API enforces the workload's
 //! PodDisruptionBudget. **No flapping.** A workload's episode ends when it is balanced, or
 //! after as many moves as it has pods; then it is not moved again for the cool-down.
+//!
+//! **Refused after a rebalance.** The shape cannot see every reason a lower cluster refuses
+//! a pod (an exhausted ResourceQuota, a LimitRange, Pod Security, an admission webhook).
+//! When the replacement of a pod rebalancing moved is refused there, the refused-pod rules
+//! exclude that node for the workload and move it back; rebalancing then remembers the
+//! refusal in an exclusion record of its own ([`refusals_key`]), which outlives the
+//! exclusion, the cool-down and a restart: the workload is not moved toward that node
+//! again until the node turns Ready anew after the refusal, the workload's pod template
+//! changes (a Deployment's new ReplicaSet is a workload of its own; a StatefulSet's new
+//! revision has a record of its own), or [`REFUSAL_MEMORY`] has passed.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -37,14 +47,32 @@ use std::time::Duration;
 
 use jiff::{SignedDuration, Timestamp};
 use k8s_openapi::api::core::v1::{Node, Pod, TopologySpreadConstraint};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-use tensile_common::exclusion::Exclusions;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
+use tensile_common::exclusion::{Exclusions, Record};
 
 use crate::decide;
 use crate::fit::{self, Take};
 
 /// The controllers whose pods rebalancing moves: they recreate an evicted pod.
 const MOVABLE: &[&str] = &["ReplicaSet", "StatefulSet", "ReplicationController"];
+
+/// How long a refusal after a rebalance is remembered at most: a lower cluster whose quota
+/// was raised is tried again a day later at the latest, and the record of a workload that
+/// is gone is swept.
+pub const REFUSAL_MEMORY: SignedDuration = SignedDuration::from_hours(24);
+
+/// The key of the exclusion record in which rebalancing remembers the refusals of workload
+/// `uid` whose pods are of template revision `revision` (empty: the workload is its own
+/// revision, as a ReplicaSet is): its `nodes` map each refusing virtual node to when the
+/// refusal is forgotten, [`REFUSAL_MEMORY`] after it. No pod has that key, so the webhook
+/// and the multi-scheduler never apply it; the refused-pod rules never write it.
+pub fn refusals_key(uid: &str, revision: &str) -> String {
+    if revision.is_empty() {
+        format!("{uid}-rebalance")
+    } else {
+        format!("{uid}-rebalance-{revision}")
+    }
+}
 
 /// The knobs, from the flags.
 #[derive(Clone, Debug)]
@@ -120,8 +148,23 @@ pub struct Rebalance {
     pub reason: Reason,
     /// The virtual node the pod should go to (or one of its domain).
     pub target: String,
+    /// The nodes the replacement may land on (the target's domain, or the nodes it
+    /// prefers as much): a refusal on one of them after the move is remembered.
+    pub toward: BTreeSet<String>,
     /// The UIDs of the workload's pods when it was judged: none of them is the replacement.
     pub known: BTreeSet<String>,
+}
+
+/// A refusal after a rebalance to remember: the record of `key` ([`refusals_key`]) becomes
+/// `record`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Remember {
+    pub key: String,
+    pub record: Record,
+    /// `Kind/name` of the workload.
+    pub owner: String,
+    /// The virtual node that refused it.
+    pub node: String,
 }
 
 /// Why a workload that would move does not, this round.
@@ -141,6 +184,9 @@ pub enum Held {
     Replacing,
     /// Its last eviction was refused (its PodDisruptionBudget allows none now).
     Disruption,
+    /// The lower cluster of the node it would go to refused it after an earlier rebalance,
+    /// and nothing changed since.
+    RefusedBelow(String),
 }
 
 impl Held {
@@ -154,10 +200,11 @@ impl Held {
             Held::Budget => "budget",
             Held::Replacing => "replacing",
             Held::Disruption => "disruption_budget",
+            Held::RefusedBelow(_) => "refused_below",
         }
     }
 
-    pub const LABELS: [&'static str; 7] = [
+    pub const LABELS: [&'static str; 8] = [
         "unavailable",
         "stabilizing",
         "cooling_down",
@@ -165,6 +212,7 @@ impl Held {
         "budget",
         "replacing",
         "disruption_budget",
+        "refused_below",
     ];
 }
 
@@ -178,6 +226,10 @@ impl std::fmt::Display for Held {
             Held::Budget => write!(f, "the round's budget is spent"),
             Held::Replacing => write!(f, "the pod it moved last is not replaced by a Ready pod yet"),
             Held::Disruption => write!(f, "its PodDisruptionBudget refused the last eviction"),
+            Held::RefusedBelow(node) => write!(
+                f,
+                "the lower cluster of {node} refused it after a rebalance, and neither {node} turned Ready anew nor its template changed since"
+            ),
         }
     }
 }
@@ -188,6 +240,8 @@ pub struct Plan {
     pub moves: Vec<Rebalance>,
     /// Workloads (UID, `Kind/name`) held back, and why.
     pub held: Vec<(String, String, Held)>,
+    /// Refusals after rebalances to write down.
+    pub remember: Vec<Remember>,
 }
 
 /// A workload's current episode of moves.
@@ -200,25 +254,30 @@ struct Episode {
     awaiting: Option<(Timestamp, BTreeSet<String>)>,
     /// Until when it is not tried: its last eviction was refused (a PodDisruptionBudget).
     refused_until: Option<Timestamp>,
+    /// When its last pod was evicted, and the nodes its replacement may land on: a refusal
+    /// on one of them since is one to remember.
+    toward: Option<(Timestamp, BTreeSet<String>)>,
 }
 
 /// How long a moved pod's replacement is awaited before the workload may move again
 /// anyway (its controller may have been scaled down meanwhile).
 const REPLACEMENT_TIMEOUT: SignedDuration = SignedDuration::from_secs(300);
 
-/// What rebalancing remembers between rounds (in memory: a restart forgets cool-downs,
-/// and the budget still holds since it is read from the pods).
+/// What rebalancing remembers between rounds, in memory: episodes and cool-downs (a
+/// restart forgets them, and the budget still holds since it is read from the pods). The
+/// refusals after rebalances are remembered in exclusion records instead.
 #[derive(Debug, Default)]
 pub struct Memory {
     episodes: HashMap<String, Episode>,
 }
 
 impl Memory {
-    /// Records that a pod of `workload`, which had the pods `known`, was evicted at `now`.
-    pub fn moved(&mut self, workload: &str, now: Timestamp, known: BTreeSet<String>) {
-        let e = self.episodes.entry(workload.to_owned()).or_default();
+    /// Records that the pod of move `m` was evicted at `now`.
+    pub fn moved(&mut self, m: &Rebalance, now: Timestamp) {
+        let e = self.episodes.entry(m.workload.clone()).or_default();
         e.moves += 1;
-        e.awaiting = Some((now, known));
+        e.awaiting = Some((now, m.known.clone()));
+        e.toward = Some((now, m.toward.clone()));
         e.refused_until = None;
     }
 
@@ -241,8 +300,31 @@ impl Memory {
 
 struct Workload<'a> {
     uid: String,
+    kind: String,
+    name: String,
     owner: String,
     pods: Vec<&'a Arc<Pod>>,
+}
+
+impl Workload<'_> {
+    /// Its pod template revision as its pods say (`controller-revision-hash`, the newest
+    /// name when they differ mid-rollout); empty for a ReplicaSet, whose UID is its
+    /// template's.
+    fn revision(&self) -> String {
+        if self.kind == "ReplicaSet" {
+            return String::new();
+        }
+        self.pods
+            .iter()
+            .filter_map(|p| p.metadata.labels.as_ref()?.get("controller-revision-hash"))
+            .max()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    fn refusals_key(&self) -> String {
+        refusals_key(&self.uid, &self.revision())
+    }
 }
 
 fn controller(pod: &Pod) -> Option<(&str, &str, &str)> {
@@ -282,6 +364,10 @@ fn labels(node: &Node) -> BTreeMap<String, String> {
     node.metadata.labels.clone().unwrap_or_default()
 }
 
+fn pod_labels(pod: &Pod) -> BTreeMap<String, String> {
+    pod.metadata.labels.clone().unwrap_or_default()
+}
+
 /// When the node turned Ready (`None`: it is not Ready).
 fn ready_since(node: &Node) -> Option<Timestamp> {
     node.status
@@ -309,57 +395,6 @@ fn preference(pod: &Pod, node: &Node) -> i32 {
         .sum()
 }
 
-/// Whether the upper scheduler may put the pod on `node` as far as the pod's own
-/// `nodeSelector` and required node affinity go (not our exclusions, not taints).
-fn eligible(pod: &Pod, node: &Node) -> bool {
-    fit::matches_constraints(pod, node)
-}
-
-/// The pod counts per domain of one constraint, over the Ready virtual nodes the pod is
-/// eligible for (a node without the key is no domain).
-fn counts(
-    c: &TopologySpreadConstraint,
-    pod: &Pod,
-    pods: &[&Arc<Pod>],
-    nodes: &BTreeMap<String, Node>,
-) -> BTreeMap<String, i32> {
-    let namespace = pod.metadata.namespace.as_deref();
-    let mut domains: BTreeMap<String, i32> = BTreeMap::new();
-    let mut domain_of: BTreeMap<&str, String> = BTreeMap::new();
-    for (name, node) in nodes {
-        if !tensile_common::fit::is_ready(node) || !eligible(pod, node) {
-            continue;
-        }
-        if let Some(value) = labels(node).get(&c.topology_key) {
-            domains.entry(value.clone()).or_insert(0);
-            domain_of.insert(name, value.clone());
-        }
-    }
-    let empty = LabelSelector::default();
-    let selector = c.label_selector.as_ref().unwrap_or(&empty);
-    for p in pods.iter().copied() {
-        if terminating(p) || p.metadata.namespace.as_deref() != namespace {
-            continue;
-        }
-        let Some(domain) = node_of(p).and_then(|n| domain_of.get(n)) else {
-            continue;
-        };
-        if tensile_common::fit::label_selector_matches(
-            selector,
-            p.metadata.labels.as_ref().unwrap_or(&BTreeMap::new()),
-        ) {
-            *domains.entry(domain.clone()).or_insert(0) += 1;
-        }
-    }
-    domains
-}
-
-fn skew(counts: &BTreeMap<String, i32>) -> i32 {
-    let max = counts.values().copied().max().unwrap_or(0);
-    let min = counts.values().copied().min().unwrap_or(0);
-    max - min
-}
-
 fn constraints(pod: &Pod) -> &[TopologySpreadConstraint] {
     pod.spec
         .as_ref()
@@ -367,28 +402,182 @@ fn constraints(pod: &Pod) -> &[TopologySpreadConstraint] {
         .unwrap_or_default()
 }
 
+/// The pods a spread constraint counts, as kube-scheduler's PodTopologySpread reads it for
+/// `pod`: its `labelSelector`, with `matchLabelKeys` ANDed in (each key's value from the
+/// pod's labels, a key the pod lacks ignored). `None` counts no pod: a missing selector
+/// selects nothing, and an empty one (`{}`) counts nothing either unless `matchLabelKeys`
+/// added a requirement (kube-scheduler counts no pod for an empty selector).
+fn spread_selector(c: &TopologySpreadConstraint, pod: &Pod) -> Option<LabelSelector> {
+    let mut selector = c.label_selector.clone()?;
+    let labels = pod_labels(pod);
+    for key in c.match_label_keys.iter().flatten() {
+        if let Some(value) = labels.get(key) {
+            selector
+                .match_expressions
+                .get_or_insert_default()
+                .push(LabelSelectorRequirement {
+                    key: key.clone(),
+                    operator: "In".into(),
+                    values: Some(vec![value.clone()]),
+                });
+        }
+    }
+    let empty = selector.match_labels.as_ref().is_none_or(BTreeMap::is_empty)
+        && selector.match_expressions.as_ref().is_none_or(Vec::is_empty);
+    (!empty).then_some(selector)
+}
+
+/// One topology spread constraint of a workload, counted as kube-scheduler's
+/// PodTopologySpread counts it for the workload's pod:
+///
+/// - **domains**: the values of `topologyKey` on the eligible nodes. A node is eligible
+///   when it carries the keys of all the pod's constraints of the same `whenUnsatisfiable`;
+///   with `nodeAffinityPolicy: Honor` (the default) when it matches the pod's
+///   `nodeSelector` and required node affinity (`Ignore`: any node); with
+///   `nodeTaintsPolicy: Honor` when the pod tolerates its `NoSchedule`/`NoExecute` taints
+///   (`Ignore`, the default: taints do not matter). A virtual node that is not Ready is no
+///   domain (kube-scheduler would count it under `Ignore`; a move never lands there, and
+///   counting it would pull pods toward a failed cluster).
+/// - **counts**: the pods of the namespace on each domain's nodes, not being deleted, that
+///   [`spread_selector`] selects.
+/// - **skew**: the largest count less the global minimum; the minimum is 0 while there are
+///   fewer domains than `minDomains` (`DoNotSchedule` only; default 1).
+struct Spread<'c> {
+    c: &'c TopologySpreadConstraint,
+    selector: Option<LabelSelector>,
+    counts: BTreeMap<String, i32>,
+    /// Eligible node name → its domain.
+    domain_of: BTreeMap<String, String>,
+}
+
+impl<'c> Spread<'c> {
+    fn new(
+        c: &'c TopologySpreadConstraint,
+        pod: &Pod,
+        pods: &[&Arc<Pod>],
+        nodes: &BTreeMap<String, Node>,
+    ) -> Self {
+        let siblings: Vec<&TopologySpreadConstraint> = constraints(pod)
+            .iter()
+            .filter(|o| o.when_unsatisfiable == c.when_unsatisfiable)
+            .collect();
+        let tolerations = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.tolerations.as_deref())
+            .unwrap_or_default();
+        let mut counts: BTreeMap<String, i32> = BTreeMap::new();
+        let mut domain_of = BTreeMap::new();
+        for (name, node) in nodes {
+            let labels = labels(node);
+            let eligible = tensile_common::fit::is_ready(node)
+                && siblings.iter().all(|o| labels.contains_key(&o.topology_key))
+                && (c.node_affinity_policy.as_deref() == Some("Ignore")
+                    || fit::matches_constraints(pod, node))
+                && (c.node_taints_policy.as_deref() != Some("Honor")
+                    || tensile_common::fit::untolerated_taint(node, tolerations).is_none());
+            if let (true, Some(value)) = (eligible, labels.get(&c.topology_key)) {
+                counts.entry(value.clone()).or_insert(0);
+                domain_of.insert(name.clone(), value.clone());
+            }
+        }
+        let selector = spread_selector(c, pod);
+        if let Some(selector) = &selector {
+            let namespace = pod.metadata.namespace.as_deref();
+            for p in pods.iter().copied() {
+                if terminating(p) || p.metadata.namespace.as_deref() != namespace {
+                    continue;
+                }
+                let Some(domain) = node_of(p).and_then(|n| domain_of.get(n)) else {
+                    continue;
+                };
+                if tensile_common::fit::label_selector_matches(selector, &pod_labels(p)) {
+                    *counts.entry(domain.clone()).or_insert(0) += 1;
+                }
+            }
+        }
+        Spread {
+            c,
+            selector,
+            counts,
+            domain_of,
+        }
+    }
+
+    /// Whether the constraint counts `pod` (moving a pod it does not count changes nothing).
+    fn counts_pod(&self, pod: &Pod) -> bool {
+        self.selector
+            .as_ref()
+            .is_some_and(|s| tensile_common::fit::label_selector_matches(s, &pod_labels(pod)))
+    }
+
+    /// The skew of `counts`, from kube-scheduler's global minimum.
+    fn skew_of(&self, counts: &BTreeMap<String, i32>) -> i32 {
+        let max = counts.values().copied().max().unwrap_or(0);
+        let min_domains = if self.c.when_unsatisfiable == "DoNotSchedule" {
+            self.c.min_domains.unwrap_or(1)
+        } else {
+            1
+        };
+        let min = if (counts.len() as i64) < i64::from(min_domains) {
+            0
+        } else {
+            counts.values().copied().min().unwrap_or(0)
+        };
+        max - min
+    }
+
+    fn skew(&self) -> i32 {
+        self.skew_of(&self.counts)
+    }
+
+    /// The skew after `pod` moved from where it runs to `to`.
+    fn skew_after(&self, pod: &Pod, to: &str) -> i32 {
+        if !self.counts_pod(pod) {
+            return self.skew();
+        }
+        let mut counts = self.counts.clone();
+        if let Some(d) = node_of(pod).and_then(|n| self.domain_of.get(n)) {
+            *counts.entry(d.clone()).or_insert(0) -= 1;
+        }
+        if let Some(d) = self.domain_of.get(to) {
+            *counts.entry(d.clone()).or_insert(0) += 1;
+        }
+        self.skew_of(&counts)
+    }
+}
+
 /// A target node's readiness for pods moving to it.
 enum Target {
     Ready(String),
     Stabilizing(String),
+    /// Its lower cluster refused the workload after a rebalance.
+    Refused(String),
     NoFit,
 }
 
 /// The best node of `candidates` (in order of preference) to move `pod` to.
+#[allow(clippy::too_many_arguments)]
 fn target<'a>(
     pod: &Pod,
     candidates: impl Iterator<Item = &'a String>,
     nodes: &BTreeMap<String, Node>,
     excluded: &BTreeSet<&str>,
+    refused: &BTreeSet<&str>,
     now: Timestamp,
     settings: &Settings,
     options: &tensile_common::fit::Options,
 ) -> Target {
     let window = SignedDuration::try_from(settings.stabilization).unwrap_or(SignedDuration::MAX);
     let mut stabilizing = None;
+    let mut refusing = None;
     for name in candidates {
         let Some(node) = nodes.get(name) else { continue };
         if excluded.contains(name.as_str()) || fit::takes(pod, node, options) != Take::Fits {
+            continue;
+        }
+        if refused.contains(name.as_str()) {
+            refusing = refusing.or_else(|| Some(name.clone()));
             continue;
         }
         match ready_since(node) {
@@ -399,7 +588,99 @@ fn target<'a>(
             None => {}
         }
     }
-    stabilizing.map_or(Target::NoFit, Target::Stabilizing)
+    match (stabilizing, refusing) {
+        (Some(node), _) => Target::Stabilizing(node),
+        (None, Some(node)) => Target::Refused(node),
+        (None, None) => Target::NoFit,
+    }
+}
+
+/// The nodes whose lower cluster refused the workload after a rebalance, as its record of
+/// refusals says, and that have not turned Ready since.
+fn refused_nodes<'a>(
+    w: &Workload<'_>,
+    nodes: &BTreeMap<String, Node>,
+    exclusions: &'a Exclusions,
+    now: Timestamp,
+) -> BTreeSet<&'a str> {
+    let Some(record) = exclusions.records.get(&w.refusals_key()) else {
+        return BTreeSet::new();
+    };
+    record
+        .active(now)
+        .filter(|node| {
+            let refused_at = record.nodes[*node]
+                .saturating_sub(REFUSAL_MEMORY)
+                .unwrap_or(Timestamp::MIN);
+            nodes
+                .get(*node)
+                .and_then(ready_since)
+                .is_none_or(|since| since <= refused_at)
+        })
+        .collect()
+}
+
+/// The refusal to remember for `w`, if a node it was moved toward was excluded for it
+/// since the move (the refused-pod rules exclude a node when its lower cluster refused a
+/// pod) and its record of refusals does not say so yet.
+fn refusal_to_remember(
+    w: &Workload<'_>,
+    episode: &Episode,
+    exclusions: &Exclusions,
+    exclusion_ttl: Duration,
+    now: Timestamp,
+) -> Option<Remember> {
+    let (moved, toward) = episode.toward.as_ref()?;
+    let excluded = exclusions.records.get(&w.uid)?;
+    let ttl = SignedDuration::try_from(exclusion_ttl).unwrap_or(SignedDuration::MAX);
+    // Records keep whole seconds.
+    let since = moved
+        .round(
+            jiff::TimestampRound::new()
+                .smallest(jiff::Unit::Second)
+                .mode(jiff::RoundMode::Trunc),
+        )
+        .unwrap_or(*moved);
+    let (node, refused_at) = excluded
+        .nodes
+        .iter()
+        .filter(|(node, _)| toward.contains(*node))
+        .map(|(node, until)| (node, until.saturating_sub(ttl).unwrap_or(Timestamp::MIN)))
+        .filter(|(_, at)| *at >= since)
+        .max_by_key(|(_, at)| *at)?;
+    let key = w.refusals_key();
+    let forget_at = refused_at
+        .saturating_add(REFUSAL_MEMORY)
+        .unwrap_or(Timestamp::MAX);
+    let mut record = match exclusions.records.get(&key) {
+        Some(r) if !r.is_expired(now) => r.clone(),
+        _ => Record {
+            namespace: w
+                .pods
+                .first()
+                .and_then(|p| p.metadata.namespace.clone())
+                .unwrap_or_default(),
+            kind: w.kind.clone(),
+            name: w.name.clone(),
+            nodes: BTreeMap::new(),
+            moves: 0,
+            expires: now,
+            exhausted: None,
+        },
+    };
+    if record.nodes.get(node).is_some_and(|until| *until >= forget_at) {
+        return None;
+    }
+    record.nodes.retain(|_, until| *until > now);
+    record.nodes.insert(node.clone(), forget_at);
+    record.moves += 1;
+    record.expires = record.nodes.values().copied().max().unwrap_or(now);
+    Some(Remember {
+        key,
+        record,
+        owner: w.owner.clone(),
+        node: node.clone(),
+    })
 }
 
 /// What one workload would do, before the budget.
@@ -428,11 +709,13 @@ fn judge_workload(
         .get(&w.uid)
         .map(|r| r.active(now).collect())
         .unwrap_or_default();
+    let refused = refused_nodes(w, nodes, exclusions, now);
     let settle = |pod: &Arc<Pod>, candidates: Vec<String>, reason: &dyn Fn(&str) -> Reason| match target(
         pod,
         candidates.iter(),
         nodes,
         &excluded,
+        &refused,
         now,
         settings,
         options,
@@ -443,52 +726,53 @@ fn judge_workload(
             owner: w.owner.clone(),
             reason: reason(&node),
             target: node,
+            toward: candidates.iter().cloned().collect(),
             known: w.pods.iter().filter_map(|p| p.metadata.uid.clone()).collect(),
         }),
         Target::Stabilizing(node) => Want::Held(Held::Stabilizing(node)),
+        Target::Refused(node) => Want::Held(Held::RefusedBelow(node)),
         Target::NoFit => Want::Held(Held::NoFit),
     };
 
-    // Spread: from the fullest domain to the emptiest.
-    for c in constraints(model) {
-        let counts = counts(c, model, all, nodes);
-        let skew = skew(&counts);
-        if skew <= c.max_skew {
+    // Spread: a counted pod from a fullest domain to an emptiest one, when that lowers the
+    // skew (with fewer domains than minDomains, no move can).
+    let spreads: Vec<Spread<'_>> = constraints(model)
+        .iter()
+        .map(|c| Spread::new(c, model, all, nodes))
+        .collect();
+    for s in &spreads {
+        let skew = s.skew();
+        if skew <= s.c.max_skew {
             continue;
         }
-        let min = counts.values().copied().min().unwrap_or(0);
-        let max = counts.values().copied().max().unwrap_or(0);
-        let domain_of = |node: &str| {
-            nodes
-                .get(node)
-                .and_then(|n| labels(n).get(&c.topology_key).cloned())
-        };
+        let min = s.counts.values().copied().min().unwrap_or(0);
+        let max = s.counts.values().copied().max().unwrap_or(0);
+        if min + 1 >= max {
+            continue;
+        }
         let Some(pod) = w
             .pods
             .iter()
-            .filter(|p| movable(p, pod_settings))
+            .filter(|p| movable(p, pod_settings) && s.counts_pod(p))
             .filter(|p| {
                 node_of(p)
-                    .and_then(domain_of)
-                    .is_some_and(|d| counts.get(&d) == Some(&max))
+                    .and_then(|n| s.domain_of.get(n))
+                    .is_some_and(|d| s.counts.get(d) == Some(&max))
             })
             .max_by_key(|p| p.metadata.name.clone())
         else {
             continue;
         };
-        let candidates: Vec<String> = nodes
+        let candidates: Vec<String> = s
+            .domain_of
             .iter()
-            .filter(|(_, n)| {
-                labels(n)
-                    .get(&c.topology_key)
-                    .is_some_and(|d| counts.get(d) == Some(&min))
-            })
+            .filter(|(_, d)| s.counts.get(*d) == Some(&min))
             .map(|(name, _)| name.clone())
             .collect();
         let reason = Reason::Spread {
-            key: c.topology_key.clone(),
+            key: s.c.topology_key.clone(),
             skew,
-            max_skew: c.max_skew,
+            max_skew: s.c.max_skew,
         };
         return settle(pod, candidates, &|_| reason.clone());
     }
@@ -516,22 +800,7 @@ fn judge_workload(
     if best <= from {
         return Want::Nothing;
     }
-    let keeps_spread = |to: &String| {
-        let Some(to_node) = nodes.get(to) else {
-            return false;
-        };
-        constraints(model).iter().all(|c| {
-            let mut counts = counts(c, model, all, nodes);
-            let domain = |n: &Node| labels(n).get(&c.topology_key).cloned();
-            if let Some(d) = node_of(pod).and_then(|n| nodes.get(n)).and_then(domain) {
-                *counts.entry(d).or_insert(0) -= 1;
-            }
-            if let Some(d) = domain(to_node) {
-                *counts.entry(d).or_insert(0) += 1;
-            }
-            skew(&counts) <= c.max_skew
-        })
-    };
+    let keeps_spread = |to: &String| spreads.iter().all(|s| s.skew_after(pod, to) <= s.c.max_skew);
     let candidates: Vec<String> = by_weight
         .iter()
         .filter(|(weight, name)| *weight > from && keeps_spread(name))
@@ -578,6 +847,8 @@ pub fn plan(
             .entry(uid.to_owned())
             .or_insert_with(|| Workload {
                 uid: uid.to_owned(),
+                kind: kind.to_owned(),
+                name: name.to_owned(),
                 owner: format!("{kind}/{name}"),
                 pods: Vec::new(),
             })
@@ -639,8 +910,19 @@ pub fn plan(
             .and_then(|p| p.metadata.namespace.as_deref())
             .unwrap_or_default();
         let all = by_namespace.get(namespace).map_or(&[][..], Vec::as_slice);
-        let want = judge_workload(w, all, nodes, exclusions, now, settings, &options, pod_settings);
         let episode = memory.episodes.get(&w.uid).cloned().unwrap_or_default();
+        // A node it was moved toward refused it since: remembered from this round on (and
+        // written until the records show it).
+        let remembered;
+        let mut exclusions = exclusions;
+        if let Some(r) = refusal_to_remember(w, &episode, exclusions, pod_settings.exclusion_ttl, now) {
+            let mut with = exclusions.clone();
+            with.records.insert(r.key.clone(), r.record.clone());
+            remembered = with;
+            exclusions = &remembered;
+            plan.remember.push(r);
+        }
+        let want = judge_workload(w, all, nodes, exclusions, now, settings, &options, pod_settings);
         let cooling = episode.cool_until.is_some_and(|until| until > now);
         let m = match want {
             Want::Nothing => {
@@ -657,6 +939,7 @@ pub fn plan(
                             cool_until: Some(now.saturating_add(cooldown).unwrap_or(Timestamp::MAX)),
                             awaiting: None,
                             refused_until: None,
+                            toward: episode.toward.clone(),
                         },
                     );
                 }
@@ -690,6 +973,7 @@ pub fn plan(
                     cool_until: Some(now.saturating_add(cooldown).unwrap_or(Timestamp::MAX)),
                     awaiting: None,
                     refused_until: None,
+                    toward: episode.toward.clone(),
                 },
             );
             plan.held
@@ -837,10 +1121,6 @@ mod tests {
         )
     }
 
-    fn uids(pods: &[Arc<Pod>]) -> BTreeSet<String> {
-        pods.iter().filter_map(|p| p.metadata.uid.clone()).collect()
-    }
-
     fn held(plan: &Plan) -> Vec<Held> {
         plan.held.iter().map(|(_, _, h)| h.clone()).collect()
     }
@@ -883,7 +1163,7 @@ mod tests {
                 max_skew: 1
             }
         );
-        memory.moved("web-uid", at(55), uids(&on_b));
+        memory.moved(&p.moves[0], at(55));
 
         // The moved pod is gone before its controller made the replacement: nothing else
         // goes (the workload's pods look all Ready, but one is missing).
@@ -904,7 +1184,7 @@ mod tests {
         pods.push(created(pod("web", 4, Some("vn-a"), State::Running, None), at(57)));
         let p = run(&pods, &n(at(-10)), &mut memory, at(65), &settings);
         assert_eq!(moved_names(&p), vec![("web-2".to_owned(), "vn-a".to_owned())]);
-        memory.moved("web-uid", at(65), uids(&pods));
+        memory.moved(&p.moves[0], at(65));
 
         // Two and two: balanced, nothing moves, and the cool-down starts.
         let balanced = vec![
@@ -939,7 +1219,7 @@ mod tests {
         ];
         let p = run(&pods, &n, &mut memory, at(10), &settings);
         assert_eq!(p.moves.len(), 1);
-        memory.moved("web-uid", t("2024-05-01T10:00:10.700Z"), p.moves[0].known.clone());
+        memory.moved(&p.moves[0], t("2024-05-01T10:00:10.700Z"));
         // The evicted pod is gone before its controller made the replacement: the pod made
         // at 10 s is not the replacement, though its creation time is not before the move's.
         let evicted = p.moves[0].pod.metadata.uid.clone();
@@ -1059,7 +1339,7 @@ mod tests {
         assert_eq!(p.moves.len(), 1, "{p:?}");
         assert_eq!(held(&p), vec![Held::Budget]);
         let first = p.moves[0].workload.clone();
-        memory.moved(&first, at(0), uids(&pods));
+        memory.moved(&p.moves[0], at(0));
 
         // While its replacement is not Ready, the other workload still waits.
         let mut pods2: Vec<Arc<Pod>> = pods
@@ -1132,5 +1412,419 @@ mod tests {
             })
             .filter_map(|p| p.metadata.uid.clone())
             .max()
+    }
+
+    /// `pod` with `value` merged at the top level of its JSON (`spec`, `metadata` objects
+    /// merged one level deep).
+    fn patched<T: serde::Serialize + serde::de::DeserializeOwned>(object: &T, patch: serde_json::Value) -> T {
+        let mut v = serde_json::to_value(object).unwrap();
+        for (section, fields) in patch.as_object().unwrap() {
+            let target = v[section.as_str()].as_object_mut().unwrap();
+            for (k, f) in fields.as_object().unwrap() {
+                target.insert(k.clone(), f.clone());
+            }
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    /// Pod `i` of ReplicaSet `rs` on `node` with the one spread constraint `c`.
+    fn spread_pod(rs: &str, i: usize, node: &str, c: serde_json::Value) -> Arc<Pod> {
+        let p = pod(rs, i, Some(node), State::Running, None);
+        Arc::new(patched(&*p, json!({"spec": {"topologySpreadConstraints": [c]}})))
+    }
+
+    fn moves_of(pods: &[Arc<Pod>], nodes: &BTreeMap<String, Node>) -> Plan {
+        run(pods, nodes, &mut Memory::default(), at(0), &Settings::default())
+    }
+
+    #[test]
+    fn a_missing_or_empty_label_selector_counts_no_pod_as_kube_scheduler_does() {
+        let roomy = roomy();
+        let c = |extra: serde_json::Value| {
+            let mut c = json!({"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"});
+            c.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            c
+        };
+        for (what, constraint, moves) in [
+            ("no selector", c(json!({})), 0),
+            ("an empty selector", c(json!({"labelSelector": {}})), 0),
+            (
+                "no selector, matchLabelKeys",
+                c(json!({"matchLabelKeys": ["app"]})),
+                0,
+            ),
+            (
+                "an empty selector and matchLabelKeys",
+                c(json!({"labelSelector": {}, "matchLabelKeys": ["app"]})),
+                1,
+            ),
+            (
+                "a selector",
+                c(json!({"labelSelector": {"matchLabels": {"app": "web"}}})),
+                1,
+            ),
+        ] {
+            let pods: Vec<Arc<Pod>> = (0..2)
+                .map(|i| spread_pod("web", i, "vn-b", constraint.clone()))
+                .collect();
+            let p = moves_of(&pods, &roomy);
+            assert_eq!(p.moves.len(), moves, "{what}: {p:?}");
+            assert!(p.held.is_empty(), "{what}: {p:?}");
+        }
+    }
+
+    #[test]
+    fn match_label_keys_and_the_selector_together_count_only_the_pods_of_the_same_template() {
+        let roomy = roomy();
+        let constraint = |keys: serde_json::Value| {
+            json!({"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {"app": "web"}}, "matchLabelKeys": keys})
+        };
+        // Two pods of the new template on vn-b; two of an older one (another ReplicaSet,
+        // same app) on vn-a.
+        let pods = |keys: serde_json::Value| -> Vec<Arc<Pod>> {
+            let mut out = Vec::new();
+            for (rs, node, hash) in [("web-new", "vn-b", "new"), ("web-old", "vn-a", "old")] {
+                for i in 0..2 {
+                    let p = spread_pod(rs, i, node, constraint(keys.clone()));
+                    let mut labels = p.metadata.labels.clone().unwrap();
+                    labels.insert("app".into(), "web".into());
+                    labels.insert("pod-template-hash".into(), hash.into());
+                    out.push(Arc::new(patched(&*p, json!({"metadata": {"labels": labels}}))));
+                }
+            }
+            out
+        };
+        // The selector alone counts all four: 2 and 2, balanced.
+        let p = moves_of(&pods(json!([])), &roomy);
+        assert!(p.moves.is_empty(), "{p:?}");
+        // With the template hash ANDed in, each workload counts its own: 2 and 0.
+        let p = moves_of(&pods(json!(["pod-template-hash"])), &roomy);
+        assert_eq!(
+            moved_names(&p),
+            vec![("web-new-1".to_owned(), "vn-a".to_owned())],
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn min_domains_makes_the_global_minimum_zero_under_do_not_schedule_only() {
+        let roomy = roomy();
+        let pods = |when: &str, min_domains: Option<i32>| -> Vec<Arc<Pod>> {
+            let mut c = json!({"maxSkew": 2, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": when,
+                "labelSelector": {"matchLabels": {"app": "web"}}});
+            if let Some(m) = min_domains {
+                c["minDomains"] = json!(m);
+            }
+            let mut out = vec![spread_pod("web", 0, "vn-a", c.clone())];
+            out.extend((1..4).map(|i| spread_pod("web", i, "vn-b", c.clone())));
+            out
+        };
+        // 1 and 3 with maxSkew 2: within it.
+        assert!(moves_of(&pods("DoNotSchedule", None), &roomy).moves.is_empty());
+        // Two domains, fewer than minDomains 3: the minimum counts as 0, the skew is 3.
+        let p = moves_of(&pods("DoNotSchedule", Some(3)), &roomy);
+        assert_eq!(p.moves.len(), 1, "{p:?}");
+        assert_eq!(
+            p.moves[0].reason,
+            Reason::Spread {
+                key: "kubernetes.io/hostname".into(),
+                skew: 3,
+                max_skew: 2
+            }
+        );
+        // Two domains are enough for minDomains 2.
+        assert!(moves_of(&pods("DoNotSchedule", Some(2)), &roomy).moves.is_empty());
+        // minDomains means nothing to ScheduleAnyway.
+        assert!(
+            moves_of(&pods("ScheduleAnyway", Some(3)), &roomy)
+                .moves
+                .is_empty()
+        );
+        // 2 and 2 under minDomains 3: the skew (2) is within maxSkew 2; with maxSkew 1 it is
+        // not, but no move lowers it.
+        let even = |max_skew: i32| -> Vec<Arc<Pod>> {
+            let c = json!({"maxSkew": max_skew, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+                "minDomains": 3, "labelSelector": {"matchLabels": {"app": "web"}}});
+            (0..4)
+                .map(|i| spread_pod("web", i, if i < 2 { "vn-a" } else { "vn-b" }, c.clone()))
+                .collect()
+        };
+        let p = moves_of(&even(1), &roomy);
+        assert!(p.moves.is_empty() && p.held.is_empty(), "{p:?}");
+    }
+
+    #[test]
+    fn node_affinity_policy_honor_counts_only_the_nodes_the_pod_may_go_to_and_ignore_every_node() {
+        // Only vn-b carries tier=b, which the pods select.
+        let mut roomy = roomy();
+        let b = patched(
+            &roomy["vn-b"],
+            json!({"metadata": {"labels": {"type": "virtual-kubelet",
+            "kubernetes.io/hostname": "vn-b", "tier": "b"}}}),
+        );
+        roomy.insert("vn-b".into(), b);
+        let pods = |policy: Option<&str>| -> Vec<Arc<Pod>> {
+            let mut c = json!({"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {"app": "web"}}});
+            if let Some(p) = policy {
+                c["nodeAffinityPolicy"] = json!(p);
+            }
+            (0..2)
+                .map(|i| {
+                    Arc::new(patched(
+                        &*spread_pod("web", i, "vn-b", c.clone()),
+                        json!({"spec": {"nodeSelector": {"tier": "b"}}}),
+                    ))
+                })
+                .collect()
+        };
+        // Honor (the default, and said): vn-b is the only domain, the skew is 0.
+        for policy in [None, Some("Honor")] {
+            let p = moves_of(&pods(policy), &roomy);
+            assert!(p.moves.is_empty() && p.held.is_empty(), "{policy:?}: {p:?}");
+        }
+        // Ignore: vn-a is a domain too, with 0: the skew is 2, but the pod may not go there.
+        let p = moves_of(&pods(Some("Ignore")), &roomy);
+        assert!(p.moves.is_empty(), "{p:?}");
+        assert_eq!(held(&p), vec![Held::NoFit]);
+    }
+
+    #[test]
+    fn node_taints_policy_honor_leaves_out_the_nodes_whose_taints_the_pod_does_not_tolerate() {
+        let mut roomy = roomy();
+        let a = patched(
+            &roomy["vn-a"],
+            json!({"spec": {"taints": [
+            {"key": "virtual-kubelet.io/provider", "value": "tensile", "effect": "NoSchedule"},
+            {"key": "dedicated", "value": "batch", "effect": "NoSchedule"}]}}),
+        );
+        roomy.insert("vn-a".into(), a);
+        let pods = |policy: Option<&str>| -> Vec<Arc<Pod>> {
+            let mut c = json!({"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {"app": "web"}}});
+            if let Some(p) = policy {
+                c["nodeTaintsPolicy"] = json!(p);
+            }
+            (0..2).map(|i| spread_pod("web", i, "vn-b", c.clone())).collect()
+        };
+        // Ignore (the default, and said): vn-a counts, 0 against 2; no move lands there.
+        for policy in [None, Some("Ignore")] {
+            let p = moves_of(&pods(policy), &roomy);
+            assert!(p.moves.is_empty(), "{policy:?}: {p:?}");
+            assert_eq!(held(&p), vec![Held::NoFit], "{policy:?}");
+        }
+        // Honor: vn-a is no domain; nothing is violated.
+        let p = moves_of(&pods(Some("Honor")), &roomy);
+        assert!(p.moves.is_empty() && p.held.is_empty(), "{p:?}");
+    }
+
+    #[test]
+    fn a_node_without_the_key_of_another_constraint_of_the_same_kind_is_no_domain() {
+        // Only vn-b carries a zone.
+        let mut roomy = roomy();
+        let b = patched(
+            &roomy["vn-b"],
+            json!({"metadata": {"labels": {"type": "virtual-kubelet",
+            "kubernetes.io/hostname": "vn-b", "topology.kubernetes.io/zone": "z1"}}}),
+        );
+        roomy.insert("vn-b".into(), b);
+        let pods = |zone_when: &str| -> Vec<Arc<Pod>> {
+            let selector = json!({"matchLabels": {"app": "web"}});
+            let cs = json!([
+                {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": selector},
+                {"maxSkew": 5, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": zone_when, "labelSelector": selector},
+            ]);
+            (0..2)
+                .map(|i| {
+                    Arc::new(patched(
+                        &*pod("web", i, Some("vn-b"), State::Running, None),
+                        json!({"spec": {"topologySpreadConstraints": cs}}),
+                    ))
+                })
+                .collect()
+        };
+        // Both ScheduleAnyway: vn-a lacks the zone key, so it is no hostname domain either.
+        let p = moves_of(&pods("ScheduleAnyway"), &roomy);
+        assert!(p.moves.is_empty() && p.held.is_empty(), "{p:?}");
+        // The zone constraint is DoNotSchedule: the hostname one (ScheduleAnyway) counts vn-a.
+        let p = moves_of(&pods("DoNotSchedule"), &roomy);
+        assert_eq!(
+            moved_names(&p),
+            vec![("web-1".to_owned(), "vn-a".to_owned())],
+            "{p:?}"
+        );
+    }
+
+    /// The exclusion record the refused-pod rules write when `node` refused a pod of
+    /// `web` at `at` (the default exclusion TTL of 600 s).
+    fn excluded(node: &str, at_: Timestamp) -> Exclusions {
+        let until = at_ + SignedDuration::from_secs(600);
+        let mut ex = Exclusions::default();
+        ex.records.insert(
+            "web-uid".into(),
+            Record {
+                namespace: "shop".into(),
+                kind: "ReplicaSet".into(),
+                name: "web".into(),
+                nodes: [(node.to_owned(), until)].into(),
+                moves: 1,
+                expires: until,
+                exhausted: None,
+            },
+        );
+        ex
+    }
+
+    fn run_with(
+        pods: &[Arc<Pod>],
+        nodes: &BTreeMap<String, Node>,
+        ex: &Exclusions,
+        memory: &mut Memory,
+        now: Timestamp,
+    ) -> Plan {
+        plan(
+            pods,
+            nodes,
+            ex,
+            memory,
+            now,
+            &Settings::default(),
+            None,
+            &decide::Settings::default(),
+        )
+    }
+
+    #[test]
+    fn a_workload_refused_below_after_a_rebalance_is_not_moved_there_again_until_something_changes() {
+        let on_b: Vec<Arc<Pod>> = (0..2)
+            .map(|i| pod("web", i, Some("vn-b"), State::Running, None))
+            .collect();
+        let n = |a_since: Timestamp| {
+            nodes(vec![
+                node("vn-a", Some(a_since), "8", at(0)),
+                node("vn-b", Some(at(-3600)), "8", at(0)),
+            ])
+        };
+        let mut memory = Memory::default();
+        let p = run_with(&on_b, &n(at(-600)), &Exclusions::default(), &mut memory, at(0));
+        assert_eq!(moved_names(&p), vec![("web-1".to_owned(), "vn-a".to_owned())]);
+        memory.moved(&p.moves[0], at(0));
+        // Its replacement is refused on vn-a; the refused-pod rules exclude vn-a and move it
+        // back to vn-b, where it is Ready.
+        let ex = excluded("vn-a", at(5));
+        let mut pods = on_b[..1].to_vec();
+        pods.push(created(pod("web", 3, Some("vn-b"), State::Running, None), at(6)));
+        let p = run_with(&pods, &n(at(-600)), &ex, &mut memory, at(10));
+        assert_eq!(held(&p), vec![Held::NoFit], "excluded for now");
+        let [r] = &p.remember[..] else { panic!("{p:?}") };
+        assert_eq!(r.key, "web-uid-rebalance");
+        assert_eq!(r.node, "vn-a");
+        assert_eq!(
+            r.record.nodes,
+            [("vn-a".to_owned(), at(5) + REFUSAL_MEMORY)].into()
+        );
+        assert_eq!(r.record.expires, at(5) + REFUSAL_MEMORY);
+        assert_eq!(
+            (r.record.kind.as_str(), r.record.name.as_str()),
+            ("ReplicaSet", "web")
+        );
+        // Once the records show it, it is not written again.
+        let mut ex = ex;
+        ex.records.insert(r.key.clone(), r.record.clone());
+        let p = run_with(&pods, &n(at(-600)), &ex, &mut memory, at(12));
+        assert!(p.remember.is_empty(), "{p:?}");
+
+        // The exclusion is over, the cool-down too, and the descheduler restarted: the
+        // record still keeps the workload off vn-a.
+        let later = at(5) + SignedDuration::from_hours(2);
+        let p = run_with(&pods, &n(at(-600)), &ex, &mut Memory::default(), later);
+        assert!(p.moves.is_empty(), "{p:?}");
+        assert_eq!(held(&p), vec![Held::RefusedBelow("vn-a".into())]);
+        assert!(
+            Held::RefusedBelow("vn-a".into())
+                .to_string()
+                .contains("refused it after a rebalance")
+        );
+
+        // vn-a turns Ready anew (it failed and recovered): the workload may go again.
+        let p = run_with(
+            &pods,
+            &n(later - SignedDuration::from_secs(120)),
+            &ex,
+            &mut Memory::default(),
+            later,
+        );
+        assert_eq!(p.moves.len(), 1, "{p:?}");
+        // And a day after the refusal, whatever happened.
+        let p = run_with(
+            &pods,
+            &n(at(-600)),
+            &ex,
+            &mut Memory::default(),
+            at(6) + REFUSAL_MEMORY,
+        );
+        assert_eq!(p.moves.len(), 1, "{p:?}");
+    }
+
+    #[test]
+    fn a_refusal_on_a_node_the_workload_was_not_moved_toward_or_before_the_move_is_not_remembered() {
+        let on_b: Vec<Arc<Pod>> = (0..2)
+            .map(|i| pod("web", i, Some("vn-b"), State::Running, None))
+            .collect();
+        let n = roomy();
+        let mut memory = Memory::default();
+        let p = run_with(&on_b, &n, &Exclusions::default(), &mut memory, at(100));
+        memory.moved(&p.moves[0], at(100));
+        // Excluded before the move (the exclusion started at 90 s).
+        let p = run_with(&on_b, &n, &excluded("vn-a", at(90)), &mut memory, at(110));
+        assert!(p.remember.is_empty(), "{p:?}");
+        // Another node.
+        let p = run_with(&on_b, &n, &excluded("vn-c", at(105)), &mut memory, at(110));
+        assert!(p.remember.is_empty(), "{p:?}");
+        // Nothing is remembered without a move of rebalancing's own.
+        let p = run_with(
+            &on_b,
+            &n,
+            &excluded("vn-a", at(105)),
+            &mut Memory::default(),
+            at(110),
+        );
+        assert!(p.remember.is_empty(), "{p:?}");
+    }
+
+    #[test]
+    fn a_statefulset_remembers_refusals_per_template_revision() {
+        assert_eq!(refusals_key("uid-1", ""), "uid-1-rebalance");
+        assert_eq!(
+            refusals_key("uid-1", "web-5d8c7f9b6"),
+            "uid-1-rebalance-web-5d8c7f9b6"
+        );
+        let sts = |rev: &str| {
+            let p = pod("web", 0, Some("vn-b"), State::Running, None);
+            let mut labels = p.metadata.labels.clone().unwrap();
+            labels.insert("controller-revision-hash".into(), rev.into());
+            let p: Pod = patched(
+                &*p,
+                json!({"metadata": {"labels": labels, "ownerReferences": [
+                {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "web-uid", "controller": true}]}}),
+            );
+            Arc::new(p)
+        };
+        let (one, two) = (sts("web-1"), sts("web-2"));
+        let w = |p: &Arc<Pod>| {
+            Workload {
+                uid: "web-uid".into(),
+                kind: "StatefulSet".into(),
+                name: "web".into(),
+                owner: "StatefulSet/web".into(),
+                pods: vec![p],
+            }
+            .refusals_key()
+        };
+        assert_eq!(w(&one), "web-uid-rebalance-web-1");
+        assert_eq!(w(&two), "web-uid-rebalance-web-2");
     }
 }
