@@ -483,6 +483,21 @@ impl Descheduler {
             ),
             Err(_) => return,
         };
+        let mut view = exclusions.clone();
+        for m in &plan.remember {
+            if self.dry_run {
+                tracing::info!(workload = %m.owner, virtual_node = %m.node, "dry run: would remember that the lower cluster refused it after a rebalance");
+                continue;
+            }
+            match self.store.put(&m.key, &m.record, &mut view).await {
+                Ok(()) => {
+                    tracing::info!(workload = %m.owner, virtual_node = %m.node, "the lower cluster refused it after a rebalance: not moved there again until the node turns Ready anew or the template changes")
+                }
+                Err(e) => {
+                    tracing::warn!(workload = %m.owner, virtual_node = %m.node, "remembering a refusal after a rebalance: {e}")
+                }
+            }
+        }
         let mut held: BTreeMap<&'static str, i64> = BTreeMap::new();
         if let Ok(mut told) = r.told.lock() {
             let now_held: HashSet<&str> = plan.held.iter().map(|(uid, _, _)| uid.as_str()).collect();
@@ -522,7 +537,7 @@ impl Descheduler {
             match evict::evict(&api, pod).await {
                 Ok(Evicted::Accepted) => {
                     if let Ok(mut memory) = r.memory.lock() {
-                        memory.moved(&m.workload, Timestamp::now(), m.known.clone());
+                        memory.moved(m, Timestamp::now());
                     }
                     self.metrics.rebalanced(m.reason.label(), "success");
                     tracing::info!(pod = %format!("{ns}/{name}"), "rebalanced: {note}");
