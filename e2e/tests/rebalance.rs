@@ -3,6 +3,10 @@
 //! A spread Deployment and one that prefers vn-a run; lower-a's apiserver stops until their
 //! pods run on vn-b, then starts again; the test watches, with kubectl, the spread and the
 //! preference come back within the budget, and nothing move afterwards.
+//!
+//! The other scenes run on beds of their own (`tensile_e2e::failback::Bed`): a workload whose
+//! spread constraint has no `labelSelector` is not moved (kube-scheduler counts no pod for
+//! it).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
 
 use std::collections::BTreeMap;
@@ -479,4 +483,104 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
         restored.as_secs_f64()
     );
     drop(sims);
+}
+
+/// Rebalanced events in `ns` whose message names `owner` (each event counted as often as
+/// it happened).
+async fn rebalanced(up: &Path, ns: &str, owner: &str) -> u64 {
+    let out = kubectl(
+        up,
+        &[
+            "-n",
+            ns,
+            "get",
+            "events",
+            "--field-selector",
+            "reason=Rebalanced",
+            "-o",
+            "json",
+        ],
+    )
+    .await;
+    let events: Value = serde_json::from_str(&out).unwrap();
+    events["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["message"].as_str().unwrap_or_default().contains(owner))
+        .map(|e| e["count"].as_u64().or(e["series"]["count"].as_u64()).unwrap_or(1))
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spread_constraint_without_a_label_selector_counts_no_pod_so_nothing_moves_for_it() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    const S: &str = "selector";
+    let bed = tensile_e2e::failback::Bed::start("rebalance-selector", S, 2)
+        .await
+        .unwrap();
+    let up = bed.upper.kubeconfig().to_owned();
+    bed.upper.create_namespace(S).await.unwrap();
+    // Every pod lands on vn-b while vn-a is cordoned.
+    kubectl(&up, &["cordon", "vn-a"]).await;
+    let unselected = json!({"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+        "whenUnsatisfiable": "ScheduleAnyway"}]});
+    apply(&up, &bed.deployment(S, "unselected", 2, unselected)).await;
+    apply(
+        &up,
+        &bed.deployment(
+            S,
+            "selected",
+            2,
+            tensile_e2e::failback::spread_over_nodes("selected"),
+        ),
+    )
+    .await;
+    wait("all four pods on vn-b", 90, || async {
+        let (u, s) = (
+            tensile_e2e::failback::ready_per_node(&up, S, "unselected")
+                .await
+                .unwrap(),
+            tensile_e2e::failback::ready_per_node(&up, S, "selected")
+                .await
+                .unwrap(),
+        );
+        if u.get("vn-b") == Some(&2) && s.get("vn-b") == Some(&2) {
+            Ok(())
+        } else {
+            Err(format!("unselected {u:?}, selected {s:?}"))
+        }
+    })
+    .await;
+    kubectl(&up, &["uncordon", "vn-a"]).await;
+    let descheduler = bed
+        .descheduler(S, &["--rebalance-max-owners=2".to_owned()], "selector")
+        .unwrap();
+    descheduler.wait_ready(Duration::from_secs(30)).await.unwrap();
+    // The selected workload is spread 1 + 1 (kube-scheduler counts its pods)…
+    wait("the selected workload spread over both nodes", 90, || async {
+        let s = tensile_e2e::failback::ready_per_node(&up, S, "selected")
+            .await
+            .unwrap();
+        if s.get("vn-a") == Some(&1) && s.get("vn-b") == Some(&1) {
+            Ok(())
+        } else {
+            Err(format!("{s:?}"))
+        }
+    })
+    .await;
+    // …and the one without a selector stays: kube-scheduler counts no pod for it, so its
+    // skew is 0.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let u = tensile_e2e::failback::ready_per_node(&up, S, "unselected")
+        .await
+        .unwrap();
+    assert_eq!(u.get("vn-b"), Some(&2), "{u:?}\n{}", descheduler.log());
+    assert_eq!(rebalanced(&up, S, "unselected").await, 0, "{}", descheduler.log());
+    assert_eq!(
+        rebalanced(&up, S, "ReplicaSet/selected").await,
+        1,
+        "{}",
+        descheduler.log()
+    );
 }
