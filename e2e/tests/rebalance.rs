@@ -6,7 +6,9 @@
 //!
 //! The other scenes run on beds of their own (`tensile_e2e::failback::Bed`): a workload whose
 //! spread constraint has no `labelSelector` is not moved (kube-scheduler counts no pod for
-//! it).
+//! it); and a workload refused by lower-a's ResourceQuota after a rebalance toward vn-a is
+//! moved there once, not again when the exclusion and the cool-down end, nor after the
+//! descheduler restarts.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
 
 use std::collections::BTreeMap;
@@ -485,6 +487,60 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
     drop(sims);
 }
 
+/// The in-process webhook for namespace `ns` (labelled `tensile-e2e=<ns>`), reading the
+/// records of `exclusions`: a replacement avoids the virtual nodes excluded for its workload.
+async fn webhook(upper: &TestCluster, ns: &str, exclusions: &str) -> tensile_webhook::Running {
+    use tensile_webhook::{Certificates, Options, Policy};
+    kubectl(
+        upper.kubeconfig(),
+        &[
+            "label",
+            "namespace",
+            ns,
+            &format!("tensile-e2e={ns}"),
+            "--overwrite",
+        ],
+    )
+    .await;
+    let port = tensile_e2e::free_port().unwrap();
+    let config = format!("tensile-webhook-{ns}");
+    apply(
+        upper.kubeconfig(),
+        &tensile_e2e::check::webhook_registration(
+            &config,
+            port,
+            tensile_e2e::check::Namespaces::Labelled(ns),
+            None,
+        ),
+    )
+    .await;
+    let mut options = Options::new(
+        ([127, 0, 0, 1], port).into(),
+        Certificates::SelfSigned {
+            names: vec!["127.0.0.1".into()],
+        },
+    );
+    options.client = Some(upper.client().await.unwrap());
+    options.webhook_config_name = Some(config);
+    options.policy = Policy {
+        ignore_selector_keys: [VN_KEY.to_owned(), "type".to_owned()].into(),
+        not_ready_seconds: 5,
+        unreachable_seconds: 5,
+        ..Policy::default()
+    };
+    options.exclusions = Some(exclusions.parse().unwrap());
+    let running = tensile_webhook::start(options).await.unwrap();
+    wait("the webhook's caBundle written", 30, || async {
+        if running.state.ready.get() {
+            Ok(())
+        } else {
+            Err("not ready".into())
+        }
+    })
+    .await;
+    running
+}
+
 /// Rebalanced events in `ns` whose message names `owner` (each event counted as often as
 /// it happened).
 async fn rebalanced(up: &Path, ns: &str, owner: &str) -> u64 {
@@ -510,6 +566,144 @@ async fn rebalanced(up: &Path, ns: &str, owner: &str) -> u64 {
         .filter(|e| e["message"].as_str().unwrap_or_default().contains(owner))
         .map(|e| e["count"].as_u64().or(e["series"]["count"].as_u64()).unwrap_or(1))
         .sum()
+}
+
+/// Each pod of `ns` in one line: name, node, phase and the conditions that are not True.
+async fn pod_lines(up: &Path, ns: &str) -> String {
+    let out = kubectl(up, &["-n", ns, "get", "pods", "-o", "json"]).await;
+    let list: Value = serde_json::from_str(&out).unwrap();
+    list["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            let bad: Vec<String> = p["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|c| c["status"] != "True")
+                .map(|c| format!("{}={} {} {}", c["type"], c["status"], c["reason"], c["message"]))
+                .collect();
+            format!(
+                "{} on {} {} {:?}",
+                p["metadata"]["name"], p["spec"]["nodeName"], p["status"]["phase"], bad
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workload_refused_below_after_a_rebalance_is_not_moved_there_again_even_after_a_restart() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    const Q: &str = "refused";
+    let bed = tensile_e2e::failback::Bed::start("rebalance-refused", Q, 2)
+        .await
+        .unwrap();
+    let up = bed.upper.kubeconfig().to_owned();
+    bed.upper.create_namespace(Q).await.unwrap();
+    let records = format!("{Q}/exclusions");
+    let _webhook = webhook(&bed.upper, Q, &records).await;
+    apply(
+        &up,
+        &bed.deployment(Q, "web", 2, tensile_e2e::failback::spread_over_nodes("web")),
+    )
+    .await;
+    let per_node = || async {
+        tensile_e2e::failback::ready_per_node(&up, Q, "web")
+            .await
+            .unwrap()
+    };
+    wait("one pod on each virtual node", 90, || async {
+        let s = per_node().await;
+        if s.get("vn-a") == Some(&1) && s.get("vn-b") == Some(&1) {
+            Ok(())
+        } else {
+            Err(format!("{s:?}\n{}", pod_lines(&up, Q).await))
+        }
+    })
+    .await;
+    // The exclusions last 15 s and the cool-down 5 s: without a memory of the refusal, the
+    // workload would be moved toward vn-a again about every 25 s.
+    let flags = [
+        "--unschedulable-threshold=2".to_owned(),
+        "--exclusion-ttl=15".to_owned(),
+        "--rebalance-cooldown=5".to_owned(),
+    ];
+    let mut descheduler = bed.descheduler(Q, &flags, "refused").unwrap();
+    descheduler.wait_ready(Duration::from_secs(30)).await.unwrap();
+
+    // Lower-a goes away; both pods run on vn-b.
+    bed.lower_a.stop_apiserver();
+    wait("both pods on vn-b", 120, || async {
+        let s = per_node().await;
+        if s.get("vn-b") == Some(&2) {
+            Ok(())
+        } else {
+            Err(format!("{s:?}"))
+        }
+    })
+    .await;
+    // Lower-a comes back with a quota that admits no more pods in the namespace: a thing
+    // the capacity shape cannot see.
+    bed.lower_a.start_apiserver().await.unwrap();
+    let quota = json!({"apiVersion": "v1", "kind": "ResourceQuota",
+        "metadata": {"name": "none", "namespace": Q}, "spec": {"hard": {"pods": "0"}}})
+    .to_string();
+    apply(bed.lower_a.kubeconfig(), &quota).await;
+
+    // The rebalance toward vn-a is refused there, and the pod moved back to vn-b.
+    wait(
+        "a rebalance toward vn-a refused by lower-a's quota",
+        120,
+        || async {
+            let moved = kubectl(
+                &up,
+                &[
+                    "-n",
+                    Q,
+                    "get",
+                    "events",
+                    "--field-selector",
+                    "reason=Descheduled",
+                    "-o",
+                    "json",
+                ],
+            )
+            .await;
+            if rebalanced(&up, Q, "ReplicaSet/web").await >= 1 && moved.contains("quota") {
+                Ok(())
+            } else {
+                Err(format!(
+                    "rebalanced {}, {moved}",
+                    rebalanced(&up, Q, "ReplicaSet/web").await
+                ))
+            }
+        },
+    )
+    .await;
+    // Four exclusion lifetimes: the workload is not rebalanced toward vn-a again.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let before_restart = rebalanced(&up, Q, "ReplicaSet/web").await;
+    // Nor after the descheduler restarts, its memory gone.
+    descheduler.signal("KILL").unwrap();
+    descheduler.restart().unwrap();
+    descheduler.wait_ready(Duration::from_secs(30)).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(45)).await;
+    let after_restart = rebalanced(&up, Q, "ReplicaSet/web").await;
+    assert_eq!(
+        (before_restart, after_restart),
+        (1, 1),
+        "rebalanced toward the refusing node once, before the restart and after it\n{}",
+        descheduler.log()
+    );
+    let s = per_node().await;
+    assert_eq!(s.get("vn-b"), Some(&2), "both pods run on vn-b: {s:?}");
+    assert!(
+        descheduler.log().contains("refused"),
+        "the descheduler says why the workload stays: {}",
+        descheduler.log()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
