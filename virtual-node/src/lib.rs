@@ -27,6 +27,7 @@ pub mod overrides;
 pub mod pods;
 pub mod ratelimit;
 pub mod refs;
+pub mod scale_ups;
 pub mod stats;
 pub mod streams;
 pub mod teardown;
@@ -778,6 +779,7 @@ async fn standby<U, L>(
 fn pod_controller(
     world: &world::World,
     (upper_events, lower_events): (PodEvents<trim::UpperPod>, PodEvents<trim::LowerPod>),
+    scale_ups: futures::stream::BoxStream<'static, ObjectRef<trim::UpperPod>>,
     ctx: &Arc<pods::Context>,
     orphans_suspected: Arc<tokio::sync::Notify>,
     workers: u16,
@@ -814,6 +816,8 @@ fn pod_controller(
             }
             Some(at)
         })
+        // A scale-up signal below changes the status the pod should show.
+        .reconcile_on(scale_ups)
         .reconcile_all_on(futures::stream::select(
             futures::stream::select(resync, recovered),
             overridden,
@@ -1002,6 +1006,9 @@ async fn compose(
     for (name, feed) in feeds {
         tasks.spawn(name, feed);
     }
+    let (scale_ups, scale_up_watch, scale_up_wakes) =
+        scale_ups::watch(&lower, &lower_scope, world.lower_pods.clone());
+    tasks.spawn("the lower scale-up signal watch", scale_up_watch);
     let (events, events_run) = events::Events::new(
         Recorder::new(
             upper.clone(),
@@ -1096,6 +1103,7 @@ async fn compose(
         reconcile_timeout: Duration::from_secs(args.reconcile_timeout),
         lower_health: lower_health.clone(),
         tokens_changed: signals.tokens_changed.clone(),
+        scale_ups,
     });
 
     let orphans_suspected = Arc::new(tokio::sync::Notify::new());
@@ -1163,15 +1171,22 @@ async fn compose(
             return;
         };
         // Taking over, every pod is reconciled at once (the events seen on standby were not).
-        pod_controller(&controller_world, events, &controller_ctx, suspected, workers)
-            .reconcile_all_on(futures::stream::once(async {}))
-            .graceful_shutdown_on(async move { stop.cancelled().await })
-            .run(pods::reconcile, pods::error_policy, controller_ctx)
-            .for_each(move |_| {
-                metrics.pods_managed.set(store.len() as i64);
-                futures::future::ready(())
-            })
-            .await
+        pod_controller(
+            &controller_world,
+            events,
+            scale_up_wakes,
+            &controller_ctx,
+            suspected,
+            workers,
+        )
+        .reconcile_all_on(futures::stream::once(async {}))
+        .graceful_shutdown_on(async move { stop.cancelled().await })
+        .run(pods::reconcile, pods::error_policy, controller_ctx)
+        .for_each(move |_| {
+            metrics.pods_managed.set(store.len() as i64);
+            futures::future::ready(())
+        })
+        .await
     });
     // The node is registered only once the pod watches and the lower nodes have synced (a
     // node without a working pod path would attract pods it cannot run, and one that has not

@@ -70,6 +70,8 @@ pub struct Context {
     pub lower_health: Arc<crate::node::LowerHealth>,
     /// Told when a lower pod is made (its upper tokens are then issued).
     pub tokens_changed: Arc<tokio::sync::Notify>,
+    /// The lower cluster's scale-up signals on unbound lower pods.
+    pub scale_ups: Arc<crate::scale_ups::ScaleUps>,
 }
 
 /// Per-key retry delays: 1 s doubling to 5 min (`backon`'s exponential backoff, one per
@@ -396,7 +398,11 @@ async fn reconcile_inner(kept: &UpperPod, ctx: &Context) -> Result<Action, Error
     // not written (it would undo the node lifecycle controller's marking of the pods not
     // ready), nor is a settled pod taken as current; the pod is looked at again shortly.
     let reachable = ctx.lower_health.reachable();
-    if reachable && lower.as_ref().is_some_and(|l| ctx.settled.holds(kept, &**l)) {
+    // A scale-up signal below changes the status without changing either pod.
+    if reachable
+        && lower.as_ref().is_some_and(|l| ctx.settled.holds(kept, &**l))
+        && !ctx.scale_ups.holds(&ns, &name)
+    {
         return Ok(Action::requeue(STATUS_RECHECK));
     }
     let upper = &kept.pod().map_err(|e| Error::Cache("upper pod", e))?;
@@ -835,7 +841,14 @@ const STATUS_RECHECK: Duration = Duration::from_secs(300);
 /// says when to look again, and whether the status was not yet current (written or held).
 async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(Action, bool), Error> {
     let again = Action::requeue(STATUS_RECHECK);
-    let (mut status, differs) = translate::upper_status(upper, lower, &ctx.host_ip, jiff::Timestamp::now());
+    let scale_up = ctx.scale_ups.of(lower);
+    let (mut status, differs) = translate::upper_status(
+        upper,
+        lower,
+        scale_up.as_ref(),
+        &ctx.host_ip,
+        jiff::Timestamp::now(),
+    );
     if !differs {
         return Ok((again, false));
     }

@@ -10,6 +10,8 @@ use serde_json::{Value, json};
 use tensile_common::names;
 use tensile_common::stash::Stash;
 
+use crate::scale_ups::Signal;
+
 /// Who we are: every lower object we create carries these marks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Identity {
@@ -604,26 +606,45 @@ pub fn changed_conditions(upper: &Pod, desired: &[Value]) -> Vec<Value> {
     out
 }
 
-/// The `tensile.io/LowerPodNominated` condition the upper pod should show: True, reason
-/// `Preempting`, while the lower pod is unbound and the lower scheduler has nominated a node
-/// for it (`status.nominatedNodeName`: it preempted pods there and waits for them to end).
+/// The `tensile.io/LowerPodNominated` condition the upper pod should show: True while the
+/// lower pod is unbound and the lower cluster makes room for it. Reason `Preempting` when the
+/// lower scheduler has nominated a node for it (`status.nominatedNodeName`: it preempted pods
+/// there and waits for them to end); otherwise reason `ScaleUp`, with the autoscaler's
+/// message, when the pod's latest scale-up signal below says a node is being added for it
+/// ([`crate::scale_ups`]; not when it is cluster-autoscaler's `NotTriggerScaleUp`).
 /// Its `lastTransitionTime` is when the upper pod first showed it (kept while it holds, `now`
 /// otherwise), from which the descheduler bounds how long it protects the pod. The upper
 /// pod's own `status.nominatedNodeName` cannot carry it: an apiserver of 1.35 or later
 /// (`ClearingNominatedNodeNameAfterBinding`) refuses it on a bound pod, and the upper
 /// scheduler reads nominations of unbound pods only.
-fn lower_nomination(upper: &Pod, lower: &Pod, now: Timestamp) -> Option<Value> {
+fn lower_nomination(upper: &Pod, lower: &Pod, scale_up: Option<&Signal>, now: Timestamp) -> Option<Value> {
     let bound = lower
         .spec
         .as_ref()
         .and_then(|s| s.node_name.as_deref())
         .is_some_and(|n| !n.is_empty());
-    let node = lower
+    if bound {
+        return None;
+    }
+    let nominated = lower
         .status
-        .as_ref()?
-        .nominated_node_name
-        .as_deref()
-        .filter(|n| !n.is_empty() && !bound)?;
+        .as_ref()
+        .and_then(|s| s.nominated_node_name.as_deref())
+        .filter(|n| !n.is_empty());
+    let (reason, message) = match (nominated, scale_up.filter(|s| s.scales_up())) {
+        (Some(node), _) => (
+            "Preempting",
+            format!(
+                "the lower scheduler preempted pods on node {node} for this pod and waits for them to end"
+            ),
+        ),
+        (None, Some(signal)) if signal.message.is_empty() => (
+            "ScaleUp",
+            format!("the lower cluster adds a node for this pod ({})", signal.reason),
+        ),
+        (None, Some(signal)) => ("ScaleUp", signal.message.clone()),
+        (None, None) => return None,
+    };
     let since = upper
         .status
         .iter()
@@ -637,15 +658,22 @@ fn lower_nomination(upper: &Pod, lower: &Pod, now: Timestamp) -> Option<Value> {
     Some(json!({
         "type": names::CONDITION_LOWER_NOMINATED,
         "status": "True",
-        "reason": "Preempting",
-        "message": format!("the lower scheduler preempted pods on node {node} for this pod and waits for them to end"),
+        "reason": reason,
+        "message": message,
         "lastTransitionTime": since,
     }))
 }
 
-/// The status fields the upper pod should show for `lower`, as a merge-patch body, and
-/// whether they differ from what the upper pod shows now.
-pub fn upper_status(upper: &Pod, lower: &Pod, host_ip: &str, now: Timestamp) -> (Value, bool) {
+/// The status fields the upper pod should show for `lower` (and `scale_up`, its latest
+/// scale-up signal below), as a merge-patch body, and whether they differ from what the
+/// upper pod shows now.
+pub fn upper_status(
+    upper: &Pod,
+    lower: &Pod,
+    scale_up: Option<&Signal>,
+    host_ip: &str,
+    now: Timestamp,
+) -> (Value, bool) {
     let ls = lower.status.clone().unwrap_or_default();
     let lower_json = serde_json::to_value(&ls).unwrap_or_else(|_| json!({}));
     let upper_json = upper
@@ -681,7 +709,7 @@ pub fn upper_status(upper: &Pod, lower: &Pod, host_ip: &str, now: Timestamp) -> 
         }
         conditions.push(v);
     }
-    conditions.extend(lower_nomination(upper, lower, now));
+    conditions.extend(lower_nomination(upper, lower, scale_up, now));
     gate_readiness(upper, &mut conditions);
     conditions.sort_by(|a, b| a["type"].as_str().cmp(&b["type"].as_str()));
 
@@ -1106,7 +1134,7 @@ pub(crate) mod tests {
             .unwrap()
         };
         let ready = |upper: &Pod| {
-            let (status, _) = upper_status(upper, &lower, "10.1.1.1", Timestamp::UNIX_EPOCH);
+            let (status, _) = upper_status(upper, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH);
             status["conditions"]
                 .as_array()
                 .unwrap()
@@ -1315,7 +1343,7 @@ pub(crate) mod tests {
             "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                             "message": "0/3 nodes are available: 3 Insufficient cpu."}]}}))
         .unwrap();
-        let (status, differs) = upper_status(&up, &lower, "10.1.1.1", Timestamp::UNIX_EPOCH);
+        let (status, differs) = upper_status(&up, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH);
         assert!(differs);
         let conds = status["conditions"].as_array().unwrap();
         let get = |t: &str| conds.iter().find(|c| c["type"] == t).cloned();
@@ -1344,7 +1372,7 @@ pub(crate) mod tests {
             applied["status"][k] = v.clone();
         }
         let applied: Pod = serde_json::from_value(applied).unwrap();
-        let (_, again) = upper_status(&applied, &lower, "10.1.1.1", Timestamp::UNIX_EPOCH);
+        let (_, again) = upper_status(&applied, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH);
         assert!(!again, "no write when nothing changed");
     }
 
@@ -1379,7 +1407,7 @@ pub(crate) mod tests {
 
         // The lower scheduler preempted on low-2 for the unbound lower pod.
         let lower = nominated(json!(null), json!("low-2"));
-        let (status, differs) = upper_status(&upper(), &lower, "10.1.1.1", t1);
+        let (status, differs) = upper_status(&upper(), &lower, None, "10.1.1.1", t1);
         assert!(differs);
         let c = condition(&status).expect("the nomination comes up");
         assert_eq!(
@@ -1398,7 +1426,7 @@ pub(crate) mod tests {
 
         // Later, still nominated: the condition keeps its time, and nothing is written.
         let shown = apply(&upper(), &status);
-        let (later, again) = upper_status(&shown, &lower, "10.1.1.1", t2);
+        let (later, again) = upper_status(&shown, &lower, None, "10.1.1.1", t2);
         assert!(!again, "no write while the nomination holds");
         assert_eq!(
             condition(&later).unwrap()["lastTransitionTime"],
@@ -1410,7 +1438,102 @@ pub(crate) mod tests {
             nominated(json!(null), json!(null)),
             nominated(json!("low-2"), json!("low-2")),
         ] {
-            let (status, differs) = upper_status(&shown, &ended, "10.1.1.1", t2);
+            let (status, differs) = upper_status(&shown, &ended, None, "10.1.1.1", t2);
+            assert!(differs);
+            assert_eq!(condition(&status), None, "{status}");
+        }
+    }
+
+    #[test]
+    fn a_scale_up_below_comes_up_as_the_nomination_with_the_autoscalers_message_until_bound_or_declined() {
+        use crate::scale_ups::{NOMINATED, NOT_TRIGGERED, Signal, TRIGGERED};
+        let lower = |node_name: Value, nominated: Value| -> Pod {
+            serde_json::from_value(
+                json!({"spec": {"containers": [], "nodeName": node_name}, "status": {
+                "phase": "Pending", "nominatedNodeName": nominated,
+                "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                "message": "0/3 nodes are available: 3 Insufficient cpu."}]}}),
+            )
+            .unwrap()
+        };
+        let signal = |reason: &str, message: &str| Signal {
+            reason: reason.into(),
+            message: message.into(),
+            at: "2024-05-01T09:59:00Z".parse().unwrap(),
+        };
+        let (t1, t2) = (
+            "2024-05-01T10:00:00Z".parse::<Timestamp>().unwrap(),
+            "2024-05-01T10:05:00Z".parse::<Timestamp>().unwrap(),
+        );
+        let condition = |status: &Value| {
+            status["conditions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["type"] == names::CONDITION_LOWER_NOMINATED)
+                .cloned()
+        };
+        let apply = |up: &Pod, status: &Value| -> Pod {
+            let mut applied = serde_json::to_value(up).unwrap();
+            for (k, v) in status.as_object().unwrap() {
+                applied["status"][k] = v.clone();
+            }
+            serde_json::from_value(applied).unwrap()
+        };
+        let waiting = lower(json!(null), json!(null));
+
+        // cluster-autoscaler scales up for the unbound pod: its message comes up, from now.
+        let triggered = signal(TRIGGERED, "pod triggered scale-up: [{pool 1->2 (max: 10)}]");
+        let (status, differs) = upper_status(&upper(), &waiting, Some(&triggered), "10.1.1.1", t1);
+        assert!(differs);
+        let c = condition(&status).expect("the scale-up comes up");
+        assert_eq!(
+            (
+                &c["status"],
+                &c["reason"],
+                &c["message"],
+                &c["lastTransitionTime"]
+            ),
+            (
+                &json!("True"),
+                &json!("ScaleUp"),
+                &json!("pod triggered scale-up: [{pool 1->2 (max: 10)}]"),
+                &json!("2024-05-01T10:00:00Z")
+            )
+        );
+        // Karpenter's nomination reads the same; the time stays while it holds.
+        let shown = apply(&upper(), &status);
+        let karpenter = signal(NOMINATED, "Pod should schedule on: nodeclaim/default-x7k2p");
+        let (later, _) = upper_status(&shown, &waiting, Some(&karpenter), "10.1.1.1", t2);
+        let c = condition(&later).unwrap();
+        assert_eq!(
+            (&c["reason"], &c["lastTransitionTime"]),
+            (&json!("ScaleUp"), &json!("2024-05-01T10:00:00Z"))
+        );
+        let (_, again) = upper_status(&shown, &waiting, Some(&triggered), "10.1.1.1", t2);
+        assert!(!again, "no write while the scale-up holds");
+
+        // A preemption below says more: it names the node.
+        let (status, _) = upper_status(
+            &shown,
+            &lower(json!(null), json!("low-2")),
+            Some(&triggered),
+            "10.1.1.1",
+            t2,
+        );
+        assert_eq!(condition(&status).unwrap()["reason"], "Preempting");
+
+        // Declined by the autoscaler, or bound below: the condition goes.
+        let declined = signal(
+            NOT_TRIGGERED,
+            "pod didn't trigger scale-up: 1 max node group size reached",
+        );
+        for (pod, signal) in [
+            (&waiting, Some(&declined)),
+            (&waiting, None),
+            (&lower(json!("low-3"), json!(null)), Some(&triggered)),
+        ] {
+            let (status, differs) = upper_status(&shown, pod, signal, "10.1.1.1", t2);
             assert!(differs);
             assert_eq!(condition(&status), None, "{status}");
         }

@@ -475,8 +475,8 @@ mod tests {
         }
         assert_eq!(t.update_patch(&desired, &small), patch);
         assert_eq!(
-            crate::translate::upper_status(&upper, &small, "10.1.0.1", jiff::Timestamp::UNIX_EPOCH),
-            crate::translate::upper_status(&upper, &full, "10.1.0.1", jiff::Timestamp::UNIX_EPOCH)
+            crate::translate::upper_status(&upper, &small, None, "10.1.0.1", jiff::Timestamp::UNIX_EPOCH),
+            crate::translate::upper_status(&upper, &full, None, "10.1.0.1", jiff::Timestamp::UNIX_EPOCH)
         );
         let none = crate::overrides::Compiled::none();
         let view = crate::pods::View {
