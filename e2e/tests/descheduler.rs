@@ -1765,3 +1765,134 @@ async fn a_pod_the_lower_scheduler_preempted_for_is_not_moved_while_its_victim_s
         name(&running)
     );
 }
+
+/// A 3-CPU pod lands on vn-a, where no node of lower-a can hold it; an autoscaler of
+/// lower-a says it adds a node for it (a `TriggeredScaleUp` Event on the lower pod, as
+/// cluster-autoscaler writes it). The upper pod shows the scale-up, the descheduler (3 s
+/// threshold) leaves it however long it stays refused, and once the new node joins lower-a
+/// the pod runs there, never moved.
+#[tokio::test]
+async fn a_pod_an_autoscaler_below_adds_a_node_for_is_not_moved_and_runs_on_the_new_node() {
+    let scene = Scene::start("ds-scaleup", 1).await;
+    let ns = &scene.ns;
+    apply(up(), &scene.deployment("grow", 1, "3", json!({}))).await;
+    let refused_below = |p: &Value| {
+        p["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|c| c["type"] == "PodScheduled" && c["reason"] == "Unschedulable")
+    };
+    wait("the lower pod refused by lower-a's scheduler", 90, || async {
+        let pods = pods_of(bed().lower_a.kubeconfig(), ns, "app=grow").await;
+        match pods.iter().any(refused_below) {
+            true => Ok(()),
+            false => Err(format!("{pods:?}")),
+        }
+    })
+    .await;
+    let lower = pods_of(bed().lower_a.kubeconfig(), ns, "app=grow").await;
+    let (lower_name, lower_uid) = (name(&lower[0]), uid(&lower[0]));
+    let original = uid(&scene.pods("app=grow").await[0]);
+
+    // What cluster-autoscaler writes when it scales a node group up for the pod (its event
+    // recorder writes core Events with first and last timestamps, no eventTime).
+    let message = "pod triggered scale-up: [{pool 1->2 (max: 10)}]";
+    let now = jiff::Timestamp::now();
+    let event = json!({
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": format!("{lower_name}.scale-up"), "namespace": ns},
+        "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": lower_name, "namespace": ns, "uid": lower_uid},
+        "reason": "TriggeredScaleUp", "message": message, "type": "Normal",
+        "source": {"component": "cluster-autoscaler"}, "count": 1,
+        "firstTimestamp": now.strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
+        "lastTimestamp": now.strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("event.json");
+    std::fs::write(&file, event.to_string()).unwrap();
+    kubectl(
+        bed().lower_a.kubeconfig(),
+        &["create", "-f", &file.display().to_string()],
+    )
+    .await;
+
+    let scale_up = |p: &Value| {
+        p["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["type"] == "tensile.io/LowerPodNominated" && c["status"] == "True")
+            .cloned()
+    };
+    // A few seconds for the signal to come up; the descheduler starts with the pod refused
+    // past its threshold either way.
+    for _ in 0..20 {
+        if scene.pods("app=grow").await.iter().any(|p| scale_up(p).is_some()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let _d = scene.descheduler(&[], "scale-up").await;
+    let mut shown: Option<Value> = None;
+    let watched = Instant::now();
+    while watched.elapsed() < Duration::from_secs(20) {
+        let pods = scene.pods("app=grow").await;
+        for p in &pods {
+            assert_eq!(
+                (uid(p), terminating(p)),
+                (original.clone(), false),
+                "the pod was moved while lower-a scaled up for it: {pods:?}"
+            );
+            assert!(refused_since(p).is_some(), "still refused below: {p}");
+            shown = shown.or_else(|| scale_up(p));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let shown = shown.expect("the upper pod showed the scale-up below");
+    assert_eq!(
+        (&shown["reason"], &shown["message"]),
+        (&json!("ScaleUp"), &json!(message)),
+        "{shown}"
+    );
+
+    // The autoscaler's node joins lower-a: the pod runs there, where it was placed.
+    let node = format!("{ns}-a-new");
+    let (added, label) = (node.clone(), ns.clone());
+    BED.handle()
+        .unwrap()
+        .spawn(async move {
+            let config = NodeConfig::new(&added)
+                .resource("cpu", "8")
+                .label(LOWER_KEY, &label);
+            bed().sim_a.add_node(config).await.unwrap();
+        })
+        .await
+        .unwrap();
+    wait("the pod running on vn-a", 90, || async {
+        let pods = scene.pods("app=grow").await;
+        match pods.as_slice() {
+            [p] if uid(p) == original && node_of(p) == scene.vn_a && phase(p) == "Running" => Ok(()),
+            _ => Err(format!("{pods:?}")),
+        }
+    })
+    .await;
+    let lower = pods_of(bed().lower_a.kubeconfig(), ns, "app=grow").await;
+    assert_eq!(
+        (lower.len(), node_of(&lower[0])),
+        (1, node.as_str()),
+        "it runs on the new node: {lower:?}"
+    );
+    let pods = scene.pods("app=grow").await;
+    assert!(
+        scale_up(&pods[0]).is_none(),
+        "the scale-up ended with the bind below: {}",
+        pods[0]["status"]
+    );
+    assert!(events(ns, "Descheduled").await.is_empty());
+    println!(
+        "figure: descheduler, scale-up in lower-a: pod {} refused, shown as ScaleUp and left in place, Running on {}",
+        name(&pods[0]),
+        scene.vn_a
+    );
+}
