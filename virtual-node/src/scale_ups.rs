@@ -428,6 +428,30 @@ mod tests {
     }
 
     #[test]
+    fn only_a_refused_credential_waits_minutes_before_the_watch_is_tried_again() {
+        let status = |code: u16| {
+            kube::core::Status::failure("events is forbidden", "Forbidden")
+                .with_code(code)
+                .boxed()
+        };
+        assert!(forbidden(&watcher::Error::InitialListFailed(kube::Error::Api(
+            status(403)
+        ))));
+        assert!(forbidden(&watcher::Error::WatchStartFailed(kube::Error::Api(
+            status(401)
+        ))));
+        assert!(forbidden(&watcher::Error::WatchError(status(403))));
+        assert!(
+            !forbidden(&watcher::Error::WatchError(status(410))),
+            "expired: listed again"
+        );
+        assert!(!forbidden(&watcher::Error::InitialListFailed(kube::Error::Api(
+            status(503)
+        ))));
+        assert!(!forbidden(&watcher::Error::NoResourceVersion));
+    }
+
+    #[test]
     fn the_latest_signal_of_a_pod_is_kept_a_refusal_winning_a_tie_and_only_for_its_uid() {
         let ups = ScaleUps::default();
         let t = "2026-01-01T10:00:00Z";
