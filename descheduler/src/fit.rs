@@ -10,6 +10,9 @@
 //! are not the workload's own constraints and are left out; the new exclusion is applied
 //! by the caller.
 
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex};
+
 use k8s_openapi::api::core::v1::{Node, NodeSelectorTerm, Pod};
 use tensile_common::fit::{self, Options, PodFacts, ShapeFacts, UpperRefusal, Verdict};
 use tensile_common::names;
@@ -62,13 +65,39 @@ pub fn takes(pod: &Pod, node: &Node, options: &Options) -> Take {
     if let Some(why) = upper_refusal(pod, node) {
         return Take::No(NotFit::Upper(why.of_node(name)));
     }
-    match fit::judge(&PodFacts::of(pod), ShapeFacts::of(node).as_ref(), options).verdict {
+    match fit::judge(&PodFacts::of(pod), shape_of(node).as_ref().as_ref(), options).verdict {
         Verdict::Rejected(why) => Take::No(NotFit::Shape(format!(
             "no lower node of {name} holds the pod: {why}"
         ))),
         Verdict::Fits => Take::Fits,
         Verdict::NotVirtual | Verdict::FailOpen(_) => Take::Unknown,
     }
+}
+
+/// A node's capacity shape and placement overrides, decoded once per version of the Node
+/// (the resourceVersion the watch shows), not once per pod judged against it.
+fn shape_of(node: &Node) -> Arc<Option<Result<ShapeFacts, String>>> {
+    type Decoded = HashMap<String, (String, Arc<Option<Result<ShapeFacts, String>>>)>;
+    static DECODED: LazyLock<Mutex<Decoded>> = LazyLock::new(Mutex::default);
+    let name = node.metadata.name.as_deref().unwrap_or_default();
+    let Some(version) = node.metadata.resource_version.as_deref() else {
+        return Arc::new(ShapeFacts::of(node));
+    };
+    if let Ok(decoded) = DECODED.lock()
+        && let Some((seen, facts)) = decoded.get(name)
+        && seen == version
+    {
+        return facts.clone();
+    }
+    let facts = Arc::new(ShapeFacts::of(node));
+    if let Ok(mut decoded) = DECODED.lock() {
+        // Nodes are few; names of deleted ones are dropped once there are many.
+        if decoded.len() >= 4096 {
+            decoded.clear();
+        }
+        decoded.insert(name.to_owned(), (version.to_owned(), facts.clone()));
+    }
+    facts
 }
 
 /// Whether `node` matches the pod's `nodeSelector` and required node affinity (the

@@ -360,12 +360,56 @@ fn available(pod: &Pod) -> bool {
             .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
-fn labels(node: &Node) -> BTreeMap<String, String> {
-    node.metadata.labels.clone().unwrap_or_default()
+static NO_LABELS: BTreeMap<String, String> = BTreeMap::new();
+
+fn labels(node: &Node) -> &BTreeMap<String, String> {
+    node.metadata.labels.as_ref().unwrap_or(&NO_LABELS)
 }
 
-fn pod_labels(pod: &Pod) -> BTreeMap<String, String> {
-    pod.metadata.labels.clone().unwrap_or_default()
+fn pod_labels(pod: &Pod) -> &BTreeMap<String, String> {
+    pod.metadata.labels.as_ref().unwrap_or(&NO_LABELS)
+}
+
+/// The pods of one namespace, indexed by label pair: a spread constraint's count reads the
+/// pods its selector's `matchLabels` name, not every pod of the namespace, so a round costs
+/// the pods of each workload rather than workloads times pods.
+#[derive(Default)]
+struct Namespace<'a> {
+    pods: Vec<&'a Arc<Pod>>,
+    /// Label key → value → the pods carrying that pair.
+    by_label: HashMap<&'a str, HashMap<&'a str, Vec<&'a Arc<Pod>>>>,
+}
+
+impl<'a> Namespace<'a> {
+    fn add(&mut self, pod: &'a Arc<Pod>) {
+        self.pods.push(pod);
+        for (k, v) in pod.metadata.labels.iter().flatten() {
+            self.by_label
+                .entry(k.as_str())
+                .or_default()
+                .entry(v.as_str())
+                .or_default()
+                .push(pod);
+        }
+    }
+
+    /// The pods `selector` may select: those of its rarest `matchLabels` pair, or every
+    /// pod when it has none.
+    fn candidates(&self, selector: &LabelSelector) -> &[&'a Arc<Pod>] {
+        let Some(pairs) = selector.match_labels.as_ref().filter(|m| !m.is_empty()) else {
+            return &self.pods;
+        };
+        pairs
+            .iter()
+            .map(|(k, v)| {
+                self.by_label
+                    .get(k.as_str())
+                    .and_then(|values| values.get(v.as_str()))
+                    .map_or(&[][..], Vec::as_slice)
+            })
+            .min_by_key(|pods| pods.len())
+            .unwrap_or(&self.pods)
+    }
 }
 
 /// When the node turned Ready (`None`: it is not Ready).
@@ -389,7 +433,7 @@ fn preference(pod: &Pod, node: &Node) -> i32 {
         .into_iter()
         .flatten()
         .filter(|t| {
-            tensile_common::fit::terms_match(Some(std::slice::from_ref(&t.preference)), Some(name), &labels)
+            tensile_common::fit::terms_match(Some(std::slice::from_ref(&t.preference)), Some(name), labels)
         })
         .map(|t| t.weight)
         .sum()
@@ -454,7 +498,7 @@ impl<'c> Spread<'c> {
     fn new(
         c: &'c TopologySpreadConstraint,
         pod: &Pod,
-        pods: &[&Arc<Pod>],
+        pods: &Namespace<'_>,
         nodes: &BTreeMap<String, Node>,
     ) -> Self {
         let siblings: Vec<&TopologySpreadConstraint> = constraints(pod)
@@ -483,15 +527,14 @@ impl<'c> Spread<'c> {
         }
         let selector = spread_selector(c, pod);
         if let Some(selector) = &selector {
-            let namespace = pod.metadata.namespace.as_deref();
-            for p in pods.iter().copied() {
-                if terminating(p) || p.metadata.namespace.as_deref() != namespace {
+            for p in pods.candidates(selector).iter().copied() {
+                if terminating(p) {
                     continue;
                 }
                 let Some(domain) = node_of(p).and_then(|n| domain_of.get(n)) else {
                     continue;
                 };
-                if tensile_common::fit::label_selector_matches(selector, &pod_labels(p)) {
+                if tensile_common::fit::label_selector_matches(selector, pod_labels(p)) {
                     *counts.entry(domain.clone()).or_insert(0) += 1;
                 }
             }
@@ -508,7 +551,7 @@ impl<'c> Spread<'c> {
     fn counts_pod(&self, pod: &Pod) -> bool {
         self.selector
             .as_ref()
-            .is_some_and(|s| tensile_common::fit::label_selector_matches(s, &pod_labels(pod)))
+            .is_some_and(|s| tensile_common::fit::label_selector_matches(s, pod_labels(pod)))
     }
 
     /// The skew of `counts`, from kube-scheduler's global minimum.
@@ -693,7 +736,7 @@ enum Want {
 #[allow(clippy::too_many_arguments)]
 fn judge_workload(
     w: &Workload<'_>,
-    all: &[&Arc<Pod>],
+    all: &Namespace<'_>,
     nodes: &BTreeMap<String, Node>,
     exclusions: &Exclusions,
     now: Timestamp,
@@ -857,13 +900,14 @@ pub fn plan(
     }
     memory.forget(now, &workloads.keys().map(String::as_str).collect());
     // Spread counts read the pods of the workload's namespace only.
-    let mut by_namespace: HashMap<&str, Vec<&Arc<Pod>>> = HashMap::new();
+    let mut by_namespace: HashMap<&str, Namespace<'_>> = HashMap::new();
     for pod in pods {
         by_namespace
             .entry(pod.metadata.namespace.as_deref().unwrap_or_default())
             .or_default()
-            .push(pod);
+            .add(pod);
     }
+    let no_pods = Namespace::default();
     let unavailable = |w: &Workload<'_>| w.pods.iter().filter(|p| !available(p)).count() as u32;
     // A moved pod counts as replaced once a pod of its workload is Ready that it did not
     // have at the move and that was created since (creation times have whole seconds); a
@@ -909,7 +953,7 @@ pub fn plan(
             .first()
             .and_then(|p| p.metadata.namespace.as_deref())
             .unwrap_or_default();
-        let all = by_namespace.get(namespace).map_or(&[][..], Vec::as_slice);
+        let all = by_namespace.get(namespace).unwrap_or(&no_pods);
         let episode = memory.episodes.get(&w.uid).cloned().unwrap_or_default();
         // A node it was moved toward refused it since: remembered from this round on (and
         // written until the records show it).

@@ -133,6 +133,9 @@ pub struct Descheduler {
     pub(crate) settled: Mutex<HashSet<String>>,
     /// The caps' window: when it opened, and what its rounds used (see [`Window`]).
     pub(crate) window: Mutex<Option<Window>>,
+    /// Jobs read for their pods, by UID. What is judged of a Job, its `podFailurePolicy`,
+    /// cannot change once the Job is created, so each is read once, not on every round.
+    pub(crate) jobs: Mutex<HashMap<String, Arc<Job>>>,
     /// For tests: abort the process at this step of a bare-pod move.
     pub crash_at: Option<bare::Step>,
     /// `--rebalance`.
@@ -180,6 +183,7 @@ impl Descheduler {
             told: Mutex::default(),
             settled: Mutex::default(),
             window: Mutex::default(),
+            jobs: Mutex::default(),
             crash_at: None,
             rebalancing: None,
         }
@@ -260,7 +264,7 @@ impl Descheduler {
             let mut verdict = decide::judge(&pod, &view, &self.settings);
             if let (Verdict::Move(_) | Verdict::Release(_), Some(job)) = (&verdict, job::tracking_job(&pod)) {
                 let job = self.job(&pod, job).await;
-                verdict = decide::with_job(verdict, &pod, job.as_ref());
+                verdict = decide::with_job(verdict, &pod, job.as_deref());
             }
             match verdict {
                 Verdict::Ignore => {}
@@ -291,7 +295,11 @@ impl Descheduler {
                         self.metrics
                             .moved("limited", &m.refusal.reason, &m.refusal.node, &ns);
                         tracing::debug!(pod = %key(&pod), "not moved in this interval: {cap} reached");
-                        due = Some(window.closes(Timestamp::now(), self.interval).min(due.unwrap_or(Timestamp::MAX)));
+                        due = Some(
+                            window
+                                .closes(Timestamp::now(), self.interval)
+                                .min(due.unwrap_or(Timestamp::MAX)),
+                        );
                         continue;
                     }
                     self.perform(&pod, &m, &mut exclusions).await;
@@ -305,7 +313,11 @@ impl Descheduler {
                     if let Err(cap) = window.take(&ns, None, r.workload.key()) {
                         self.released("limited");
                         tracing::debug!(pod = %key(&pod), "not recreated in this interval: {cap} reached");
-                        due = Some(window.closes(Timestamp::now(), self.interval).min(due.unwrap_or(Timestamp::MAX)));
+                        due = Some(
+                            window
+                                .closes(Timestamp::now(), self.interval)
+                                .min(due.unwrap_or(Timestamp::MAX)),
+                        );
                         continue;
                     }
                     self.release(&pod, &r, &mut exclusions).await;
@@ -673,11 +685,28 @@ impl Descheduler {
 
     /// The Job `name` of the pod's namespace, read now (`None` if it cannot be read: the pod
     /// then stays, and the next round reads it again).
-    async fn job(&self, pod: &Pod, name: &str) -> Option<Job> {
+    /// The pod's Job `name`: read once per Job (by its UID, the pod's controller), then
+    /// remembered while pods of it wait.
+    async fn job(&self, pod: &Pod, name: &str) -> Option<Arc<Job>> {
+        let owner = controller_uid(pod);
+        if let Some(uid) = owner
+            && let Some(job) = self.jobs.lock().ok().and_then(|jobs| jobs.get(uid).cloned())
+        {
+            return Some(job);
+        }
         let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
         let api: Api<Job> = Api::namespaced(self.client.clone(), ns);
         match api.get_opt(name).await {
-            Ok(job) => job,
+            Ok(Some(job)) => {
+                let job = Arc::new(job);
+                if let Some(uid) = owner.filter(|uid| job.metadata.uid.as_deref() == Some(*uid))
+                    && let Ok(mut jobs) = self.jobs.lock()
+                {
+                    jobs.insert(uid.to_owned(), job.clone());
+                }
+                Some(job)
+            }
+            Ok(None) => None,
             Err(e) => {
                 tracing::warn!(pod = %key(pod), "reading Job {ns}/{name}: {e}");
                 None
@@ -914,7 +943,21 @@ impl Descheduler {
         if let Ok(mut t) = self.told.lock() {
             t.retain(|(uid, _)| live.contains(uid.as_str()));
         }
+        let owners: HashSet<&str> = pods.iter().filter_map(|p| controller_uid(p)).collect();
+        if let Ok(mut jobs) = self.jobs.lock() {
+            jobs.retain(|uid, _| owners.contains(uid.as_str()));
+        }
     }
+}
+
+/// The UID of the pod's controller.
+fn controller_uid(pod: &Pod) -> Option<&str> {
+    pod.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true))
+        .map(|o| o.uid.as_str())
 }
 
 fn ok() -> ResultLabels {

@@ -27,6 +27,7 @@ pub mod pki;
 pub mod process;
 pub mod proxy;
 pub mod records;
+pub mod rounds;
 pub mod runner;
 pub mod scale;
 pub mod shared;

@@ -71,6 +71,24 @@ struct Cli {
     /// Records in the old one-ConfigMap store compared with (it cannot hold 10,000).
     #[arg(long, env = "BENCH_EXCLUSIONS_OLD", default_value_t = 3000)]
     exclusions_old: usize,
+    /// Deployments of the descheduler rounds benchmark.
+    #[arg(long, env = "BENCH_ROUNDS_DEPLOYMENTS", default_value_t = 1000)]
+    rounds_deployments: usize,
+    /// Replicas of each of its Deployments.
+    #[arg(long, env = "BENCH_ROUNDS_REPLICAS", default_value_t = 10)]
+    rounds_replicas: usize,
+    /// Its virtual nodes.
+    #[arg(long, env = "BENCH_ROUNDS_NODES", default_value_t = 4)]
+    rounds_nodes: usize,
+    /// Its Deployments with one more replica refused below.
+    #[arg(long, env = "BENCH_ROUNDS_REFUSED", default_value_t = 1000)]
+    rounds_refused: usize,
+    /// Rounds it measures.
+    #[arg(long, env = "BENCH_ROUNDS_ROUNDS", default_value_t = 20)]
+    rounds_rounds: usize,
+    /// Namespaces its Deployments are spread over.
+    #[arg(long, env = "BENCH_ROUNDS_NAMESPACES", default_value_t = 1)]
+    rounds_namespaces: usize,
     /// Keep-alive connections for the webhook throughput run.
     #[arg(long, env = "BENCH_WEBHOOK_CONNECTIONS", default_value_t = 16)]
     webhook_connections: usize,
@@ -146,6 +164,7 @@ enum Which {
     Streams,
     Scale,
     Exclusions,
+    Rounds,
     Failback,
     All,
 }
@@ -232,6 +251,17 @@ fn main() -> anyhow::Result<()> {
             cli.exclusions_old,
         ))?;
         write_figures(&cli.out, "exclusions.json", &figures)?;
+    }
+    if matches!(cli.bench, Which::Rounds | Which::All) {
+        let figures = tensile_e2e::rounds::rounds(&tensile_e2e::rounds::RoundsBench {
+            deployments: cli.rounds_deployments.max(1),
+            replicas: cli.rounds_replicas.max(1),
+            nodes: cli.rounds_nodes.max(2),
+            refused: cli.rounds_refused,
+            rounds: cli.rounds_rounds.max(1),
+            namespaces: cli.rounds_namespaces.max(1),
+        })?;
+        write_figures(&cli.out, "rounds.json", &figures)?;
     }
     if matches!(cli.bench, Which::Failback | Which::All) {
         let rt = tokio::runtime::Runtime::new().context("async runtime")?;
