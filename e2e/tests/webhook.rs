@@ -1017,6 +1017,27 @@ async fn with_the_job_disruption_rule_a_job_refused_below_moves_and_completes() 
     )
     .await;
     assert_eq!(warned.trim(), "", "no Job was held back");
+    // The descheduler reads a Job's podFailurePolicy once and keeps it: the apiserver
+    // refuses any change of it.
+    let changed = bed
+        .upper
+        .kubectl(&[
+            "-n",
+            ns,
+            "patch",
+            "job",
+            "moved",
+            "--type=json",
+            "-p",
+            r#"[{"op": "remove", "path": "/spec/podFailurePolicy/rules/0"}]"#,
+        ])
+        .await;
+    assert!(
+        !changed.ok && changed.stderr.contains("immutable"),
+        "a Job's podFailurePolicy cannot change: {} {}",
+        changed.stdout,
+        changed.stderr
+    );
     drop(descheduler);
     webhook.stop().await;
     let _ = bed
