@@ -113,7 +113,8 @@ impl Writer {
                 Err(e) if code(&e) == Some(404) && version.is_some() => version = None,
                 // Created or replaced meanwhile: not ours to overwrite.
                 Err(e) if code(&e) == Some(409) => {
-                    self.wait_seen(key, |shown| shown.is_some() && shown != base).await;
+                    self.wait_seen(key, |shown| shown.is_some() && shown != base)
+                        .await;
                     return Err(Error::Changed(self.what(key)));
                 }
                 Err(e) => {
