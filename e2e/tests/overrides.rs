@@ -22,6 +22,10 @@ struct Bed {
 
 static BED: Shared<Bed> = Shared::new();
 
+/// The tests of this file one at a time: each registers virtual nodes the other's pods could
+/// land on before their taints are in place.
+static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// lower-a: two plain nodes. lower-b: two nodes dedicated to the fleet (`pool=fleet`, taint
 /// `dedicated=fleet:NoSchedule`): a pod runs there only with the toleration.
 fn bed() -> &'static Bed {
@@ -308,6 +312,7 @@ items:
 
 #[tokio::test]
 async fn each_lower_cluster_runs_the_same_workloads_as_its_own_rules_say_and_an_edit_reaches_new_pods_only() {
+    let _alone = ALONE.lock().await;
     let bed = bed();
     let (low_a, low_b) = (bed.lower_a.kubeconfig(), bed.lower_b.kubeconfig());
     let file_a: PathBuf = bed.upper.dir().join("overrides-a.yaml");
@@ -589,6 +594,7 @@ spec:
 /// pod there). Here the standalone multi-scheduler is given a node over lower-b alone.
 #[tokio::test]
 async fn the_multi_scheduler_places_pods_on_a_cluster_whose_rule_tolerates_its_dedicated_taint() {
+    let _alone = ALONE.lock().await;
     let bed = bed();
     tensile_e2e::chart::install_exclusion_records(up()).await.unwrap();
     let file: PathBuf = bed.upper.dir().join("overrides-fleet.yaml");
