@@ -328,6 +328,10 @@ pub struct Elector {
     config: LeaderConfig,
     leadership: Leadership,
     observed: Mutex<Observed>,
+    /// The Lease as this candidate last wrote it while holding it: a renewal writes over it
+    /// directly, one call instead of a read and a write (kube-scheduler's elector does the
+    /// same), and reads first only when that write is refused.
+    written: Mutex<Option<Lease>>,
 }
 
 /// What one attempt to acquire or renew found.
@@ -348,6 +352,7 @@ impl Elector {
                 spec: None,
                 at: Instant::now(),
             }),
+            written: Mutex::new(None),
         }
     }
 
@@ -422,6 +427,9 @@ impl Elector {
     pub async fn release(&self) {
         let was_leading = self.leadership.may_write();
         self.leadership.revoke();
+        if let Ok(mut written) = self.written.lock() {
+            *written = None;
+        }
         if !was_leading {
             return;
         }
@@ -473,12 +481,32 @@ impl Elector {
     }
 
     async fn try_acquire_or_renew(&self) -> Attempt {
+        if let Some(renewed) = self.renew_written().await {
+            return renewed;
+        }
         match self.attempt().await {
             // Another candidate created the Lease first: it holds it, and this one says so at
             // once rather than a retry period later.
             Err(Created::ByAnother) => self.attempt().await.unwrap_or_else(Created::failed),
             Err(created) => created.failed(),
             Ok(attempt) => attempt,
+        }
+    }
+
+    /// The renewal of a Lease this candidate holds, written over the Lease as it last wrote
+    /// it; `None` when it holds none, or the write was refused (another wrote the Lease
+    /// since, or the call failed): the caller then reads the Lease first.
+    async fn renew_written(&self) -> Option<Attempt> {
+        let mut lease = self.written.lock().ok()?.take()?;
+        let started = Instant::now();
+        lease.spec = Some(self.desired(lease.spec.as_ref()));
+        match self
+            .leases
+            .replace(&self.config.name, &PostParams::default(), &lease)
+            .await
+        {
+            Ok(updated) => Some(self.won(updated, started)),
+            Err(_) => None,
         }
     }
 
@@ -500,7 +528,7 @@ impl Elector {
                 spec: Some(self.desired(None)),
             };
             return match self.leases.create(&PostParams::default(), &lease).await {
-                Ok(created) => Ok(self.won(created.spec, started)),
+                Ok(created) => Ok(self.won(created, started)),
                 Err(kube::Error::Api(s)) if s.code == 409 => Err(Created::ByAnother),
                 Err(e) => Err(Created::Failed(e.to_string())),
             };
@@ -535,7 +563,7 @@ impl Elector {
                 .replace(&self.config.name, &PostParams::default(), &lease)
                 .await
             {
-                Ok(updated) => self.won(updated.spec, started),
+                Ok(updated) => self.won(updated, started),
                 Err(kube::Error::Api(s)) if s.code == 409 => Attempt::HeldBy(if holder.is_empty() {
                     "another candidate".into()
                 } else {
@@ -546,10 +574,13 @@ impl Elector {
         )
     }
 
-    fn won(&self, spec: Option<LeaseSpec>, started: Instant) -> Attempt {
+    fn won(&self, written: Lease, started: Instant) -> Attempt {
         if let Ok(mut observed) = self.observed.lock() {
-            observed.spec = spec;
+            observed.spec = written.spec.clone();
             observed.at = Instant::now();
+        }
+        if let Ok(mut kept) = self.written.lock() {
+            *kept = Some(written);
         }
         self.leadership.extend(started + self.config.renew_deadline);
         Attempt::Leading
@@ -1011,6 +1042,95 @@ mod tests {
         );
         assert!(!leadership.may_write());
         assert!(readiness.get(), "still ready to take over");
+        shutdown.cancel();
+        run.await.unwrap().unwrap();
+    }
+
+    /// The methods an apiserver was called with.
+    type Calls = Arc<Mutex<Vec<String>>>;
+
+    /// An apiserver of one Lease that keeps what is written to it (its resourceVersion
+    /// shared), and the methods it was called with.
+    fn recording_lease_server() -> (kube::Client, Calls, Arc<Mutex<u64>>) {
+        let calls: Arc<Mutex<Vec<String>>> = Arc::default();
+        let version: Arc<Mutex<u64>> = Arc::new(Mutex::new(0));
+        let (seen, current) = (calls.clone(), version.clone());
+        let service = tower::service_fn(move |req: Request<kube::client::Body>| {
+            let (seen, current) = (seen.clone(), current.clone());
+            async move {
+                let method = req.method().clone();
+                seen.lock().unwrap().push(method.to_string());
+                let body = http_body_util::BodyExt::collect(req.into_body())
+                    .await
+                    .map(|b| b.to_bytes())
+                    .unwrap_or_default();
+                let sent: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                let mut version = current.lock().unwrap();
+                let lease = |rv: u64| {
+                    serde_json::json!({
+                        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                        "metadata": {"name": "tensile-test", "namespace": "ns", "resourceVersion": rv.to_string()},
+                        "spec": {"holderIdentity": "me", "leaseDurationSeconds": 15,
+                                 "renewTime": jiff::Timestamp::now().to_string()},
+                    })
+                };
+                let conflict = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                                  "reason": "Conflict", "code": 409});
+                let (code, body) = match method {
+                    Method::GET if *version == 0 => (
+                        404,
+                        serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                           "reason": "NotFound", "code": 404}),
+                    ),
+                    Method::GET => (200, lease(*version)),
+                    Method::POST => {
+                        *version = 1;
+                        (201, lease(1))
+                    }
+                    _ if sent["metadata"]["resourceVersion"] == version.to_string() => {
+                        *version += 1;
+                        (200, lease(*version))
+                    }
+                    _ => (409, conflict),
+                };
+                http::Response::builder()
+                    .status(code)
+                    .header("content-type", "application/json")
+                    .body(kube::client::Body::from(
+                        serde_json::to_vec(&body).unwrap_or_default(),
+                    ))
+                    .map_err(|e| Box::new(e) as BoxError)
+            }
+        });
+        (kube::Client::new(service, "ns"), calls, version)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_renews_with_one_write_and_reads_the_lease_only_after_a_refused_one() {
+        let shutdown = crate::runtime::CancellationToken::new();
+        let mut tasks = crate::runtime::Supervisor::new(shutdown.clone(), Duration::from_secs(1));
+        let standing = Standing::new(crate::admin::Readiness::default(), "");
+        let leadership = Leadership::elected();
+        let (client, calls, version) = recording_lease_server();
+        let candidacy = stand(client, Some(election()), &leadership, &standing, &mut tasks);
+        let run = tokio::spawn(tasks.run());
+        tokio::time::timeout(Duration::from_secs(10), candidacy.leading())
+            .await
+            .expect("the free Lease is won");
+        // Three retry periods: three renewals.
+        tokio::time::sleep(Duration::from_secs(7)).await;
+        let taken: Vec<String> = calls.lock().unwrap().drain(..).collect();
+        assert_eq!(
+            taken,
+            ["GET", "POST", "PUT", "PUT", "PUT"],
+            "created, then renewed by writes alone"
+        );
+        // Another writer changes the Lease: the next renewal is refused, reads, and writes.
+        *version.lock().unwrap() += 1;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let after: Vec<String> = calls.lock().unwrap().drain(..).collect();
+        assert_eq!(after, ["PUT", "GET", "PUT"]);
+        assert!(leadership.may_write(), "still leading");
         shutdown.cancel();
         run.await.unwrap().unwrap();
     }
