@@ -105,6 +105,11 @@ impl Backoff {
             .unwrap_or(Self::MAX)
     }
 
+    /// Whether `key` failed since its last success.
+    pub fn failing(&self, key: &str) -> bool {
+        self.0.lock().is_ok_and(|failures| failures.contains_key(key))
+    }
+
     /// Keeps only the counts of keys `keep` says are still live.
     pub fn retain(&self, keep: impl Fn(&str) -> bool) {
         if let Ok(mut failures) = self.0.lock() {
@@ -182,6 +187,15 @@ pub enum Error {
 }
 
 impl Error {
+    /// An upper refusal by the node authorizer because it finds no path from this node to
+    /// the object: under a node identity, what a read of a pod's reference gets while the
+    /// authorizer's graph does not have the pod's binding yet.
+    fn binding_unseen(&self) -> bool {
+        matches!(self, Error::Api(e) if e.cluster == "upper"
+            && tensile_common::api::code(&e.source) == Some(403)
+            && tensile_common::api::message(&e.source).contains("no relationship found between node"))
+    }
+
     pub(crate) fn api(
         cluster: &'static str,
         verb: &'static str,
@@ -206,6 +220,12 @@ pub async fn reconcile(upper: Arc<UpperPod>, ctx: Arc<Context>) -> Result<Action
     ctx.metrics.observe_reconcile(started.elapsed(), result.is_ok());
     match &result {
         Ok(_) => ctx.retries.forget(&retry_key(&*upper)),
+        // The node authorizer learns a pod's binding from its own watch, which may lag ours
+        // by a moment: the first such refusal is that lag, a second one is not.
+        Err(e) if e.binding_unseen() && !ctx.retries.failing(&retry_key(&*upper)) => tracing::debug!(
+            pod = %key(&*upper),
+            "the upper node authorizer has not seen the pod bound to this node yet; retried in a second: {e}"
+        ),
         Err(e) => tracing::warn!(pod = %key(&*upper), "reconcile failed: {e}"),
     }
     result
@@ -1097,6 +1117,34 @@ pub async fn collect_namespaces(ctx: &Context, empty_before: &mut std::collectio
 mod tests {
     use super::*;
     use crate::translate::tests::translation;
+
+    #[test]
+    fn only_the_node_authorizers_missing_binding_is_taken_for_its_lag() {
+        let refused = |cluster: &'static str, code: u16, message: &str| {
+            Error::api(cluster, "get", "ConfigMap fleet/settings")(kube::Error::Api(
+                kube::core::Status::failure(message, "Forbidden")
+                    .with_code(code)
+                    .boxed(),
+            ))
+        };
+        let lag = "configmaps \"settings\" is forbidden: User \"system:node:lower-b\" cannot get resource \"configmaps\" in API group \"\" in the namespace \"fleet\": node: no relationship found between node 'lower-b' and this object";
+        assert!(refused("upper", 403, lag).binding_unseen());
+        assert!(
+            !refused("upper", 403, "configmaps is forbidden: no RBAC policy matched").binding_unseen(),
+            "a missing grant is no lag"
+        );
+        assert!(!refused("lower", 403, lag).binding_unseen());
+        assert!(!refused("upper", 404, lag).binding_unseen());
+        let retries = Backoff::default();
+        assert!(!retries.failing("uid"));
+        retries.next_delay("uid");
+        assert!(
+            retries.failing("uid"),
+            "the second refusal is logged as a failure"
+        );
+        retries.forget("uid");
+        assert!(!retries.failing("uid"));
+    }
 
     static NO_OVERRIDES: std::sync::LazyLock<crate::overrides::Compiled> =
         std::sync::LazyLock::new(crate::overrides::Compiled::none);
