@@ -2919,3 +2919,86 @@ spec:
     kubectl(low, &["-n", ns, "delete", "pod", "pod-level", "--wait=true"]).await;
     eventually(up(), "the whole room again", 30, &room, "4/8589934592").await;
 }
+
+/// A pod asking for pod-level resources is not created in a lower cluster whose apiserver
+/// would drop them (it would run there charged for its containers alone), found out by a
+/// dry run on that apiserver; a lower cluster that keeps them runs it. On the bed, lower-b
+/// runs the oldest supported version (1.33, the feature off) and lower-a the newest.
+#[tokio::test]
+async fn a_pod_with_pod_level_requests_is_not_run_where_the_lower_apiserver_drops_them() {
+    let bed = bed();
+    let ns = "pod-level-up";
+    bed.upper.create_namespace(ns).await.unwrap();
+    let _a = VirtualNode::start_with("vn-level-a", &bed.lower_a, |_| {});
+    let _b = VirtualNode::start_with("vn-level-b", &bed.lower_b, |_| {});
+    wait_ready("vn-level-a").await;
+    wait_ready("vn-level-b").await;
+    let manifest = |name: &str, node: &str| {
+        format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  nodeName: {node}
+  terminationGracePeriodSeconds: 1
+  tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+  resources: {{requests: {{cpu: 500m, memory: 256Mi}}}}
+  containers: [{{name: app, image: busybox}}]
+"#
+        )
+    };
+    apply(up(), &manifest("on-a", "vn-level-a")).await;
+    apply(up(), &manifest("on-b", "vn-level-b")).await;
+    let keeps =
+        |c: &TestCluster| c.version().split('.').nth(1).and_then(|m| m.parse::<u32>().ok()) >= Some(34);
+    for (pod, lower) in [("on-a", &bed.lower_a), ("on-b", &bed.lower_b)] {
+        let synced = condition("tensile.io/LowerPodSynced", &["status", "reason"]);
+        if keeps(lower) {
+            eventually(
+                lower.kubeconfig(),
+                &format!("{pod} below with its pod-level requests ({})", lower.version()),
+                60,
+                &[
+                    "-n",
+                    ns,
+                    "get",
+                    "pod",
+                    pod,
+                    "-o",
+                    "jsonpath={.spec.resources.requests.cpu}",
+                ],
+                "500m",
+            )
+            .await;
+        } else {
+            eventually(
+                up(),
+                &format!("{pod} refused for {} without a lower pod", lower.version()),
+                60,
+                &["-n", ns, "get", "pod", pod, "-o", &synced],
+                "False/CreateFailed",
+            )
+            .await;
+            let message = kubectl(
+                up(),
+                &[
+                    "-n",
+                    ns,
+                    "get",
+                    "pod",
+                    pod,
+                    "-o",
+                    &condition("tensile.io/LowerPodSynced", &["message"]),
+                ],
+            )
+            .await;
+            assert!(
+                message.contains("pod-level resources") && message.contains("1.34"),
+                "the refusal says why: {message}"
+            );
+            let below = kubectl(lower.kubeconfig(), &["-n", ns, "get", "pods", "-o", "name"]).await;
+            assert_eq!(below.trim(), "", "nothing made below in {}", lower.version());
+        }
+    }
+}

@@ -675,6 +675,21 @@ async fn create_in_namespace(
         }
     }
     ctx.lower_limit.acquire().await;
+    if let Some(msg) = pod_level_dropped(ctx, lower_pods, &desired).await {
+        set_condition(
+            ctx,
+            upper,
+            names::CONDITION_LOWER_SYNCED,
+            "False",
+            "CreateFailed",
+            &msg,
+        )
+        .await?;
+        if !synced_says(upper, |c| c.message.as_deref() == Some(msg.as_str())) {
+            event(ctx, upper, EventType::Warning, "LowerCreateFailed", &msg);
+        }
+        return Ok(Action::requeue(Duration::from_secs(300)));
+    }
     match lower_pods.create(&PostParams::default(), &desired).await {
         Ok(_) => {
             ctx.metrics.created();
@@ -722,6 +737,40 @@ async fn create_in_namespace(
             Err(verb_err)
         }
     }
+}
+
+/// Why `desired` is not created below when it asks for pod-level resources
+/// (`spec.resources`) the lower apiserver would drop: one that does not serve them (the
+/// PodLevelResources feature, on by default from Kubernetes 1.34, off before) stores the
+/// pod without them, and it would run there charged for its containers alone. Found out
+/// on the lower apiserver itself, by a server-side dry run of the create, for such pods
+/// only; a dry run that fails says nothing, and the create goes on.
+async fn pod_level_dropped(ctx: &Context, lower_pods: &Api<Pod>, desired: &Pod) -> Option<String> {
+    let asks = |p: &Pod| {
+        p.spec
+            .as_ref()
+            .and_then(|s| s.resources.as_ref())
+            .is_some_and(|r| {
+                r.requests.as_ref().is_some_and(|q| !q.is_empty())
+                    || r.limits.as_ref().is_some_and(|q| !q.is_empty())
+            })
+    };
+    if !asks(desired) {
+        return None;
+    }
+    let dry_run = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let stored = lower_pods.create(&dry_run, desired).await.ok()?;
+    (!asks(&stored)).then(|| {
+        format!(
+            "lower cluster {} does not keep the pod's pod-level resources (spec.resources): its apiserver drops them \
+             (the PodLevelResources feature is off there; it is on by default from Kubernetes 1.34), and the pod \
+             would run without its requests; it is not created there",
+            ctx.cluster_name
+        )
+    })
 }
 
 /// The answer when the lower cluster has a same-named pod without this node's marks: it is
