@@ -676,18 +676,7 @@ async fn create_in_namespace(
     }
     ctx.lower_limit.acquire().await;
     if let Some(msg) = pod_level_dropped(ctx, lower_pods, &desired).await {
-        set_condition(
-            ctx,
-            upper,
-            names::CONDITION_LOWER_SYNCED,
-            "False",
-            "CreateFailed",
-            &msg,
-        )
-        .await?;
-        if !synced_says(upper, |c| c.message.as_deref() == Some(msg.as_str())) {
-            event(ctx, upper, EventType::Warning, "LowerCreateFailed", &msg);
-        }
+        create_failed(ctx, upper, &msg).await?;
         return Ok(Action::requeue(Duration::from_secs(300)));
     }
     match lower_pods.create(&PostParams::default(), &desired).await {
@@ -723,20 +712,27 @@ async fn create_in_namespace(
                 ctx.cluster_name,
                 tensile_common::api::message(&e)
             );
-            set_condition(
-                ctx,
-                upper,
-                names::CONDITION_LOWER_SYNCED,
-                "False",
-                "CreateFailed",
-                &msg,
-            )
-            .await?;
-            event(ctx, upper, EventType::Warning, "LowerCreateFailed", &msg);
+            create_failed(ctx, upper, &msg).await?;
             let verb_err = Error::api("lower", "create", format!("pod {ns}/{name}"))(e);
             Err(verb_err)
         }
     }
+}
+
+/// The upper pod says its lower pod was not created, and why: `LowerPodSynced=False`, reason
+/// `CreateFailed` (which the descheduler moves), and a `LowerCreateFailed` event.
+async fn create_failed(ctx: &Context, upper: &Pod, msg: &str) -> Result<(), Error> {
+    set_condition(
+        ctx,
+        upper,
+        names::CONDITION_LOWER_SYNCED,
+        "False",
+        "CreateFailed",
+        msg,
+    )
+    .await?;
+    event(ctx, upper, EventType::Warning, "LowerCreateFailed", msg);
+    Ok(())
 }
 
 /// Why `desired` is not created below when it asks for pod-level resources
