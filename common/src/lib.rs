@@ -13,7 +13,8 @@
 //! the stashed lower-cluster constraints ([`stash`]), the descheduler's exclusion record
 //! ([`exclusion`]) and the volume pin that exempts a pod from it ([`pin`]), the one
 //! predicate of whether a pod fits a virtual node's lower nodes ([`fit`]) and what a lower
-//! cluster's override rules change of it ([`overrides`]), exact resource
+//! cluster's override rules change of it ([`overrides`]), a label selector read as the API
+//! reads it ([`label_selector`]), exact resource
 //! arithmetic ([`quantity`], [`resources`]), the kubelet API's shared parsing ([`kubelet`]), and the
 //! memory allocator every binary uses ([`Allocator`]).
 
@@ -26,6 +27,7 @@ pub mod exclusion;
 pub mod fit;
 pub mod kubeconfig;
 pub mod kubelet;
+pub mod label_selector;
 pub mod leader;
 pub mod names;
 pub mod node_identity;
