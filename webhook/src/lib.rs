@@ -26,6 +26,7 @@ pub mod ca_secret;
 pub mod job;
 pub mod metrics;
 pub mod mutate;
+pub mod outcome;
 pub mod policy;
 pub mod raw;
 pub mod review;
@@ -42,7 +43,8 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use mutate::{ClaimNodes, ExcludedNodes, NoClaims, NoExclusions, Outcome, Verdict, mutate};
+pub use mutate::{ClaimNodes, ExcludedNodes, NoClaims, NoExclusions, mutate};
+pub use outcome::{Outcome, Verdict};
 pub use policy::{Label, Policy, VirtualNodeConstraint};
 
 #[derive(Debug, thiserror::Error)]
