@@ -10,7 +10,7 @@
 //! scheduler and the descheduler remain the backstop. A virtual node the descheduler
 //! excluded for the pod's workload is rejected while the exclusion lasts.
 //!
-//! Two modes share that filter and its score:
+//! Two modes share that filter and its score, and what it judges with ([`context`]):
 //!
 //! * `--mode=extender` (default): an HTTPS kube-scheduler extender ([`extender`], [`server`])
 //!   behind a second stock kube-scheduler (`config/` holds its configuration), which also
@@ -22,6 +22,7 @@
 //!   priority queue with per-pod backoff ([`queue`]), the upper checks kube-scheduler makes
 //!   plus the filter ([`place`]), an assume ledger, binding, events; one leader acts.
 
+pub mod context;
 pub mod extender;
 pub mod metrics;
 pub mod place;
@@ -50,8 +51,8 @@ use tensile_common::telemetry::LogArgs;
 use tensile_common::tls;
 use tokio::sync::Notify;
 
-use crate::extender::{FactsCache, Score};
-use crate::preempt::BoundPod;
+use crate::context::{BoundPod, FactsCache};
+use crate::extender::Score;
 use crate::server::{BoundPodStore, NodeStore, State};
 
 /// How the multi-scheduler takes part in scheduling.
