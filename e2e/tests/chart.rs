@@ -12,8 +12,9 @@ use base64::Engine as _;
 use tensile_e2e::chart::{self, helm};
 use tensile_e2e::check::{apply, eventually, kubectl};
 use tensile_e2e::process::Service;
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tensile_e2e::{NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
 
 struct Bed {
     upper: TestCluster,
@@ -24,25 +25,15 @@ struct Bed {
 static BED: Shared<Bed> = Shared::new();
 
 fn bed() -> &'static Bed {
-    BED.get(|| async {
-        let (upper, lower) = tokio::join!(
-            TestCluster::start(ClusterOptions::new("chart", "upper")),
-            TestCluster::start(ClusterOptions::new("chart", "lower-a")),
-        );
-        let (upper, lower) = (upper?, lower?);
-        let sim = NodeSimulator::start(
-            lower.client().await?,
-            SimulatorOptions::new("lower-a", Some(lower.kubelet_client_ca_pem())),
-            vec![NodeConfig::new("a-0"), NodeConfig::new("a-1")],
-        )
-        .await?;
+    BED.bed(|| async {
+        let [upper, lower] = scene::clusters("chart", ["upper", "lower-a"]).await?;
+        let sim = scene::simulate(&lower, scene::nodes("a", 2)).await?;
         Ok(Bed {
             upper,
             lower,
             _sim: sim,
         })
     })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
 fn chart() -> String {

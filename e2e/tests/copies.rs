@@ -9,9 +9,10 @@ use std::time::{Duration, Instant};
 use futures::{StreamExt as _, TryStreamExt as _};
 
 use tensile_e2e::check::{apply, eventually, kubectl};
-use tensile_e2e::in_process::{self, VirtualNode};
+use tensile_e2e::in_process::VirtualNode;
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tensile_e2e::{NodeSimulator, TestCluster, free_port};
 use tensile_virtual_node::{Args, Controllers};
 
 struct Bed {
@@ -23,25 +24,15 @@ struct Bed {
 static BED: Shared<Bed> = Shared::new();
 
 fn bed() -> &'static Bed {
-    BED.get(|| async {
-        let (upper, lower) = tokio::join!(
-            TestCluster::start(ClusterOptions::new("copies", "upper")),
-            TestCluster::start(ClusterOptions::new("copies", "lower")),
-        );
-        let (upper, lower) = (upper?, lower?);
-        let sim = NodeSimulator::start(
-            lower.client().await?,
-            SimulatorOptions::new("lower", Some(lower.kubelet_client_ca_pem())),
-            (0..2).map(|i| NodeConfig::new(&format!("n-{i}"))).collect(),
-        )
-        .await?;
+    BED.bed(|| async {
+        let [upper, lower] = scene::clusters("copies", ["upper", "lower"]).await?;
+        let sim = scene::simulate(&lower, scene::nodes("n", 2)).await?;
         Ok(Bed {
             upper,
             lower,
             _sim: sim,
         })
     })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
 fn up() -> &'static Path {
@@ -61,28 +52,14 @@ async fn virtual_node(name: &str) -> VirtualNode {
 /// As [`virtual_node`], with `set` applied to its options.
 async fn virtual_node_with(name: &str, set: impl FnOnce(&mut Args)) -> VirtualNode {
     let bed = bed();
-    let mut args = in_process::options(&bed.upper, name, &bed.lower).unwrap();
-    args.reflection.copy_collection_delay = 2;
-    // Several tests make the lower namespace first, as a lower admin would, to put their
-    // own objects in it.
-    args.reflection.shared_namespaces = vec!["*".into()];
-    set(&mut args);
-    let vn = VirtualNode::run(args);
-    eventually(
-        up(),
-        &format!("{name} Ready"),
-        60,
-        &[
-            "get",
-            "node",
-            name,
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
-        ],
-        "True",
-    )
-    .await;
-    vn
+    scene::ready_virtual_node(&bed.upper, name, &bed.lower, |args| {
+        args.reflection.copy_collection_delay = 2;
+        // Several tests make the lower namespace first, as a lower admin would, to put their
+        // own objects in it.
+        args.reflection.shared_namespaces = vec!["*".into()];
+        set(args);
+    })
+    .await
 }
 
 /// A pod placed on `node` whose spec ends with `extra` (YAML at the spec's indentation).
@@ -99,17 +76,6 @@ spec:
 {extra}
 "#
     )
-}
-
-async fn running_below(ns: &str, name: &str) {
-    eventually(
-        low(),
-        &format!("{ns}/{name} Running below"),
-        60,
-        &["-n", ns, "get", "pod", name, "-o", "jsonpath={.status.phase}"],
-        "Running",
-    )
-    .await;
 }
 
 /// `kubectl get` in the lower cluster: the output, or `None` when the object is not there.
@@ -260,23 +226,8 @@ items:
         ),
     )
     .await;
-    running_below("refs", "app").await;
-    eventually(
-        up(),
-        "app Running upstream",
-        30,
-        &[
-            "-n",
-            "refs",
-            "get",
-            "pod",
-            "app",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Running",
-    )
-    .await;
+    scene::pod_running(low(), "refs", "app", 60).await;
+    scene::pod_running(up(), "refs", "app", 30).await;
 
     let pod_created = kubectl(
         low(),
@@ -364,14 +315,7 @@ items:
 
     // A required reference missing upstream keeps the pod from starting below, and says so.
     apply(up(), &pod("refs", "late", "vn-refs", &mounts_config_map("later"))).await;
-    eventually(
-        up(),
-        "ReferenceMissing condition",
-        30,
-        &["-n", "refs", "get", "pod", "late", "-o", SYNCED],
-        "ReferenceMissing",
-    )
-    .await;
+    scene::pod_shows(up(), "refs", "late", SYNCED, "ReferenceMissing", 30).await;
     let message = kubectl(
         up(),
         &[
@@ -400,7 +344,7 @@ items:
         &["-n", "refs", "create", "configmap", "later", "--from-literal=x=y"],
     )
     .await;
-    running_below("refs", "late").await;
+    scene::pod_running(low(), "refs", "late", 60).await;
 }
 
 #[tokio::test]
@@ -439,7 +383,7 @@ async fn upper_edits_reach_the_copy_within_2s_and_copies_go_with_their_last_pod(
         apply(up(), &pod("edit", name, "vn-edit", &uses(cm))).await;
     }
     for name in ["p1", "p2", "p3"] {
-        running_below("edit", name).await;
+        scene::pod_running(low(), "edit", name, 60).await;
     }
 
     // An upstream edit reaches the copy within 2 s.
@@ -535,7 +479,7 @@ async fn an_optional_reference_that_did_not_travel_never_reaches_a_lower_secret(
     env: [{name: TOKEN, valueFrom: {secretKeyRef: {name: other-tenant, key: token, optional: true}}}]
     envFrom: [{secretRef: {name: other-tenant, optional: true}}]"#;
     apply(up(), &pod("optional", "reader", "vn-optional", extra)).await;
-    running_below("optional", "reader").await;
+    scene::pod_running(low(), "optional", "reader", 60).await;
     let spec = kubectl(
         low(),
         &["-n", "optional", "get", "pod", "reader", "-o", "jsonpath={.spec}"],
@@ -602,14 +546,7 @@ async fn a_foreign_same_named_config_map_below_is_reported_and_left_untouched() 
         &pod("clash", "app", "vn-clash", &mounts_config_map("theirs")),
     )
     .await;
-    eventually(
-        up(),
-        "Conflict condition",
-        30,
-        &["-n", "clash", "get", "pod", "app", "-o", SYNCED],
-        "Conflict",
-    )
-    .await;
+    scene::pod_shows(up(), "clash", "app", SYNCED, "Conflict", 30).await;
     assert!(
         events("clash").await.contains("LowerCopyConflict"),
         "a Warning event names the conflict"
@@ -730,7 +667,7 @@ items:
         ),
     )
     .await;
-    running_below("repair", "app").await;
+    scene::pod_running(low(), "repair", "app", 60).await;
 
     kubectl(low(), &["-n", "repair", "delete", "configmap", "cfg"]).await;
     eventually(
@@ -839,23 +776,10 @@ items:
 #[tokio::test]
 async fn services_and_their_endpoints_follow_the_upper_cluster_when_enabled() {
     let bed = bed();
-    let mut args = in_process::options(&bed.upper, "vn-svc", &bed.lower).unwrap();
-    args.reflection.enable_controllers = vec![Controllers::Services];
-    args.reflection.copy_collection_delay = 2;
-    let vn = VirtualNode::run(args);
-    eventually(
-        up(),
-        "vn-svc Ready",
-        60,
-        &[
-            "get",
-            "node",
-            "vn-svc",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
-        ],
-        "True",
-    )
+    let vn = scene::ready_virtual_node(&bed.upper, "vn-svc", &bed.lower, |args| {
+        args.reflection.enable_controllers = vec![Controllers::Services];
+        args.reflection.copy_collection_delay = 2;
+    })
     .await;
     bed.upper.create_namespace("svc").await.unwrap();
     apply(
@@ -988,10 +912,11 @@ items:
 #[tokio::test]
 async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_foreign_objects_stays() {
     let bed = bed();
-    let mut args = in_process::options(&bed.upper, "vn-ns", &bed.lower).unwrap();
-    args.reflection.gc_namespaces = true;
-    args.reflection.copy_collection_delay = 2;
-    let _vn = VirtualNode::run(args);
+    let _vn = scene::virtual_node(&bed.upper, "vn-ns", &bed.lower, |args| {
+        args.reflection.gc_namespaces = true;
+        args.reflection.copy_collection_delay = 2;
+    })
+    .unwrap();
     for ns in ["gc-a", "gc-b", "gc-c"] {
         bed.upper.create_namespace(ns).await.unwrap();
         kubectl(
@@ -1011,7 +936,7 @@ async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_fore
         .await;
     }
     for ns in ["gc-a", "gc-b", "gc-c"] {
-        running_below(ns, "app").await;
+        scene::pod_running(low(), ns, "app", 60).await;
         let marks = kubectl(
             low(),
             &[
@@ -1114,7 +1039,7 @@ async fn a_retained_volume_keeps_its_lower_claim_and_a_new_claim_of_the_name_nev
     bed.lower.create_namespace("retain").await.unwrap();
     let claim = data_claim("retain", "keep", "retain-disk", "1Gi", false).await;
     apply(up(), &pod("retain", "first", "vn-retain", USES_DATA)).await;
-    running_below("retain", "first").await;
+    scene::pod_running(low(), "retain", "first", 60).await;
     let claim_of = |what: &'static str| async move {
         kubectl(up(), &["-n", "retain", "get", "pvc", "data", "-o", what]).await
     };
@@ -1246,7 +1171,7 @@ async fn an_upper_claim_expansion_reaches_the_lower_claim() {
     bed.lower.create_namespace("grow").await.unwrap();
     data_claim("grow", "grow", "grow-disk", "5Gi", true).await;
     apply(up(), &pod("grow", "db", "vn-grow", USES_DATA)).await;
-    running_below("grow", "db").await;
+    scene::pod_running(low(), "grow", "db", 60).await;
     eventually(
         up(),
         "the upper claim Bound",
@@ -1303,7 +1228,7 @@ async fn a_claim_is_made_below_its_volume_shows_upstream_and_keeps_later_pods_on
     bed.lower.create_namespace("pv").await.unwrap();
     data_claim("pv", "standard", "lower-disk", "1Gi", false).await;
     apply(up(), &pod("pv", "writer", "vn-pv", USES_DATA)).await;
-    running_below("pv", "writer").await;
+    scene::pod_running(low(), "pv", "writer", 60).await;
 
     let lower_claim = kubectl(
         low(),
@@ -1384,7 +1309,7 @@ spec:
         ),
     )
     .await;
-    running_below("pv", "reader").await;
+    scene::pod_running(low(), "pv", "reader", 60).await;
     let node = kubectl(
         up(),
         &[
@@ -1435,7 +1360,7 @@ async fn a_replaced_immutable_copy_exists_again_before_the_pod_that_needs_it() {
     let uses_frozen = r#"  volumes: [{name: cfg, configMap: {name: frozen}}]
   containers: [{name: app, image: web, volumeMounts: [{name: cfg, mountPath: /cfg}]}]"#;
     apply(up(), &pod(ns, "first", "vn-immutable", uses_frozen)).await;
-    running_below(ns, "first").await;
+    scene::pod_running(low(), ns, "first", 60).await;
     // The first pod goes; its copy stays, unneeded, and a lower admin freezes it with other
     // content.
     kubectl(up(), &["-n", ns, "delete", "pod", "first", "--wait=true"]).await;
@@ -1473,7 +1398,7 @@ async fn a_replaced_immutable_copy_exists_again_before_the_pod_that_needs_it() {
             break p.metadata.resource_version.unwrap().parse::<u64>().unwrap();
         }
     };
-    running_below(ns, "second").await;
+    scene::pod_running(low(), ns, "second", 60).await;
     let copy = below(&[
         "-n",
         ns,
@@ -1522,7 +1447,7 @@ async fn a_claim_picked_for_the_node_never_goes_into_a_foreign_lower_namespace()
         ),
     )
     .await;
-    running_below("pvfree", "first").await;
+    scene::pod_running(low(), "pvfree", "first", 60).await;
     let claim = |ns: &str, name: &str, size: &str| {
         format!(
             r#"

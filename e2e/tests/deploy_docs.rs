@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use tensile_e2e::chart;
 use tensile_e2e::runner::VirtualNodeRunner;
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
+use tensile_e2e::{NodeSimulator, TestCluster};
 
 struct Bed {
     upper: TestCluster,
@@ -23,25 +24,15 @@ struct Bed {
 static BED: Shared<Bed> = Shared::new();
 
 fn bed() -> &'static Bed {
-    BED.get(|| async {
-        let (upper, lower) = tokio::join!(
-            TestCluster::start(ClusterOptions::new("deploy-docs", "upper")),
-            TestCluster::start(ClusterOptions::new("deploy-docs", "lower-a")),
-        );
-        let (upper, lower) = (upper?, lower?);
-        let sim = NodeSimulator::start(
-            lower.client().await?,
-            SimulatorOptions::new("lower-a", Some(lower.kubelet_client_ca_pem())),
-            vec![NodeConfig::new("a-0")],
-        )
-        .await?;
+    BED.bed(|| async {
+        let [upper, lower] = scene::clusters("deploy-docs", ["upper", "lower-a"]).await?;
+        let sim = scene::simulate(&lower, scene::nodes("a", 1)).await?;
         Ok(Bed {
             upper,
             lower,
             _sim: sim,
         })
     })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
 /// The commands of the block that follows the marker comment, one per line (comments and

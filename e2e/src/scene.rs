@@ -1,0 +1,123 @@
+//! The set-up a scenario is made of, in the bed's words: an upper cluster and lower clusters
+//! started side by side, simulated kubelets below, virtual nodes over a lower cluster, and the
+//! waits for a node or a pod to show what the scenario expects.
+//!
+//! Start-up helpers return errors, for a shared bed's `init` ([`crate::shared::Shared::bed`]);
+//! the waits panic, as the assertions of [`crate::check`] do, with what was awaited, in which
+//! cluster, and what was last seen.
+
+use std::path::Path;
+
+use tensile_virtual_node::Args;
+
+use crate::in_process::{self, VirtualNode};
+use crate::{ClusterOptions, Error, NodeConfig, NodeSimulator, Result, SimulatorOptions, TestCluster};
+
+/// The jsonpath of a node's `Ready` condition status.
+pub const READY: &str = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#;
+
+/// The jsonpath of a pod's phase.
+pub const PHASE: &str = "jsonpath={.status.phase}";
+
+/// Starts the clusters `names` of test `test` side by side, each with the default options.
+pub async fn clusters<const N: usize>(test: &str, names: [&str; N]) -> Result<[TestCluster; N]> {
+    clusters_with(names.map(|name| ClusterOptions::new(test, name))).await
+}
+
+/// Starts one cluster for each of `options`, side by side; the first that fails (in the order
+/// given) is the error.
+pub async fn clusters_with<const N: usize>(options: [ClusterOptions; N]) -> Result<[TestCluster; N]> {
+    let started = futures::future::join_all(options.map(TestCluster::start)).await;
+    let clusters = started.into_iter().collect::<Result<Vec<_>>>()?;
+    let count = clusters.len();
+    clusters.try_into().map_err(|_| Error::Cluster {
+        cluster: "bed".into(),
+        message: format!("{count} clusters started of the {N} asked for"),
+    })
+}
+
+/// Nodes `<prefix>-0` … `<prefix>-<count - 1>` of the simulator's default size.
+pub fn nodes(prefix: &str, count: u32) -> Vec<NodeConfig> {
+    (0..count)
+        .map(|i| NodeConfig::new(&format!("{prefix}-{i}")))
+        .collect()
+}
+
+/// Simulated kubelets in `cluster` for `nodes`, the simulator named after the cluster.
+pub async fn simulate(cluster: &TestCluster, nodes: Vec<NodeConfig>) -> Result<NodeSimulator> {
+    let options = SimulatorOptions::new(cluster.name(), Some(cluster.kubelet_client_ca_pem()));
+    NodeSimulator::start(cluster.client().await?, options, nodes).await
+}
+
+/// Starts virtual node `name` for `upper` over `lower` in this process, with the bed's options
+/// ([`in_process::options`]) as `set` changes them. It runs until dropped.
+pub fn virtual_node(
+    upper: &TestCluster,
+    name: &str,
+    lower: &TestCluster,
+    set: impl FnOnce(&mut Args),
+) -> Result<VirtualNode> {
+    let mut args = in_process::options(upper, name, lower).map_err(|e| Error::VirtualNode {
+        name: name.to_owned(),
+        message: format!("{e:#}"),
+    })?;
+    set(&mut args);
+    Ok(VirtualNode::run(args))
+}
+
+/// [`virtual_node`], then waits up to 60 s until the node is Ready upstream; panics when it
+/// cannot start or does not turn Ready.
+pub async fn ready_virtual_node(
+    upper: &TestCluster,
+    name: &str,
+    lower: &TestCluster,
+    set: impl FnOnce(&mut Args),
+) -> VirtualNode {
+    let vn = virtual_node(upper, name, lower, set).unwrap_or_else(|e| panic!("{e}"));
+    node_ready(upper.kubeconfig(), name, 60).await;
+    vn
+}
+
+/// Waits up to `secs` until node `node` shows its Ready condition `True`.
+pub async fn node_ready(kubeconfig: &Path, node: &str, secs: u64) {
+    node_shows(kubeconfig, node, READY, "True", secs).await;
+}
+
+/// Waits up to `secs` until pod `ns/name` is Running.
+pub async fn pod_running(kubeconfig: &Path, ns: &str, name: &str, secs: u64) {
+    pod_shows(kubeconfig, ns, name, PHASE, "Running", secs).await;
+}
+
+/// Waits up to `secs` until `kubectl get node NODE -o OUTPUT` prints `want`.
+pub async fn node_shows(kubeconfig: &Path, node: &str, output: &str, want: &str, secs: u64) {
+    let what = format!(
+        "node {node} in {} to show {want:?} for {output}",
+        cluster(kubeconfig)
+    );
+    crate::check::eventually(
+        kubeconfig,
+        &what,
+        secs,
+        &["get", "node", node, "-o", output],
+        want,
+    )
+    .await;
+}
+
+/// Waits up to `secs` until `kubectl -n NS get pod NAME -o OUTPUT` prints `want`.
+pub async fn pod_shows(kubeconfig: &Path, ns: &str, name: &str, output: &str, want: &str, secs: u64) {
+    let what = format!(
+        "pod {ns}/{name} in {} to show {want:?} for {output}",
+        cluster(kubeconfig)
+    );
+    let args = ["-n", ns, "get", "pod", name, "-o", output];
+    crate::check::eventually(kubeconfig, &what, secs, &args, want).await;
+}
+
+/// The cluster a kubeconfig of the bed is for: its file is `<cluster>.kubeconfig`.
+fn cluster(kubeconfig: &Path) -> String {
+    kubeconfig
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| kubeconfig.display().to_string())
+}
