@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 
 use tensile_e2e::check::{apply, deployment, eventually, kubectl};
 use tensile_e2e::in_process;
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tensile_e2e::{NodeConfig, NodeSimulator, TestCluster, free_port};
 use tensile_virtual_node::{Args, UpperIdentity};
 
 struct Bed {
@@ -22,30 +23,11 @@ struct Bed {
 static BED: Shared<Bed> = Shared::new();
 
 fn bed() -> &'static Bed {
-    BED.get(|| async {
-        let (upper, lower_a, lower_b) = tokio::join!(
-            TestCluster::start(ClusterOptions::new("virtual_node", "upper")),
-            TestCluster::start(ClusterOptions::new("virtual_node", "lower-a")),
-            TestCluster::start(ClusterOptions::new("virtual_node", "lower-b")),
-        );
-        let (upper, lower_a, lower_b) = (upper?, lower_a?, lower_b?);
-        let nodes = |prefix: &str| {
-            (0..3)
-                .map(|i| NodeConfig::new(&format!("{prefix}-{i}")))
-                .collect()
-        };
-        let sim_a = NodeSimulator::start(
-            lower_a.client().await?,
-            SimulatorOptions::new("lower-a", Some(lower_a.kubelet_client_ca_pem())),
-            nodes("a"),
-        )
-        .await?;
-        let sim_b = NodeSimulator::start(
-            lower_b.client().await?,
-            SimulatorOptions::new("lower-b", Some(lower_b.kubelet_client_ca_pem())),
-            nodes("b"),
-        )
-        .await?;
+    BED.bed(|| async {
+        let [upper, lower_a, lower_b] =
+            scene::clusters("virtual_node", ["upper", "lower-a", "lower-b"]).await?;
+        let sim_a = scene::simulate(&lower_a, scene::nodes("a", 3)).await?;
+        let sim_b = scene::simulate(&lower_b, scene::nodes("b", 3)).await?;
         Ok(Bed {
             upper,
             lower_a,
@@ -54,7 +36,6 @@ fn bed() -> &'static Bed {
             sim_b,
         })
     })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
 /// A virtual node over `lower` in this test process.
@@ -62,14 +43,12 @@ struct VirtualNode;
 
 impl VirtualNode {
     fn start(name: &str, lower: &TestCluster) -> in_process::VirtualNode {
-        in_process::VirtualNode::start(&bed().upper, name, lower).unwrap()
+        Self::start_with(name, lower, |_| {})
     }
 
     /// A virtual node whose options `set` changes.
     fn start_with(name: &str, lower: &TestCluster, set: impl FnOnce(&mut Args)) -> in_process::VirtualNode {
-        let mut args = in_process::options(&bed().upper, name, lower).unwrap();
-        set(&mut args);
-        in_process::VirtualNode::run(args)
+        scene::virtual_node(&bed().upper, name, lower, set).unwrap()
     }
 }
 
@@ -81,20 +60,8 @@ fn up() -> &'static Path {
 /// `node.kubernetes.io/not-ready` taint that admission puts on every new Node (it does so on
 /// its next pass after Ready, so for a moment a Ready node still carries it).
 async fn wait_ready(node: &str) {
-    eventually(
-        up(),
-        &format!("{node} Ready, without the not-ready taint"),
-        60,
-        &[
-            "get",
-            "node",
-            node,
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status} {.spec.taints[?(@.key=="node.kubernetes.io/not-ready")].effect}"#,
-        ],
-        "True",
-    )
-    .await;
+    let untainted = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status} {.spec.taints[?(@.key=="node.kubernetes.io/not-ready")].effect}"#;
+    scene::node_shows(up(), node, untainted, "True", 60).await;
 }
 
 /// The jsonpath of condition `kind`'s `fields`, joined by `/`.
@@ -105,8 +72,6 @@ fn condition(kind: &str, fields: &[&str]) -> String {
         .collect();
     format!("jsonpath={}", parts.join("/"))
 }
-
-const READY: &str = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#;
 
 fn pod(ns: &str, name: &str, node: &str, restart: &str, annotations: &str, cpu: &str) -> String {
     format!(
@@ -145,18 +110,12 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
     wait_ready("vn-node").await;
     // Ready says the lower cluster answers; whether it offers room is its own condition
     // (lower-b's nodes may still be recovering from the outage test's stopped apiserver).
-    eventually(
+    scene::node_shows(
         up(),
-        "vn-node has usable lower nodes",
-        60,
-        &[
-            "get",
-            "node",
-            "vn-node",
-            "-o",
-            &condition("tensile.io/LowerNodesUsable", &["status"]),
-        ],
+        "vn-node",
+        &condition("tensile.io/LowerNodesUsable", &["status"]),
         "True",
+        60,
     )
     .await;
     let labels = kubectl(
@@ -233,14 +192,7 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
         .spawn(async move { bed.add_lower_b_node().await })
         .await
         .unwrap();
-    eventually(
-        up(),
-        "capacity raised by the new lower node",
-        10,
-        &["get", "node", "vn-node", "-o", "jsonpath={.status.capacity.cpu}"],
-        "14",
-    )
-    .await;
+    scene::node_shows(up(), "vn-node", "jsonpath={.status.capacity.cpu}", "14", 10).await;
     let took = started.elapsed();
     assert!(
         took < Duration::from_secs(8),
@@ -443,22 +395,7 @@ spec:
         ),
     )
     .await;
-    eventually(
-        up(),
-        "Failed upstream",
-        60,
-        &[
-            "-n",
-            "jobs",
-            "get",
-            "pod",
-            "crash",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Failed",
-    )
-    .await;
+    scene::pod_shows(up(), "jobs", "crash", scene::PHASE, "Failed", 60).await;
     let term = kubectl(up(), &["-n", "jobs", "get", "pod", "crash", "-o", "jsonpath={.status.containerStatuses[0].state.terminated.exitCode}/{.status.containerStatuses[0].state.terminated.reason}"]).await;
     assert_eq!(term, "3/OOMKilled");
 }
@@ -470,22 +407,7 @@ async fn kubectl_logs_reach_the_lower_pod_and_callers_are_authenticated() {
     wait_ready("vn-logs").await;
     namespace("logs").await;
     apply(up(), &pod("logs", "talker", "vn-logs", "Always", "", "10m")).await;
-    eventually(
-        up(),
-        "Running",
-        60,
-        &[
-            "-n",
-            "logs",
-            "get",
-            "pod",
-            "talker",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Running",
-    )
-    .await;
+    scene::pod_running(up(), "logs", "talker", 60).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
 
     let plain = kubectl(up(), &["-n", "logs", "logs", "talker"]).await;
@@ -616,22 +538,7 @@ async fn the_kubelet_api_caps_and_cuts_idle_and_slow_clients_while_logs_work() {
     wait_ready("vn-flood").await;
     namespace("flood").await;
     apply(up(), &pod("flood", "talker", "vn-flood", "Always", "", "10m")).await;
-    eventually(
-        up(),
-        "Running",
-        60,
-        &[
-            "-n",
-            "flood",
-            "get",
-            "pod",
-            "talker",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Running",
-    )
-    .await;
+    scene::pod_running(up(), "flood", "talker", 60).await;
     let addr = std::net::SocketAddr::new(tensile_e2e::node_ip().unwrap(), vn.kubelet_port);
     let flood = tensile_e2e::flood::Flood::open(addr, 64, 16).await;
     flood.assert_capped(64, 16).await;
@@ -651,22 +558,7 @@ async fn a_lower_namespace_deleted_below_is_created_again_for_the_next_pod() {
     wait_ready("vn-nsgone").await;
     namespace("nsgone").await;
     let phase = |name: &'static str| async move {
-        eventually(
-            up(),
-            &format!("{name} Running"),
-            90,
-            &[
-                "-n",
-                "nsgone",
-                "get",
-                "pod",
-                name,
-                "-o",
-                "jsonpath={.status.phase}",
-            ],
-            "Running",
-        )
-        .await;
+        scene::pod_running(up(), "nsgone", name, 90).await;
     };
     apply(up(), &pod("nsgone", "first", "vn-nsgone", "Always", "", "10m")).await;
     phase("first").await;
@@ -719,14 +611,7 @@ async fn a_priority_class_only_the_upper_cluster_has_does_not_block_the_lower_po
         apply(up(), &manifest).await;
     }
     for name in ["only-up", "both"] {
-        eventually(
-            up(),
-            &format!("{name} Running"),
-            60,
-            &["-n", "prio", "get", "pod", name, "-o", "jsonpath={.status.phase}"],
-            "Running",
-        )
-        .await;
+        scene::pod_running(up(), "prio", name, 60).await;
     }
     let below = |name: &'static str| async move {
         kubectl(
@@ -761,14 +646,7 @@ async fn a_toleration_added_to_a_running_pod_reaches_the_lower_pod() {
     namespace("tol").await;
     let stash = r#"clusterSelector: '{"tolerations":[{"key":"first","operator":"Exists"}]}'"#;
     apply(up(), &pod("tol", "p", "vn-tol", "Always", stash, "10m")).await;
-    eventually(
-        up(),
-        "Running",
-        60,
-        &["-n", "tol", "get", "pod", "p", "-o", "jsonpath={.status.phase}"],
-        "Running",
-    )
-    .await;
+    scene::pod_running(up(), "tol", "p", 60).await;
     let keys = "jsonpath={range .spec.tolerations[*]}{.key},{end}";
     let before = kubectl(
         bed.lower_a.kubeconfig(),
@@ -831,12 +709,13 @@ async fn a_readiness_gate_holds_upper_ready_until_its_condition_is_true() {
     );
     apply(up(), &manifest).await;
     let ready = r#"jsonpath={.status.phase}/{.status.conditions[?(@.type=="Ready")].status}/{.status.conditions[?(@.type=="Ready")].reason}"#;
-    eventually(
+    scene::pod_shows(
         up(),
-        "Running but not Ready",
-        60,
-        &["-n", "gate", "get", "pod", "p", "-o", ready],
+        "gate",
+        "p",
+        ready,
         "Running/False/ReadinessGatesNotReady",
+        60,
     )
     .await;
     let lower_ready = kubectl(
@@ -868,14 +747,7 @@ async fn a_readiness_gate_holds_upper_ready_until_its_condition_is_true() {
         ],
     )
     .await;
-    eventually(
-        up(),
-        "Ready once the gate is True",
-        30,
-        &["-n", "gate", "get", "pod", "p", "-o", ready],
-        "Running/True/",
-    )
-    .await;
+    scene::pod_shows(up(), "gate", "p", ready, "Running/True/", 30).await;
     let gate = kubectl(
         up(),
         &[
@@ -906,14 +778,7 @@ async fn a_lower_namespace_of_someone_else_is_refused_unless_shared() {
     bed.lower_a.create_namespace("theirs").await.unwrap();
     apply(up(), &pod("theirs", "p", "vn-theirs", "Always", "", "10m")).await;
     let synced = &condition("tensile.io/LowerPodSynced", &["status", "reason"]);
-    eventually(
-        up(),
-        "LowerPodSynced=False/Conflict",
-        60,
-        &["-n", "theirs", "get", "pod", "p", "-o", synced],
-        "False/Conflict",
-    )
-    .await;
+    scene::pod_shows(up(), "theirs", "p", synced, "False/Conflict", 60).await;
     let message = kubectl(
         up(),
         &[
@@ -966,14 +831,7 @@ async fn changed_node_labels_and_taint_apply_to_a_registered_node() {
         args.node_labels = vec![("zone".into(), "z1".into())];
         args.disable_taint = true;
     });
-    eventually(
-        up(),
-        "the new labels, without the taint",
-        60,
-        &["get", "node", "vn-relabel", "-o", shown],
-        "/z1/ops/",
-    )
-    .await;
+    scene::node_shows(up(), "vn-relabel", shown, "/z1/ops/", 60).await;
 }
 
 /// Under a node identity NodeRestriction lets a node set its taints only when it registers:
@@ -995,14 +853,7 @@ async fn under_a_node_identity_changed_labels_apply_and_the_taint_is_left_to_an_
         args.node_labels = vec![("zone".into(), "z1".into())];
         args.disable_taint = true;
     });
-    eventually(
-        up(),
-        "the new labels, the taint kept",
-        60,
-        &["get", "node", "vn-retaint", "-o", shown],
-        "/z1/virtual-kubelet.io/provider",
-    )
-    .await;
+    scene::node_shows(up(), "vn-retaint", shown, "/z1/virtual-kubelet.io/provider", 60).await;
     kubectl(
         up(),
         &["taint", "node", "vn-retaint", "virtual-kubelet.io/provider-"],
@@ -1022,14 +873,7 @@ async fn a_pod_the_lower_cluster_cannot_place_shows_unschedulable_upstream() {
     // 6 CPUs fit the virtual node's aggregate (12) but no single 4-CPU lower node.
     apply(up(), &pod("sched", "wide", "vn-sched", "Always", "", "6")).await;
     let cond = &condition("tensile.io/LowerPodScheduled", &["status", "reason"]);
-    eventually(
-        up(),
-        "LowerPodScheduled=False/Unschedulable",
-        60,
-        &["-n", "sched", "get", "pod", "wide", "-o", cond],
-        "False/Unschedulable",
-    )
-    .await;
+    scene::pod_shows(up(), "sched", "wide", cond, "False/Unschedulable", 60).await;
     let msg = kubectl(
         up(),
         &[
@@ -1104,14 +948,7 @@ async fn a_foreign_lower_pod_of_the_same_name_is_a_reported_conflict() {
     )
     .await;
     let cond = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#;
-    eventually(
-        up(),
-        "Conflict condition",
-        60,
-        &["-n", "conflict", "get", "pod", "clash", "-o", cond],
-        "Conflict",
-    )
-    .await;
+    scene::pod_shows(up(), "conflict", "clash", cond, "Conflict", 60).await;
     let events = kubectl(
         up(),
         &[
@@ -1228,33 +1065,11 @@ async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resu
     wait_ready("vn-outage").await;
     namespace("outage").await;
     apply(up(), &pod("outage", "survivor", "vn-outage", "Always", "", "10m")).await;
-    eventually(
-        up(),
-        "Running",
-        60,
-        &[
-            "-n",
-            "outage",
-            "get",
-            "pod",
-            "survivor",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Running",
-    )
-    .await;
+    scene::pod_running(up(), "outage", "survivor", 60).await;
 
     bed.lower_b.stop_apiserver();
     let started = Instant::now();
-    eventually(
-        up(),
-        "Ready=False",
-        30,
-        &["get", "node", "vn-outage", "-o", READY],
-        "False",
-    )
-    .await;
+    scene::node_shows(up(), "vn-outage", scene::READY, "False", 30).await;
     let took = started.elapsed();
     let reason = kubectl(
         up(),
@@ -1273,14 +1088,7 @@ async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resu
     // Unknown); the virtual node, which cannot see below, writes no status from its stale
     // cache over that.
     let pod_ready = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#;
-    eventually(
-        up(),
-        "survivor Ready before the marking",
-        30,
-        &["-n", "outage", "get", "pod", "survivor", "-o", pod_ready],
-        "True",
-    )
-    .await;
+    scene::pod_shows(up(), "outage", "survivor", pod_ready, "True", 30).await;
     kubectl(
         up(),
         &[
@@ -1310,14 +1118,7 @@ async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resu
 
     bed.lower_b.start_apiserver().await.unwrap();
     wait_ready("vn-outage").await;
-    eventually(
-        up(),
-        "survivor Ready again",
-        60,
-        &["-n", "outage", "get", "pod", "survivor", "-o", pod_ready],
-        "True",
-    )
-    .await;
+    scene::pod_shows(up(), "outage", "survivor", pod_ready, "True", 60).await;
     // Statuses resume: a new pod runs and an existing one keeps reporting.
     apply(up(), &pod("outage", "newcomer", "vn-outage", "Always", "", "10m")).await;
     let phase = &[
@@ -1729,22 +1530,7 @@ spec:
     apply(up(), &manifest("by-webhook", "virtual-pod: \"true\"", "")).await;
     let forged = r#"clusterSelector: '{"tolerations":[{"key":"node-role.kubernetes.io/master","operator":"Exists"}]}'"#;
     apply(up(), &manifest("by-hand", "app: x", forged)).await;
-    eventually(
-        up(),
-        "the webhook's pod Running",
-        60,
-        &[
-            "-n",
-            ns,
-            "get",
-            "pod",
-            "by-webhook",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Running",
-    )
-    .await;
+    scene::pod_running(up(), ns, "by-webhook", 60).await;
     let tolerations = kubectl(
         bed.lower_a.kubeconfig(),
         &[
@@ -1760,14 +1546,7 @@ spec:
     .await;
     assert!(tolerations.contains("dedicated"), "{tolerations}");
     let synced = &condition("tensile.io/LowerPodSynced", &["status", "reason"]);
-    eventually(
-        up(),
-        "the hand-written stash refused",
-        60,
-        &["-n", ns, "get", "pod", "by-hand", "-o", synced],
-        "False/StashNotTrusted",
-    )
-    .await;
+    scene::pod_shows(up(), ns, "by-hand", synced, "False/StashNotTrusted", 60).await;
     let below =
         tensile_e2e::kubectl::run(bed.lower_a.kubeconfig(), &["-n", ns, "get", "pod", "by-hand"]).await;
     assert!(!below.ok && below.stderr.contains("NotFound"), "{}", below.stdout);
@@ -1794,14 +1573,7 @@ spec:
         quoted(&signature)
     );
     apply(up(), &manifest("replayed", "app: x", &copied)).await;
-    eventually(
-        up(),
-        "the replayed signature refused",
-        60,
-        &["-n", ns, "get", "pod", "replayed", "-o", synced],
-        "False/StashNotTrusted",
-    )
-    .await;
+    scene::pod_shows(up(), ns, "replayed", synced, "False/StashNotTrusted", 60).await;
     let message = kubectl(
         up(),
         &[
@@ -1826,14 +1598,7 @@ spec:
     // The same annotations on an opted-in pod, as the descheduler writes the replacement of a
     // bare pod it moves: the webhook signs the stash for this pod's own name, and it runs.
     apply(up(), &manifest("moved", "virtual-pod: \"true\"", &copied)).await;
-    eventually(
-        up(),
-        "the moved pod Running",
-        60,
-        &["-n", ns, "get", "pod", "moved", "-o", "jsonpath={.status.phase}"],
-        "Running",
-    )
-    .await;
+    scene::pod_running(up(), ns, "moved", 60).await;
     let resigned = annotation("moved", tensile_common::names::STASH_SIGNATURE).await;
     assert!(
         resigned.starts_with("v2:new:") && resigned != signature,
@@ -1863,14 +1628,7 @@ spec:
     let gen_name = out.stdout.trim().to_owned();
     assert!(gen_name.starts_with("gen-") && gen_name.len() == 9, "{gen_name}");
     for pod in ["by-old-key", gen_name.as_str()] {
-        eventually(
-            up(),
-            &format!("{pod} Running"),
-            60,
-            &["-n", ns, "get", "pod", pod, "-o", "jsonpath={.status.phase}"],
-            "Running",
-        )
-        .await;
+        scene::pod_running(up(), ns, pod, 60).await;
         let tolerations = kubectl(
             bed.lower_a.kubeconfig(),
             &[
@@ -1932,20 +1690,13 @@ spec:
         stash.contains("a-2") && stash.contains("dedicated"),
         "stashed by the webhook: {stash}"
     );
-    eventually(
+    scene::pod_shows(
         up(),
-        "Running upstream",
-        60,
-        &[
-            "-n",
-            ns,
-            "get",
-            "pod",
-            "placed",
-            "-o",
-            "jsonpath={.spec.nodeName}/{.status.phase}",
-        ],
+        ns,
+        "placed",
+        "jsonpath={.spec.nodeName}/{.status.phase}",
         "vn-webhook/Running",
+        60,
     )
     .await;
     let low = bed.lower_a.kubeconfig();
@@ -1990,22 +1741,7 @@ async fn a_followed_log_of_a_quiet_container_is_closed_below_when_kubectl_goes()
     namespace("quiet").await;
     let sim = format!("{}: \"lines=1\"", tensile_common::names::SIM_BEHAVIOR);
     apply(up(), &pod("quiet", "hush", "vn-quiet", "Always", &sim, "10m")).await;
-    eventually(
-        up(),
-        "Running",
-        60,
-        &[
-            "-n",
-            "quiet",
-            "get",
-            "pod",
-            "hush",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Running",
-    )
-    .await;
+    scene::pod_running(up(), "quiet", "hush", 60).await;
     let open_streams = || async {
         let metrics = tensile_e2e::in_process::admin_get(&vn.admin_addr, "/metrics")
             .await
@@ -2193,14 +1929,7 @@ spec:
     apply(up(), &talker("tok", "talker", "reader")).await;
     apply(up(), &talker("plain", "quiet", "default")).await;
     for (ns, name) in [("tok", "talker"), ("plain", "quiet")] {
-        eventually(
-            up(),
-            &format!("{ns}/{name} Running"),
-            90,
-            &["-n", ns, "get", "pod", name, "-o", "jsonpath={.status.phase}"],
-            "Running",
-        )
-        .await;
+        scene::pod_running(up(), ns, name, 90).await;
     }
     let uid = kubectl(
         up(),
@@ -2438,14 +2167,7 @@ spec:
         )
     };
     let phase = |ns: &'static str, name: &'static str| async move {
-        eventually(
-            up(),
-            &format!("{ns}/{name} Running"),
-            90,
-            &["-n", ns, "get", "pod", name, "-o", "jsonpath={.status.phase}"],
-            "Running",
-        )
-        .await;
+        scene::pod_running(up(), ns, name, 90).await;
     };
     for ns in ["projtok", "projplain"] {
         namespace(ns).await;
@@ -2481,14 +2203,7 @@ spec:
         "jsonpath={{.status.conditions[?(@.type==\"{}\")].reason}}",
         tensile_common::names::CONDITION_LOWER_SYNCED
     );
-    eventually(
-        up(),
-        "thief waits for db-root upstream",
-        60,
-        &["-n", "projtok", "get", "pod", "thief", "-o", &synced],
-        "ReferenceMissing",
-    )
-    .await;
+    scene::pod_shows(up(), "projtok", "thief", &synced, "ReferenceMissing", 60).await;
     // Made upstream too: the lower one is someone else's, never replaced nor mounted.
     kubectl(
         up(),
@@ -2503,14 +2218,7 @@ spec:
         ],
     )
     .await;
-    eventually(
-        up(),
-        "thief refused for the foreign db-root below",
-        60,
-        &["-n", "projtok", "get", "pod", "thief", "-o", &synced],
-        "Conflict",
-    )
-    .await;
+    scene::pod_shows(up(), "projtok", "thief", &synced, "Conflict", 60).await;
     let below = tensile_e2e::kubectl::run(low, &["-n", "projtok", "get", "pod", "thief"]).await;
     assert!(
         !below.ok && below.stderr.contains("NotFound"),
@@ -2599,14 +2307,7 @@ async fn followed_logs_of_one_namespace_keep_a_share_for_the_others_and_share_co
         apply(up(), &pod(ns, "hush", "vn-fair", "Always", &quiet, "10m")).await;
     }
     for ns in ["fair-a", "fair-b"] {
-        eventually(
-            up(),
-            &format!("{ns}/hush Running"),
-            60,
-            &["-n", ns, "get", "pod", "hush", "-o", "jsonpath={.status.phase}"],
-            "Running",
-        )
-        .await;
+        scene::pod_running(up(), ns, "hush", 60).await;
     }
     let follow = |ns: &str| {
         let mut child = tokio::process::Command::new(tensile_e2e::kubectl::binary_for(up()))
@@ -2955,31 +2656,17 @@ spec:
     for (pod, lower) in [("on-a", &bed.lower_a), ("on-b", &bed.lower_b)] {
         let synced = condition("tensile.io/LowerPodSynced", &["status", "reason"]);
         if keeps(lower) {
-            eventually(
+            scene::pod_shows(
                 lower.kubeconfig(),
-                &format!("{pod} below with its pod-level requests ({})", lower.version()),
-                60,
-                &[
-                    "-n",
-                    ns,
-                    "get",
-                    "pod",
-                    pod,
-                    "-o",
-                    "jsonpath={.spec.resources.requests.cpu}",
-                ],
+                ns,
+                pod,
+                "jsonpath={.spec.resources.requests.cpu}",
                 "500m",
+                60,
             )
             .await;
         } else {
-            eventually(
-                up(),
-                &format!("{pod} refused for {} without a lower pod", lower.version()),
-                60,
-                &["-n", ns, "get", "pod", pod, "-o", &synced],
-                "False/CreateFailed",
-            )
-            .await;
+            scene::pod_shows(up(), ns, pod, &synced, "False/CreateFailed", 60).await;
             let message = kubectl(
                 up(),
                 &[

@@ -16,9 +16,10 @@ use base64::Engine as _;
 use serde_json::{Value, json};
 use tensile_common::stash::Stash;
 use tensile_e2e::pki::Ca;
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
-use tensile_e2e::wait::until;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tensile_e2e::wait::{until, within};
+use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, TestCluster, free_port};
 use tensile_webhook::{Certificates, Options, Policy, Running};
 
 static UPPER: Shared<TestCluster> = Shared::new();
@@ -729,15 +730,11 @@ static LOWERS: Shared<Lowers> = Shared::new();
 fn lowers() -> &'static Lowers {
     LOWERS
         .get(|| async {
-            let (upper, lower_a, lower_b) = tokio::join!(
-                TestCluster::start(ClusterOptions::new("webhook-jobs", "upper")),
-                TestCluster::start(ClusterOptions::new("webhook-jobs", "lower-a")),
-                TestCluster::start(ClusterOptions::new("webhook-jobs", "lower-b")),
-            );
-            let (upper, lower_a, lower_b) = (upper?, lower_a?, lower_b?);
+            let [upper, lower_a, lower_b] =
+                scene::clusters("webhook-jobs", ["upper", "lower-a", "lower-b"]).await?;
             tensile_e2e::chart::install_exclusion_records(upper.kubeconfig()).await?;
-            let sim_a = simulator("lower-a", &lower_a).await?;
-            let sim_b = simulator("lower-b", &lower_b).await?;
+            let sim_a = scene::simulate(&lower_a, Vec::new()).await?;
+            let sim_b = scene::simulate(&lower_b, Vec::new()).await?;
             Ok(Lowers {
                 upper,
                 lower_a,
@@ -747,11 +744,6 @@ fn lowers() -> &'static Lowers {
             })
         })
         .unwrap_or_else(|e| panic!("test bed: {e}"))
-}
-
-async fn simulator(name: &str, lower: &TestCluster) -> tensile_e2e::Result<NodeSimulator> {
-    let options = SimulatorOptions::new(name, Some(lower.kubelet_client_ca_pem()));
-    NodeSimulator::start(lower.client().await?, options, Vec::new()).await
 }
 
 /// Label key of the Job test's virtual nodes (both carry it), kept upstream by the webhook.
@@ -865,7 +857,7 @@ async fn with_the_job_disruption_rule_a_job_refused_below_moves_and_completes() 
         .await
         .unwrap()
         .unwrap();
-    must_within("the webhook's caBundle written", 30, || async {
+    within("the webhook's caBundle written", 30, || async {
         webhook
             .state
             .ready
@@ -877,29 +869,17 @@ async fn with_the_job_disruption_rule_a_job_refused_below_moves_and_completes() 
 
     let (vn_a, vn_b) = (format!("{ns}-a"), format!("{ns}-b"));
     let node = |name: &str, side: &str, lower: &TestCluster| {
-        let mut args = tensile_e2e::in_process::options(&bed.upper, name, lower).unwrap();
-        args.node_labels = vec![
-            (VN_KEY.to_owned(), ns.to_owned()),
-            (SIDE_KEY.to_owned(), side.to_owned()),
-        ];
-        tensile_e2e::in_process::VirtualNode::run(args)
+        scene::virtual_node(&bed.upper, name, lower, |args| {
+            args.node_labels = vec![
+                (VN_KEY.to_owned(), ns.to_owned()),
+                (SIDE_KEY.to_owned(), side.to_owned()),
+            ]
+        })
+        .unwrap()
     };
     let _nodes = [node(&vn_a, "a", &bed.lower_a), node(&vn_b, "b", &bed.lower_b)];
     for vn in [&vn_a, &vn_b] {
-        must_within(&format!("{vn} Ready"), 60, || async {
-            let out = bed
-                .upper
-                .kubectl(&[
-                    "get",
-                    "node",
-                    vn,
-                    "-o",
-                    r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
-                ])
-                .await;
-            (out.stdout.trim() == "True").then_some(()).ok_or(out.stdout)
-        })
-        .await;
+        scene::node_ready(bed.upper.kubeconfig(), vn, 60).await;
     }
     let flags = [
         format!("--node-selector=type=virtual-kubelet,{VN_KEY}={ns}"),
@@ -1130,13 +1110,4 @@ async fn the_charts_job_webhook_is_rendered_with_its_value_and_accepted_by_both_
     let (registration, deployment) = render(false).await;
     assert!(!args(&deployment).contains("job-disruption-rule"));
     assert_eq!(registration["webhooks"].as_array().map(Vec::len), Some(1));
-}
-
-/// Waits up to `secs` for `probe`; panics saying what did not happen.
-async fn must_within<F, Fut>(what: &str, secs: u64, probe: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), String>>,
-{
-    tensile_e2e::wait::must(what, Duration::from_secs(secs), Duration::from_millis(250), probe).await
 }
