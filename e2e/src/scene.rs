@@ -1,6 +1,7 @@
 //! The set-up a scenario is made of, in the bed's words: an upper cluster and lower clusters
 //! started side by side, simulated kubelets below, virtual nodes over a lower cluster, and the
-//! waits for a node or a pod to show what the scenario expects.
+//! waits for a node or a pod to show what the scenario expects (and reads of what they show
+//! now).
 //!
 //! Start-up helpers return errors, for a shared bed's `init` ([`crate::shared::Shared::bed`]);
 //! the waits panic, as the assertions of [`crate::check`] do, with what was awaited, in which
@@ -112,6 +113,16 @@ pub async fn pod_shows(kubeconfig: &Path, ns: &str, name: &str, output: &str, wa
     );
     let args = ["-n", ns, "get", "pod", name, "-o", output];
     crate::check::eventually(kubeconfig, &what, secs, &args, want).await;
+}
+
+/// What `kubectl -n NS get pod NAME -o OUTPUT` prints now; panics with kubectl's error.
+pub async fn pod_field(kubeconfig: &Path, ns: &str, name: &str, output: &str) -> String {
+    crate::check::kubectl(kubeconfig, &["-n", ns, "get", "pod", name, "-o", output]).await
+}
+
+/// What `kubectl get node NODE -o OUTPUT` prints now; panics with kubectl's error.
+pub async fn node_field(kubeconfig: &Path, node: &str, output: &str) -> String {
+    crate::check::kubectl(kubeconfig, &["get", "node", node, "-o", output]).await
 }
 
 /// The cluster a kubeconfig of the bed is for: its file is `<cluster>.kubeconfig`.

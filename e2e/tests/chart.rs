@@ -885,18 +885,12 @@ async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
     );
 
     // The virtual node registers Ready with the chart's labels.
-    eventually(
+    scene::node_shows(
         up.kubeconfig(),
-        "the chart's virtual node Ready",
-        60,
-        &[
-            "get",
-            "node",
-            node,
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status} {.metadata.labels.region}"#,
-        ],
+        node,
+        r#"jsonpath={.status.conditions[?(@.type=="Ready")].status} {.metadata.labels.region}"#,
         "True a",
+        60,
     )
     .await;
 

@@ -21,8 +21,9 @@ use tensile_e2e::chart::{self, helm};
 use tensile_e2e::check::{apply, eventually, kubectl};
 use tensile_e2e::process::Service;
 use tensile_e2e::runner::VirtualNodeRunner;
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
+use tensile_e2e::{NodeSimulator, TestCluster};
 
 struct Bed {
     upper: TestCluster,
@@ -34,29 +35,10 @@ struct Bed {
 static BED: Shared<Bed> = Shared::new();
 
 fn bed() -> &'static Bed {
-    BED.get(|| async {
-        let (upper, lower_a, lower_b) = tokio::join!(
-            TestCluster::start(ClusterOptions::new("clusters", "upper")),
-            TestCluster::start(ClusterOptions::new("clusters", "lower-a")),
-            TestCluster::start(ClusterOptions::new("clusters", "lower-b")),
-        );
-        let (upper, lower_a, lower_b) = (upper?, lower_a?, lower_b?);
-        let sim_a = NodeSimulator::start(
-            lower_a.client().await?,
-            SimulatorOptions::new("lower-a", Some(lower_a.kubelet_client_ca_pem())),
-            vec![NodeConfig::new("a-0"), NodeConfig::new("a-1")],
-        )
-        .await?;
-        let sim_b = NodeSimulator::start(
-            lower_b.client().await?,
-            SimulatorOptions::new("lower-b", Some(lower_b.kubelet_client_ca_pem())),
-            vec![
-                NodeConfig::new("b-0"),
-                NodeConfig::new("b-1"),
-                NodeConfig::new("b-2"),
-            ],
-        )
-        .await?;
+    BED.bed(|| async {
+        let [upper, lower_a, lower_b] = scene::clusters("clusters", ["upper", "lower-a", "lower-b"]).await?;
+        let sim_a = scene::simulate(&lower_a, scene::nodes("a", 2)).await?;
+        let sim_b = scene::simulate(&lower_b, scene::nodes("b", 3)).await?;
         Ok(Bed {
             upper,
             lower_a,
@@ -64,7 +46,6 @@ fn bed() -> &'static Bed {
             _sims: vec![sim_a, sim_b],
         })
     })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
 const NS: &str = "tensile";
@@ -887,20 +868,13 @@ spec:
 "#,
     )
     .await;
-    eventually(
+    scene::pod_shows(
         low_b.kubeconfig(),
-        "tagged below with lower-b's rule",
-        60,
-        &[
-            "-n",
-            "fleet",
-            "get",
-            "pod",
-            "tagged",
-            "-o",
-            "jsonpath={.metadata.labels.region} {.spec.containers[0].env[0].value}",
-        ],
+        "fleet",
+        "tagged",
+        "jsonpath={.metadata.labels.region} {.spec.containers[0].env[0].value}",
         "b b",
+        60,
     )
     .await;
     let untouched = kubectl(

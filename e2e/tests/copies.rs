@@ -229,19 +229,7 @@ items:
     scene::pod_running(low(), "refs", "app", 60).await;
     scene::pod_running(up(), "refs", "app", 30).await;
 
-    let pod_created = kubectl(
-        low(),
-        &[
-            "-n",
-            "refs",
-            "get",
-            "pod",
-            "app",
-            "-o",
-            "jsonpath={.metadata.creationTimestamp}",
-        ],
-    )
-    .await;
+    let pod_created = scene::pod_field(low(), "refs", "app", "jsonpath={.metadata.creationTimestamp}").await;
     for (kind, name) in [
         ("configmap", "cfg"),
         ("configmap", "proj-cm"),
@@ -316,17 +304,11 @@ items:
     // A required reference missing upstream keeps the pod from starting below, and says so.
     apply(up(), &pod("refs", "late", "vn-refs", &mounts_config_map("later"))).await;
     scene::pod_shows(up(), "refs", "late", SYNCED, "ReferenceMissing", 30).await;
-    let message = kubectl(
+    let message = scene::pod_field(
         up(),
-        &[
-            "-n",
-            "refs",
-            "get",
-            "pod",
-            "late",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
-        ],
+        "refs",
+        "late",
+        r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
     )
     .await;
     assert!(
@@ -480,26 +462,16 @@ async fn an_optional_reference_that_did_not_travel_never_reaches_a_lower_secret(
     envFrom: [{secretRef: {name: other-tenant, optional: true}}]"#;
     apply(up(), &pod("optional", "reader", "vn-optional", extra)).await;
     scene::pod_running(low(), "optional", "reader", 60).await;
-    let spec = kubectl(
-        low(),
-        &["-n", "optional", "get", "pod", "reader", "-o", "jsonpath={.spec}"],
-    )
-    .await;
+    let spec = scene::pod_field(low(), "optional", "reader", "jsonpath={.spec}").await;
     assert!(
         !spec.contains("other-tenant"),
         "the lower pod names the lower Secret: {spec}"
     );
-    let volume = kubectl(
+    let volume = scene::pod_field(
         low(),
-        &[
-            "-n",
-            "optional",
-            "get",
-            "pod",
-            "reader",
-            "-o",
-            "jsonpath={.spec.volumes[0].name}/{.spec.volumes[0].emptyDir}",
-        ],
+        "optional",
+        "reader",
+        "jsonpath={.spec.volumes[0].name}/{.spec.volumes[0].emptyDir}",
     )
     .await;
     assert_eq!(volume, "creds/{}");
@@ -564,19 +536,7 @@ async fn a_foreign_same_named_config_map_below_is_reported_and_left_untouched() 
         None,
         "the pod is not started with someone else's data"
     );
-    let phase = kubectl(
-        up(),
-        &[
-            "-n",
-            "clash",
-            "get",
-            "pod",
-            "app",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-    )
-    .await;
+    let phase = scene::pod_field(up(), "clash", "app", scene::PHASE).await;
     assert_eq!(phase, "Pending");
 }
 
@@ -1131,17 +1091,11 @@ async fn a_retained_volume_keeps_its_lower_claim_and_a_new_claim_of_the_name_nev
     tokio::time::sleep(Duration::from_secs(6)).await;
     let waiting = claim_of("jsonpath={.status.phase}").await;
     assert_eq!(waiting, "Pending", "the new claim is not bound to the old volume");
-    let unbound = kubectl(
+    let unbound = scene::pod_field(
         up(),
-        &[
-            "-n",
-            "retain",
-            "get",
-            "pod",
-            "second",
-            "-o",
-            "jsonpath={.status.phase}/{.spec.nodeName}",
-        ],
+        "retain",
+        "second",
+        "jsonpath={.status.phase}/{.spec.nodeName}",
     )
     .await;
     assert_eq!(unbound, "Pending/");
@@ -1310,19 +1264,7 @@ spec:
     )
     .await;
     scene::pod_running(low(), "pv", "reader", 60).await;
-    let node = kubectl(
-        up(),
-        &[
-            "-n",
-            "pv",
-            "get",
-            "pod",
-            "reader",
-            "-o",
-            "jsonpath={.spec.nodeName}",
-        ],
-    )
-    .await;
+    let node = scene::pod_field(up(), "pv", "reader", "jsonpath={.spec.nodeName}").await;
     assert_eq!(node, "vn-pv");
 
     // The claim goes upstream: the lower claim and the upper volume follow once unused.

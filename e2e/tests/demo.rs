@@ -18,6 +18,7 @@ use tensile_common::stash::Stash;
 use tensile_e2e::check::{eventually, kubectl};
 use tensile_e2e::demo::{DEPLOYMENT, Demo, DemoOptions, NAMESPACE, UPPER, move_manifest};
 use tensile_e2e::process::pid_alive;
+use tensile_e2e::scene;
 
 const READY: &str = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}/{.status.conditions[?(@.type=="Ready")].reason}"#;
 
@@ -256,14 +257,7 @@ async fn the_demo_runs_its_workload_below_shows_it_above_and_cleans_up() {
             String::from_utf8_lossy(&out.stdout).contains("kube-apiserver stopped"),
             "{out:?}"
         );
-        eventually(
-            &up,
-            "the virtual node NotReady",
-            60,
-            &["get", "node", first, "-o", READY],
-            "False/LowerClusterUnreachable",
-        )
-        .await;
+        scene::node_shows(&up, first, READY, "False/LowerClusterUnreachable", 60).await;
         let bad = shell(&stop.replace(first.as_str(), UPPER)).await;
         assert!(!bad.status.success(), "only lower clusters can be stopped");
         let out = shell(&start).await;

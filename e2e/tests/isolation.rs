@@ -188,19 +188,7 @@ spec:
         .filter_map(|p| p["podRef"]["name"].as_str())
         .collect();
     assert!(!names.contains(&"victim"), "the node's usage lists {names:?}");
-    let theirs = kubectl(
-        low(),
-        &[
-            "-n",
-            SHARED,
-            "get",
-            "pod",
-            "victim",
-            "-o",
-            "jsonpath={.metadata.labels.tenant}",
-        ],
-    )
-    .await;
+    let theirs = scene::pod_field(low(), SHARED, "victim", "jsonpath={.metadata.labels.tenant}").await;
     assert_eq!(theirs, "b", "the other tenant's pod is untouched");
 }
 
@@ -251,17 +239,11 @@ async fn references_lower_admission_injects_never_make_upper_objects_travel() {
     .await;
     apply(up(), &bound_pod(INJECTED, "plain", NODE, None)).await;
     scene::pod_running(up(), INJECTED, "plain", 90).await;
-    let pulled = kubectl(
+    let pulled = scene::pod_field(
         low(),
-        &[
-            "-n",
-            INJECTED,
-            "get",
-            "pod",
-            "plain",
-            "-o",
-            "jsonpath={.spec.imagePullSecrets[*].name}",
-        ],
+        INJECTED,
+        "plain",
+        "jsonpath={.spec.imagePullSecrets[*].name}",
     )
     .await;
     assert_eq!(
@@ -343,7 +325,7 @@ async fn cordoning_every_lower_node_takes_room_away_and_keeps_the_node_ready() {
     // Longer than the test bed's node-monitor grace (20 s): Ready all along.
     let watched = Instant::now();
     while watched.elapsed() < Duration::from_secs(25) {
-        let ready = kubectl(up(), &["get", "node", node, "-o", scene::READY]).await;
+        let ready = scene::node_field(up(), node, scene::READY).await;
         assert_eq!(
             ready,
             "True",
@@ -352,17 +334,11 @@ async fn cordoning_every_lower_node_takes_room_away_and_keeps_the_node_ready() {
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    let phase = kubectl(
+    let phase = scene::pod_field(
         up(),
-        &[
-            "-n",
-            "cordon",
-            "get",
-            "pod",
-            "keeps-running",
-            "-o",
-            "jsonpath={.status.phase}/{.metadata.deletionTimestamp}",
-        ],
+        "cordon",
+        "keeps-running",
+        "jsonpath={.status.phase}/{.metadata.deletionTimestamp}",
     )
     .await;
     assert_eq!(phase, "Running/", "the pod runs on, not evicted");
@@ -371,11 +347,7 @@ async fn cordoning_every_lower_node_takes_room_away_and_keeps_the_node_ready() {
         kubectl(lower.kubeconfig(), &["uncordon", n]).await;
     }
     scene::node_shows(up(), node, usable, "UsableLowerNodes", 30).await;
-    let pods = kubectl(
-        up(),
-        &["get", "node", node, "-o", "jsonpath={.status.allocatable.pods}"],
-    )
-    .await;
+    let pods = scene::node_field(up(), node, "jsonpath={.status.allocatable.pods}").await;
     assert_ne!(pods, "0", "the room is back");
 }
 
@@ -416,7 +388,7 @@ async fn heartbeats_start_before_the_lower_caches_finish_listing() {
     .await;
     let watched = Instant::now();
     while watched.elapsed() < Duration::from_secs(30) {
-        let ready = kubectl(up(), &["get", "node", node, "-o", scene::READY]).await;
+        let ready = scene::node_field(up(), node, scene::READY).await;
         assert_eq!(
             ready,
             "True",
@@ -661,7 +633,7 @@ spec:
     let room = "jsonpath={.status.capacity.cpu}/{.status.allocatable.cpu}/{.status.allocatable.memory}/{.status.allocatable.pods}";
     scene::node_shows(up(), SCOPED, room, "4/3/7516192768/9", 30).await;
     let usable = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerNodesUsable")].reason}: {.status.conditions[?(@.type=="tensile.io/LowerNodesUsable")].message}"#;
-    let condition = kubectl(up(), &["get", "node", SCOPED, "-o", usable]).await;
+    let condition = scene::node_field(up(), SCOPED, usable).await;
     assert!(
         condition.starts_with("ServedNamespaceQuotas: ") && condition.contains("team-b"),
         "{condition}"
@@ -802,17 +774,11 @@ items:
     bed.upper.create_namespace("team-c").await.unwrap();
     apply(up(), &bound_pod("team-c", "outside", SCOPED, None)).await;
     scene::pod_shows(up(), "team-c", "outside", SYNCED_REASON, "NamespaceNotServed", 60).await;
-    let message = kubectl(
+    let message = scene::pod_field(
         up(),
-        &[
-            "-n",
-            "team-c",
-            "get",
-            "pod",
-            "outside",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
-        ],
+        "team-c",
+        "outside",
+        r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
     )
     .await;
     assert!(message.contains("namespace team-c is not served"), "{message}");

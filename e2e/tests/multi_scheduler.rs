@@ -31,9 +31,10 @@ use tensile_e2e::descheduler::DeschedulerProcess;
 use tensile_e2e::in_process;
 use tensile_e2e::multi_scheduler::{CONFIG_V1, ExtenderProcess, StandaloneProcess, scheduler_config};
 use tensile_e2e::process::Service;
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::wait::must;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tensile_e2e::{NodeConfig, NodeSimulator, TestCluster, free_port};
 use tensile_webhook::{Certificates, Options, Policy};
 
 const ZONE: &str = "topology.kubernetes.io/zone";
@@ -172,25 +173,14 @@ async fn shape_shows_empty(upper: kube::Client, lower: kube::Client, name: &str)
 }
 
 fn bed() -> &'static Bed {
-    BED.get(|| async {
+    BED.bed(|| async {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let start = |name: &str| TestCluster::start(ClusterOptions::new("multi_scheduler", name));
-        let (upper, a, b, c) = tokio::join!(
-            start("upper"),
-            start("lower-a"),
-            start("lower-b"),
-            start("lower-c")
-        );
-        let (upper, a, b, c) = (upper?, a?, b?, c?);
+        let [upper, a, b, c] =
+            scene::clusters("multi_scheduler", ["upper", "lower-a", "lower-b", "lower-c"]).await?;
         tensile_e2e::chart::install_exclusion_records(upper.kubeconfig()).await?;
-        let mut sims = Vec::new();
-        for (cluster, name) in [(&a, "lower-a"), (&b, "lower-b"), (&c, "lower-c")] {
-            let options = SimulatorOptions::new(name, Some(cluster.kubelet_client_ca_pem()));
-            sims.push(NodeSimulator::start(cluster.client().await?, options, Vec::new()).await?);
-        }
-        let sim_c = sims.pop().unwrap();
-        let sim_b = sims.pop().unwrap();
-        let sim_a = sims.pop().unwrap();
+        let sim_a = scene::simulate(&a, Vec::new()).await?;
+        let sim_b = scene::simulate(&b, Vec::new()).await?;
+        let sim_c = scene::simulate(&c, Vec::new()).await?;
         for i in 0..12 {
             let node = NodeConfig::new(&format!("a{i}"))
                 .resource("cpu", "2")
@@ -213,8 +203,7 @@ fn bed() -> &'static Bed {
         }
         let mut nodes = Vec::new();
         for (name, lower) in [(VN_A, &a), (VN_B, &b), (VN_C, &c)] {
-            let args = in_process::options(&upper, name, lower).map_err(demo)?;
-            nodes.push(in_process::VirtualNode::run(args));
+            nodes.push(scene::virtual_node(&upper, name, lower, |_| {})?);
         }
         let client = upper.client().await?;
         for name in [VN_A, VN_B, VN_C] {
@@ -269,7 +258,6 @@ fn bed() -> &'static Bed {
             _scheduler: scheduler,
         })
     })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
 fn demo(e: impl std::fmt::Display) -> tensile_e2e::Error {

@@ -143,21 +143,10 @@ async fn placed(app: &str, want: usize) -> Vec<(String, String)> {
 }
 
 async fn image_below(lower: &Path, pod: &str) -> String {
-    kubectl(
-        lower,
-        &[
-            "-n",
-            "shop",
-            "get",
-            "pod",
-            pod,
-            "-o",
-            "jsonpath={.spec.containers[0].image}",
-        ],
-    )
-    .await
-    .trim()
-    .to_owned()
+    scene::pod_field(lower, "shop", pod, "jsonpath={.spec.containers[0].image}")
+        .await
+        .trim()
+        .to_owned()
 }
 
 async fn eventually_image(lower: &Path, pod: &str, want: &str) {
@@ -476,17 +465,11 @@ spec:
     let message = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#;
     let refused = "override rule \"dedicated\" of this lower cluster: nodeSelector pool=fleet contradicts the pod's pool=gpu";
     scene::pod_shows(up(), "shop", "zoned", message, refused, 30).await;
-    let reason = kubectl(
+    let reason = scene::pod_field(
         up(),
-        &[
-            "-n",
-            "shop",
-            "get",
-            "pod",
-            "zoned",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#,
-        ],
+        "shop",
+        "zoned",
+        r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#,
     )
     .await;
     assert_eq!(reason.trim(), "OverrideFailed");
@@ -537,15 +520,10 @@ async fn the_multi_scheduler_places_pods_on_a_cluster_whose_rule_tolerates_its_d
     let overrides = r#"jsonpath={.metadata.annotations.tensile\.io/placement-overrides}"#;
     let published = r#"{"v":1,"rules":[{"name":"dedicated","tolerations":[{"effect":"NoSchedule","key":"dedicated","operator":"Equal","value":"fleet"}],"nodeSelector":{"pool":"fleet"}}]}"#;
     scene::node_shows(up(), "vn-fleet", overrides, published, 60).await;
-    let shape = kubectl(
+    let shape = scene::node_field(
         up(),
-        &[
-            "get",
-            "node",
-            "vn-fleet",
-            "-o",
-            r#"jsonpath={.metadata.annotations.tensile\.io/capacity-shape}"#,
-        ],
+        "vn-fleet",
+        r#"jsonpath={.metadata.annotations.tensile\.io/capacity-shape}"#,
     )
     .await;
     assert!(
@@ -641,17 +619,11 @@ spec:
         60,
     )
     .await;
-    let message = kubectl(
+    let message = scene::pod_field(
         up(),
-        &[
-            "-n",
-            "fleet",
-            "get",
-            "pod",
-            "elsewhere",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="PodScheduled")].message}"#,
-        ],
+        "fleet",
+        "elsewhere",
+        r#"jsonpath={.status.conditions[?(@.type=="PodScheduled")].message}"#,
     )
     .await;
     assert!(

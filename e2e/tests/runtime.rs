@@ -291,10 +291,7 @@ async fn a_frozen_upper_apiserver_stalls_no_lease_renewal_past_the_freeze() {
     // And it stays so past the node monitor's grace (20 s from the last renewal before the
     // freeze): a node whose renewals were stuck would be Unknown by now.
     tokio::time::sleep(Duration::from_secs(15).saturating_sub(started.elapsed())).await;
-    assert_eq!(
-        kubectl(kc, &["get", "node", "vn-frozen", "-o", scene::READY]).await,
-        "True"
-    );
+    assert_eq!(scene::node_field(kc, "vn-frozen", scene::READY).await, "True");
 }
 
 /// When the Lease of virtual node `node` was last renewed, or what kubectl said instead.
@@ -328,7 +325,7 @@ async fn lease_renew_time(kc: &Path, node: &str) -> jiff::Timestamp {
 /// The Lease of virtual node `node` was renewed after `since`, and the node is Ready.
 async fn renewed_and_ready(kc: &Path, node: &str, since: jiff::Timestamp) -> Result<(), String> {
     let renewed = renew_time(kc, node).await;
-    let ready = kubectl(kc, &["get", "node", node, "-o", scene::READY]).await;
+    let ready = scene::node_field(kc, node, scene::READY).await;
     match renewed {
         Ok(t) if t > since && ready == "True" => Ok(()),
         _ => Err(format!(
@@ -441,15 +438,10 @@ async fn with_leader_election_one_replica_acts_and_the_standby_takes_over_a_kill
     // stands by.
     readyz_says(&second, 200, "standby: the leader Lease is held by", 30).await;
     scene::node_ready(up(), "vn-ha", 60).await;
-    let leader_port = kubectl(
+    let leader_port = scene::node_field(
         up(),
-        &[
-            "get",
-            "node",
-            "vn-ha",
-            "-o",
-            "jsonpath={.status.daemonEndpoints.kubeletEndpoint.Port}",
-        ],
+        "vn-ha",
+        "jsonpath={.status.daemonEndpoints.kubeletEndpoint.Port}",
     )
     .await;
     assert_eq!(
@@ -488,18 +480,12 @@ async fn with_leader_election_one_replica_acts_and_the_standby_takes_over_a_kill
         "figure: kill -9 of the leader to the standby holding the Lease: {acquired:?}, serving: {serving:?}"
     );
     all_running_exactly_once("ha", "vn-ha", 200, 240).await;
-    eventually(
+    scene::node_shows(
         up(),
-        "the node publishes the new leader's kubelet port",
-        30,
-        &[
-            "get",
-            "node",
-            "vn-ha",
-            "-o",
-            "jsonpath={.status.daemonEndpoints.kubeletEndpoint.Port}",
-        ],
+        "vn-ha",
+        "jsonpath={.status.daemonEndpoints.kubeletEndpoint.Port}",
         &second.kubelet_port.to_string(),
+        30,
     )
     .await;
     apply(up(), &deployment("ha", "web", "vn-ha", 0)).await;

@@ -93,11 +93,7 @@ async fn namespace(ns: &str) {
 }
 
 async fn capacity_cpu(node: &str) -> i64 {
-    let cpu = kubectl(
-        up(),
-        &["get", "node", node, "-o", "jsonpath={.status.capacity.cpu}"],
-    )
-    .await;
+    let cpu = scene::node_field(up(), node, "jsonpath={.status.capacity.cpu}").await;
     cpu.trim().parse().unwrap()
 }
 
@@ -118,11 +114,7 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
         60,
     )
     .await;
-    let labels = kubectl(
-        up(),
-        &["get", "node", "vn-node", "-o", "jsonpath={.metadata.labels}"],
-    )
-    .await;
+    let labels = scene::node_field(up(), "vn-node", "jsonpath={.metadata.labels}").await;
     for want in [
         r#""type":"virtual-kubelet""#,
         r#""kubernetes.io/hostname":"vn-node""#,
@@ -133,19 +125,14 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
     }
     // Acting as its node, it sets no label NodeRestriction keeps from kubelets.
     assert!(!labels.contains("kubernetes.io/role"), "{labels}");
-    let taints = kubectl(
+    let taints = scene::node_field(
         up(),
-        &[
-            "get",
-            "node",
-            "vn-node",
-            "-o",
-            "jsonpath={.spec.taints[0].key}={.spec.taints[0].value}:{.spec.taints[0].effect}",
-        ],
+        "vn-node",
+        "jsonpath={.spec.taints[0].key}={.spec.taints[0].value}:{.spec.taints[0].effect}",
     )
     .await;
     assert_eq!(taints, "virtual-kubelet.io/provider=tensile:NoSchedule");
-    let ip = kubectl(up(), &["get", "node", "vn-node", "-o", r#"jsonpath={.status.addresses[*].type}={.status.addresses[*].address} {.status.nodeInfo.kubeletVersion}"#]).await;
+    let ip = scene::node_field(up(), "vn-node", r#"jsonpath={.status.addresses[*].type}={.status.addresses[*].address} {.status.nodeInfo.kubeletVersion}"#).await;
     assert_eq!(
         ip,
         format!(
@@ -160,15 +147,10 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
         Duration::from_secs(15),
         Duration::from_millis(300),
         || async {
-            let shape = kubectl(
+            let shape = scene::node_field(
                 up(),
-                &[
-                    "get",
-                    "node",
-                    "vn-node",
-                    "-o",
-                    r#"jsonpath={.metadata.annotations.tensile\.io/capacity-shape}"#,
-                ],
+                "vn-node",
+                r#"jsonpath={.metadata.annotations.tensile\.io/capacity-shape}"#,
             )
             .await;
             let parsed: serde_json::Value =
@@ -200,18 +182,10 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
     );
 
     // Someone deletes the Node object: it comes back.
-    let uid = kubectl(
-        up(),
-        &["get", "node", "vn-node", "-o", "jsonpath={.metadata.uid}"],
-    )
-    .await;
+    let uid = scene::node_field(up(), "vn-node", "jsonpath={.metadata.uid}").await;
     kubectl(up(), &["delete", "node", "vn-node"]).await;
     wait_ready("vn-node").await;
-    let new_uid = kubectl(
-        up(),
-        &["get", "node", "vn-node", "-o", "jsonpath={.metadata.uid}"],
-    )
-    .await;
+    let new_uid = scene::node_field(up(), "vn-node", "jsonpath={.metadata.uid}").await;
     assert_ne!(uid, new_uid, "a new Node object was registered");
 
     // The admin endpoint reports readiness and metrics.
@@ -396,7 +370,7 @@ spec:
     )
     .await;
     scene::pod_shows(up(), "jobs", "crash", scene::PHASE, "Failed", 60).await;
-    let term = kubectl(up(), &["-n", "jobs", "get", "pod", "crash", "-o", "jsonpath={.status.containerStatuses[0].state.terminated.exitCode}/{.status.containerStatuses[0].state.terminated.reason}"]).await;
+    let term = scene::pod_field(up(), "jobs", "crash", "jsonpath={.status.containerStatuses[0].state.terminated.exitCode}/{.status.containerStatuses[0].state.terminated.reason}").await;
     assert_eq!(term, "3/OOMKilled");
 }
 
@@ -571,19 +545,7 @@ async fn a_lower_namespace_deleted_below_is_created_again_for_the_next_pod() {
     assert!(deleted.contains("deleted"), "{deleted}");
     apply(up(), &pod("nsgone", "second", "vn-nsgone", "Always", "", "10m")).await;
     phase("second").await;
-    let below = kubectl(
-        low,
-        &[
-            "-n",
-            "nsgone",
-            "get",
-            "pod",
-            "second",
-            "-o",
-            "jsonpath={.metadata.name}",
-        ],
-    )
-    .await;
+    let below = scene::pod_field(low, "nsgone", "second", "jsonpath={.metadata.name}").await;
     assert_eq!(below, "second");
 }
 
@@ -614,17 +576,11 @@ async fn a_priority_class_only_the_upper_cluster_has_does_not_block_the_lower_po
         scene::pod_running(up(), "prio", name, 60).await;
     }
     let below = |name: &'static str| async move {
-        kubectl(
+        scene::pod_field(
             bed.lower_a.kubeconfig(),
-            &[
-                "-n",
-                "prio",
-                "get",
-                "pod",
-                name,
-                "-o",
-                "jsonpath={.spec.priorityClassName}/{.spec.priority}",
-            ],
+            "prio",
+            name,
+            "jsonpath={.spec.priorityClassName}/{.spec.priority}",
         )
         .await
     };
@@ -648,11 +604,7 @@ async fn a_toleration_added_to_a_running_pod_reaches_the_lower_pod() {
     apply(up(), &pod("tol", "p", "vn-tol", "Always", stash, "10m")).await;
     scene::pod_running(up(), "tol", "p", 60).await;
     let keys = "jsonpath={range .spec.tolerations[*]}{.key},{end}";
-    let before = kubectl(
-        bed.lower_a.kubeconfig(),
-        &["-n", "tol", "get", "pod", "p", "-o", keys],
-    )
-    .await;
+    let before = scene::pod_field(bed.lower_a.kubeconfig(), "tol", "p", keys).await;
     assert!(
         before.contains("first,") && before.contains("node.kubernetes.io/not-ready,"),
         "the stash and the lower apiserver's defaults: {before}"
@@ -675,11 +627,7 @@ async fn a_toleration_added_to_a_running_pod_reaches_the_lower_pod() {
         Duration::from_secs(30),
         Duration::from_millis(300),
         || async {
-            let now = kubectl(
-                bed.lower_a.kubeconfig(),
-                &["-n", "tol", "get", "pod", "p", "-o", keys],
-            )
-            .await;
+            let now = scene::pod_field(bed.lower_a.kubeconfig(), "tol", "p", keys).await;
             if now.contains("second,")
                 && now.contains("first,")
                 && now.contains("node.kubernetes.io/not-ready,")
@@ -718,17 +666,11 @@ async fn a_readiness_gate_holds_upper_ready_until_its_condition_is_true() {
         60,
     )
     .await;
-    let lower_ready = kubectl(
+    let lower_ready = scene::pod_field(
         bed.lower_a.kubeconfig(),
-        &[
-            "-n",
-            "gate",
-            "get",
-            "pod",
-            "p",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
-        ],
+        "gate",
+        "p",
+        r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
     )
     .await;
     assert_eq!(lower_ready, "True", "the lower pod itself is ready");
@@ -748,17 +690,11 @@ async fn a_readiness_gate_holds_upper_ready_until_its_condition_is_true() {
     )
     .await;
     scene::pod_shows(up(), "gate", "p", ready, "Running/True/", 30).await;
-    let gate = kubectl(
+    let gate = scene::pod_field(
         up(),
-        &[
-            "-n",
-            "gate",
-            "get",
-            "pod",
-            "p",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="example.com/lb")].status}"#,
-        ],
+        "gate",
+        "p",
+        r#"jsonpath={.status.conditions[?(@.type=="example.com/lb")].status}"#,
     )
     .await;
     assert_eq!(
@@ -779,17 +715,11 @@ async fn a_lower_namespace_of_someone_else_is_refused_unless_shared() {
     apply(up(), &pod("theirs", "p", "vn-theirs", "Always", "", "10m")).await;
     let synced = &condition("tensile.io/LowerPodSynced", &["status", "reason"]);
     scene::pod_shows(up(), "theirs", "p", synced, "False/Conflict", 60).await;
-    let message = kubectl(
+    let message = scene::pod_field(
         up(),
-        &[
-            "-n",
-            "theirs",
-            "get",
-            "pod",
-            "p",
-            "-o",
-            &condition("tensile.io/LowerPodSynced", &["message"]),
-        ],
+        "theirs",
+        "p",
+        &condition("tensile.io/LowerPodSynced", &["message"]),
     )
     .await;
     assert!(
@@ -823,7 +753,7 @@ async fn changed_node_labels_and_taint_apply_to_a_registered_node() {
     wait_ready("vn-relabel").await;
     kubectl(up(), &["label", "node", "vn-relabel", "owner=ops"]).await;
     let shown = r#"jsonpath={.metadata.labels.team}/{.metadata.labels.zone}/{.metadata.labels.owner}/{.spec.taints[*].key}"#;
-    let now = kubectl(up(), &["get", "node", "vn-relabel", "-o", shown]).await;
+    let now = scene::node_field(up(), "vn-relabel", shown).await;
     assert_eq!(now, "a//ops/virtual-kubelet.io/provider");
     drop(first);
     let _second = VirtualNode::start_with("vn-relabel", &bed.lower_a, |args| {
@@ -846,7 +776,7 @@ async fn under_a_node_identity_changed_labels_apply_and_the_taint_is_left_to_an_
     });
     wait_ready("vn-retaint").await;
     let shown = r#"jsonpath={.metadata.labels.team}/{.metadata.labels.zone}/{.spec.taints[*].key}"#;
-    let now = kubectl(up(), &["get", "node", "vn-retaint", "-o", shown]).await;
+    let now = scene::node_field(up(), "vn-retaint", shown).await;
     assert_eq!(now, "a//virtual-kubelet.io/provider");
     drop(first);
     let _second = VirtualNode::start_with("vn-retaint", &bed.lower_a, |args| {
@@ -860,7 +790,7 @@ async fn under_a_node_identity_changed_labels_apply_and_the_taint_is_left_to_an_
     )
     .await;
     tokio::time::sleep(Duration::from_secs(12)).await;
-    let after = kubectl(up(), &["get", "node", "vn-retaint", "-o", shown]).await;
+    let after = scene::node_field(up(), "vn-retaint", shown).await;
     assert_eq!(after, "/z1/", "the admin's removal stays");
 }
 
@@ -874,34 +804,22 @@ async fn a_pod_the_lower_cluster_cannot_place_shows_unschedulable_upstream() {
     apply(up(), &pod("sched", "wide", "vn-sched", "Always", "", "6")).await;
     let cond = &condition("tensile.io/LowerPodScheduled", &["status", "reason"]);
     scene::pod_shows(up(), "sched", "wide", cond, "False/Unschedulable", 60).await;
-    let msg = kubectl(
+    let msg = scene::pod_field(
         up(),
-        &[
-            "-n",
-            "sched",
-            "get",
-            "pod",
-            "wide",
-            "-o",
-            &condition("tensile.io/LowerPodScheduled", &["message"]),
-        ],
+        "sched",
+        "wide",
+        &condition("tensile.io/LowerPodScheduled", &["message"]),
     )
     .await;
     assert!(
         msg.contains("Insufficient cpu"),
         "the lower scheduler's message: {msg}"
     );
-    let scheduled = kubectl(
+    let scheduled = scene::pod_field(
         up(),
-        &[
-            "-n",
-            "sched",
-            "get",
-            "pod",
-            "wide",
-            "-o",
-            r#"jsonpath={.spec.nodeName} {.status.conditions[?(@.type=="PodScheduled")].status}"#,
-        ],
+        "sched",
+        "wide",
+        r#"jsonpath={.spec.nodeName} {.status.conditions[?(@.type=="PodScheduled")].status}"#,
     )
     .await;
     assert_eq!(scheduled, "vn-sched True", "still bound upstream");
@@ -928,17 +846,11 @@ async fn a_foreign_lower_pod_of_the_same_name_is_a_reported_conflict() {
         ],
     )
     .await;
-    let before = kubectl(
+    let before = scene::pod_field(
         bed.lower_a.kubeconfig(),
-        &[
-            "-n",
-            "conflict",
-            "get",
-            "pod",
-            "clash",
-            "-o",
-            "jsonpath={.metadata.uid} {.spec.containers[0].image}",
-        ],
+        "conflict",
+        "clash",
+        "jsonpath={.metadata.uid} {.spec.containers[0].image}",
     )
     .await;
 
@@ -962,33 +874,15 @@ async fn a_foreign_lower_pod_of_the_same_name_is_a_reported_conflict() {
     )
     .await;
     assert!(events.contains("LowerPodConflict"), "a Warning event: {events}");
-    let after = kubectl(
+    let after = scene::pod_field(
         bed.lower_a.kubeconfig(),
-        &[
-            "-n",
-            "conflict",
-            "get",
-            "pod",
-            "clash",
-            "-o",
-            "jsonpath={.metadata.uid} {.spec.containers[0].image}",
-        ],
+        "conflict",
+        "clash",
+        "jsonpath={.metadata.uid} {.spec.containers[0].image}",
     )
     .await;
     assert_eq!(before, after, "the foreign pod is left untouched");
-    let phase = kubectl(
-        up(),
-        &[
-            "-n",
-            "conflict",
-            "get",
-            "pod",
-            "clash",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-    )
-    .await;
+    let phase = scene::pod_field(up(), "conflict", "clash", scene::PHASE).await;
     assert_eq!(phase, "Pending", "never shown Running with someone else's pod");
 }
 
@@ -1071,15 +965,10 @@ async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resu
     let started = Instant::now();
     scene::node_shows(up(), "vn-outage", scene::READY, "False", 30).await;
     let took = started.elapsed();
-    let reason = kubectl(
+    let reason = scene::node_field(
         up(),
-        &[
-            "get",
-            "node",
-            "vn-outage",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="Ready")].reason}"#,
-        ],
+        "vn-outage",
+        r#"jsonpath={.status.conditions[?(@.type=="Ready")].reason}"#,
     )
     .await;
     assert_eq!(reason, "LowerClusterUnreachable");
@@ -1106,7 +995,7 @@ async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resu
     .await;
     let marked = Instant::now();
     while marked.elapsed() < Duration::from_secs(12) {
-        let ready = kubectl(up(), &["-n", "outage", "get", "pod", "survivor", "-o", pod_ready]).await;
+        let ready = scene::pod_field(up(), "outage", "survivor", pod_ready).await;
         assert_eq!(
             ready,
             "False",
@@ -1531,17 +1420,11 @@ spec:
     let forged = r#"clusterSelector: '{"tolerations":[{"key":"node-role.kubernetes.io/master","operator":"Exists"}]}'"#;
     apply(up(), &manifest("by-hand", "app: x", forged)).await;
     scene::pod_running(up(), ns, "by-webhook", 60).await;
-    let tolerations = kubectl(
+    let tolerations = scene::pod_field(
         bed.lower_a.kubeconfig(),
-        &[
-            "-n",
-            ns,
-            "get",
-            "pod",
-            "by-webhook",
-            "-o",
-            "jsonpath={.spec.tolerations[*].key}",
-        ],
+        ns,
+        "by-webhook",
+        "jsonpath={.spec.tolerations[*].key}",
     )
     .await;
     assert!(tolerations.contains("dedicated"), "{tolerations}");
@@ -1556,7 +1439,7 @@ spec:
     let annotation = |pod: &str, key: &str| {
         let path = format!("jsonpath={{.metadata.annotations.{}}}", key.replace('.', "\\."));
         let pod = pod.to_owned();
-        async move { kubectl(up(), &["-n", ns, "get", "pod", &pod, "-o", &path]).await }
+        async move { scene::pod_field(up(), ns, &pod, &path).await }
     };
     let stash = annotation("by-webhook", tensile_common::names::CLUSTER_SELECTOR).await;
     let signature = annotation("by-webhook", tensile_common::names::STASH_SIGNATURE).await;
@@ -1574,17 +1457,11 @@ spec:
     );
     apply(up(), &manifest("replayed", "app: x", &copied)).await;
     scene::pod_shows(up(), ns, "replayed", synced, "False/StashNotTrusted", 60).await;
-    let message = kubectl(
+    let message = scene::pod_field(
         up(),
-        &[
-            "-n",
-            ns,
-            "get",
-            "pod",
-            "replayed",
-            "-o",
-            &condition("tensile.io/LowerPodSynced", &["message"]),
-        ],
+        ns,
+        "replayed",
+        &condition("tensile.io/LowerPodSynced", &["message"]),
     )
     .await;
     assert!(
@@ -1629,17 +1506,11 @@ spec:
     assert!(gen_name.starts_with("gen-") && gen_name.len() == 9, "{gen_name}");
     for pod in ["by-old-key", gen_name.as_str()] {
         scene::pod_running(up(), ns, pod, 60).await;
-        let tolerations = kubectl(
+        let tolerations = scene::pod_field(
             bed.lower_a.kubeconfig(),
-            &[
-                "-n",
-                ns,
-                "get",
-                "pod",
-                pod,
-                "-o",
-                "jsonpath={.spec.tolerations[*].key}",
-            ],
+            ns,
+            pod,
+            "jsonpath={.spec.tolerations[*].key}",
         )
         .await;
         assert!(tolerations.contains("dedicated"), "{pod}: {tolerations}");
@@ -1673,17 +1544,11 @@ spec:
 "#,
     )
     .await;
-    let stash = kubectl(
+    let stash = scene::pod_field(
         up(),
-        &[
-            "-n",
-            ns,
-            "get",
-            "pod",
-            "placed",
-            "-o",
-            "jsonpath={.metadata.annotations.clusterSelector}",
-        ],
+        ns,
+        "placed",
+        "jsonpath={.metadata.annotations.clusterSelector}",
     )
     .await;
     assert!(
@@ -1700,17 +1565,11 @@ spec:
     )
     .await;
     let low = bed.lower_a.kubeconfig();
-    let below = kubectl(
+    let below = scene::pod_field(
         low,
-        &[
-            "-n",
-            ns,
-            "get",
-            "pod",
-            "placed",
-            "-o",
-            "jsonpath={.spec.nodeName}|{.spec.tolerations[*].key}|{.spec.nodeSelector}",
-        ],
+        ns,
+        "placed",
+        "jsonpath={.spec.nodeName}|{.spec.tolerations[*].key}|{.spec.nodeSelector}",
     )
     .await;
     let parts: Vec<&str> = below.split('|').collect();
@@ -1931,27 +1790,14 @@ spec:
     for (ns, name) in [("tok", "talker"), ("plain", "quiet")] {
         scene::pod_running(up(), ns, name, 90).await;
     }
-    let uid = kubectl(
-        up(),
-        &[
-            "-n",
-            "tok",
-            "get",
-            "pod",
-            "talker",
-            "-o",
-            "jsonpath={.metadata.uid}",
-        ],
-    )
-    .await;
+    let uid = scene::pod_field(up(), "tok", "talker", "jsonpath={.metadata.uid}").await;
     let secret = format!("tensile-upper-token-{uid}");
     let low = bed.lower_a.kubeconfig();
 
     // The lower pod mounts the Secret where the upper pod mounts its token, and its
     // in-cluster clients go to the upper endpoint.
     let lower_pod: serde_json::Value =
-        serde_json::from_str(&kubectl(low, &["-n", "tok", "get", "pod", "talker", "-o", "json"]).await)
-            .unwrap();
+        serde_json::from_str(&scene::pod_field(low, "tok", "talker", "json").await).unwrap();
     let spec = &lower_pod["spec"];
     // Admission mounts the token as a projected volume (`kube-api-access-*`): below, its token
     // and CA sources read the Secret; the namespace still comes from the downward API.
@@ -2071,8 +1917,7 @@ spec:
 
     // A pod of a namespace the mode does not cover gets nothing.
     let quiet: serde_json::Value =
-        serde_json::from_str(&kubectl(low, &["-n", "plain", "get", "pod", "quiet", "-o", "json"]).await)
-            .unwrap();
+        serde_json::from_str(&scene::pod_field(low, "plain", "quiet", "json").await).unwrap();
     assert!(
         !quiet["spec"].to_string().contains("tensile-upper-token-")
             && quiet["spec"]["automountServiceAccountToken"] == false,
@@ -2256,17 +2101,11 @@ spec:
     .await;
     apply(up(), &pod("projplain", "reader", "configMap: {name: settings}")).await;
     phase("projplain", "reader").await;
-    let sources = kubectl(
+    let sources = scene::pod_field(
         low,
-        &[
-            "-n",
-            "projplain",
-            "get",
-            "pod",
-            "reader",
-            "-o",
-            "jsonpath={.spec.volumes[?(@.name==\"mixed\")].projected.sources[*].configMap.name}",
-        ],
+        "projplain",
+        "reader",
+        "jsonpath={.spec.volumes[?(@.name==\"mixed\")].projected.sources[*].configMap.name}",
     )
     .await;
     assert_eq!(sources, "settings", "the ConfigMap source is mounted below");
@@ -2520,19 +2359,7 @@ spec:
         "",
         "no upper token where others read Secrets"
     );
-    let volumes = kubectl(
-        low,
-        &[
-            "-n",
-            "scoped-tok",
-            "get",
-            "pod",
-            "talker",
-            "-o",
-            "jsonpath={.spec.volumes}",
-        ],
-    )
-    .await;
+    let volumes = scene::pod_field(low, "scoped-tok", "talker", "jsonpath={.spec.volumes}").await;
     assert!(!volumes.contains("tensile-upper-token-"), "{volumes}");
     for ns in ["scoped-tok", "scoped-listed"] {
         kubectl(up(), &["-n", ns, "delete", "pod", "talker", "--wait=true"]).await;
@@ -2591,19 +2418,7 @@ spec:
     .await;
     // The pod level is on by default from 1.34; a 1.33 apiserver drops it, and its scheduler
     // charges the container alone.
-    let kept = kubectl(
-        low,
-        &[
-            "-n",
-            ns,
-            "get",
-            "pod",
-            "pod-level",
-            "-o",
-            "jsonpath={.spec.resources.requests.cpu}",
-        ],
-    )
-    .await;
+    let kept = scene::pod_field(low, ns, "pod-level", "jsonpath={.spec.resources.requests.cpu}").await;
     let minor: u32 = bed.lower_a.version().split('.').nth(1).unwrap().parse().unwrap();
     assert_eq!(
         kept,
@@ -2667,17 +2482,11 @@ spec:
             .await;
         } else {
             scene::pod_shows(up(), ns, pod, &synced, "False/CreateFailed", 60).await;
-            let message = kubectl(
+            let message = scene::pod_field(
                 up(),
-                &[
-                    "-n",
-                    ns,
-                    "get",
-                    "pod",
-                    pod,
-                    "-o",
-                    &condition("tensile.io/LowerPodSynced", &["message"]),
-                ],
+                ns,
+                pod,
+                &condition("tensile.io/LowerPodSynced", &["message"]),
             )
             .await;
             assert!(
