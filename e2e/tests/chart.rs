@@ -812,27 +812,22 @@ async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
     // One CA for both: the bundle written into the chart's registration is the Secret's, and
     // verifies each replica's own serving certificate.
     let registration = format!("{full}-webhook");
-    tensile_e2e::wait::must(
-        "the caBundle of the chart's registration",
-        Duration::from_secs(40),
-        Duration::from_millis(300),
-        || async {
-            let out = up
-                .kubectl(&[
-                    "get",
-                    "mutatingwebhookconfiguration",
-                    &registration,
-                    "-o",
-                    "jsonpath={.webhooks[0].clientConfig.caBundle}",
-                ])
-                .await;
-            if out.ok && !out.stdout.trim().is_empty() {
-                Ok(())
-            } else {
-                Err(out.stderr)
-            }
-        },
-    )
+    tensile_e2e::wait::within("the caBundle of the chart's registration", 40, || async {
+        let out = up
+            .kubectl(&[
+                "get",
+                "mutatingwebhookconfiguration",
+                &registration,
+                "-o",
+                "jsonpath={.webhooks[0].clientConfig.caBundle}",
+            ])
+            .await;
+        if out.ok && !out.stdout.trim().is_empty() {
+            Ok(())
+        } else {
+            Err(out.stderr)
+        }
+    })
     .await;
     let ca_pem = bundle(up, &registration).await;
     let in_secret = kubectl(
@@ -858,22 +853,19 @@ async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
     let ca_file = up.dir().join("webhook-bundle.crt");
     std::fs::write(&ca_file, &ca_pem).unwrap();
     for port in webhook_ports {
-        let body = tensile_e2e::wait::must(
-            &format!("webhook on {port} verified with the bundle"),
-            Duration::from_secs(20),
-            Duration::from_millis(300),
-            || healthz_with_ca(port, &ca_file),
-        )
-        .await;
+        let body =
+            tensile_e2e::wait::within(&format!("webhook on {port} verified with the bundle"), 20, || {
+                healthz_with_ca(port, &ca_file)
+            })
+            .await;
         assert_eq!(body, "ok");
     }
     // A restarted replica serves a new certificate of the same CA; the bundle stays.
     webhooks[1].restart().unwrap();
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let body = tensile_e2e::wait::must(
+    let body = tensile_e2e::wait::within(
         "the restarted webhook verified with the unchanged bundle",
-        Duration::from_secs(20),
-        Duration::from_millis(300),
+        20,
         || healthz_with_ca(webhook_ports[1], &ca_file),
     )
     .await;
@@ -1458,10 +1450,9 @@ async fn the_releases_identities_change_only_the_nodes_and_volumes_the_suite_mad
     // The apiserver checked every expression of the chart's policies against the types of
     // what they match, and warns of none.
     for policy in ["nodes", "grants", "volumes", "claims", "node-volumes"] {
-        let checked = tensile_e2e::wait::must(
+        let checked = tensile_e2e::wait::within(
             &format!("the policy {full}-{policy} type-checked"),
-            Duration::from_secs(30),
-            Duration::from_millis(300),
+            30,
             || async {
                 let out = up
                     .kubectl(&[
@@ -2348,11 +2339,7 @@ async fn with_two_replicas_the_descheduler_deployment_is_available_with_one_lead
 
     // Both pods run on the node, not Ready: nothing answers their probe yet.
     let selector = format!("app.kubernetes.io/instance={release},app.kubernetes.io/component=descheduler");
-    let pods: Vec<String> = tensile_e2e::wait::must(
-        "two descheduler pods Running on chart-host-0",
-        Duration::from_secs(60),
-        Duration::from_millis(300),
-        || async {
+    let pods: Vec<String> = tensile_e2e::wait::within("two descheduler pods Running on chart-host-0", 60, || async {
             let out = kubectl(
                 up.kubeconfig(),
                 &[
@@ -2373,8 +2360,7 @@ async fn with_two_replicas_the_descheduler_deployment_is_available_with_one_lead
                 .filter_map(|l| l.split(' ').next().map(str::to_owned))
                 .collect();
             if running.len() == 2 { Ok(running) } else { Err(out) }
-        },
-    )
+        })
     .await;
     let ready = [
         "-n",

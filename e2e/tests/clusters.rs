@@ -324,19 +324,14 @@ async fn answer(up: &TestCluster, name: &str) -> String {
 
 /// Waits until request `name` is answered; the answer.
 async fn answered(up: &TestCluster, name: &str) -> String {
-    tensile_e2e::wait::must(
-        &format!("request {name} answered"),
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let said = answer(up, name).await;
-            if said.trim() == ":" {
-                Err("unanswered".to_owned())
-            } else {
-                Ok(said)
-            }
-        },
-    )
+    tensile_e2e::wait::within(&format!("request {name} answered"), 30, || async {
+        let said = answer(up, name).await;
+        if said.trim() == ":" {
+            Err("unanswered".to_owned())
+        } else {
+            Ok(said)
+        }
+    })
     .await
 }
 
@@ -594,31 +589,25 @@ spec: {hard: {requests.cpu: "12", requests.memory: 24Gi, pods: "10"}}
         ),
     )
     .await;
-    tensile_e2e::wait::must(
-        "held refused for its overrides",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let said = kubectl(
-                up.kubeconfig(),
-                &[
-                    "get",
-                    "lowercluster",
-                    "held",
-                    "-o",
-                    r#"jsonpath={.status.conditions[?(@.type=="Accepted")].message}"#,
-                ],
-            )
-            .await;
-            match said.starts_with("spec.overrides: rule \"mirror\": image.regex: regex parse error")
-                && said.ends_with(
-                    "none were accepted before, so the virtual node is not started until they pass",
-                ) {
-                true => Ok(()),
-                false => Err(said),
-            }
-        },
-    )
+    tensile_e2e::wait::within("held refused for its overrides", 30, || async {
+        let said = kubectl(
+            up.kubeconfig(),
+            &[
+                "get",
+                "lowercluster",
+                "held",
+                "-o",
+                r#"jsonpath={.status.conditions[?(@.type=="Accepted")].message}"#,
+            ],
+        )
+        .await;
+        match said.starts_with("spec.overrides: rule \"mirror\": image.regex: regex parse error")
+            && said.ends_with("none were accepted before, so the virtual node is not started until they pass")
+        {
+            true => Ok(()),
+            false => Err(said),
+        }
+    })
     .await;
     let made = kubectl(
         up.kubeconfig(),

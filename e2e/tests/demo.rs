@@ -336,43 +336,36 @@ async fn the_demo_with_the_multi_scheduler_puts_the_pod_only_lower_b_holds_there
     kubectl(&up, &["apply", "-f", &move_manifest().display().to_string()]).await;
     let seen = std::cell::RefCell::new(BTreeSet::<String>::new());
     let refused = std::cell::RefCell::new(BTreeSet::<String>::new());
-    tensile_e2e::wait::must(
-        "the pod only lower-b holds Running there",
-        Duration::from_secs(90),
-        Duration::from_millis(300),
-        || async {
-            let big: Vec<Value> = pods(&up)
-                .await
-                .into_iter()
-                .filter(|p| p["metadata"]["labels"]["app"] == "big")
-                .collect();
-            for pod in &big {
-                seen.borrow_mut().insert(name(pod));
-                let conditions = pod["status"]["conditions"]
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default();
-                if conditions
+    tensile_e2e::wait::within("the pod only lower-b holds Running there", 90, || async {
+        let big: Vec<Value> = pods(&up)
+            .await
+            .into_iter()
+            .filter(|p| p["metadata"]["labels"]["app"] == "big")
+            .collect();
+        for pod in &big {
+            seen.borrow_mut().insert(name(pod));
+            let conditions = pod["status"]["conditions"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            if conditions
+                .iter()
+                .any(|c| c["type"] == names::CONDITION_LOWER_SCHEDULED && c["status"] == "False")
+            {
+                refused.borrow_mut().insert(name(pod));
+            }
+        }
+        match big.as_slice() {
+            [pod] if pod["spec"]["nodeName"] == "lower-b" && pod["status"]["phase"] == "Running" => Ok(()),
+            other => Err(format!(
+                "{:?}",
+                other
                     .iter()
-                    .any(|c| c["type"] == names::CONDITION_LOWER_SCHEDULED && c["status"] == "False")
-                {
-                    refused.borrow_mut().insert(name(pod));
-                }
-            }
-            match big.as_slice() {
-                [pod] if pod["spec"]["nodeName"] == "lower-b" && pod["status"]["phase"] == "Running" => {
-                    Ok(())
-                }
-                other => Err(format!(
-                    "{:?}",
-                    other
-                        .iter()
-                        .map(|p| (name(p), p["spec"]["nodeName"].clone()))
-                        .collect::<Vec<_>>()
-                )),
-            }
-        },
-    )
+                    .map(|p| (name(p), p["spec"]["nodeName"].clone()))
+                    .collect::<Vec<_>>()
+            )),
+        }
+    })
     .await;
     let (seen, refused) = (seen.into_inner(), refused.into_inner());
     assert!(refused.is_empty(), "refused below: {refused:?}");

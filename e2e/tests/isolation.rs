@@ -199,16 +199,11 @@ async fn references_lower_admission_injects_never_make_upper_objects_travel() {
     let bed = bed();
     scene::node_ready(up(), NODE, 60).await;
     bed.lower.create_namespace(INJECTED).await.unwrap();
-    tensile_e2e::wait::must(
-        "the lower default ServiceAccount",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let out =
-                tensile_e2e::kubectl::run(low(), &["-n", INJECTED, "get", "serviceaccount", "default"]).await;
-            out.ok.then_some(()).ok_or(out.stderr)
-        },
-    )
+    tensile_e2e::wait::within("the lower default ServiceAccount", 30, || async {
+        let out =
+            tensile_e2e::kubectl::run(low(), &["-n", INJECTED, "get", "serviceaccount", "default"]).await;
+        out.ok.then_some(()).ok_or(out.stderr)
+    })
     .await;
     kubectl(
         low(),
@@ -277,17 +272,12 @@ async fn services_are_reflected_only_into_namespaces_pods_may_use() {
     }
     scene::pod_running(up(), "ours", "app", 90).await;
     scene::pod_shows(up(), "theirs", "app", SYNCED_REASON, "Conflict", 60).await;
-    tensile_e2e::wait::must(
-        "the Service reflected into the own namespace",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            exists_below("ours", "service", "db")
-                .await
-                .then_some(())
-                .ok_or_else(|| "not yet".to_owned())
-        },
-    )
+    tensile_e2e::wait::within("the Service reflected into the own namespace", 30, || async {
+        exists_below("ours", "service", "db")
+            .await
+            .then_some(())
+            .ok_or_else(|| "not yet".to_owned())
+    })
     .await;
     assert!(
         !exists_below("theirs", "service", "db").await,

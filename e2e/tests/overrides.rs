@@ -79,17 +79,12 @@ async fn counter(vn: &VirtualNode, name: &str) -> u64 {
 }
 
 async fn until_counted(vn: &VirtualNode, name: &str, want: u64) {
-    tensile_e2e::wait::must(
-        &format!("{name} counted {want} times"),
-        Duration::from_secs(30),
-        Duration::from_millis(200),
-        || async {
-            match counter(vn, name).await {
-                n if n >= want => Ok(()),
-                n => Err(n.to_string()),
-            }
-        },
-    )
+    tensile_e2e::wait::within(&format!("{name} counted {want} times"), 30, || async {
+        match counter(vn, name).await {
+            n if n >= want => Ok(()),
+            n => Err(n.to_string()),
+        }
+    })
     .await
 }
 
@@ -118,27 +113,22 @@ spec:
 
 /// The upper pods of `app`, by the virtual node each is bound to.
 async fn placed(app: &str, want: usize) -> Vec<(String, String)> {
-    tensile_e2e::wait::must(
-        &format!("{want} pods of {app} bound"),
-        Duration::from_secs(90),
-        Duration::from_millis(300),
-        || async {
-            let list = json(up(), &["-n", "shop", "get", "pods", "-l", &format!("app={app}")]).await;
-            let bound: Vec<(String, String)> = list["items"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|p| {
-                    let node = p["spec"]["nodeName"].as_str()?;
-                    Some((p["metadata"]["name"].as_str()?.to_owned(), node.to_owned()))
-                })
-                .collect();
-            match bound.len() == want {
-                true => Ok(bound),
-                false => Err(format!("{bound:?}")),
-            }
-        },
-    )
+    tensile_e2e::wait::within(&format!("{want} pods of {app} bound"), 90, || async {
+        let list = json(up(), &["-n", "shop", "get", "pods", "-l", &format!("app={app}")]).await;
+        let bound: Vec<(String, String)> = list["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| {
+                let node = p["spec"]["nodeName"].as_str()?;
+                Some((p["metadata"]["name"].as_str()?.to_owned(), node.to_owned()))
+            })
+            .collect();
+        match bound.len() == want {
+            true => Ok(bound),
+            false => Err(format!("{bound:?}")),
+        }
+    })
     .await
 }
 
@@ -288,31 +278,26 @@ async fn each_lower_cluster_runs_the_same_workloads_as_its_own_rules_say_and_an_
     let lower_a = json(low_a, &["-n", "shop", "get", "pod", &web_a]).await;
     assert_eq!(recorded(&lower_a), ["mirror"]);
     let selector = format!("involvedObject.name={web_a},reason=LowerPodCreated");
-    tensile_e2e::wait::must(
-        "the event naming the rules",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let said = kubectl(
-                up(),
-                &[
-                    "-n",
-                    "shop",
-                    "get",
-                    "events",
-                    "--field-selector",
-                    &selector,
-                    "-o",
-                    "jsonpath={.items[0].message}",
-                ],
-            )
-            .await;
-            match said.trim().ends_with(" with override rules mirror") {
-                true => Ok(()),
-                false => Err(said),
-            }
-        },
-    )
+    tensile_e2e::wait::within("the event naming the rules", 30, || async {
+        let said = kubectl(
+            up(),
+            &[
+                "-n",
+                "shop",
+                "get",
+                "events",
+                "--field-selector",
+                &selector,
+                "-o",
+                "jsonpath={.items[0].message}",
+            ],
+        )
+        .await;
+        match said.trim().ends_with(" with override rules mirror") {
+            true => Ok(()),
+            false => Err(said),
+        }
+    })
     .await;
     // lower-b: its image as written, on a dedicated node (the toleration and nodeSelector
     // took it there), with its region.

@@ -13,7 +13,7 @@ use tensile_e2e::in_process::{VirtualNodeProcess, admin_get};
 use tensile_e2e::partition::Partition;
 use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
-use tensile_e2e::wait::{must, until};
+use tensile_e2e::wait::{must, until, within};
 use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, TestCluster, free_port};
 
 struct Bed {
@@ -316,10 +316,7 @@ async fn renew_time(kc: &Path, node: &str) -> Result<jiff::Timestamp, String> {
 /// status write within the round, so it is waited for).
 async fn lease_renew_time(kc: &Path, node: &str) -> jiff::Timestamp {
     let what = format!("the Lease of {node}");
-    must(&what, Duration::from_secs(10), Duration::from_millis(200), || {
-        renew_time(kc, node)
-    })
-    .await
+    within(&what, 10, || renew_time(kc, node)).await
 }
 
 /// The Lease of virtual node `node` was renewed after `since`, and the node is Ready.

@@ -142,10 +142,9 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
         )
     );
     // The shape is rewritten at most every 5 s: it shows the three nodes within that.
-    tensile_e2e::wait::must(
+    tensile_e2e::wait::within(
         "the capacity shape summarises the three lower nodes",
-        Duration::from_secs(15),
-        Duration::from_millis(300),
+        15,
         || async {
             let shape = scene::node_field(
                 up(),
@@ -1629,31 +1628,21 @@ async fn a_followed_log_of_a_quiet_container_is_closed_below_when_kubectl_goes()
     .unwrap()
     .unwrap();
     assert_eq!(first, "quiet/hush app line 0\n");
-    tensile_e2e::wait::must(
-        "one lower log stream open while kubectl follows",
-        Duration::from_secs(10),
-        Duration::from_millis(200),
-        || async {
-            match open_streams().await {
-                1 => Ok(()),
-                n => Err(format!("{n} open")),
-            }
-        },
-    )
+    tensile_e2e::wait::within("one lower log stream open while kubectl follows", 10, || async {
+        match open_streams().await {
+            1 => Ok(()),
+            n => Err(format!("{n} open")),
+        }
+    })
     .await;
     // The container stays quiet; kubectl goes.
     follow.kill().await.unwrap();
-    tensile_e2e::wait::must(
-        "the lower log stream closed after kubectl went",
-        Duration::from_secs(5),
-        Duration::from_millis(200),
-        || async {
-            match open_streams().await {
-                0 => Ok(()),
-                n => Err(format!("{n} still open")),
-            }
-        },
-    )
+    tensile_e2e::wait::within("the lower log stream closed after kubectl went", 5, || async {
+        match open_streams().await {
+            0 => Ok(()),
+            n => Err(format!("{n} still open")),
+        }
+    })
     .await;
 }
 
