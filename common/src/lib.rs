@@ -39,6 +39,7 @@ pub mod runtime;
 pub mod serve;
 pub mod shape;
 pub mod stash;
+mod supervisor;
 pub mod telemetry;
 pub mod tls;
 pub mod versions;
