@@ -115,6 +115,23 @@ pub async fn pod_shows(kubeconfig: &Path, ns: &str, name: &str, output: &str, wa
     crate::check::eventually(kubeconfig, &what, secs, &args, want).await;
 }
 
+/// Waits up to `secs` until `kubectl -n NS get OBJECT -o OUTPUT` prints `want`, for a
+/// namespaced `object` written `kind/name` (`pvc/data`, `configmap/settings`).
+pub async fn shows(kubeconfig: &Path, ns: &str, object: &str, output: &str, want: &str, secs: u64) {
+    let what = format!(
+        "{object} in {ns} of {} to show {want:?} for {output}",
+        cluster(kubeconfig)
+    );
+    let args = ["-n", ns, "get", object, "-o", output];
+    crate::check::eventually(kubeconfig, &what, secs, &args, want).await;
+}
+
+/// What `kubectl -n NS get OBJECT -o OUTPUT` prints now, for a namespaced `object` written
+/// `kind/name`; panics with kubectl's error.
+pub async fn field(kubeconfig: &Path, ns: &str, object: &str, output: &str) -> String {
+    crate::check::kubectl(kubeconfig, &["-n", ns, "get", object, "-o", output]).await
+}
+
 /// What `kubectl -n NS get pod NAME -o OUTPUT` prints now; panics with kubectl's error.
 pub async fn pod_field(kubeconfig: &Path, ns: &str, name: &str, output: &str) -> String {
     crate::check::kubectl(kubeconfig, &["-n", ns, "get", "pod", name, "-o", output]).await

@@ -1029,12 +1029,13 @@ items:
     .await;
     assert_eq!(copies.trim(), "ConfigMap Secret PersistentVolumeClaim");
     node_identity_is_confined_like_a_kubelet(up, ns, app, node).await;
-    eventually(
+    scene::shows(
         up.kubeconfig(),
-        "the upper claim Bound to the volume reflected upstream",
-        30,
-        &["-n", app, "get", "pvc", "data", "-o", "jsonpath={.status.phase}"],
+        app,
+        "pvc/data",
+        "jsonpath={.status.phase}",
         "Bound",
+        30,
     )
     .await;
     let logs = tensile_e2e::wait::must(
@@ -1086,20 +1087,13 @@ items:
         ],
     )
     .await;
-    eventually(
+    scene::shows(
         low.kubeconfig(),
-        "an upper edit reaching its copy after the renewal",
-        10,
-        &[
-            "-n",
-            app,
-            "get",
-            "configmap",
-            "settings",
-            "-o",
-            "jsonpath={.data.mode}",
-        ],
+        app,
+        "configmap/settings",
+        "jsonpath={.data.mode}",
         "renewed",
+        10,
     )
     .await;
 

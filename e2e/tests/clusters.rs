@@ -486,12 +486,13 @@ spec: {hard: {requests.cpu: "12", requests.memory: 24Gi, pods: "10"}}
     )
     .await;
     // Everything settles (the namespace's account and root CA) before lower-b's listing.
-    eventually(
+    scene::shows(
         low_b.kubeconfig(),
-        "fleet's account",
-        30,
-        &["-n", "fleet", "get", "serviceaccount", "default", "-o", "name"],
+        "fleet",
         "serviceaccount/default",
+        "name",
+        "serviceaccount/default",
+        30,
     )
     .await;
     let lower_b_before = listing(low_b, None).await;

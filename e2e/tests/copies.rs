@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use futures::{StreamExt as _, TryStreamExt as _};
 
-use tensile_e2e::check::{apply, eventually, kubectl};
+use tensile_e2e::check::{apply, kubectl};
 use tensile_e2e::in_process::VirtualNode;
 use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
@@ -260,19 +260,7 @@ items:
             "{kind} {name} was below before the pod"
         );
     }
-    let labels = kubectl(
-        low(),
-        &[
-            "-n",
-            "refs",
-            "get",
-            "configmap",
-            "cfg",
-            "-o",
-            "jsonpath={.metadata.labels.app}",
-        ],
-    )
-    .await;
+    let labels = scene::field(low(), "refs", "configmap/cfg", "jsonpath={.metadata.labels.app}").await;
     assert_eq!(labels, "web", "labels travel with the copy");
     assert_eq!(
         below(&["-n", "refs", "get", "secret", "unused"]).await,
@@ -496,11 +484,7 @@ async fn a_foreign_same_named_config_map_below_is_reported_and_left_untouched() 
     )
     .await;
     let fields = "jsonpath={.metadata.uid} {.metadata.resourceVersion} {.data.owner} {.metadata.labels}";
-    let before = kubectl(
-        low(),
-        &["-n", "clash", "get", "configmap", "theirs", "-o", fields],
-    )
-    .await;
+    let before = scene::field(low(), "clash", "configmap/theirs", fields).await;
     kubectl(
         up(),
         &[
@@ -525,11 +509,7 @@ async fn a_foreign_same_named_config_map_below_is_reported_and_left_untouched() 
     );
     // Give the resync several passes to (wrongly) touch it.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let after = kubectl(
-        low(),
-        &["-n", "clash", "get", "configmap", "theirs", "-o", fields],
-    )
-    .await;
+    let after = scene::field(low(), "clash", "configmap/theirs", fields).await;
     assert_eq!(before, after, "the foreign ConfigMap is left untouched");
     assert_eq!(
         below(&["-n", "clash", "get", "pod", "app"]).await,
@@ -630,20 +610,13 @@ items:
     scene::pod_running(low(), "repair", "app", 60).await;
 
     kubectl(low(), &["-n", "repair", "delete", "configmap", "cfg"]).await;
-    eventually(
+    scene::shows(
         low(),
-        "deleted copy repaired",
-        10,
-        &[
-            "-n",
-            "repair",
-            "get",
-            "configmap",
-            "cfg",
-            "-o",
-            "jsonpath={.data.v}",
-        ],
+        "repair",
+        "configmap/cfg",
+        "jsonpath={.data.v}",
         "upper",
+        10,
     )
     .await;
     kubectl(
@@ -659,20 +632,13 @@ items:
         ],
     )
     .await;
-    eventually(
+    scene::shows(
         low(),
-        "edited copy repaired",
-        10,
-        &[
-            "-n",
-            "repair",
-            "get",
-            "secret",
-            "sec",
-            "-o",
-            "jsonpath={.data.token}",
-        ],
+        "repair",
+        "secret/sec",
+        "jsonpath={.data.token}",
         "dXBwZXI=",
+        10,
     )
     .await;
 
@@ -778,17 +744,11 @@ items:
     )
     .await;
     let addresses = |kubeconfig: &'static Path| async move {
-        let ips = kubectl(
+        let ips = scene::field(
             kubeconfig,
-            &[
-                "-n",
-                "svc",
-                "get",
-                "endpoints",
-                "web",
-                "-o",
-                "jsonpath={.subsets[*].addresses[*].ip}",
-            ],
+            "svc",
+            "endpoints/web",
+            "jsonpath={.subsets[*].addresses[*].ip}",
         )
         .await;
         let mut ips: Vec<String> = ips.split_whitespace().map(str::to_owned).collect();
@@ -827,7 +787,7 @@ items:
     );
 
     let fields = r#"jsonpath={.spec.selector} {.spec.clusterIP} {.metadata.annotations.tensile\.io/service-selector} {.metadata.labels.tier} {.spec.ports[0].port}/{.spec.ports[0].targetPort}"#;
-    let svc = kubectl(low(), &["-n", "svc", "get", "service", "web", "-o", fields]).await;
+    let svc = scene::field(low(), "svc", "service/web", fields).await;
     let parts: Vec<&str> = svc.split(' ').collect();
     assert_eq!(parts[0], "", "the copy has no selector: {svc}");
     assert!(
@@ -836,19 +796,7 @@ items:
     );
     assert_eq!(parts[2], r#"{"app":"web"}"#, "{svc}");
     assert_eq!(&parts[3..], ["front", "80/8080"], "{svc}");
-    let headless = kubectl(
-        low(),
-        &[
-            "-n",
-            "svc",
-            "get",
-            "service",
-            "web-headless",
-            "-o",
-            "jsonpath={.spec.clusterIP}",
-        ],
-    )
-    .await;
+    let headless = scene::field(low(), "svc", "service/web-headless", "jsonpath={.spec.clusterIP}").await;
     assert_eq!(headless, "None", "a headless Service stays headless");
 
     // Scaling upstream changes the lower endpoints within 2 s of the upper ones.
@@ -952,19 +900,7 @@ async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_fore
         },
     )
     .await;
-    let kept = kubectl(
-        low(),
-        &[
-            "-n",
-            "gc-b",
-            "get",
-            "configmap",
-            "theirs",
-            "-o",
-            "jsonpath={.data.k}",
-        ],
-    )
-    .await;
+    let kept = scene::field(low(), "gc-b", "configmap/theirs", "jsonpath={.data.k}").await;
     assert_eq!(kept, "v", "a namespace holding someone else's object is kept");
     let phase = kubectl(
         low(),
@@ -972,19 +908,7 @@ async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_fore
     )
     .await;
     assert_eq!(phase, "Active");
-    let role = kubectl(
-        low(),
-        &[
-            "-n",
-            "gc-c",
-            "get",
-            "role",
-            "reader",
-            "-o",
-            "jsonpath={.metadata.name}",
-        ],
-    )
-    .await;
+    let role = scene::field(low(), "gc-c", "role/reader", "jsonpath={.metadata.name}").await;
     assert_eq!(role, "reader", "a namespace holding a lower admin's Role is kept");
 }
 
@@ -1000,23 +924,14 @@ async fn a_retained_volume_keeps_its_lower_claim_and_a_new_claim_of_the_name_nev
     let claim = data_claim("retain", "keep", "retain-disk", "1Gi", false).await;
     apply(up(), &pod("retain", "first", "vn-retain", USES_DATA)).await;
     scene::pod_running(low(), "retain", "first", 60).await;
-    let claim_of = |what: &'static str| async move {
-        kubectl(up(), &["-n", "retain", "get", "pvc", "data", "-o", what]).await
-    };
-    eventually(
+    let claim_of = |what: &'static str| async move { scene::field(up(), "retain", "pvc/data", what).await };
+    scene::shows(
         up(),
-        "the upper claim Bound",
-        30,
-        &[
-            "-n",
-            "retain",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
+        "retain",
+        "pvc/data",
+        "jsonpath={.status.phase}",
         "Bound",
+        30,
     )
     .await;
     let volume = claim_of("jsonpath={.spec.volumeName}").await;
@@ -1031,52 +946,21 @@ async fn a_retained_volume_keeps_its_lower_claim_and_a_new_claim_of_the_name_nev
         ],
     )
     .await;
-    eventually(
+    scene::shows(
         low(),
-        "the lower claim records Retain",
-        30,
-        &[
-            "-n",
-            "retain",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            r#"jsonpath={.metadata.annotations.tensile\.io/reclaim-policy}"#,
-        ],
+        "retain",
+        "pvc/data",
+        r#"jsonpath={.metadata.annotations.tensile\.io/reclaim-policy}"#,
         "Retain",
+        30,
     )
     .await;
-    let lower_uid = kubectl(
-        low(),
-        &[
-            "-n",
-            "retain",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.metadata.uid}",
-        ],
-    )
-    .await;
+    let lower_uid = scene::field(low(), "retain", "pvc/data", "jsonpath={.metadata.uid}").await;
     kubectl(up(), &["-n", "retain", "delete", "pod", "first", "--wait=true"]).await;
     kubectl(up(), &["-n", "retain", "delete", "pvc", "data", "--wait=true"]).await;
     // Several resync passes (at least one a second) later, both are still there.
     tokio::time::sleep(Duration::from_secs(6)).await;
-    let kept = kubectl(
-        low(),
-        &[
-            "-n",
-            "retain",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.metadata.uid}",
-        ],
-    )
-    .await;
+    let kept = scene::field(low(), "retain", "pvc/data", "jsonpath={.metadata.uid}").await;
     assert_eq!(kept, lower_uid, "the retained lower claim (and its data) stays");
     let released = kubectl(up(), &["get", "pv", &volume, "-o", "jsonpath={.status.phase}"]).await;
     assert_eq!(
@@ -1100,19 +984,7 @@ async fn a_retained_volume_keeps_its_lower_claim_and_a_new_claim_of_the_name_nev
     .await;
     assert_eq!(unbound, "Pending/");
     assert!(below(&["-n", "retain", "get", "pod", "second"]).await.is_none());
-    let still = kubectl(
-        low(),
-        &[
-            "-n",
-            "retain",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.metadata.uid}",
-        ],
-    )
-    .await;
+    let still = scene::field(low(), "retain", "pvc/data", "jsonpath={.metadata.uid}").await;
     assert_eq!(still, lower_uid, "the old lower claim is not adopted or replaced");
 }
 
@@ -1126,22 +998,7 @@ async fn an_upper_claim_expansion_reaches_the_lower_claim() {
     data_claim("grow", "grow", "grow-disk", "5Gi", true).await;
     apply(up(), &pod("grow", "db", "vn-grow", USES_DATA)).await;
     scene::pod_running(low(), "grow", "db", 60).await;
-    eventually(
-        up(),
-        "the upper claim Bound",
-        30,
-        &[
-            "-n",
-            "grow",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Bound",
-    )
-    .await;
+    scene::shows(up(), "grow", "pvc/data", "jsonpath={.status.phase}", "Bound", 30).await;
     kubectl(
         up(),
         &[
@@ -1155,20 +1012,13 @@ async fn an_upper_claim_expansion_reaches_the_lower_claim() {
         ],
     )
     .await;
-    eventually(
+    scene::shows(
         low(),
-        "the lower claim asks 2Gi",
-        30,
-        &[
-            "-n",
-            "grow",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.spec.resources.requests.storage}",
-        ],
+        "grow",
+        "pvc/data",
+        "jsonpath={.spec.resources.requests.storage}",
         "2Gi",
+        30,
     )
     .await;
 }
@@ -1184,52 +1034,22 @@ async fn a_claim_is_made_below_its_volume_shows_upstream_and_keeps_later_pods_on
     apply(up(), &pod("pv", "writer", "vn-pv", USES_DATA)).await;
     scene::pod_running(low(), "pv", "writer", 60).await;
 
-    let lower_claim = kubectl(
-        low(),
-        &[
-            "-n",
-            "pv",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            r#"jsonpath={.status.phase} {.spec.volumeName} {.metadata.labels.tensile\.io/virtual-node} {.spec.resources.requests.storage}"#,
-        ],
-    )
+    let lower_claim = scene::field(low(), "pv", "pvc/data", r#"jsonpath={.status.phase} {.spec.volumeName} {.metadata.labels.tensile\.io/virtual-node} {.spec.resources.requests.storage}"#)
     .await;
     assert_eq!(
         lower_claim, "Bound lower-disk vn-pv 500Mi",
         "the claim below, bound there"
     );
-    eventually(
+    scene::shows(
         up(),
-        "the upper claim shows what the lower cluster granted",
-        30,
-        &[
-            "-n",
-            "pv",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.status.phase} {.status.capacity.storage}",
-        ],
+        "pv",
+        "pvc/data",
+        "jsonpath={.status.phase} {.status.capacity.storage}",
         "Bound 1Gi",
+        30,
     )
     .await;
-    let volume = kubectl(
-        up(),
-        &[
-            "-n",
-            "pv",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.spec.volumeName}",
-        ],
-    )
-    .await;
+    let volume = scene::field(up(), "pv", "pvc/data", "jsonpath={.spec.volumeName}").await;
     let affinity = kubectl(
         up(),
         &[
@@ -1409,37 +1229,18 @@ spec:
     apply(up(), &claim("pvforeign", "huge", "10Ti")).await;
     apply(up(), &claim("pvfree", "small", "1Gi")).await;
     // The claim in the node's own namespace is made below: the pass has run.
-    eventually(
+    scene::shows(
         low(),
-        "the claim below in a namespace the node made",
-        60,
-        &[
-            "-n",
-            "pvfree",
-            "get",
-            "pvc",
-            "small",
-            "-o",
-            "jsonpath={.metadata.name}",
-        ],
+        "pvfree",
+        "pvc/small",
+        "jsonpath={.metadata.name}",
         "small",
+        60,
     )
     .await;
     let foreign = kubectl(low(), &["-n", "pvforeign", "get", "pvc", "-o", "name"]).await;
     assert_eq!(foreign, "", "nothing in the foreign namespace");
-    let selector = kubectl(
-        low(),
-        &[
-            "-n",
-            "pvfree",
-            "get",
-            "pvc",
-            "small",
-            "-o",
-            "jsonpath={.spec.selector}",
-        ],
-    )
-    .await;
+    let selector = scene::field(low(), "pvfree", "pvc/small", "jsonpath={.spec.selector}").await;
     assert_eq!(selector, "", "an upper selector names no lower volume");
     tokio::time::sleep(Duration::from_secs(3)).await;
     let foreign = kubectl(low(), &["-n", "pvforeign", "get", "pvc", "-o", "name"]).await;

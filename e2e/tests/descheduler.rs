@@ -1278,17 +1278,11 @@ async fn with_eight_thousand_live_records_and_an_undecodable_one_a_pod_still_mov
     };
     let get_undecodable = || async {
         undecodable(
-            kubectl(
+            scene::field(
                 up(),
-                &[
-                    "-n",
-                    &scene.ns,
-                    "get",
-                    "exclusionrecords.tensile.io",
-                    "not-a-record",
-                    "-o",
-                    "json",
-                ],
+                &scene.ns,
+                "exclusionrecords.tensile.io/not-a-record",
+                "json",
             )
             .await,
         )

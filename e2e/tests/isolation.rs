@@ -544,20 +544,13 @@ spec: {hard: {requests.cpu: "4", requests.memory: 8Gi, pods: "10"}}
 "#,
     )
     .await;
-    eventually(
+    scene::shows(
         low(),
-        "the quota counted",
-        30,
-        &[
-            "-n",
-            "team-a",
-            "get",
-            "resourcequota",
-            "team-a",
-            "-o",
-            "jsonpath={.status.hard.pods}",
-        ],
+        "team-a",
+        "resourcequota/team-a",
+        "jsonpath={.status.hard.pods}",
         "10",
+        30,
     )
     .await;
     apply(
@@ -675,14 +668,7 @@ spec:
     for (kind, name) in [("configmap", "settings"), ("secret", "password")] {
         assert!(exists_below("team-a", kind, name).await, "{kind} {name} below");
     }
-    eventually(
-        low(),
-        "the Service below",
-        30,
-        &["-n", "team-a", "get", "service", "web", "-o", "name"],
-        "service/web",
-    )
-    .await;
+    scene::shows(low(), "team-a", "service/web", "name", "service/web", 30).await;
     let logs = kubectl(up(), &["-n", "team-a", "logs", "app"]).await;
     assert!(logs.contains("team-a/app app line"), "{logs}");
     let run = kubectl_run(
@@ -741,21 +727,14 @@ items:
     .await;
     scene::pod_running(low(), "team-a", "store", 90).await;
     scene::pod_running(up(), "team-a", "store", 90).await;
-    for (cluster, side) in [(low(), "below"), (up(), "above")] {
-        eventually(
+    for cluster in [low(), up()] {
+        scene::shows(
             cluster,
-            &format!("the claim bound {side}"),
-            60,
-            &[
-                "-n",
-                "team-a",
-                "get",
-                "pvc",
-                "data",
-                "-o",
-                "jsonpath={.status.phase}",
-            ],
+            "team-a",
+            "pvc/data",
+            "jsonpath={.status.phase}",
             "Bound",
+            60,
         )
         .await;
     }

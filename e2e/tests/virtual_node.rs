@@ -1283,11 +1283,7 @@ spec:
         "DaemonSetPod",
     )
     .await;
-    let below = kubectl(
-        bed.lower_a.kubeconfig(),
-        &["-n", "ds", "get", "pods", "--ignore-not-found", "-o", "name"],
-    )
-    .await;
+    let below = scene::field(bed.lower_a.kubeconfig(), "ds", "pods/--ignore-not-found", "name").await;
     assert_eq!(below, "", "nothing runs below");
     let events = kubectl(
         up(),
@@ -1744,20 +1740,13 @@ subjects: [{kind: ServiceAccount, name: reader, namespace: tok}]
     )
     .await;
     // Admission mounts the account's token as a projected volume once the account exists.
-    eventually(
+    scene::shows(
         up(),
-        "the ServiceAccount reader",
-        30,
-        &[
-            "-n",
-            "tok",
-            "get",
-            "serviceaccount",
-            "reader",
-            "-o",
-            "jsonpath={.metadata.name}",
-        ],
+        "tok",
+        "serviceaccount/reader",
+        "jsonpath={.metadata.name}",
         "reader",
+        30,
     )
     .await;
     let talker = |ns: &str, name: &str, account: &str| {
@@ -2060,19 +2049,7 @@ spec:
         below.stdout,
         below.stderr
     );
-    let kept = kubectl(
-        low,
-        &[
-            "-n",
-            "projtok",
-            "get",
-            "secret",
-            "db-root",
-            "-o",
-            "jsonpath={.data.password}",
-        ],
-    )
-    .await;
+    let kept = scene::field(low, "projtok", "secret/db-root", "jsonpath={.data.password}").await;
     assert_eq!(kept, "bG93ZXItb25seQ==", "the lower Secret is untouched");
 
     // Without upper tokens the pod's own ConfigMap source travels and is mounted below.
@@ -2098,19 +2075,7 @@ spec:
     )
     .await;
     assert_eq!(sources, "settings", "the ConfigMap source is mounted below");
-    let copied = kubectl(
-        low,
-        &[
-            "-n",
-            "projplain",
-            "get",
-            "configmap",
-            "settings",
-            "-o",
-            "jsonpath={.data.mode}",
-        ],
-    )
-    .await;
+    let copied = scene::field(low, "projplain", "configmap/settings", "jsonpath={.data.mode}").await;
     assert_eq!(copied, "fast");
     for ns in ["projtok", "projplain"] {
         kubectl(up(), &["-n", ns, "delete", "pod", "--all", "--wait=true"]).await;
@@ -2283,20 +2248,13 @@ spec:
     };
     // Admission mounts the default account's token once the account exists.
     for ns in ["scoped-tok", "scoped-listed"] {
-        eventually(
+        scene::shows(
             up(),
-            &format!("the default ServiceAccount of {ns}"),
-            30,
-            &[
-                "-n",
-                ns,
-                "get",
-                "serviceaccount",
-                "default",
-                "-o",
-                "jsonpath={.metadata.name}",
-            ],
+            ns,
+            "serviceaccount/default",
+            "jsonpath={.metadata.name}",
             "default",
+            30,
         )
         .await;
     }
