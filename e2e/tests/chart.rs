@@ -2333,28 +2333,21 @@ async fn with_two_replicas_the_descheduler_deployment_is_available_with_one_lead
 
     // Both pods run on the node, not Ready: nothing answers their probe yet.
     let selector = format!("app.kubernetes.io/instance={release},app.kubernetes.io/component=descheduler");
-    let pods: Vec<String> = tensile_e2e::wait::within("two descheduler pods Running on chart-host-0", 60, || async {
-            let out = kubectl(
-                up.kubeconfig(),
-                &[
-                    "-n",
-                    ns,
-                    "get",
-                    "pods",
-                    "-l",
-                    &selector,
-                    "-o",
-                    r#"jsonpath={range .items[*]}{.metadata.name} {.spec.nodeName} {.status.phase}{"\n"}{end}"#,
-                ],
-            )
-            .await;
-            let running: Vec<String> = out
-                .lines()
-                .filter(|l| l.ends_with(" chart-host-0 Running"))
-                .filter_map(|l| l.split(' ').next().map(str::to_owned))
-                .collect();
-            if running.len() == 2 { Ok(running) } else { Err(out) }
-        })
+    let rows = r#"jsonpath={range .items[*]}{.metadata.name} {.spec.nodeName} {.status.phase}{"\n"}{end}"#;
+    let what = "two descheduler pods Running on chart-host-0";
+    let pods: Vec<String> = tensile_e2e::wait::within(what, 60, || async {
+        let out = kubectl(
+            up.kubeconfig(),
+            &["-n", ns, "get", "pods", "-l", &selector, "-o", rows],
+        )
+        .await;
+        let running: Vec<String> = out
+            .lines()
+            .filter(|l| l.ends_with(" chart-host-0 Running"))
+            .filter_map(|l| l.split(' ').next().map(str::to_owned))
+            .collect();
+        if running.len() == 2 { Ok(running) } else { Err(out) }
+    })
     .await;
     let ready = [
         "-n",

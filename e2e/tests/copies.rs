@@ -1034,8 +1034,8 @@ async fn a_claim_is_made_below_its_volume_shows_upstream_and_keeps_later_pods_on
     apply(up(), &pod("pv", "writer", "vn-pv", USES_DATA)).await;
     scene::pod_running(low(), "pv", "writer", 60).await;
 
-    let lower_claim = scene::field(low(), "pv", "pvc/data", r#"jsonpath={.status.phase} {.spec.volumeName} {.metadata.labels.tensile\.io/virtual-node} {.spec.resources.requests.storage}"#)
-    .await;
+    let claim = r#"jsonpath={.status.phase} {.spec.volumeName} {.metadata.labels.tensile\.io/virtual-node} {.spec.resources.requests.storage}"#;
+    let lower_claim = scene::field(low(), "pv", "pvc/data", claim).await;
     assert_eq!(
         lower_claim, "Bound lower-disk vn-pv 500Mi",
         "the claim below, bound there"

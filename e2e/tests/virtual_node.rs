@@ -1283,7 +1283,11 @@ spec:
         "DaemonSetPod",
     )
     .await;
-    let below = scene::field(bed.lower_a.kubeconfig(), "ds", "pods/--ignore-not-found", "name").await;
+    let below = kubectl(
+        bed.lower_a.kubeconfig(),
+        &["-n", "ds", "get", "pods", "--ignore-not-found", "-o", "name"],
+    )
+    .await;
     assert_eq!(below, "", "nothing runs below");
     let events = kubectl(
         up(),
