@@ -46,6 +46,13 @@ impl VirtualNode {
         Self::start_with(name, lower, |_| {})
     }
 
+    /// A virtual node over `lower`, once it is Ready without the not-ready taint.
+    async fn ready(name: &str, lower: &TestCluster) -> in_process::VirtualNode {
+        let vn = Self::start(name, lower);
+        wait_ready(name).await;
+        vn
+    }
+
     /// A virtual node whose options `set` changes.
     fn start_with(name: &str, lower: &TestCluster, set: impl FnOnce(&mut Args)) -> in_process::VirtualNode {
         scene::virtual_node(&bed().upper, name, lower, set).unwrap()
@@ -221,8 +228,7 @@ impl Bed {
 #[tokio::test]
 async fn a_deployment_runs_below_with_marks_and_stash_and_scales_down_cleanly() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-deploy", &bed.lower_a);
-    wait_ready("vn-deploy").await;
+    let _vn = VirtualNode::ready("vn-deploy", &bed.lower_a).await;
     namespace("deploy").await;
     apply(
         up(),
@@ -323,8 +329,7 @@ async fn a_deployment_runs_below_with_marks_and_stash_and_scales_down_cleanly() 
 #[tokio::test]
 async fn jobs_complete_and_failures_show_the_lower_exit_code() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-jobs", &bed.lower_a);
-    wait_ready("vn-jobs").await;
+    let _vn = VirtualNode::ready("vn-jobs", &bed.lower_a).await;
     namespace("jobs").await;
     apply(
         up(),
@@ -376,8 +381,7 @@ spec:
 #[tokio::test]
 async fn kubectl_logs_reach_the_lower_pod_and_callers_are_authenticated() {
     let bed = bed();
-    let vn = VirtualNode::start("vn-logs", &bed.lower_a);
-    wait_ready("vn-logs").await;
+    let vn = VirtualNode::ready("vn-logs", &bed.lower_a).await;
     namespace("logs").await;
     apply(up(), &pod("logs", "talker", "vn-logs", "Always", "", "10m")).await;
     scene::pod_running(up(), "logs", "talker", 60).await;
@@ -527,8 +531,7 @@ async fn the_kubelet_api_caps_and_cuts_idle_and_slow_clients_while_logs_work() {
 #[tokio::test]
 async fn a_lower_namespace_deleted_below_is_created_again_for_the_next_pod() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-nsgone", &bed.lower_a);
-    wait_ready("vn-nsgone").await;
+    let _vn = VirtualNode::ready("vn-nsgone", &bed.lower_a).await;
     namespace("nsgone").await;
     let phase = |name: &'static str| async move {
         scene::pod_running(up(), "nsgone", name, 90).await;
@@ -553,8 +556,7 @@ async fn a_lower_namespace_deleted_below_is_created_again_for_the_next_pod() {
 #[tokio::test]
 async fn a_priority_class_only_the_upper_cluster_has_does_not_block_the_lower_pod() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-prio", &bed.lower_a);
-    wait_ready("vn-prio").await;
+    let _vn = VirtualNode::ready("vn-prio", &bed.lower_a).await;
     namespace("prio").await;
     let class = |name: &str| {
         format!(
@@ -596,8 +598,7 @@ async fn a_priority_class_only_the_upper_cluster_has_does_not_block_the_lower_po
 #[tokio::test]
 async fn a_toleration_added_to_a_running_pod_reaches_the_lower_pod() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-tol", &bed.lower_a);
-    wait_ready("vn-tol").await;
+    let _vn = VirtualNode::ready("vn-tol", &bed.lower_a).await;
     namespace("tol").await;
     let stash = r#"clusterSelector: '{"tolerations":[{"key":"first","operator":"Exists"}]}'"#;
     apply(up(), &pod("tol", "p", "vn-tol", "Always", stash, "10m")).await;
@@ -647,8 +648,7 @@ async fn a_toleration_added_to_a_running_pod_reaches_the_lower_pod() {
 #[tokio::test]
 async fn a_readiness_gate_holds_upper_ready_until_its_condition_is_true() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-gate", &bed.lower_a);
-    wait_ready("vn-gate").await;
+    let _vn = VirtualNode::ready("vn-gate", &bed.lower_a).await;
     namespace("gate").await;
     let manifest = pod("gate", "p", "vn-gate", "Always", "", "10m").replace(
         "  restartPolicy:",
@@ -707,8 +707,7 @@ async fn a_readiness_gate_holds_upper_ready_until_its_condition_is_true() {
 #[tokio::test]
 async fn a_lower_namespace_of_someone_else_is_refused_unless_shared() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-theirs", &bed.lower_a);
-    wait_ready("vn-theirs").await;
+    let _vn = VirtualNode::ready("vn-theirs", &bed.lower_a).await;
     namespace("theirs").await;
     bed.lower_a.create_namespace("theirs").await.unwrap();
     apply(up(), &pod("theirs", "p", "vn-theirs", "Always", "", "10m")).await;
@@ -796,8 +795,7 @@ async fn under_a_node_identity_changed_labels_apply_and_the_taint_is_left_to_an_
 #[tokio::test]
 async fn a_pod_the_lower_cluster_cannot_place_shows_unschedulable_upstream() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-sched", &bed.lower_a);
-    wait_ready("vn-sched").await;
+    let _vn = VirtualNode::ready("vn-sched", &bed.lower_a).await;
     namespace("sched").await;
     // 6 CPUs fit the virtual node's aggregate (12) but no single 4-CPU lower node.
     apply(up(), &pod("sched", "wide", "vn-sched", "Always", "", "6")).await;
@@ -954,8 +952,7 @@ async fn a_restart_mid_rollout_converges_without_duplicates_or_losses() {
 #[tokio::test]
 async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resumes_status() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-outage", &bed.lower_b);
-    wait_ready("vn-outage").await;
+    let _vn = VirtualNode::ready("vn-outage", &bed.lower_b).await;
     namespace("outage").await;
     apply(up(), &pod("outage", "survivor", "vn-outage", "Always", "", "10m")).await;
     scene::pod_running(up(), "outage", "survivor", 60).await;
@@ -1159,8 +1156,7 @@ async fn two_virtual_nodes_on_one_lower_cluster_keep_to_their_own_pods() {
 #[tokio::test]
 async fn lower_pods_lost_below_are_restarted_or_failed_and_orphans_are_collected() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-lost", &bed.lower_a);
-    wait_ready("vn-lost").await;
+    let _vn = VirtualNode::ready("vn-lost", &bed.lower_a).await;
     namespace("lost").await;
     let low = bed.lower_a.kubeconfig();
     apply(up(), &pod("lost", "always", "vn-lost", "Always", "", "10m")).await;
@@ -1254,8 +1250,7 @@ async fn lower_pods_lost_below_are_restarted_or_failed_and_orphans_are_collected
 #[tokio::test]
 async fn daemonset_pods_are_not_run_below_by_default_and_say_so() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-ds", &bed.lower_a);
-    wait_ready("vn-ds").await;
+    let _vn = VirtualNode::ready("vn-ds", &bed.lower_a).await;
     namespace("ds").await;
     apply(
         up(),
@@ -1519,8 +1514,7 @@ spec:
 #[tokio::test]
 async fn the_webhook_stash_is_applied_below_by_the_virtual_node() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-webhook", &bed.lower_a);
-    wait_ready("vn-webhook").await;
+    let _vn = VirtualNode::ready("vn-webhook", &bed.lower_a).await;
     let ns = "stash";
     namespace(ns).await;
     let _webhook = webhook_for(ns, "tensile-webhook-stash", None).await;
@@ -1594,8 +1588,7 @@ spec:
 #[tokio::test]
 async fn a_followed_log_of_a_quiet_container_is_closed_below_when_kubectl_goes() {
     let bed = bed();
-    let vn = VirtualNode::start("vn-quiet", &bed.lower_a);
-    wait_ready("vn-quiet").await;
+    let vn = VirtualNode::ready("vn-quiet", &bed.lower_a).await;
     namespace("quiet").await;
     let sim = format!("{}: \"lines=1\"", tensile_common::names::SIM_BEHAVIOR);
     apply(up(), &pod("quiet", "hush", "vn-quiet", "Always", &sim, "10m")).await;
