@@ -261,3 +261,157 @@ impl Running {
         outcome
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    /// What an apiserver on 127.0.0.1 was asked: method, path and user agent of each call.
+    type Calls = Arc<Mutex<Vec<(String, String, String)>>>;
+
+    /// A plain-HTTP apiserver that answers every call with an empty object (or list) and records
+    /// it, and a
+    /// kubeconfig naming it.
+    async fn apiserver(dir: &Path) -> (std::path::PathBuf, Calls) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let calls = Calls::default();
+        let seen = calls.clone();
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let seen = seen.clone();
+                let service =
+                    hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                        let agent = req
+                            .headers()
+                            .get(http::header::USER_AGENT)
+                            .and_then(|a| a.to_str().ok())
+                            .unwrap_or_default()
+                            .to_owned();
+                        let call = (req.method().to_string(), req.uri().path().to_owned(), agent);
+                        seen.lock().unwrap().push(call);
+                        async {
+                            Ok::<_, std::convert::Infallible>(
+                                hyper::Response::builder()
+                                    .header("content-type", "application/json")
+                                    .body(http_body_util::Full::new(bytes::Bytes::from_static(
+                                        br#"{"metadata":{},"items":[]}"#,
+                                    )))
+                                    .unwrap(),
+                            )
+                        }
+                    });
+                tokio::spawn(
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(tcp), service),
+                );
+            }
+        });
+        let path = dir.join("kubeconfig");
+        let kubeconfig = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: http://{addr}\n\
+             users:\n- name: u\n  user: {{}}\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\n\
+             current-context: x\n"
+        );
+        std::fs::write(&path, kubeconfig).unwrap();
+        (path, calls)
+    }
+
+    fn leader_elect() -> LeaderArgs {
+        LeaderArgs {
+            leader_elect: true,
+            lease_duration: Duration::from_secs(15),
+            renew_deadline: Duration::from_secs(10),
+            retry_period: Duration::from_secs(2),
+            resource_namespace: "kube-system".into(),
+            resource_name: None,
+        }
+    }
+
+    async fn create(client: kube::Client) -> Result<(), kube::Error> {
+        let api = kube::Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(client, "default");
+        api.create(&Default::default(), &Default::default())
+            .await
+            .map(drop)
+    }
+
+    async fn list(client: kube::Client) {
+        let api = kube::Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(client, "default");
+        api.list(&Default::default()).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_elected_daemon_names_its_replica_and_writes_nothing_but_the_lease_before_it_leads() {
+        let dir = tempfile::tempdir().unwrap();
+        let (kubeconfig, calls) = apiserver(dir.path()).await;
+        let mut daemon = Daemon::new("test", CancellationToken::new())
+            .product("tensile-test")
+            .elect(&leader_elect())
+            .unwrap();
+        let client = daemon.client(Some(&kubeconfig)).await.unwrap();
+        list(client.clone()).await;
+        assert!(create(client).await.is_err(), "a write refused before leading");
+        let lease = daemon.lease.clone().expect("the first source writes the Lease");
+        let _ = create(lease).await;
+        let agent = format!("tensile-test ({})", daemon.replica());
+        let calls = calls.lock().unwrap().clone();
+        let methods: Vec<&str> = calls.iter().map(|(m, _, _)| m.as_str()).collect();
+        assert_eq!(
+            methods,
+            ["GET", "POST"],
+            "only the unfenced client wrote: {calls:?}"
+        );
+        assert!(calls.iter().all(|(_, _, a)| *a == agent), "{calls:?}");
+    }
+
+    #[tokio::test]
+    async fn a_daemon_in_no_election_writes_at_once_and_names_only_its_product() {
+        let dir = tempfile::tempdir().unwrap();
+        let (kubeconfig, calls) = apiserver(dir.path()).await;
+        let mut daemon = Daemon::new("test", CancellationToken::new()).product("tensile-test");
+        let client = daemon.client(Some(&kubeconfig)).await.unwrap();
+        create(client).await.unwrap();
+        let running = daemon.start();
+        tokio::time::timeout(Duration::from_secs(1), running.candidacy.leading())
+            .await
+            .expect("a replica in no election leads at once");
+        let calls = calls.lock().unwrap().clone();
+        assert_eq!(calls.len(), 1, "{calls:?}");
+        assert_eq!(calls[0].2, "tensile-test");
+    }
+
+    #[tokio::test]
+    async fn a_daemon_that_stands_for_election_with_no_client_stops_and_says_why() {
+        let daemon = Daemon::new("test", CancellationToken::new())
+            .elect(&leader_elect())
+            .unwrap();
+        let stopped = daemon.start().run().await.unwrap_err();
+        assert_eq!(stopped.task, "the leader Lease");
+        assert_eq!(
+            stopped.reason.as_deref(),
+            Some("no client source was made to write the Lease with")
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_composition_that_failed_stops_the_tasks_started_and_is_the_daemons_error() {
+        let mut running = Daemon::new("test", CancellationToken::new()).start();
+        let finished = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = finished.clone();
+        running
+            .tasks
+            .spawn_graceful("the work in hand", move |stop| async move {
+                stop.cancelled().await;
+                flag.store(true, std::sync::atomic::Ordering::SeqCst);
+            });
+        let composed: Result<(), Stopped> = Err(Stopped {
+            task: "composing",
+            reason: Some("a bad flag".into()),
+        });
+        let err = running.finish(composed).await.unwrap_err();
+        assert_eq!(err.to_string(), "composing stopped: a bad flag");
+        assert!(finished.load(std::sync::atomic::Ordering::SeqCst));
+    }
+}
