@@ -1,7 +1,7 @@
 //! The set-up a scenario is made of, in the bed's words: an upper cluster and lower clusters
-//! started side by side, simulated kubelets below, virtual nodes over a lower cluster, and the
-//! waits for a node or a pod to show what the scenario expects (and reads of what they show
-//! now).
+//! started side by side, simulated kubelets below, virtual nodes over a lower cluster, the
+//! webhook in process, and the waits for a node, a pod or another object to show what the
+//! scenario expects (and reads of what they show now).
 //!
 //! Start-up helpers return errors, for a shared bed's `init` ([`crate::shared::Shared::bed`]);
 //! the waits panic, as the assertions of [`crate::check`] do, with what was awaited, in which
@@ -10,6 +10,7 @@
 use std::path::Path;
 
 use tensile_virtual_node::Args;
+use tensile_webhook::Certificates;
 
 use crate::in_process::{self, VirtualNode};
 use crate::{ClusterOptions, Error, NodeConfig, NodeSimulator, Result, SimulatorOptions, TestCluster};
@@ -77,6 +78,33 @@ pub async fn ready_virtual_node(
     let vn = virtual_node(upper, name, lower, set).unwrap_or_else(|e| panic!("{e}"));
     node_ready(upper.kubeconfig(), name, 60).await;
     vn
+}
+
+/// Labels namespace `ns` `tensile-e2e=<ns>`, so that a webhook registered for
+/// [`crate::check::Namespaces::Labelled`]`(ns)` is sent its pods (and tests sharing a cluster do not meet
+/// each other's webhooks).
+pub async fn opt_in_namespace(kubeconfig: &Path, ns: &str) {
+    let label = format!("tensile-e2e={ns}");
+    crate::check::kubectl(kubeconfig, &["label", "namespace", ns, &label, "--overwrite"]).await;
+}
+
+/// The options of a webhook serving on 127.0.0.1:`port` with a certificate it makes itself.
+pub fn webhook_options(port: u16) -> tensile_webhook::Options {
+    let names = vec!["127.0.0.1".to_owned()];
+    tensile_webhook::Options::new(([127, 0, 0, 1], port).into(), Certificates::SelfSigned { names })
+}
+
+/// Waits up to 30 s until `webhook` is ready: its CA is written into its registration.
+pub async fn webhook_ready(webhook: &tensile_webhook::Running) {
+    let what = "the webhook ready, its CA written into its registration";
+    crate::wait::within(what, 30, || async {
+        if webhook.state.ready.get() {
+            Ok(())
+        } else {
+            Err("not ready".to_owned())
+        }
+    })
+    .await
 }
 
 /// Waits up to `secs` until node `node` shows its Ready condition `True`.

@@ -11,7 +11,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -25,7 +24,7 @@ use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::wait::within;
 use tensile_e2e::{NodeConfig, NodeSimulator, TestCluster, free_port};
-use tensile_webhook::{Certificates, Options, Policy};
+use tensile_webhook::Policy;
 
 struct Bed {
     upper: TestCluster,
@@ -129,17 +128,7 @@ impl Scene {
             .await
             .unwrap();
         bed.upper.create_namespace(ns).await.unwrap();
-        kubectl(
-            up(),
-            &[
-                "label",
-                "namespace",
-                ns,
-                &format!("tensile-e2e={ns}"),
-                "--overwrite",
-            ],
-        )
-        .await;
+        scene::opt_in_namespace(up(), ns).await;
         let identity = tensile_e2e::descheduler::chart_identity(&bed.upper, ns, "annotated")
             .await
             .unwrap();
@@ -151,13 +140,7 @@ impl Scene {
             &webhook_registration(&config, port, Namespaces::Labelled(ns), None),
         )
         .await;
-        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-        let mut options = Options::new(
-            addr,
-            Certificates::SelfSigned {
-                names: vec!["127.0.0.1".into()],
-            },
-        );
+        let mut options = scene::webhook_options(port);
         options.client = Some(bed.upper.client().await.unwrap());
         options.webhook_config_name = Some(config);
         options.policy = Policy {
@@ -174,14 +157,7 @@ impl Scene {
             .await
             .unwrap()
             .unwrap();
-        within("the webhook's caBundle written", 30, || async {
-            if webhook.state.ready.get() {
-                Ok(())
-            } else {
-                Err("not ready".into())
-            }
-        })
-        .await;
+        scene::webhook_ready(&webhook).await;
 
         let (vn_a, vn_b) = (format!("{ns}-a"), format!("{ns}-b"));
         let node = |name: &str, lower: &TestCluster| {

@@ -35,7 +35,7 @@ use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::wait::within;
 use tensile_e2e::{NodeConfig, NodeSimulator, TestCluster, free_port};
-use tensile_webhook::{Certificates, Options, Policy};
+use tensile_webhook::Policy;
 
 const ZONE: &str = "topology.kubernetes.io/zone";
 const GPU: &str = "example.com/gpu";
@@ -822,12 +822,7 @@ async fn start_webhook(
         &webhook_registration(&config, port, Namespaces::Labelled(label), None),
     )
     .await;
-    let mut options = Options::new(
-        ([127, 0, 0, 1], port).into(),
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    );
+    let mut options = scene::webhook_options(port);
     options.client = Some(bed.upper.client().await.unwrap());
     options.webhook_config_name = Some(config.clone());
     options.policy = policy;
@@ -839,14 +834,7 @@ async fn start_webhook(
         .await
         .unwrap()
         .unwrap();
-    within("the webhook ready", 30, || async {
-        if webhook.state.ready.get() {
-            Ok(())
-        } else {
-            Err("not ready".to_owned())
-        }
-    })
-    .await;
+    scene::webhook_ready(&webhook).await;
     (webhook, config)
 }
 
@@ -860,17 +848,7 @@ async fn the_burst_as_deployments_runs_sooner_through_the_extender_than_through_
     let (via_extender, via_descheduler) = ("deploy-extender", "deploy-descheduler");
     for ns in [via_extender, via_descheduler] {
         bed.upper.create_namespace(ns).await.unwrap();
-        kubectl(
-            bed.upper.kubeconfig(),
-            &[
-                "label",
-                "namespace",
-                ns,
-                &format!("tensile-e2e={ns}"),
-                "--overwrite",
-            ],
-        )
-        .await;
+        scene::opt_in_namespace(bed.upper.kubeconfig(), ns).await;
     }
     let to_the_extender = Policy {
         scheduler_name: Some(SCHEDULER.to_owned()),

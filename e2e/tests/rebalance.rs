@@ -452,18 +452,8 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
 /// The in-process webhook for namespace `ns` (labelled `tensile-e2e=<ns>`), reading the
 /// records of `exclusions`: a replacement avoids the virtual nodes excluded for its workload.
 async fn webhook(upper: &TestCluster, ns: &str, exclusions: &str) -> tensile_webhook::Running {
-    use tensile_webhook::{Certificates, Options, Policy};
-    kubectl(
-        upper.kubeconfig(),
-        &[
-            "label",
-            "namespace",
-            ns,
-            &format!("tensile-e2e={ns}"),
-            "--overwrite",
-        ],
-    )
-    .await;
+    use tensile_webhook::Policy;
+    scene::opt_in_namespace(upper.kubeconfig(), ns).await;
     let port = tensile_e2e::free_port().unwrap();
     let config = format!("tensile-webhook-{ns}");
     apply(
@@ -476,12 +466,7 @@ async fn webhook(upper: &TestCluster, ns: &str, exclusions: &str) -> tensile_web
         ),
     )
     .await;
-    let mut options = Options::new(
-        ([127, 0, 0, 1], port).into(),
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    );
+    let mut options = scene::webhook_options(port);
     options.client = Some(upper.client().await.unwrap());
     options.webhook_config_name = Some(config);
     options.policy = Policy {
@@ -492,14 +477,7 @@ async fn webhook(upper: &TestCluster, ns: &str, exclusions: &str) -> tensile_web
     };
     options.exclusions = Some(exclusions.parse().unwrap());
     let running = tensile_webhook::start(options).await.unwrap();
-    within("the webhook's caBundle written", 30, || async {
-        if running.state.ready.get() {
-            Ok(())
-        } else {
-            Err("not ready".into())
-        }
-    })
-    .await;
+    scene::webhook_ready(&running).await;
     running
 }
 

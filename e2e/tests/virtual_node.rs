@@ -1310,17 +1310,7 @@ async fn webhook_for(
 ) -> tensile_webhook::Running {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let bed = bed();
-    kubectl(
-        up(),
-        &[
-            "label",
-            "namespace",
-            ns,
-            &format!("tensile-e2e={ns}"),
-            "--overwrite",
-        ],
-    )
-    .await;
+    scene::opt_in_namespace(up(), ns).await;
     let port = free_port().unwrap();
     apply(
         up(),

@@ -18,7 +18,7 @@ use tensile_common::stash::Stash;
 use tensile_e2e::pki::Ca;
 use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
-use tensile_e2e::wait::{until, within};
+use tensile_e2e::wait::until;
 use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, TestCluster, free_port};
 use tensile_webhook::{Certificates, Options, Policy, Running};
 
@@ -55,17 +55,7 @@ async fn apply(cluster: &TestCluster, manifest: &str) -> tensile_e2e::kubectl::O
 
 async fn namespace(cluster: &TestCluster, name: &str) {
     cluster.create_namespace(name).await.unwrap();
-    kubectl(
-        cluster,
-        &[
-            "label",
-            "namespace",
-            name,
-            &format!("tensile-e2e={name}"),
-            "--overwrite",
-        ],
-    )
-    .await;
+    scene::opt_in_namespace(cluster.kubeconfig(), name).await;
 }
 
 fn registration(name: &str, port: u16, namespace: &str, ca_pem: Option<&str>) -> String {
@@ -136,12 +126,7 @@ async fn an_opted_in_pod_is_stored_with_its_stash_and_others_unchanged() {
     let out = apply(c, &registration(config, port, ns, None)).await;
     assert!(out.ok, "{}", out.stderr);
 
-    let mut opts = options(
-        port,
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    );
+    let mut opts = scene::webhook_options(port);
     opts.client = Some(c.client().await.unwrap());
     opts.webhook_config_name = Some(config.into());
     opts.policy = Policy {
@@ -375,13 +360,7 @@ async fn with_the_webhook_stopped_only_opted_in_pods_are_refused() {
     let ns = "wh-down";
     namespace(c, ns).await;
     let port = free_port().unwrap();
-    let running = start_webhook(options(
-        port,
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    ))
-    .await;
+    let running = start_webhook(scene::webhook_options(port)).await;
     let config = "tensile-webhook-down";
     let out = apply(c, &registration(config, port, ns, running.ca_pem.as_deref())).await;
     assert!(out.ok, "{}", out.stderr);
@@ -446,12 +425,7 @@ async fn idle_and_slow_clients_are_capped_and_cut_while_reviews_are_answered() {
     let ns = "wh-flood";
     namespace(c, ns).await;
     let port = free_port().unwrap();
-    let mut opts = options(
-        port,
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    );
+    let mut opts = scene::webhook_options(port);
     opts.limits.max_connections = 16;
     opts.limits.idle = Duration::from_secs(4);
     let running = start_webhook(opts).await;
@@ -478,12 +452,7 @@ async fn a_pod_with_many_claims_is_admitted_with_the_lookup_cap_in_a_warning() {
     let ns = "wh-claims";
     namespace(c, ns).await;
     let port = free_port().unwrap();
-    let mut opts = options(
-        port,
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    );
+    let mut opts = scene::webhook_options(port);
     opts.client = Some(c.client().await.unwrap());
     let running = start_webhook(opts).await;
     let config = "tensile-webhook-claims";
@@ -641,12 +610,7 @@ async fn one_http2_client_gets_the_stream_cap_and_a_connection_budget_of_bodies_
     let ns = "wh-h2";
     namespace(c, ns).await;
     let port = free_port().unwrap();
-    let opts = options(
-        port,
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    );
+    let opts = scene::webhook_options(port);
     let limits = opts.limits.clone();
     let running = start_webhook(opts).await;
     let config = "tensile-webhook-h2";
@@ -834,12 +798,7 @@ async fn with_the_job_disruption_rule_a_job_refused_below_moves_and_completes() 
     )
     .await;
     assert!(out.ok, "{}", out.stderr);
-    let mut opts = options(
-        port,
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    );
+    let mut opts = scene::webhook_options(port);
     opts.client = Some(bed.upper.client().await.unwrap());
     opts.webhook_config_name = Some(config.clone());
     opts.policy = Policy {
@@ -856,15 +815,7 @@ async fn with_the_job_disruption_rule_a_job_refused_below_moves_and_completes() 
         .await
         .unwrap()
         .unwrap();
-    within("the webhook's caBundle written", 30, || async {
-        webhook
-            .state
-            .ready
-            .get()
-            .then_some(())
-            .ok_or("not ready".to_owned())
-    })
-    .await;
+    scene::webhook_ready(&webhook).await;
 
     let (vn_a, vn_b) = (format!("{ns}-a"), format!("{ns}-b"));
     let node = |name: &str, side: &str, lower: &TestCluster| {
