@@ -21,6 +21,33 @@ pub const READY: &str = r#"jsonpath={.status.conditions[?(@.type=="Ready")].stat
 /// The jsonpath of a pod's phase.
 pub const PHASE: &str = "jsonpath={.status.phase}";
 
+/// An upper cluster and one lower cluster with simulated nodes: the bed of most scenes.
+pub struct UpperAndLower {
+    /// The lower cluster's kubelets: first, so that they stop before the clusters do.
+    pub sim: NodeSimulator,
+    pub upper: TestCluster,
+    pub lower: TestCluster,
+}
+
+impl UpperAndLower {
+    /// Starts `upper` and the lower cluster `lower` of test `test` side by side, with the
+    /// default options, and then simulated kubelets for `nodes` in the lower one.
+    pub async fn start(test: &str, lower: &str, nodes: Vec<NodeConfig>) -> Result<Self> {
+        let options = [
+            ClusterOptions::new(test, "upper"),
+            ClusterOptions::new(test, lower),
+        ];
+        Self::start_with(options, nodes).await
+    }
+
+    /// [`UpperAndLower::start`] with the options of both clusters, upper first.
+    pub async fn start_with(options: [ClusterOptions; 2], nodes: Vec<NodeConfig>) -> Result<Self> {
+        let [upper, lower] = clusters_with(options).await?;
+        let sim = simulate(&lower, nodes).await?;
+        Ok(Self { sim, upper, lower })
+    }
+}
+
 /// Starts the clusters `names` of test `test` side by side, each with the default options.
 pub async fn clusters<const N: usize>(test: &str, names: [&str; N]) -> Result<[TestCluster; N]> {
     clusters_with(names.map(|name| ClusterOptions::new(test, name))).await

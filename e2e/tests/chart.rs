@@ -12,28 +12,14 @@ use base64::Engine as _;
 use tensile_e2e::chart::{self, helm};
 use tensile_e2e::check::{apply, eventually, kubectl};
 use tensile_e2e::process::Service;
-use tensile_e2e::scene;
+use tensile_e2e::scene::{self, UpperAndLower};
 use tensile_e2e::shared::Shared;
 use tensile_e2e::{NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
 
-struct Bed {
-    upper: TestCluster,
-    lower: TestCluster,
-    _sim: NodeSimulator,
-}
+static BED: Shared<UpperAndLower> = Shared::new();
 
-static BED: Shared<Bed> = Shared::new();
-
-fn bed() -> &'static Bed {
-    BED.bed(|| async {
-        let [upper, lower] = scene::clusters("chart", ["upper", "lower-a"]).await?;
-        let sim = scene::simulate(&lower, scene::nodes("a", 2)).await?;
-        Ok(Bed {
-            upper,
-            lower,
-            _sim: sim,
-        })
-    })
+fn bed() -> &'static UpperAndLower {
+    BED.bed(|| UpperAndLower::start("chart", "lower-a", scene::nodes("a", 2)))
 }
 
 fn chart() -> String {

@@ -9,30 +9,16 @@ use std::time::{Duration, Instant};
 use futures::{StreamExt as _, TryStreamExt as _};
 
 use tensile_e2e::check::{apply, kubectl};
+use tensile_e2e::free_port;
 use tensile_e2e::in_process::VirtualNode;
-use tensile_e2e::scene;
+use tensile_e2e::scene::{self, UpperAndLower};
 use tensile_e2e::shared::Shared;
-use tensile_e2e::{NodeSimulator, TestCluster, free_port};
 use tensile_virtual_node::{Args, Controllers};
 
-struct Bed {
-    upper: TestCluster,
-    lower: TestCluster,
-    _sim: NodeSimulator,
-}
+static BED: Shared<UpperAndLower> = Shared::new();
 
-static BED: Shared<Bed> = Shared::new();
-
-fn bed() -> &'static Bed {
-    BED.bed(|| async {
-        let [upper, lower] = scene::clusters("copies", ["upper", "lower"]).await?;
-        let sim = scene::simulate(&lower, scene::nodes("n", 2)).await?;
-        Ok(Bed {
-            upper,
-            lower,
-            _sim: sim,
-        })
-    })
+fn bed() -> &'static UpperAndLower {
+    BED.bed(|| UpperAndLower::start("copies", "lower", scene::nodes("n", 2)))
 }
 
 fn up() -> &'static Path {

@@ -11,28 +11,13 @@ use std::time::Duration;
 
 use tensile_e2e::chart;
 use tensile_e2e::runner::VirtualNodeRunner;
-use tensile_e2e::scene;
+use tensile_e2e::scene::{self, UpperAndLower};
 use tensile_e2e::shared::Shared;
-use tensile_e2e::{NodeSimulator, TestCluster};
 
-struct Bed {
-    upper: TestCluster,
-    lower: TestCluster,
-    _sim: NodeSimulator,
-}
+static BED: Shared<UpperAndLower> = Shared::new();
 
-static BED: Shared<Bed> = Shared::new();
-
-fn bed() -> &'static Bed {
-    BED.bed(|| async {
-        let [upper, lower] = scene::clusters("deploy-docs", ["upper", "lower-a"]).await?;
-        let sim = scene::simulate(&lower, scene::nodes("a", 1)).await?;
-        Ok(Bed {
-            upper,
-            lower,
-            _sim: sim,
-        })
-    })
+fn bed() -> &'static UpperAndLower {
+    BED.bed(|| UpperAndLower::start("deploy-docs", "lower-a", scene::nodes("a", 1)))
 }
 
 /// The commands of the block that follows the marker comment, one per line (comments and

@@ -11,33 +11,21 @@ use tensile_e2e::check::{apply, eventually, kubectl};
 use tensile_e2e::descheduler::metric_sum;
 use tensile_e2e::in_process::{VirtualNodeProcess, admin_get};
 use tensile_e2e::partition::Partition;
-use tensile_e2e::scene;
+use tensile_e2e::scene::{self, UpperAndLower};
 use tensile_e2e::shared::Shared;
 use tensile_e2e::wait::{must, until, within};
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, TestCluster, free_port};
+use tensile_e2e::{ClusterOptions, NodeConfig, TestCluster, free_port};
 
-struct Bed {
-    upper: TestCluster,
-    lower: TestCluster,
-    _sim: NodeSimulator,
-}
+static BED: Shared<UpperAndLower> = Shared::new();
 
-static BED: Shared<Bed> = Shared::new();
-
-fn bed() -> &'static Bed {
+fn bed() -> &'static UpperAndLower {
     BED.bed(|| async {
         let mut upper = ClusterOptions::new("runtime", "upper");
         upper.audit_writes = true;
-        let [upper, lower] = scene::clusters_with([upper, ClusterOptions::new("runtime", "lower")]).await?;
         let nodes = (0..3)
             .map(|i| NodeConfig::new(&format!("rt-{i}")).resource("pods", "250"))
             .collect();
-        let sim = scene::simulate(&lower, nodes).await?;
-        Ok(Bed {
-            upper,
-            lower,
-            _sim: sim,
-        })
+        UpperAndLower::start_with([upper, ClusterOptions::new("runtime", "lower")], nodes).await
     })
 }
 
