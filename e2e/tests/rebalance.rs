@@ -133,63 +133,21 @@ impl Drop for ReadyWatch {
     }
 }
 
-/// A Deployment of `replicas` opted-in pods on this bed's virtual nodes, evicted 5 s after
-/// their node turns NotReady or unreachable, with `extra` merged into the pod spec.
-fn deployment(name: &str, replicas: u32, extra: Value) -> String {
-    let mut spec = json!({
-        "terminationGracePeriodSeconds": 2,
-        "nodeSelector": {"type": "virtual-kubelet", VN_KEY: NS},
-        "tolerations": [
-            {"key": "virtual-kubelet.io/provider", "operator": "Exists"},
-            {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 5},
-            {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 5},
-        ],
-        "containers": [{"name": "app", "image": "nginx", "resources": {"requests": {"cpu": "100m"}}}],
-    });
-    if let (Some(s), Some(e)) = (spec.as_object_mut(), extra.as_object()) {
-        s.extend(e.clone());
-    }
-    json!({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}},
-            "template": {"metadata": {"labels": {"app": name, "virtual-pod": "true"}}, "spec": spec}},
-    })
-    .to_string()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_stay() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let [upper, lower_a, lower_b] = scene::clusters("rebalance", ["upper", "lower-a", "lower-b"])
+    let bed = tensile_e2e::failback::Bed::start("rebalance", NS, 2)
         .await
         .unwrap();
+    let (upper, lower_a) = (&bed.upper, &bed.lower_a);
     let up = upper.kubeconfig().to_owned();
-    tensile_e2e::chart::install_exclusion_records(&up).await.unwrap();
-    let mut sims = Vec::new();
-    for lower in [&lower_a, &lower_b] {
-        let nodes = scene::nodes(lower.name(), 2)
-            .into_iter()
-            .map(|node| node.resource("cpu", "8").resource("memory", "16Gi"))
-            .collect();
-        sims.push(scene::simulate(lower, nodes).await.unwrap());
-    }
-    let node = |name: &str, lower: &TestCluster| {
-        scene::virtual_node(&upper, name, lower, |args| {
-            args.node_labels = vec![(VN_KEY.to_owned(), NS.to_owned())]
-        })
-        .unwrap()
-    };
-    let _nodes = [node("vn-a", &lower_a), node("vn-b", &lower_b)];
-    for vn in ["vn-a", "vn-b"] {
-        scene::node_ready(&up, vn, 60).await;
-    }
     upper.create_namespace(NS).await.unwrap();
 
     // Four replicas spread over the virtual nodes (ScheduleAnyway), two that prefer vn-a.
     apply(
         &up,
-        &deployment(
+        &bed.deployment(
+            NS,
             "spread",
             4,
             json!({"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
@@ -199,7 +157,8 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
     .await;
     apply(
         &up,
-        &deployment(
+        &bed.deployment(
+            NS,
             "prefer",
             2,
             json!({"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
@@ -212,7 +171,8 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
     // where they are, and do not hold the others back.
     apply(
         &up,
-        &deployment(
+        &bed.deployment(
+            NS,
             "guarded",
             2,
             json!({"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
@@ -248,11 +208,11 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
 
     // Both deschedulers run under the account the chart renders for release `failback` in
     // this namespace (bare pods off, as the chart's default), as the chart passes them.
-    let identity = tensile_e2e::descheduler::chart_identity(&upper, NS, "off")
+    let identity = tensile_e2e::descheduler::chart_identity(upper, NS, "off")
         .await
         .unwrap();
     let descheduler = DeschedulerProcess::start_as(
-        &upper,
+        upper,
         &identity,
         &[
             format!("--node-selector=type=virtual-kubelet,{VN_KEY}={NS}"),
@@ -272,7 +232,7 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
     descheduler.wait_ready(Duration::from_secs(30)).await.unwrap();
     // The same, in dry run, alongside: it says what it would move and touches nothing.
     let dry = DeschedulerProcess::start_as(
-        &upper,
+        upper,
         &identity,
         &[
             format!("--node-selector=type=virtual-kubelet,{VN_KEY}={NS}"),
@@ -446,7 +406,6 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
         moved_at.last().copied().unwrap_or_default(),
         restored.as_secs_f64()
     );
-    drop(sims);
 }
 
 /// The in-process webhook for namespace `ns` (labelled `tensile-e2e=<ns>`), reading the
