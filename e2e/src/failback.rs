@@ -25,7 +25,7 @@ use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
 
 use crate::descheduler::{DeschedulerProcess, metric_sum};
-use crate::{NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, in_process};
+use crate::{NodeSimulator, TestCluster, in_process};
 
 /// Label key of the bed's virtual nodes; its value is the bed's label.
 pub const VN_KEY: &str = "tensile-e2e-vn";
@@ -51,29 +51,20 @@ impl Bed {
     /// 16 GiB in each lower cluster, vn-a over lower-a and vn-b over lower-b labelled
     /// [`VN_KEY`]`=label`; returns once both are Ready.
     pub async fn start(test: &str, label: &str, nodes: usize) -> anyhow::Result<Bed> {
-        let (upper, lower_a, lower_b) = tokio::join!(
-            TestCluster::start(crate::ClusterOptions::new(test, "upper")),
-            TestCluster::start(crate::ClusterOptions::new(test, "lower-a")),
-            TestCluster::start(crate::ClusterOptions::new(test, "lower-b")),
-        );
-        let (upper, lower_a, lower_b) = (upper?, lower_a?, lower_b?);
+        let [upper, lower_a, lower_b] = crate::scene::clusters(test, ["upper", "lower-a", "lower-b"]).await?;
         crate::chart::install_exclusion_records(upper.kubeconfig()).await?;
         let mut sims = Vec::new();
-        for (name, lower) in [("lower-a", &lower_a), ("lower-b", &lower_b)] {
-            let configs = (0..nodes)
-                .map(|i| {
-                    NodeConfig::new(&format!("{name}-{i}"))
-                        .resource("cpu", "8")
-                        .resource("memory", "16Gi")
-                })
+        for lower in [&lower_a, &lower_b] {
+            let configs = crate::scene::nodes(lower.name(), nodes)
+                .into_iter()
+                .map(|node| node.resource("cpu", "8").resource("memory", "16Gi"))
                 .collect();
-            let options = SimulatorOptions::new(name, Some(lower.kubelet_client_ca_pem()));
-            sims.push(NodeSimulator::start(lower.client().await?, options, configs).await?);
+            sims.push(crate::scene::simulate(lower, configs).await?);
         }
-        let node = |name: &str, lower: &TestCluster| -> anyhow::Result<in_process::VirtualNode> {
-            let mut args = in_process::options(&upper, name, lower)?;
-            args.node_labels = vec![(VN_KEY.to_owned(), label.to_owned())];
-            Ok(in_process::VirtualNode::run(args))
+        let node = |name: &str, lower: &TestCluster| {
+            crate::scene::virtual_node(&upper, name, lower, |args| {
+                args.node_labels = vec![(VN_KEY.to_owned(), label.to_owned())]
+            })
         };
         let nodes = [node("vn-a", &lower_a)?, node("vn-b", &lower_b)?];
         for vn in ["vn-a", "vn-b"] {

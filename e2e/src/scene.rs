@@ -66,7 +66,7 @@ pub async fn clusters_with<const N: usize>(options: [ClusterOptions; N]) -> Resu
 }
 
 /// Nodes `<prefix>-0` … `<prefix>-<count - 1>` of the simulator's default size.
-pub fn nodes(prefix: &str, count: u32) -> Vec<NodeConfig> {
+pub fn nodes(prefix: &str, count: usize) -> Vec<NodeConfig> {
     (0..count)
         .map(|i| NodeConfig::new(&format!("{prefix}-{i}")))
         .collect()
