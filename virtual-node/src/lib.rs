@@ -14,27 +14,11 @@
 //! [`node`], [`translate`]) and are unit-tested on small objects; the controllers act on
 //! their plans; what a pod spec references is a leaf ([`refs`]) that all of them read.
 
-pub mod capacity;
-pub mod copies;
-pub mod events;
-pub mod fetched;
-pub mod kubelet;
-pub mod lower_namespaces;
-pub mod lower_objects;
+pub mod act;
+pub mod decide;
 pub mod metrics;
-pub mod node;
-pub mod overrides;
-pub mod pods;
-pub mod ratelimit;
-pub mod refs;
-pub mod scale_ups;
-pub mod stats;
-pub mod streams;
-pub mod teardown;
-pub mod tokens;
-pub mod translate;
-pub mod trim;
-pub mod volumes;
+pub mod model;
+pub mod serve;
 pub mod world;
 
 use std::collections::BTreeMap;
@@ -56,9 +40,16 @@ use tensile_common::node_identity;
 use tensile_common::runtime::{self, CancellationToken, Supervisor};
 use tensile_common::telemetry::LogArgs;
 
-use crate::kubelet::{ClientAuth, KubeletState, ServingCert};
-use crate::node::{NodeLoop, NodeSettings};
-use crate::translate::{Identity, Translation};
+use crate::act::node::{NodeLoop, NodeSettings};
+use crate::act::{copies, events, lower_namespaces, node, pods, ratelimit, volumes};
+use crate::decide::translate::Translation;
+use crate::decide::{capacity, tokens};
+use crate::model::trim;
+use crate::serve::kubelet::{self, ClientAuth, KubeletState, ServingCert};
+use crate::serve::streams;
+use crate::world::scale_ups;
+use tensile_common::lower::identity::Identity;
+use tensile_common::lower::overrides;
 
 /// Command-line flags (each also read from the environment), in groups: the upper cluster,
 /// the lower cluster, the kubelet API, what travels with pods, and the shared runtime's
@@ -807,7 +798,7 @@ fn pod_controller(
             let ns = lower.metadata.namespace.clone().unwrap_or_default();
             let at = ObjectRef::new(lower.metadata.name.as_deref()?).within(&ns);
             let upper = upper_pods.get(&at);
-            if pods::orphaned(
+            if crate::decide::pods::orphaned(
                 &lower.metadata,
                 upper.as_ref().map(|u| kube::Resource::meta(&**u)),
                 &identity,
@@ -922,11 +913,11 @@ async fn compose(
         stash_key,
         overrides: (overrides, read),
     } = policy;
-    let overrides = overrides::Current::new(overrides);
+    let overrides = crate::world::overrides::Current::new(overrides);
     if let (Some(path), Some(read)) = (&args.overrides_file, read) {
         tasks.spawn(
             "the overrides file",
-            overrides::follow(
+            crate::world::overrides::follow(
                 path.clone(),
                 overrides.clone(),
                 OVERRIDES_CHECK,
@@ -1230,7 +1221,7 @@ async fn compose(
     }
     tasks.spawn("the event publisher", events_run);
     if let Some(settings) = &token_settings {
-        let keeper = tokens::Keeper {
+        let keeper = crate::act::tokens::Keeper {
             upper: upper.clone(),
             lower: lower.clone(),
             identity: identity.clone(),
@@ -1253,7 +1244,7 @@ async fn compose(
     let pass_deadline = Duration::from_secs(args.reconcile_timeout);
     tasks.spawn(
         "the copy resync",
-        candidacy.when_leading(world::resync(
+        candidacy.when_leading(crate::act::resync(
             ("lower", "copy-pass-timeout"),
             world.clone(),
             signals.copies_changed.clone(),
@@ -1270,7 +1261,7 @@ async fn compose(
     );
     tasks.spawn(
         "the volume resync",
-        candidacy.when_leading(world::resync(
+        candidacy.when_leading(crate::act::resync(
             ("both", "volume-pass-timeout"),
             world,
             signals.volumes_changed.clone(),
@@ -1285,7 +1276,7 @@ async fn compose(
     );
     // Only the leader's address is on the Node; a standby's port stays closed until it leads.
     tasks.spawn_graceful("the kubelet API", move |stop| async move {
-        let serve = kubelet::serve(
+        let serve = crate::serve::routes::serve(
             kubelet_listener,
             tls,
             kubelet_limits,
