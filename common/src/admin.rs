@@ -1,6 +1,6 @@
 //! The admin endpoint every daemon serves on `--admin-addr`: `/metrics` (Prometheus text),
 //! `/healthz` (the process runs) and `/readyz` (the daemon has synced: it does its job, or,
-//! elected, stands by ready to take over; see [`crate::leader::Standing`]).
+//! elected, stands by ready to take over; see `leader::Standing`).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -27,7 +27,6 @@ use crate::resources::pod_requests;
 use crate::shape::{Group, Shape};
 use crate::stash::Stash;
 use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, Taint, Toleration};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
 /// What the filter is told besides the pod and the node.
 #[derive(Clone, Debug)]
@@ -687,29 +686,6 @@ pub fn selector_matches(selector: &BTreeMap<String, String>, labels: &BTreeMap<S
     selector.iter().all(|(k, v)| labels.get(k) == Some(v))
 }
 
-/// Whether a label selector (of a Deployment, a topology spread, a PodDisruptionBudget)
-/// selects these labels, by the API's rules: every `matchLabels` pair and every
-/// `matchExpressions` requirement holds; an unknown operator selects nothing.
-pub fn label_selector_matches(selector: &LabelSelector, labels: &BTreeMap<String, String>) -> bool {
-    let by_label = selector
-        .match_labels
-        .iter()
-        .flatten()
-        .all(|(k, v)| labels.get(k) == Some(v));
-    let by_expression = selector.match_expressions.iter().flatten().all(|r| {
-        let value = labels.get(&r.key);
-        let values = r.values.as_deref().unwrap_or_default();
-        match r.operator.as_str() {
-            "In" => value.is_some_and(|v| values.contains(v)),
-            "NotIn" => value.is_none_or(|v| !values.contains(v)),
-            "Exists" => value.is_some(),
-            "DoesNotExist" => value.is_none(),
-            _ => false,
-        }
-    });
-    by_label && by_expression
-}
-
 /// True when some toleration tolerates the taint, by the API's rules.
 pub fn tolerated(taint: &Taint, tolerations: &[Toleration]) -> bool {
     tolerations.iter().any(|t| {
@@ -1273,28 +1249,5 @@ mod tests {
             Verdict::Fits
         );
         assert!(!judge(&pod(json!({"cpu": "6", "memory": "16Gi"}), None), &shape).passes());
-    }
-
-    #[test]
-    fn the_label_selector_reads_as_the_api_defines_it() {
-        let sel: LabelSelector = serde_json::from_value(serde_json::json!({"matchLabels": {"app": "web"},
-            "matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["db"]}, {"key": "app", "operator": "Exists"}]}))
-        .unwrap();
-        let l = |pairs: &[(&str, &str)]| {
-            pairs
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect()
-        };
-        assert!(label_selector_matches(&sel, &l(&[("app", "web")])));
-        assert!(label_selector_matches(
-            &sel,
-            &l(&[("app", "web"), ("tier", "front")])
-        ));
-        assert!(!label_selector_matches(
-            &sel,
-            &l(&[("app", "web"), ("tier", "db")])
-        ));
-        assert!(!label_selector_matches(&sel, &l(&[("app", "api")])));
     }
 }

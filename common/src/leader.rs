@@ -720,6 +720,15 @@ pub struct Candidacy {
 }
 
 impl Candidacy {
+    /// A candidacy in no election: it leads at once when `leads`, never otherwise.
+    pub(crate) fn unelected(leads: bool) -> Self {
+        let (_, leading) = tokio::sync::watch::channel(leads);
+        Self {
+            leading,
+            elector: None,
+        }
+    }
+
     /// Resolves once this replica leads (at once without election); never on standby.
     pub async fn leading(&self) {
         let mut leading = self.leading.clone();
@@ -756,7 +765,7 @@ pub fn stand(
     config: Option<LeaderConfig>,
     leadership: &Leadership,
     standing: &Standing,
-    tasks: &mut crate::runtime::Supervisor,
+    tasks: &mut crate::supervisor::Supervisor,
 ) -> Candidacy {
     let (leading, candidacy) = tokio::sync::watch::channel(config.is_none());
     let Some(config) = config else {

@@ -13,9 +13,9 @@
 //! the stashed lower-cluster constraints ([`stash`]), the descheduler's exclusion record
 //! ([`exclusion`]) and the volume pin that exempts a pod from it ([`pin`]), the one
 //! predicate of whether a pod fits a virtual node's lower nodes ([`fit`]) and what a lower
-//! cluster's override rules change of it ([`overrides`]); what the virtual node and the cluster
-//! controller both know of a lower cluster: identity and marks, the override rules, teardown
-//! ([`lower`]); exact resource
+//! cluster's override rules change of it ([`overrides`]), a label selector read as the API
+//! reads it ([`label_selector`]); what the virtual node and the cluster controller both know
+//! of a lower cluster: identity and marks, the override rules, teardown ([`lower`]); exact resource
 //! arithmetic ([`quantity`], [`resources`]), the kubelet API's shared parsing ([`kubelet`]), and the
 //! memory allocator every binary uses ([`Allocator`]).
 
@@ -28,6 +28,7 @@ pub mod exclusion;
 pub mod fit;
 pub mod kubeconfig;
 pub mod kubelet;
+pub mod label_selector;
 pub mod leader;
 pub mod lower;
 pub mod names;
@@ -40,6 +41,7 @@ pub mod runtime;
 pub mod serve;
 pub mod shape;
 pub mod stash;
+mod supervisor;
 pub mod telemetry;
 pub mod tls;
 pub mod versions;

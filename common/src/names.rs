@@ -22,7 +22,7 @@ pub const SIM_MANAGED_BY: &str = "tensile.io/simulated-by";
 pub const VIRTUAL_POD_LABEL: &str = "virtual-pod";
 /// The opt-in label's value.
 pub const VIRTUAL_POD_VALUE: &str = "true";
-/// Pod annotation holding the stashed lower-cluster constraints (see `crate::stash`).
+/// Pod annotation holding the stashed lower-cluster constraints (see the `stash` module).
 pub const CLUSTER_SELECTOR: &str = "clusterSelector";
 /// Upper pod annotation: the webhook's signature of the stash (see `stash::StashKey`), so a
 /// virtual node holding the key honours only stashes the webhook wrote.
@@ -98,9 +98,9 @@ pub const SERVICE_SELECTOR: &str = "tensile.io/service-selector";
 /// `NoUsableLowerNodes` when none is; the node then offers no room, and stays Ready).
 pub const CONDITION_LOWER_NODES_USABLE: &str = "tensile.io/LowerNodesUsable";
 /// Node annotation: the placement part of the lower cluster's override rules in force
-/// (JSON, see `crate::overrides`), for the fit predicate.
+/// (JSON, see the `overrides` module), for the fit predicate.
 pub const NODE_PLACEMENT_OVERRIDES: &str = "tensile.io/placement-overrides";
-/// Node annotation: the capacity shape of the lower cluster (JSON, see `crate::shape`).
+/// Node annotation: the capacity shape of the lower cluster (JSON, see the `shape` module).
 pub const NODE_CAPACITY_SHAPE: &str = "tensile.io/capacity-shape";
 /// Node label the virtual node bumps (a counter) when its capacity shape grows: the upper
 /// scheduler retries unschedulable pods on a label change, never on an annotation change.
@@ -138,7 +138,7 @@ pub const REPLACES: &str = "tensile.io/replaces";
 pub const LINEAGE: &str = "tensile.io/lineage";
 /// Annotation on a bare pod's replacement: how many times the pod was moved.
 pub const DESCHEDULE_COUNT: &str = "tensile.io/deschedule-count";
-/// API group of the suite's own kinds (the exclusion record, `crate::exclusion`).
+/// API group of the suite's own kinds (the exclusion record, the `exclusion` module).
 pub const API_GROUP: &str = "tensile.io";
 /// Label on every exclusion record: the field manager that wrote it.
 pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";

@@ -2,8 +2,8 @@
 //!
 //! A virtual node's override rules (docs/virtual-node.md, *Overrides*) add tolerations, a
 //! nodeSelector and node selector terms to the pods it creates below, and may map their
-//! RuntimeClass. The lower scheduler places the pod so changed, so the fit predicate
-//! ([`crate::fit`]) must judge that pod, not the stash alone: a cluster whose nodes sit
+//! RuntimeClass. The lower scheduler places the pod so changed, so the fit predicate (the
+//! `fit` module) must judge that pod, not the stash alone: a cluster whose nodes sit
 //! behind a taint its rule tolerates holds pods the stash alone says it cannot.
 //!
 //! The virtual node publishes the placement part of its rules in force on its Node
@@ -159,7 +159,7 @@ pub fn selects(
     labels: &BTreeMap<String, String>,
 ) -> bool {
     (namespaces.is_empty() || namespaces.iter().any(|n| n == namespace))
-        && selector.is_none_or(|s| crate::fit::label_selector_matches(s, labels))
+        && selector.is_none_or(|s| crate::label_selector::matches(s, labels))
 }
 
 /// Adds each toleration of `add` the pod lacks.

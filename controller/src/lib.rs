@@ -27,11 +27,11 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::Api;
 use kube::runtime::{Controller, watcher};
-use tensile_common::admin::{self, AdminArgs, Readiness};
-use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
-use tensile_common::leader::{self, LeaderArgs, Leadership, Standing};
+use tensile_common::admin::{self, AdminArgs};
+use tensile_common::kubeconfig::{self, ClientArgs};
+use tensile_common::leader::LeaderArgs;
 use tensile_common::names;
-use tensile_common::runtime::{self, CancellationToken, Supervisor};
+use tensile_common::runtime::{self, CancellationToken, Daemon, Running};
 use tensile_common::telemetry::LogArgs;
 
 use crate::plan::Settings;
@@ -157,22 +157,12 @@ pub async fn run(args: Args) -> Result<(), Error> {
 /// As [`run`], stopping when `shutdown` is cancelled.
 pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Error> {
     let template = read_template(&args.virtual_node_template)?;
-    let replica = leader::default_identity();
-    let election = args
-        .leader
-        .config("tensile-cluster-controller", replica.clone())
+    let mut daemon = Daemon::new("cluster-controller", shutdown)
+        .product(names::CONTROLLER_MANAGER)
+        .client_options(args.client.options())
+        .elect(&args.leader)
         .map_err(Error::Flags)?;
-    let leadership = Leadership::of(&election);
-    let options = ClientOptions {
-        user_agent: Some(format!("{} ({replica})", names::CONTROLLER_MANAGER)),
-        ..args.client.options()
-    };
-    let mut source = kubeconfig::ClientSource::new(args.kubeconfig.as_deref(), &options).await?;
-    let lease_client = source.client()?;
-    if election.is_some() {
-        source = source.fenced(leadership.clone());
-    }
-    let upper = source.client()?;
+    let upper = daemon.client(args.kubeconfig.as_deref()).await?;
     let cluster_id = match &args.cluster_id {
         Some(id) => id.clone(),
         None => Api::<Namespace>::all(upper.clone())
@@ -183,17 +173,7 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
             .uid
             .unwrap_or_default(),
     };
-    let admin_listener = admin::bind(args.admin.admin_addr).await?;
-    let mut registry = prometheus_client::registry::Registry::default();
-    leadership.register(&mut registry);
-    let readiness = Readiness::default();
-    let admin_task = admin::serve(admin_listener, Arc::new(registry), readiness.clone());
-    let admin_handle = tokio::spawn(shutdown.clone().run_until_cancelled_owned(admin_task));
-
-    let mut tasks = Supervisor::new(shutdown.clone(), runtime::DEFAULT_DRAIN);
-    let standing = Standing::new(readiness, "");
-    let candidacy = leader::stand(lease_client, election, &leadership, &standing, &mut tasks);
-    let leading = candidacy.clone();
+    daemon.bind_admin(args.admin.admin_addr).await?;
     let ctx = Arc::new(Context {
         upper: upper.clone(),
         settings: Settings {
@@ -212,42 +192,51 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         resync: Duration::from_secs(args.resync_seconds),
         renew_at: args.token_renew_at,
         drain_timeout: args.drain_timeout,
-        crash_at: args.crash_at,
+        crash_at: daemon.crash_points(args.crash_at),
         applied: Default::default(),
     });
+    let mut running = daemon.start();
+    compose(&args, upper, ctx, &mut running);
+    Ok(running.run().await?)
+}
+
+/// The certificate approver (with `--node-identity`) and the LowerCluster controller,
+/// handed to `running`'s tasks; both act once this replica leads.
+fn compose(args: &Args, upper: kube::Client, ctx: Arc<Context>, running: &mut Running) {
     tracing::info!(namespace = %args.namespace, cluster_id = %ctx.settings.cluster_id, "starting");
     let namespace = args.namespace.clone();
     if args.node_identity {
-        let (upper, settings, leading) = (upper.clone(), ctx.settings.clone(), candidacy.clone());
-        tasks.spawn_graceful("the node certificate approver", move |stop| async move {
+        let (upper, settings, leading) = (upper.clone(), ctx.settings.clone(), running.candidacy.clone());
+        running
+            .tasks
+            .spawn_graceful("the node certificate approver", move |stop| async move {
+                if stop.run_until_cancelled(leading.leading()).await.is_none() {
+                    return;
+                }
+                stop.run_until_cancelled(approve::run(upper, settings)).await;
+            });
+    }
+    let (standing, leading) = (running.standing.clone(), running.candidacy.clone());
+    running
+        .tasks
+        .spawn_graceful("the LowerCluster controller", move |stop| async move {
+            // Nothing to fill on standby: every pass reads what it needs.
+            standing.synced();
             if stop.run_until_cancelled(leading.leading()).await.is_none() {
                 return;
             }
-            stop.run_until_cancelled(approve::run(upper, settings)).await;
+            let clusters: Api<LowerCluster> = Api::all(upper.clone());
+            let ours = format!("{}={}", names::CONTROLLER_NAMESPACE, namespace);
+            Controller::new(clusters, watcher::Config::default().labels(&ours))
+                .graceful_shutdown_on(stop.cancelled_owned())
+                .run(reconcile::reconcile, error_policy, ctx)
+                .for_each(|outcome| async move {
+                    if let Err(e) = outcome {
+                        tracing::debug!("{e}");
+                    }
+                })
+                .await;
         });
-    }
-    tasks.spawn_graceful("the LowerCluster controller", move |stop| async move {
-        // Nothing to fill on standby: every pass reads what it needs.
-        standing.synced();
-        if stop.run_until_cancelled(leading.leading()).await.is_none() {
-            return;
-        }
-        let clusters: Api<LowerCluster> = Api::all(upper.clone());
-        let ours = format!("{}={}", names::CONTROLLER_NAMESPACE, namespace);
-        Controller::new(clusters, watcher::Config::default().labels(&ours))
-            .graceful_shutdown_on(stop.cancelled_owned())
-            .run(reconcile::reconcile, error_policy, ctx)
-            .for_each(|outcome| async move {
-                if let Err(e) = outcome {
-                    tracing::debug!("{e}");
-                }
-            })
-            .await;
-    });
-    let outcome = tasks.run().await.map_err(Error::from);
-    candidacy.release().await;
-    admin_handle.abort();
-    outcome
 }
 
 fn error_policy(

@@ -49,7 +49,7 @@ pub struct Context {
     /// How long a leaving cluster's virtual node is drained before it stops regardless.
     pub drain_timeout: Duration,
     /// The removal step after which the process aborts (tests only).
-    pub crash_at: Option<RemovalStep>,
+    pub crash_at: tensile_common::runtime::CrashPoints<RemovalStep>,
     /// What was last applied for each cluster, and when: an unchanged plan is applied again
     /// only every [`REAPPLY`] (to repair edits), not every pass.
     pub applied: std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
@@ -72,7 +72,7 @@ pub enum RemovalStep {
 }
 
 fn crash_point(ctx: &Context, step: RemovalStep) {
-    tensile_common::runtime::crash_point("cluster-controller", ctx.crash_at, step);
+    ctx.crash_at.reached(step);
 }
 
 /// How often an unchanged plan is applied again, to repair what someone edited or deleted.

@@ -26,6 +26,7 @@ use tensile_common::names;
 
 use crate::fit;
 use tensile_common::evict::{self, Evicted};
+use tensile_common::runtime::CrashPoints;
 
 /// A step of a bare-pod move after which `--crash-at` aborts the process, so that tests can
 /// prove a restart at any step finishes the move exactly once.
@@ -37,11 +38,6 @@ pub enum Step {
     Created,
     /// The original is evicted.
     Evicted,
-}
-
-/// Aborts the process (see [`tensile_common::runtime::crash_point`]) if `crash_at` is `step`.
-pub fn crash_point(crash_at: Option<Step>, step: Step) {
-    tensile_common::runtime::crash_point("descheduler", crash_at, step);
 }
 
 /// The replacement's name: the line's base name and five characters of the old UID.
@@ -146,7 +142,7 @@ pub async fn replace(
     pod: &Pod,
     lineage: &str,
     excluded: &[String],
-    crash_at: Option<Step>,
+    crash_at: CrashPoints<Step>,
 ) -> Result<Evicted, kube::Error> {
     let ns = pod.metadata.namespace.clone().unwrap_or_default();
     let name = pod.metadata.name.clone().unwrap_or_default();
@@ -175,9 +171,9 @@ pub async fn replace(
             Err(e) => return Err(e),
         }
     }
-    crash_point(crash_at, Step::Created);
+    crash_at.reached(Step::Created);
     let evicted = evict::evict(api, pod).await?;
-    crash_point(crash_at, Step::Evicted);
+    crash_at.reached(Step::Evicted);
     Ok(evicted)
 }
 

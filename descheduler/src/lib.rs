@@ -45,13 +45,14 @@ use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use kube::api::Api;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::watcher;
-use tensile_common::admin::{self, AdminArgs, Readiness};
-use tensile_common::cache::watched;
+use tensile_common::admin::{self, AdminArgs};
+use tensile_common::cache::{Cache, watched};
 use tensile_common::exclusion::{self, Location};
 use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
-use tensile_common::leader::{self, Candidacy, LeaderArgs, Leadership, Standing};
-use tensile_common::runtime::{self, CancellationToken, Supervisor};
+use tensile_common::leader::{self, LeaderArgs};
+use tensile_common::runtime::{self, CancellationToken, CrashPoints, Daemon, Running, Supervisor};
 use tensile_common::telemetry::LogArgs;
+use tokio::sync::{Notify, watch};
 
 use crate::decide::{BarePods, Settings};
 use crate::rounds::{Caps, Descheduler};
@@ -295,9 +296,6 @@ pub enum Error {
     Stopped(#[from] runtime::Stopped),
 }
 
-/// How long a round in progress gets to finish after SIGTERM.
-const DRAIN: Duration = runtime::DEFAULT_DRAIN;
-
 /// Runs until SIGTERM or SIGINT (then `Ok`, after the round in progress) or a failure.
 pub async fn run(args: Args) -> Result<(), Error> {
     let shutdown = runtime::shutdown_on_signals().map_err(Error::Signal)?;
@@ -309,95 +307,117 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
     if args.descheduling_interval.is_zero() {
         return Err(Error::Flags("--descheduling-interval must be positive".into()));
     }
-    let replica = leader::default_identity();
-    let election = args
-        .leader
-        .config("tensile-descheduler", replica.clone())
+    let mut daemon = Daemon::new("descheduler", shutdown)
+        .product("tensile-descheduler")
+        .client_options(ClientOptions {
+            // A 429 from the Eviction API is a disruption budget's (or the apiserver's) "not
+            // now", which a round acts on: counted as `limited`, the workload tried later and
+            // others moved meanwhile. Repeated inside the client it only ran into the deadline.
+            server_retry: false,
+            ..args.client.options()
+        })
+        .elect(&args.leader)
         .map_err(Error::Flags)?;
-    let leadership = Leadership::of(&election);
-    let options = ClientOptions {
-        user_agent: Some(format!("tensile-descheduler ({replica})")),
-        // A 429 from the Eviction API is a disruption budget's (or the apiserver's) "not
-        // now", which a round acts on: counted as `limited`, the workload tried later and
-        // others moved meanwhile. Repeated inside the client it only ran into the deadline.
-        server_retry: false,
-        ..args.client.options()
-    };
-    let mut source = kubeconfig::ClientSource::new(args.kubeconfig.as_deref(), &options).await?;
-    let lease_client = source.client()?;
-    if election.is_some() {
-        source = source.fenced(leadership.clone());
-    }
-    let client = source.client()?;
-    let admin_listener = admin::bind(args.admin.admin_addr).await?;
-
-    let mut registry = prometheus_client::registry::Registry::default();
-    let metrics = Arc::new(metrics::Metrics::new(&mut registry));
-    leadership.register(&mut registry);
-    let readiness = Readiness::default();
-    let admin_task = admin::serve(admin_listener, Arc::new(registry), readiness.clone());
-    let admin_handle = tokio::spawn(shutdown.clone().run_until_cancelled_owned(admin_task));
-
-    let mut tasks = Supervisor::new(shutdown.clone(), DRAIN);
-    let mut standing = Standing::new(readiness, "");
     if args.dry_run {
-        standing = standing.with_note("dry run");
+        daemon = daemon.note("dry run");
     }
-    let candidacy = leader::stand(lease_client, election, &leadership, &standing, &mut tasks);
-    compose(&args, client, metrics, &mut tasks, standing, candidacy.clone());
-    let outcome = tasks.run().await.map_err(Error::from);
-    candidacy.release().await;
-    admin_handle.abort();
-    outcome
+    let client = daemon.client(args.kubeconfig.as_deref()).await?;
+    daemon.bind_admin(args.admin.admin_addr).await?;
+    let metrics = Arc::new(metrics::Metrics::new(daemon.registry()));
+    let crash_at = daemon.crash_points(args.crash_at);
+    let mut running = daemon.start();
+    compose(&args, client, metrics, crash_at, &mut running);
+    Ok(running.run().await?)
 }
 
-/// Builds the caches and the loop of a descheduler and hands them to `tasks`. The caches
-/// fill on standby too; the loop runs once `candidacy` leads.
+/// The caches a descheduler decides from.
+struct Caches {
+    /// Pending, opted-in pods: the candidates.
+    pods: Cache<Pod>,
+    /// With `--rebalance`, the opted-in pods that run.
+    running: Option<Cache<Pod>>,
+    replacements: Cache<Pod>,
+    nodes: Cache<Node>,
+    exclusions: exclusion::Synced,
+}
+
+impl Caches {
+    /// The caches, their watches handed to `tasks` (they fill on standby too, so a replica
+    /// that takes over decides from current ones); and the exclusion records as they are.
+    fn watch(
+        args: &Args,
+        client: &kube::Client,
+        changed: &Arc<Notify>,
+        tasks: &mut Supervisor,
+    ) -> (Self, watch::Receiver<Arc<exclusion::Exclusions>>) {
+        // Candidates are Pending and opted in; the watch never carries the cluster's running
+        // pods, nor pods the suite does not serve.
+        let (key, value) = &args.pod_label;
+        let opted_in = |phase: &str| {
+            watcher::Config::default()
+                .fields(&format!("status.phase={phase}"))
+                .labels(&format!("{key}={value}"))
+        };
+        let (pods, pods_watch) = watched::<Pod>(Api::all(client.clone()), opted_in("Pending"), changed);
+        tasks.spawn("the pod watch", pods_watch);
+        // Bare pods' replacements in any phase: each pair must end with one pod.
+        let (replacements, replacements_watch) = watched::<Pod>(
+            Api::all(client.clone()),
+            watcher::Config::default().labels(tensile_common::names::REPLACES),
+            changed,
+        );
+        tasks.spawn("the replacements watch", replacements_watch);
+        // With --rebalance, the opted-in pods that run too: where they run is what is balanced.
+        let running = args.rebalance.then(|| {
+            let (cache, watch) = watched::<Pod>(Api::all(client.clone()), opted_in("Running"), changed);
+            tasks.spawn("the running pods watch", watch);
+            cache
+        });
+        let (nodes, nodes_watch) = watched::<Node>(
+            Api::all(client.clone()),
+            watcher::Config::default().labels(&args.node_selector),
+            changed,
+        );
+        tasks.spawn("the node watch", nodes_watch);
+        let location = &args.exclusions_configmap;
+        let (exclusions, seen, exclusions_watch) = exclusion::follow(
+            Api::<ConfigMap>::namespaced(client.clone(), &location.namespace),
+            &location.name,
+        );
+        tasks.spawn("the exclusions watch", exclusions_watch);
+        let caches = Caches {
+            pods,
+            running,
+            replacements,
+            nodes,
+            exclusions,
+        };
+        (caches, seen)
+    }
+
+    async fn synced(&self) {
+        self.pods.synced().await;
+        self.replacements.synced().await;
+        self.nodes.synced().await;
+        self.exclusions.synced().await;
+        if let Some(running) = &self.running {
+            running.synced().await;
+        }
+    }
+}
+
+/// Builds the caches and the loop of a descheduler and hands them to `running`'s tasks.
+/// The loop runs once this replica leads.
 fn compose(
     args: &Args,
     client: kube::Client,
     metrics: Arc<metrics::Metrics>,
-    tasks: &mut Supervisor,
-    standing: Standing,
-    candidacy: Candidacy,
+    crash_at: CrashPoints<bare::Step>,
+    running: &mut Running,
 ) {
-    let changed = Arc::new(tokio::sync::Notify::new());
-    // Candidates are Pending and opted in; the watch never carries the cluster's running
-    // pods, nor pods the suite does not serve.
-    let (key, value) = &args.pod_label;
-    let (pods, pods_watch) = watched::<Pod>(
-        Api::all(client.clone()),
-        watcher::Config::default()
-            .fields("status.phase=Pending")
-            .labels(&format!("{key}={value}")),
-        &changed,
-    );
-    // With --rebalance, the opted-in pods that run too: where they run is what is balanced.
-    let running = args.rebalance.then(|| {
-        watched::<Pod>(
-            Api::all(client.clone()),
-            watcher::Config::default()
-                .fields("status.phase=Running")
-                .labels(&format!("{key}={value}")),
-            &changed,
-        )
-    });
-    // Bare pods' replacements in any phase: each pair must end with one pod.
-    let (replacements, replacements_watch) = watched::<Pod>(
-        Api::all(client.clone()),
-        watcher::Config::default().labels(tensile_common::names::REPLACES),
-        &changed,
-    );
-    let (nodes, nodes_watch) = watched::<Node>(
-        Api::all(client.clone()),
-        watcher::Config::default().labels(&args.node_selector),
-        &changed,
-    );
+    let changed = Arc::new(Notify::new());
+    let (caches, seen) = Caches::watch(args, &client, &changed, &mut running.tasks);
     let location = args.exclusions_configmap.clone();
-    let (exclusions_cache, seen, exclusions_watch) = exclusion::follow(
-        Api::<ConfigMap>::namespaced(client.clone(), &location.namespace),
-        &location.name,
-    );
     let store = store::Store::new(client.clone(), location.clone(), seen);
     let recorder = Recorder::new(
         client.clone(),
@@ -408,9 +428,9 @@ fn compose(
     );
     let mut descheduler = Descheduler::new(
         client,
-        pods.clone(),
-        replacements.clone(),
-        nodes.clone(),
+        caches.pods.clone(),
+        caches.replacements.clone(),
+        caches.nodes.clone(),
         store,
         args.settings(),
         args.caps(),
@@ -420,15 +440,10 @@ fn compose(
         recorder,
         changed,
     );
-    descheduler.crash_at = args.crash_at;
-    let running_watch = match (running, args.rebalancing()) {
-        (Some((cache, watch)), Some(settings)) => {
-            descheduler.rebalancing = Some(rounds::Rebalancing::new(cache, settings));
-            Some(watch)
-        }
-        _ => None,
-    };
-    let running_cache = descheduler.rebalancing.as_ref().map(|r| r.running.clone());
+    descheduler.crash_at = crash_at;
+    if let (Some(cache), Some(settings)) = (&caches.running, args.rebalancing()) {
+        descheduler.rebalancing = Some(rounds::Rebalancing::new(cache.clone(), settings));
+    }
     tracing::info!(
         node_selector = %args.node_selector,
         exclusions = %location,
@@ -436,32 +451,19 @@ fn compose(
         threshold = ?args.unschedulable_threshold,
         "starting"
     );
-    tasks.spawn_graceful("the descheduling loop", move |stop| async move {
-        let synced = async {
-            pods.synced().await;
-            replacements.synced().await;
-            nodes.synced().await;
-            exclusions_cache.synced().await;
-            if let Some(running) = &running_cache {
-                running.synced().await;
+    let (standing, candidacy) = (running.standing.clone(), running.candidacy.clone());
+    running
+        .tasks
+        .spawn_graceful("the descheduling loop", move |stop| async move {
+            if stop.run_until_cancelled(caches.synced()).await.is_none() {
+                return;
             }
-        };
-        if stop.run_until_cancelled(synced).await.is_none() {
-            return;
-        }
-        standing.synced();
-        if stop.run_until_cancelled(candidacy.leading()).await.is_none() {
-            return;
-        }
-        descheduler.run(stop).await
-    });
-    tasks.spawn("the pod watch", pods_watch);
-    tasks.spawn("the replacements watch", replacements_watch);
-    if let Some(watch) = running_watch {
-        tasks.spawn("the running pods watch", watch);
-    }
-    tasks.spawn("the node watch", nodes_watch);
-    tasks.spawn("the exclusions watch", exclusions_watch);
+            standing.synced();
+            if stop.run_until_cancelled(candidacy.leading()).await.is_none() {
+                return;
+            }
+            descheduler.run(stop).await
+        });
 }
 
 #[cfg(test)]

@@ -534,7 +534,7 @@ impl<'c> Spread<'c> {
                 let Some(domain) = node_of(p).and_then(|n| domain_of.get(n)) else {
                     continue;
                 };
-                if tensile_common::fit::label_selector_matches(selector, pod_labels(p)) {
+                if tensile_common::label_selector::matches(selector, pod_labels(p)) {
                     *counts.entry(domain.clone()).or_insert(0) += 1;
                 }
             }
@@ -551,7 +551,7 @@ impl<'c> Spread<'c> {
     fn counts_pod(&self, pod: &Pod) -> bool {
         self.selector
             .as_ref()
-            .is_some_and(|s| tensile_common::fit::label_selector_matches(s, pod_labels(pod)))
+            .is_some_and(|s| tensile_common::label_selector::matches(s, pod_labels(pod)))
     }
 
     /// The skew of `counts`, from kube-scheduler's global minimum.

@@ -21,7 +21,7 @@ use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::ObjectRef;
 use tensile_common::cache::Cache;
 use tensile_common::exclusion::Exclusions;
-use tensile_common::runtime::CancellationToken;
+use tensile_common::runtime::{CancellationToken, CrashPoints};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -137,7 +137,7 @@ pub struct Descheduler {
     /// cannot change once the Job is created, so each is read once, not on every round.
     pub(crate) jobs: Mutex<HashMap<String, Arc<Job>>>,
     /// For tests: abort the process at this step of a bare-pod move.
-    pub crash_at: Option<bare::Step>,
+    pub crash_at: CrashPoints<bare::Step>,
     /// `--rebalance`.
     pub rebalancing: Option<Rebalancing>,
 }
@@ -184,7 +184,7 @@ impl Descheduler {
             settled: Mutex::default(),
             window: Mutex::default(),
             jobs: Mutex::default(),
-            crash_at: None,
+            crash_at: CrashPoints::default(),
             rebalancing: None,
         }
     }
@@ -421,7 +421,7 @@ impl Descheduler {
             }
         }
         if let Workload::Bare { .. } = &m.workload {
-            bare::crash_point(self.crash_at, bare::Step::Recorded);
+            self.crash_at.reached(bare::Step::Recorded);
         }
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
         let result = match &m.workload {

@@ -347,7 +347,8 @@ pub(crate) async fn api_writes(client: &kube::Client) -> anyhow::Result<HashMap<
 /// client and server in this process).
 pub async fn multi_scheduler(secs: u64, connections: usize) -> anyhow::Result<serde_json::Value> {
     use tensile_common::fit::Options;
-    use tensile_multi_scheduler::extender::{self, Context, ExtenderArgs, FactsCache, Score};
+    use tensile_multi_scheduler::context::{Context, FactsCache};
+    use tensile_multi_scheduler::extender::{self, ExtenderArgs, Score};
 
     const VIRTUAL_NODES: usize = 100;
     const LOWER_NODES: usize = 5000;
@@ -382,7 +383,7 @@ pub async fn multi_scheduler(secs: u64, connections: usize) -> anyhow::Result<se
     let facts = FactsCache::default();
     let ctx = Context {
         view: view.as_ref(),
-        pods: &tensile_multi_scheduler::preempt::NoBoundPods,
+        pods: &tensile_multi_scheduler::context::NoBoundPods,
         facts: &facts,
         exclusions: &exclusions,
         options: Options {
@@ -493,7 +494,7 @@ fn lower_cluster_shape(nodes: usize, seed: usize) -> anyhow::Result<String> {
 
 struct BenchNodes(Vec<Arc<k8s_openapi::api::core::v1::Node>>);
 
-impl tensile_multi_scheduler::extender::View for BenchNodes {
+impl tensile_multi_scheduler::context::View for BenchNodes {
     fn node(&self, name: &str) -> Option<Arc<k8s_openapi::api::core::v1::Node>> {
         self.0
             .iter()
@@ -510,7 +511,8 @@ async fn extender_over_https(
     connections: usize,
 ) -> anyhow::Result<serde_json::Value> {
     use http_body_util::{BodyExt as _, Full};
-    use tensile_multi_scheduler::extender::{FactsCache, Score};
+    use tensile_multi_scheduler::context::FactsCache;
+    use tensile_multi_scheduler::extender::Score;
     use tensile_multi_scheduler::server::{State, serve_https};
 
     let generated = tensile_common::tls::self_signed(&["127.0.0.1".to_owned()])?;
@@ -519,7 +521,7 @@ async fn extender_over_https(
         tokio::sync::watch::channel(Arc::new(tensile_common::exclusion::Exclusions::default()));
     let state = Arc::new(State {
         nodes: view,
-        pods: Arc::new(tensile_multi_scheduler::preempt::NoBoundPods),
+        pods: Arc::new(tensile_multi_scheduler::context::NoBoundPods),
         facts: FactsCache::default(),
         exclusions,
         max_age: None,

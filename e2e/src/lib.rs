@@ -30,6 +30,7 @@ pub mod records;
 pub mod rounds;
 pub mod runner;
 pub mod scale;
+pub mod scene;
 pub mod shared;
 pub mod simulator;
 pub mod stats;
@@ -61,6 +62,8 @@ pub enum Error {
     NodeAddress(String),
     #[error("cluster {cluster}: {message}")]
     Cluster { cluster: String, message: String },
+    #[error("virtual node {name}: {message}")]
+    VirtualNode { name: String, message: String },
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

@@ -44,6 +44,16 @@ impl<T: Send + Sync + 'static> Shared<T> {
         entry.as_ref().map(|(_, v)| v).map_err(Clone::clone)
     }
 
+    /// [`Shared::get`] for a test's bed: panics, in every test that asks, with why it could
+    /// not start.
+    pub fn bed<F, Fut>(&'static self, init: F) -> &'static T
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = crate::Result<T>> + Send + 'static,
+    {
+        self.get(init).unwrap_or_else(|e| panic!("shared test bed: {e}"))
+    }
+
     /// Runs `fut` on the fixture's runtime (for work that must outlive one test, such as
     /// starting more simulated nodes).
     pub fn handle(&'static self) -> Option<tokio::runtime::Handle> {

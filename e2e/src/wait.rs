@@ -43,3 +43,12 @@ where
         Err(e) => panic!("{e}"),
     }
 }
+
+/// [`must`] for up to `secs` seconds, polling every 250 ms.
+pub async fn within<T, F, Fut>(what: &str, secs: u64, probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, String>>,
+{
+    must(what, Duration::from_secs(secs), Duration::from_millis(250), probe).await
+}

@@ -12,37 +12,14 @@ use base64::Engine as _;
 use tensile_e2e::chart::{self, helm};
 use tensile_e2e::check::{apply, eventually, kubectl};
 use tensile_e2e::process::Service;
+use tensile_e2e::scene::{self, UpperAndLower};
 use tensile_e2e::shared::Shared;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tensile_e2e::{NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
 
-struct Bed {
-    upper: TestCluster,
-    lower: TestCluster,
-    _sim: NodeSimulator,
-}
+static BED: Shared<UpperAndLower> = Shared::new();
 
-static BED: Shared<Bed> = Shared::new();
-
-fn bed() -> &'static Bed {
-    BED.get(|| async {
-        let (upper, lower) = tokio::join!(
-            TestCluster::start(ClusterOptions::new("chart", "upper")),
-            TestCluster::start(ClusterOptions::new("chart", "lower-a")),
-        );
-        let (upper, lower) = (upper?, lower?);
-        let sim = NodeSimulator::start(
-            lower.client().await?,
-            SimulatorOptions::new("lower-a", Some(lower.kubelet_client_ca_pem())),
-            vec![NodeConfig::new("a-0"), NodeConfig::new("a-1")],
-        )
-        .await?;
-        Ok(Bed {
-            upper,
-            lower,
-            _sim: sim,
-        })
-    })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
+fn bed() -> &'static UpperAndLower {
+    BED.bed(|| UpperAndLower::start("chart", "lower-a", scene::nodes("a", 2)))
 }
 
 fn chart() -> String {
@@ -821,27 +798,22 @@ async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
     // One CA for both: the bundle written into the chart's registration is the Secret's, and
     // verifies each replica's own serving certificate.
     let registration = format!("{full}-webhook");
-    tensile_e2e::wait::must(
-        "the caBundle of the chart's registration",
-        Duration::from_secs(40),
-        Duration::from_millis(300),
-        || async {
-            let out = up
-                .kubectl(&[
-                    "get",
-                    "mutatingwebhookconfiguration",
-                    &registration,
-                    "-o",
-                    "jsonpath={.webhooks[0].clientConfig.caBundle}",
-                ])
-                .await;
-            if out.ok && !out.stdout.trim().is_empty() {
-                Ok(())
-            } else {
-                Err(out.stderr)
-            }
-        },
-    )
+    tensile_e2e::wait::within("the caBundle of the chart's registration", 40, || async {
+        let out = up
+            .kubectl(&[
+                "get",
+                "mutatingwebhookconfiguration",
+                &registration,
+                "-o",
+                "jsonpath={.webhooks[0].clientConfig.caBundle}",
+            ])
+            .await;
+        if out.ok && !out.stdout.trim().is_empty() {
+            Ok(())
+        } else {
+            Err(out.stderr)
+        }
+    })
     .await;
     let ca_pem = bundle(up, &registration).await;
     let in_secret = kubectl(
@@ -867,22 +839,19 @@ async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
     let ca_file = up.dir().join("webhook-bundle.crt");
     std::fs::write(&ca_file, &ca_pem).unwrap();
     for port in webhook_ports {
-        let body = tensile_e2e::wait::must(
-            &format!("webhook on {port} verified with the bundle"),
-            Duration::from_secs(20),
-            Duration::from_millis(300),
-            || healthz_with_ca(port, &ca_file),
-        )
-        .await;
+        let body =
+            tensile_e2e::wait::within(&format!("webhook on {port} verified with the bundle"), 20, || {
+                healthz_with_ca(port, &ca_file)
+            })
+            .await;
         assert_eq!(body, "ok");
     }
     // A restarted replica serves a new certificate of the same CA; the bundle stays.
     webhooks[1].restart().unwrap();
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let body = tensile_e2e::wait::must(
+    let body = tensile_e2e::wait::within(
         "the restarted webhook verified with the unchanged bundle",
-        Duration::from_secs(20),
-        Duration::from_millis(300),
+        20,
         || healthz_with_ca(webhook_ports[1], &ca_file),
     )
     .await;
@@ -894,18 +863,12 @@ async fn the_daemons_run_under_the_charts_accounts_without_one_refused_call() {
     );
 
     // The virtual node registers Ready with the chart's labels.
-    eventually(
+    scene::node_shows(
         up.kubeconfig(),
-        "the chart's virtual node Ready",
-        60,
-        &[
-            "get",
-            "node",
-            node,
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status} {.metadata.labels.region}"#,
-        ],
+        node,
+        r#"jsonpath={.status.conditions[?(@.type=="Ready")].status} {.metadata.labels.region}"#,
         "True a",
+        60,
     )
     .await;
 
@@ -1052,12 +1015,13 @@ items:
     .await;
     assert_eq!(copies.trim(), "ConfigMap Secret PersistentVolumeClaim");
     node_identity_is_confined_like_a_kubelet(up, ns, app, node).await;
-    eventually(
+    scene::shows(
         up.kubeconfig(),
-        "the upper claim Bound to the volume reflected upstream",
-        30,
-        &["-n", app, "get", "pvc", "data", "-o", "jsonpath={.status.phase}"],
+        app,
+        "pvc/data",
+        "jsonpath={.status.phase}",
         "Bound",
+        30,
     )
     .await;
     let logs = tensile_e2e::wait::must(
@@ -1109,20 +1073,13 @@ items:
         ],
     )
     .await;
-    eventually(
+    scene::shows(
         low.kubeconfig(),
-        "an upper edit reaching its copy after the renewal",
-        10,
-        &[
-            "-n",
-            app,
-            "get",
-            "configmap",
-            "settings",
-            "-o",
-            "jsonpath={.data.mode}",
-        ],
+        app,
+        "configmap/settings",
+        "jsonpath={.data.mode}",
         "renewed",
+        10,
     )
     .await;
 
@@ -1473,10 +1430,9 @@ async fn the_releases_identities_change_only_the_nodes_and_volumes_the_suite_mad
     // The apiserver checked every expression of the chart's policies against the types of
     // what they match, and warns of none.
     for policy in ["nodes", "grants", "volumes", "claims", "node-volumes"] {
-        let checked = tensile_e2e::wait::must(
+        let checked = tensile_e2e::wait::within(
             &format!("the policy {full}-{policy} type-checked"),
-            Duration::from_secs(30),
-            Duration::from_millis(300),
+            30,
             || async {
                 let out = up
                     .kubectl(&[
@@ -2363,33 +2319,21 @@ async fn with_two_replicas_the_descheduler_deployment_is_available_with_one_lead
 
     // Both pods run on the node, not Ready: nothing answers their probe yet.
     let selector = format!("app.kubernetes.io/instance={release},app.kubernetes.io/component=descheduler");
-    let pods: Vec<String> = tensile_e2e::wait::must(
-        "two descheduler pods Running on chart-host-0",
-        Duration::from_secs(60),
-        Duration::from_millis(300),
-        || async {
-            let out = kubectl(
-                up.kubeconfig(),
-                &[
-                    "-n",
-                    ns,
-                    "get",
-                    "pods",
-                    "-l",
-                    &selector,
-                    "-o",
-                    r#"jsonpath={range .items[*]}{.metadata.name} {.spec.nodeName} {.status.phase}{"\n"}{end}"#,
-                ],
-            )
-            .await;
-            let running: Vec<String> = out
-                .lines()
-                .filter(|l| l.ends_with(" chart-host-0 Running"))
-                .filter_map(|l| l.split(' ').next().map(str::to_owned))
-                .collect();
-            if running.len() == 2 { Ok(running) } else { Err(out) }
-        },
-    )
+    let rows = r#"jsonpath={range .items[*]}{.metadata.name} {.spec.nodeName} {.status.phase}{"\n"}{end}"#;
+    let what = "two descheduler pods Running on chart-host-0";
+    let pods: Vec<String> = tensile_e2e::wait::within(what, 60, || async {
+        let out = kubectl(
+            up.kubeconfig(),
+            &["-n", ns, "get", "pods", "-l", &selector, "-o", rows],
+        )
+        .await;
+        let running: Vec<String> = out
+            .lines()
+            .filter(|l| l.ends_with(" chart-host-0 Running"))
+            .filter_map(|l| l.split(' ').next().map(str::to_owned))
+            .collect();
+        if running.len() == 2 { Ok(running) } else { Err(out) }
+    })
     .await;
     let ready = [
         "-n",

@@ -21,8 +21,9 @@ use tensile_e2e::chart::{self, helm};
 use tensile_e2e::check::{apply, eventually, kubectl};
 use tensile_e2e::process::Service;
 use tensile_e2e::runner::VirtualNodeRunner;
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
+use tensile_e2e::{NodeSimulator, TestCluster};
 
 struct Bed {
     upper: TestCluster,
@@ -34,29 +35,10 @@ struct Bed {
 static BED: Shared<Bed> = Shared::new();
 
 fn bed() -> &'static Bed {
-    BED.get(|| async {
-        let (upper, lower_a, lower_b) = tokio::join!(
-            TestCluster::start(ClusterOptions::new("clusters", "upper")),
-            TestCluster::start(ClusterOptions::new("clusters", "lower-a")),
-            TestCluster::start(ClusterOptions::new("clusters", "lower-b")),
-        );
-        let (upper, lower_a, lower_b) = (upper?, lower_a?, lower_b?);
-        let sim_a = NodeSimulator::start(
-            lower_a.client().await?,
-            SimulatorOptions::new("lower-a", Some(lower_a.kubelet_client_ca_pem())),
-            vec![NodeConfig::new("a-0"), NodeConfig::new("a-1")],
-        )
-        .await?;
-        let sim_b = NodeSimulator::start(
-            lower_b.client().await?,
-            SimulatorOptions::new("lower-b", Some(lower_b.kubelet_client_ca_pem())),
-            vec![
-                NodeConfig::new("b-0"),
-                NodeConfig::new("b-1"),
-                NodeConfig::new("b-2"),
-            ],
-        )
-        .await?;
+    BED.bed(|| async {
+        let [upper, lower_a, lower_b] = scene::clusters("clusters", ["upper", "lower-a", "lower-b"]).await?;
+        let sim_a = scene::simulate(&lower_a, scene::nodes("a", 2)).await?;
+        let sim_b = scene::simulate(&lower_b, scene::nodes("b", 3)).await?;
         Ok(Bed {
             upper,
             lower_a,
@@ -64,7 +46,6 @@ fn bed() -> &'static Bed {
             _sims: vec![sim_a, sim_b],
         })
     })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
 const NS: &str = "tensile";
@@ -343,19 +324,14 @@ async fn answer(up: &TestCluster, name: &str) -> String {
 
 /// Waits until request `name` is answered; the answer.
 async fn answered(up: &TestCluster, name: &str) -> String {
-    tensile_e2e::wait::must(
-        &format!("request {name} answered"),
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let said = answer(up, name).await;
-            if said.trim() == ":" {
-                Err("unanswered".to_owned())
-            } else {
-                Ok(said)
-            }
-        },
-    )
+    tensile_e2e::wait::within(&format!("request {name} answered"), 30, || async {
+        let said = answer(up, name).await;
+        if said.trim() == ":" {
+            Err("unanswered".to_owned())
+        } else {
+            Ok(said)
+        }
+    })
     .await
 }
 
@@ -510,12 +486,13 @@ spec: {hard: {requests.cpu: "12", requests.memory: 24Gi, pods: "10"}}
     )
     .await;
     // Everything settles (the namespace's account and root CA) before lower-b's listing.
-    eventually(
+    scene::shows(
         low_b.kubeconfig(),
-        "fleet's account",
-        30,
-        &["-n", "fleet", "get", "serviceaccount", "default", "-o", "name"],
+        "fleet",
         "serviceaccount/default",
+        "name",
+        "serviceaccount/default",
+        30,
     )
     .await;
     let lower_b_before = listing(low_b, None).await;
@@ -613,31 +590,25 @@ spec: {hard: {requests.cpu: "12", requests.memory: 24Gi, pods: "10"}}
         ),
     )
     .await;
-    tensile_e2e::wait::must(
-        "held refused for its overrides",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let said = kubectl(
-                up.kubeconfig(),
-                &[
-                    "get",
-                    "lowercluster",
-                    "held",
-                    "-o",
-                    r#"jsonpath={.status.conditions[?(@.type=="Accepted")].message}"#,
-                ],
-            )
-            .await;
-            match said.starts_with("spec.overrides: rule \"mirror\": image.regex: regex parse error")
-                && said.ends_with(
-                    "none were accepted before, so the virtual node is not started until they pass",
-                ) {
-                true => Ok(()),
-                false => Err(said),
-            }
-        },
-    )
+    tensile_e2e::wait::within("held refused for its overrides", 30, || async {
+        let said = kubectl(
+            up.kubeconfig(),
+            &[
+                "get",
+                "lowercluster",
+                "held",
+                "-o",
+                r#"jsonpath={.status.conditions[?(@.type=="Accepted")].message}"#,
+            ],
+        )
+        .await;
+        match said.starts_with("spec.overrides: rule \"mirror\": image.regex: regex parse error")
+            && said.ends_with("none were accepted before, so the virtual node is not started until they pass")
+        {
+            true => Ok(()),
+            false => Err(said),
+        }
+    })
     .await;
     let made = kubectl(
         up.kubeconfig(),
@@ -887,20 +858,13 @@ spec:
 "#,
     )
     .await;
-    eventually(
+    scene::pod_shows(
         low_b.kubeconfig(),
-        "tagged below with lower-b's rule",
-        60,
-        &[
-            "-n",
-            "fleet",
-            "get",
-            "pod",
-            "tagged",
-            "-o",
-            "jsonpath={.metadata.labels.region} {.spec.containers[0].env[0].value}",
-        ],
+        "fleet",
+        "tagged",
+        "jsonpath={.metadata.labels.region} {.spec.containers[0].env[0].value}",
         "b b",
+        60,
     )
     .await;
     let untouched = kubectl(

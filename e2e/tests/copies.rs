@@ -8,40 +8,17 @@ use std::time::{Duration, Instant};
 
 use futures::{StreamExt as _, TryStreamExt as _};
 
-use tensile_e2e::check::{apply, eventually, kubectl};
-use tensile_e2e::in_process::{self, VirtualNode};
+use tensile_e2e::check::{apply, kubectl};
+use tensile_e2e::free_port;
+use tensile_e2e::in_process::VirtualNode;
+use tensile_e2e::scene::{self, UpperAndLower};
 use tensile_e2e::shared::Shared;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
 use tensile_virtual_node::{Args, Controllers};
 
-struct Bed {
-    upper: TestCluster,
-    lower: TestCluster,
-    _sim: NodeSimulator,
-}
+static BED: Shared<UpperAndLower> = Shared::new();
 
-static BED: Shared<Bed> = Shared::new();
-
-fn bed() -> &'static Bed {
-    BED.get(|| async {
-        let (upper, lower) = tokio::join!(
-            TestCluster::start(ClusterOptions::new("copies", "upper")),
-            TestCluster::start(ClusterOptions::new("copies", "lower")),
-        );
-        let (upper, lower) = (upper?, lower?);
-        let sim = NodeSimulator::start(
-            lower.client().await?,
-            SimulatorOptions::new("lower", Some(lower.kubelet_client_ca_pem())),
-            (0..2).map(|i| NodeConfig::new(&format!("n-{i}"))).collect(),
-        )
-        .await?;
-        Ok(Bed {
-            upper,
-            lower,
-            _sim: sim,
-        })
-    })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
+fn bed() -> &'static UpperAndLower {
+    BED.bed(|| UpperAndLower::start("copies", "lower", scene::nodes("n", 2)))
 }
 
 fn up() -> &'static Path {
@@ -61,28 +38,14 @@ async fn virtual_node(name: &str) -> VirtualNode {
 /// As [`virtual_node`], with `set` applied to its options.
 async fn virtual_node_with(name: &str, set: impl FnOnce(&mut Args)) -> VirtualNode {
     let bed = bed();
-    let mut args = in_process::options(&bed.upper, name, &bed.lower).unwrap();
-    args.reflection.copy_collection_delay = 2;
-    // Several tests make the lower namespace first, as a lower admin would, to put their
-    // own objects in it.
-    args.reflection.shared_namespaces = vec!["*".into()];
-    set(&mut args);
-    let vn = VirtualNode::run(args);
-    eventually(
-        up(),
-        &format!("{name} Ready"),
-        60,
-        &[
-            "get",
-            "node",
-            name,
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
-        ],
-        "True",
-    )
-    .await;
-    vn
+    scene::ready_virtual_node(&bed.upper, name, &bed.lower, |args| {
+        args.reflection.copy_collection_delay = 2;
+        // Several tests make the lower namespace first, as a lower admin would, to put their
+        // own objects in it.
+        args.reflection.shared_namespaces = vec!["*".into()];
+        set(args);
+    })
+    .await
 }
 
 /// A pod placed on `node` whose spec ends with `extra` (YAML at the spec's indentation).
@@ -99,17 +62,6 @@ spec:
 {extra}
 "#
     )
-}
-
-async fn running_below(ns: &str, name: &str) {
-    eventually(
-        low(),
-        &format!("{ns}/{name} Running below"),
-        60,
-        &["-n", ns, "get", "pod", name, "-o", "jsonpath={.status.phase}"],
-        "Running",
-    )
-    .await;
 }
 
 /// `kubectl get` in the lower cluster: the output, or `None` when the object is not there.
@@ -260,37 +212,10 @@ items:
         ),
     )
     .await;
-    running_below("refs", "app").await;
-    eventually(
-        up(),
-        "app Running upstream",
-        30,
-        &[
-            "-n",
-            "refs",
-            "get",
-            "pod",
-            "app",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Running",
-    )
-    .await;
+    scene::pod_running(low(), "refs", "app", 60).await;
+    scene::pod_running(up(), "refs", "app", 30).await;
 
-    let pod_created = kubectl(
-        low(),
-        &[
-            "-n",
-            "refs",
-            "get",
-            "pod",
-            "app",
-            "-o",
-            "jsonpath={.metadata.creationTimestamp}",
-        ],
-    )
-    .await;
+    let pod_created = scene::pod_field(low(), "refs", "app", "jsonpath={.metadata.creationTimestamp}").await;
     for (kind, name) in [
         ("configmap", "cfg"),
         ("configmap", "proj-cm"),
@@ -321,19 +246,7 @@ items:
             "{kind} {name} was below before the pod"
         );
     }
-    let labels = kubectl(
-        low(),
-        &[
-            "-n",
-            "refs",
-            "get",
-            "configmap",
-            "cfg",
-            "-o",
-            "jsonpath={.metadata.labels.app}",
-        ],
-    )
-    .await;
+    let labels = scene::field(low(), "refs", "configmap/cfg", "jsonpath={.metadata.labels.app}").await;
     assert_eq!(labels, "web", "labels travel with the copy");
     assert_eq!(
         below(&["-n", "refs", "get", "secret", "unused"]).await,
@@ -364,25 +277,12 @@ items:
 
     // A required reference missing upstream keeps the pod from starting below, and says so.
     apply(up(), &pod("refs", "late", "vn-refs", &mounts_config_map("later"))).await;
-    eventually(
+    scene::pod_shows(up(), "refs", "late", SYNCED, "ReferenceMissing", 30).await;
+    let message = scene::pod_field(
         up(),
-        "ReferenceMissing condition",
-        30,
-        &["-n", "refs", "get", "pod", "late", "-o", SYNCED],
-        "ReferenceMissing",
-    )
-    .await;
-    let message = kubectl(
-        up(),
-        &[
-            "-n",
-            "refs",
-            "get",
-            "pod",
-            "late",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
-        ],
+        "refs",
+        "late",
+        r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
     )
     .await;
     assert!(
@@ -400,7 +300,7 @@ items:
         &["-n", "refs", "create", "configmap", "later", "--from-literal=x=y"],
     )
     .await;
-    running_below("refs", "late").await;
+    scene::pod_running(low(), "refs", "late", 60).await;
 }
 
 #[tokio::test]
@@ -439,7 +339,7 @@ async fn upper_edits_reach_the_copy_within_2s_and_copies_go_with_their_last_pod(
         apply(up(), &pod("edit", name, "vn-edit", &uses(cm))).await;
     }
     for name in ["p1", "p2", "p3"] {
-        running_below("edit", name).await;
+        scene::pod_running(low(), "edit", name, 60).await;
     }
 
     // An upstream edit reaches the copy within 2 s.
@@ -535,27 +435,17 @@ async fn an_optional_reference_that_did_not_travel_never_reaches_a_lower_secret(
     env: [{name: TOKEN, valueFrom: {secretKeyRef: {name: other-tenant, key: token, optional: true}}}]
     envFrom: [{secretRef: {name: other-tenant, optional: true}}]"#;
     apply(up(), &pod("optional", "reader", "vn-optional", extra)).await;
-    running_below("optional", "reader").await;
-    let spec = kubectl(
-        low(),
-        &["-n", "optional", "get", "pod", "reader", "-o", "jsonpath={.spec}"],
-    )
-    .await;
+    scene::pod_running(low(), "optional", "reader", 60).await;
+    let spec = scene::pod_field(low(), "optional", "reader", "jsonpath={.spec}").await;
     assert!(
         !spec.contains("other-tenant"),
         "the lower pod names the lower Secret: {spec}"
     );
-    let volume = kubectl(
+    let volume = scene::pod_field(
         low(),
-        &[
-            "-n",
-            "optional",
-            "get",
-            "pod",
-            "reader",
-            "-o",
-            "jsonpath={.spec.volumes[0].name}/{.spec.volumes[0].emptyDir}",
-        ],
+        "optional",
+        "reader",
+        "jsonpath={.spec.volumes[0].name}/{.spec.volumes[0].emptyDir}",
     )
     .await;
     assert_eq!(volume, "creds/{}");
@@ -580,11 +470,7 @@ async fn a_foreign_same_named_config_map_below_is_reported_and_left_untouched() 
     )
     .await;
     let fields = "jsonpath={.metadata.uid} {.metadata.resourceVersion} {.data.owner} {.metadata.labels}";
-    let before = kubectl(
-        low(),
-        &["-n", "clash", "get", "configmap", "theirs", "-o", fields],
-    )
-    .await;
+    let before = scene::field(low(), "clash", "configmap/theirs", fields).await;
     kubectl(
         up(),
         &[
@@ -602,44 +488,21 @@ async fn a_foreign_same_named_config_map_below_is_reported_and_left_untouched() 
         &pod("clash", "app", "vn-clash", &mounts_config_map("theirs")),
     )
     .await;
-    eventually(
-        up(),
-        "Conflict condition",
-        30,
-        &["-n", "clash", "get", "pod", "app", "-o", SYNCED],
-        "Conflict",
-    )
-    .await;
+    scene::pod_shows(up(), "clash", "app", SYNCED, "Conflict", 30).await;
     assert!(
         events("clash").await.contains("LowerCopyConflict"),
         "a Warning event names the conflict"
     );
     // Give the resync several passes to (wrongly) touch it.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let after = kubectl(
-        low(),
-        &["-n", "clash", "get", "configmap", "theirs", "-o", fields],
-    )
-    .await;
+    let after = scene::field(low(), "clash", "configmap/theirs", fields).await;
     assert_eq!(before, after, "the foreign ConfigMap is left untouched");
     assert_eq!(
         below(&["-n", "clash", "get", "pod", "app"]).await,
         None,
         "the pod is not started with someone else's data"
     );
-    let phase = kubectl(
-        up(),
-        &[
-            "-n",
-            "clash",
-            "get",
-            "pod",
-            "app",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-    )
-    .await;
+    let phase = scene::pod_field(up(), "clash", "app", scene::PHASE).await;
     assert_eq!(phase, "Pending");
 }
 
@@ -730,23 +593,16 @@ items:
         ),
     )
     .await;
-    running_below("repair", "app").await;
+    scene::pod_running(low(), "repair", "app", 60).await;
 
     kubectl(low(), &["-n", "repair", "delete", "configmap", "cfg"]).await;
-    eventually(
+    scene::shows(
         low(),
-        "deleted copy repaired",
-        10,
-        &[
-            "-n",
-            "repair",
-            "get",
-            "configmap",
-            "cfg",
-            "-o",
-            "jsonpath={.data.v}",
-        ],
+        "repair",
+        "configmap/cfg",
+        "jsonpath={.data.v}",
         "upper",
+        10,
     )
     .await;
     kubectl(
@@ -762,20 +618,13 @@ items:
         ],
     )
     .await;
-    eventually(
+    scene::shows(
         low(),
-        "edited copy repaired",
-        10,
-        &[
-            "-n",
-            "repair",
-            "get",
-            "secret",
-            "sec",
-            "-o",
-            "jsonpath={.data.token}",
-        ],
+        "repair",
+        "secret/sec",
+        "jsonpath={.data.token}",
         "dXBwZXI=",
+        10,
     )
     .await;
 
@@ -839,23 +688,10 @@ items:
 #[tokio::test]
 async fn services_and_their_endpoints_follow_the_upper_cluster_when_enabled() {
     let bed = bed();
-    let mut args = in_process::options(&bed.upper, "vn-svc", &bed.lower).unwrap();
-    args.reflection.enable_controllers = vec![Controllers::Services];
-    args.reflection.copy_collection_delay = 2;
-    let vn = VirtualNode::run(args);
-    eventually(
-        up(),
-        "vn-svc Ready",
-        60,
-        &[
-            "get",
-            "node",
-            "vn-svc",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
-        ],
-        "True",
-    )
+    let vn = scene::ready_virtual_node(&bed.upper, "vn-svc", &bed.lower, |args| {
+        args.reflection.enable_controllers = vec![Controllers::Services];
+        args.reflection.copy_collection_delay = 2;
+    })
     .await;
     bed.upper.create_namespace("svc").await.unwrap();
     apply(
@@ -894,17 +730,11 @@ items:
     )
     .await;
     let addresses = |kubeconfig: &'static Path| async move {
-        let ips = kubectl(
+        let ips = scene::field(
             kubeconfig,
-            &[
-                "-n",
-                "svc",
-                "get",
-                "endpoints",
-                "web",
-                "-o",
-                "jsonpath={.subsets[*].addresses[*].ip}",
-            ],
+            "svc",
+            "endpoints/web",
+            "jsonpath={.subsets[*].addresses[*].ip}",
         )
         .await;
         let mut ips: Vec<String> = ips.split_whitespace().map(str::to_owned).collect();
@@ -943,7 +773,7 @@ items:
     );
 
     let fields = r#"jsonpath={.spec.selector} {.spec.clusterIP} {.metadata.annotations.tensile\.io/service-selector} {.metadata.labels.tier} {.spec.ports[0].port}/{.spec.ports[0].targetPort}"#;
-    let svc = kubectl(low(), &["-n", "svc", "get", "service", "web", "-o", fields]).await;
+    let svc = scene::field(low(), "svc", "service/web", fields).await;
     let parts: Vec<&str> = svc.split(' ').collect();
     assert_eq!(parts[0], "", "the copy has no selector: {svc}");
     assert!(
@@ -952,19 +782,7 @@ items:
     );
     assert_eq!(parts[2], r#"{"app":"web"}"#, "{svc}");
     assert_eq!(&parts[3..], ["front", "80/8080"], "{svc}");
-    let headless = kubectl(
-        low(),
-        &[
-            "-n",
-            "svc",
-            "get",
-            "service",
-            "web-headless",
-            "-o",
-            "jsonpath={.spec.clusterIP}",
-        ],
-    )
-    .await;
+    let headless = scene::field(low(), "svc", "service/web-headless", "jsonpath={.spec.clusterIP}").await;
     assert_eq!(headless, "None", "a headless Service stays headless");
 
     // Scaling upstream changes the lower endpoints within 2 s of the upper ones.
@@ -988,10 +806,11 @@ items:
 #[tokio::test]
 async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_foreign_objects_stays() {
     let bed = bed();
-    let mut args = in_process::options(&bed.upper, "vn-ns", &bed.lower).unwrap();
-    args.reflection.gc_namespaces = true;
-    args.reflection.copy_collection_delay = 2;
-    let _vn = VirtualNode::run(args);
+    let _vn = scene::virtual_node(&bed.upper, "vn-ns", &bed.lower, |args| {
+        args.reflection.gc_namespaces = true;
+        args.reflection.copy_collection_delay = 2;
+    })
+    .unwrap();
     for ns in ["gc-a", "gc-b", "gc-c"] {
         bed.upper.create_namespace(ns).await.unwrap();
         kubectl(
@@ -1011,7 +830,7 @@ async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_fore
         .await;
     }
     for ns in ["gc-a", "gc-b", "gc-c"] {
-        running_below(ns, "app").await;
+        scene::pod_running(low(), ns, "app", 60).await;
         let marks = kubectl(
             low(),
             &[
@@ -1067,19 +886,7 @@ async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_fore
         },
     )
     .await;
-    let kept = kubectl(
-        low(),
-        &[
-            "-n",
-            "gc-b",
-            "get",
-            "configmap",
-            "theirs",
-            "-o",
-            "jsonpath={.data.k}",
-        ],
-    )
-    .await;
+    let kept = scene::field(low(), "gc-b", "configmap/theirs", "jsonpath={.data.k}").await;
     assert_eq!(kept, "v", "a namespace holding someone else's object is kept");
     let phase = kubectl(
         low(),
@@ -1087,19 +894,7 @@ async fn with_gc_namespaces_an_empty_namespace_we_created_goes_and_one_with_fore
     )
     .await;
     assert_eq!(phase, "Active");
-    let role = kubectl(
-        low(),
-        &[
-            "-n",
-            "gc-c",
-            "get",
-            "role",
-            "reader",
-            "-o",
-            "jsonpath={.metadata.name}",
-        ],
-    )
-    .await;
+    let role = scene::field(low(), "gc-c", "role/reader", "jsonpath={.metadata.name}").await;
     assert_eq!(role, "reader", "a namespace holding a lower admin's Role is kept");
 }
 
@@ -1114,24 +909,15 @@ async fn a_retained_volume_keeps_its_lower_claim_and_a_new_claim_of_the_name_nev
     bed.lower.create_namespace("retain").await.unwrap();
     let claim = data_claim("retain", "keep", "retain-disk", "1Gi", false).await;
     apply(up(), &pod("retain", "first", "vn-retain", USES_DATA)).await;
-    running_below("retain", "first").await;
-    let claim_of = |what: &'static str| async move {
-        kubectl(up(), &["-n", "retain", "get", "pvc", "data", "-o", what]).await
-    };
-    eventually(
+    scene::pod_running(low(), "retain", "first", 60).await;
+    let claim_of = |what: &'static str| async move { scene::field(up(), "retain", "pvc/data", what).await };
+    scene::shows(
         up(),
-        "the upper claim Bound",
-        30,
-        &[
-            "-n",
-            "retain",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
+        "retain",
+        "pvc/data",
+        "jsonpath={.status.phase}",
         "Bound",
+        30,
     )
     .await;
     let volume = claim_of("jsonpath={.spec.volumeName}").await;
@@ -1146,52 +932,21 @@ async fn a_retained_volume_keeps_its_lower_claim_and_a_new_claim_of_the_name_nev
         ],
     )
     .await;
-    eventually(
+    scene::shows(
         low(),
-        "the lower claim records Retain",
-        30,
-        &[
-            "-n",
-            "retain",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            r#"jsonpath={.metadata.annotations.tensile\.io/reclaim-policy}"#,
-        ],
+        "retain",
+        "pvc/data",
+        r#"jsonpath={.metadata.annotations.tensile\.io/reclaim-policy}"#,
         "Retain",
+        30,
     )
     .await;
-    let lower_uid = kubectl(
-        low(),
-        &[
-            "-n",
-            "retain",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.metadata.uid}",
-        ],
-    )
-    .await;
+    let lower_uid = scene::field(low(), "retain", "pvc/data", "jsonpath={.metadata.uid}").await;
     kubectl(up(), &["-n", "retain", "delete", "pod", "first", "--wait=true"]).await;
     kubectl(up(), &["-n", "retain", "delete", "pvc", "data", "--wait=true"]).await;
     // Several resync passes (at least one a second) later, both are still there.
     tokio::time::sleep(Duration::from_secs(6)).await;
-    let kept = kubectl(
-        low(),
-        &[
-            "-n",
-            "retain",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.metadata.uid}",
-        ],
-    )
-    .await;
+    let kept = scene::field(low(), "retain", "pvc/data", "jsonpath={.metadata.uid}").await;
     assert_eq!(kept, lower_uid, "the retained lower claim (and its data) stays");
     let released = kubectl(up(), &["get", "pv", &volume, "-o", "jsonpath={.status.phase}"]).await;
     assert_eq!(
@@ -1206,34 +961,16 @@ async fn a_retained_volume_keeps_its_lower_claim_and_a_new_claim_of_the_name_nev
     tokio::time::sleep(Duration::from_secs(6)).await;
     let waiting = claim_of("jsonpath={.status.phase}").await;
     assert_eq!(waiting, "Pending", "the new claim is not bound to the old volume");
-    let unbound = kubectl(
+    let unbound = scene::pod_field(
         up(),
-        &[
-            "-n",
-            "retain",
-            "get",
-            "pod",
-            "second",
-            "-o",
-            "jsonpath={.status.phase}/{.spec.nodeName}",
-        ],
+        "retain",
+        "second",
+        "jsonpath={.status.phase}/{.spec.nodeName}",
     )
     .await;
     assert_eq!(unbound, "Pending/");
     assert!(below(&["-n", "retain", "get", "pod", "second"]).await.is_none());
-    let still = kubectl(
-        low(),
-        &[
-            "-n",
-            "retain",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.metadata.uid}",
-        ],
-    )
-    .await;
+    let still = scene::field(low(), "retain", "pvc/data", "jsonpath={.metadata.uid}").await;
     assert_eq!(still, lower_uid, "the old lower claim is not adopted or replaced");
 }
 
@@ -1246,23 +983,8 @@ async fn an_upper_claim_expansion_reaches_the_lower_claim() {
     bed.lower.create_namespace("grow").await.unwrap();
     data_claim("grow", "grow", "grow-disk", "5Gi", true).await;
     apply(up(), &pod("grow", "db", "vn-grow", USES_DATA)).await;
-    running_below("grow", "db").await;
-    eventually(
-        up(),
-        "the upper claim Bound",
-        30,
-        &[
-            "-n",
-            "grow",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Bound",
-    )
-    .await;
+    scene::pod_running(low(), "grow", "db", 60).await;
+    scene::shows(up(), "grow", "pvc/data", "jsonpath={.status.phase}", "Bound", 30).await;
     kubectl(
         up(),
         &[
@@ -1276,20 +998,13 @@ async fn an_upper_claim_expansion_reaches_the_lower_claim() {
         ],
     )
     .await;
-    eventually(
+    scene::shows(
         low(),
-        "the lower claim asks 2Gi",
-        30,
-        &[
-            "-n",
-            "grow",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.spec.resources.requests.storage}",
-        ],
+        "grow",
+        "pvc/data",
+        "jsonpath={.spec.resources.requests.storage}",
         "2Gi",
+        30,
     )
     .await;
 }
@@ -1303,54 +1018,24 @@ async fn a_claim_is_made_below_its_volume_shows_upstream_and_keeps_later_pods_on
     bed.lower.create_namespace("pv").await.unwrap();
     data_claim("pv", "standard", "lower-disk", "1Gi", false).await;
     apply(up(), &pod("pv", "writer", "vn-pv", USES_DATA)).await;
-    running_below("pv", "writer").await;
+    scene::pod_running(low(), "pv", "writer", 60).await;
 
-    let lower_claim = kubectl(
-        low(),
-        &[
-            "-n",
-            "pv",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            r#"jsonpath={.status.phase} {.spec.volumeName} {.metadata.labels.tensile\.io/virtual-node} {.spec.resources.requests.storage}"#,
-        ],
-    )
-    .await;
+    let claim = r#"jsonpath={.status.phase} {.spec.volumeName} {.metadata.labels.tensile\.io/virtual-node} {.spec.resources.requests.storage}"#;
+    let lower_claim = scene::field(low(), "pv", "pvc/data", claim).await;
     assert_eq!(
         lower_claim, "Bound lower-disk vn-pv 500Mi",
         "the claim below, bound there"
     );
-    eventually(
+    scene::shows(
         up(),
-        "the upper claim shows what the lower cluster granted",
-        30,
-        &[
-            "-n",
-            "pv",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.status.phase} {.status.capacity.storage}",
-        ],
+        "pv",
+        "pvc/data",
+        "jsonpath={.status.phase} {.status.capacity.storage}",
         "Bound 1Gi",
+        30,
     )
     .await;
-    let volume = kubectl(
-        up(),
-        &[
-            "-n",
-            "pv",
-            "get",
-            "pvc",
-            "data",
-            "-o",
-            "jsonpath={.spec.volumeName}",
-        ],
-    )
-    .await;
+    let volume = scene::field(up(), "pv", "pvc/data", "jsonpath={.spec.volumeName}").await;
     let affinity = kubectl(
         up(),
         &[
@@ -1384,20 +1069,8 @@ spec:
         ),
     )
     .await;
-    running_below("pv", "reader").await;
-    let node = kubectl(
-        up(),
-        &[
-            "-n",
-            "pv",
-            "get",
-            "pod",
-            "reader",
-            "-o",
-            "jsonpath={.spec.nodeName}",
-        ],
-    )
-    .await;
+    scene::pod_running(low(), "pv", "reader", 60).await;
+    let node = scene::pod_field(up(), "pv", "reader", "jsonpath={.spec.nodeName}").await;
     assert_eq!(node, "vn-pv");
 
     // The claim goes upstream: the lower claim and the upper volume follow once unused.
@@ -1435,7 +1108,7 @@ async fn a_replaced_immutable_copy_exists_again_before_the_pod_that_needs_it() {
     let uses_frozen = r#"  volumes: [{name: cfg, configMap: {name: frozen}}]
   containers: [{name: app, image: web, volumeMounts: [{name: cfg, mountPath: /cfg}]}]"#;
     apply(up(), &pod(ns, "first", "vn-immutable", uses_frozen)).await;
-    running_below(ns, "first").await;
+    scene::pod_running(low(), ns, "first", 60).await;
     // The first pod goes; its copy stays, unneeded, and a lower admin freezes it with other
     // content.
     kubectl(up(), &["-n", ns, "delete", "pod", "first", "--wait=true"]).await;
@@ -1473,7 +1146,7 @@ async fn a_replaced_immutable_copy_exists_again_before_the_pod_that_needs_it() {
             break p.metadata.resource_version.unwrap().parse::<u64>().unwrap();
         }
     };
-    running_below(ns, "second").await;
+    scene::pod_running(low(), ns, "second", 60).await;
     let copy = below(&[
         "-n",
         ns,
@@ -1522,7 +1195,7 @@ async fn a_claim_picked_for_the_node_never_goes_into_a_foreign_lower_namespace()
         ),
     )
     .await;
-    running_below("pvfree", "first").await;
+    scene::pod_running(low(), "pvfree", "first", 60).await;
     let claim = |ns: &str, name: &str, size: &str| {
         format!(
             r#"
@@ -1542,37 +1215,18 @@ spec:
     apply(up(), &claim("pvforeign", "huge", "10Ti")).await;
     apply(up(), &claim("pvfree", "small", "1Gi")).await;
     // The claim in the node's own namespace is made below: the pass has run.
-    eventually(
+    scene::shows(
         low(),
-        "the claim below in a namespace the node made",
-        60,
-        &[
-            "-n",
-            "pvfree",
-            "get",
-            "pvc",
-            "small",
-            "-o",
-            "jsonpath={.metadata.name}",
-        ],
+        "pvfree",
+        "pvc/small",
+        "jsonpath={.metadata.name}",
         "small",
+        60,
     )
     .await;
     let foreign = kubectl(low(), &["-n", "pvforeign", "get", "pvc", "-o", "name"]).await;
     assert_eq!(foreign, "", "nothing in the foreign namespace");
-    let selector = kubectl(
-        low(),
-        &[
-            "-n",
-            "pvfree",
-            "get",
-            "pvc",
-            "small",
-            "-o",
-            "jsonpath={.spec.selector}",
-        ],
-    )
-    .await;
+    let selector = scene::field(low(), "pvfree", "pvc/small", "jsonpath={.spec.selector}").await;
     assert_eq!(selector, "", "an upper selector names no lower volume");
     tokio::time::sleep(Duration::from_secs(3)).await;
     let foreign = kubectl(low(), &["-n", "pvforeign", "get", "pvc", "-o", "name"]).await;

@@ -18,6 +18,7 @@ use tensile_common::stash::Stash;
 use tensile_e2e::check::{eventually, kubectl};
 use tensile_e2e::demo::{DEPLOYMENT, Demo, DemoOptions, NAMESPACE, UPPER, move_manifest};
 use tensile_e2e::process::pid_alive;
+use tensile_e2e::scene;
 
 const READY: &str = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}/{.status.conditions[?(@.type=="Ready")].reason}"#;
 
@@ -256,14 +257,7 @@ async fn the_demo_runs_its_workload_below_shows_it_above_and_cleans_up() {
             String::from_utf8_lossy(&out.stdout).contains("kube-apiserver stopped"),
             "{out:?}"
         );
-        eventually(
-            &up,
-            "the virtual node NotReady",
-            60,
-            &["get", "node", first, "-o", READY],
-            "False/LowerClusterUnreachable",
-        )
-        .await;
+        scene::node_shows(&up, first, READY, "False/LowerClusterUnreachable", 60).await;
         let bad = shell(&stop.replace(first.as_str(), UPPER)).await;
         assert!(!bad.status.success(), "only lower clusters can be stopped");
         let out = shell(&start).await;
@@ -342,43 +336,36 @@ async fn the_demo_with_the_multi_scheduler_puts_the_pod_only_lower_b_holds_there
     kubectl(&up, &["apply", "-f", &move_manifest().display().to_string()]).await;
     let seen = std::cell::RefCell::new(BTreeSet::<String>::new());
     let refused = std::cell::RefCell::new(BTreeSet::<String>::new());
-    tensile_e2e::wait::must(
-        "the pod only lower-b holds Running there",
-        Duration::from_secs(90),
-        Duration::from_millis(300),
-        || async {
-            let big: Vec<Value> = pods(&up)
-                .await
-                .into_iter()
-                .filter(|p| p["metadata"]["labels"]["app"] == "big")
-                .collect();
-            for pod in &big {
-                seen.borrow_mut().insert(name(pod));
-                let conditions = pod["status"]["conditions"]
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default();
-                if conditions
+    tensile_e2e::wait::within("the pod only lower-b holds Running there", 90, || async {
+        let big: Vec<Value> = pods(&up)
+            .await
+            .into_iter()
+            .filter(|p| p["metadata"]["labels"]["app"] == "big")
+            .collect();
+        for pod in &big {
+            seen.borrow_mut().insert(name(pod));
+            let conditions = pod["status"]["conditions"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            if conditions
+                .iter()
+                .any(|c| c["type"] == names::CONDITION_LOWER_SCHEDULED && c["status"] == "False")
+            {
+                refused.borrow_mut().insert(name(pod));
+            }
+        }
+        match big.as_slice() {
+            [pod] if pod["spec"]["nodeName"] == "lower-b" && pod["status"]["phase"] == "Running" => Ok(()),
+            other => Err(format!(
+                "{:?}",
+                other
                     .iter()
-                    .any(|c| c["type"] == names::CONDITION_LOWER_SCHEDULED && c["status"] == "False")
-                {
-                    refused.borrow_mut().insert(name(pod));
-                }
-            }
-            match big.as_slice() {
-                [pod] if pod["spec"]["nodeName"] == "lower-b" && pod["status"]["phase"] == "Running" => {
-                    Ok(())
-                }
-                other => Err(format!(
-                    "{:?}",
-                    other
-                        .iter()
-                        .map(|p| (name(p), p["spec"]["nodeName"].clone()))
-                        .collect::<Vec<_>>()
-                )),
-            }
-        },
-    )
+                    .map(|p| (name(p), p["spec"]["nodeName"].clone()))
+                    .collect::<Vec<_>>()
+            )),
+        }
+    })
     .await;
     let (seen, refused) = (seen.into_inner(), refused.into_inner());
     assert!(refused.is_empty(), "refused below: {refused:?}");

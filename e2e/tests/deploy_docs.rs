@@ -11,37 +11,13 @@ use std::time::Duration;
 
 use tensile_e2e::chart;
 use tensile_e2e::runner::VirtualNodeRunner;
+use tensile_e2e::scene::{self, UpperAndLower};
 use tensile_e2e::shared::Shared;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
 
-struct Bed {
-    upper: TestCluster,
-    lower: TestCluster,
-    _sim: NodeSimulator,
-}
+static BED: Shared<UpperAndLower> = Shared::new();
 
-static BED: Shared<Bed> = Shared::new();
-
-fn bed() -> &'static Bed {
-    BED.get(|| async {
-        let (upper, lower) = tokio::join!(
-            TestCluster::start(ClusterOptions::new("deploy-docs", "upper")),
-            TestCluster::start(ClusterOptions::new("deploy-docs", "lower-a")),
-        );
-        let (upper, lower) = (upper?, lower?);
-        let sim = NodeSimulator::start(
-            lower.client().await?,
-            SimulatorOptions::new("lower-a", Some(lower.kubelet_client_ca_pem())),
-            vec![NodeConfig::new("a-0")],
-        )
-        .await?;
-        Ok(Bed {
-            upper,
-            lower,
-            _sim: sim,
-        })
-    })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
+fn bed() -> &'static UpperAndLower {
+    BED.bed(|| UpperAndLower::start("deploy-docs", "lower-a", scene::nodes("a", 1)))
 }
 
 /// The commands of the block that follows the marker comment, one per line (comments and

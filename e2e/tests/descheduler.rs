@@ -11,7 +11,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -21,10 +20,11 @@ use tensile_common::stash::Stash;
 use tensile_e2e::check::{Namespaces, apply, kubectl, webhook_registration};
 use tensile_e2e::descheduler::{DeschedulerProcess, metric_sum};
 use tensile_e2e::in_process;
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
-use tensile_e2e::wait::until;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
-use tensile_webhook::{Certificates, Options, Policy};
+use tensile_e2e::wait::within;
+use tensile_e2e::{NodeConfig, NodeSimulator, TestCluster, free_port};
+use tensile_webhook::Policy;
 
 struct Bed {
     upper: TestCluster,
@@ -37,26 +37,12 @@ struct Bed {
 static BED: Shared<Bed> = Shared::new();
 
 fn bed() -> &'static Bed {
-    BED.get(|| async {
-        let (upper, lower_a, lower_b) = tokio::join!(
-            TestCluster::start(ClusterOptions::new("descheduler", "upper")),
-            TestCluster::start(ClusterOptions::new("descheduler", "lower-a")),
-            TestCluster::start(ClusterOptions::new("descheduler", "lower-b")),
-        );
-        let (upper, lower_a, lower_b) = (upper?, lower_a?, lower_b?);
+    BED.bed(|| async {
+        let [upper, lower_a, lower_b] =
+            scene::clusters("descheduler", ["upper", "lower-a", "lower-b"]).await?;
         tensile_e2e::chart::install_exclusion_records(upper.kubeconfig()).await?;
-        let sim_a = NodeSimulator::start(
-            lower_a.client().await?,
-            SimulatorOptions::new("lower-a", Some(lower_a.kubelet_client_ca_pem())),
-            Vec::new(),
-        )
-        .await?;
-        let sim_b = NodeSimulator::start(
-            lower_b.client().await?,
-            SimulatorOptions::new("lower-b", Some(lower_b.kubelet_client_ca_pem())),
-            Vec::new(),
-        )
-        .await?;
+        let sim_a = scene::simulate(&lower_a, Vec::new()).await?;
+        let sim_b = scene::simulate(&lower_b, Vec::new()).await?;
         Ok(Bed {
             upper,
             lower_a,
@@ -65,7 +51,6 @@ fn bed() -> &'static Bed {
             sim_b,
         })
     })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
 fn up() -> &'static Path {
@@ -143,17 +128,7 @@ impl Scene {
             .await
             .unwrap();
         bed.upper.create_namespace(ns).await.unwrap();
-        kubectl(
-            up(),
-            &[
-                "label",
-                "namespace",
-                ns,
-                &format!("tensile-e2e={ns}"),
-                "--overwrite",
-            ],
-        )
-        .await;
+        scene::opt_in_namespace(up(), ns).await;
         let identity = tensile_e2e::descheduler::chart_identity(&bed.upper, ns, "annotated")
             .await
             .unwrap();
@@ -165,13 +140,7 @@ impl Scene {
             &webhook_registration(&config, port, Namespaces::Labelled(ns), None),
         )
         .await;
-        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-        let mut options = Options::new(
-            addr,
-            Certificates::SelfSigned {
-                names: vec!["127.0.0.1".into()],
-            },
-        );
+        let mut options = scene::webhook_options(port);
         options.client = Some(bed.upper.client().await.unwrap());
         options.webhook_config_name = Some(config);
         options.policy = Policy {
@@ -188,44 +157,21 @@ impl Scene {
             .await
             .unwrap()
             .unwrap();
-        wait("the webhook's caBundle written", 30, || async {
-            if webhook.state.ready.get() {
-                Ok(())
-            } else {
-                Err("not ready".into())
-            }
-        })
-        .await;
+        scene::webhook_ready(&webhook).await;
 
         let (vn_a, vn_b) = (format!("{ns}-a"), format!("{ns}-b"));
         let node = |name: &str, lower: &TestCluster| {
-            let mut args = in_process::options(&bed.upper, name, lower).unwrap();
-            args.node_labels = vec![(VN_KEY.to_owned(), ns.to_owned())];
-            if shaped {
-                args.shape.label_keys.push(LOWER_KEY.to_owned());
-            }
-            in_process::VirtualNode::run(args)
+            scene::virtual_node(&bed.upper, name, lower, |args| {
+                args.node_labels = vec![(VN_KEY.to_owned(), ns.to_owned())];
+                if shaped {
+                    args.shape.label_keys.push(LOWER_KEY.to_owned());
+                }
+            })
+            .unwrap()
         };
         let nodes = vec![node(&vn_a, &bed.lower_a), node(&vn_b, &bed.lower_b)];
         for vn in [&vn_a, &vn_b] {
-            wait(&format!("{vn} Ready"), 60, || async {
-                let out = bed
-                    .upper
-                    .kubectl(&[
-                        "get",
-                        "node",
-                        vn,
-                        "-o",
-                        r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
-                    ])
-                    .await;
-                if out.stdout.trim() == "True" {
-                    Ok(())
-                } else {
-                    Err(out.stdout)
-                }
-            })
-            .await;
+            scene::node_ready(up(), vn, 60).await;
         }
         Scene {
             ns: ns.to_owned(),
@@ -326,16 +272,6 @@ fn exclusions(ns: &str) -> Location {
     Location {
         namespace: ns.to_owned(),
         name: format!("{ns}-tensile-exclusions"),
-    }
-}
-
-async fn wait<F, Fut>(what: &str, secs: u64, probe: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), String>>,
-{
-    if let Err(e) = until(what, Duration::from_secs(secs), Duration::from_millis(250), probe).await {
-        panic!("{e}");
     }
 }
 
@@ -515,7 +451,7 @@ async fn assert_stash_intact_and_lower_a_empty(scene: &Scene, selector: &str) {
         );
     }
     let lower_a = bed().lower_a.kubeconfig();
-    wait("nothing of the workload left in lower-a", 60, || async {
+    within("nothing of the workload left in lower-a", 60, || async {
         let left = pods_of(lower_a, &scene.ns, selector).await;
         if left.is_empty() {
             Ok(())
@@ -530,7 +466,7 @@ async fn assert_stash_intact_and_lower_a_empty(scene: &Scene, selector: &str) {
 async fn assert_descheduled_events(scene: &Scene, moved: &BTreeMap<String, String>) {
     let names: BTreeSet<String> = moved.values().cloned().collect();
     assert!(!names.is_empty());
-    wait("a Descheduled event on every moved pod", 20, || {
+    within("a Descheduled event on every moved pod", 20, || {
         let names = names.clone();
         async move {
             let evs = events(&scene.ns, "Descheduled").await;
@@ -615,7 +551,7 @@ async fn the_eviction_cap_holds_per_descheduling_interval_whatever_the_rounds() 
             &[("result", "success")],
         )
     };
-    wait("the first pod moved", 120, || async {
+    within("the first pod moved", 120, || async {
         if moved().await >= 1.0 {
             Ok(())
         } else {
@@ -677,7 +613,7 @@ async fn in_dry_run_nothing_moves_and_nothing_is_written_but_the_log_and_metrics
     let d = scene.descheduler(&["--dry-run"], "dry-run").await;
     apply(up(), &scene.deployment("web", 2, "3", json!({}))).await;
     let name = "tensile_descheduler_pods_moved_total";
-    wait("dry-run moves counted for both pods", 90, || async {
+    within("dry-run moves counted for both pods", 90, || async {
         let m = d.metrics().await;
         let n = metric_sum(
             &m,
@@ -797,7 +733,7 @@ async fn a_pod_that_fits_nowhere_moves_at_most_the_configured_times_warns_once_a
     let d = scene.descheduler(&["--max-moves-per-owner=2"], "nowhere").await;
     // No lower node of either cluster has disk=nvme: both lower schedulers refuse it.
     apply(up(), &scene.deployment("web", 1, "100m", json!({"disk": "nvme"}))).await;
-    wait("the DeschedulingExhausted warning", 180, || async {
+    within("the DeschedulingExhausted warning", 180, || async {
         let n = events(&scene.ns, "DeschedulingExhausted").await.len();
         if n >= 1 {
             Ok(())
@@ -1141,7 +1077,7 @@ async fn a_bare_pod_placed_below_after_its_replacement_was_made_ends_as_one_pod_
         })
         .await
         .unwrap();
-    wait("the original and its replacement both running", 90, || async {
+    within("the original and its replacement both running", 90, || async {
         let pods = scene.pods("app=solo").await;
         let runs = |vn: &str, want_original: bool| {
             pods.iter()
@@ -1191,7 +1127,7 @@ async fn a_pod_whose_create_lower_a_refuses_for_quota_moves_to_lower_b() {
     warm["metadata"]["name"] = json!("warm");
     warm["metadata"]["namespace"] = json!(ns);
     apply(up(), &warm.to_string()).await;
-    wait("the first pod running in lower-a", 60, || async {
+    within("the first pod running in lower-a", 60, || async {
         let pods = scene.pods("app=warm").await;
         if pods
             .iter()
@@ -1318,17 +1254,11 @@ async fn with_eight_thousand_live_records_and_an_undecodable_one_a_pod_still_mov
     };
     let get_undecodable = || async {
         undecodable(
-            kubectl(
+            scene::field(
                 up(),
-                &[
-                    "-n",
-                    &scene.ns,
-                    "get",
-                    "exclusionrecords.tensile.io",
-                    "not-a-record",
-                    "-o",
-                    "json",
-                ],
+                &scene.ns,
+                "exclusionrecords.tensile.io/not-a-record",
+                "json",
             )
             .await,
         )
@@ -1367,7 +1297,7 @@ async fn with_eight_thousand_live_records_and_an_undecodable_one_a_pod_still_mov
         before,
         "another record's write left the undecodable one as it was"
     );
-    wait("the undecodable record counted", 30, || async {
+    within("the undecodable record counted", 30, || async {
         let m = d.metrics().await;
         let n = metric_sum(&m, "tensile_descheduler_exclusions_unreadable", &[]);
         let live = metric_sum(&m, "tensile_descheduler_exclusions", &[]);
@@ -1429,7 +1359,7 @@ async fn a_replica_kept_off_vn_a_by_an_exclusion_runs_there_once_lower_a_frees_u
             .map(name)
             .collect()
     };
-    wait("one replica unplaced upstream", 60, || async {
+    within("one replica unplaced upstream", 60, || async {
         let pods = scene.pods("app=web").await;
         let on_b = pods
             .iter()
@@ -1465,7 +1395,7 @@ async fn a_replica_kept_off_vn_a_by_an_exclusion_runs_there_once_lower_a_frees_u
         .spawn(async move { bed().sim_a.add_node(node).await.unwrap() })
         .await
         .unwrap();
-    wait(
+    within(
         "the unplaced replica recreated and Running on vn-a",
         120,
         || async {
@@ -1688,7 +1618,7 @@ async fn a_pod_the_lower_scheduler_preempted_for_is_not_moved_while_its_victim_s
     })
     .to_string();
     apply(bed().lower_a.kubeconfig(), &victim).await;
-    wait("the victim running in lower-a", 60, || async {
+    within("the victim running in lower-a", 60, || async {
         let pods = pods_of(bed().lower_a.kubeconfig(), &victims, "").await;
         match pods.first() {
             Some(p) if phase(p) == "Running" => Ok(()),
@@ -1783,7 +1713,7 @@ async fn a_pod_an_autoscaler_below_adds_a_node_for_is_not_moved_and_runs_on_the_
             .flatten()
             .any(|c| c["type"] == "PodScheduled" && c["reason"] == "Unschedulable")
     };
-    wait("the lower pod refused by lower-a's scheduler", 90, || async {
+    within("the lower pod refused by lower-a's scheduler", 90, || async {
         let pods = pods_of(bed().lower_a.kubeconfig(), ns, "app=grow").await;
         match pods.iter().any(refused_below) {
             true => Ok(()),
@@ -1869,7 +1799,7 @@ async fn a_pod_an_autoscaler_below_adds_a_node_for_is_not_moved_and_runs_on_the_
         })
         .await
         .unwrap();
-    wait("the pod running on vn-a", 90, || async {
+    within("the pod running on vn-a", 90, || async {
         let pods = scene.pods("app=grow").await;
         match pods.as_slice() {
             [p] if uid(p) == original && node_of(p) == scene.vn_a && phase(p) == "Running" => Ok(()),

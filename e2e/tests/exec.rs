@@ -7,13 +7,14 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use tensile_e2e::check::{apply, eventually};
+use tensile_e2e::check::apply;
 use tensile_e2e::in_process::{self, admin_get};
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::streams::{
     Cat, Forward, Run, Via, echo, http_get, kubectl_command, kubectl_run, pod_manifest,
 };
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tensile_e2e::{NodeSimulator, TestCluster, free_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 struct Bed {
@@ -29,24 +30,10 @@ const NODE: &str = "vn-exec";
 const NS: &str = "streams";
 
 fn bed() -> &'static Bed {
-    BED.get(|| async {
-        let (upper, lower) = tokio::join!(
-            TestCluster::start(ClusterOptions::new("exec", "upper")),
-            TestCluster::start(ClusterOptions::new("exec", "lower")),
-        );
-        let (upper, lower) = (upper?, lower?);
-        let sim = NodeSimulator::start(
-            lower.client().await?,
-            SimulatorOptions::new("lower", Some(lower.kubelet_client_ca_pem())),
-            vec![NodeConfig::new("low-0"), NodeConfig::new("low-1")],
-        )
-        .await?;
-        let node = in_process::VirtualNode::start(&upper, NODE, &lower).map_err(|e| {
-            tensile_e2e::Error::Cluster {
-                cluster: NODE.into(),
-                message: e.to_string(),
-            }
-        })?;
+    BED.bed(|| async {
+        let [upper, lower] = scene::clusters("exec", ["upper", "lower"]).await?;
+        let sim = scene::simulate(&lower, scene::nodes("low", 2)).await?;
+        let node = scene::virtual_node(&upper, NODE, &lower, |_| {})?;
         upper.create_namespace(NS).await?;
         Ok(Bed {
             upper,
@@ -55,7 +42,6 @@ fn bed() -> &'static Bed {
             node,
         })
     })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
 fn up() -> &'static Path {
@@ -65,14 +51,7 @@ fn up() -> &'static Path {
 /// Creates pod `name` on the shared virtual node and waits until it runs.
 async fn running_pod(kubeconfig: &Path, ns: &str, name: &str, node: &str) {
     apply(kubeconfig, &pod_manifest(ns, name, node)).await;
-    eventually(
-        kubeconfig,
-        &format!("{name} Running"),
-        90,
-        &["-n", ns, "get", "pod", name, "-o", "jsonpath={.status.phase}"],
-        "Running",
-    )
-    .await;
+    scene::pod_running(kubeconfig, ns, name, 90).await;
 }
 
 async fn exec(via: Via, pod: &str, command: &[&str], stdin: Option<Vec<u8>>) -> Run {
@@ -294,17 +273,9 @@ async fn kubectl_port_forward_reaches_the_lower_pods_ports() {
 async fn a_lower_apiserver_killed_mid_session_ends_it_and_leaks_nothing() {
     let bed = bed();
     // A lower cluster of its own: its apiserver is killed.
-    let lower = TestCluster::start(ClusterOptions::new("exec", "lower-kill"))
-        .await
-        .unwrap();
-    let _sim = NodeSimulator::start(
-        lower.client().await.unwrap(),
-        SimulatorOptions::new("lower-kill", Some(lower.kubelet_client_ca_pem())),
-        vec![NodeConfig::new("kill-0")],
-    )
-    .await
-    .unwrap();
-    let node = in_process::VirtualNode::start(&bed.upper, "vn-kill", &lower).unwrap();
+    let [lower] = scene::clusters("exec", ["lower-kill"]).await.unwrap();
+    let _sim = scene::simulate(&lower, scene::nodes("kill", 1)).await.unwrap();
+    let node = scene::virtual_node(&bed.upper, "vn-kill", &lower, |_| {}).unwrap();
     running_pod(up(), NS, "doomed", "vn-kill").await;
     for via in [Via::WebSocket, Via::Spdy] {
         let mut cmd = kubectl_command(up(), via, &["-n", NS, "exec", "-i", "doomed", "--", "cat"]);
@@ -432,10 +403,11 @@ async fn node_and_pod_usage_of_the_lower_cluster_reach_the_upper_node_proxy() {
 #[tokio::test]
 async fn stream_sessions_close_when_idle_are_capped_and_end_with_the_node() {
     let bed = bed();
-    let mut args = in_process::options(&bed.upper, "vn-limits", &bed.lower).unwrap();
-    args.kubelet.stream_idle_timeout_seconds = 3;
-    args.kubelet.max_stream_sessions = 1;
-    let node = in_process::VirtualNode::run(args);
+    let node = scene::virtual_node(&bed.upper, "vn-limits", &bed.lower, |args| {
+        args.kubelet.stream_idle_timeout_seconds = 3;
+        args.kubelet.max_stream_sessions = 1;
+    })
+    .unwrap();
     running_pod(up(), NS, "limited", "vn-limits").await;
 
     // SPDY: kubectl's WebSocket client pings every 5 s, which is traffic, at a kubelet too.

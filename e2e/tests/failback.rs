@@ -11,9 +11,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use tensile_e2e::check::{apply, eventually, kubectl};
-use tensile_e2e::in_process;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
+use tensile_e2e::TestCluster;
+use tensile_e2e::check::{apply, kubectl};
+use tensile_e2e::scene;
 
 const NS: &str = "failback";
 
@@ -153,30 +153,6 @@ async fn until_pods(kubeconfig: &Path, what: &str, secs: u64, test: impl Fn(&[Ro
     .await
 }
 
-async fn wait_ready(upper: &Path, node: &str, want: &str) {
-    eventually(
-        upper,
-        &format!("{node} Ready={want}"),
-        90,
-        &[
-            "get",
-            "node",
-            node,
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
-        ],
-        want,
-    )
-    .await;
-}
-
-/// Two simulated nodes for `cluster`.
-async fn simulate(cluster: &TestCluster, name: &str) -> tensile_e2e::Result<NodeSimulator> {
-    let nodes = (0..2).map(|i| NodeConfig::new(&format!("{name}-{i}"))).collect();
-    let options = SimulatorOptions::new(name, Some(cluster.kubelet_client_ca_pem()));
-    NodeSimulator::start(cluster.client().await?, options, nodes).await
-}
-
 fn running_on(rows: &[Row], prefix: &str, node: &str) -> usize {
     rows.iter()
         .filter(|r| r.name.starts_with(prefix) && r.node == node && !r.terminating && r.phase == "Running")
@@ -185,25 +161,26 @@ fn running_on(rows: &[Row], prefix: &str, node: &str) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_pod_runs_twice_after_a_lower_cluster_comes_back() {
-    let (upper, lower_a, lower_b) = tokio::join!(
-        TestCluster::start(ClusterOptions::new("failback", "upper")),
-        TestCluster::start(ClusterOptions::new("failback", "lower-a")),
-        TestCluster::start(ClusterOptions::new("failback", "lower-b")),
+    let [upper, lower_a, lower_b] = scene::clusters("failback", ["upper", "lower-a", "lower-b"])
+        .await
+        .unwrap();
+    let (sim_a, sim_b) = tokio::join!(
+        scene::simulate(&lower_a, scene::nodes("lower-a", 2)),
+        scene::simulate(&lower_b, scene::nodes("lower-b", 2)),
     );
-    let (upper, lower_a, lower_b) = (upper.unwrap(), lower_a.unwrap(), lower_b.unwrap());
-    let (sim_a, sim_b) = tokio::join!(simulate(&lower_a, "lower-a"), simulate(&lower_b, "lower-b"));
     let (_sim_a, _sim_b) = (sim_a.unwrap(), sim_b.unwrap());
     let up = upper.kubeconfig();
     let low_a = lower_a.kubeconfig();
     let start = |name: &str, lower: &TestCluster| {
-        let mut args = in_process::options(&upper, name, lower).unwrap();
-        args.node_labels = vec![("failback".into(), "pool".into())];
-        in_process::VirtualNode::run(args)
+        scene::virtual_node(&upper, name, lower, |args| {
+            args.node_labels = vec![("failback".into(), "pool".into())]
+        })
+        .unwrap()
     };
 
     // Everything runs on vn-a first: vn-b joins only once it does.
     let _vn_a = start("vn-a", &lower_a);
-    wait_ready(up, "vn-a", "True").await;
+    scene::node_ready(up, "vn-a", 90).await;
     upper.create_namespace(NS).await.unwrap();
     for manifest in [web(), db(), pinned("solo"), pinned("keeper")] {
         apply(up, &manifest).await;
@@ -246,12 +223,12 @@ async fn no_pod_runs_twice_after_a_lower_cluster_comes_back() {
     };
     let keeper_uid = uid_of(&upper_before, "keeper");
     let _vn_b = start("vn-b", &lower_b);
-    wait_ready(up, "vn-b", "True").await;
+    scene::node_ready(up, "vn-b", 90).await;
 
     // The outage.
     lower_a.stop_apiserver();
     let stopped = Instant::now();
-    wait_ready(up, "vn-a", "False").await;
+    scene::node_shows(up, "vn-a", scene::READY, "False", 90).await;
     println!(
         "vn-a NotReady {:?} after lower-a's apiserver stopped",
         stopped.elapsed()

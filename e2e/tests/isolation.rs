@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 
 use tensile_e2e::check::{apply, eventually, kubectl};
 use tensile_e2e::in_process;
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::streams::{Via, kubectl_run};
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
+use tensile_e2e::{ClusterOptions, NodeSimulator, TestCluster};
 use tensile_virtual_node::Controllers;
 
 struct Bed {
@@ -36,31 +37,22 @@ const SCOPED_RELEASE: &str = "scoped";
 const SCOPED_USER: &str = "system:serviceaccount:tensile-scoped:scoped-tensile-lower";
 
 fn bed() -> &'static Bed {
-    BED.get(|| async {
-        let (upper, lower) = tokio::join!(
-            TestCluster::start(ClusterOptions::new("isolation", "upper")),
-            TestCluster::start(ClusterOptions {
+    BED.bed(|| async {
+        let [upper, lower] = scene::clusters_with([
+            ClusterOptions::new("isolation", "upper"),
+            ClusterOptions {
                 audit_writes: true,
                 audit_users: vec![SCOPED_USER.into()],
                 ..ClusterOptions::new("isolation", "lower")
-            }),
-        );
-        let (upper, lower) = (upper?, lower?);
-        let sim = NodeSimulator::start(
-            lower.client().await?,
-            SimulatorOptions::new("lower", Some(lower.kubelet_client_ca_pem())),
-            vec![NodeConfig::new("low-0"), NodeConfig::new("low-1")],
-        )
+            },
+        ])
         .await?;
-        let mut args =
-            in_process::options(&upper, NODE, &lower).map_err(|e| tensile_e2e::Error::Cluster {
-                cluster: NODE.into(),
-                message: e.to_string(),
-            })?;
-        args.reflection.shared_namespaces = vec![SHARED.into(), INJECTED.into()];
-        args.reflection.enable_controllers = vec![Controllers::Services];
-        args.reflection.copy_collection_delay = 1;
-        let node = in_process::VirtualNode::run(args);
+        let sim = scene::simulate(&lower, scene::nodes("low", 2)).await?;
+        let node = scene::virtual_node(&upper, NODE, &lower, |args| {
+            args.reflection.shared_namespaces = vec![SHARED.into(), INJECTED.into()];
+            args.reflection.enable_controllers = vec![Controllers::Services];
+            args.reflection.copy_collection_delay = 1;
+        })?;
         Ok(Bed {
             upper,
             lower,
@@ -68,7 +60,6 @@ fn bed() -> &'static Bed {
             _node: node,
         })
     })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
 fn up() -> &'static Path {
@@ -79,18 +70,6 @@ fn low() -> &'static Path {
     bed().lower.kubeconfig()
 }
 
-async fn wait_ready(kubeconfig: &Path, node: &str) {
-    eventually(
-        kubeconfig,
-        &format!("{node} Ready"),
-        60,
-        &["get", "node", node, "-o", READY],
-        "True",
-    )
-    .await;
-}
-
-const READY: &str = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#;
 const SYNCED_REASON: &str = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#;
 
 /// An upper pod bound to `node` by hand (`spec.nodeName`), mounting ConfigMap `config`.
@@ -120,17 +99,6 @@ async fn exists_below(ns: &str, kind: &str, name: &str) -> bool {
     out.ok
 }
 
-async fn running(kubeconfig: &Path, ns: &str, name: &str) {
-    eventually(
-        kubeconfig,
-        &format!("{ns}/{name} Running"),
-        90,
-        &["-n", ns, "get", "pod", name, "-o", "jsonpath={.status.phase}"],
-        "Running",
-    )
-    .await;
-}
-
 /// A pod named like another tenant's lower pod, bound to the node by hand, is refused below
 /// as a conflict, and then reaches nothing of that pod: exec and logs answer as a kubelet
 /// does for a pod it does not run, the node's usage lists no such pod, and no copy of what
@@ -138,7 +106,7 @@ async fn running(kubeconfig: &Path, ns: &str, name: &str) {
 #[tokio::test]
 async fn an_upper_pod_named_like_another_tenants_lower_pod_reaches_nothing_of_it() {
     let bed = bed();
-    wait_ready(up(), NODE).await;
+    scene::node_ready(up(), NODE, 60).await;
     bed.lower.create_namespace(SHARED).await.unwrap();
     apply(
         low(),
@@ -156,7 +124,7 @@ spec:
         ),
     )
     .await;
-    running(low(), SHARED, "victim").await;
+    scene::pod_running(low(), SHARED, "victim", 90).await;
 
     bed.upper.create_namespace(SHARED).await.unwrap();
     kubectl(
@@ -172,14 +140,7 @@ spec:
     )
     .await;
     apply(up(), &bound_pod(SHARED, "victim", NODE, Some("victim-config"))).await;
-    eventually(
-        up(),
-        "Conflict",
-        60,
-        &["-n", SHARED, "get", "pod", "victim", "-o", SYNCED_REASON],
-        "Conflict",
-    )
-    .await;
+    scene::pod_shows(up(), SHARED, "victim", SYNCED_REASON, "Conflict", 60).await;
     assert!(
         !exists_below(SHARED, "configmap", "victim-config").await,
         "nothing is written below for a refused pod"
@@ -227,19 +188,7 @@ spec:
         .filter_map(|p| p["podRef"]["name"].as_str())
         .collect();
     assert!(!names.contains(&"victim"), "the node's usage lists {names:?}");
-    let theirs = kubectl(
-        low(),
-        &[
-            "-n",
-            SHARED,
-            "get",
-            "pod",
-            "victim",
-            "-o",
-            "jsonpath={.metadata.labels.tenant}",
-        ],
-    )
-    .await;
+    let theirs = scene::pod_field(low(), SHARED, "victim", "jsonpath={.metadata.labels.tenant}").await;
     assert_eq!(theirs, "b", "the other tenant's pod is untouched");
 }
 
@@ -248,18 +197,13 @@ spec:
 #[tokio::test]
 async fn references_lower_admission_injects_never_make_upper_objects_travel() {
     let bed = bed();
-    wait_ready(up(), NODE).await;
+    scene::node_ready(up(), NODE, 60).await;
     bed.lower.create_namespace(INJECTED).await.unwrap();
-    tensile_e2e::wait::must(
-        "the lower default ServiceAccount",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let out =
-                tensile_e2e::kubectl::run(low(), &["-n", INJECTED, "get", "serviceaccount", "default"]).await;
-            out.ok.then_some(()).ok_or(out.stderr)
-        },
-    )
+    tensile_e2e::wait::within("the lower default ServiceAccount", 30, || async {
+        let out =
+            tensile_e2e::kubectl::run(low(), &["-n", INJECTED, "get", "serviceaccount", "default"]).await;
+        out.ok.then_some(()).ok_or(out.stderr)
+    })
     .await;
     kubectl(
         low(),
@@ -289,18 +233,12 @@ async fn references_lower_admission_injects_never_make_upper_objects_travel() {
     )
     .await;
     apply(up(), &bound_pod(INJECTED, "plain", NODE, None)).await;
-    running(up(), INJECTED, "plain").await;
-    let pulled = kubectl(
+    scene::pod_running(up(), INJECTED, "plain", 90).await;
+    let pulled = scene::pod_field(
         low(),
-        &[
-            "-n",
-            INJECTED,
-            "get",
-            "pod",
-            "plain",
-            "-o",
-            "jsonpath={.spec.imagePullSecrets[*].name}",
-        ],
+        INJECTED,
+        "plain",
+        "jsonpath={.spec.imagePullSecrets[*].name}",
     )
     .await;
     assert_eq!(
@@ -320,7 +258,7 @@ async fn references_lower_admission_injects_never_make_upper_objects_travel() {
 #[tokio::test]
 async fn services_are_reflected_only_into_namespaces_pods_may_use() {
     let bed = bed();
-    wait_ready(up(), NODE).await;
+    scene::node_ready(up(), NODE, 60).await;
     let service = |ns: &str| {
         format!(
             "apiVersion: v1\nkind: Service\nmetadata: {{name: db, namespace: {ns}}}\nspec: {{ports: [{{port: 5432}}]}}\n"
@@ -332,26 +270,14 @@ async fn services_are_reflected_only_into_namespaces_pods_may_use() {
         apply(up(), &service(ns)).await;
         apply(up(), &bound_pod(ns, "app", NODE, None)).await;
     }
-    running(up(), "ours", "app").await;
-    eventually(
-        up(),
-        "the foreign namespace refused",
-        60,
-        &["-n", "theirs", "get", "pod", "app", "-o", SYNCED_REASON],
-        "Conflict",
-    )
-    .await;
-    tensile_e2e::wait::must(
-        "the Service reflected into the own namespace",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            exists_below("ours", "service", "db")
-                .await
-                .then_some(())
-                .ok_or_else(|| "not yet".to_owned())
-        },
-    )
+    scene::pod_running(up(), "ours", "app", 90).await;
+    scene::pod_shows(up(), "theirs", "app", SYNCED_REASON, "Conflict", 60).await;
+    tensile_e2e::wait::within("the Service reflected into the own namespace", 30, || async {
+        exists_below("ours", "service", "db")
+            .await
+            .then_some(())
+            .ok_or_else(|| "not yet".to_owned())
+    })
     .await;
     assert!(
         !exists_below("theirs", "service", "db").await,
@@ -364,53 +290,32 @@ async fn services_are_reflected_only_into_namespaces_pods_may_use() {
 #[tokio::test]
 async fn cordoning_every_lower_node_takes_room_away_and_keeps_the_node_ready() {
     let bed = bed();
-    let lower = TestCluster::start(ClusterOptions::new("isolation", "lower-cordon"))
-        .await
-        .unwrap();
-    let _sim = NodeSimulator::start(
-        lower.client().await.unwrap(),
-        SimulatorOptions::new("lower-cordon", Some(lower.kubelet_client_ca_pem())),
-        vec![NodeConfig::new("c-0"), NodeConfig::new("c-1")],
-    )
-    .await
-    .unwrap();
+    let [lower] = scene::clusters("isolation", ["lower-cordon"]).await.unwrap();
+    let _sim = scene::simulate(&lower, scene::nodes("c", 2)).await.unwrap();
     let node = "vn-cordon";
     let _vn = in_process::VirtualNode::start(&bed.upper, node, &lower).unwrap();
-    wait_ready(up(), node).await;
+    scene::node_ready(up(), node, 60).await;
     bed.upper.create_namespace("cordon").await.unwrap();
     apply(up(), &bound_pod("cordon", "keeps-running", node, None)).await;
-    running(up(), "cordon", "keeps-running").await;
+    scene::pod_running(up(), "cordon", "keeps-running", 90).await;
 
     for n in ["c-0", "c-1"] {
         kubectl(lower.kubeconfig(), &["cordon", n]).await;
     }
     let usable = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerNodesUsable")].reason}"#;
-    eventually(
+    scene::node_shows(up(), node, usable, "NoUsableLowerNodes", 30).await;
+    scene::node_shows(
         up(),
-        "no usable lower node",
-        30,
-        &["get", "node", node, "-o", usable],
-        "NoUsableLowerNodes",
-    )
-    .await;
-    eventually(
-        up(),
-        "no room",
-        30,
-        &[
-            "get",
-            "node",
-            node,
-            "-o",
-            "jsonpath={.status.allocatable.pods}/{.status.allocatable.cpu}",
-        ],
+        node,
+        "jsonpath={.status.allocatable.pods}/{.status.allocatable.cpu}",
         "0/0",
+        30,
     )
     .await;
     // Longer than the test bed's node-monitor grace (20 s): Ready all along.
     let watched = Instant::now();
     while watched.elapsed() < Duration::from_secs(25) {
-        let ready = kubectl(up(), &["get", "node", node, "-o", READY]).await;
+        let ready = scene::node_field(up(), node, scene::READY).await;
         assert_eq!(
             ready,
             "True",
@@ -419,17 +324,11 @@ async fn cordoning_every_lower_node_takes_room_away_and_keeps_the_node_ready() {
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    let phase = kubectl(
+    let phase = scene::pod_field(
         up(),
-        &[
-            "-n",
-            "cordon",
-            "get",
-            "pod",
-            "keeps-running",
-            "-o",
-            "jsonpath={.status.phase}/{.metadata.deletionTimestamp}",
-        ],
+        "cordon",
+        "keeps-running",
+        "jsonpath={.status.phase}/{.metadata.deletionTimestamp}",
     )
     .await;
     assert_eq!(phase, "Running/", "the pod runs on, not evicted");
@@ -437,19 +336,8 @@ async fn cordoning_every_lower_node_takes_room_away_and_keeps_the_node_ready() {
     for n in ["c-0", "c-1"] {
         kubectl(lower.kubeconfig(), &["uncordon", n]).await;
     }
-    eventually(
-        up(),
-        "usable again",
-        30,
-        &["get", "node", node, "-o", usable],
-        "UsableLowerNodes",
-    )
-    .await;
-    let pods = kubectl(
-        up(),
-        &["get", "node", node, "-o", "jsonpath={.status.allocatable.pods}"],
-    )
-    .await;
+    scene::node_shows(up(), node, usable, "UsableLowerNodes", 30).await;
+    let pods = scene::node_field(up(), node, "jsonpath={.status.allocatable.pods}").await;
     assert_ne!(pods, "0", "the room is back");
 }
 
@@ -461,7 +349,7 @@ async fn heartbeats_start_before_the_lower_caches_finish_listing() {
     let bed = bed();
     let node = "vn-lease";
     let first = in_process::VirtualNode::start(&bed.upper, node, &bed.lower).unwrap();
-    wait_ready(up(), node).await;
+    scene::node_ready(up(), node, 60).await;
     drop(first);
 
     kubectl(
@@ -478,9 +366,10 @@ async fn heartbeats_start_before_the_lower_caches_finish_listing() {
     )
     .await
     .unwrap();
-    let mut args = in_process::options(&bed.upper, node, &bed.lower).unwrap();
-    args.lower.client_kubeconfig = kubeconfig;
-    let _restarted = in_process::VirtualNode::run(args);
+    let _restarted = scene::virtual_node(&bed.upper, node, &bed.lower, |args| {
+        args.lower.client_kubeconfig = kubeconfig
+    })
+    .unwrap();
     let renew = "jsonpath={.spec.renewTime}";
     let before = kubectl(
         up(),
@@ -489,7 +378,7 @@ async fn heartbeats_start_before_the_lower_caches_finish_listing() {
     .await;
     let watched = Instant::now();
     while watched.elapsed() < Duration::from_secs(30) {
-        let ready = kubectl(up(), &["get", "node", node, "-o", READY]).await;
+        let ready = scene::node_field(up(), node, scene::READY).await;
         assert_eq!(
             ready,
             "True",
@@ -514,7 +403,7 @@ async fn a_stash_key_turned_on_later_never_freezes_a_running_pods_status() {
     let bed = bed();
     let node = "vn-keyed";
     let first = in_process::VirtualNode::start(&bed.upper, node, &bed.lower).unwrap();
-    wait_ready(up(), node).await;
+    scene::node_ready(up(), node, 60).await;
     bed.upper.create_namespace("keyed").await.unwrap();
     apply(
         up(),
@@ -537,31 +426,17 @@ spec:
         ),
     )
     .await;
-    running(up(), "keyed", "later").await;
+    scene::pod_running(up(), "keyed", "later", 90).await;
     drop(first);
 
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("turned-on");
     std::fs::write(&key, "k".repeat(48)).unwrap();
-    let mut args = in_process::options(&bed.upper, node, &bed.lower).unwrap();
-    args.stash_key_file = vec![key];
-    let _keyed = in_process::VirtualNode::run(args);
-    eventually(
-        up(),
-        "Succeeded upstream",
-        90,
-        &[
-            "-n",
-            "keyed",
-            "get",
-            "pod",
-            "later",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Succeeded",
-    )
-    .await;
+    let _keyed = scene::virtual_node(&bed.upper, node, &bed.lower, |args| {
+        args.stash_key_file = vec![key]
+    })
+    .unwrap();
+    scene::pod_shows(up(), "keyed", "later", scene::PHASE, "Succeeded", 90).await;
 }
 
 /// A lower pod of ours made for an earlier upper pod of the same name gets one delete, then
@@ -569,7 +444,7 @@ spec:
 #[tokio::test]
 async fn a_stale_lower_pod_gets_one_delete_while_it_stops() {
     let bed = bed();
-    wait_ready(up(), NODE).await;
+    scene::node_ready(up(), NODE, 60).await;
     bed.upper.create_namespace("stale").await.unwrap();
     let twin = format!(
         r#"
@@ -584,8 +459,8 @@ spec:
 "#
     );
     apply(up(), &twin).await;
-    running(up(), "stale", "twin").await;
-    running(low(), "stale", "twin").await;
+    scene::pod_running(up(), "stale", "twin", 90).await;
+    scene::pod_running(low(), "stale", "twin", 90).await;
     // Its container settles into running before it is asked to stop.
     tokio::time::sleep(Duration::from_secs(3)).await;
     // The upper pod is replaced by one of the same name: its lower pod is now stale.
@@ -619,7 +494,7 @@ spec:
         (1..=2).contains(&deletes),
         "the stale lower pod got {deletes} deletes while it stopped"
     );
-    running(up(), "stale", "twin").await;
+    scene::pod_running(up(), "stale", "twin", 90).await;
 }
 
 /// A pod with requests (a quota on requests refuses pods without), bound to `node`, mounting
@@ -669,20 +544,13 @@ spec: {hard: {requests.cpu: "4", requests.memory: 8Gi, pods: "10"}}
 "#,
     )
     .await;
-    eventually(
+    scene::shows(
         low(),
-        "the quota counted",
-        30,
-        &[
-            "-n",
-            "team-a",
-            "get",
-            "resourcequota",
-            "team-a",
-            "-o",
-            "jsonpath={.status.hard.pods}",
-        ],
+        "team-a",
+        "resourcequota/team-a",
+        "jsonpath={.status.hard.pods}",
         "10",
+        30,
     )
     .await;
     apply(
@@ -696,7 +564,7 @@ spec:
 "#,
     )
     .await;
-    running(low(), "team-a", "tenant").await;
+    scene::pod_running(low(), "team-a", "tenant", 90).await;
 
     // The chart's lower install for the two namespaces, as rendered.
     let rendered = tensile_e2e::chart::helm_with(
@@ -735,31 +603,20 @@ spec:
     .await
     .unwrap();
 
-    let mut args = in_process::options(&bed.upper, SCOPED, &bed.lower).unwrap();
-    args.lower.client_kubeconfig = credential.clone();
-    args.lower.namespaces = vec!["team-a".into(), "team-b".into()];
-    args.reflection.enable_controllers = vec![Controllers::Services];
-    args.reflection.copy_collection_delay = 1;
-    let _node = in_process::VirtualNode::run(args);
-    wait_ready(up(), SCOPED).await;
+    let _node = scene::virtual_node(&bed.upper, SCOPED, &bed.lower, |args| {
+        args.lower.client_kubeconfig = credential.clone();
+        args.lower.namespaces = vec!["team-a".into(), "team-b".into()];
+        args.reflection.enable_controllers = vec![Controllers::Services];
+        args.reflection.copy_collection_delay = 1;
+    })
+    .unwrap();
+    scene::node_ready(up(), SCOPED, 60).await;
 
     // The room: team-a's quota less the tenant's pod; team-b bounds nothing, so adds nothing.
-    eventually(
-        up(),
-        "the quota's room",
-        30,
-        &[
-            "get",
-            "node",
-            SCOPED,
-            "-o",
-            "jsonpath={.status.capacity.cpu}/{.status.allocatable.cpu}/{.status.allocatable.memory}/{.status.allocatable.pods}",
-        ],
-        "4/3/7516192768/9",
-    )
-    .await;
+    let room = "jsonpath={.status.capacity.cpu}/{.status.allocatable.cpu}/{.status.allocatable.memory}/{.status.allocatable.pods}";
+    scene::node_shows(up(), SCOPED, room, "4/3/7516192768/9", 30).await;
     let usable = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerNodesUsable")].reason}: {.status.conditions[?(@.type=="tensile.io/LowerNodesUsable")].message}"#;
-    let condition = kubectl(up(), &["get", "node", SCOPED, "-o", usable]).await;
+    let condition = scene::node_field(up(), SCOPED, usable).await;
     assert!(
         condition.starts_with("ServedNamespaceQuotas: ") && condition.contains("team-b"),
         "{condition}"
@@ -806,19 +663,12 @@ spec:
     )
     .await;
     apply(up(), &requesting_pod("team-a", "app", SCOPED)).await;
-    running(up(), "team-a", "app").await;
-    running(low(), "team-a", "app").await;
+    scene::pod_running(up(), "team-a", "app", 90).await;
+    scene::pod_running(low(), "team-a", "app", 90).await;
     for (kind, name) in [("configmap", "settings"), ("secret", "password")] {
         assert!(exists_below("team-a", kind, name).await, "{kind} {name} below");
     }
-    eventually(
-        low(),
-        "the Service below",
-        30,
-        &["-n", "team-a", "get", "service", "web", "-o", "name"],
-        "service/web",
-    )
-    .await;
+    scene::shows(low(), "team-a", "service/web", "name", "service/web", 30).await;
     let logs = kubectl(up(), &["-n", "team-a", "logs", "app"]).await;
     assert!(logs.contains("team-a/app app line"), "{logs}");
     let run = kubectl_run(
@@ -875,23 +725,16 @@ items:
         ),
     )
     .await;
-    running(low(), "team-a", "store").await;
-    running(up(), "team-a", "store").await;
-    for (cluster, side) in [(low(), "below"), (up(), "above")] {
-        eventually(
+    scene::pod_running(low(), "team-a", "store", 90).await;
+    scene::pod_running(up(), "team-a", "store", 90).await;
+    for cluster in [low(), up()] {
+        scene::shows(
             cluster,
-            &format!("the claim bound {side}"),
-            60,
-            &[
-                "-n",
-                "team-a",
-                "get",
-                "pvc",
-                "data",
-                "-o",
-                "jsonpath={.status.phase}",
-            ],
+            "team-a",
+            "pvc/data",
+            "jsonpath={.status.phase}",
             "Bound",
+            60,
         )
         .await;
     }
@@ -899,25 +742,12 @@ items:
     // A pod of a namespace not served is refused with the reason, and nothing is made for it.
     bed.upper.create_namespace("team-c").await.unwrap();
     apply(up(), &bound_pod("team-c", "outside", SCOPED, None)).await;
-    eventually(
+    scene::pod_shows(up(), "team-c", "outside", SYNCED_REASON, "NamespaceNotServed", 60).await;
+    let message = scene::pod_field(
         up(),
-        "NamespaceNotServed",
-        60,
-        &["-n", "team-c", "get", "pod", "outside", "-o", SYNCED_REASON],
-        "NamespaceNotServed",
-    )
-    .await;
-    let message = kubectl(
-        up(),
-        &[
-            "-n",
-            "team-c",
-            "get",
-            "pod",
-            "outside",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
-        ],
+        "team-c",
+        "outside",
+        r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
     )
     .await;
     assert!(message.contains("namespace team-c is not served"), "{message}");

@@ -31,10 +31,11 @@ use tensile_e2e::descheduler::DeschedulerProcess;
 use tensile_e2e::in_process;
 use tensile_e2e::multi_scheduler::{CONFIG_V1, ExtenderProcess, StandaloneProcess, scheduler_config};
 use tensile_e2e::process::Service;
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
-use tensile_e2e::wait::must;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
-use tensile_webhook::{Certificates, Options, Policy};
+use tensile_e2e::wait::within;
+use tensile_e2e::{NodeConfig, NodeSimulator, TestCluster, free_port};
+use tensile_webhook::Policy;
 
 const ZONE: &str = "topology.kubernetes.io/zone";
 const GPU: &str = "example.com/gpu";
@@ -84,10 +85,9 @@ async fn scene() -> Scene {
     for (name, lower) in [VN_A, VN_B, VN_C].into_iter().zip(&bed.lowers) {
         let lower = lower.client().await.unwrap();
         let upper = client.clone();
-        must(
+        within(
             &format!("{name}'s shape showing every lower node empty"),
-            Duration::from_secs(30),
-            Duration::from_millis(250),
+            30,
             || shape_shows_empty(upper.clone(), lower.clone(), name),
         )
         .await;
@@ -172,25 +172,14 @@ async fn shape_shows_empty(upper: kube::Client, lower: kube::Client, name: &str)
 }
 
 fn bed() -> &'static Bed {
-    BED.get(|| async {
+    BED.bed(|| async {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let start = |name: &str| TestCluster::start(ClusterOptions::new("multi_scheduler", name));
-        let (upper, a, b, c) = tokio::join!(
-            start("upper"),
-            start("lower-a"),
-            start("lower-b"),
-            start("lower-c")
-        );
-        let (upper, a, b, c) = (upper?, a?, b?, c?);
+        let [upper, a, b, c] =
+            scene::clusters("multi_scheduler", ["upper", "lower-a", "lower-b", "lower-c"]).await?;
         tensile_e2e::chart::install_exclusion_records(upper.kubeconfig()).await?;
-        let mut sims = Vec::new();
-        for (cluster, name) in [(&a, "lower-a"), (&b, "lower-b"), (&c, "lower-c")] {
-            let options = SimulatorOptions::new(name, Some(cluster.kubelet_client_ca_pem()));
-            sims.push(NodeSimulator::start(cluster.client().await?, options, Vec::new()).await?);
-        }
-        let sim_c = sims.pop().unwrap();
-        let sim_b = sims.pop().unwrap();
-        let sim_a = sims.pop().unwrap();
+        let sim_a = scene::simulate(&a, Vec::new()).await?;
+        let sim_b = scene::simulate(&b, Vec::new()).await?;
+        let sim_c = scene::simulate(&c, Vec::new()).await?;
         for i in 0..12 {
             let node = NodeConfig::new(&format!("a{i}"))
                 .resource("cpu", "2")
@@ -213,8 +202,7 @@ fn bed() -> &'static Bed {
         }
         let mut nodes = Vec::new();
         for (name, lower) in [(VN_A, &a), (VN_B, &b), (VN_C, &c)] {
-            let args = in_process::options(&upper, name, lower).map_err(demo)?;
-            nodes.push(in_process::VirtualNode::run(args));
+            nodes.push(scene::virtual_node(&upper, name, lower, |_| {})?);
         }
         let client = upper.client().await?;
         for name in [VN_A, VN_B, VN_C] {
@@ -269,7 +257,6 @@ fn bed() -> &'static Bed {
             _scheduler: scheduler,
         })
     })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
 fn demo(e: impl std::fmt::Display) -> tensile_e2e::Error {
@@ -413,22 +400,17 @@ async fn clean_up(api: &Api<Pod>) {
     api.delete_collection(&DeleteParams::default(), &ListParams::default())
         .await
         .unwrap();
-    must(
-        "the scene's pods gone",
-        Duration::from_secs(60),
-        Duration::from_millis(250),
-        || async {
-            let left = api
-                .list(&ListParams::default())
-                .await
-                .map_err(|e| e.to_string())?;
-            if left.items.is_empty() {
-                Ok(())
-            } else {
-                Err(format!("{} left", left.items.len()))
-            }
-        },
-    )
+    within("the scene's pods gone", 60, || async {
+        let left = api
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        if left.items.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{} left", left.items.len()))
+        }
+    })
     .await;
 }
 
@@ -558,30 +540,25 @@ async fn the_standalone_scheduler_runs_the_burst_with_no_pod_refused_below_and_e
         &Stash::default(),
     );
     api.create(&PostParams::default(), &twenty).await.unwrap();
-    let condition = must(
-        "PodScheduled=False with the reason",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let p = api.get("twenty").await.map_err(|e| e.to_string())?;
-            let c = p
-                .status
-                .iter()
-                .flat_map(|s| s.conditions.iter().flatten())
-                .find(|c| c.type_ == "PodScheduled" && c.status == "False")
-                .cloned();
-            match c {
-                Some(c)
-                    if c.message
-                        .as_deref()
-                        .is_some_and(|m| m.contains("no lower node fits cpu=20")) =>
-                {
-                    Ok(c)
-                }
-                other => Err(format!("{other:?}")),
+    let condition = within("PodScheduled=False with the reason", 30, || async {
+        let p = api.get("twenty").await.map_err(|e| e.to_string())?;
+        let c = p
+            .status
+            .iter()
+            .flat_map(|s| s.conditions.iter().flatten())
+            .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+            .cloned();
+        match c {
+            Some(c)
+                if c.message
+                    .as_deref()
+                    .is_some_and(|m| m.contains("no lower node fits cpu=20")) =>
+            {
+                Ok(c)
             }
-        },
-    )
+            other => Err(format!("{other:?}")),
+        }
+    })
     .await;
     assert_eq!(condition.reason.as_deref(), Some("Unschedulable"));
     let failed = failed_scheduling(ns, "twenty").await;
@@ -602,28 +579,23 @@ async fn the_same_burst_with_the_default_scheduler_leaves_pods_refused_below() {
     let api = namespace("burst-default").await;
     let pods = burst(None);
     create_all(&api, &pods).await;
-    let refused = must(
-        "a pod refused by a lower scheduler",
-        Duration::from_secs(60),
-        Duration::from_millis(300),
-        || async {
-            let now = api
-                .list(&ListParams::default())
-                .await
-                .map_err(|e| e.to_string())?
-                .items;
-            let refused: Vec<String> = now
-                .iter()
-                .filter(|p| lower_refused(p))
-                .map(|p| format!("{} on {}", name_of(p), node_of(p)))
-                .collect();
-            if refused.is_empty() {
-                Err(format!("{} pods, none refused yet", now.len()))
-            } else {
-                Ok(refused)
-            }
-        },
-    )
+    let refused = within("a pod refused by a lower scheduler", 60, || async {
+        let now = api
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?
+            .items;
+        let refused: Vec<String> = now
+            .iter()
+            .filter(|p| lower_refused(p))
+            .map(|p| format!("{} on {}", name_of(p), node_of(p)))
+            .collect();
+        if refused.is_empty() {
+            Err(format!("{} pods, none refused yet", now.len()))
+        } else {
+            Ok(refused)
+        }
+    })
     .await;
     println!("with the default scheduler, refused below: {refused:?}");
     clean_up(&api).await;
@@ -637,10 +609,9 @@ async fn a_pod_no_lower_node_holds_waits_with_the_reason_and_schedules_once_a_lo
     let api = namespace(ns).await;
     let big = pod("twelve", Some(SCHEDULER), json!({"cpu": "12"}), &Stash::default());
     api.create(&PostParams::default(), &big).await.unwrap();
-    let messages = must(
+    let messages = within(
         "a FailedScheduling event with the filter's reason",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
+        30,
         || async {
             let messages = failed_scheduling(ns, "twelve").await;
             if messages.iter().any(|m| m.contains("no lower node fits cpu=12")) {
@@ -677,37 +648,27 @@ async fn a_pod_no_lower_node_holds_waits_with_the_reason_and_schedules_once_a_lo
         })
         .await
         .unwrap();
-    must(
-        "the waiting pod bound to vn-b",
-        Duration::from_secs(30),
-        Duration::from_millis(200),
-        || async {
-            let p = api.get("twelve").await.map_err(|e| e.to_string())?;
-            if node_of(&p) == VN_B {
-                Ok(())
-            } else {
-                Err(format!("on {:?}", node_of(&p)))
-            }
-        },
-    )
+    within("the waiting pod bound to vn-b", 30, || async {
+        let p = api.get("twelve").await.map_err(|e| e.to_string())?;
+        if node_of(&p) == VN_B {
+            Ok(())
+        } else {
+            Err(format!("on {:?}", node_of(&p)))
+        }
+    })
     .await;
     let bound_after = added.elapsed();
     // kube-scheduler may retry the pod on the node's allocatable change before the label
     // moves: a bump within 10 s of the previous one is owed and made with a later write
     // (the next shape, at most 5 s on), so the label is given that long.
-    let after = must(
-        "the shape grew, so the generation label moved",
-        Duration::from_secs(20),
-        Duration::from_millis(200),
-        || async {
-            let after = generation(&nodes.get(VN_B).await.map_err(|e| e.to_string())?);
-            if after > before {
-                Ok(after)
-            } else {
-                Err(format!("{before} -> {after}"))
-            }
-        },
-    )
+    let after = within("the shape grew, so the generation label moved", 20, || async {
+        let after = generation(&nodes.get(VN_B).await.map_err(|e| e.to_string())?);
+        if after > before {
+            Ok(after)
+        } else {
+            Err(format!("{before} -> {after}"))
+        }
+    })
     .await;
     println!(
         "retry: bound {:.1} s after the lower node was added (generation {before} -> {after})",
@@ -726,33 +687,23 @@ async fn with_the_extender_down_its_pods_wait_and_default_scheduler_pods_still_s
     let ours = pod("ours", Some(SCHEDULER), json!({"cpu": "500m"}), &Stash::default());
     let theirs = pod("theirs", None, json!({"cpu": "500m"}), &Stash::default());
     create_all(&api, &[(ours, &[]), (theirs, &[])]).await;
-    must(
-        "the default scheduler's pod bound",
-        Duration::from_secs(20),
-        Duration::from_millis(200),
-        || async {
-            let p = api.get("theirs").await.map_err(|e| e.to_string())?;
-            if node_of(&p).is_empty() {
-                Err("unbound".into())
-            } else {
-                Ok(())
-            }
-        },
-    )
+    within("the default scheduler's pod bound", 20, || async {
+        let p = api.get("theirs").await.map_err(|e| e.to_string())?;
+        if node_of(&p).is_empty() {
+            Err("unbound".into())
+        } else {
+            Ok(())
+        }
+    })
     .await;
-    let messages = must(
-        "a FailedScheduling event naming the extender",
-        Duration::from_secs(20),
-        Duration::from_millis(300),
-        || async {
-            let messages = failed_scheduling(ns, "ours").await;
-            if messages.iter().any(|m| m.contains("/filter")) {
-                Ok(messages)
-            } else {
-                Err(format!("{messages:?}"))
-            }
-        },
-    )
+    let messages = within("a FailedScheduling event naming the extender", 20, || async {
+        let messages = failed_scheduling(ns, "ours").await;
+        if messages.iter().any(|m| m.contains("/filter")) {
+            Ok(messages)
+        } else {
+            Err(format!("{messages:?}"))
+        }
+    })
     .await;
     println!("with the extender down: {messages:?}");
     assert_eq!(
@@ -766,17 +717,12 @@ async fn with_the_extender_down_its_pods_wait_and_default_scheduler_pods_still_s
         extender.service.restart().unwrap();
         extender.admin_addr.clone()
     };
-    must(
-        "the extender back",
-        Duration::from_secs(30),
-        Duration::from_millis(200),
-        || async {
-            match in_process::admin_get(&admin, "/readyz").await {
-                Some((200, _)) => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        },
-    )
+    within("the extender back", 30, || async {
+        match in_process::admin_get(&admin, "/readyz").await {
+            Some((200, _)) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
     .await;
     clean_up(&api).await;
 }
@@ -876,12 +822,7 @@ async fn start_webhook(
         &webhook_registration(&config, port, Namespaces::Labelled(label), None),
     )
     .await;
-    let mut options = Options::new(
-        ([127, 0, 0, 1], port).into(),
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    );
+    let mut options = scene::webhook_options(port);
     options.client = Some(bed.upper.client().await.unwrap());
     options.webhook_config_name = Some(config.clone());
     options.policy = policy;
@@ -893,19 +834,7 @@ async fn start_webhook(
         .await
         .unwrap()
         .unwrap();
-    must(
-        "the webhook ready",
-        Duration::from_secs(30),
-        Duration::from_millis(200),
-        || async {
-            if webhook.state.ready.get() {
-                Ok(())
-            } else {
-                Err("not ready".to_owned())
-            }
-        },
-    )
-    .await;
+    scene::webhook_ready(&webhook).await;
     (webhook, config)
 }
 
@@ -919,17 +848,7 @@ async fn the_burst_as_deployments_runs_sooner_through_the_extender_than_through_
     let (via_extender, via_descheduler) = ("deploy-extender", "deploy-descheduler");
     for ns in [via_extender, via_descheduler] {
         bed.upper.create_namespace(ns).await.unwrap();
-        kubectl(
-            bed.upper.kubeconfig(),
-            &[
-                "label",
-                "namespace",
-                ns,
-                &format!("tensile-e2e={ns}"),
-                "--overwrite",
-            ],
-        )
-        .await;
+        scene::opt_in_namespace(bed.upper.kubeconfig(), ns).await;
     }
     let to_the_extender = Policy {
         scheduler_name: Some(SCHEDULER.to_owned()),
@@ -1063,24 +982,19 @@ fn pinned(name: &str, scheduler: &str, cpu: &str, node: &str, priority_class: Op
 
 /// Waits until every pod of `api` is Running, or panics after 90 s.
 async fn all_running(api: &Api<Pod>, what: &str) {
-    must(
-        what,
-        Duration::from_secs(90),
-        Duration::from_millis(300),
-        || async {
-            let now = api
-                .list(&ListParams::default())
-                .await
-                .map_err(|e| e.to_string())?
-                .items;
-            let waiting: Vec<String> = now.iter().filter(|p| !running(p)).map(name_of).collect();
-            if waiting.is_empty() {
-                Ok(())
-            } else {
-                Err(format!("not Running: {waiting:?}"))
-            }
-        },
-    )
+    within(what, 90, || async {
+        let now = api
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?
+            .items;
+        let waiting: Vec<String> = now.iter().filter(|p| !running(p)).map(name_of).collect();
+        if waiting.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("not Running: {waiting:?}"))
+        }
+    })
     .await;
 }
 
@@ -1133,19 +1047,14 @@ async fn a_high_priority_pod_no_lower_node_can_hold_evicts_nothing() {
 
     let six = pinned("six-on-a", SCHEDULER, "6", VN_A, Some("tensile-e2e-high"));
     api.create(&PostParams::default(), &six).await.unwrap();
-    let messages = must(
-        "a FailedScheduling event for the 6-CPU pod",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let m = failed_scheduling(ns, "six-on-a").await;
-            if m.is_empty() {
-                Err("none yet".to_owned())
-            } else {
-                Ok(m)
-            }
-        },
-    )
+    let messages = within("a FailedScheduling event for the 6-CPU pod", 30, || async {
+        let m = failed_scheduling(ns, "six-on-a").await;
+        if m.is_empty() {
+            Err("none yet".to_owned())
+        } else {
+            Ok(m)
+        }
+    })
     .await;
     // Preemption runs right after the failed attempt; give it and any eviction time to show.
     tokio::time::sleep(Duration::from_secs(8)).await;
@@ -1215,30 +1124,25 @@ async fn the_standalone_scheduler_refuses_a_pod_with_inter_pod_constraints_and_s
         &Stash::default(),
     );
     create_all(&api, &[(spread, &[]), (plain, &[])]).await;
-    let condition = must(
-        "PodScheduled=False naming the constraint",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let p = api.get("spread").await.map_err(|e| e.to_string())?;
-            let c = p
-                .status
-                .iter()
-                .flat_map(|s| s.conditions.iter().flatten())
-                .find(|c| c.type_ == "PodScheduled" && c.status == "False")
-                .cloned();
-            match c {
-                Some(c)
-                    if c.message
-                        .as_deref()
-                        .is_some_and(|m| m.contains("required pod anti-affinity")) =>
-                {
-                    Ok(c)
-                }
-                other => Err(format!("{other:?}; node {:?}", node_of(&p))),
+    let condition = within("PodScheduled=False naming the constraint", 30, || async {
+        let p = api.get("spread").await.map_err(|e| e.to_string())?;
+        let c = p
+            .status
+            .iter()
+            .flat_map(|s| s.conditions.iter().flatten())
+            .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+            .cloned();
+        match c {
+            Some(c)
+                if c.message
+                    .as_deref()
+                    .is_some_and(|m| m.contains("required pod anti-affinity")) =>
+            {
+                Ok(c)
             }
-        },
-    )
+            other => Err(format!("{other:?}; node {:?}", node_of(&p))),
+        }
+    })
     .await;
     let message = condition.message.unwrap_or_default();
     assert!(
@@ -1250,19 +1154,14 @@ async fn the_standalone_scheduler_refuses_a_pod_with_inter_pod_constraints_and_s
         failed.iter().any(|m| m == &message),
         "a Warning event with it: {failed:?}"
     );
-    must(
-        "the plain pod bound",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let p = api.get("plain").await.map_err(|e| e.to_string())?;
-            if node_of(&p).is_empty() {
-                Err("unbound".to_owned())
-            } else {
-                Ok(())
-            }
-        },
-    )
+    within("the plain pod bound", 30, || async {
+        let p = api.get("plain").await.map_err(|e| e.to_string())?;
+        if node_of(&p).is_empty() {
+            Err("unbound".to_owned())
+        } else {
+            Ok(())
+        }
+    })
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(node_of(&api.get("spread").await.unwrap()), "", "never bound");
@@ -1455,19 +1354,14 @@ async fn a_waiting_pods_podscheduled_transition_time_stays_while_lower_churn_cha
         &Stash::default(),
     );
     api.create(&PostParams::default(), &twenty).await.unwrap();
-    let (_, first, since) = must(
-        "PodScheduled=False",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let c = pod_scheduled(&api, "twenty").await?;
-            if c.0 == "False" {
-                Ok(c)
-            } else {
-                Err(format!("{c:?}"))
-            }
-        },
-    )
+    let (_, first, since) = within("PodScheduled=False", 30, || async {
+        let c = pod_scheduled(&api, "twenty").await?;
+        if c.0 == "False" {
+            Ok(c)
+        } else {
+            Err(format!("{c:?}"))
+        }
+    })
     .await;
     // Whole seconds: a later write would show a later time.
     tokio::time::sleep(Duration::from_secs(2)).await;

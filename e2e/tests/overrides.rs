@@ -10,8 +10,9 @@ use serde_json::Value;
 use tensile_common::names;
 use tensile_e2e::check::{apply, eventually, kubectl};
 use tensile_e2e::in_process::{self, VirtualNode};
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
+use tensile_e2e::{NodeSimulator, TestCluster};
 
 struct Bed {
     upper: TestCluster,
@@ -29,34 +30,16 @@ static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// lower-a: two plain nodes. lower-b: two nodes dedicated to the fleet (`pool=fleet`, taint
 /// `dedicated=fleet:NoSchedule`): a pod runs there only with the toleration.
 fn bed() -> &'static Bed {
-    BED.get(|| async {
-        let (upper, lower_a, lower_b) = tokio::join!(
-            TestCluster::start(ClusterOptions::new("overrides", "upper")),
-            TestCluster::start(ClusterOptions::new("overrides", "lower-a")),
-            TestCluster::start(ClusterOptions::new("overrides", "lower-b")),
-        );
-        let (upper, lower_a, lower_b) = (upper?, lower_a?, lower_b?);
-        let sim_a = NodeSimulator::start(
-            lower_a.client().await?,
-            SimulatorOptions::new("lower-a", Some(lower_a.kubelet_client_ca_pem())),
-            (0..2).map(|i| NodeConfig::new(&format!("a-{i}"))).collect(),
-        )
-        .await?;
-        let dedicated = (0..2)
-            .map(|i| {
-                let mut node = NodeConfig::new(&format!("b-{i}"));
-                node.labels.insert("pool".into(), "fleet".into());
-                node.taints
-                    .push(serde_json::json!({"key": "dedicated", "value": "fleet", "effect": "NoSchedule"}));
-                node
-            })
-            .collect();
-        let sim_b = NodeSimulator::start(
-            lower_b.client().await?,
-            SimulatorOptions::new("lower-b", Some(lower_b.kubelet_client_ca_pem())),
-            dedicated,
-        )
-        .await?;
+    BED.bed(|| async {
+        let [upper, lower_a, lower_b] = scene::clusters("overrides", ["upper", "lower-a", "lower-b"]).await?;
+        let sim_a = scene::simulate(&lower_a, scene::nodes("a", 2)).await?;
+        let mut dedicated = scene::nodes("b", 2);
+        for node in &mut dedicated {
+            node.labels.insert("pool".into(), "fleet".into());
+            node.taints
+                .push(serde_json::json!({"key": "dedicated", "value": "fleet", "effect": "NoSchedule"}));
+        }
+        let sim_b = scene::simulate(&lower_b, dedicated).await?;
         Ok(Bed {
             upper,
             lower_a,
@@ -64,7 +47,6 @@ fn bed() -> &'static Bed {
             _sims: (sim_a, sim_b),
         })
     })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
 fn up() -> &'static Path {
@@ -73,25 +55,10 @@ fn up() -> &'static Path {
 
 /// A virtual node over `lower` following the overrides file `file`, Ready upstream.
 async fn virtual_node(name: &str, lower: &TestCluster, file: &Path) -> VirtualNode {
-    let bed = bed();
-    let mut args = in_process::options(&bed.upper, name, lower).unwrap();
-    args.overrides_file = Some(file.to_owned());
-    let vn = VirtualNode::run(args);
-    eventually(
-        up(),
-        &format!("{name} Ready"),
-        60,
-        &[
-            "get",
-            "node",
-            name,
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
-        ],
-        "True",
-    )
-    .await;
-    vn
+    scene::ready_virtual_node(&bed().upper, name, lower, |args| {
+        args.overrides_file = Some(file.to_owned())
+    })
+    .await
 }
 
 /// Writes `text` to `path` whole (a ConfigMap volume is swapped whole, never half-written).
@@ -112,17 +79,12 @@ async fn counter(vn: &VirtualNode, name: &str) -> u64 {
 }
 
 async fn until_counted(vn: &VirtualNode, name: &str, want: u64) {
-    tensile_e2e::wait::must(
-        &format!("{name} counted {want} times"),
-        Duration::from_secs(30),
-        Duration::from_millis(200),
-        || async {
-            match counter(vn, name).await {
-                n if n >= want => Ok(()),
-                n => Err(n.to_string()),
-            }
-        },
-    )
+    tensile_e2e::wait::within(&format!("{name} counted {want} times"), 30, || async {
+        match counter(vn, name).await {
+            n if n >= want => Ok(()),
+            n => Err(n.to_string()),
+        }
+    })
     .await
 }
 
@@ -151,74 +113,40 @@ spec:
 
 /// The upper pods of `app`, by the virtual node each is bound to.
 async fn placed(app: &str, want: usize) -> Vec<(String, String)> {
-    tensile_e2e::wait::must(
-        &format!("{want} pods of {app} bound"),
-        Duration::from_secs(90),
-        Duration::from_millis(300),
-        || async {
-            let list = json(up(), &["-n", "shop", "get", "pods", "-l", &format!("app={app}")]).await;
-            let bound: Vec<(String, String)> = list["items"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|p| {
-                    let node = p["spec"]["nodeName"].as_str()?;
-                    Some((p["metadata"]["name"].as_str()?.to_owned(), node.to_owned()))
-                })
-                .collect();
-            match bound.len() == want {
-                true => Ok(bound),
-                false => Err(format!("{bound:?}")),
-            }
-        },
-    )
+    tensile_e2e::wait::within(&format!("{want} pods of {app} bound"), 90, || async {
+        let list = json(up(), &["-n", "shop", "get", "pods", "-l", &format!("app={app}")]).await;
+        let bound: Vec<(String, String)> = list["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| {
+                let node = p["spec"]["nodeName"].as_str()?;
+                Some((p["metadata"]["name"].as_str()?.to_owned(), node.to_owned()))
+            })
+            .collect();
+        match bound.len() == want {
+            true => Ok(bound),
+            false => Err(format!("{bound:?}")),
+        }
+    })
     .await
 }
 
 async fn image_below(lower: &Path, pod: &str) -> String {
-    kubectl(
-        lower,
-        &[
-            "-n",
-            "shop",
-            "get",
-            "pod",
-            pod,
-            "-o",
-            "jsonpath={.spec.containers[0].image}",
-        ],
-    )
-    .await
-    .trim()
-    .to_owned()
+    scene::pod_field(lower, "shop", pod, "jsonpath={.spec.containers[0].image}")
+        .await
+        .trim()
+        .to_owned()
 }
 
 async fn eventually_image(lower: &Path, pod: &str, want: &str) {
-    eventually(
+    scene::pod_shows(
         lower,
-        &format!("{pod}'s image below"),
-        60,
-        &[
-            "-n",
-            "shop",
-            "get",
-            "pod",
-            pod,
-            "-o",
-            "jsonpath={.spec.containers[0].image}",
-        ],
+        "shop",
+        pod,
+        "jsonpath={.spec.containers[0].image}",
         want,
-    )
-    .await;
-}
-
-async fn running_below(lower: &Path, pod: &str) {
-    eventually(
-        lower,
-        &format!("{pod} Running below"),
-        90,
-        &["-n", "shop", "get", "pod", pod, "-o", "jsonpath={.status.phase}"],
-        "Running",
+        60,
     )
     .await;
 }
@@ -337,8 +265,8 @@ async fn each_lower_cluster_runs_the_same_workloads_as_its_own_rules_say_and_an_
             .unwrap_or_else(|| panic!("no pod on {node}: {pods:?}"))
     };
     let (web_a, web_b) = (on(&web, "vn-a"), on(&web, "vn-b"));
-    running_below(low_a, &web_a).await;
-    running_below(low_b, &web_b).await;
+    scene::pod_running(low_a, "shop", &web_a, 90).await;
+    scene::pod_running(low_b, "shop", &web_b, 90).await;
     // lower-a: the image from its mirror; upstream, what the user wrote.
     assert_eq!(
         image_below(low_a, &web_a).await,
@@ -350,31 +278,26 @@ async fn each_lower_cluster_runs_the_same_workloads_as_its_own_rules_say_and_an_
     let lower_a = json(low_a, &["-n", "shop", "get", "pod", &web_a]).await;
     assert_eq!(recorded(&lower_a), ["mirror"]);
     let selector = format!("involvedObject.name={web_a},reason=LowerPodCreated");
-    tensile_e2e::wait::must(
-        "the event naming the rules",
-        Duration::from_secs(30),
-        Duration::from_millis(300),
-        || async {
-            let said = kubectl(
-                up(),
-                &[
-                    "-n",
-                    "shop",
-                    "get",
-                    "events",
-                    "--field-selector",
-                    &selector,
-                    "-o",
-                    "jsonpath={.items[0].message}",
-                ],
-            )
-            .await;
-            match said.trim().ends_with(" with override rules mirror") {
-                true => Ok(()),
-                false => Err(said),
-            }
-        },
-    )
+    tensile_e2e::wait::within("the event naming the rules", 30, || async {
+        let said = kubectl(
+            up(),
+            &[
+                "-n",
+                "shop",
+                "get",
+                "events",
+                "--field-selector",
+                &selector,
+                "-o",
+                "jsonpath={.items[0].message}",
+            ],
+        )
+        .await;
+        match said.trim().ends_with(" with override rules mirror") {
+            true => Ok(()),
+            false => Err(said),
+        }
+    })
     .await;
     // lower-b: its image as written, on a dedicated node (the toleration and nodeSelector
     // took it there), with its region.
@@ -426,11 +349,11 @@ async fn each_lower_cluster_runs_the_same_workloads_as_its_own_rules_say_and_an_
             )
             .await;
         }
-        running_below(lower, &on(&db, node)).await;
+        scene::pod_running(lower, "shop", &on(&db, node), 90).await;
     }
 
     // The rule is edited while pods run: another mirror.
-    running_below(low_a, "solo").await;
+    scene::pod_running(low_a, "shop", "solo", 90).await;
     assert_eq!(
         image_below(low_a, "solo").await,
         "mirror.a.example/hub/library/nginx:1.25"
@@ -496,21 +419,14 @@ spec:
 "#,
     )
     .await;
-    eventually(
+    scene::pod_shows(
         up(),
-        "sided refused by the rule",
-        30,
-        &[
-            "-n",
-            "shop",
-            "get",
-            "pod",
-            "sided",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
-        ],
+        "shop",
+        "sided",
+        r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
         "override rule \"sidecar\" of this lower cluster: it would add a privileged container side, \
          which allowPrivileged allows only to rules that name their namespaces",
+        30,
     )
     .await;
     let below = tensile_e2e::kubectl::run(low_a, &["-n", "shop", "get", "pod", "sided"]).await;
@@ -531,33 +447,14 @@ spec:
         ),
     )
     .await;
-    eventually(
+    let message = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#;
+    let refused = "override rule \"dedicated\" of this lower cluster: nodeSelector pool=fleet contradicts the pod's pool=gpu";
+    scene::pod_shows(up(), "shop", "zoned", message, refused, 30).await;
+    let reason = scene::pod_field(
         up(),
-        "zoned refused by the rule",
-        30,
-        &[
-            "-n",
-            "shop",
-            "get",
-            "pod",
-            "zoned",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].message}"#,
-        ],
-        "override rule \"dedicated\" of this lower cluster: nodeSelector pool=fleet contradicts the pod's pool=gpu",
-    )
-    .await;
-    let reason = kubectl(
-        up(),
-        &[
-            "-n",
-            "shop",
-            "get",
-            "pod",
-            "zoned",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#,
-        ],
+        "shop",
+        "zoned",
+        r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#,
     )
     .await;
     assert_eq!(reason.trim(), "OverrideFailed");
@@ -582,7 +479,7 @@ spec:
         "nothing below: {}",
         below.stdout
     );
-    running_below(low_b, &web_b).await;
+    scene::pod_running(low_b, "shop", &web_b, 90).await;
     assert_eq!(counter(&vn_b, "overrides_refused").await, 0);
     drop((vn_a, vn_b));
 }
@@ -599,34 +496,19 @@ async fn the_multi_scheduler_places_pods_on_a_cluster_whose_rule_tolerates_its_d
     tensile_e2e::chart::install_exclusion_records(up()).await.unwrap();
     let file: PathBuf = bed.upper.dir().join("overrides-fleet.yaml");
     write(&file, DEDICATED);
-    let mut args = in_process::options(&bed.upper, "vn-fleet", &bed.lower_b).unwrap();
-    args.overrides_file = Some(file);
-    args.node_labels = vec![("fleet-test".into(), "yes".into())];
-    let _vn = VirtualNode::run(args);
+    let _vn = scene::virtual_node(&bed.upper, "vn-fleet", &bed.lower_b, |args| {
+        args.overrides_file = Some(file);
+        args.node_labels = vec![("fleet-test".into(), "yes".into())];
+    })
+    .unwrap();
     // The published shape and rules: the group's taint, and the rule that tolerates it.
-    eventually(
+    let overrides = r#"jsonpath={.metadata.annotations.tensile\.io/placement-overrides}"#;
+    let published = r#"{"v":1,"rules":[{"name":"dedicated","tolerations":[{"effect":"NoSchedule","key":"dedicated","operator":"Equal","value":"fleet"}],"nodeSelector":{"pool":"fleet"}}]}"#;
+    scene::node_shows(up(), "vn-fleet", overrides, published, 60).await;
+    let shape = scene::node_field(
         up(),
-        "vn-fleet's shape and placement overrides published",
-        60,
-        &[
-            "get",
-            "node",
-            "vn-fleet",
-            "-o",
-            r#"jsonpath={.metadata.annotations.tensile\.io/placement-overrides}"#,
-        ],
-        r#"{"v":1,"rules":[{"name":"dedicated","tolerations":[{"effect":"NoSchedule","key":"dedicated","operator":"Equal","value":"fleet"}],"nodeSelector":{"pool":"fleet"}}]}"#,
-    )
-    .await;
-    let shape = kubectl(
-        up(),
-        &[
-            "get",
-            "node",
-            "vn-fleet",
-            "-o",
-            r#"jsonpath={.metadata.annotations.tensile\.io/capacity-shape}"#,
-        ],
+        "vn-fleet",
+        r#"jsonpath={.metadata.annotations.tensile\.io/capacity-shape}"#,
     )
     .await;
     assert!(
@@ -675,39 +557,17 @@ spec:
 "#,
     )
     .await;
-    eventually(
+    scene::pod_shows(
         up(),
-        "the pod bound to vn-fleet",
-        60,
-        &[
-            "-n",
-            "fleet",
-            "get",
-            "pod",
-            "worker",
-            "-o",
-            "jsonpath={.spec.nodeName}",
-        ],
+        "fleet",
+        "worker",
+        "jsonpath={.spec.nodeName}",
         "vn-fleet",
+        60,
     )
     .await;
     let low_b = bed.lower_b.kubeconfig();
-    eventually(
-        low_b,
-        "the pod Running in lower-b",
-        90,
-        &[
-            "-n",
-            "fleet",
-            "get",
-            "pod",
-            "worker",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Running",
-    )
-    .await;
+    scene::pod_running(low_b, "fleet", "worker", 90).await;
     let below = json(low_b, &["-n", "fleet", "get", "pod", "worker"]).await;
     assert!(
         below["spec"]["nodeName"]
@@ -735,33 +595,20 @@ spec:
 "#,
     )
     .await;
-    eventually(
+    scene::pod_shows(
         up(),
-        "the contradicting pod refused with the rule named",
-        60,
-        &[
-            "-n",
-            "fleet",
-            "get",
-            "pod",
-            "elsewhere",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="PodScheduled")].reason}"#,
-        ],
+        "fleet",
+        "elsewhere",
+        r#"jsonpath={.status.conditions[?(@.type=="PodScheduled")].reason}"#,
         "Unschedulable",
+        60,
     )
     .await;
-    let message = kubectl(
+    let message = scene::pod_field(
         up(),
-        &[
-            "-n",
-            "fleet",
-            "get",
-            "pod",
-            "elsewhere",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="PodScheduled")].message}"#,
-        ],
+        "fleet",
+        "elsewhere",
+        r#"jsonpath={.status.conditions[?(@.type=="PodScheduled")].message}"#,
     )
     .await;
     assert!(

@@ -16,25 +16,15 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use tensile_e2e::TestCluster;
 use tensile_e2e::check::{apply, kubectl};
 use tensile_e2e::descheduler::{DeschedulerProcess, metric_sum};
-use tensile_e2e::in_process;
-use tensile_e2e::wait::until;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
+use tensile_e2e::scene;
+use tensile_e2e::wait::within;
 
 /// Label of this bed's virtual nodes.
 const VN_KEY: &str = "tensile-e2e-vn";
 const NS: &str = "failback";
-
-async fn wait<F, Fut>(what: &str, secs: u64, probe: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), String>>,
-{
-    if let Err(e) = until(what, Duration::from_secs(secs), Duration::from_millis(250), probe).await {
-        panic!("{e}");
-    }
-}
 
 async fn pods(up: &Path, selector: &str) -> Vec<Value> {
     let out = kubectl(up, &["-n", NS, "get", "pods", "-l", selector, "-o", "json"]).await;
@@ -171,56 +161,28 @@ fn deployment(name: &str, replicas: u32, extra: Value) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_stay() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let (upper, lower_a, lower_b) = tokio::join!(
-        TestCluster::start(ClusterOptions::new("rebalance", "upper")),
-        TestCluster::start(ClusterOptions::new("rebalance", "lower-a")),
-        TestCluster::start(ClusterOptions::new("rebalance", "lower-b")),
-    );
-    let (upper, lower_a, lower_b) = (upper.unwrap(), lower_a.unwrap(), lower_b.unwrap());
+    let [upper, lower_a, lower_b] = scene::clusters("rebalance", ["upper", "lower-a", "lower-b"])
+        .await
+        .unwrap();
     let up = upper.kubeconfig().to_owned();
     tensile_e2e::chart::install_exclusion_records(&up).await.unwrap();
     let mut sims = Vec::new();
-    for (name, lower) in [("lower-a", &lower_a), ("lower-b", &lower_b)] {
-        let nodes = (0..2)
-            .map(|i| {
-                NodeConfig::new(&format!("{name}-{i}"))
-                    .resource("cpu", "8")
-                    .resource("memory", "16Gi")
-            })
+    for lower in [&lower_a, &lower_b] {
+        let nodes = scene::nodes(lower.name(), 2)
+            .into_iter()
+            .map(|node| node.resource("cpu", "8").resource("memory", "16Gi"))
             .collect();
-        let sim = NodeSimulator::start(
-            lower.client().await.unwrap(),
-            SimulatorOptions::new(name, Some(lower.kubelet_client_ca_pem())),
-            nodes,
-        )
-        .await
-        .unwrap();
-        sims.push(sim);
+        sims.push(scene::simulate(lower, nodes).await.unwrap());
     }
     let node = |name: &str, lower: &TestCluster| {
-        let mut args = in_process::options(&upper, name, lower).unwrap();
-        args.node_labels = vec![(VN_KEY.to_owned(), NS.to_owned())];
-        in_process::VirtualNode::run(args)
+        scene::virtual_node(&upper, name, lower, |args| {
+            args.node_labels = vec![(VN_KEY.to_owned(), NS.to_owned())]
+        })
+        .unwrap()
     };
     let _nodes = [node("vn-a", &lower_a), node("vn-b", &lower_b)];
     for vn in ["vn-a", "vn-b"] {
-        wait(&format!("{vn} Ready"), 60, || async {
-            let ready = upper
-                .kubectl(&[
-                    "get",
-                    "node",
-                    vn,
-                    "-o",
-                    r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
-                ])
-                .await;
-            if ready.stdout.trim() == "True" {
-                Ok(())
-            } else {
-                Err(format!("{} {}", ready.stdout, ready.stderr))
-            }
-        })
-        .await;
+        scene::node_ready(&up, vn, 60).await;
     }
     upper.create_namespace(NS).await.unwrap();
 
@@ -270,7 +232,7 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
     let balanced = |s: &BTreeMap<String, usize>, p: &BTreeMap<String, usize>| {
         s.get("vn-a") == Some(&2) && s.get("vn-b") == Some(&2) && p.get("vn-a") == Some(&2)
     };
-    wait(
+    within(
         "the first placement: 2 + 2 spread, both preferring pods on vn-a",
         90,
         || async {
@@ -328,7 +290,7 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
 
     // Lower-a goes away: its pods are evicted upstream and their replacements run on vn-b.
     lower_a.stop_apiserver();
-    wait("every Ready pod on vn-b", 120, || async {
+    within("every Ready pod on vn-b", 120, || async {
         let (s, p) = (spread(&up, "spread").await, spread(&up, "prefer").await);
         let g = spread(&up, "guarded").await;
         if s.get("vn-b") == Some(&4) && p.get("vn-b") == Some(&2) && g.get("vn-b") == Some(&2) {
@@ -389,7 +351,7 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
         "the guarded pods stay: {guarded:?}"
     );
     // The guarded workload's turn comes once the others are done: its eviction is refused.
-    wait(
+    within(
         "the guarded workload's eviction refused and counted",
         60,
         || async {
@@ -490,18 +452,8 @@ async fn after_lower_a_recovers_its_workloads_return_within_the_budget_and_then_
 /// The in-process webhook for namespace `ns` (labelled `tensile-e2e=<ns>`), reading the
 /// records of `exclusions`: a replacement avoids the virtual nodes excluded for its workload.
 async fn webhook(upper: &TestCluster, ns: &str, exclusions: &str) -> tensile_webhook::Running {
-    use tensile_webhook::{Certificates, Options, Policy};
-    kubectl(
-        upper.kubeconfig(),
-        &[
-            "label",
-            "namespace",
-            ns,
-            &format!("tensile-e2e={ns}"),
-            "--overwrite",
-        ],
-    )
-    .await;
+    use tensile_webhook::Policy;
+    scene::opt_in_namespace(upper.kubeconfig(), ns).await;
     let port = tensile_e2e::free_port().unwrap();
     let config = format!("tensile-webhook-{ns}");
     apply(
@@ -514,12 +466,7 @@ async fn webhook(upper: &TestCluster, ns: &str, exclusions: &str) -> tensile_web
         ),
     )
     .await;
-    let mut options = Options::new(
-        ([127, 0, 0, 1], port).into(),
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    );
+    let mut options = scene::webhook_options(port);
     options.client = Some(upper.client().await.unwrap());
     options.webhook_config_name = Some(config);
     options.policy = Policy {
@@ -530,14 +477,7 @@ async fn webhook(upper: &TestCluster, ns: &str, exclusions: &str) -> tensile_web
     };
     options.exclusions = Some(exclusions.parse().unwrap());
     let running = tensile_webhook::start(options).await.unwrap();
-    wait("the webhook's caBundle written", 30, || async {
-        if running.state.ready.get() {
-            Ok(())
-        } else {
-            Err("not ready".into())
-        }
-    })
-    .await;
+    scene::webhook_ready(&running).await;
     running
 }
 
@@ -614,7 +554,7 @@ async fn a_workload_refused_below_after_a_rebalance_is_not_moved_there_again_eve
             .await
             .unwrap()
     };
-    wait("one pod on each virtual node", 90, || async {
+    within("one pod on each virtual node", 90, || async {
         let s = per_node().await;
         if s.get("vn-a") == Some(&1) && s.get("vn-b") == Some(&1) {
             Ok(())
@@ -635,7 +575,7 @@ async fn a_workload_refused_below_after_a_rebalance_is_not_moved_there_again_eve
 
     // Lower-a goes away; both pods run on vn-b.
     bed.lower_a.stop_apiserver();
-    wait("both pods on vn-b", 120, || async {
+    within("both pods on vn-b", 120, || async {
         let s = per_node().await;
         if s.get("vn-b") == Some(&2) {
             Ok(())
@@ -653,7 +593,7 @@ async fn a_workload_refused_below_after_a_rebalance_is_not_moved_there_again_eve
     apply(bed.lower_a.kubeconfig(), &quota).await;
 
     // The rebalance toward vn-a is refused there, and the pod moved back to vn-b.
-    wait(
+    within(
         "a rebalance toward vn-a refused by lower-a's quota",
         120,
         || async {
@@ -730,7 +670,7 @@ async fn a_spread_constraint_without_a_label_selector_counts_no_pod_so_nothing_m
         ),
     )
     .await;
-    wait("all four pods on vn-b", 90, || async {
+    within("all four pods on vn-b", 90, || async {
         let (u, s) = (
             tensile_e2e::failback::ready_per_node(&up, S, "unselected")
                 .await
@@ -752,7 +692,7 @@ async fn a_spread_constraint_without_a_label_selector_counts_no_pod_so_nothing_m
         .unwrap();
     descheduler.wait_ready(Duration::from_secs(30)).await.unwrap();
     // The selected workload is spread 1 + 1 (kube-scheduler counts its pods)…
-    wait("the selected workload spread over both nodes", 90, || async {
+    within("the selected workload spread over both nodes", 90, || async {
         let s = tensile_e2e::failback::ready_per_node(&up, S, "selected")
             .await
             .unwrap();

@@ -9,45 +9,24 @@ use std::time::{Duration, Instant};
 
 use tensile_e2e::check::{apply, eventually, kubectl};
 use tensile_e2e::descheduler::metric_sum;
-use tensile_e2e::in_process::{self, VirtualNode, VirtualNodeProcess, admin_get};
+use tensile_e2e::in_process::{VirtualNodeProcess, admin_get};
 use tensile_e2e::partition::Partition;
+use tensile_e2e::scene::{self, UpperAndLower};
 use tensile_e2e::shared::Shared;
-use tensile_e2e::wait::{must, until};
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tensile_e2e::wait::{must, until, within};
+use tensile_e2e::{ClusterOptions, NodeConfig, TestCluster, free_port};
 
-struct Bed {
-    upper: TestCluster,
-    lower: TestCluster,
-    _sim: NodeSimulator,
-}
+static BED: Shared<UpperAndLower> = Shared::new();
 
-static BED: Shared<Bed> = Shared::new();
-
-fn bed() -> &'static Bed {
-    BED.get(|| async {
+fn bed() -> &'static UpperAndLower {
+    BED.bed(|| async {
         let mut upper = ClusterOptions::new("runtime", "upper");
         upper.audit_writes = true;
-        let (upper, lower) = tokio::join!(
-            TestCluster::start(upper),
-            TestCluster::start(ClusterOptions::new("runtime", "lower")),
-        );
-        let (upper, lower) = (upper?, lower?);
         let nodes = (0..3)
             .map(|i| NodeConfig::new(&format!("rt-{i}")).resource("pods", "250"))
             .collect();
-        let sim = NodeSimulator::start(
-            lower.client().await?,
-            SimulatorOptions::new("lower", Some(lower.kubelet_client_ca_pem())),
-            nodes,
-        )
-        .await?;
-        Ok(Bed {
-            upper,
-            lower,
-            _sim: sim,
-        })
+        UpperAndLower::start_with([upper, ClusterOptions::new("runtime", "lower")], nodes).await
     })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
 fn up() -> &'static Path {
@@ -56,19 +35,6 @@ fn up() -> &'static Path {
 
 fn down() -> &'static Path {
     bed().lower.kubeconfig()
-}
-
-const READY: &str = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#;
-
-async fn wait_ready(kubeconfig: &Path, node: &str, secs: u64) {
-    eventually(
-        kubeconfig,
-        &format!("{node} Ready"),
-        secs,
-        &["get", "node", node, "-o", READY],
-        "True",
-    )
-    .await;
 }
 
 /// A Deployment of `replicas` plain pods pinned to virtual node `node`.
@@ -200,7 +166,7 @@ async fn sigterm_stops_the_virtual_node_and_the_webhook_within_seconds_and_leave
     let bed = bed();
     bed.upper.create_namespace("term").await.unwrap();
     let mut vn = VirtualNodeProcess::start(&bed.upper, "vn-term", &bed.lower, &[], "term").unwrap();
-    wait_ready(up(), "vn-term", 60).await;
+    scene::node_ready(up(), "vn-term", 60).await;
     apply(up(), &deployment("term", "web", "vn-term", 40)).await;
     // Mid-burst: some lower pods exist, others are being made.
     lower_pods_at_least("term", "vn-term", 5, 60).await;
@@ -288,7 +254,7 @@ async fn a_frozen_upper_apiserver_stalls_no_lease_renewal_past_the_freeze() {
     )
     .unwrap();
     let kc = upper.kubeconfig();
-    wait_ready(kc, "vn-frozen", 60).await;
+    scene::node_ready(kc, "vn-frozen", 60).await;
     let before = lease_renew_time(kc, "vn-frozen").await;
 
     let freeze = Duration::from_secs(12);
@@ -313,10 +279,7 @@ async fn a_frozen_upper_apiserver_stalls_no_lease_renewal_past_the_freeze() {
     // And it stays so past the node monitor's grace (20 s from the last renewal before the
     // freeze): a node whose renewals were stuck would be Unknown by now.
     tokio::time::sleep(Duration::from_secs(15).saturating_sub(started.elapsed())).await;
-    assert_eq!(
-        kubectl(kc, &["get", "node", "vn-frozen", "-o", READY]).await,
-        "True"
-    );
+    assert_eq!(scene::node_field(kc, "vn-frozen", scene::READY).await, "True");
 }
 
 /// When the Lease of virtual node `node` was last renewed, or what kubectl said instead.
@@ -341,16 +304,13 @@ async fn renew_time(kc: &Path, node: &str) -> Result<jiff::Timestamp, String> {
 /// status write within the round, so it is waited for).
 async fn lease_renew_time(kc: &Path, node: &str) -> jiff::Timestamp {
     let what = format!("the Lease of {node}");
-    must(&what, Duration::from_secs(10), Duration::from_millis(200), || {
-        renew_time(kc, node)
-    })
-    .await
+    within(&what, 10, || renew_time(kc, node)).await
 }
 
 /// The Lease of virtual node `node` was renewed after `since`, and the node is Ready.
 async fn renewed_and_ready(kc: &Path, node: &str, since: jiff::Timestamp) -> Result<(), String> {
     let renewed = renew_time(kc, node).await;
-    let ready = kubectl(kc, &["get", "node", node, "-o", READY]).await;
+    let ready = scene::node_field(kc, node, scene::READY).await;
     match renewed {
         Ok(t) if t > since && ready == "True" => Ok(()),
         _ => Err(format!(
@@ -383,7 +343,7 @@ async fn a_partition_that_leaves_connections_half_open_stalls_no_lease_renewal()
         "cut",
     )
     .unwrap();
-    wait_ready(up(), "vn-cut", 60).await;
+    scene::node_ready(up(), "vn-cut", 60).await;
     let before = lease_renew_time(up(), "vn-cut").await;
 
     // 12 s of partition: every open connection is lost for good, new ones hang.
@@ -417,9 +377,10 @@ async fn a_partition_that_leaves_connections_half_open_stalls_no_lease_renewal()
 async fn replicas_started_together_each_get_their_node_certificate() {
     let bed = bed();
     let replica = || {
-        let mut args = in_process::options(&bed.upper, "vn-pair", &bed.lower).unwrap();
-        args.leader.leader_elect = true;
-        VirtualNode::run(args)
+        scene::virtual_node(&bed.upper, "vn-pair", &bed.lower, |args| {
+            args.leader.leader_elect = true
+        })
+        .unwrap()
     };
     let (first, second) = (replica(), replica());
     for vn in [&first, &second] {
@@ -461,16 +422,11 @@ async fn with_leader_election_one_replica_acts_and_the_standby_takes_over_a_kill
     // Ready once its caches have synced (a Deployment of both is Available), saying it
     // stands by.
     readyz_says(&second, 200, "standby: the leader Lease is held by", 30).await;
-    wait_ready(up(), "vn-ha", 60).await;
-    let leader_port = kubectl(
+    scene::node_ready(up(), "vn-ha", 60).await;
+    let leader_port = scene::node_field(
         up(),
-        &[
-            "get",
-            "node",
-            "vn-ha",
-            "-o",
-            "jsonpath={.status.daemonEndpoints.kubeletEndpoint.Port}",
-        ],
+        "vn-ha",
+        "jsonpath={.status.daemonEndpoints.kubeletEndpoint.Port}",
     )
     .await;
     assert_eq!(
@@ -509,18 +465,12 @@ async fn with_leader_election_one_replica_acts_and_the_standby_takes_over_a_kill
         "figure: kill -9 of the leader to the standby holding the Lease: {acquired:?}, serving: {serving:?}"
     );
     all_running_exactly_once("ha", "vn-ha", 200, 240).await;
-    eventually(
+    scene::node_shows(
         up(),
-        "the node publishes the new leader's kubelet port",
-        30,
-        &[
-            "get",
-            "node",
-            "vn-ha",
-            "-o",
-            "jsonpath={.status.daemonEndpoints.kubeletEndpoint.Port}",
-        ],
+        "vn-ha",
+        "jsonpath={.status.daemonEndpoints.kubeletEndpoint.Port}",
         &second.kubelet_port.to_string(),
+        30,
     )
     .await;
     apply(up(), &deployment("ha", "web", "vn-ha", 0)).await;
@@ -553,7 +503,7 @@ async fn a_leader_paused_past_its_lease_writes_nothing_once_resumed() {
     readyz_says(&first, 200, "leading", 60).await;
     let second = VirtualNodeProcess::start(&bed.upper, "vn-pause", &bed.lower, &ELECTION, "pause-2").unwrap();
     readyz_says(&second, 200, "standby", 30).await;
-    wait_ready(up(), "vn-pause", 60).await;
+    scene::node_ready(up(), "vn-pause", 60).await;
     apply(up(), &deployment("pause", "web", "vn-pause", 10)).await;
     all_running_exactly_once("pause", "vn-pause", 10, 120).await;
 

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster};
 
@@ -17,14 +18,11 @@ static BED: Shared<Bed> = Shared::new();
 
 /// One cluster with three simulated nodes, shared by the tests of this binary.
 fn bed() -> &'static Bed {
-    BED.get(|| async {
-        let cluster = TestCluster::start(ClusterOptions::new("testbed", "shared")).await?;
-        let nodes = (0..3).map(|i| NodeConfig::new(&format!("node-{i}"))).collect();
-        let options = SimulatorOptions::new("shared", Some(cluster.kubelet_client_ca_pem()));
-        let sim = NodeSimulator::start(cluster.client().await?, options, nodes).await?;
+    BED.bed(|| async {
+        let [cluster] = scene::clusters("testbed", ["shared"]).await?;
+        let sim = scene::simulate(&cluster, scene::nodes("node", 3)).await?;
         Ok(Bed { cluster, sim })
     })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
 async fn kubectl(cluster: &TestCluster, args: &[&str]) -> String {
@@ -41,11 +39,12 @@ async fn eventually(cluster: &TestCluster, what: &str, secs: u64, args: &[&str],
 
 #[tokio::test]
 async fn two_clusters_have_separate_data() {
-    let (a, b) = tokio::join!(
-        TestCluster::start(ClusterOptions::new("two_clusters", "alpha").apiserver_only()),
-        TestCluster::start(ClusterOptions::new("two_clusters", "beta").apiserver_only()),
-    );
-    let (a, b) = (a.unwrap(), b.unwrap());
+    let [a, b] = scene::clusters_with([
+        ClusterOptions::new("two_clusters", "alpha").apiserver_only(),
+        ClusterOptions::new("two_clusters", "beta").apiserver_only(),
+    ])
+    .await
+    .unwrap();
     kubectl(&a, &["create", "namespace", "only-in-alpha"]).await;
     let in_a = kubectl(&a, &["get", "ns", "-o", "name"]).await;
     let in_b = kubectl(&b, &["get", "ns", "-o", "name"]).await;
@@ -478,17 +477,11 @@ async fn a_node_without_heartbeat_becomes_unreachable_and_recovers() {
 #[tokio::test]
 async fn pod_status_is_written_as_a_kubelet_of_the_clusters_version_writes_it() {
     let newest = &bed().cluster;
-    let oldest = TestCluster::start(ClusterOptions::new("kubelet-contract", "oldest").version("oldest"))
-        .await
-        .unwrap();
-    let options = SimulatorOptions::new("oldest", Some(oldest.kubelet_client_ca_pem()));
-    let _sim = NodeSimulator::start(
-        oldest.client().await.unwrap(),
-        options,
-        vec![NodeConfig::new("node-0")],
-    )
-    .await
-    .unwrap();
+    let [oldest] =
+        scene::clusters_with([ClusterOptions::new("kubelet-contract", "oldest").version("oldest")])
+            .await
+            .unwrap();
+    let _sim = scene::simulate(&oldest, scene::nodes("node", 1)).await.unwrap();
     for (cluster, tracks_generation) in [(newest, true), (&oldest, false)] {
         let version = cluster.version();
         apply(

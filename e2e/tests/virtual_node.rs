@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 
 use tensile_e2e::check::{apply, deployment, eventually, kubectl};
 use tensile_e2e::in_process;
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tensile_e2e::{NodeConfig, NodeSimulator, TestCluster, free_port};
 use tensile_virtual_node::{Args, UpperIdentity};
 
 struct Bed {
@@ -22,30 +23,11 @@ struct Bed {
 static BED: Shared<Bed> = Shared::new();
 
 fn bed() -> &'static Bed {
-    BED.get(|| async {
-        let (upper, lower_a, lower_b) = tokio::join!(
-            TestCluster::start(ClusterOptions::new("virtual_node", "upper")),
-            TestCluster::start(ClusterOptions::new("virtual_node", "lower-a")),
-            TestCluster::start(ClusterOptions::new("virtual_node", "lower-b")),
-        );
-        let (upper, lower_a, lower_b) = (upper?, lower_a?, lower_b?);
-        let nodes = |prefix: &str| {
-            (0..3)
-                .map(|i| NodeConfig::new(&format!("{prefix}-{i}")))
-                .collect()
-        };
-        let sim_a = NodeSimulator::start(
-            lower_a.client().await?,
-            SimulatorOptions::new("lower-a", Some(lower_a.kubelet_client_ca_pem())),
-            nodes("a"),
-        )
-        .await?;
-        let sim_b = NodeSimulator::start(
-            lower_b.client().await?,
-            SimulatorOptions::new("lower-b", Some(lower_b.kubelet_client_ca_pem())),
-            nodes("b"),
-        )
-        .await?;
+    BED.bed(|| async {
+        let [upper, lower_a, lower_b] =
+            scene::clusters("virtual_node", ["upper", "lower-a", "lower-b"]).await?;
+        let sim_a = scene::simulate(&lower_a, scene::nodes("a", 3)).await?;
+        let sim_b = scene::simulate(&lower_b, scene::nodes("b", 3)).await?;
         Ok(Bed {
             upper,
             lower_a,
@@ -54,7 +36,6 @@ fn bed() -> &'static Bed {
             sim_b,
         })
     })
-    .unwrap_or_else(|e| panic!("shared test bed: {e}"))
 }
 
 /// A virtual node over `lower` in this test process.
@@ -62,14 +43,19 @@ struct VirtualNode;
 
 impl VirtualNode {
     fn start(name: &str, lower: &TestCluster) -> in_process::VirtualNode {
-        in_process::VirtualNode::start(&bed().upper, name, lower).unwrap()
+        Self::start_with(name, lower, |_| {})
+    }
+
+    /// A virtual node over `lower`, once it is Ready without the not-ready taint.
+    async fn ready(name: &str, lower: &TestCluster) -> in_process::VirtualNode {
+        let vn = Self::start(name, lower);
+        wait_ready(name).await;
+        vn
     }
 
     /// A virtual node whose options `set` changes.
     fn start_with(name: &str, lower: &TestCluster, set: impl FnOnce(&mut Args)) -> in_process::VirtualNode {
-        let mut args = in_process::options(&bed().upper, name, lower).unwrap();
-        set(&mut args);
-        in_process::VirtualNode::run(args)
+        scene::virtual_node(&bed().upper, name, lower, set).unwrap()
     }
 }
 
@@ -81,20 +67,8 @@ fn up() -> &'static Path {
 /// `node.kubernetes.io/not-ready` taint that admission puts on every new Node (it does so on
 /// its next pass after Ready, so for a moment a Ready node still carries it).
 async fn wait_ready(node: &str) {
-    eventually(
-        up(),
-        &format!("{node} Ready, without the not-ready taint"),
-        60,
-        &[
-            "get",
-            "node",
-            node,
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status} {.spec.taints[?(@.key=="node.kubernetes.io/not-ready")].effect}"#,
-        ],
-        "True",
-    )
-    .await;
+    let untainted = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status} {.spec.taints[?(@.key=="node.kubernetes.io/not-ready")].effect}"#;
+    scene::node_shows(up(), node, untainted, "True", 60).await;
 }
 
 /// The jsonpath of condition `kind`'s `fields`, joined by `/`.
@@ -105,8 +79,6 @@ fn condition(kind: &str, fields: &[&str]) -> String {
         .collect();
     format!("jsonpath={}", parts.join("/"))
 }
-
-const READY: &str = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#;
 
 fn pod(ns: &str, name: &str, node: &str, restart: &str, annotations: &str, cpu: &str) -> String {
     format!(
@@ -128,11 +100,7 @@ async fn namespace(ns: &str) {
 }
 
 async fn capacity_cpu(node: &str) -> i64 {
-    let cpu = kubectl(
-        up(),
-        &["get", "node", node, "-o", "jsonpath={.status.capacity.cpu}"],
-    )
-    .await;
+    let cpu = scene::node_field(up(), node, "jsonpath={.status.capacity.cpu}").await;
     cpu.trim().parse().unwrap()
 }
 
@@ -145,25 +113,15 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
     wait_ready("vn-node").await;
     // Ready says the lower cluster answers; whether it offers room is its own condition
     // (lower-b's nodes may still be recovering from the outage test's stopped apiserver).
-    eventually(
+    scene::node_shows(
         up(),
-        "vn-node has usable lower nodes",
-        60,
-        &[
-            "get",
-            "node",
-            "vn-node",
-            "-o",
-            &condition("tensile.io/LowerNodesUsable", &["status"]),
-        ],
+        "vn-node",
+        &condition("tensile.io/LowerNodesUsable", &["status"]),
         "True",
+        60,
     )
     .await;
-    let labels = kubectl(
-        up(),
-        &["get", "node", "vn-node", "-o", "jsonpath={.metadata.labels}"],
-    )
-    .await;
+    let labels = scene::node_field(up(), "vn-node", "jsonpath={.metadata.labels}").await;
     for want in [
         r#""type":"virtual-kubelet""#,
         r#""kubernetes.io/hostname":"vn-node""#,
@@ -174,19 +132,14 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
     }
     // Acting as its node, it sets no label NodeRestriction keeps from kubelets.
     assert!(!labels.contains("kubernetes.io/role"), "{labels}");
-    let taints = kubectl(
+    let taints = scene::node_field(
         up(),
-        &[
-            "get",
-            "node",
-            "vn-node",
-            "-o",
-            "jsonpath={.spec.taints[0].key}={.spec.taints[0].value}:{.spec.taints[0].effect}",
-        ],
+        "vn-node",
+        "jsonpath={.spec.taints[0].key}={.spec.taints[0].value}:{.spec.taints[0].effect}",
     )
     .await;
     assert_eq!(taints, "virtual-kubelet.io/provider=tensile:NoSchedule");
-    let ip = kubectl(up(), &["get", "node", "vn-node", "-o", r#"jsonpath={.status.addresses[*].type}={.status.addresses[*].address} {.status.nodeInfo.kubeletVersion}"#]).await;
+    let ip = scene::node_field(up(), "vn-node", r#"jsonpath={.status.addresses[*].type}={.status.addresses[*].address} {.status.nodeInfo.kubeletVersion}"#).await;
     assert_eq!(
         ip,
         format!(
@@ -196,20 +149,14 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
         )
     );
     // The shape is rewritten at most every 5 s: it shows the three nodes within that.
-    tensile_e2e::wait::must(
+    tensile_e2e::wait::within(
         "the capacity shape summarises the three lower nodes",
-        Duration::from_secs(15),
-        Duration::from_millis(300),
+        15,
         || async {
-            let shape = kubectl(
+            let shape = scene::node_field(
                 up(),
-                &[
-                    "get",
-                    "node",
-                    "vn-node",
-                    "-o",
-                    r#"jsonpath={.metadata.annotations.tensile\.io/capacity-shape}"#,
-                ],
+                "vn-node",
+                r#"jsonpath={.metadata.annotations.tensile\.io/capacity-shape}"#,
             )
             .await;
             let parsed: serde_json::Value =
@@ -233,14 +180,7 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
         .spawn(async move { bed.add_lower_b_node().await })
         .await
         .unwrap();
-    eventually(
-        up(),
-        "capacity raised by the new lower node",
-        10,
-        &["get", "node", "vn-node", "-o", "jsonpath={.status.capacity.cpu}"],
-        "14",
-    )
-    .await;
+    scene::node_shows(up(), "vn-node", "jsonpath={.status.capacity.cpu}", "14", 10).await;
     let took = started.elapsed();
     assert!(
         took < Duration::from_secs(8),
@@ -248,18 +188,10 @@ async fn the_node_is_ready_with_labels_taint_and_capacity_that_follows_the_lower
     );
 
     // Someone deletes the Node object: it comes back.
-    let uid = kubectl(
-        up(),
-        &["get", "node", "vn-node", "-o", "jsonpath={.metadata.uid}"],
-    )
-    .await;
+    let uid = scene::node_field(up(), "vn-node", "jsonpath={.metadata.uid}").await;
     kubectl(up(), &["delete", "node", "vn-node"]).await;
     wait_ready("vn-node").await;
-    let new_uid = kubectl(
-        up(),
-        &["get", "node", "vn-node", "-o", "jsonpath={.metadata.uid}"],
-    )
-    .await;
+    let new_uid = scene::node_field(up(), "vn-node", "jsonpath={.metadata.uid}").await;
     assert_ne!(uid, new_uid, "a new Node object was registered");
 
     // The admin endpoint reports readiness and metrics.
@@ -296,8 +228,7 @@ impl Bed {
 #[tokio::test]
 async fn a_deployment_runs_below_with_marks_and_stash_and_scales_down_cleanly() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-deploy", &bed.lower_a);
-    wait_ready("vn-deploy").await;
+    let _vn = VirtualNode::ready("vn-deploy", &bed.lower_a).await;
     namespace("deploy").await;
     apply(
         up(),
@@ -398,8 +329,7 @@ async fn a_deployment_runs_below_with_marks_and_stash_and_scales_down_cleanly() 
 #[tokio::test]
 async fn jobs_complete_and_failures_show_the_lower_exit_code() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-jobs", &bed.lower_a);
-    wait_ready("vn-jobs").await;
+    let _vn = VirtualNode::ready("vn-jobs", &bed.lower_a).await;
     namespace("jobs").await;
     apply(
         up(),
@@ -443,49 +373,18 @@ spec:
         ),
     )
     .await;
-    eventually(
-        up(),
-        "Failed upstream",
-        60,
-        &[
-            "-n",
-            "jobs",
-            "get",
-            "pod",
-            "crash",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Failed",
-    )
-    .await;
-    let term = kubectl(up(), &["-n", "jobs", "get", "pod", "crash", "-o", "jsonpath={.status.containerStatuses[0].state.terminated.exitCode}/{.status.containerStatuses[0].state.terminated.reason}"]).await;
+    scene::pod_shows(up(), "jobs", "crash", scene::PHASE, "Failed", 60).await;
+    let term = scene::pod_field(up(), "jobs", "crash", "jsonpath={.status.containerStatuses[0].state.terminated.exitCode}/{.status.containerStatuses[0].state.terminated.reason}").await;
     assert_eq!(term, "3/OOMKilled");
 }
 
 #[tokio::test]
 async fn kubectl_logs_reach_the_lower_pod_and_callers_are_authenticated() {
     let bed = bed();
-    let vn = VirtualNode::start("vn-logs", &bed.lower_a);
-    wait_ready("vn-logs").await;
+    let vn = VirtualNode::ready("vn-logs", &bed.lower_a).await;
     namespace("logs").await;
     apply(up(), &pod("logs", "talker", "vn-logs", "Always", "", "10m")).await;
-    eventually(
-        up(),
-        "Running",
-        60,
-        &[
-            "-n",
-            "logs",
-            "get",
-            "pod",
-            "talker",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Running",
-    )
-    .await;
+    scene::pod_running(up(), "logs", "talker", 60).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
 
     let plain = kubectl(up(), &["-n", "logs", "logs", "talker"]).await;
@@ -616,22 +515,7 @@ async fn the_kubelet_api_caps_and_cuts_idle_and_slow_clients_while_logs_work() {
     wait_ready("vn-flood").await;
     namespace("flood").await;
     apply(up(), &pod("flood", "talker", "vn-flood", "Always", "", "10m")).await;
-    eventually(
-        up(),
-        "Running",
-        60,
-        &[
-            "-n",
-            "flood",
-            "get",
-            "pod",
-            "talker",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Running",
-    )
-    .await;
+    scene::pod_running(up(), "flood", "talker", 60).await;
     let addr = std::net::SocketAddr::new(tensile_e2e::node_ip().unwrap(), vn.kubelet_port);
     let flood = tensile_e2e::flood::Flood::open(addr, 64, 16).await;
     flood.assert_capped(64, 16).await;
@@ -647,26 +531,10 @@ async fn the_kubelet_api_caps_and_cuts_idle_and_slow_clients_while_logs_work() {
 #[tokio::test]
 async fn a_lower_namespace_deleted_below_is_created_again_for_the_next_pod() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-nsgone", &bed.lower_a);
-    wait_ready("vn-nsgone").await;
+    let _vn = VirtualNode::ready("vn-nsgone", &bed.lower_a).await;
     namespace("nsgone").await;
     let phase = |name: &'static str| async move {
-        eventually(
-            up(),
-            &format!("{name} Running"),
-            90,
-            &[
-                "-n",
-                "nsgone",
-                "get",
-                "pod",
-                name,
-                "-o",
-                "jsonpath={.status.phase}",
-            ],
-            "Running",
-        )
-        .await;
+        scene::pod_running(up(), "nsgone", name, 90).await;
     };
     apply(up(), &pod("nsgone", "first", "vn-nsgone", "Always", "", "10m")).await;
     phase("first").await;
@@ -679,19 +547,7 @@ async fn a_lower_namespace_deleted_below_is_created_again_for_the_next_pod() {
     assert!(deleted.contains("deleted"), "{deleted}");
     apply(up(), &pod("nsgone", "second", "vn-nsgone", "Always", "", "10m")).await;
     phase("second").await;
-    let below = kubectl(
-        low,
-        &[
-            "-n",
-            "nsgone",
-            "get",
-            "pod",
-            "second",
-            "-o",
-            "jsonpath={.metadata.name}",
-        ],
-    )
-    .await;
+    let below = scene::pod_field(low, "nsgone", "second", "jsonpath={.metadata.name}").await;
     assert_eq!(below, "second");
 }
 
@@ -700,8 +556,7 @@ async fn a_lower_namespace_deleted_below_is_created_again_for_the_next_pod() {
 #[tokio::test]
 async fn a_priority_class_only_the_upper_cluster_has_does_not_block_the_lower_pod() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-prio", &bed.lower_a);
-    wait_ready("vn-prio").await;
+    let _vn = VirtualNode::ready("vn-prio", &bed.lower_a).await;
     namespace("prio").await;
     let class = |name: &str| {
         format!(
@@ -719,27 +574,14 @@ async fn a_priority_class_only_the_upper_cluster_has_does_not_block_the_lower_po
         apply(up(), &manifest).await;
     }
     for name in ["only-up", "both"] {
-        eventually(
-            up(),
-            &format!("{name} Running"),
-            60,
-            &["-n", "prio", "get", "pod", name, "-o", "jsonpath={.status.phase}"],
-            "Running",
-        )
-        .await;
+        scene::pod_running(up(), "prio", name, 60).await;
     }
     let below = |name: &'static str| async move {
-        kubectl(
+        scene::pod_field(
             bed.lower_a.kubeconfig(),
-            &[
-                "-n",
-                "prio",
-                "get",
-                "pod",
-                name,
-                "-o",
-                "jsonpath={.spec.priorityClassName}/{.spec.priority}",
-            ],
+            "prio",
+            name,
+            "jsonpath={.spec.priorityClassName}/{.spec.priority}",
         )
         .await
     };
@@ -756,25 +598,13 @@ async fn a_priority_class_only_the_upper_cluster_has_does_not_block_the_lower_po
 #[tokio::test]
 async fn a_toleration_added_to_a_running_pod_reaches_the_lower_pod() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-tol", &bed.lower_a);
-    wait_ready("vn-tol").await;
+    let _vn = VirtualNode::ready("vn-tol", &bed.lower_a).await;
     namespace("tol").await;
     let stash = r#"clusterSelector: '{"tolerations":[{"key":"first","operator":"Exists"}]}'"#;
     apply(up(), &pod("tol", "p", "vn-tol", "Always", stash, "10m")).await;
-    eventually(
-        up(),
-        "Running",
-        60,
-        &["-n", "tol", "get", "pod", "p", "-o", "jsonpath={.status.phase}"],
-        "Running",
-    )
-    .await;
+    scene::pod_running(up(), "tol", "p", 60).await;
     let keys = "jsonpath={range .spec.tolerations[*]}{.key},{end}";
-    let before = kubectl(
-        bed.lower_a.kubeconfig(),
-        &["-n", "tol", "get", "pod", "p", "-o", keys],
-    )
-    .await;
+    let before = scene::pod_field(bed.lower_a.kubeconfig(), "tol", "p", keys).await;
     assert!(
         before.contains("first,") && before.contains("node.kubernetes.io/not-ready,"),
         "the stash and the lower apiserver's defaults: {before}"
@@ -797,11 +627,7 @@ async fn a_toleration_added_to_a_running_pod_reaches_the_lower_pod() {
         Duration::from_secs(30),
         Duration::from_millis(300),
         || async {
-            let now = kubectl(
-                bed.lower_a.kubeconfig(),
-                &["-n", "tol", "get", "pod", "p", "-o", keys],
-            )
-            .await;
+            let now = scene::pod_field(bed.lower_a.kubeconfig(), "tol", "p", keys).await;
             if now.contains("second,")
                 && now.contains("first,")
                 && now.contains("node.kubernetes.io/not-ready,")
@@ -822,8 +648,7 @@ async fn a_toleration_added_to_a_running_pod_reaches_the_lower_pod() {
 #[tokio::test]
 async fn a_readiness_gate_holds_upper_ready_until_its_condition_is_true() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-gate", &bed.lower_a);
-    wait_ready("vn-gate").await;
+    let _vn = VirtualNode::ready("vn-gate", &bed.lower_a).await;
     namespace("gate").await;
     let manifest = pod("gate", "p", "vn-gate", "Always", "", "10m").replace(
         "  restartPolicy:",
@@ -831,25 +656,20 @@ async fn a_readiness_gate_holds_upper_ready_until_its_condition_is_true() {
     );
     apply(up(), &manifest).await;
     let ready = r#"jsonpath={.status.phase}/{.status.conditions[?(@.type=="Ready")].status}/{.status.conditions[?(@.type=="Ready")].reason}"#;
-    eventually(
+    scene::pod_shows(
         up(),
-        "Running but not Ready",
-        60,
-        &["-n", "gate", "get", "pod", "p", "-o", ready],
+        "gate",
+        "p",
+        ready,
         "Running/False/ReadinessGatesNotReady",
+        60,
     )
     .await;
-    let lower_ready = kubectl(
+    let lower_ready = scene::pod_field(
         bed.lower_a.kubeconfig(),
-        &[
-            "-n",
-            "gate",
-            "get",
-            "pod",
-            "p",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
-        ],
+        "gate",
+        "p",
+        r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
     )
     .await;
     assert_eq!(lower_ready, "True", "the lower pod itself is ready");
@@ -868,25 +688,12 @@ async fn a_readiness_gate_holds_upper_ready_until_its_condition_is_true() {
         ],
     )
     .await;
-    eventually(
+    scene::pod_shows(up(), "gate", "p", ready, "Running/True/", 30).await;
+    let gate = scene::pod_field(
         up(),
-        "Ready once the gate is True",
-        30,
-        &["-n", "gate", "get", "pod", "p", "-o", ready],
-        "Running/True/",
-    )
-    .await;
-    let gate = kubectl(
-        up(),
-        &[
-            "-n",
-            "gate",
-            "get",
-            "pod",
-            "p",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="example.com/lb")].status}"#,
-        ],
+        "gate",
+        "p",
+        r#"jsonpath={.status.conditions[?(@.type=="example.com/lb")].status}"#,
     )
     .await;
     assert_eq!(
@@ -900,31 +707,17 @@ async fn a_readiness_gate_holds_upper_ready_until_its_condition_is_true() {
 #[tokio::test]
 async fn a_lower_namespace_of_someone_else_is_refused_unless_shared() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-theirs", &bed.lower_a);
-    wait_ready("vn-theirs").await;
+    let _vn = VirtualNode::ready("vn-theirs", &bed.lower_a).await;
     namespace("theirs").await;
     bed.lower_a.create_namespace("theirs").await.unwrap();
     apply(up(), &pod("theirs", "p", "vn-theirs", "Always", "", "10m")).await;
     let synced = &condition("tensile.io/LowerPodSynced", &["status", "reason"]);
-    eventually(
+    scene::pod_shows(up(), "theirs", "p", synced, "False/Conflict", 60).await;
+    let message = scene::pod_field(
         up(),
-        "LowerPodSynced=False/Conflict",
-        60,
-        &["-n", "theirs", "get", "pod", "p", "-o", synced],
-        "False/Conflict",
-    )
-    .await;
-    let message = kubectl(
-        up(),
-        &[
-            "-n",
-            "theirs",
-            "get",
-            "pod",
-            "p",
-            "-o",
-            &condition("tensile.io/LowerPodSynced", &["message"]),
-        ],
+        "theirs",
+        "p",
+        &condition("tensile.io/LowerPodSynced", &["message"]),
     )
     .await;
     assert!(
@@ -958,7 +751,7 @@ async fn changed_node_labels_and_taint_apply_to_a_registered_node() {
     wait_ready("vn-relabel").await;
     kubectl(up(), &["label", "node", "vn-relabel", "owner=ops"]).await;
     let shown = r#"jsonpath={.metadata.labels.team}/{.metadata.labels.zone}/{.metadata.labels.owner}/{.spec.taints[*].key}"#;
-    let now = kubectl(up(), &["get", "node", "vn-relabel", "-o", shown]).await;
+    let now = scene::node_field(up(), "vn-relabel", shown).await;
     assert_eq!(now, "a//ops/virtual-kubelet.io/provider");
     drop(first);
     let _second = VirtualNode::start_with("vn-relabel", &bed.lower_a, |args| {
@@ -966,14 +759,7 @@ async fn changed_node_labels_and_taint_apply_to_a_registered_node() {
         args.node_labels = vec![("zone".into(), "z1".into())];
         args.disable_taint = true;
     });
-    eventually(
-        up(),
-        "the new labels, without the taint",
-        60,
-        &["get", "node", "vn-relabel", "-o", shown],
-        "/z1/ops/",
-    )
-    .await;
+    scene::node_shows(up(), "vn-relabel", shown, "/z1/ops/", 60).await;
 }
 
 /// Under a node identity NodeRestriction lets a node set its taints only when it registers:
@@ -988,76 +774,49 @@ async fn under_a_node_identity_changed_labels_apply_and_the_taint_is_left_to_an_
     });
     wait_ready("vn-retaint").await;
     let shown = r#"jsonpath={.metadata.labels.team}/{.metadata.labels.zone}/{.spec.taints[*].key}"#;
-    let now = kubectl(up(), &["get", "node", "vn-retaint", "-o", shown]).await;
+    let now = scene::node_field(up(), "vn-retaint", shown).await;
     assert_eq!(now, "a//virtual-kubelet.io/provider");
     drop(first);
     let _second = VirtualNode::start_with("vn-retaint", &bed.lower_a, |args| {
         args.node_labels = vec![("zone".into(), "z1".into())];
         args.disable_taint = true;
     });
-    eventually(
-        up(),
-        "the new labels, the taint kept",
-        60,
-        &["get", "node", "vn-retaint", "-o", shown],
-        "/z1/virtual-kubelet.io/provider",
-    )
-    .await;
+    scene::node_shows(up(), "vn-retaint", shown, "/z1/virtual-kubelet.io/provider", 60).await;
     kubectl(
         up(),
         &["taint", "node", "vn-retaint", "virtual-kubelet.io/provider-"],
     )
     .await;
     tokio::time::sleep(Duration::from_secs(12)).await;
-    let after = kubectl(up(), &["get", "node", "vn-retaint", "-o", shown]).await;
+    let after = scene::node_field(up(), "vn-retaint", shown).await;
     assert_eq!(after, "/z1/", "the admin's removal stays");
 }
 
 #[tokio::test]
 async fn a_pod_the_lower_cluster_cannot_place_shows_unschedulable_upstream() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-sched", &bed.lower_a);
-    wait_ready("vn-sched").await;
+    let _vn = VirtualNode::ready("vn-sched", &bed.lower_a).await;
     namespace("sched").await;
     // 6 CPUs fit the virtual node's aggregate (12) but no single 4-CPU lower node.
     apply(up(), &pod("sched", "wide", "vn-sched", "Always", "", "6")).await;
     let cond = &condition("tensile.io/LowerPodScheduled", &["status", "reason"]);
-    eventually(
+    scene::pod_shows(up(), "sched", "wide", cond, "False/Unschedulable", 60).await;
+    let msg = scene::pod_field(
         up(),
-        "LowerPodScheduled=False/Unschedulable",
-        60,
-        &["-n", "sched", "get", "pod", "wide", "-o", cond],
-        "False/Unschedulable",
-    )
-    .await;
-    let msg = kubectl(
-        up(),
-        &[
-            "-n",
-            "sched",
-            "get",
-            "pod",
-            "wide",
-            "-o",
-            &condition("tensile.io/LowerPodScheduled", &["message"]),
-        ],
+        "sched",
+        "wide",
+        &condition("tensile.io/LowerPodScheduled", &["message"]),
     )
     .await;
     assert!(
         msg.contains("Insufficient cpu"),
         "the lower scheduler's message: {msg}"
     );
-    let scheduled = kubectl(
+    let scheduled = scene::pod_field(
         up(),
-        &[
-            "-n",
-            "sched",
-            "get",
-            "pod",
-            "wide",
-            "-o",
-            r#"jsonpath={.spec.nodeName} {.status.conditions[?(@.type=="PodScheduled")].status}"#,
-        ],
+        "sched",
+        "wide",
+        r#"jsonpath={.spec.nodeName} {.status.conditions[?(@.type=="PodScheduled")].status}"#,
     )
     .await;
     assert_eq!(scheduled, "vn-sched True", "still bound upstream");
@@ -1084,17 +843,11 @@ async fn a_foreign_lower_pod_of_the_same_name_is_a_reported_conflict() {
         ],
     )
     .await;
-    let before = kubectl(
+    let before = scene::pod_field(
         bed.lower_a.kubeconfig(),
-        &[
-            "-n",
-            "conflict",
-            "get",
-            "pod",
-            "clash",
-            "-o",
-            "jsonpath={.metadata.uid} {.spec.containers[0].image}",
-        ],
+        "conflict",
+        "clash",
+        "jsonpath={.metadata.uid} {.spec.containers[0].image}",
     )
     .await;
 
@@ -1104,14 +857,7 @@ async fn a_foreign_lower_pod_of_the_same_name_is_a_reported_conflict() {
     )
     .await;
     let cond = r#"jsonpath={.status.conditions[?(@.type=="tensile.io/LowerPodSynced")].reason}"#;
-    eventually(
-        up(),
-        "Conflict condition",
-        60,
-        &["-n", "conflict", "get", "pod", "clash", "-o", cond],
-        "Conflict",
-    )
-    .await;
+    scene::pod_shows(up(), "conflict", "clash", cond, "Conflict", 60).await;
     let events = kubectl(
         up(),
         &[
@@ -1125,33 +871,15 @@ async fn a_foreign_lower_pod_of_the_same_name_is_a_reported_conflict() {
     )
     .await;
     assert!(events.contains("LowerPodConflict"), "a Warning event: {events}");
-    let after = kubectl(
+    let after = scene::pod_field(
         bed.lower_a.kubeconfig(),
-        &[
-            "-n",
-            "conflict",
-            "get",
-            "pod",
-            "clash",
-            "-o",
-            "jsonpath={.metadata.uid} {.spec.containers[0].image}",
-        ],
+        "conflict",
+        "clash",
+        "jsonpath={.metadata.uid} {.spec.containers[0].image}",
     )
     .await;
     assert_eq!(before, after, "the foreign pod is left untouched");
-    let phase = kubectl(
-        up(),
-        &[
-            "-n",
-            "conflict",
-            "get",
-            "pod",
-            "clash",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-    )
-    .await;
+    let phase = scene::pod_field(up(), "conflict", "clash", scene::PHASE).await;
     assert_eq!(phase, "Pending", "never shown Running with someone else's pod");
 }
 
@@ -1224,47 +952,19 @@ async fn a_restart_mid_rollout_converges_without_duplicates_or_losses() {
 #[tokio::test]
 async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resumes_status() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-outage", &bed.lower_b);
-    wait_ready("vn-outage").await;
+    let _vn = VirtualNode::ready("vn-outage", &bed.lower_b).await;
     namespace("outage").await;
     apply(up(), &pod("outage", "survivor", "vn-outage", "Always", "", "10m")).await;
-    eventually(
-        up(),
-        "Running",
-        60,
-        &[
-            "-n",
-            "outage",
-            "get",
-            "pod",
-            "survivor",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Running",
-    )
-    .await;
+    scene::pod_running(up(), "outage", "survivor", 60).await;
 
     bed.lower_b.stop_apiserver();
     let started = Instant::now();
-    eventually(
-        up(),
-        "Ready=False",
-        30,
-        &["get", "node", "vn-outage", "-o", READY],
-        "False",
-    )
-    .await;
+    scene::node_shows(up(), "vn-outage", scene::READY, "False", 30).await;
     let took = started.elapsed();
-    let reason = kubectl(
+    let reason = scene::node_field(
         up(),
-        &[
-            "get",
-            "node",
-            "vn-outage",
-            "-o",
-            r#"jsonpath={.status.conditions[?(@.type=="Ready")].reason}"#,
-        ],
+        "vn-outage",
+        r#"jsonpath={.status.conditions[?(@.type=="Ready")].reason}"#,
     )
     .await;
     assert_eq!(reason, "LowerClusterUnreachable");
@@ -1273,14 +973,7 @@ async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resu
     // Unknown); the virtual node, which cannot see below, writes no status from its stale
     // cache over that.
     let pod_ready = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#;
-    eventually(
-        up(),
-        "survivor Ready before the marking",
-        30,
-        &["-n", "outage", "get", "pod", "survivor", "-o", pod_ready],
-        "True",
-    )
-    .await;
+    scene::pod_shows(up(), "outage", "survivor", pod_ready, "True", 30).await;
     kubectl(
         up(),
         &[
@@ -1298,7 +991,7 @@ async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resu
     .await;
     let marked = Instant::now();
     while marked.elapsed() < Duration::from_secs(12) {
-        let ready = kubectl(up(), &["-n", "outage", "get", "pod", "survivor", "-o", pod_ready]).await;
+        let ready = scene::pod_field(up(), "outage", "survivor", pod_ready).await;
         assert_eq!(
             ready,
             "False",
@@ -1310,14 +1003,7 @@ async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resu
 
     bed.lower_b.start_apiserver().await.unwrap();
     wait_ready("vn-outage").await;
-    eventually(
-        up(),
-        "survivor Ready again",
-        60,
-        &["-n", "outage", "get", "pod", "survivor", "-o", pod_ready],
-        "True",
-    )
-    .await;
+    scene::pod_shows(up(), "outage", "survivor", pod_ready, "True", 60).await;
     // Statuses resume: a new pod runs and an existing one keeps reporting.
     apply(up(), &pod("outage", "newcomer", "vn-outage", "Always", "", "10m")).await;
     let phase = &[
@@ -1470,8 +1156,7 @@ async fn two_virtual_nodes_on_one_lower_cluster_keep_to_their_own_pods() {
 #[tokio::test]
 async fn lower_pods_lost_below_are_restarted_or_failed_and_orphans_are_collected() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-lost", &bed.lower_a);
-    wait_ready("vn-lost").await;
+    let _vn = VirtualNode::ready("vn-lost", &bed.lower_a).await;
     namespace("lost").await;
     let low = bed.lower_a.kubeconfig();
     apply(up(), &pod("lost", "always", "vn-lost", "Always", "", "10m")).await;
@@ -1565,8 +1250,7 @@ async fn lower_pods_lost_below_are_restarted_or_failed_and_orphans_are_collected
 #[tokio::test]
 async fn daemonset_pods_are_not_run_below_by_default_and_say_so() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-ds", &bed.lower_a);
-    wait_ready("vn-ds").await;
+    let _vn = VirtualNode::ready("vn-ds", &bed.lower_a).await;
     namespace("ds").await;
     apply(
         up(),
@@ -1626,17 +1310,7 @@ async fn webhook_for(
 ) -> tensile_webhook::Running {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let bed = bed();
-    kubectl(
-        up(),
-        &[
-            "label",
-            "namespace",
-            ns,
-            &format!("tensile-e2e={ns}"),
-            "--overwrite",
-        ],
-    )
-    .await;
+    scene::opt_in_namespace(up(), ns).await;
     let port = free_port().unwrap();
     apply(
         up(),
@@ -1729,45 +1403,17 @@ spec:
     apply(up(), &manifest("by-webhook", "virtual-pod: \"true\"", "")).await;
     let forged = r#"clusterSelector: '{"tolerations":[{"key":"node-role.kubernetes.io/master","operator":"Exists"}]}'"#;
     apply(up(), &manifest("by-hand", "app: x", forged)).await;
-    eventually(
-        up(),
-        "the webhook's pod Running",
-        60,
-        &[
-            "-n",
-            ns,
-            "get",
-            "pod",
-            "by-webhook",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Running",
-    )
-    .await;
-    let tolerations = kubectl(
+    scene::pod_running(up(), ns, "by-webhook", 60).await;
+    let tolerations = scene::pod_field(
         bed.lower_a.kubeconfig(),
-        &[
-            "-n",
-            ns,
-            "get",
-            "pod",
-            "by-webhook",
-            "-o",
-            "jsonpath={.spec.tolerations[*].key}",
-        ],
+        ns,
+        "by-webhook",
+        "jsonpath={.spec.tolerations[*].key}",
     )
     .await;
     assert!(tolerations.contains("dedicated"), "{tolerations}");
     let synced = &condition("tensile.io/LowerPodSynced", &["status", "reason"]);
-    eventually(
-        up(),
-        "the hand-written stash refused",
-        60,
-        &["-n", ns, "get", "pod", "by-hand", "-o", synced],
-        "False/StashNotTrusted",
-    )
-    .await;
+    scene::pod_shows(up(), ns, "by-hand", synced, "False/StashNotTrusted", 60).await;
     let below =
         tensile_e2e::kubectl::run(bed.lower_a.kubeconfig(), &["-n", ns, "get", "pod", "by-hand"]).await;
     assert!(!below.ok && below.stderr.contains("NotFound"), "{}", below.stdout);
@@ -1777,7 +1423,7 @@ spec:
     let annotation = |pod: &str, key: &str| {
         let path = format!("jsonpath={{.metadata.annotations.{}}}", key.replace('.', "\\."));
         let pod = pod.to_owned();
-        async move { kubectl(up(), &["-n", ns, "get", "pod", &pod, "-o", &path]).await }
+        async move { scene::pod_field(up(), ns, &pod, &path).await }
     };
     let stash = annotation("by-webhook", tensile_common::names::CLUSTER_SELECTOR).await;
     let signature = annotation("by-webhook", tensile_common::names::STASH_SIGNATURE).await;
@@ -1794,25 +1440,12 @@ spec:
         quoted(&signature)
     );
     apply(up(), &manifest("replayed", "app: x", &copied)).await;
-    eventually(
+    scene::pod_shows(up(), ns, "replayed", synced, "False/StashNotTrusted", 60).await;
+    let message = scene::pod_field(
         up(),
-        "the replayed signature refused",
-        60,
-        &["-n", ns, "get", "pod", "replayed", "-o", synced],
-        "False/StashNotTrusted",
-    )
-    .await;
-    let message = kubectl(
-        up(),
-        &[
-            "-n",
-            ns,
-            "get",
-            "pod",
-            "replayed",
-            "-o",
-            &condition("tensile.io/LowerPodSynced", &["message"]),
-        ],
+        ns,
+        "replayed",
+        &condition("tensile.io/LowerPodSynced", &["message"]),
     )
     .await;
     assert!(
@@ -1826,14 +1459,7 @@ spec:
     // The same annotations on an opted-in pod, as the descheduler writes the replacement of a
     // bare pod it moves: the webhook signs the stash for this pod's own name, and it runs.
     apply(up(), &manifest("moved", "virtual-pod: \"true\"", &copied)).await;
-    eventually(
-        up(),
-        "the moved pod Running",
-        60,
-        &["-n", ns, "get", "pod", "moved", "-o", "jsonpath={.status.phase}"],
-        "Running",
-    )
-    .await;
+    scene::pod_running(up(), ns, "moved", 60).await;
     let resigned = annotation("moved", tensile_common::names::STASH_SIGNATURE).await;
     assert!(
         resigned.starts_with("v2:new:") && resigned != signature,
@@ -1863,25 +1489,12 @@ spec:
     let gen_name = out.stdout.trim().to_owned();
     assert!(gen_name.starts_with("gen-") && gen_name.len() == 9, "{gen_name}");
     for pod in ["by-old-key", gen_name.as_str()] {
-        eventually(
-            up(),
-            &format!("{pod} Running"),
-            60,
-            &["-n", ns, "get", "pod", pod, "-o", "jsonpath={.status.phase}"],
-            "Running",
-        )
-        .await;
-        let tolerations = kubectl(
+        scene::pod_running(up(), ns, pod, 60).await;
+        let tolerations = scene::pod_field(
             bed.lower_a.kubeconfig(),
-            &[
-                "-n",
-                ns,
-                "get",
-                "pod",
-                pod,
-                "-o",
-                "jsonpath={.spec.tolerations[*].key}",
-            ],
+            ns,
+            pod,
+            "jsonpath={.spec.tolerations[*].key}",
         )
         .await;
         assert!(tolerations.contains("dedicated"), "{pod}: {tolerations}");
@@ -1891,8 +1504,7 @@ spec:
 #[tokio::test]
 async fn the_webhook_stash_is_applied_below_by_the_virtual_node() {
     let bed = bed();
-    let _vn = VirtualNode::start("vn-webhook", &bed.lower_a);
-    wait_ready("vn-webhook").await;
+    let _vn = VirtualNode::ready("vn-webhook", &bed.lower_a).await;
     let ns = "stash";
     namespace(ns).await;
     let _webhook = webhook_for(ns, "tensile-webhook-stash", None).await;
@@ -1915,51 +1527,32 @@ spec:
 "#,
     )
     .await;
-    let stash = kubectl(
+    let stash = scene::pod_field(
         up(),
-        &[
-            "-n",
-            ns,
-            "get",
-            "pod",
-            "placed",
-            "-o",
-            "jsonpath={.metadata.annotations.clusterSelector}",
-        ],
+        ns,
+        "placed",
+        "jsonpath={.metadata.annotations.clusterSelector}",
     )
     .await;
     assert!(
         stash.contains("a-2") && stash.contains("dedicated"),
         "stashed by the webhook: {stash}"
     );
-    eventually(
+    scene::pod_shows(
         up(),
-        "Running upstream",
-        60,
-        &[
-            "-n",
-            ns,
-            "get",
-            "pod",
-            "placed",
-            "-o",
-            "jsonpath={.spec.nodeName}/{.status.phase}",
-        ],
+        ns,
+        "placed",
+        "jsonpath={.spec.nodeName}/{.status.phase}",
         "vn-webhook/Running",
+        60,
     )
     .await;
     let low = bed.lower_a.kubeconfig();
-    let below = kubectl(
+    let below = scene::pod_field(
         low,
-        &[
-            "-n",
-            ns,
-            "get",
-            "pod",
-            "placed",
-            "-o",
-            "jsonpath={.spec.nodeName}|{.spec.tolerations[*].key}|{.spec.nodeSelector}",
-        ],
+        ns,
+        "placed",
+        "jsonpath={.spec.nodeName}|{.spec.tolerations[*].key}|{.spec.nodeSelector}",
     )
     .await;
     let parts: Vec<&str> = below.split('|').collect();
@@ -1985,27 +1578,11 @@ spec:
 #[tokio::test]
 async fn a_followed_log_of_a_quiet_container_is_closed_below_when_kubectl_goes() {
     let bed = bed();
-    let vn = VirtualNode::start("vn-quiet", &bed.lower_a);
-    wait_ready("vn-quiet").await;
+    let vn = VirtualNode::ready("vn-quiet", &bed.lower_a).await;
     namespace("quiet").await;
     let sim = format!("{}: \"lines=1\"", tensile_common::names::SIM_BEHAVIOR);
     apply(up(), &pod("quiet", "hush", "vn-quiet", "Always", &sim, "10m")).await;
-    eventually(
-        up(),
-        "Running",
-        60,
-        &[
-            "-n",
-            "quiet",
-            "get",
-            "pod",
-            "hush",
-            "-o",
-            "jsonpath={.status.phase}",
-        ],
-        "Running",
-    )
-    .await;
+    scene::pod_running(up(), "quiet", "hush", 60).await;
     let open_streams = || async {
         let metrics = tensile_e2e::in_process::admin_get(&vn.admin_addr, "/metrics")
             .await
@@ -2034,31 +1611,21 @@ async fn a_followed_log_of_a_quiet_container_is_closed_below_when_kubectl_goes()
     .unwrap()
     .unwrap();
     assert_eq!(first, "quiet/hush app line 0\n");
-    tensile_e2e::wait::must(
-        "one lower log stream open while kubectl follows",
-        Duration::from_secs(10),
-        Duration::from_millis(200),
-        || async {
-            match open_streams().await {
-                1 => Ok(()),
-                n => Err(format!("{n} open")),
-            }
-        },
-    )
+    tensile_e2e::wait::within("one lower log stream open while kubectl follows", 10, || async {
+        match open_streams().await {
+            1 => Ok(()),
+            n => Err(format!("{n} open")),
+        }
+    })
     .await;
     // The container stays quiet; kubectl goes.
     follow.kill().await.unwrap();
-    tensile_e2e::wait::must(
-        "the lower log stream closed after kubectl went",
-        Duration::from_secs(5),
-        Duration::from_millis(200),
-        || async {
-            match open_streams().await {
-                0 => Ok(()),
-                n => Err(format!("{n} still open")),
-            }
-        },
-    )
+    tensile_e2e::wait::within("the lower log stream closed after kubectl went", 5, || async {
+        match open_streams().await {
+            0 => Ok(()),
+            n => Err(format!("{n} still open")),
+        }
+    })
     .await;
 }
 
@@ -2160,20 +1727,13 @@ subjects: [{kind: ServiceAccount, name: reader, namespace: tok}]
     )
     .await;
     // Admission mounts the account's token as a projected volume once the account exists.
-    eventually(
+    scene::shows(
         up(),
-        "the ServiceAccount reader",
-        30,
-        &[
-            "-n",
-            "tok",
-            "get",
-            "serviceaccount",
-            "reader",
-            "-o",
-            "jsonpath={.metadata.name}",
-        ],
+        "tok",
+        "serviceaccount/reader",
+        "jsonpath={.metadata.name}",
         "reader",
+        30,
     )
     .await;
     let talker = |ns: &str, name: &str, account: &str| {
@@ -2193,36 +1753,16 @@ spec:
     apply(up(), &talker("tok", "talker", "reader")).await;
     apply(up(), &talker("plain", "quiet", "default")).await;
     for (ns, name) in [("tok", "talker"), ("plain", "quiet")] {
-        eventually(
-            up(),
-            &format!("{ns}/{name} Running"),
-            90,
-            &["-n", ns, "get", "pod", name, "-o", "jsonpath={.status.phase}"],
-            "Running",
-        )
-        .await;
+        scene::pod_running(up(), ns, name, 90).await;
     }
-    let uid = kubectl(
-        up(),
-        &[
-            "-n",
-            "tok",
-            "get",
-            "pod",
-            "talker",
-            "-o",
-            "jsonpath={.metadata.uid}",
-        ],
-    )
-    .await;
+    let uid = scene::pod_field(up(), "tok", "talker", "jsonpath={.metadata.uid}").await;
     let secret = format!("tensile-upper-token-{uid}");
     let low = bed.lower_a.kubeconfig();
 
     // The lower pod mounts the Secret where the upper pod mounts its token, and its
     // in-cluster clients go to the upper endpoint.
     let lower_pod: serde_json::Value =
-        serde_json::from_str(&kubectl(low, &["-n", "tok", "get", "pod", "talker", "-o", "json"]).await)
-            .unwrap();
+        serde_json::from_str(&scene::pod_field(low, "tok", "talker", "json").await).unwrap();
     let spec = &lower_pod["spec"];
     // Admission mounts the token as a projected volume (`kube-api-access-*`): below, its token
     // and CA sources read the Secret; the namespace still comes from the downward API.
@@ -2342,8 +1882,7 @@ spec:
 
     // A pod of a namespace the mode does not cover gets nothing.
     let quiet: serde_json::Value =
-        serde_json::from_str(&kubectl(low, &["-n", "plain", "get", "pod", "quiet", "-o", "json"]).await)
-            .unwrap();
+        serde_json::from_str(&scene::pod_field(low, "plain", "quiet", "json").await).unwrap();
     assert!(
         !quiet["spec"].to_string().contains("tensile-upper-token-")
             && quiet["spec"]["automountServiceAccountToken"] == false,
@@ -2438,14 +1977,7 @@ spec:
         )
     };
     let phase = |ns: &'static str, name: &'static str| async move {
-        eventually(
-            up(),
-            &format!("{ns}/{name} Running"),
-            90,
-            &["-n", ns, "get", "pod", name, "-o", "jsonpath={.status.phase}"],
-            "Running",
-        )
-        .await;
+        scene::pod_running(up(), ns, name, 90).await;
     };
     for ns in ["projtok", "projplain"] {
         namespace(ns).await;
@@ -2481,14 +2013,7 @@ spec:
         "jsonpath={{.status.conditions[?(@.type==\"{}\")].reason}}",
         tensile_common::names::CONDITION_LOWER_SYNCED
     );
-    eventually(
-        up(),
-        "thief waits for db-root upstream",
-        60,
-        &["-n", "projtok", "get", "pod", "thief", "-o", &synced],
-        "ReferenceMissing",
-    )
-    .await;
+    scene::pod_shows(up(), "projtok", "thief", &synced, "ReferenceMissing", 60).await;
     // Made upstream too: the lower one is someone else's, never replaced nor mounted.
     kubectl(
         up(),
@@ -2503,14 +2028,7 @@ spec:
         ],
     )
     .await;
-    eventually(
-        up(),
-        "thief refused for the foreign db-root below",
-        60,
-        &["-n", "projtok", "get", "pod", "thief", "-o", &synced],
-        "Conflict",
-    )
-    .await;
+    scene::pod_shows(up(), "projtok", "thief", &synced, "Conflict", 60).await;
     let below = tensile_e2e::kubectl::run(low, &["-n", "projtok", "get", "pod", "thief"]).await;
     assert!(
         !below.ok && below.stderr.contains("NotFound"),
@@ -2518,19 +2036,7 @@ spec:
         below.stdout,
         below.stderr
     );
-    let kept = kubectl(
-        low,
-        &[
-            "-n",
-            "projtok",
-            "get",
-            "secret",
-            "db-root",
-            "-o",
-            "jsonpath={.data.password}",
-        ],
-    )
-    .await;
+    let kept = scene::field(low, "projtok", "secret/db-root", "jsonpath={.data.password}").await;
     assert_eq!(kept, "bG93ZXItb25seQ==", "the lower Secret is untouched");
 
     // Without upper tokens the pod's own ConfigMap source travels and is mounted below.
@@ -2548,33 +2054,15 @@ spec:
     .await;
     apply(up(), &pod("projplain", "reader", "configMap: {name: settings}")).await;
     phase("projplain", "reader").await;
-    let sources = kubectl(
+    let sources = scene::pod_field(
         low,
-        &[
-            "-n",
-            "projplain",
-            "get",
-            "pod",
-            "reader",
-            "-o",
-            "jsonpath={.spec.volumes[?(@.name==\"mixed\")].projected.sources[*].configMap.name}",
-        ],
+        "projplain",
+        "reader",
+        "jsonpath={.spec.volumes[?(@.name==\"mixed\")].projected.sources[*].configMap.name}",
     )
     .await;
     assert_eq!(sources, "settings", "the ConfigMap source is mounted below");
-    let copied = kubectl(
-        low,
-        &[
-            "-n",
-            "projplain",
-            "get",
-            "configmap",
-            "settings",
-            "-o",
-            "jsonpath={.data.mode}",
-        ],
-    )
-    .await;
+    let copied = scene::field(low, "projplain", "configmap/settings", "jsonpath={.data.mode}").await;
     assert_eq!(copied, "fast");
     for ns in ["projtok", "projplain"] {
         kubectl(up(), &["-n", ns, "delete", "pod", "--all", "--wait=true"]).await;
@@ -2599,14 +2087,7 @@ async fn followed_logs_of_one_namespace_keep_a_share_for_the_others_and_share_co
         apply(up(), &pod(ns, "hush", "vn-fair", "Always", &quiet, "10m")).await;
     }
     for ns in ["fair-a", "fair-b"] {
-        eventually(
-            up(),
-            &format!("{ns}/hush Running"),
-            60,
-            &["-n", ns, "get", "pod", "hush", "-o", "jsonpath={.status.phase}"],
-            "Running",
-        )
-        .await;
+        scene::pod_running(up(), ns, "hush", 60).await;
     }
     let follow = |ns: &str| {
         let mut child = tokio::process::Command::new(tensile_e2e::kubectl::binary_for(up()))
@@ -2754,20 +2235,13 @@ spec:
     };
     // Admission mounts the default account's token once the account exists.
     for ns in ["scoped-tok", "scoped-listed"] {
-        eventually(
+        scene::shows(
             up(),
-            &format!("the default ServiceAccount of {ns}"),
-            30,
-            &[
-                "-n",
-                ns,
-                "get",
-                "serviceaccount",
-                "default",
-                "-o",
-                "jsonpath={.metadata.name}",
-            ],
+            ns,
+            "serviceaccount/default",
+            "jsonpath={.metadata.name}",
             "default",
+            30,
         )
         .await;
     }
@@ -2819,19 +2293,7 @@ spec:
         "",
         "no upper token where others read Secrets"
     );
-    let volumes = kubectl(
-        low,
-        &[
-            "-n",
-            "scoped-tok",
-            "get",
-            "pod",
-            "talker",
-            "-o",
-            "jsonpath={.spec.volumes}",
-        ],
-    )
-    .await;
+    let volumes = scene::pod_field(low, "scoped-tok", "talker", "jsonpath={.spec.volumes}").await;
     assert!(!volumes.contains("tensile-upper-token-"), "{volumes}");
     for ns in ["scoped-tok", "scoped-listed"] {
         kubectl(up(), &["-n", ns, "delete", "pod", "talker", "--wait=true"]).await;
@@ -2890,19 +2352,7 @@ spec:
     .await;
     // The pod level is on by default from 1.34; a 1.33 apiserver drops it, and its scheduler
     // charges the container alone.
-    let kept = kubectl(
-        low,
-        &[
-            "-n",
-            ns,
-            "get",
-            "pod",
-            "pod-level",
-            "-o",
-            "jsonpath={.spec.resources.requests.cpu}",
-        ],
-    )
-    .await;
+    let kept = scene::pod_field(low, ns, "pod-level", "jsonpath={.spec.resources.requests.cpu}").await;
     let minor: u32 = bed.lower_a.version().split('.').nth(1).unwrap().parse().unwrap();
     assert_eq!(
         kept,
@@ -2955,42 +2405,22 @@ spec:
     for (pod, lower) in [("on-a", &bed.lower_a), ("on-b", &bed.lower_b)] {
         let synced = condition("tensile.io/LowerPodSynced", &["status", "reason"]);
         if keeps(lower) {
-            eventually(
+            scene::pod_shows(
                 lower.kubeconfig(),
-                &format!("{pod} below with its pod-level requests ({})", lower.version()),
-                60,
-                &[
-                    "-n",
-                    ns,
-                    "get",
-                    "pod",
-                    pod,
-                    "-o",
-                    "jsonpath={.spec.resources.requests.cpu}",
-                ],
+                ns,
+                pod,
+                "jsonpath={.spec.resources.requests.cpu}",
                 "500m",
+                60,
             )
             .await;
         } else {
-            eventually(
+            scene::pod_shows(up(), ns, pod, &synced, "False/CreateFailed", 60).await;
+            let message = scene::pod_field(
                 up(),
-                &format!("{pod} refused for {} without a lower pod", lower.version()),
-                60,
-                &["-n", ns, "get", "pod", pod, "-o", &synced],
-                "False/CreateFailed",
-            )
-            .await;
-            let message = kubectl(
-                up(),
-                &[
-                    "-n",
-                    ns,
-                    "get",
-                    "pod",
-                    pod,
-                    "-o",
-                    &condition("tensile.io/LowerPodSynced", &["message"]),
-                ],
+                ns,
+                pod,
+                &condition("tensile.io/LowerPodSynced", &["message"]),
             )
             .await;
             assert!(

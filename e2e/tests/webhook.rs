@@ -16,9 +16,10 @@ use base64::Engine as _;
 use serde_json::{Value, json};
 use tensile_common::stash::Stash;
 use tensile_e2e::pki::Ca;
+use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::wait::until;
-use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, SimulatorOptions, TestCluster, free_port};
+use tensile_e2e::{ClusterOptions, NodeConfig, NodeSimulator, TestCluster, free_port};
 use tensile_webhook::{Certificates, Options, Policy, Running};
 
 static UPPER: Shared<TestCluster> = Shared::new();
@@ -54,17 +55,7 @@ async fn apply(cluster: &TestCluster, manifest: &str) -> tensile_e2e::kubectl::O
 
 async fn namespace(cluster: &TestCluster, name: &str) {
     cluster.create_namespace(name).await.unwrap();
-    kubectl(
-        cluster,
-        &[
-            "label",
-            "namespace",
-            name,
-            &format!("tensile-e2e={name}"),
-            "--overwrite",
-        ],
-    )
-    .await;
+    scene::opt_in_namespace(cluster.kubeconfig(), name).await;
 }
 
 fn registration(name: &str, port: u16, namespace: &str, ca_pem: Option<&str>) -> String {
@@ -135,12 +126,7 @@ async fn an_opted_in_pod_is_stored_with_its_stash_and_others_unchanged() {
     let out = apply(c, &registration(config, port, ns, None)).await;
     assert!(out.ok, "{}", out.stderr);
 
-    let mut opts = options(
-        port,
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    );
+    let mut opts = scene::webhook_options(port);
     opts.client = Some(c.client().await.unwrap());
     opts.webhook_config_name = Some(config.into());
     opts.policy = Policy {
@@ -374,13 +360,7 @@ async fn with_the_webhook_stopped_only_opted_in_pods_are_refused() {
     let ns = "wh-down";
     namespace(c, ns).await;
     let port = free_port().unwrap();
-    let running = start_webhook(options(
-        port,
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    ))
-    .await;
+    let running = start_webhook(scene::webhook_options(port)).await;
     let config = "tensile-webhook-down";
     let out = apply(c, &registration(config, port, ns, running.ca_pem.as_deref())).await;
     assert!(out.ok, "{}", out.stderr);
@@ -445,12 +425,7 @@ async fn idle_and_slow_clients_are_capped_and_cut_while_reviews_are_answered() {
     let ns = "wh-flood";
     namespace(c, ns).await;
     let port = free_port().unwrap();
-    let mut opts = options(
-        port,
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    );
+    let mut opts = scene::webhook_options(port);
     opts.limits.max_connections = 16;
     opts.limits.idle = Duration::from_secs(4);
     let running = start_webhook(opts).await;
@@ -477,12 +452,7 @@ async fn a_pod_with_many_claims_is_admitted_with_the_lookup_cap_in_a_warning() {
     let ns = "wh-claims";
     namespace(c, ns).await;
     let port = free_port().unwrap();
-    let mut opts = options(
-        port,
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    );
+    let mut opts = scene::webhook_options(port);
     opts.client = Some(c.client().await.unwrap());
     let running = start_webhook(opts).await;
     let config = "tensile-webhook-claims";
@@ -640,12 +610,7 @@ async fn one_http2_client_gets_the_stream_cap_and_a_connection_budget_of_bodies_
     let ns = "wh-h2";
     namespace(c, ns).await;
     let port = free_port().unwrap();
-    let opts = options(
-        port,
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    );
+    let opts = scene::webhook_options(port);
     let limits = opts.limits.clone();
     let running = start_webhook(opts).await;
     let config = "tensile-webhook-h2";
@@ -690,10 +655,9 @@ async fn one_http2_client_gets_the_stream_cap_and_a_connection_budget_of_bodies_
         uploads.sent_bytes()
     );
     stashed_while(c, ns, 3, "the uploads").await;
-    tensile_e2e::wait::must(
+    tensile_e2e::wait::within(
         "every upload ended at its deadline (the queued ones after a second deadline)",
-        Duration::from_secs(45),
-        Duration::from_millis(200),
+        45,
         || async {
             let answered = uploads.answered();
             if answered.len() == uploads.opened {
@@ -729,15 +693,11 @@ static LOWERS: Shared<Lowers> = Shared::new();
 fn lowers() -> &'static Lowers {
     LOWERS
         .get(|| async {
-            let (upper, lower_a, lower_b) = tokio::join!(
-                TestCluster::start(ClusterOptions::new("webhook-jobs", "upper")),
-                TestCluster::start(ClusterOptions::new("webhook-jobs", "lower-a")),
-                TestCluster::start(ClusterOptions::new("webhook-jobs", "lower-b")),
-            );
-            let (upper, lower_a, lower_b) = (upper?, lower_a?, lower_b?);
+            let [upper, lower_a, lower_b] =
+                scene::clusters("webhook-jobs", ["upper", "lower-a", "lower-b"]).await?;
             tensile_e2e::chart::install_exclusion_records(upper.kubeconfig()).await?;
-            let sim_a = simulator("lower-a", &lower_a).await?;
-            let sim_b = simulator("lower-b", &lower_b).await?;
+            let sim_a = scene::simulate(&lower_a, Vec::new()).await?;
+            let sim_b = scene::simulate(&lower_b, Vec::new()).await?;
             Ok(Lowers {
                 upper,
                 lower_a,
@@ -747,11 +707,6 @@ fn lowers() -> &'static Lowers {
             })
         })
         .unwrap_or_else(|e| panic!("test bed: {e}"))
-}
-
-async fn simulator(name: &str, lower: &TestCluster) -> tensile_e2e::Result<NodeSimulator> {
-    let options = SimulatorOptions::new(name, Some(lower.kubelet_client_ca_pem()));
-    NodeSimulator::start(lower.client().await?, options, Vec::new()).await
 }
 
 /// Label key of the Job test's virtual nodes (both carry it), kept upstream by the webhook.
@@ -843,12 +798,7 @@ async fn with_the_job_disruption_rule_a_job_refused_below_moves_and_completes() 
     )
     .await;
     assert!(out.ok, "{}", out.stderr);
-    let mut opts = options(
-        port,
-        Certificates::SelfSigned {
-            names: vec!["127.0.0.1".into()],
-        },
-    );
+    let mut opts = scene::webhook_options(port);
     opts.client = Some(bed.upper.client().await.unwrap());
     opts.webhook_config_name = Some(config.clone());
     opts.policy = Policy {
@@ -865,41 +815,21 @@ async fn with_the_job_disruption_rule_a_job_refused_below_moves_and_completes() 
         .await
         .unwrap()
         .unwrap();
-    must_within("the webhook's caBundle written", 30, || async {
-        webhook
-            .state
-            .ready
-            .get()
-            .then_some(())
-            .ok_or("not ready".to_owned())
-    })
-    .await;
+    scene::webhook_ready(&webhook).await;
 
     let (vn_a, vn_b) = (format!("{ns}-a"), format!("{ns}-b"));
     let node = |name: &str, side: &str, lower: &TestCluster| {
-        let mut args = tensile_e2e::in_process::options(&bed.upper, name, lower).unwrap();
-        args.node_labels = vec![
-            (VN_KEY.to_owned(), ns.to_owned()),
-            (SIDE_KEY.to_owned(), side.to_owned()),
-        ];
-        tensile_e2e::in_process::VirtualNode::run(args)
+        scene::virtual_node(&bed.upper, name, lower, |args| {
+            args.node_labels = vec![
+                (VN_KEY.to_owned(), ns.to_owned()),
+                (SIDE_KEY.to_owned(), side.to_owned()),
+            ]
+        })
+        .unwrap()
     };
     let _nodes = [node(&vn_a, "a", &bed.lower_a), node(&vn_b, "b", &bed.lower_b)];
     for vn in [&vn_a, &vn_b] {
-        must_within(&format!("{vn} Ready"), 60, || async {
-            let out = bed
-                .upper
-                .kubectl(&[
-                    "get",
-                    "node",
-                    vn,
-                    "-o",
-                    r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
-                ])
-                .await;
-            (out.stdout.trim() == "True").then_some(()).ok_or(out.stdout)
-        })
-        .await;
+        scene::node_ready(bed.upper.kubeconfig(), vn, 60).await;
     }
     let flags = [
         format!("--node-selector=type=virtual-kubelet,{VN_KEY}={ns}"),
@@ -1130,13 +1060,4 @@ async fn the_charts_job_webhook_is_rendered_with_its_value_and_accepted_by_both_
     let (registration, deployment) = render(false).await;
     assert!(!args(&deployment).contains("job-disruption-rule"));
     assert_eq!(registration["webhooks"].as_array().map(Vec::len), Some(1));
-}
-
-/// Waits up to `secs` for `probe`; panics saying what did not happen.
-async fn must_within<F, Fut>(what: &str, secs: u64, probe: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), String>>,
-{
-    tensile_e2e::wait::must(what, Duration::from_secs(secs), Duration::from_millis(250), probe).await
 }

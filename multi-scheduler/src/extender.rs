@@ -9,19 +9,16 @@
 //! a subset of them in the same form.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ListMeta;
 use serde::{Deserialize, Serialize};
-use tensile_common::exclusion::Exclusions;
-use tensile_common::names;
-use tensile_common::pin;
-
 use tensile_common::quantity::ResourceMap;
 
-use crate::preempt::{self, BoundPods};
-use tensile_common::fit::{self, Judgement, Options, PodFacts, ShapeFacts, Verdict};
+use crate::context::{self, Context, NodeFacts, exclusions_for};
+use crate::preempt;
+use tensile_common::fit::{self, Judgement, PodFacts, Verdict};
 
 /// The highest score an extender may give (`MaxExtenderPriority`).
 pub const MAX_SCORE: i64 = 10;
@@ -111,57 +108,6 @@ impl ExtenderArgs {
     }
 }
 
-/// What one node is to the filter, derived once per version of the Node.
-#[derive(Debug)]
-pub struct NodeFacts {
-    pub virtual_node: bool,
-    /// The shape (`None`: none published).
-    pub shape: Option<Result<ShapeFacts, String>>,
-}
-
-/// Node facts by name and resourceVersion, so a shape is decoded once per change of its
-/// Node rather than once per request.
-#[derive(Debug, Default)]
-pub struct FactsCache(Mutex<HashMap<String, (String, Arc<NodeFacts>)>>);
-
-impl FactsCache {
-    pub fn facts(&self, node: &Node) -> Arc<NodeFacts> {
-        let name = node.metadata.name.as_deref().unwrap_or_default();
-        let version = node.metadata.resource_version.as_deref();
-        if let Some(v) = version
-            && let Ok(map) = self.0.lock()
-            && let Some((seen, facts)) = map.get(name)
-            && seen == v
-        {
-            return facts.clone();
-        }
-        let virtual_node = fit::is_virtual(node);
-        let facts = Arc::new(NodeFacts {
-            virtual_node,
-            shape: if virtual_node { ShapeFacts::of(node) } else { None },
-        });
-        if let Some(v) = version
-            && let Ok(mut map) = self.0.lock()
-        {
-            map.insert(name.to_owned(), (v.to_owned(), facts.clone()));
-        }
-        facts
-    }
-
-    /// Forgets nodes not in `keep` (deleted Nodes).
-    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
-        if let Ok(mut map) = self.0.lock() {
-            map.retain(|name, _| keep(name));
-        }
-    }
-}
-
-/// Where node names are looked up: the watch cache of virtual nodes.
-pub trait View {
-    /// The node named `name`, `None` when the cache has no such virtual node.
-    fn node(&self, name: &str) -> Option<Arc<Node>>;
-}
-
 /// What the filter decided for one node, for the metrics.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
@@ -170,35 +116,6 @@ pub enum Outcome {
     FailOpen(&'static str),
     /// Rejected, with the reason label: `shape` or `exclusion`.
     Rejected(&'static str),
-}
-
-/// Everything a request is judged with besides the request.
-pub struct Context<'a> {
-    pub view: &'a dyn View,
-    /// The pods bound to nodes: what preempting some of them would free.
-    pub pods: &'a dyn BoundPods,
-    pub facts: &'a FactsCache,
-    pub exclusions: &'a Exclusions,
-    pub options: Options,
-}
-
-/// The key of the pod's workload in the exclusion records: its controller's UID, or for a
-/// bare pod's replacement the line it belongs to.
-pub fn owner_key(pod: &Pod) -> Option<String> {
-    let controller = pod
-        .metadata
-        .owner_references
-        .iter()
-        .flatten()
-        .find(|o| o.controller == Some(true))
-        .map(|o| o.uid.clone());
-    controller.or_else(|| {
-        pod.metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(names::LINEAGE))
-            .cloned()
-    })
 }
 
 /// A candidate node as the request named it.
@@ -257,36 +174,6 @@ fn judge_node(
     (Some(judgement), outcome, message)
 }
 
-/// The pod's active exclusions at `now`: node → the message a rejection there gives. None
-/// for a pod its volume pins to one node ([`pin::volume_pinned`]), as the webhook and
-/// the descheduler exempt it: it can run nowhere else.
-pub fn exclusions_for(pod: &Pod, exclusions: &Exclusions, now: jiff::Timestamp) -> BTreeMap<String, String> {
-    if pin::volume_pinned(pod) {
-        return BTreeMap::new();
-    }
-    let Some(record) = owner_key(pod).and_then(|k| exclusions.records.get(&k)) else {
-        return BTreeMap::new();
-    };
-    if record.is_expired(now) {
-        return BTreeMap::new();
-    }
-    record
-        .nodes
-        .iter()
-        .filter(|(_, until)| **until > now)
-        .map(|(node, until)| {
-            let message = format!(
-                "excluded for {} {}/{} until {}: its lower cluster refused the workload",
-                record.kind,
-                record.namespace,
-                record.name,
-                tensile_common::api::time(*until)
-            );
-            (node.clone(), message)
-        })
-        .collect()
-}
-
 /// Answers `filter`: the passing candidates in the form they came, the rejected ones with
 /// the reason; and the outcome of each node, in order, for the metrics.
 ///
@@ -310,7 +197,7 @@ pub fn filter(args: &ExtenderArgs, ctx: &Context<'_>) -> (ExtenderFilterResult, 
             Some(m) => {
                 let unresolvable = outcome == Outcome::Rejected("exclusion") || {
                     let freed = evictable.get_or_insert_with(|| {
-                        preempt::evictable(&ctx.pods.bound(), preempt::priority_of(&args.pod))
+                        context::evictable(&ctx.pods.bound(), context::priority_of(&args.pod))
                     });
                     virtual_facts(&candidate, ctx).is_some_and(|facts| {
                         !preempt::resolvable(&pod, &facts, freed.get(candidate.name()), ctx)
@@ -377,7 +264,11 @@ pub fn prioritize(args: &ExtenderArgs, ctx: &Context<'_>, score: Score) -> Vec<H
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::context::{BoundPod, BoundPods, FactsCache, View};
     use serde_json::{Value, json};
+    use tensile_common::exclusion::Exclusions;
+    use tensile_common::fit::Options;
+    use tensile_common::names;
     use tensile_common::shape::{DEFAULT_GROUP_CAP, build};
 
     fn now() -> jiff::Timestamp {
@@ -419,7 +310,7 @@ mod tests {
     pub(crate) struct NoPods;
 
     impl BoundPods for NoPods {
-        fn bound(&self) -> Vec<Arc<crate::preempt::BoundPod>> {
+        fn bound(&self) -> Vec<Arc<BoundPod>> {
             Vec::new()
         }
     }
@@ -623,8 +514,12 @@ mod tests {
         let first = cache.facts(&node);
         assert!(Arc::ptr_eq(&first, &cache.facts(&node)));
         node.metadata.resource_version = Some("2".into());
-        assert!(!Arc::ptr_eq(&first, &cache.facts(&node)));
+        let second = cache.facts(&node);
+        assert!(!Arc::ptr_eq(&first, &second));
         cache.retain(|_| false);
-        assert!(cache.0.lock().unwrap().is_empty());
+        assert!(
+            !Arc::ptr_eq(&second, &cache.facts(&node)),
+            "a forgotten node is decoded anew"
+        );
     }
 }

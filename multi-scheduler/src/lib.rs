@@ -10,7 +10,7 @@
 //! scheduler and the descheduler remain the backstop. A virtual node the descheduler
 //! excluded for the pod's workload is rejected while the exclusion lasts.
 //!
-//! Two modes share that filter and its score:
+//! Two modes share that filter and its score, and what it judges with ([`context`]):
 //!
 //! * `--mode=extender` (default): an HTTPS kube-scheduler extender ([`extender`], [`server`])
 //!   behind a second stock kube-scheduler (`config/` holds its configuration), which also
@@ -22,6 +22,7 @@
 //!   priority queue with per-pod backoff ([`queue`]), the upper checks kube-scheduler makes
 //!   plus the filter ([`place`]), an assume ledger, binding, events; one leader acts.
 
+pub mod context;
 pub mod extender;
 pub mod metrics;
 pub mod place;
@@ -40,18 +41,18 @@ use kube::api::Api;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
-use tensile_common::admin::{self, AdminArgs, Readiness};
+use tensile_common::admin::{self, AdminArgs};
 use tensile_common::cache::{watched, watched_summaries};
 use tensile_common::exclusion::{self, Location};
-use tensile_common::kubeconfig::{self, ClientArgs, ClientOptions};
-use tensile_common::leader::{self, LeaderArgs, Leadership, Standing};
-use tensile_common::runtime::{self, CancellationToken, Supervisor};
+use tensile_common::kubeconfig::{self, ClientArgs};
+use tensile_common::leader::LeaderArgs;
+use tensile_common::runtime::{self, CancellationToken, Daemon, Running, Supervisor};
 use tensile_common::telemetry::LogArgs;
 use tensile_common::tls;
 use tokio::sync::Notify;
 
-use crate::extender::{FactsCache, Score};
-use crate::preempt::BoundPod;
+use crate::context::{BoundPod, FactsCache};
+use crate::extender::Score;
 use crate::server::{BoundPodStore, NodeStore, State};
 
 /// How the multi-scheduler takes part in scheduling.
@@ -197,8 +198,6 @@ pub enum Error {
     Stopped(#[from] runtime::Stopped),
 }
 
-/// How long open requests get to finish after SIGTERM.
-const DRAIN: Duration = runtime::DEFAULT_DRAIN;
 /// Time a client has to send a request body.
 const BODY_DEADLINE: Duration = Duration::from_secs(10);
 
@@ -223,30 +222,38 @@ fn max_age(args: &Args) -> Option<jiff::SignedDuration> {
 
 /// The extender: HTTPS verbs over watch caches.
 async fn run_extender(args: Args, shutdown: CancellationToken) -> Result<(), Error> {
-    let options = ClientOptions {
-        user_agent: Some("tensile-multi-scheduler".into()),
-        ..args.client.options()
-    };
-    let client = kubeconfig::ClientSource::new(args.kubeconfig.as_deref(), &options)
-        .await?
-        .client()?;
-    let mut tasks = Supervisor::new(shutdown.clone(), DRAIN);
-    let tls_config = serving_tls(&args, &mut tasks)?;
+    // Its replicas all serve and write nothing: no election, and a user agent without the
+    // replica.
+    let mut daemon = Daemon::new("multi-scheduler", shutdown)
+        .product("tensile-multi-scheduler")
+        .client_options(args.client.options())
+        .acting("serving; virtual nodes, bound pods and exclusions synced");
+    let client = daemon.client(args.kubeconfig.as_deref()).await?;
+    let (tls_config, reload) = serving_tls(&args)?;
     let addr = SocketAddr::new(args.address, args.port);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| Error::Bind { addr, source })?;
-    let admin_listener = admin::bind(args.admin.admin_addr).await?;
+    daemon.bind_admin(args.admin.admin_addr).await?;
+    let metrics = metrics::Metrics::new(daemon.registry());
+    let mut running = daemon.start();
+    if let Some(reload) = reload {
+        reload.spawn(&mut running.tasks);
+    }
+    compose_extender(&args, client, (listener, tls_config), metrics, &mut running);
+    Ok(running.run().await?)
+}
 
-    let mut registry = prometheus_client::registry::Registry::default();
-    let metrics = metrics::Metrics::new(&mut registry);
-    let readiness = Readiness::default();
-    readiness.say(false, "caches syncing");
-    tasks.spawn(
-        "the admin endpoint",
-        admin::serve(admin_listener, Arc::new(registry), readiness.clone()),
-    );
-
+/// The extender's caches and HTTPS server (on `listener`, with `tls_config`), handed to
+/// `running`'s tasks.
+fn compose_extender(
+    args: &Args,
+    client: kube::Client,
+    (listener, tls_config): (tokio::net::TcpListener, Arc<rustls::ServerConfig>),
+    metrics: metrics::Metrics,
+    running: &mut Running,
+) {
+    let tasks = &mut running.tasks;
     let changed = Arc::new(Notify::new());
     let (nodes, nodes_watch) = watched::<Node>(
         Api::all(client.clone()),
@@ -270,14 +277,14 @@ async fn run_extender(args: Args, shutdown: CancellationToken) -> Result<(), Err
         pods: Arc::new(BoundPodStore(pods.store().clone())),
         facts: FactsCache::default(),
         exclusions,
-        max_age: max_age(&args),
+        max_age: max_age(args),
         score: args.score,
         metrics,
         max_body_bytes: args.max_body_bytes,
         body_deadline: BODY_DEADLINE,
     });
     tracing::info!(
-        %addr,
+        addr = %SocketAddr::new(args.address, args.port),
         node_selector = %args.node_selector,
         exclusions = %location,
         score = ?args.score,
@@ -291,49 +298,46 @@ async fn run_extender(args: Args, shutdown: CancellationToken) -> Result<(), Err
         "the node facts clean-up",
         forget_deleted(state.clone(), nodes.clone(), changed),
     );
+    let standing = running.standing.clone();
     tasks.spawn("readiness", async move {
         nodes.synced().await;
         pods.synced().await;
         exclusions_cache.synced().await;
-        readiness.say(true, "serving; virtual nodes, bound pods and exclusions synced");
+        standing.synced();
         futures::future::pending::<()>().await
     });
     tasks.spawn_graceful("the extender", move |stop| {
         server::serve_https(listener, tls_config, state, stop)
     });
-    tasks.run().await.map_err(Error::from)
 }
 
 /// The standalone scheduler: leader election, caches, and the scheduling loop.
 async fn run_scheduler(args: Args, shutdown: CancellationToken) -> Result<(), Error> {
-    let replica = leader::default_identity();
-    let election = args
-        .leader
-        .config("tensile-multi-scheduler", replica.clone())
-        .map_err(Error::Flags)?;
-    let leadership = Leadership::of(&election);
-    let options = ClientOptions {
-        user_agent: Some(format!("tensile-multi-scheduler ({replica})")),
-        ..args.client.options()
-    };
-    let mut source = kubeconfig::ClientSource::new(args.kubeconfig.as_deref(), &options).await?;
-    let lease_client = source.client()?;
-    if election.is_some() {
-        source = source.fenced(leadership.clone());
-    }
-    let client = source.client()?;
-    let admin_listener = admin::bind(args.admin.admin_addr).await?;
-    let mut registry = prometheus_client::registry::Registry::default();
-    let metrics = Arc::new(metrics::Metrics::new(&mut registry));
-    leadership.register(&mut registry);
-    let readiness = Readiness::default();
-    let admin_task = admin::serve(admin_listener, Arc::new(registry), readiness.clone());
-    let admin_handle = tokio::spawn(shutdown.clone().run_until_cancelled_owned(admin_task));
-    let mut tasks = Supervisor::new(shutdown.clone(), DRAIN);
-    let standing = Standing::new(readiness, "scheduling");
+    let mut daemon = Daemon::new("multi-scheduler", shutdown)
+        .product("tensile-multi-scheduler")
+        .client_options(args.client.options())
+        .elect(&args.leader)
+        .map_err(Error::Flags)?
+        .acting("scheduling");
+    let replica = daemon.replica().to_owned();
+    let client = daemon.client(args.kubeconfig.as_deref()).await?;
+    daemon.bind_admin(args.admin.admin_addr).await?;
+    let metrics = Arc::new(metrics::Metrics::new(daemon.registry()));
     // The caches fill on standby too; the loop schedules once this replica leads.
-    let candidacy = leader::stand(lease_client, election, &leadership, &standing, &mut tasks);
+    let mut running = daemon.start();
+    compose_scheduler(&args, client, replica, metrics, &mut running);
+    Ok(running.run().await?)
+}
 
+/// The standalone scheduler's caches and loop, handed to `running`'s tasks.
+fn compose_scheduler(
+    args: &Args,
+    client: kube::Client,
+    replica: String,
+    metrics: Arc<metrics::Metrics>,
+    running: &mut Running,
+) {
+    let tasks = &mut running.tasks;
     let changed = Arc::new(Notify::new());
     // Every non-terminal pod: the pods to place and what is bound to each virtual node.
     let (pods, pods_watch) = watched::<Pod>(
@@ -366,7 +370,7 @@ async fn run_scheduler(args: Args, shutdown: CancellationToken) -> Result<(), Er
         exclusions,
         facts: FactsCache::default(),
         score: args.score,
-        max_age: max_age(&args),
+        max_age: max_age(args),
         metrics,
         recorder,
         changed: changed.clone(),
@@ -390,7 +394,7 @@ async fn run_scheduler(args: Args, shutdown: CancellationToken) -> Result<(), Er
     tasks.spawn("the pod watch", pods_watch);
     tasks.spawn("the node watch", nodes_watch);
     tasks.spawn("the exclusions watch", exclusions_watch);
-    let leads = candidacy.clone();
+    let (standing, leads) = (running.standing.clone(), running.candidacy.clone());
     tasks.spawn_graceful("the scheduling loop", move |stop| async move {
         let synced = async {
             pods.synced().await;
@@ -406,10 +410,6 @@ async fn run_scheduler(args: Args, shutdown: CancellationToken) -> Result<(), Er
         }
         scheduler.run(stop).await
     });
-    let outcome = tasks.run().await.map_err(Error::from);
-    candidacy.release().await;
-    admin_handle.abort();
-    outcome
 }
 
 /// Drops the decoded shapes of deleted nodes as the watch shows the deletions.
@@ -422,18 +422,19 @@ async fn forget_deleted(state: Arc<State>, nodes: tensile_common::cache::Cache<N
     }
 }
 
-/// The serving certificate: files reloaded on change, or generated (its CA written where
-/// asked).
-fn serving_tls(args: &Args, tasks: &mut Supervisor) -> Result<Arc<rustls::ServerConfig>, Error> {
-    let resolver = match (&args.tls_cert_file, &args.tls_private_key_file) {
+/// The serving certificate: files reloaded on change (as the returned [`Reload`] says), or
+/// generated (its CA written where asked).
+fn serving_tls(args: &Args) -> Result<(Arc<rustls::ServerConfig>, Option<Reload>), Error> {
+    let (resolver, reload) = match (&args.tls_cert_file, &args.tls_private_key_file) {
         (Some(cert), Some(key)) => {
             let resolver = tls::CertResolver::new(tls::load(cert, key)?);
-            let (r, cert, key) = (resolver.clone(), cert.clone(), key.clone());
-            let every = Duration::from_secs(args.tls_reload_seconds);
-            tasks.spawn_graceful("the certificate reload", move |stop| {
-                tls::reload(r, cert, key, every, stop)
-            });
-            resolver
+            let reload = Reload {
+                resolver: resolver.clone(),
+                cert: cert.clone(),
+                key: key.clone(),
+                every: Duration::from_secs(args.tls_reload_seconds),
+            };
+            (resolver, Some(reload))
         }
         _ => {
             let generated = tls::self_signed(&args.self_signed_names)?;
@@ -443,10 +444,32 @@ fn serving_tls(args: &Args, tasks: &mut Supervisor) -> Result<Arc<rustls::Server
                     source,
                 })?;
             }
-            tls::CertResolver::new(generated.key)
+            (tls::CertResolver::new(generated.key), None)
         }
     };
-    Ok(tls::server_config(resolver)?)
+    Ok((tls::server_config(resolver)?, reload))
+}
+
+/// The certificate files the extender serves, checked `every` so often for a change.
+struct Reload {
+    resolver: Arc<tls::CertResolver>,
+    cert: PathBuf,
+    key: PathBuf,
+    every: Duration,
+}
+
+impl Reload {
+    fn spawn(self, tasks: &mut Supervisor) {
+        let Reload {
+            resolver,
+            cert,
+            key,
+            every,
+        } = self;
+        tasks.spawn_graceful("the certificate reload", move |stop| {
+            tls::reload(resolver, cert, key, every, stop)
+        });
+    }
 }
 
 #[cfg(test)]

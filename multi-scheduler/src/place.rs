@@ -14,7 +14,8 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use tensile_common::quantity::ResourceMap;
 
-use crate::extender::{NodeFacts, Outcome, Score, score_of};
+use crate::context::NodeFacts;
+use crate::extender::{Outcome, Score, score_of};
 use tensile_common::fit::{self, Options, PodFacts, Verdict};
 
 /// A virtual node as one scheduling attempt sees it.
@@ -191,7 +192,7 @@ fn upper_refusal(pod: &Pod, node: &Node, requests: &ResourceMap, requested: &Res
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::extender::FactsCache;
+    use crate::context::FactsCache;
     use serde_json::{Value, json};
     use tensile_common::names;
     use tensile_common::shape::{DEFAULT_GROUP_CAP, build};

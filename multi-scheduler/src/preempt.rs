@@ -24,86 +24,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Serialize};
 use tensile_common::quantity::ResourceMap;
 use tensile_common::resources::pod_requests;
 
-use crate::extender::{Context, exclusions_for};
+use crate::context::{BoundPod, BoundPods, Context, NodeFacts, exclusions_for};
 use tensile_common::fit::{self, PodFacts};
-
-/// A pod bound to a node, as preemption needs it: where, at which priority, asking what.
-/// The extender's pod cache keeps these rather than whole pods.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct BoundPod {
-    /// Name, namespace and UID only.
-    pub metadata: ObjectMeta,
-    pub node: String,
-    pub priority: i32,
-    pub requests: ResourceMap,
-}
-
-tensile_common::kept_as!(BoundPod, Pod, metadata);
-
-impl BoundPod {
-    /// The summary of `pod` (a pod without a node gets an empty one, which nothing
-    /// matches).
-    pub fn of(pod: Pod) -> Self {
-        let requests = pod_requests(&pod);
-        let spec = pod.spec.as_ref();
-        BoundPod {
-            node: spec.and_then(|s| s.node_name.clone()).unwrap_or_default(),
-            priority: spec.and_then(|s| s.priority).unwrap_or(0),
-            requests,
-            metadata: ObjectMeta {
-                name: pod.metadata.name,
-                namespace: pod.metadata.namespace,
-                uid: pod.metadata.uid,
-                resource_version: pod.metadata.resource_version,
-                ..ObjectMeta::default()
-            },
-        }
-    }
-
-    fn uid(&self) -> &str {
-        self.metadata.uid.as_deref().unwrap_or_default()
-    }
-}
-
-/// Where the pods bound to nodes are looked up: the extender's watch cache of bound,
-/// non-terminal pods.
-pub trait BoundPods {
-    fn bound(&self) -> Vec<Arc<BoundPod>>;
-}
-
-/// No pods bound anywhere: for callers without a pod cache (benches, tools). With it, a
-/// shape rejection counts as unresolvable, as if nothing could be evicted.
-pub struct NoBoundPods;
-
-impl BoundPods for NoBoundPods {
-    fn bound(&self) -> Vec<Arc<BoundPod>> {
-        Vec::new()
-    }
-}
-
-/// A pod's priority as kube-scheduler reads it (none: 0).
-pub fn priority_of(pod: &Pod) -> i32 {
-    pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0)
-}
-
-/// Per node, the requests of the bound pods a pod of `priority` may preempt (those of
-/// strictly lower priority); each pod's requests hold `pods=1`, so `pods` counts them.
-pub fn evictable(pods: &[Arc<BoundPod>], priority: i32) -> HashMap<String, ResourceMap> {
-    let mut out: HashMap<String, ResourceMap> = HashMap::new();
-    for p in pods
-        .iter()
-        .filter(|p| p.priority < priority && !p.node.is_empty())
-    {
-        let sum = out.entry(p.node.clone()).or_default();
-        sum.add(&p.requests);
-    }
-    out
-}
 
 /// A victim as kube-scheduler names it to a node-cache-capable extender (`MetaPod`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -296,7 +222,7 @@ fn decide(
 /// there requested) is freed. `None` (no shape facts) counts as resolvable.
 pub fn resolvable(
     pod: &PodFacts,
-    facts: &crate::extender::NodeFacts,
+    facts: &NodeFacts,
     evictable: Option<&ResourceMap>,
     ctx: &Context<'_>,
 ) -> bool {
@@ -312,7 +238,8 @@ pub fn resolvable(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::extender::{ExtenderArgs, FactsCache, View, filter as filter_verb};
+    use crate::context::{FactsCache, View, evictable};
+    use crate::extender::{ExtenderArgs, filter as filter_verb};
     use k8s_openapi::api::core::v1::Node;
     use serde_json::{Value, json};
     use tensile_common::exclusion::Exclusions;

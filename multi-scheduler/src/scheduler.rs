@@ -39,7 +39,8 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::extender::{FactsCache, Score, exclusions_for};
+use crate::context::{FactsCache, exclusions_for};
+use crate::extender::Score;
 use crate::metrics::Metrics;
 use crate::place::{Candidate, Placement, place, refusal, unsupported_constraints};
 use crate::queue::Queue;
@@ -463,7 +464,7 @@ fn uid(pod: &Pod) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::extender::FactsCache;
+    use crate::context::FactsCache;
     use crate::place::Candidate;
     use serde_json::Value;
     use std::collections::BTreeMap;

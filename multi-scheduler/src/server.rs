@@ -19,9 +19,10 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::extender::{self, Context, ExtenderArgs, FactsCache, Score, View};
+use crate::context::{BoundPod, BoundPods, Context, FactsCache, View};
+use crate::extender::{self, ExtenderArgs, Score};
 use crate::metrics::Metrics;
-use crate::preempt::{self, BoundPod, BoundPods, ExtenderPreemptionArgs};
+use crate::preempt::{self, ExtenderPreemptionArgs};
 use tensile_common::fit::Options;
 
 /// What every request shares.

@@ -19,7 +19,7 @@ use serde::Deserialize;
 use serde_json::json;
 use serde_json::value::RawValue;
 
-use crate::mutate::{Outcome, Verdict, allow, deny, patched};
+use crate::outcome::{Outcome, Verdict, allow, deny, patched};
 use crate::policy::Policy;
 use crate::raw::{self, Level};
 use crate::review::{self, Review};

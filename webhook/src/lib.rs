@@ -26,6 +26,7 @@ pub mod ca_secret;
 pub mod job;
 pub mod metrics;
 pub mod mutate;
+pub mod outcome;
 pub mod policy;
 pub mod raw;
 pub mod review;
@@ -37,12 +38,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tensile_common::runtime::{self, Daemon};
 use tensile_common::tls;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use mutate::{ClaimNodes, ExcludedNodes, NoClaims, NoExclusions, Outcome, Verdict, mutate};
+pub use mutate::{ClaimNodes, ExcludedNodes, NoClaims, NoExclusions, mutate};
+pub use outcome::{Outcome, Verdict};
 pub use policy::{Label, Policy, VirtualNodeConstraint};
 
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +70,8 @@ pub enum Error {
     CaSecret(#[from] ca_secret::Error),
     #[error("waiting for a shutdown signal: {0}")]
     Signal(#[source] std::io::Error),
+    #[error(transparent)]
+    Stopped(#[from] runtime::Stopped),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -496,10 +501,10 @@ pub async fn start(options: Options) -> Result<Running> {
     })
 }
 
-async fn client(args: &Args) -> Result<Option<kube::Client>> {
-    use tensile_common::kubeconfig::{self, Error as ConfigError};
-    let options = args.client.options();
-    match kubeconfig::client(args.kubeconfig.as_deref(), &options).await {
+async fn client(args: &Args, daemon: &mut Daemon) -> Result<Option<kube::Client>> {
+    use tensile_common::kubeconfig::Error as ConfigError;
+    let source = daemon.source(args.kubeconfig.as_deref()).await;
+    match source.and_then(|source| source.client()) {
         Ok(client) => Ok(Some(client)),
         Err(ConfigError::NoInCluster { source }) => {
             if args.tls_cert_file.is_none()
@@ -536,13 +541,15 @@ pub async fn run(args: Args) -> Result<()> {
             },
         },
     };
+    let shutdown = runtime::shutdown_on_signals().map_err(Error::Signal)?;
+    let mut daemon = Daemon::new("webhook", shutdown).client_options(args.client.options());
     let options = Options {
         address: SocketAddr::new(args.address, args.port),
         admin_address: Some(args.admin.admin_addr),
         policy,
         certificates,
         webhook_config_name: args.webhook_config_name.clone(),
-        client: client(&args).await?,
+        client: client(&args, &mut daemon).await?,
         max_body_bytes: args.max_body_bytes,
         limits: tensile_common::serve::Limits {
             max_connections: args.max_connections as usize,
@@ -552,15 +559,15 @@ pub async fn run(args: Args) -> Result<()> {
         pvc_timeout: Duration::from_millis(args.pvc_timeout_ms),
         exclusions: Some(args.exclusions_configmap.clone()),
     };
-    let shutdown = tensile_common::runtime::shutdown_on_signals().map_err(Error::Signal)?;
-    let running = start(options).await?;
-    shutdown.cancelled().await;
-    // Reviews in flight are answered; open connections are closed gracefully.
-    if tokio::time::timeout(tensile_common::runtime::DEFAULT_DRAIN, running.stop())
-        .await
-        .is_err()
-    {
-        tracing::warn!("connections still open after the drain were dropped");
-    }
-    Ok(())
+    let webhook = start(options).await?;
+    let mut running = daemon.start();
+    // Reviews in flight are answered; open connections are closed gracefully, within the
+    // drain.
+    running
+        .tasks
+        .spawn_graceful("the webhook's open connections", |stop| async move {
+            stop.cancelled().await;
+            webhook.stop().await
+        });
+    Ok(running.run().await?)
 }

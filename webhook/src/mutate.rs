@@ -14,11 +14,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use json_patch::Patch;
 use k8s_openapi::api::core::v1::{
     NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Toleration,
 };
-use kube::core::admission::{AdmissionResponse, Operation};
+use kube::core::admission::Operation;
 use serde::ser::{SerializeMap as _, Serializer};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -26,6 +25,7 @@ use serde_json::value::RawValue;
 use tensile_common::names;
 use tensile_common::stash::{Holder, Stash, generated_name};
 
+use crate::outcome::{Outcome, Verdict, allow, deny, patched};
 use crate::policy::{Policy, VirtualNodeConstraint};
 use crate::raw::{self, Level};
 use crate::review::{self, Review};
@@ -69,31 +69,6 @@ impl ExcludedNodes for tensile_common::exclusion::Exclusions {
     fn excluded_nodes(&self, owner_uid: &str) -> Vec<String> {
         tensile_common::exclusion::Exclusions::excluded_nodes(self, owner_uid, jiff::Timestamp::now())
     }
-}
-
-/// What happened to a review, for metrics and logs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Verdict {
-    /// Allowed as it is (not ours to change, or already stashed).
-    Unchanged,
-    Mutated,
-    Denied,
-}
-
-impl Verdict {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Verdict::Unchanged => "unchanged",
-            Verdict::Mutated => "mutated",
-            Verdict::Denied => "denied",
-        }
-    }
-}
-
-#[derive(Debug)]
-pub struct Outcome {
-    pub response: AdmissionResponse,
-    pub verdict: Verdict,
 }
 
 /// A review after the first step.
@@ -236,25 +211,6 @@ fn encode(ops: &[Op<'_>]) -> Result<Vec<u8>, String> {
     let mut patch = Vec::with_capacity(2048);
     serde_json::to_writer(&mut patch, ops).map_err(|e| format!("cannot encode the patch: {e}"))?;
     Ok(patch)
-}
-
-/// The review allowed with `patch` (JSON patch text).
-pub(crate) fn patched(review: &Review, patch: Vec<u8>, warnings: Vec<String>) -> Outcome {
-    // `with_patch` is the only way to set the patch type; the patch itself is written
-    // straight from the typed values.
-    match allow(review).with_patch(Patch::default()) {
-        Ok(mut response) => {
-            response.patch = Some(patch);
-            if !warnings.is_empty() {
-                response.warnings = Some(warnings);
-            }
-            Outcome {
-                response,
-                verdict: Verdict::Mutated,
-            }
-        }
-        Err(e) => deny(review, format!("cannot encode the patch: {e}")),
-    }
 }
 
 /// The scheduler the policy hands opted-in pods, for a pod left to the default scheduler
@@ -537,17 +493,6 @@ fn stashed(review: &Review, text: Option<&str>) -> Outcome {
             review,
             format!("annotation {} must be a string", names::CLUSTER_SELECTOR),
         ),
-    }
-}
-
-pub(crate) fn allow(review: &Review) -> AdmissionResponse {
-    AdmissionResponse::from(&review.request)
-}
-
-pub(crate) fn deny(review: &Review, message: String) -> Outcome {
-    Outcome {
-        response: allow(review).deny(format!("tensile webhook: {message}")),
-        verdict: Verdict::Denied,
     }
 }
 

@@ -75,7 +75,7 @@ pub struct Policy {
     /// names a scheduler of its own keeps it.
     pub scheduler_name: Option<String>,
     /// Opted-in Jobs (their pod template carries `opt_in`) get the rule ignoring
-    /// `DisruptionTarget` first in their `podFailurePolicy` at CREATE ([`crate::job`]).
+    /// `DisruptionTarget` first in their `podFailurePolicy` at CREATE (the `job` module).
     pub job_disruption_rule: bool,
 }
 

@@ -3,10 +3,10 @@
 //! The review is read in two steps so that a pod which does not decode still gets an
 //! answer carrying the request's `uid`: the envelope must be a well-formed
 //! `admission.k8s.io/v1` review (otherwise the caller gets a 400), while the object is kept
-//! as raw JSON and judged by [`crate::mutate`].
+//! as raw JSON and judged by the `mutate` module.
 //!
 //! The body is read in one pass that keeps the pod as text ([`crate::raw`]): the pod, most
-//! of the body, is decoded once, by [`crate::mutate`], and never parsed into a tree. The
+//! of the body, is decoded once, by the `mutate` module, and never parsed into a tree. The
 //! errors are the ones decoding the whole review as `AdmissionReview` gives.
 
 use std::collections::HashMap;

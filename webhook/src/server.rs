@@ -22,7 +22,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
 use crate::metrics::{Metrics, ResultLabels};
-use crate::mutate::{self, Judgement, Verdict};
+use crate::mutate::{self, Judgement};
+use crate::outcome::Verdict;
 use crate::policy::Policy;
 use crate::review;
 

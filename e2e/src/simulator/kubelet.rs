@@ -12,11 +12,11 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use tokio::net::TcpListener;
 
 use super::Inner;
-use super::logs::{LogOptions, LogSource};
+use super::containers::{lookup, source};
+use super::logs::LogOptions;
 use crate::{Result, io_err};
 use tensile_common::kubelet::{Body, streamed, text};
 
@@ -86,105 +86,6 @@ fn route(inner: &Arc<Inner>, node: Option<&str>, mut req: Request<Incoming>) -> 
                 "{path}: not served by the simulated kubelet (it serves /containerLogs/{{namespace}}/{{pod}}/{{container}})"
             ),
         ),
-    }
-}
-
-pub(super) fn lookup(inner: &Inner, ns: &str, pod: &str) -> Option<Pod> {
-    inner
-        .pods
-        .read()
-        .ok()?
-        .get(&(ns.to_owned(), pod.to_owned()))
-        .cloned()
-}
-
-pub(super) fn container_status<'a>(pod: &'a Pod, container: &str) -> Option<&'a ContainerStatus> {
-    let status = pod.status.as_ref()?;
-    status
-        .container_statuses
-        .iter()
-        .chain(status.init_container_statuses.iter())
-        .flatten()
-        .find(|c| c.name == container)
-}
-
-/// The log source of the current (or, with `previous`, the last terminated) run.
-pub(super) fn source(
-    pod: &Pod,
-    ns: &str,
-    name: &str,
-    container: &str,
-    previous: bool,
-) -> Result<LogSource, (StatusCode, String)> {
-    let known = pod
-        .spec
-        .iter()
-        .flat_map(|s| s.containers.iter().chain(s.init_containers.iter().flatten()))
-        .any(|c| c.name == container);
-    if !known {
-        return Err((
-            StatusCode::BAD_REQUEST,
-            format!("container \"{container}\" is not valid for pod \"{name}\""),
-        ));
-    }
-    let waiting = || {
-        (
-            StatusCode::BAD_REQUEST,
-            format!("container \"{container}\" in pod \"{name}\" is waiting to start: ContainerCreating"),
-        )
-    };
-    let status = container_status(pod, container).ok_or_else(waiting)?;
-    let state = if previous {
-        status.last_state.as_ref()
-    } else {
-        status.state.as_ref()
-    };
-    let lines = pod
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(tensile_common::names::SIM_BEHAVIOR))
-        .and_then(|b| super::behavior::Behavior::parse(b).ok())
-        .and_then(|b| b.log_lines);
-    let make = |started: Option<Timestamp>, finished: Option<Timestamp>| {
-        started.map(|started| LogSource {
-            namespace: ns.to_owned(),
-            pod: name.to_owned(),
-            container: container.to_owned(),
-            started,
-            finished,
-            lines,
-        })
-    };
-    let found = state.and_then(|s| {
-        if let Some(r) = &s.running {
-            make(r.started_at.as_ref().map(|t| t.0), None)
-        } else if let Some(t) = &s.terminated {
-            make(
-                t.started_at.as_ref().map(|t| t.0),
-                Some(t.finished_at.as_ref().map(|t| t.0).unwrap_or_else(Timestamp::now)),
-            )
-        } else {
-            None
-        }
-    });
-    match (found, previous) {
-        (Some(src), _) => Ok(src),
-        (None, true) => Err((
-            StatusCode::BAD_REQUEST,
-            format!("previous terminated container \"{container}\" in pod \"{name}\" not found"),
-        )),
-        (None, false) => {
-            // A container between runs shows its last run's log, as the kubelet does.
-            let last = status.last_state.as_ref().and_then(|s| s.terminated.as_ref());
-            last.and_then(|t| {
-                make(
-                    t.started_at.as_ref().map(|t| t.0),
-                    t.finished_at.as_ref().map(|t| t.0),
-                )
-            })
-            .ok_or_else(waiting)
-        }
     }
 }
 

@@ -16,6 +16,7 @@
 //!   [`exec`] for what a simulated container can run).
 
 mod behavior;
+mod containers;
 pub mod exec;
 mod kubelet;
 mod logs;

@@ -37,6 +37,7 @@ use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, frame::coding::
 use tokio_util::sync::CancellationToken;
 
 use super::Inner;
+use super::containers;
 use super::exec::{self, Context, STDERR, STDOUT};
 use super::spdy;
 use tensile_common::kubelet::{Body, text};
@@ -179,7 +180,7 @@ fn start(
     container: Option<&str>,
     req: &mut Request<Incoming>,
 ) -> Result<Response<Body>, Refusal> {
-    let pod = super::kubelet::lookup(inner, ns, name)
+    let pod = containers::lookup(inner, ns, name)
         .filter(|p| uid.is_none() || p.metadata.uid.as_deref() == uid)
         .ok_or_else(|| (StatusCode::NOT_FOUND, format!("pod not found (\"{name}_{ns}\")")))?;
     let spec = pod.spec.clone().unwrap_or_default();
@@ -187,7 +188,7 @@ fn start(
         if !spec.containers.iter().any(|x| x.name == c) {
             return Err((StatusCode::NOT_FOUND, format!("container not found (\"{c}\")")));
         }
-        let running = super::kubelet::container_status(&pod, c)
+        let running = containers::container_status(&pod, c)
             .and_then(|s| s.state.as_ref())
             .is_some_and(|s| s.running.is_some());
         if !running {
@@ -323,7 +324,7 @@ impl Job {
 async fn attach(job: &Job, mut ctx: Context) -> i32 {
     let ns = job.pod.metadata.namespace.clone().unwrap_or_default();
     let name = job.pod.metadata.name.clone().unwrap_or_default();
-    let Ok(src) = super::kubelet::source(&job.pod, &ns, &name, &job.container, false) else {
+    let Ok(src) = containers::source(&job.pod, &ns, &name, &job.container, false) else {
         return 0;
     };
     let mut next = src.written_by(Timestamp::now());
@@ -339,10 +340,10 @@ async fn attach(job: &Job, mut ctx: Context) -> i32 {
                 }
             }
             _ = tick.tick() => {
-                let current = super::kubelet::lookup(&job.inner, &ns, &name)
+                let current = containers::lookup(&job.inner, &ns, &name)
                     .filter(|p| p.metadata.uid == job.pod.metadata.uid);
                 let Some(current) = current else { return 0 };
-                let Ok(now_src) = super::kubelet::source(&current, &ns, &name, &job.container, false) else {
+                let Ok(now_src) = containers::source(&current, &ns, &name, &job.container, false) else {
                     return 0;
                 };
                 if now_src.started != src.started {

@@ -1,6 +1,6 @@
-//! How a daemon runs: named tasks under one [`Supervisor`], stopped together on SIGTERM or
-//! SIGINT within a bounded drain, or when any one of them ends (none should), which is then
-//! named with its reason.
+//! Named tasks that stop together: the first to end on its own ends the daemon and is
+//! named with its reason; on shutdown graceful tasks get a bounded drain. Public as
+//! `runtime::Supervisor`: the runtime builds a daemon around it.
 //!
 //! A task either stops at once when shutdown begins ([`Supervisor::spawn`]: watches,
 //! servers) or is handed the shutdown token and finishes its work in hand first
@@ -12,39 +12,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use tokio::task::JoinSet;
-pub use tokio_util::sync::CancellationToken;
-
-/// Aborts the process as `kill -9` would end it (nothing cleaned up, no Lease released) when
-/// `crash_at` is `step`: a daemon's hidden `--crash-at` flag, with which tests prove that a
-/// restart after any step of a multi-write task finishes it exactly once.
-pub fn crash_point<S: PartialEq + std::fmt::Debug>(process: &str, crash_at: Option<S>, step: S) {
-    if crash_at.as_ref() == Some(&step) {
-        eprintln!("{process}: --crash-at={step:?}: aborting");
-        std::process::abort();
-    }
-}
-
-/// How long graceful tasks get to finish after shutdown begins, unless a daemon says otherwise.
-pub const DEFAULT_DRAIN: Duration = Duration::from_secs(10);
-
-/// A token cancelled on the first SIGTERM or SIGINT (logged with the signal's name).
-pub fn shutdown_on_signals() -> std::io::Result<CancellationToken> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let token = CancellationToken::new();
-    let cancel = token.clone();
-    tokio::spawn(async move {
-        let name = tokio::select! {
-            _ = term.recv() => "SIGTERM",
-            _ = int.recv() => "SIGINT",
-            _ = cancel.cancelled() => return,
-        };
-        tracing::info!("{name} received: stopping");
-        cancel.cancel();
-    });
-    Ok(token)
-}
+use tokio_util::sync::CancellationToken;
 
 /// What a supervised task may return: nothing, or a result whose error says why it ended.
 pub trait TaskOutput: Send + 'static {
@@ -86,7 +54,7 @@ pub struct Supervisor {
 }
 
 impl Supervisor {
-    /// Tasks stop when `shutdown` is cancelled (for example by [`shutdown_on_signals`]);
+    /// Tasks stop when `shutdown` is cancelled (for example on SIGTERM);
     /// graceful ones get `drain` to finish.
     pub fn new(shutdown: CancellationToken, drain: Duration) -> Self {
         Self {
