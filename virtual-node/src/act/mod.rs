@@ -8,6 +8,7 @@
 //! ([`events`]); lower namespaces are made and checked before anything goes in
 //! ([`lower_namespaces`]).
 
+pub mod controller;
 pub mod copies;
 pub mod events;
 pub mod lower_namespaces;

@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
+use tensile_common::{kubeconfig, node_identity};
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
@@ -674,6 +675,49 @@ impl NodeLoop {
                 _ = tokio::time::sleep(next_probe) => {}
                 _ = self.changed.notified() => tokio::time::sleep(Duration::from_millis(300)).await,
                 _ = stop.cancelled() => return,
+            }
+        }
+    }
+}
+
+/// Renews the node's client certificate at 80 % of its lifetime, asking with `asking` (the
+/// configured credential); a request that fails is made again every 10 s. Past the
+/// certificate's end without a new one, the node stops: a restart asks anew.
+pub async fn renew(
+    asking: kube::Client,
+    node: String,
+    credential: kubeconfig::NodeCredential,
+    timeout: Duration,
+) -> Option<String> {
+    loop {
+        let (_, current) = credential.current();
+        // Slept an hour at most at a time, the wall clock read again after each: a
+        // suspended machine or a clock that jumped renews late by an hour at most.
+        let now = node_identity::now_seconds();
+        if now < current.renew_at() {
+            tokio::time::sleep(current.renew_in(now).min(Duration::from_secs(3600))).await;
+            continue;
+        }
+        loop {
+            match node_identity::request(&asking, &node, timeout).await {
+                Ok(issued) => {
+                    tracing::info!(
+                        node,
+                        not_after = issued.not_after,
+                        "node client certificate renewed"
+                    );
+                    credential.replace(issued);
+                    break;
+                }
+                Err(e) if node_identity::now_seconds() >= current.not_after => {
+                    return Some(format!(
+                        "the node's client certificate expired and no new one was issued: {e}"
+                    ));
+                }
+                Err(e) => {
+                    tracing::warn!(node, "renewing the node client certificate: {e}");
+                    tokio::time::sleep(Duration::from_secs(10)).await;
+                }
             }
         }
     }
