@@ -14,7 +14,8 @@
 //! ([`exclusion`]) and the volume pin that exempts a pod from it ([`pin`]), the one
 //! predicate of whether a pod fits a virtual node's lower nodes ([`fit`]) and what a lower
 //! cluster's override rules change of it ([`overrides`]), a label selector read as the API
-//! reads it ([`label_selector`]), exact resource
+//! reads it ([`label_selector`]); what the virtual node and the cluster controller both know
+//! of a lower cluster: identity and marks, the override rules, teardown ([`lower`]); exact resource
 //! arithmetic ([`quantity`], [`resources`]), the kubelet API's shared parsing ([`kubelet`]), and the
 //! memory allocator every binary uses ([`Allocator`]).
 
@@ -29,6 +30,7 @@ pub mod kubeconfig;
 pub mod kubelet;
 pub mod label_selector;
 pub mod leader;
+pub mod lower;
 pub mod names;
 pub mod node_identity;
 pub mod overrides;

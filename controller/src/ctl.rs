@@ -23,9 +23,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use tensile_common::api::{code, message};
 use tensile_common::kubeconfig::ClientOptions;
+use tensile_common::lower::identity::Identity;
+use tensile_common::lower::teardown;
 use tensile_common::names;
-use tensile_virtual_node::teardown;
-use tensile_virtual_node::translate::Identity;
 
 use crate::credential::{self, Endpoint};
 use crate::resource::{Credential, LowerCluster, LowerClusterSpec, condition};
@@ -923,10 +923,10 @@ pub async fn leave(args: &LeaveArgs) -> Result<String, Error> {
         .map_err(api_error("lower", "get", format!("namespace {ns}")))?
         .is_some_and(|found| ours(&found.metadata, name));
     if made_by_join {
-        let kinds = tensile_virtual_node::lower_objects::namespaced_kinds(&lower)
+        let kinds = tensile_common::lower::objects::namespaced_kinds(&lower)
             .await
             .map_err(api_error("lower", "discover", "the kinds it serves"))?;
-        let empty = tensile_virtual_node::lower_objects::namespace_is_empty(&lower, ns, &kinds)
+        let empty = tensile_common::lower::objects::namespace_is_empty(&lower, ns, &kinds)
             .await
             .map_err(api_error("lower", "list", format!("what namespace {ns} holds")))?;
         if !empty {

@@ -98,8 +98,8 @@ pub fn none_in_force(why: &str) -> String {
 /// `spec.overrides` checked: the text the virtual node reads (JSON), and what it holds.
 pub fn checked_overrides(cluster: &LowerCluster) -> Result<(String, String), String> {
     let value = cluster.spec.overrides.clone().unwrap_or_default();
-    let compiled = tensile_virtual_node::overrides::Overrides::from_value(value)
-        .and_then(tensile_virtual_node::overrides::Overrides::compile)
+    let compiled = tensile_common::lower::overrides::Overrides::from_value(value)
+        .and_then(tensile_common::lower::overrides::Overrides::compile)
         .map_err(|e| format!("spec.overrides: {e}"))?;
     let source = compiled.source();
     let text = serde_json::to_string_pretty(source).map_err(|e| format!("spec.overrides: {e}"))?;
@@ -741,7 +741,7 @@ pub(crate) mod tests {
             Some(s.namespace.as_str())
         );
         let text = &config_map.data.as_ref().unwrap()[OVERRIDES_KEY];
-        let read = tensile_virtual_node::overrides::parse(text).unwrap();
+        let read = tensile_common::lower::overrides::parse(text).unwrap();
         assert_eq!(read.rules[0].name, "mirror");
         assert_eq!(read.storage_classes["fast"], "premium");
         let pod = made.deployment.spec.unwrap().template.spec.unwrap();
@@ -774,7 +774,7 @@ pub(crate) mod tests {
             panic!()
         };
         assert_eq!(
-            tensile_virtual_node::overrides::parse(&empty.data.unwrap()[OVERRIDES_KEY]).unwrap(),
+            tensile_common::lower::overrides::parse(&empty.data.unwrap()[OVERRIDES_KEY]).unwrap(),
             Default::default()
         );
         // Refused: the reason; the ConfigMap is not written.

@@ -15,9 +15,9 @@ use kube::runtime::controller::Action;
 use serde_json::json;
 use tensile_common::api::{ApiError, code};
 use tensile_common::kubeconfig::ClientOptions;
+use tensile_common::lower::identity::Identity;
+use tensile_common::lower::teardown;
 use tensile_common::names;
-use tensile_virtual_node::teardown;
-use tensile_virtual_node::translate::Identity;
 
 use crate::approve;
 use crate::credential::{self, Claims};

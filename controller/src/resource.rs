@@ -78,7 +78,7 @@ pub struct LowerClusterSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upper_tokens: Option<UpperTokens>,
     /// Rules applied to every pod that goes to this cluster, and its StorageClass names
-    /// (`tensile_virtual_node::overrides`). Kept as written: it is checked (and refused,
+    /// (`tensile_common::lower::overrides`). Kept as written: it is checked (and refused,
     /// with the reason in the `OverridesAccepted` condition) apart from the rest of the spec.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overrides: Option<serde_json::Value>,

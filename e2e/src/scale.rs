@@ -457,7 +457,7 @@ pub async fn heap_profile(
     use k8s_openapi::api::core::v1::Namespace;
     use kube::runtime::watcher::Config;
     use tensile_common::cache;
-    use tensile_virtual_node::trim;
+    use tensile_virtual_node::model::trim;
 
     let cluster_id = Api::<Namespace>::all(upper_client.clone())
         .get("kube-system")

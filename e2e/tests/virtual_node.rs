@@ -2301,7 +2301,7 @@ spec:
 }
 
 fn tokens_label() -> &'static str {
-    tensile_virtual_node::tokens::TOKEN_LABEL
+    tensile_common::lower::identity::TOKEN_LABEL
 }
 
 #[tokio::test]

@@ -68,7 +68,7 @@ fn route(inner: &Arc<Inner>, node: Option<&str>, mut req: Request<Incoming>) -> 
         }
         (&http::Method::GET, ["metrics", "resource"]) => text(
             StatusCode::OK,
-            tensile_virtual_node::stats::resource_metrics(&super::stats::summary(inner, node)),
+            tensile_virtual_node::serve::stats::resource_metrics(&super::stats::summary(inner, node)),
         ),
         (&http::Method::GET, ["containerLogs", ns, pod, container]) => {
             let options = match LogOptions::from_query(req.uri().query().unwrap_or("")) {

@@ -5,7 +5,7 @@
 
 use jiff::Timestamp;
 use serde_json::{Value, json};
-use tensile_virtual_node::stats::Usage;
+use tensile_virtual_node::serve::stats::Usage;
 
 use super::Inner;
 

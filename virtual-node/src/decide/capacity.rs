@@ -20,8 +20,8 @@ use tensile_common::quantity::parse_milli;
 use tensile_common::shape::{self, Group, Shape, covers, usable};
 use tokio::time::Instant;
 
-use crate::translate::Identity;
-use crate::trim::PodLoad;
+use crate::model::trim::PodLoad;
+use tensile_common::lower::identity::Identity;
 
 /// How the capacity shape is formed.
 #[derive(Clone, Debug, clap::Args)]
@@ -392,7 +392,7 @@ mod tests {
         assert_eq!(cap.allocatable.to_strings()["pods"], "19");
         assert_eq!(cap.usable_nodes, 2);
         assert_eq!(cap.quotas, Some(vec!["b".to_owned(), "c".to_owned()]));
-        let (status, reason, message) = crate::node::room_condition_for_tests(&cap);
+        let (status, reason, message) = crate::decide::node::room_condition_for_tests(&cap);
         assert_eq!((status, reason), ("True", "ServedNamespaceQuotas"));
         assert!(
             message.contains("b, c bound(s) no cpu, memory or pods"),
@@ -403,7 +403,7 @@ mod tests {
         assert_eq!(none.usable_nodes, 0);
         assert!(none.allocatable.0.is_empty(), "no quota: no room, never assumed");
         assert_eq!(
-            crate::node::room_condition_for_tests(&none).1,
+            crate::decide::node::room_condition_for_tests(&none).1,
             "NoServedNamespaceQuota"
         );
     }

@@ -12,15 +12,15 @@
 //! their grace period, a namespace terminating) and which kinds the credential may not list
 //! or delete. The caller repeats it until [`Removal::done`].
 
+use crate::cache::Namespaces;
+use crate::names;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, PropagationPolicy};
 use kube::core::DynamicObject;
 use kube::discovery::{Scope, verbs};
-use tensile_common::cache::Namespaces;
-use tensile_common::names;
 
-use crate::lower_objects;
-use crate::translate::Identity;
+use crate::lower::identity::Identity;
+use crate::lower::objects;
 
 /// What one pass found.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -120,7 +120,7 @@ pub async fn remove_everything(
     served: &Namespaces,
 ) -> Result<Removal, kube::Error> {
     let mut removal = Removal::default();
-    let kinds = lower_objects::kinds(client).await?;
+    let kinds = objects::kinds(client).await?;
     let own = ListParams::default().labels(&identity.selector());
     sweep(
         client,
@@ -133,10 +133,10 @@ pub async fn remove_everything(
     .await?;
     // The pods' Secrets of upper tokens go with their lower pods; any left (a lower cluster
     // whose garbage collector is behind) go here.
-    let tokens = ListParams::default().labels(&crate::tokens::selector(identity));
+    let tokens = ListParams::default().labels(&identity.token_selector());
     let token_of = |meta: &ObjectMeta| {
         let labels = meta.labels.as_ref();
-        labels.and_then(|l| l.get(crate::tokens::TOKEN_LABEL)) == Some(&identity.cluster_id)
+        labels.and_then(|l| l.get(crate::lower::identity::TOKEN_LABEL)) == Some(&identity.cluster_id)
             && labels.and_then(|l| l.get(names::MARK_NODE)) == Some(&identity.node)
     };
     let secrets: Vec<_> = kinds
@@ -200,9 +200,7 @@ async fn sweep(
         if !caps.supports_operation(verbs::LIST) || !caps.supports_operation(verbs::DELETE) {
             continue;
         }
-        if lower_objects::is_events(resource)
-            || (resource.group.is_empty() && resource.plural == "namespaces")
-        {
+        if objects::is_events(resource) || (resource.group.is_empty() && resource.plural == "namespaces") {
             continue;
         }
         let apis: Vec<Api<DynamicObject>> = match served {
@@ -219,7 +217,7 @@ async fn sweep(
         for api in apis {
             match api.list_metadata(params).await {
                 Ok(list) => items.extend(list.items),
-                Err(e) if matches!(tensile_common::api::code(&e), Some(403) | Some(405)) => {
+                Err(e) if matches!(crate::api::code(&e), Some(403) | Some(405)) => {
                     if !removal.unseen.contains(&kind_name(resource)) {
                         removal.unseen.push(kind_name(resource));
                     }
@@ -263,11 +261,9 @@ async fn sweep(
                 };
                 match api.delete(&name, &exact).await {
                     Ok(_) => tracing::info!(object = %at, "teardown: deleted"),
-                    Err(e) if matches!(tensile_common::api::code(&e), Some(404) | Some(409)) => continue,
-                    Err(e) if tensile_common::api::code(&e) == Some(403) => {
-                        removal
-                            .refused
-                            .push(format!("{at}: {}", tensile_common::api::message(&e)));
+                    Err(e) if matches!(crate::api::code(&e), Some(404) | Some(409)) => continue,
+                    Err(e) if crate::api::code(&e) == Some(403) => {
+                        removal.refused.push(format!("{at}: {}", crate::api::message(&e)));
                         continue;
                     }
                     Err(e) => return Err(e),
@@ -290,7 +286,7 @@ async fn remove_namespaces(
     let api: Api<Namespace> = Api::all(client.clone());
     let list = match api.list_metadata(params).await {
         Ok(list) => list,
-        Err(e) if tensile_common::api::code(&e) == Some(403) => {
+        Err(e) if crate::api::code(&e) == Some(403) => {
             removal.unseen.push(kind_name(resource));
             return Ok(());
         }
@@ -308,29 +304,27 @@ async fn remove_namespaces(
             continue;
         }
         if inside.is_none() {
-            inside = Some(lower_objects::namespaced_kinds(client).await?);
+            inside = Some(objects::namespaced_kinds(client).await?);
         }
         let kinds = inside.as_deref().unwrap_or_default();
-        let empty = match lower_objects::namespace_is_empty(client, &name, kinds).await {
+        let empty = match objects::namespace_is_empty(client, &name, kinds).await {
             Ok(empty) => empty,
             // A kind the credential may not list there: it cannot say the namespace is empty.
-            Err(e) if tensile_common::api::code(&e) == Some(403) => false,
+            Err(e) if crate::api::code(&e) == Some(403) => false,
             Err(e) => return Err(e),
         };
         if !empty {
             tracing::info!(namespace = %name, "teardown: a namespace we made holds objects of others: kept");
             continue;
         }
-        match tensile_common::api::delete_exact(&api, &name, ns.metadata.uid.clone(), None).await {
-            Ok(tensile_common::api::Deleted::Accepted) => {
+        match crate::api::delete_exact(&api, &name, ns.metadata.uid.clone(), None).await {
+            Ok(crate::api::Deleted::Accepted) => {
                 tracing::info!(namespace = %name, "teardown: deleted");
                 removal.remaining.push(at);
             }
-            Ok(tensile_common::api::Deleted::AlreadyGone) => {}
-            Err(e) if tensile_common::api::code(&e) == Some(403) => {
-                removal
-                    .refused
-                    .push(format!("{at}: {}", tensile_common::api::message(&e)));
+            Ok(crate::api::Deleted::AlreadyGone) => {}
+            Err(e) if crate::api::code(&e) == Some(403) => {
+                removal.refused.push(format!("{at}: {}", crate::api::message(&e)));
             }
             Err(e) => return Err(e),
         }

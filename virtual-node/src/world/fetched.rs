@@ -20,8 +20,8 @@ use kube::api::Api;
 use tensile_common::cache::Cache;
 use tokio::sync::{Notify, watch};
 
-use crate::copies::Reflected;
-use crate::trim::UpperPod;
+use crate::model::reflected::Reflected;
+use crate::model::trim::UpperPod;
 
 /// What is known of one upper object.
 #[derive(Debug)]

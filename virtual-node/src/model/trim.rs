@@ -23,7 +23,7 @@ use tensile_common::names;
 use tensile_common::quantity::ResourceMap;
 use tensile_common::resources::{is_terminal, pod_requests};
 
-use crate::refs::{self, Kind};
+use crate::model::refs::{self, Kind};
 
 /// What a lower pod puts on its node and which objects it needs below: what the cache of
 /// every unfinished lower pod keeps of each.
@@ -152,7 +152,7 @@ impl UpperPod {
             .collect();
         UpperPod {
             node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
-            terminal: crate::translate::is_terminal(&pod),
+            terminal: is_terminal(&pod),
             references,
             claims: refs::claims(&pod),
             packed: Packed::pack(pod),
@@ -207,8 +207,8 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-    use crate::translate::Identity;
     use serde_json::json;
+    use tensile_common::lower::identity::Identity;
 
     fn identity() -> Identity {
         Identity {
@@ -336,7 +336,7 @@ mod tests {
             let mut expected = full.clone();
             expected.metadata.managed_fields = None;
             assert_eq!(kept.pod().unwrap(), expected, "{phase}");
-            assert_eq!(kept.terminal, crate::translate::is_terminal(&full), "{phase}");
+            assert_eq!(kept.terminal, is_terminal(&full), "{phase}");
             assert_eq!(kept.node.as_deref(), Some("vn"));
             let refs: Vec<(Kind, String)> = refs::upper_references(&full)
                 .into_iter()
@@ -385,8 +385,8 @@ mod tests {
             })
             .collect();
         let loads: Vec<PodLoad> = pods.iter().cloned().map(PodLoad::of).collect();
-        let full = crate::capacity::compute(&nodes, &loads, &identity());
-        let small = crate::capacity::compute(&small_nodes, &loads, &identity());
+        let full = crate::decide::capacity::compute(&nodes, &loads, &identity());
+        let small = crate::decide::capacity::compute(&small_nodes, &loads, &identity());
         assert_eq!(small, full);
         assert_eq!(full.usable_nodes, 2);
         // One foreign unfinished pod on a usable node: 500m + 250m, raised to the init
@@ -417,7 +417,7 @@ mod tests {
 
     #[test]
     fn the_pod_controller_decides_the_same_on_a_trimmed_lower_pod() {
-        let t = crate::translate::tests::translation();
+        let t = crate::decide::translate::tests::translation();
         let upper: Pod = serde_json::from_value(json!({
             "metadata": {"name": "web-1", "namespace": "shop", "uid": "u-1", "labels": {"app": "web"},
                 "annotations": {"note": "new",
@@ -475,11 +475,23 @@ mod tests {
         }
         assert_eq!(t.update_patch(&desired, &small), patch);
         assert_eq!(
-            crate::translate::upper_status(&upper, &small, None, "10.1.0.1", jiff::Timestamp::UNIX_EPOCH),
-            crate::translate::upper_status(&upper, &full, None, "10.1.0.1", jiff::Timestamp::UNIX_EPOCH)
+            crate::decide::translate::upper_status(
+                &upper,
+                &small,
+                None,
+                "10.1.0.1",
+                jiff::Timestamp::UNIX_EPOCH
+            ),
+            crate::decide::translate::upper_status(
+                &upper,
+                &full,
+                None,
+                "10.1.0.1",
+                jiff::Timestamp::UNIX_EPOCH
+            )
         );
-        let none = crate::overrides::Compiled::none();
-        let view = crate::pods::View {
+        let none = tensile_common::lower::overrides::Compiled::none();
+        let view = crate::decide::pods::View {
             translation: &t,
             overrides: &none,
             run_daemonset_pods: false,
@@ -487,16 +499,16 @@ mod tests {
             cluster_name: "lower-a",
         };
         assert_eq!(
-            crate::pods::decide(&upper, Some(&small), &view),
-            crate::pods::decide(&upper, Some(&full), &view)
+            crate::decide::pods::decide(&upper, Some(&small), &view),
+            crate::decide::pods::decide(&upper, Some(&full), &view)
         );
         let mut deleted = upper.clone();
         deleted.metadata.deletion_timestamp = full.metadata.creation_timestamp.clone().or(Some(
             k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
         ));
         assert_eq!(
-            crate::pods::decide(&deleted, Some(&small), &view),
-            crate::pods::decide(&deleted, Some(&full), &view)
+            crate::decide::pods::decide(&deleted, Some(&small), &view),
+            crate::decide::pods::decide(&deleted, Some(&full), &view)
         );
     }
 }

@@ -1,6 +1,6 @@
 //! What a lower cluster holds, seen through discovery: which kinds it serves, and whether a
-//! namespace holds anything of anyone's. Read by namespace collection ([`crate::pods`]) and
-//! by the teardown of a whole virtual node ([`crate::teardown`]).
+//! namespace holds anything of anyone's. Read by the virtual node's namespace collection, by
+//! the teardown of a whole virtual node ([`crate::lower::teardown`]) and by `tensilectl leave`.
 
 use kube::api::{Api, ListParams};
 use kube::core::DynamicObject;

@@ -4,61 +4,18 @@
 use std::collections::BTreeMap;
 
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Affinity, Pod, PodSpec, Volume, VolumeProjection};
+use k8s_openapi::api::core::v1::{Affinity, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{Value, json};
 use tensile_common::names;
 use tensile_common::stash::Stash;
 
-use crate::scale_ups::Signal;
-
-/// Who we are: every lower object we create carries these marks.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Identity {
-    /// Id of the upper cluster (by default its kube-system namespace UID).
-    pub cluster_id: String,
-    /// The virtual node's name.
-    pub node: String,
-}
-
-impl Identity {
-    /// Label selector matching exactly the lower objects of this virtual node.
-    pub fn selector(&self) -> String {
-        format!(
-            "{}={},{}={}",
-            names::MARK_CLUSTER,
-            self.cluster_id,
-            names::MARK_NODE,
-            self.node
-        )
-    }
-
-    /// True when `meta` carries our cluster and node marks.
-    pub fn owns(&self, meta: &ObjectMeta) -> bool {
-        let labels = meta.labels.as_ref();
-        let get = |k: &str| labels.and_then(|l| l.get(k)).map(String::as_str);
-        get(names::MARK_CLUSTER) == Some(self.cluster_id.as_str())
-            && get(names::MARK_NODE) == Some(self.node.as_str())
-    }
-
-    /// Our marks as labels.
-    pub fn marks(&self) -> BTreeMap<String, String> {
-        BTreeMap::from([
-            (names::MARK_CLUSTER.to_owned(), self.cluster_id.clone()),
-            (names::MARK_NODE.to_owned(), self.node.clone()),
-        ])
-    }
-}
-
-/// The upper pod UID a lower pod of ours was made for.
-pub fn upper_uid(lower: &impl kube::Resource) -> Option<&str> {
-    lower
-        .meta()
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(names::MARK_UPPER_UID))
-        .map(String::as_str)
-}
+use crate::model::refs::is_upper_api_source;
+use crate::model::refs::is_upper_token_volume;
+use crate::model::refs::service_account;
+use crate::model::scale_ups::Signal;
+use tensile_common::lower::identity::Identity;
+use tensile_common::resources::is_terminal;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -82,46 +39,8 @@ pub struct Translation {
     /// With keys, only stashes the webhook signed for their pod are applied
     /// (`--stash-key-file`, one or more).
     pub stash_key: Option<std::sync::Arc<tensile_common::stash::StashKeys>>,
-    /// With `--upper-service-account-tokens`: pods get upper tokens below ([`crate::tokens`]).
-    pub tokens: Option<std::sync::Arc<crate::tokens::Settings>>,
-}
-
-/// The service account a pod runs as upstream.
-pub fn service_account(spec: &PodSpec) -> String {
-    spec.service_account_name
-        .clone()
-        .or_else(|| spec.service_account.clone())
-        .unwrap_or_else(|| "default".into())
-}
-
-/// A volume through which a pod reaches the upper API: a secret-based `<sa>-token-*` volume,
-/// or a projected volume with a `serviceAccountToken` source (what the upper cluster's
-/// service-account admission adds as `kube-api-access-*`, or a pod's own). In a projected one
-/// only the upper-API sources ([`is_upper_api_source`]) are the upper cluster's; its other
-/// sources are the pod's, judged one by one as in any volume, as a kubelet does.
-pub fn is_upper_token_volume(v: &Volume, service_account: &str) -> bool {
-    if let Some(secret) = &v.secret {
-        let prefix = format!("{service_account}-token-");
-        return secret
-            .secret_name
-            .as_deref()
-            .is_some_and(|n| n.starts_with(&prefix));
-    }
-    v.projected
-        .iter()
-        .flat_map(|p| p.sources.iter().flatten())
-        .any(|s| s.service_account_token.is_some())
-}
-
-/// A source of an upper token volume ([`is_upper_token_volume`]) that belongs to the upper
-/// API: a token, or the upper cluster's root CA published beside it (`kube-root-ca.crt`, which
-/// the lower cluster publishes in every namespace too).
-pub fn is_upper_api_source(source: &VolumeProjection) -> bool {
-    source.service_account_token.is_some()
-        || source
-            .config_map
-            .as_ref()
-            .is_some_and(|c| c.name == crate::tokens::ROOT_CA_CONFIG_MAP)
+    /// With `--upper-service-account-tokens`: pods get upper tokens below ([`crate::decide::tokens`]).
+    pub tokens: Option<std::sync::Arc<crate::decide::tokens::Settings>>,
 }
 
 /// Takes the upper API out of `spec` where no upper token replaces it: a secret-based token
@@ -183,7 +102,7 @@ impl Translation {
                     "kubectl.kubernetes.io/last-applied-configuration",
                     names::COPIED_LABELS,
                     names::COPIED_ANNOTATIONS,
-                    crate::tokens::TOKEN_SECRET_ANNOTATION,
+                    crate::decide::tokens::TOKEN_SECRET_ANNOTATION,
                     names::OVERRIDES,
                 ]
                 .contains(&k.as_str())
@@ -233,7 +152,12 @@ impl Translation {
             .as_ref()
             .filter(|t| t.applies(namespace))
             .is_some_and(|t| {
-                crate::tokens::rewrite(&mut spec, &service_account, &crate::tokens::secret_name(uid), t)
+                crate::decide::tokens::rewrite(
+                    &mut spec,
+                    &service_account,
+                    &crate::decide::tokens::secret_name(uid),
+                    t,
+                )
             });
         spec.service_account_name = None;
         spec.service_account = None;
@@ -286,8 +210,8 @@ impl Translation {
         annotations.insert(names::COPIED_ANNOTATIONS.to_owned(), copied_annotations);
         if rewritten {
             annotations.insert(
-                crate::tokens::TOKEN_SECRET_ANNOTATION.to_owned(),
-                crate::tokens::secret_name(uid),
+                crate::decide::tokens::TOKEN_SECRET_ANNOTATION.to_owned(),
+                crate::decide::tokens::secret_name(uid),
             );
         }
         Ok(Pod {
@@ -454,10 +378,6 @@ pub fn phase(pod: &Pod) -> &str {
         .unwrap_or("Pending")
 }
 
-pub fn is_terminal(pod: &Pod) -> bool {
-    matches!(phase(pod), "Succeeded" | "Failed")
-}
-
 /// Whether `lower` shows nothing yet but that it is on its way: Pending with no reason or
 /// message, not refused by the lower scheduler, and every container at most being created.
 /// A waiting reason such as `ImagePullBackOff`, an `Unschedulable` verdict or a started
@@ -611,7 +531,7 @@ pub fn changed_conditions(upper: &Pod, desired: &[Value]) -> Vec<Value> {
 /// lower scheduler has nominated a node for it (`status.nominatedNodeName`: it preempted pods
 /// there and waits for them to end); otherwise reason `ScaleUp`, with the autoscaler's
 /// message, when the pod's latest scale-up signal below says a node is being added for it
-/// ([`crate::scale_ups`]; not when it is cluster-autoscaler's `NotTriggerScaleUp`).
+/// ([`crate::model::scale_ups`]; not when it is cluster-autoscaler's `NotTriggerScaleUp`).
 /// Its `lastTransitionTime` is when the upper pod first showed it (kept while it holds, `now`
 /// otherwise), from which the descheduler bounds how long it protects the pod. The upper
 /// pod's own `status.nominatedNodeName` cannot carry it: an apiserver of 1.35 or later
@@ -756,6 +676,7 @@ pub fn upper_status(
 pub(crate) mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::Toleration;
+    use tensile_common::lower::identity::upper_uid;
 
     /// A translation for node `vn` of upper cluster `c1`, keeping label `team` upstream.
     pub(crate) fn translation() -> Translation {
@@ -863,7 +784,7 @@ pub(crate) mod tests {
 
     #[test]
     fn in_the_upper_token_mode_the_token_volumes_read_the_pods_secret_in_its_namespaces_only() {
-        let settings = crate::tokens::Settings::new(
+        let settings = crate::decide::tokens::Settings::new(
             "https://upper.example:6443",
             "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n".into(),
             vec!["shop".into()],
@@ -895,7 +816,7 @@ pub(crate) mod tests {
         let lower = t.lower_pod(&upper()).unwrap();
         assert_eq!(
             kube::ResourceExt::annotations(&lower)
-                .get(crate::tokens::TOKEN_SECRET_ANNOTATION)
+                .get(crate::decide::tokens::TOKEN_SECRET_ANNOTATION)
                 .map(String::as_str),
             Some("tensile-upper-token-u-1"),
             "the token keeper writes tokens only for a lower pod made to mount them"
@@ -952,7 +873,7 @@ pub(crate) mod tests {
         let pod = upper_with_own_projection();
         // Its own sources travel (copied and conflict-checked like any other), the upper
         // API's stay behind; a name alone makes no volume the upper API's.
-        let references: Vec<(String, String)> = crate::refs::upper_references(&pod)
+        let references: Vec<(String, String)> = crate::model::refs::upper_references(&pod)
             .into_iter()
             .map(|r| (r.kind.to_string(), r.name))
             .collect();
@@ -990,7 +911,7 @@ pub(crate) mod tests {
 
         // With upper tokens: the token and root CA read the pod's Secret of upper tokens; the
         // other sources are still the pod's own references, never part of that Secret.
-        let settings = crate::tokens::Settings::new(
+        let settings = crate::decide::tokens::Settings::new(
             "https://upper.example:6443",
             "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n".into(),
             vec!["shop".into()],
@@ -1012,7 +933,7 @@ pub(crate) mod tests {
             s["volumes"][2],
             json!({"name": "kube-api-access-lookalike", "projected": {"sources": [{"secret": {"name": "other-pods-secret"}}]}})
         );
-        let wanted = crate::tokens::wanted(pod.spec.as_ref().unwrap(), "builder");
+        let wanted = crate::decide::tokens::wanted(pod.spec.as_ref().unwrap(), "builder");
         assert_eq!(
             wanted.len(),
             2,
@@ -1446,7 +1367,7 @@ pub(crate) mod tests {
 
     #[test]
     fn a_scale_up_below_comes_up_as_the_nomination_with_the_autoscalers_message_until_bound_or_declined() {
-        use crate::scale_ups::{NOMINATED, NOT_TRIGGERED, Signal, TRIGGERED};
+        use crate::model::scale_ups::{NOMINATED, NOT_TRIGGERED, Signal, TRIGGERED};
         let lower = |node_name: Value, nominated: Value| -> Pod {
             serde_json::from_value(
                 json!({"spec": {"containers": [], "nodeName": node_name}, "status": {

@@ -1,11 +1,19 @@
 //! The world: every watch cache a virtual node reads, built in one place, with one gate that
 //! opens once all of them have listed ([`World::synced`]). The pod controller, the node loop,
 //! the copy and volume resyncs and the kubelet API read the world; none builds a watch of its
-//! own. Each cache keeps only what its readers read ([`crate::trim`]).
+//! own. Each cache keeps only what its readers read ([`crate::model::trim`]).
 //!
 //! Building the world starts nothing: [`Watches`] holds the futures that keep the caches
 //! current (the caller runs them, each named) and the pod controller's trigger streams, and
 //! [`Signals`] the wake-ups each resync waits on.
+//!
+//! Beside the caches: [`fetched`] (upper ConfigMaps and Secrets read by name, for a credential
+//! that may not list them), [`overrides`] (the override file in force, followed as it
+//! changes) and [`scale_ups`] (the lower autoscalers' signals on pending pods).
+
+pub mod fetched;
+pub mod overrides;
+pub mod scale_ups;
 
 use std::sync::Arc;
 
@@ -21,10 +29,9 @@ use kube::runtime::watcher;
 use tensile_common::cache::{self, Cache, LeanPod, Namespaces, watched, watched_in};
 use tokio::sync::Notify;
 
-use crate::copies::ServiceStores;
-use crate::fetched::{Fetched, fetched};
-use crate::translate::Identity;
-use crate::trim::{self, LowerPod, PodLoad, UpperPod};
+use crate::model::trim::{self, LowerPod, PodLoad, UpperPod};
+use crate::world::fetched::{Fetched, fetched};
+use tensile_common::lower::identity::Identity;
 
 /// Every cache of one virtual node.
 #[derive(Clone)]
@@ -87,11 +94,11 @@ pub struct Scope {
     pub services: bool,
     /// With `services`: kube-system's Services and `default/kubernetes` too.
     pub system_services: bool,
-    /// The budget of by-name reads of upper ConfigMaps and Secrets ([`crate::fetched`]).
+    /// The budget of by-name reads of upper ConfigMaps and Secrets ([`crate::world::fetched`]).
     pub upper_reads_per_second: u32,
     /// The lower namespaces read and written: every one, or the served ones.
     pub lower: Namespaces,
-    /// Pods get upper service-account tokens ([`crate::tokens`]).
+    /// Pods get upper service-account tokens (`--upper-service-account-tokens`).
     pub tokens: bool,
 }
 
@@ -233,7 +240,7 @@ impl World {
                 let (cache, watch) = watched_in::<Secret>(
                     lower,
                     below,
-                    watcher::Config::default().labels(&crate::tokens::selector(identity)),
+                    watcher::Config::default().labels(&identity.token_selector()),
                     &signals.tokens_changed,
                 );
                 feeds.push(("the token Secret watch", watch));
@@ -309,73 +316,14 @@ impl World {
     }
 }
 
-/// The one resync loop of the copy and volume passes: once the world has listed, `pass` runs
-/// on every `changed` wake-up (50 ms later, so a burst of events is one pass) and at least
-/// every second; a pass stuck past `deadline` is dropped (counted as an API error of `side`
-/// and `timeout`) and the next begins. A pass that returns `true` learnt something the next
-/// pass needs at once.
-pub async fn resync<F, Fut>(
-    (side, timeout): (&'static str, &'static str),
-    world: World,
-    changed: Arc<Notify>,
-    deadline: std::time::Duration,
-    metrics: Arc<crate::metrics::Metrics>,
-    mut pass: F,
-) where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    world.synced().await;
-    loop {
-        let again = match tokio::time::timeout(deadline, pass()).await {
-            Ok(again) => again,
-            Err(_) => {
-                metrics.api_error(side, timeout);
-                tracing::warn!(
-                    "a resync pass ({timeout}) took longer than {deadline:?}; the next one goes on"
-                );
-                false
-            }
-        };
-        if again {
-            continue;
-        }
-        tokio::select! {
-            _ = changed.notified() => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
-            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
-        }
-    }
-}
-
-/// One planned write being performed; `true` when it learnt something the next pass needs
-/// at once.
-pub type Act<'a> = BoxFuture<'a, Result<bool, tensile_common::api::ApiError>>;
-
-/// The one executor of planned writes (copies, claims, volumes): performs `writes` with at
-/// most `concurrency` in flight, counts each failure as an API error of its cluster and
-/// `kind` and logs it (the next pass plans again from the world, so nothing is retried
-/// here). `true` when some write learnt something the next pass needs at once.
-pub async fn act(
-    writes: Vec<Act<'_>>,
-    concurrency: usize,
-    kind: &'static str,
-    metrics: &crate::metrics::Metrics,
-) -> bool {
-    let learned = std::sync::atomic::AtomicBool::new(false);
-    futures::stream::iter(writes)
-        .for_each_concurrent(concurrency, |write| {
-            let learned = &learned;
-            async move {
-                match write.await {
-                    Ok(true) => learned.store(true, std::sync::atomic::Ordering::Relaxed),
-                    Ok(false) => {}
-                    Err(e) => {
-                        metrics.api_error(e.cluster, kind);
-                        tracing::warn!("{kind} resync: {e}");
-                    }
-                }
-            }
-        })
-        .await;
-    learned.into_inner()
+/// The watch caches of Service reflection.
+#[derive(Clone)]
+pub struct ServiceStores {
+    pub upper_services: Cache<Service>,
+    pub upper_endpoints: Cache<Endpoints>,
+    /// Lower Services and Endpoints carrying this upper cluster's mark.
+    pub lower_services: Cache<Service>,
+    pub lower_endpoints: Cache<Endpoints>,
+    /// Also reflect kube-system's Services and `default/kubernetes`.
+    pub include_system: bool,
 }

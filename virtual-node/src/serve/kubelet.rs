@@ -1,7 +1,7 @@
 //! The kubelet API of the virtual node, over TLS on `--kubelet-port`: the upper apiserver
 //! proxies `kubectl logs` here, and we forward to the lower cluster's `pods/log`;
 //! `kubectl exec`, `attach` and `port-forward` are spliced to the lower apiserver
-//! ([`crate::streams`]).
+//! ([`crate::serve::streams`]).
 //!
 //! Callers must present a client certificate signed by `--client-verify-ca` (the upper
 //! apiserver's kubelet-client CA); a caller without one gets 401. Serving without
@@ -22,21 +22,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tensile_common::cache::Cache;
-use tensile_common::serve::{self, Peer};
+use tensile_common::serve::Peer;
 
-use crate::streams;
+use crate::serve::streams;
 
-use bytes::Bytes;
-use futures::{AsyncReadExt, StreamExt};
-use http::{Request, Response, StatusCode};
-use hyper::body::Incoming;
 use k8s_openapi::api::authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec};
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, LogParams, PostParams};
+use kube::api::{Api, PostParams};
 use kube::runtime::reflector::ObjectRef;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use tensile_common::kubelet::{Body, LogOptions, streamed, text};
 use tokio::net::TcpListener;
 
 /// How callers are authenticated.
@@ -193,7 +187,7 @@ impl Authorizer {
     }
 
     /// Whether `attributes` are allowed on node `node`; `Err` says why none could be had.
-    async fn allows(&self, node: &str, attributes: &Attributes) -> Result<bool, String> {
+    pub async fn allows(&self, node: &str, attributes: &Attributes) -> Result<bool, String> {
         let (upper, decisions) = match self {
             Authorizer::AlwaysAllow => return Ok(true),
             Authorizer::Webhook { upper, decisions } => (upper, decisions),
@@ -270,7 +264,7 @@ fn certificate_identity(der: &[u8]) -> Result<(String, Vec<String>), &'static st
 }
 
 /// The kubelet's verb for a method.
-fn verb(method: &http::Method) -> &'static str {
+pub fn verb(method: &http::Method) -> &'static str {
     match *method {
         http::Method::POST => "create",
         http::Method::PUT => "update",
@@ -283,10 +277,10 @@ fn verb(method: &http::Method) -> &'static str {
 /// What a request handler needs.
 pub struct KubeletState {
     pub node: String,
-    pub upper_pods: Cache<crate::trim::UpperPod>,
+    pub upper_pods: Cache<crate::model::trim::UpperPod>,
     /// This node's lower pods (our marks): a call goes below only to the lower pod made for
     /// the upper pod named in the path.
-    pub lower_pods: Cache<crate::trim::LowerPod>,
+    pub lower_pods: Cache<crate::model::trim::LowerPod>,
     /// The lower nodes' summaries of the last `/stats/summary` fan-out, shared by the scrapes
     /// of the next [`SUMMARY_TTL`].
     pub summaries: tokio::sync::Mutex<Option<(Instant, Arc<Vec<serde_json::Value>>)>>,
@@ -302,223 +296,11 @@ pub struct KubeletState {
     pub read_lower_nodes: bool,
 }
 
-pub async fn serve(
-    listener: TcpListener,
-    config: Arc<rustls::ServerConfig>,
-    limits: serve::Limits,
-    counters: Arc<serve::Counters>,
-    state: Arc<KubeletState>,
-    stop: tokio_util::sync::CancellationToken,
-) {
-    // Every spliced session ends with the server, also when this future is dropped.
-    let _sessions = state.sessions.stop.clone().drop_guard();
-    serve::serve(listener, config, limits, counters, stop, move |req, peer| {
-        let state = state.clone();
-        async move { route(&state, &peer, req).await }
-    })
-    .await
-}
-
-async fn route(state: &KubeletState, peer: &Peer, req: Request<Incoming>) -> Response<Body> {
-    let identity = match identity(peer) {
-        Ok(identity) => identity,
-        Err(refusal) => return text(StatusCode::UNAUTHORIZED, refusal),
-    };
-    if state.require_client_cert && identity.is_none() {
-        return text(
-            StatusCode::UNAUTHORIZED,
-            "a client certificate signed by the kubelet client CA (--client-verify-ca) is required",
-        );
-    }
-    let path = req.uri().path().to_owned();
-    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    if segments.as_slice() == ["healthz"] {
-        return text(StatusCode::OK, "ok");
-    }
-    let (user, groups) = identity.unwrap_or_else(|| {
-        (
-            "system:anonymous".to_owned(),
-            vec!["system:unauthenticated".to_owned()],
-        )
-    });
-    let attributes = Attributes {
-        user,
-        groups,
-        verb: verb(req.method()),
-        subresource: subresource(&segments),
-    };
-    match state.authorizer.allows(&state.node, &attributes).await {
-        Ok(true) => {}
-        Ok(false) => {
-            return text(
-                StatusCode::FORBIDDEN,
-                format!(
-                    "user {} may not {} nodes/{} of node {}",
-                    attributes.user, attributes.verb, attributes.subresource, state.node
-                ),
-            );
-        }
-        Err(e) => {
-            return text(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("authorisation failed: {e}"),
-            );
-        }
-    }
-    if let Some(target) = streams::parse_path(&segments) {
-        let target = match target {
-            Ok(t) => t,
-            Err(e) => return streams::refusal(StatusCode::BAD_REQUEST, e),
-        };
-        if !matches!(*req.method(), http::Method::GET | http::Method::POST) {
-            return streams::refusal(
-                StatusCode::METHOD_NOT_ALLOWED,
-                format!("{path}: {} takes GET or POST", target.kind.name()),
-            );
-        }
-        let path = PodPath {
-            namespace: &target.namespace,
-            name: &target.pod,
-            uid: target.uid.as_deref(),
-        };
-        if let Err(e) = resolve_in(state, path) {
-            state.metrics.stream_refused(target.kind.name(), "not_on_node");
-            return streams::refusal(StatusCode::NOT_FOUND, e);
-        }
-        return streams::splice(&state.lower, &state.metrics, &state.sessions, &target, req).await;
-    }
-    match segments.as_slice() {
-        ["stats", "summary"] | ["metrics", "resource"] if req.method() == http::Method::GET => {
-            match summary(state).await {
-                Ok(summary) if segments[0] == "stats" => json(&summary),
-                Ok(summary) => text(StatusCode::OK, crate::stats::resource_metrics(&summary)),
-                Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, e),
-            }
-        }
-        ["containerLogs", ns, pod, container] if req.method() == http::Method::GET => {
-            match LogOptions::from_query(req.uri().query().unwrap_or("")) {
-                Ok(options) => logs(state, ns, pod, container, options).await,
-                Err(e) => text(StatusCode::BAD_REQUEST, e),
-            }
-        }
-        ["containerLogs", ..] => text(
-            StatusCode::BAD_REQUEST,
-            format!("{path}: expected GET /containerLogs/{{namespace}}/{{pod}}/{{container}}"),
-        ),
-        _ => text(
-            StatusCode::NOT_FOUND,
-            format!("{path}: not served by this virtual node"),
-        ),
-    }
-}
-
-fn json(value: &serde_json::Value) -> Response<Body> {
-    let mut response = text(StatusCode::OK, value.to_string());
-    response.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("application/json"),
-    );
-    response
-}
-
 /// How long the lower nodes' summaries of one fan-out answer later scrapes: metrics-server
 /// and `kubectl top` scrape every 15 s or more, so a scrape storm costs one fan-out.
 pub const SUMMARY_TTL: Duration = Duration::from_secs(5);
 /// Lower nodes asked for their summary at once.
 pub const SUMMARY_CONCURRENCY: usize = 8;
-
-/// The lower nodes' summaries, from the last fan-out when it is younger than [`SUMMARY_TTL`].
-/// Concurrent scrapes wait on one fan-out instead of each starting their own.
-async fn lower_summaries(state: &KubeletState) -> Result<Arc<Vec<serde_json::Value>>, String> {
-    if !state.read_lower_nodes {
-        return Err(
-            "usage is read from the lower nodes' summaries, and a namespace-scoped virtual node (--lower-namespaces) reads no lower node"
-                .into(),
-        );
-    }
-    let mut last = state.summaries.lock().await;
-    if let Some((at, summaries)) = last.as_ref()
-        && at.elapsed() < SUMMARY_TTL
-    {
-        return Ok(summaries.clone());
-    }
-    let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(state.lower.clone())
-        .list_metadata(&Default::default())
-        .await
-        .map_err(|e| format!("the lower cluster cannot be reached: {e}"))?;
-    let fetches = nodes
-        .items
-        .into_iter()
-        .filter_map(|n| n.metadata.name)
-        .map(|name| {
-            let lower = state.lower.clone();
-            async move {
-                let request = http::Request::get(format!("/api/v1/nodes/{name}/proxy/stats/summary"))
-                    .body(Vec::new())
-                    .map_err(|e| e.to_string())?;
-                let text = lower
-                    .request_text(request)
-                    .await
-                    .map_err(|e| format!("{name}: {e}"))?;
-                serde_json::from_str::<serde_json::Value>(&text).map_err(|e| format!("{name}: {e}"))
-            }
-        });
-    let results: Vec<_> = futures::stream::iter(fetches)
-        .buffer_unordered(SUMMARY_CONCURRENCY)
-        .collect()
-        .await;
-    let mut summaries = Vec::new();
-    for result in results {
-        match result {
-            Ok(s) => summaries.push(s),
-            // A node that does not answer counts as using nothing, as metrics-server skips it.
-            Err(e) => tracing::debug!(error = %e, "lower node summary"),
-        }
-    }
-    let summaries = Arc::new(summaries);
-    *last = Some((Instant::now(), summaries.clone()));
-    Ok(summaries)
-}
-
-/// The node's summary from the lower nodes' summaries ([`crate::stats`]). A lower pod's
-/// figures are shown only for the lower pod this node made for an upper pod bound here
-/// ([`resolve`]), never for another tenant's pod of the same name.
-async fn summary(state: &KubeletState) -> Result<serde_json::Value, String> {
-    let summaries = lower_summaries(state).await?;
-    let time = jiff::Timestamp::now().to_string();
-    Ok(crate::stats::aggregate(
-        &state.node,
-        &summaries,
-        &time,
-        |ns, name, lower_uid| {
-            let upper = state.upper_pods.get(&ObjectRef::new(name).within(ns))?;
-            let lower = state.lower_pods.get(&ObjectRef::new(name).within(ns))?;
-            if lower.metadata.uid.as_deref() != Some(lower_uid) {
-                return None;
-            }
-            let path = PodPath {
-                namespace: ns,
-                name,
-                uid: None,
-            };
-            resolve(&state.node, Some(&upper), Some(&lower), path).ok()?;
-            Some((
-                ns.to_owned(),
-                name.to_owned(),
-                upper.packed.metadata.uid.clone().unwrap_or_default(),
-            ))
-        },
-    ))
-}
-
-/// The kubelet's subresource for a path (`nodes/<subresource>` is what is authorised).
-fn subresource(segments: &[&str]) -> &'static str {
-    match segments.first() {
-        Some(&"stats") => "stats",
-        Some(&"metrics") => "metrics",
-        _ => "proxy",
-    }
-}
 
 /// How a kubelet API call names a pod: upper namespace, name and, when the path has one,
 /// UID.
@@ -537,8 +319,8 @@ pub struct PodPath<'a> {
 /// "none" is a kubelet's for a pod it does not run, and no lower call is made.
 pub fn resolve(
     node: &str,
-    upper: Option<&crate::trim::UpperPod>,
-    lower: Option<&crate::trim::LowerPod>,
+    upper: Option<&crate::model::trim::UpperPod>,
+    lower: Option<&crate::model::trim::LowerPod>,
     path: PodPath<'_>,
 ) -> Result<(), String> {
     let PodPath { namespace, name, uid } = path;
@@ -555,13 +337,13 @@ pub fn resolve(
         ));
     }
     let lower = lower.ok_or_else(not_here)?;
-    if upper_uid.is_none() || crate::translate::upper_uid(lower) != upper_uid {
+    if upper_uid.is_none() || tensile_common::lower::identity::upper_uid(lower) != upper_uid {
         return Err(not_here());
     }
     Ok(())
 }
 
-fn resolve_in(state: &KubeletState, path: PodPath<'_>) -> Result<(), String> {
+pub fn resolve_in(state: &KubeletState, path: PodPath<'_>) -> Result<(), String> {
     resolve(
         &state.node,
         state
@@ -576,77 +358,10 @@ fn resolve_in(state: &KubeletState, path: PodPath<'_>) -> Result<(), String> {
     )
 }
 
-async fn logs(state: &KubeletState, ns: &str, pod: &str, container: &str, o: LogOptions) -> Response<Body> {
-    let path = PodPath {
-        namespace: ns,
-        name: pod,
-        uid: None,
-    };
-    if let Err(e) = resolve_in(state, path) {
-        return text(StatusCode::NOT_FOUND, e);
-    }
-    let params = LogParams {
-        container: Some(container.to_owned()),
-        follow: o.follow,
-        limit_bytes: o.limit_bytes.map(|n| n as i64),
-        pretty: false,
-        previous: o.previous,
-        since_seconds: o.since_seconds.map(|n| n as i64),
-        since_time: o.since_time,
-        tail_lines: o.tail_lines.map(|n| n as i64),
-        timestamps: o.timestamps,
-    };
-    // A followed log holds its stream for as long as the caller reads: it takes a slot of the
-    // long-lived streams, within its namespace's share.
-    let slot = match o.follow.then(|| state.sessions.take(ns)).transpose() {
-        Ok(slot) => slot,
-        Err(full) => {
-            let (why, message) = state.sessions.refused(full, "logs", ns);
-            state.metrics.stream_refused("logs", why);
-            return text(StatusCode::SERVICE_UNAVAILABLE, message);
-        }
-    };
-    let api: Api<Pod> = Api::namespaced(state.lower.clone(), ns);
-    let mut reader = match api.log_stream(pod, &params).await {
-        Ok(r) => Box::pin(r),
-        Err(kube::Error::Api(s)) => {
-            let code = StatusCode::from_u16(s.code).unwrap_or(StatusCode::BAD_GATEWAY);
-            return text(code, format!("lower cluster: {}", s.message));
-        }
-        Err(e) => return text(StatusCode::BAD_GATEWAY, format!("lower cluster: {e}")),
-    };
-    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(8);
-    // A followed log holds a lower connection for as long as it streams: counted, so a
-    // stream left open after its caller went shows.
-    let session = o.follow.then(|| state.metrics.stream_opened("logs"));
-    tokio::spawn(async move {
-        let _session = (session, slot);
-        let mut buf = vec![0u8; 16 * 1024];
-        loop {
-            let read = tokio::select! {
-                read = reader.read(&mut buf) => read,
-                // The caller is gone (its response body was dropped): a quiet container
-                // would otherwise keep the lower stream open until it writes again.
-                _ = tx.closed() => return,
-            };
-            match read {
-                Ok(0) | Err(_) => return,
-                // Each chunk is sent as it arrives: `kubectl logs -f` sees lines at once.
-                Ok(n) => {
-                    if tx.send(Bytes::copy_from_slice(&buf[..n])).await.is_err() {
-                        return;
-                    }
-                }
-            }
-        }
-    });
-    streamed(rx)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trim::{UpperPod, packed_lower_pod};
+    use crate::model::trim::{UpperPod, packed_lower_pod};
     use serde_json::json;
     use tensile_common::names;
 
@@ -660,7 +375,7 @@ mod tests {
         )
     }
 
-    fn lower(upper_uid: Option<&str>) -> crate::trim::LowerPod {
+    fn lower(upper_uid: Option<&str>) -> crate::model::trim::LowerPod {
         let mut labels = json!({names::MARK_CLUSTER: "c", names::MARK_NODE: "vn"});
         if let Some(uid) = upper_uid {
             labels[names::MARK_UPPER_UID] = json!(uid);

@@ -1,15 +1,12 @@
 //! What a pod spec references: the ConfigMaps and Secrets that travel with it (and where it
 //! names each), the claims it mounts, how the references that travelled are recorded on the
-//! lower pod, and why a pod waits for them. A leaf: the caches ([`crate::trim`]), copies
-//! ([`crate::copies`]), volumes ([`crate::volumes`]) and the pod controller read it, and it
-//! reads none of them.
+//! lower pod, and why a pod waits for them. A leaf: the caches, the copy and volume plans
+//! and the pod controller read it, and it reads none of them.
 
 use std::collections::BTreeSet;
 use std::fmt;
 
-use k8s_openapi::api::core::v1::{Pod, PodSpec};
-
-use crate::translate;
+use k8s_openapi::api::core::v1::{Pod, PodSpec, Volume, VolumeProjection};
 
 /// The kinds of object that travel with a pod.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -60,7 +57,7 @@ pub fn references(spec: &PodSpec, upper_service_account: Option<&str>) -> Vec<Re
         }
     };
     for v in spec.volumes.iter().flatten() {
-        let upper_api = upper_service_account.is_some_and(|sa| translate::is_upper_token_volume(v, sa));
+        let upper_api = upper_service_account.is_some_and(|sa| is_upper_token_volume(v, sa));
         if upper_api && v.secret.is_some() {
             continue;
         }
@@ -77,7 +74,7 @@ pub fn references(spec: &PodSpec, upper_service_account: Option<&str>) -> Vec<Re
             );
         }
         let sources = v.projected.iter().flat_map(|p| p.sources.iter().flatten());
-        for source in sources.filter(|s| !(upper_api && translate::is_upper_api_source(s))) {
+        for source in sources.filter(|s| !(upper_api && is_upper_api_source(s))) {
             if let Some(c) = &source.config_map {
                 add(Kind::ConfigMap, &c.name, c.optional, via());
             }
@@ -238,7 +235,7 @@ pub fn upper_references(pod: &Pod) -> Vec<Reference> {
     let Some(spec) = &pod.spec else {
         return Vec::new();
     };
-    references(spec, Some(&translate::service_account(spec)))
+    references(spec, Some(&service_account(spec)))
 }
 
 /// Why a pod cannot be created below yet.
@@ -260,6 +257,47 @@ pub fn claims(pod: &Pod) -> Vec<String> {
         .filter_map(|v| v.persistent_volume_claim.as_ref().map(|c| c.claim_name.clone()))
         .collect()
 }
+
+/// The service account a pod runs as upstream.
+pub fn service_account(spec: &PodSpec) -> String {
+    spec.service_account_name
+        .clone()
+        .or_else(|| spec.service_account.clone())
+        .unwrap_or_else(|| "default".into())
+}
+
+/// A volume through which a pod reaches the upper API: a secret-based `<sa>-token-*` volume,
+/// or a projected volume with a `serviceAccountToken` source (what the upper cluster's
+/// service-account admission adds as `kube-api-access-*`, or a pod's own). In a projected one
+/// only the upper-API sources ([`is_upper_api_source`]) are the upper cluster's; its other
+/// sources are the pod's, judged one by one as in any volume, as a kubelet does.
+pub fn is_upper_token_volume(v: &Volume, service_account: &str) -> bool {
+    if let Some(secret) = &v.secret {
+        let prefix = format!("{service_account}-token-");
+        return secret
+            .secret_name
+            .as_deref()
+            .is_some_and(|n| n.starts_with(&prefix));
+    }
+    v.projected
+        .iter()
+        .flat_map(|p| p.sources.iter().flatten())
+        .any(|s| s.service_account_token.is_some())
+}
+
+/// A source of an upper token volume ([`is_upper_token_volume`]) that belongs to the upper
+/// API: a token, or the upper cluster's root CA published beside it (`kube-root-ca.crt`, which
+/// the lower cluster publishes in every namespace too).
+pub fn is_upper_api_source(source: &VolumeProjection) -> bool {
+    source.service_account_token.is_some()
+        || source
+            .config_map
+            .as_ref()
+            .is_some_and(|c| c.name == ROOT_CA_CONFIG_MAP)
+}
+
+/// The well-known ConfigMap of the cluster CA a `kube-api-access-*` volume projects.
+pub const ROOT_CA_CONFIG_MAP: &str = "kube-root-ca.crt";
 
 #[cfg(test)]
 mod tests {

@@ -12,9 +12,9 @@ use tensile_common::api::ApiError;
 use tensile_common::cache::Namespaces;
 use tensile_common::names;
 
-use crate::ratelimit::WriteLimit;
-use crate::refs::Blocked;
-use crate::translate::Identity;
+use crate::act::ratelimit::WriteLimit;
+use crate::model::refs::Blocked;
+use tensile_common::lower::identity::Identity;
 
 pub struct LowerNamespaces {
     lower: kube::Client,

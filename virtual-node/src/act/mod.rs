@@ -1,0 +1,98 @@
+//! What a virtual node writes. The planners of [`crate::decide`] say what should change;
+//! this layer performs it: the pod controller performs a pod's `Step` ([`pods`]), the node
+//! loop its `Round` ([`node`]), the copy and volume resyncs ([`copies`], [`volumes`]) and
+//! the upper-token keeper ([`tokens`]) their plans, through one executor ([`act`]) that
+//! performs every write of a pass a bounded number at once, counting and logging each
+//! failure (the next pass plans again from the world; nothing is retried in place).
+//! Writes are paced ([`ratelimit`]); events on upper objects are sent off the reconcile path
+//! ([`events`]); lower namespaces are made and checked before anything goes in
+//! ([`lower_namespaces`]).
+
+pub mod controller;
+pub mod copies;
+pub mod events;
+pub mod lower_namespaces;
+pub mod node;
+pub mod pods;
+pub mod ratelimit;
+pub mod tokens;
+pub mod volumes;
+
+use std::sync::Arc;
+
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use tokio::sync::Notify;
+
+use crate::world::World;
+
+/// The one resync loop of the copy and volume passes: once the world has listed, `pass` runs
+/// on every `changed` wake-up (50 ms later, so a burst of events is one pass) and at least
+/// every second; a pass stuck past `deadline` is dropped (counted as an API error of `side`
+/// and `timeout`) and the next begins. A pass that returns `true` learnt something the next
+/// pass needs at once.
+pub async fn resync<F, Fut>(
+    (side, timeout): (&'static str, &'static str),
+    world: World,
+    changed: Arc<Notify>,
+    deadline: std::time::Duration,
+    metrics: Arc<crate::metrics::Metrics>,
+    mut pass: F,
+) where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    world.synced().await;
+    loop {
+        let again = match tokio::time::timeout(deadline, pass()).await {
+            Ok(again) => again,
+            Err(_) => {
+                metrics.api_error(side, timeout);
+                tracing::warn!(
+                    "a resync pass ({timeout}) took longer than {deadline:?}; the next one goes on"
+                );
+                false
+            }
+        };
+        if again {
+            continue;
+        }
+        tokio::select! {
+            _ = changed.notified() => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+/// One planned write being performed; `true` when it learnt something the next pass needs
+/// at once.
+pub type Act<'a> = BoxFuture<'a, Result<bool, tensile_common::api::ApiError>>;
+
+/// The one executor of planned writes (copies, claims, volumes): performs `writes` with at
+/// most `concurrency` in flight, counts each failure as an API error of its cluster and
+/// `kind` and logs it (the next pass plans again from the world, so nothing is retried
+/// here). `true` when some write learnt something the next pass needs at once.
+pub async fn act(
+    writes: Vec<Act<'_>>,
+    concurrency: usize,
+    kind: &'static str,
+    metrics: &crate::metrics::Metrics,
+) -> bool {
+    let learned = std::sync::atomic::AtomicBool::new(false);
+    futures::stream::iter(writes)
+        .for_each_concurrent(concurrency, |write| {
+            let learned = &learned;
+            async move {
+                match write.await {
+                    Ok(true) => learned.store(true, std::sync::atomic::Ordering::Relaxed),
+                    Ok(false) => {}
+                    Err(e) => {
+                        metrics.api_error(e.cluster, kind);
+                        tracing::warn!("{kind} resync: {e}");
+                    }
+                }
+            }
+        })
+        .await;
+    learned.into_inner()
+}
