@@ -343,43 +343,14 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener> {
         .map_err(|source| Error::Bind { addr, source })
 }
 
-/// Binds the ports and starts serving.
 /// How long readiness waits for the exclusion records before serving without them.
 const EXCLUSIONS_SYNC: Duration = Duration::from_secs(10);
 
+/// Binds the ports and starts serving.
 pub async fn start(options: Options) -> Result<Running> {
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
-    let (resolver, ca_pem) = match &options.certificates {
-        Certificates::Files {
-            cert,
-            key,
-            reload_every,
-        } => {
-            let resolver = tls::CertResolver::new(tls::load(cert, key)?);
-            tasks.push(tokio::spawn(tls::reload(
-                resolver.clone(),
-                cert.clone(),
-                key.clone(),
-                *reload_every,
-                stop.clone(),
-            )));
-            (resolver, None)
-        }
-        Certificates::SelfSigned { names } => {
-            let generated = tls::self_signed(names)?;
-            (tls::CertResolver::new(generated.key), Some(generated.ca_pem))
-        }
-        Certificates::SharedCa { names, secret } => {
-            let client = options.client.clone().ok_or_else(|| {
-                Error::Client(format!(
-                    "reading the shared CA in Secret {secret} needs a Kubernetes client"
-                ))
-            })?;
-            let ca = ca_secret::load_or_create(client, &secret.namespace, &secret.name).await?;
-            (tls::CertResolver::new(ca.issue(names)?), Some(ca.cert_pem))
-        }
-    };
+    let (resolver, ca_pem) = serving_certificate(&options, &stop, &mut tasks).await?;
     let tls_config = tls::server_config(resolver)?;
     // Ready at once unless the apiserver must first learn our CA.
     let must_write_bundle = ca_pem.is_some() && options.webhook_config_name.is_some();
@@ -390,7 +361,7 @@ pub async fn start(options: Options) -> Result<Running> {
     }
     let ready = tensile_common::admin::Readiness::default();
     // Written once the apiserver trusts our certificate (at once when it need not learn it).
-    let (bundle_written, mut bundle_seen) = tokio::sync::watch::channel(!must_write_bundle);
+    let (bundle_written, bundle_seen) = tokio::sync::watch::channel(!must_write_bundle);
     let (exclusions, exclusions_cache) = match (&options.client, &options.exclusions) {
         (Some(client), Some(location)) => {
             let api = kube::Api::namespaced(client.clone(), &location.namespace);
@@ -403,34 +374,12 @@ pub async fn start(options: Options) -> Result<Running> {
         }
         _ => (None, None),
     };
-    // Ready when the certificate is trusted and the exclusion records are read, so that a
-    // replica just started does not admit a moved pod's replacement without them. Records
-    // that cannot be read (no permission, no ConfigMap API) delay readiness by at most
-    // EXCLUSIONS_SYNC, then the webhook serves without them and says so.
-    {
-        let (ready, stop) = (ready.clone(), stop.clone());
-        tasks.push(tokio::spawn(async move {
-            let wait = async {
-                let mut degraded = None;
-                if let Some((cache, location)) = exclusions_cache
-                    && tokio::time::timeout(EXCLUSIONS_SYNC, cache.synced()).await.is_err()
-                {
-                        tracing::warn!(
-                            configmap = %location,
-                            "the exclusion records could not be read within {EXCLUSIONS_SYNC:?}; serving without them until they can"
-                        );
-                        degraded = Some(format!("serving; the exclusion records ({location}) are not read yet"));
-                }
-                bundle_seen.wait_for(|written| *written).await.ok()?;
-                Some(degraded)
-            };
-            match stop.run_until_cancelled(wait).await {
-                Some(Some(Some(why))) => ready.say(true, why),
-                Some(Some(None)) => ready.set(true),
-                _ => {}
-            }
-        }));
-    }
+    tasks.push(await_readiness(
+        ready.clone(),
+        exclusions_cache,
+        bundle_seen,
+        stop.clone(),
+    ));
     let state = Arc::new(server::State {
         policy: options.policy,
         max_body_bytes: options.max_body_bytes,
@@ -446,17 +395,7 @@ pub async fn start(options: Options) -> Result<Running> {
         addr: options.address,
         source,
     })?;
-    let admin = match options.admin_address {
-        Some(addr) => Some(tensile_common::admin::bind(addr).await?),
-        None => None,
-    };
-    let admin_address = match &admin {
-        Some(l) => Some(l.local_addr().map_err(|source| Error::Bind {
-            addr: options.admin_address.unwrap_or(address),
-            source,
-        })?),
-        None => None,
-    };
+    let (admin, admin_address) = bind_admin(options.admin_address).await?;
     tasks.push(tokio::spawn(server::serve_https(
         listener,
         tls_config,
@@ -499,6 +438,97 @@ pub async fn start(options: Options) -> Result<Running> {
         stop,
         tasks,
     })
+}
+
+/// The serving certificate, its CA when the apiserver must learn it, and (for files) the
+/// task that reloads it when it changes.
+async fn serving_certificate(
+    options: &Options,
+    stop: &CancellationToken,
+    tasks: &mut Vec<tokio::task::JoinHandle<()>>,
+) -> Result<(Arc<tls::CertResolver>, Option<String>)> {
+    Ok(match &options.certificates {
+        Certificates::Files {
+            cert,
+            key,
+            reload_every,
+        } => {
+            let resolver = tls::CertResolver::new(tls::load(cert, key)?);
+            tasks.push(tokio::spawn(tls::reload(
+                resolver.clone(),
+                cert.clone(),
+                key.clone(),
+                *reload_every,
+                stop.clone(),
+            )));
+            (resolver, None)
+        }
+        Certificates::SelfSigned { names } => {
+            let generated = tls::self_signed(names)?;
+            (tls::CertResolver::new(generated.key), Some(generated.ca_pem))
+        }
+        Certificates::SharedCa { names, secret } => {
+            let client = options.client.clone().ok_or_else(|| {
+                Error::Client(format!(
+                    "reading the shared CA in Secret {secret} needs a Kubernetes client"
+                ))
+            })?;
+            let ca = ca_secret::load_or_create(client, &secret.namespace, &secret.name).await?;
+            (tls::CertResolver::new(ca.issue(names)?), Some(ca.cert_pem))
+        }
+    })
+}
+
+/// Ready when the certificate is trusted and the exclusion records are read, so that a
+/// replica just started does not admit a moved pod's replacement without them. Records that
+/// cannot be read (no permission, no ConfigMap API) delay readiness by at most
+/// [`EXCLUSIONS_SYNC`], then the webhook serves without them and says so.
+fn await_readiness(
+    ready: tensile_common::admin::Readiness,
+    exclusions: Option<(
+        tensile_common::exclusion::Synced,
+        tensile_common::exclusion::Location,
+    )>,
+    mut bundle_seen: tokio::sync::watch::Receiver<bool>,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let wait = async {
+            let mut degraded = None;
+            if let Some((cache, location)) = exclusions
+                && tokio::time::timeout(EXCLUSIONS_SYNC, cache.synced())
+                    .await
+                    .is_err()
+            {
+                tracing::warn!(
+                    configmap = %location,
+                    "the exclusion records could not be read within {EXCLUSIONS_SYNC:?}; serving without them until they can"
+                );
+                degraded = Some(format!(
+                    "serving; the exclusion records ({location}) are not read yet"
+                ));
+            }
+            bundle_seen.wait_for(|written| *written).await.ok()?;
+            Some(degraded)
+        };
+        match stop.run_until_cancelled(wait).await {
+            Some(Some(Some(why))) => ready.say(true, why),
+            Some(Some(None)) => ready.set(true),
+            _ => {}
+        }
+    })
+}
+
+/// The admin endpoint's port (`None`: no admin endpoint), bound, and its address.
+async fn bind_admin(admin_address: Option<SocketAddr>) -> Result<(Option<TcpListener>, Option<SocketAddr>)> {
+    let Some(addr) = admin_address else {
+        return Ok((None, None));
+    };
+    let listener = tensile_common::admin::bind(addr).await?;
+    let bound = listener
+        .local_addr()
+        .map_err(|source| Error::Bind { addr, source })?;
+    Ok((Some(listener), Some(bound)))
 }
 
 async fn client(args: &Args, daemon: &mut Daemon) -> Result<Option<kube::Client>> {
