@@ -345,8 +345,19 @@ async fn node_and_pod_usage_of_the_lower_cluster_reach_the_upper_node_proxy() {
     bed();
     running_pod(up(), NS, "metered", NODE).await;
     let base = format!("/api/v1/nodes/{NODE}/proxy");
-    let metrics =
-        tensile_e2e::check::kubectl(up(), &["get", "--raw", &format!("{base}/metrics/resource")]).await;
+    let mine = r#"container_memory_working_set_bytes{container="app",namespace="streams",pod="metered"} "#;
+    // The lower nodes' answers are reused for 5 s (another test's scrapes may have just read
+    // them, before this pod ran): the pod shows once that window has passed.
+    let resource = format!("{base}/metrics/resource");
+    let metrics = tensile_e2e::wait::within("the metered pod in /metrics/resource", 15, || async {
+        let metrics = tensile_e2e::check::kubectl(up(), &["get", "--raw", &resource]).await;
+        if metrics.contains(mine) {
+            Ok(metrics)
+        } else {
+            Err(metrics)
+        }
+    })
+    .await;
     let value = |prefix: &str| -> f64 {
         metrics
             .lines()
@@ -355,7 +366,6 @@ async fn node_and_pod_usage_of_the_lower_cluster_reach_the_upper_node_proxy() {
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("{prefix} in {metrics}"))
     };
-    let mine = r#"container_memory_working_set_bytes{container="app",namespace="streams",pod="metered"} "#;
     assert_eq!(value(mine), CONTAINER_BYTES as f64, "{metrics}");
     assert!(value(r#"pod_cpu_usage_seconds_total{namespace="streams",pod="metered"} "#) > 0.0);
     // The node is the lower cluster: its two nodes and every container running on them
