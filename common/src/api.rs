@@ -95,7 +95,7 @@ pub async fn request_token(
     use k8s_openapi::api::authentication::v1::TokenRequest;
     let api: Api<k8s_openapi::api::core::v1::ServiceAccount> = Api::namespaced(client.clone(), namespace);
     let request = TokenRequest {
-        spec,
+        spec: Some(spec),
         ..Default::default()
     };
     let answer: TokenRequest = api
@@ -103,7 +103,7 @@ pub async fn request_token(
         .await?;
     Ok(answer
         .status
-        .map(|s| (s.token, Some(s.expiration_timestamp.0)))
+        .map(|s| (s.token.unwrap_or_default(), s.expiration_timestamp.map(|t| t.0)))
         .unwrap_or_default())
 }
 

@@ -173,9 +173,8 @@ pub async fn request_token(
     lifetime: Duration,
 ) -> Result<String, kube::Error> {
     let spec = TokenRequestSpec {
-        audiences: vec![],
         expiration_seconds: Some(lifetime.as_secs().try_into().unwrap_or(i64::MAX)),
-        bound_object_ref: None,
+        ..Default::default()
     };
     tensile_common::api::request_token(client, namespace, name, spec)
         .await

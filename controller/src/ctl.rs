@@ -292,7 +292,7 @@ pub fn lower_objects(name: &str, namespace: &str, upper_id: &str, served: &[Stri
         binding: served.is_empty().then(|| ClusterRoleBinding {
             metadata: meta(None, &account),
             role_ref: RoleRef {
-                api_group: "rbac.authorization.k8s.io".into(),
+                api_group: Some("rbac.authorization.k8s.io".into()),
                 kind: "ClusterRole".into(),
                 name: account.clone(),
             },
@@ -308,7 +308,7 @@ pub fn lower_objects(name: &str, namespace: &str, upper_id: &str, served: &[Stri
                 let binding = RoleBinding {
                     metadata: meta(Some(ns), &account),
                     role_ref: RoleRef {
-                        api_group: "rbac.authorization.k8s.io".into(),
+                        api_group: Some("rbac.authorization.k8s.io".into()),
                         kind: "Role".into(),
                         name: account.clone(),
                     },
@@ -324,7 +324,7 @@ pub fn lower_objects(name: &str, namespace: &str, upper_id: &str, served: &[Stri
         token_binding: RoleBinding {
             metadata: meta(Some(namespace), &format!("{account}-token")),
             role_ref: RoleRef {
-                api_group: "rbac.authorization.k8s.io".into(),
+                api_group: Some("rbac.authorization.k8s.io".into()),
                 kind: "Role".into(),
                 name: format!("{account}-token"),
             },

@@ -139,8 +139,9 @@ pub fn read_template(path: &std::path::Path) -> Result<Deployment, Error> {
         serde_yaml::from_str(&text).map_err(|e| bad(format!("not a Deployment: {e}")))?;
     let has_container = template
         .spec
+        .template
+        .spec
         .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
         .is_some_and(|p| p.containers.iter().any(|c| c.name == plan::CONTAINER));
     if !has_container {
         return Err(bad(format!("it has no container named {:?}", plan::CONTAINER)));

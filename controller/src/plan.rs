@@ -161,8 +161,9 @@ pub fn validate(settings: &Settings, cluster: &LowerCluster) -> Result<(), Inval
     let template_args = settings
         .template
         .spec
+        .template
+        .spec
         .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
         .and_then(|s| s.containers.first())
         .and_then(|c| c.args.as_ref());
     let collects = template_args
@@ -270,12 +271,12 @@ pub fn objects(settings: &Settings, cluster: &LowerCluster) -> Objects {
         )
     };
     let cluster_role_ref = |role: &str| RoleRef {
-        api_group: "rbac.authorization.k8s.io".into(),
+        api_group: Some("rbac.authorization.k8s.io".into()),
         kind: "ClusterRole".into(),
         name: role.to_owned(),
     };
     let role_ref = RoleRef {
-        api_group: "rbac.authorization.k8s.io".into(),
+        api_group: Some("rbac.authorization.k8s.io".into()),
         kind: "Role".into(),
         name: name.clone(),
     };
@@ -338,7 +339,7 @@ fn budget(settings: &Settings, cluster: &LowerCluster, name: &str) -> Option<ser
     if !settings.disruption_budgets {
         return None;
     }
-    let template = settings.template.spec.as_ref();
+    let template = Some(&settings.template.spec);
     let replicas = cluster
         .spec
         .replicas
@@ -348,7 +349,7 @@ fn budget(settings: &Settings, cluster: &LowerCluster, name: &str) -> Option<ser
         return None;
     }
     let deployment = deployment(settings, cluster, name);
-    let selector = deployment.spec.map(|s| s.selector).unwrap_or_default();
+    let selector = deployment.spec.selector;
     Some(serde_json::json!({
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
@@ -412,7 +413,7 @@ fn deployment(settings: &Settings, cluster: &LowerCluster, name: &str) -> Deploy
         annotations: deployment.metadata.annotations.take(),
         ..Default::default()
     };
-    let spec = deployment.spec.get_or_insert_with(Default::default);
+    let spec = &mut deployment.spec;
     if let Some(replicas) = cluster.spec.replicas {
         spec.replicas = Some(replicas);
     }
@@ -744,7 +745,7 @@ pub(crate) mod tests {
         let read = tensile_common::lower::overrides::parse(text).unwrap();
         assert_eq!(read.rules[0].name, "mirror");
         assert_eq!(read.storage_classes["fast"], "premium");
-        let pod = made.deployment.spec.unwrap().template.spec.unwrap();
+        let pod = made.deployment.spec.template.spec.unwrap();
         let volume = pod
             .volumes
             .unwrap()
@@ -886,7 +887,7 @@ pub(crate) mod tests {
         let d = &objects.deployment;
         assert_eq!(d.metadata.name.as_deref(), Some("tensile-vn-lower-a"));
         assert_eq!(d.metadata.namespace.as_deref(), Some("tensile"));
-        let spec = d.spec.as_ref().unwrap();
+        let spec = &d.spec;
         assert_eq!(
             spec.selector
                 .match_labels

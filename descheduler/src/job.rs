@@ -99,11 +99,11 @@ fn matches(rule: &PodFailurePolicyRule, pod: &Pod) -> bool {
         .collect();
     rule.on_pod_conditions.iter().flatten().any(|pattern| {
         // The apiserver defaults an omitted status to True.
-        let status = if pattern.status.is_empty() {
-            "True"
-        } else {
-            pattern.status.as_str()
-        };
+        let status = pattern
+            .status
+            .as_deref()
+            .filter(|s| !s.is_empty())
+            .unwrap_or("True");
         conditions
             .iter()
             .any(|(t, s)| *t == pattern.type_ && *s == status)

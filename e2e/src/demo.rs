@@ -304,7 +304,7 @@ impl Demo {
             let want = deployments
                 .get_opt(DEPLOYMENT)
                 .await?
-                .and_then(|d| d.spec.and_then(|s| s.replicas))
+                .and_then(|d| d.spec.replicas)
                 .unwrap_or(1);
             let list = pods
                 .list(&ListParams::default().labels(&format!("app={DEPLOYMENT}")))

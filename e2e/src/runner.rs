@@ -267,11 +267,7 @@ async fn start(
     client: &kube::Client,
     binary: &Path,
 ) -> std::result::Result<Running, String> {
-    let pod = deployment
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.clone())
-        .ok_or("no pod template")?;
+    let pod = deployment.spec.template.spec.clone().ok_or("no pod template")?;
     let container = pod
         .containers
         .iter()

@@ -78,7 +78,10 @@ fn an_opted_in_job_gets_the_rule_first_and_replaces_pods_once_failed() {
     assert_eq!(rules[0].action, "Ignore");
     let pattern = &rules[0].on_pod_conditions.as_ref().unwrap()[0];
     assert_eq!(
-        (pattern.type_.as_str(), pattern.status.as_str()),
+        (
+            pattern.type_.as_str(),
+            pattern.status.as_deref().unwrap_or_default()
+        ),
         ("DisruptionTarget", "True")
     );
     // Nothing else of the Job changes.

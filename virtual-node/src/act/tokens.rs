@@ -232,7 +232,7 @@ impl Keeper {
         let mut expirations = Vec::with_capacity(wanted.len());
         for w in wanted {
             let request = TokenRequestSpec {
-                audiences: w.audience.iter().cloned().collect(),
+                audiences: Some(w.audience.iter().cloned().collect()),
                 expiration_seconds: Some(w.expiration_seconds),
                 bound_object_ref: Some(BoundObjectReference {
                     api_version: Some("v1".into()),
@@ -240,6 +240,7 @@ impl Keeper {
                     name: Some(upper.name_any()),
                     uid: upper.metadata.uid.clone(),
                 }),
+                ..Default::default()
             };
             let (token, expires) = tensile_common::api::request_token(&self.upper, &ns, &account, request)
                 .await

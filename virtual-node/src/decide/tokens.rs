@@ -154,7 +154,7 @@ fn item(key: &str, path: &str) -> KeyToPath {
     KeyToPath {
         key: key.to_owned(),
         path: path.to_owned(),
-        mode: None,
+        ..Default::default()
     }
 }
 
@@ -213,7 +213,7 @@ pub fn rewrite(spec: &mut PodSpec, service_account: &str, secret: &str, settings
                         item(NAMESPACE_KEY, NAMESPACE_KEY),
                     ]),
                     default_mode: legacy.default_mode,
-                    optional: None,
+                    ..Default::default()
                 }),
                 ..Default::default()
             };
