@@ -81,6 +81,15 @@ pub const LOWER_POD_REFERENCES: &str = "tensile.io/references";
 /// made (JSON, the rules as written). Updates that follow the pod down go through these same
 /// rules, so a rule edited later reaches new pods only.
 pub const OVERRIDES: &str = "tensile.io/overrides";
+/// Lower pod annotation: the upper pod's `metadata.generation` its spec reflects, recorded at
+/// create and with every update that follows the upper pod down (a resize among them). The
+/// upper pod's `status.observedGeneration` and its kubelet conditions' come from it, never
+/// from the lower pod's own generation.
+pub const UPPER_GENERATION: &str = "tensile.io/upper-generation";
+/// Lower pod annotation: a resize of the upper pod the lower apiserver refused, as JSON
+/// `{"generation": N, "reason": "Infeasible"|"Deferred", "message": "..."}`; the upper pod
+/// shows it as the kubelet's `PodResizePending` condition while that generation stands.
+pub const RESIZE_REFUSED: &str = "tensile.io/resize-refused";
 /// On a ConfigMap or Secret copy: the upper object's resourceVersion it was made from, and a
 /// digest of what was written (content, labels, annotations), so the copy is judged current
 /// without holding the upper content, and an edit below is still seen.

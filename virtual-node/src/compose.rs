@@ -314,6 +314,7 @@ impl Parts<'_> {
             lower_health,
             tokens_changed: self.signals.tokens_changed.clone(),
             scale_ups,
+            upper_tracks_generation: std::sync::atomic::AtomicBool::new(true),
         })
     }
 

@@ -79,6 +79,9 @@ pub struct Context {
     pub tokens_changed: Arc<tokio::sync::Notify>,
     /// The lower cluster's scale-up signals on unbound lower pods.
     pub scale_ups: Arc<crate::world::scale_ups::ScaleUps>,
+    /// Whether the upper apiserver keeps a pod's `status.observedGeneration`: assumed until
+    /// a status write shows it dropped.
+    pub upper_tracks_generation: std::sync::atomic::AtomicBool,
 }
 
 /// The upper and lower pod versions on which each pod's last reconcile found both pods
@@ -294,8 +297,23 @@ async fn reconcile_inner(kept: &UpperPod, ctx: &Context) -> Result<Action, Error
             create_lower(ctx, kept, upper, &lower_pods, &desired, &overrides).await
         }
         (Step::Sync { .. }, Some(_)) if !reachable => Ok(Action::requeue(UNREACHABLE_RECHECK)),
-        (Step::Sync { patch }, Some(l)) => {
-            let agree = patch.is_none();
+        (Step::Sync { mut patch, resize }, Some(l)) => {
+            let agree = patch.is_none() && resize.is_none();
+            let mut retry = None;
+            if let Some(body) = resize {
+                let refusal = resize_lower(ctx, upper, &lower_pods, &body).await;
+                if refusal.as_ref().is_some_and(|r| r.reason == "Deferred") {
+                    retry = Some(RESIZE_RETRY);
+                }
+                if translate::ResizeRefusal::of(&l) != refusal {
+                    let record = refusal
+                        .as_ref()
+                        .and_then(|r| serde_json::to_string(r).ok())
+                        .map_or(serde_json::Value::Null, serde_json::Value::String);
+                    patch.get_or_insert_with(|| json!({}))["metadata"]["annotations"]
+                        [names::RESIZE_REFUSED] = record;
+                }
+            }
             if let Some(patch) = patch {
                 ctx.lower_limit.acquire().await;
                 let params = PatchParams {
@@ -312,11 +330,59 @@ async fn reconcile_inner(kept: &UpperPod, ctx: &Context) -> Result<Action, Error
             if agree && !written {
                 ctx.settled.record(upper, &l);
             }
-            Ok(action)
+            Ok(retry.map_or(action, Action::requeue))
         }
         // Steps about a lower pod always come with one.
         (Step::DeleteStale | Step::StopLower { .. } | Step::Sync { .. }, None) => {
             Ok(Action::requeue(Duration::from_secs(1)))
+        }
+    }
+}
+
+/// How soon a resize the lower apiserver deferred (a quota, say) is tried again.
+const RESIZE_RETRY: Duration = Duration::from_secs(15);
+
+/// Resizes the lower pod of `upper` through its `resize` subresource (`body`: see
+/// [`translate::resize_patch`]); the refusal, if the lower apiserver refuses it, which the
+/// upper pod then shows as the kubelet's `PodResizePending`. An event says either way.
+async fn resize_lower(
+    ctx: &Context,
+    upper: &Pod,
+    lower_pods: &Api<Pod>,
+    body: &serde_json::Value,
+) -> Option<translate::ResizeRefusal> {
+    let generation = upper.metadata.generation.unwrap_or(1);
+    ctx.lower_limit.acquire().await;
+    let answer = lower_pods
+        .patch_subresource(
+            "resize",
+            &upper.name_any(),
+            &PatchParams::default(),
+            &Patch::Strategic(body),
+        )
+        .await;
+    match answer {
+        Ok(_) => {
+            let said = format!("resized in lower cluster {}", ctx.cluster_name);
+            event(ctx, upper, EventType::Normal, "LowerPodResized", &said);
+            None
+        }
+        Err(e) => {
+            let message = format!(
+                "lower cluster {} refused the resize: {}",
+                ctx.cluster_name,
+                tensile_common::api::message(&e)
+            );
+            let refusal =
+                translate::ResizeRefusal::of_answer(generation, tensile_common::api::code(&e), message);
+            event(
+                ctx,
+                upper,
+                EventType::Warning,
+                "LowerResizeRefused",
+                &refusal.message,
+            );
+            Some(refusal)
         }
     }
 }
@@ -647,7 +713,17 @@ async fn release_upper(ctx: &Context, upper: &Pod) -> Result<(), Error> {
 /// Writes `status` (whose `conditions`, when present, is the whole list wanted) with a
 /// strategic merge patch, as the kubelet does: conditions merge by `type`, and only the
 /// changed ones are sent.
-async fn patch_upper_status(ctx: &Context, upper: &Pod, mut status: serde_json::Value) -> Result<(), Error> {
+async fn patch_upper_status(ctx: &Context, upper: &Pod, status: serde_json::Value) -> Result<(), Error> {
+    write_upper_status(ctx, upper, status).await.map(drop)
+}
+
+/// As [`patch_upper_status`], and the pod as the upper apiserver stored it (`None` when the
+/// pod is gone or another one now).
+async fn write_upper_status(
+    ctx: &Context,
+    upper: &Pod,
+    mut status: serde_json::Value,
+) -> Result<Option<Pod>, Error> {
     let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
     if let Some(wanted) = status.get("conditions").and_then(|c| c.as_array()) {
         let changed = translate::changed_conditions(upper, wanted);
@@ -670,8 +746,8 @@ async fn patch_upper_status(ctx: &Context, upper: &Pod, mut status: serde_json::
         )
         .await
     {
-        Ok(_) => Ok(()),
-        Err(e) if matches!(tensile_common::api::code(&e), Some(404) | Some(409)) => Ok(()),
+        Ok(stored) => Ok(Some(stored)),
+        Err(e) if matches!(tensile_common::api::code(&e), Some(404) | Some(409)) => Ok(None),
         Err(e) => Err(Error::api("upper", "patch-status", format!("pod {}", key(upper)))(e)),
     }
 }
@@ -694,12 +770,16 @@ const STATUS_RECHECK: Duration = Duration::from_secs(300);
 async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(Action, bool), Error> {
     let again = Action::requeue(STATUS_RECHECK);
     let scale_up = ctx.scale_ups.of(lower);
+    let tracks_generation = ctx
+        .upper_tracks_generation
+        .load(std::sync::atomic::Ordering::Relaxed);
     let (mut status, differs) = translate::upper_status(
         upper,
         lower,
         scale_up.as_ref(),
         &ctx.host_ip,
         jiff::Timestamp::now(),
+        tracks_generation,
     );
     if !differs {
         return Ok((again, false));
@@ -720,7 +800,25 @@ async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(Action
             );
         }
     }
-    patch_upper_status(ctx, upper, status).await?;
+    let sent_generation = status.get("observedGeneration").is_some();
+    let stored = write_upper_status(ctx, upper, status).await?;
+    // An upper apiserver without PodObservedGenerationTracking (off before 1.34) drops the
+    // field: it is then no longer written, or every reconcile would find it missing and
+    // write the status again.
+    if sent_generation
+        && let Some(stored) = stored
+        && stored
+            .status
+            .as_ref()
+            .is_some_and(|s| s.observed_generation.is_none())
+    {
+        ctx.upper_tracks_generation
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        tracing::info!(
+            "the upper apiserver does not keep a pod's status.observedGeneration \
+             (PodObservedGenerationTracking is off there): it is no longer written"
+        );
+    }
     Ok((again, true))
 }
 

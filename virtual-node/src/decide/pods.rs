@@ -43,8 +43,13 @@ pub enum Step {
         lost: bool,
         overrides: Vec<String>,
     },
-    /// Follow the mutable fields (`patch` when they differ below) and bring status up.
-    Sync { patch: Option<serde_json::Value> },
+    /// Follow the mutable fields (`patch` when they differ below; `resize`, a body for the
+    /// lower pod's `resize` subresource, first, when the upper pod was resized) and bring
+    /// status up.
+    Sync {
+        patch: Option<serde_json::Value>,
+        resize: Option<serde_json::Value>,
+    },
 }
 
 /// What [`decide`] knows besides the two pods.
@@ -157,15 +162,24 @@ pub fn decide(upper: &Pod, lower: Option<&Pod>, view: &View<'_>) -> Step {
         (Some(l), Ok(mut desired)) => match tensile_common::lower::overrides::replay(l, &mut desired) {
             Ok(()) => Step::Sync {
                 patch: view.translation.update_patch(&desired, l),
+                resize: translate::resize_due(upper, l)
+                    .then(|| translate::resize_patch(&desired, l))
+                    .flatten(),
             },
             // Nothing follows a pod whose record was edited below: patched by another
             // reading, its images would lose their rewrite.
             Err(e) => {
                 tracing::warn!(pod = %key(upper), "not updated below: {e}");
-                Step::Sync { patch: None }
+                Step::Sync {
+                    patch: None,
+                    resize: None,
+                }
             }
         },
-        (Some(_), Err(_)) => Step::Sync { patch: None },
+        (Some(_), Err(_)) => Step::Sync {
+            patch: None,
+            resize: None,
+        },
     }
 }
 
@@ -355,7 +369,10 @@ pub(crate) mod tests {
         let edited = upper(json!({"metadata": {"annotations": {names::CLUSTER_SELECTOR: "{not json"}}}));
         assert_eq!(
             decide(&edited, Some(&below), &view(&t)),
-            Step::Sync { patch: None }
+            Step::Sync {
+                patch: None,
+                resize: None
+            }
         );
     }
 
@@ -469,7 +486,7 @@ pub(crate) mod tests {
         );
         // The running pod follows the rules it recorded, whatever is in force now.
         let changed = upper(json!({"spec": {"containers": [{"name": "app", "image": "nginx:2"}]}}));
-        let Step::Sync { patch } = decide(&changed, Some(&lower), &view(&t)) else {
+        let Step::Sync { patch, .. } = decide(&changed, Some(&lower), &view(&t)) else {
             panic!()
         };
         assert_eq!(
@@ -478,7 +495,10 @@ pub(crate) mod tests {
         );
         assert_eq!(
             decide(&upper(json!({})), Some(&lower), &view(&t)),
-            Step::Sync { patch: None }
+            Step::Sync {
+                patch: None,
+                resize: None
+            }
         );
     }
 
@@ -487,9 +507,18 @@ pub(crate) mod tests {
         let t = translation();
         let pod = upper(json!({}));
         let below = lower_of(&pod, json!({}));
-        assert_eq!(decide(&pod, Some(&below), &view(&t)), Step::Sync { patch: None });
+        assert_eq!(
+            decide(&pod, Some(&below), &view(&t)),
+            Step::Sync {
+                patch: None,
+                resize: None
+            }
+        );
         let newer = upper(json!({"spec": {"containers": [{"name": "app", "image": "nginx:2"}]}}));
-        let Step::Sync { patch: Some(patch) } = decide(&newer, Some(&below), &view(&t)) else {
+        let Step::Sync {
+            patch: Some(patch), ..
+        } = decide(&newer, Some(&below), &view(&t))
+        else {
             panic!("a new image is patched below");
         };
         assert!(patch.to_string().contains("nginx:2"), "{patch}");

@@ -104,6 +104,8 @@ impl Translation {
                     names::COPIED_ANNOTATIONS,
                     crate::decide::tokens::TOKEN_SECRET_ANNOTATION,
                     names::OVERRIDES,
+                    names::UPPER_GENERATION,
+                    names::RESIZE_REFUSED,
                 ]
                 .contains(&k.as_str())
             })
@@ -213,6 +215,9 @@ impl Translation {
                 crate::decide::tokens::TOKEN_SECRET_ANNOTATION.to_owned(),
                 crate::decide::tokens::secret_name(uid),
             );
+        }
+        if let Some(generation) = upper.metadata.generation {
+            annotations.insert(names::UPPER_GENERATION.to_owned(), generation.to_string());
         }
         Ok(Pod {
             metadata: ObjectMeta {
@@ -324,6 +329,137 @@ impl Translation {
         }
         changed.then_some(patch)
     }
+}
+
+/// The upper generation `lower`'s spec reflects ([`names::UPPER_GENERATION`]); `None` for a
+/// lower pod made before it was recorded, or with an unreadable record.
+pub fn recorded_generation(lower: &Pod) -> Option<i64> {
+    annotation(lower, names::UPPER_GENERATION)?.parse().ok()
+}
+
+fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
+    pod.metadata.annotations.as_ref()?.get(key).map(String::as_str)
+}
+
+/// A resize of the upper pod the lower apiserver refused ([`names::RESIZE_REFUSED`]).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ResizeRefusal {
+    /// The upper generation whose resize was refused.
+    pub generation: i64,
+    /// `Infeasible` (it cannot be made there as asked) or `Deferred` (not now: tried again).
+    pub reason: String,
+    pub message: String,
+}
+
+impl ResizeRefusal {
+    /// The refusal the lower apiserver's answer `code`/`message` to a resize means: a quota
+    /// or an admission plugin that may let it pass later (403, 409, 429, 5xx) defers it,
+    /// as a kubelet defers a resize its node has no room for yet; an invalid one (422, 400:
+    /// a limit range, a resource the lower version cannot resize) is infeasible.
+    pub fn of_answer(generation: i64, code: Option<u16>, message: String) -> Self {
+        let reason = match code {
+            Some(400) | Some(422) | Some(404) => "Infeasible",
+            _ => "Deferred",
+        };
+        Self {
+            generation,
+            reason: reason.into(),
+            message,
+        }
+    }
+
+    /// The refusal recorded on `lower`, if any.
+    pub fn of(lower: &Pod) -> Option<Self> {
+        serde_json::from_str(annotation(lower, names::RESIZE_REFUSED)?).ok()
+    }
+}
+
+/// Whether a resize of `upper` is due below: its generation moved past the one `lower`
+/// reflects (a lower pod without the record is taken to reflect generation 1), or the
+/// lower apiserver deferred the resize of this very generation. Only then are the lower
+/// pod's resources compared, so what lower admission set on them (a limit range's
+/// defaults, an autoscaler's webhook) is never fought while the upper pod stands still.
+pub fn resize_due(upper: &Pod, lower: &Pod) -> bool {
+    let Some(generation) = upper.metadata.generation else {
+        return false;
+    };
+    generation > recorded_generation(lower).unwrap_or(1)
+        || ResizeRefusal::of(lower).is_some_and(|r| r.generation == generation && r.reason == "Deferred")
+}
+
+/// The body of a `resize` subresource patch bringing `actual`'s resources to `desired`'s:
+/// per container, sidecar and init container, and at pod level (`spec.resources`), the
+/// requests and limits `desired` names whose quantity differs below. What only the lower pod
+/// names is left as it is. `None` when they agree.
+pub fn resize_patch(desired: &Pod, actual: &Pod) -> Option<Value> {
+    let (want, have) = (desired.spec.as_ref()?, actual.spec.as_ref()?);
+    let mut patch = json!({});
+    let none = Vec::new();
+    for (field, want, have) in [
+        ("containers", &want.containers, &have.containers),
+        (
+            "initContainers",
+            want.init_containers.as_ref().unwrap_or(&none),
+            have.init_containers.as_ref().unwrap_or(&none),
+        ),
+    ] {
+        let changes: Vec<Value> = want
+            .iter()
+            .filter_map(|c| {
+                let below = have.iter().find(|h| h.name == c.name)?;
+                let change = resources_change(c.resources.as_ref(), below.resources.as_ref())?;
+                Some(json!({"name": c.name, "resources": change}))
+            })
+            .collect();
+        if !changes.is_empty() {
+            patch["spec"][field] = json!(changes);
+        }
+    }
+    if let Some(change) = resources_change(want.resources.as_ref(), have.resources.as_ref()) {
+        patch["spec"]["resources"] = change;
+    }
+    (patch != json!({})).then_some(patch)
+}
+
+/// The requests and limits of `want` whose quantity `have` does not state equally.
+fn resources_change(
+    want: Option<&k8s_openapi::api::core::v1::ResourceRequirements>,
+    have: Option<&k8s_openapi::api::core::v1::ResourceRequirements>,
+) -> Option<Value> {
+    let same = |a: &str, b: &str| {
+        a == b
+            || matches!(
+                (
+                    tensile_common::quantity::parse_milli(a),
+                    tensile_common::quantity::parse_milli(b)
+                ),
+                (Ok(x), Ok(y)) if x == y
+            )
+    };
+    let mut out = json!({});
+    for (field, want, have) in [
+        (
+            "requests",
+            want.and_then(|r| r.requests.as_ref()),
+            have.and_then(|r| r.requests.as_ref()),
+        ),
+        (
+            "limits",
+            want.and_then(|r| r.limits.as_ref()),
+            have.and_then(|r| r.limits.as_ref()),
+        ),
+    ] {
+        let diff: serde_json::Map<String, Value> = want
+            .into_iter()
+            .flatten()
+            .filter(|(k, v)| !have.and_then(|h| h.get(*k)).is_some_and(|h| same(&h.0, &v.0)))
+            .map(|(k, v)| (k.clone(), json!(v.0)))
+            .collect();
+        if !diff.is_empty() {
+            out[field] = Value::Object(diff);
+        }
+    }
+    (out != json!({})).then_some(out)
 }
 
 /// The phase a deleted, unfinished upper pod is given before its deletion is confirmed, as a
@@ -584,15 +720,58 @@ fn lower_nomination(upper: &Pod, lower: &Pod, scale_up: Option<&Signal>, now: Ti
     }))
 }
 
+/// The upper generation the status of `lower` reflects, as the kubelet's
+/// `status.observedGeneration` says it: the one recorded on the lower pod
+/// ([`recorded_generation`]) once the lower pod's status caught up with the lower spec that
+/// carries it (where the lower apiserver tracks its own `observedGeneration`: 1.34+), else
+/// what the upper pod showed before. The lower pod's own generation never comes up: it
+/// counts other writes.
+fn observed_generation(upper: &Pod, lower: &Pod) -> Option<i64> {
+    let caught_up = match (
+        lower.status.as_ref().and_then(|s| s.observed_generation),
+        lower.metadata.generation,
+    ) {
+        (Some(seen), Some(current)) => seen >= current,
+        _ => true,
+    };
+    let shown = upper.status.as_ref().and_then(|s| s.observed_generation);
+    match caught_up {
+        true => recorded_generation(lower).or(shown),
+        false => shown,
+    }
+}
+
+/// The kubelet's `PodReadyToStartContainers` when the lower pod shows none (a lower pod not
+/// yet on a node, or a lower kubelet that writes none): True once a container of it started
+/// or ended, as the sandbox is then up.
+fn ready_to_start(lower: &Pod, now: &str) -> Value {
+    let started = lower.status.iter().any(|s| {
+        s.container_statuses
+            .iter()
+            .chain(s.init_container_statuses.iter())
+            .flatten()
+            .any(|c| {
+                c.state
+                    .as_ref()
+                    .is_some_and(|st| st.running.is_some() || st.terminated.is_some())
+            })
+    });
+    json!({"type": "PodReadyToStartContainers", "status": if started { "True" } else { "False" },
+           "lastTransitionTime": now})
+}
+
 /// The status fields the upper pod should show for `lower` (and `scale_up`, its latest
 /// scale-up signal below), as a merge-patch body, and whether they differ from what the
-/// upper pod shows now.
+/// upper pod shows now. `tracks_generation`: the upper apiserver keeps
+/// `observedGeneration` (PodObservedGenerationTracking, on from 1.34); without it the
+/// field is neither written nor compared, so a status it drops is not written again.
 pub fn upper_status(
     upper: &Pod,
     lower: &Pod,
     scale_up: Option<&Signal>,
     host_ip: &str,
     now: Timestamp,
+    tracks_generation: bool,
 ) -> (Value, bool) {
     let ls = lower.status.clone().unwrap_or_default();
     let lower_json = serde_json::to_value(&ls).unwrap_or_else(|_| json!({}));
@@ -604,15 +783,21 @@ pub fn upper_status(
 
     // Conditions: the upper scheduler's PodScheduled stays; the lower pod's own conditions
     // come up; the lower scheduler's verdict becomes our LowerPodScheduled; conditions of
-    // other writers upstream are kept; our LowerPodNominated is made afresh.
+    // other writers upstream are kept; our LowerPodNominated, PodReadyToStartContainers and
+    // a resize's conditions are made afresh (a resize's end is their absence).
     let lower_types: Vec<String> = ls.conditions.iter().flatten().map(|c| c.type_.clone()).collect();
+    let made_afresh = [
+        names::CONDITION_LOWER_SCHEDULED,
+        names::CONDITION_LOWER_NOMINATED,
+        "PodReadyToStartContainers",
+        "PodResizePending",
+        "PodResizeInProgress",
+    ];
     let mut conditions: Vec<Value> = Vec::new();
     for c in upper.status.iter().flat_map(|s| s.conditions.iter().flatten()) {
         let keep = c.type_ == "PodScheduled"
             || c.type_ == names::CONDITION_LOWER_SYNCED
-            || (!lower_types.contains(&c.type_)
-                && c.type_ != names::CONDITION_LOWER_SCHEDULED
-                && c.type_ != names::CONDITION_LOWER_NOMINATED);
+            || (!lower_types.contains(&c.type_) && !made_afresh.contains(&c.type_.as_str()));
         if keep && let Ok(v) = serde_json::to_value(c) {
             conditions.push(v);
         }
@@ -620,6 +805,18 @@ pub fn upper_status(
     if !conditions.iter().any(|c| c["type"] == "PodScheduled") {
         conditions.push(json!({"type": "PodScheduled", "status": "True"}));
     }
+    let observed = observed_generation(upper, lower).filter(|_| tracks_generation);
+    // What the lower cluster wrote says which upper generation it reflects, never the lower
+    // pod's own.
+    let reflects = |v: &mut Value| match observed {
+        Some(g) => v["observedGeneration"] = json!(g),
+        None => {
+            if let Some(fields) = v.as_object_mut() {
+                fields.remove("observedGeneration");
+            }
+        }
+    };
+    let mut below: Vec<Value> = Vec::new();
     for c in ls.conditions.iter().flatten() {
         let Ok(mut v) = serde_json::to_value(c) else {
             continue;
@@ -627,6 +824,36 @@ pub fn upper_status(
         if c.type_ == "PodScheduled" {
             v["type"] = json!(names::CONDITION_LOWER_SCHEDULED);
         }
+        below.push(v);
+    }
+    let stamp = tensile_common::api::time(now);
+    if !below.iter().any(|c| c["type"] == "PodReadyToStartContainers") {
+        let mut synthesized = ready_to_start(lower, &stamp);
+        if let Some(before) = condition(upper, "PodReadyToStartContainers")
+            .filter(|c| c["status"] == synthesized["status"])
+            .and_then(|c| c.get("lastTransitionTime").cloned())
+        {
+            synthesized["lastTransitionTime"] = before;
+        }
+        below.push(synthesized);
+    }
+    // A resize the lower apiserver refused, for the generation the lower pod reflects.
+    if let Some(refusal) =
+        ResizeRefusal::of(lower).filter(|r| Some(r.generation) == recorded_generation(lower))
+    {
+        below.retain(|c| c["type"] != "PodResizePending");
+        let since = condition(upper, "PodResizePending")
+            .filter(|c| c["reason"] == refusal.reason.as_str())
+            .and_then(|c| c.get("lastTransitionTime").cloned())
+            .unwrap_or_else(|| json!(stamp));
+        below.push(
+            json!({"type": "PodResizePending", "status": "True", "reason": refusal.reason,
+                          "message": refusal.message, "lastTransitionTime": since}),
+        );
+    }
+    for mut v in below {
+        reflects(&mut v);
+        conditions.retain(|c| c["type"] != v["type"]);
         conditions.push(v);
     }
     conditions.extend(lower_nomination(upper, lower, scale_up, now));
@@ -643,6 +870,8 @@ pub fn upper_status(
         "startTime",
         "containerStatuses",
         "initContainerStatuses",
+        "resources",
+        "allocatedResources",
     ] {
         status.insert(
             field.into(),
@@ -650,6 +879,10 @@ pub fn upper_status(
         );
     }
     status.insert("hostIP".into(), json!(host_ip));
+    status.insert("hostIPs".into(), json!([{"ip": host_ip}]));
+    if let Some(g) = observed {
+        status.insert("observedGeneration".into(), json!(g));
+    }
     status.insert("conditions".into(), Value::Array(conditions));
 
     let mut current: Vec<Value> = upper_json
@@ -1055,7 +1288,7 @@ pub(crate) mod tests {
             .unwrap()
         };
         let ready = |upper: &Pod| {
-            let (status, _) = upper_status(upper, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH);
+            let (status, _) = upper_status(upper, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH, true);
             status["conditions"]
                 .as_array()
                 .unwrap()
@@ -1264,7 +1497,7 @@ pub(crate) mod tests {
             "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                             "message": "0/3 nodes are available: 3 Insufficient cpu."}]}}))
         .unwrap();
-        let (status, differs) = upper_status(&up, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH);
+        let (status, differs) = upper_status(&up, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH, true);
         assert!(differs);
         let conds = status["conditions"].as_array().unwrap();
         let get = |t: &str| conds.iter().find(|c| c["type"] == t).cloned();
@@ -1293,7 +1526,7 @@ pub(crate) mod tests {
             applied["status"][k] = v.clone();
         }
         let applied: Pod = serde_json::from_value(applied).unwrap();
-        let (_, again) = upper_status(&applied, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH);
+        let (_, again) = upper_status(&applied, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH, true);
         assert!(!again, "no write when nothing changed");
     }
 
@@ -1328,7 +1561,7 @@ pub(crate) mod tests {
 
         // The lower scheduler preempted on low-2 for the unbound lower pod.
         let lower = nominated(json!(null), json!("low-2"));
-        let (status, differs) = upper_status(&upper(), &lower, None, "10.1.1.1", t1);
+        let (status, differs) = upper_status(&upper(), &lower, None, "10.1.1.1", t1, true);
         assert!(differs);
         let c = condition(&status).expect("the nomination comes up");
         assert_eq!(
@@ -1347,7 +1580,7 @@ pub(crate) mod tests {
 
         // Later, still nominated: the condition keeps its time, and nothing is written.
         let shown = apply(&upper(), &status);
-        let (later, again) = upper_status(&shown, &lower, None, "10.1.1.1", t2);
+        let (later, again) = upper_status(&shown, &lower, None, "10.1.1.1", t2, true);
         assert!(!again, "no write while the nomination holds");
         assert_eq!(
             condition(&later).unwrap()["lastTransitionTime"],
@@ -1359,7 +1592,7 @@ pub(crate) mod tests {
             nominated(json!(null), json!(null)),
             nominated(json!("low-2"), json!("low-2")),
         ] {
-            let (status, differs) = upper_status(&shown, &ended, None, "10.1.1.1", t2);
+            let (status, differs) = upper_status(&shown, &ended, None, "10.1.1.1", t2, true);
             assert!(differs);
             assert_eq!(condition(&status), None, "{status}");
         }
@@ -1405,7 +1638,7 @@ pub(crate) mod tests {
 
         // cluster-autoscaler scales up for the unbound pod: its message comes up, from now.
         let triggered = signal(TRIGGERED, "pod triggered scale-up: [{pool 1->2 (max: 10)}]");
-        let (status, differs) = upper_status(&upper(), &waiting, Some(&triggered), "10.1.1.1", t1);
+        let (status, differs) = upper_status(&upper(), &waiting, Some(&triggered), "10.1.1.1", t1, true);
         assert!(differs);
         let c = condition(&status).expect("the scale-up comes up");
         assert_eq!(
@@ -1425,13 +1658,13 @@ pub(crate) mod tests {
         // Karpenter's nomination reads the same; the time stays while it holds.
         let shown = apply(&upper(), &status);
         let karpenter = signal(NOMINATED, "Pod should schedule on: nodeclaim/default-x7k2p");
-        let (later, _) = upper_status(&shown, &waiting, Some(&karpenter), "10.1.1.1", t2);
+        let (later, _) = upper_status(&shown, &waiting, Some(&karpenter), "10.1.1.1", t2, true);
         let c = condition(&later).unwrap();
         assert_eq!(
             (&c["reason"], &c["lastTransitionTime"]),
             (&json!("ScaleUp"), &json!("2024-05-01T10:00:00Z"))
         );
-        let (_, again) = upper_status(&shown, &waiting, Some(&triggered), "10.1.1.1", t2);
+        let (_, again) = upper_status(&shown, &waiting, Some(&triggered), "10.1.1.1", t2, true);
         assert!(!again, "no write while the scale-up holds");
 
         // A preemption below says more: it names the node.
@@ -1441,6 +1674,7 @@ pub(crate) mod tests {
             Some(&triggered),
             "10.1.1.1",
             t2,
+            true,
         );
         assert_eq!(condition(&status).unwrap()["reason"], "Preempting");
 
@@ -1454,10 +1688,322 @@ pub(crate) mod tests {
             (&waiting, None),
             (&lower(json!("low-3"), json!(null)), Some(&triggered)),
         ] {
-            let (status, differs) = upper_status(&shown, pod, signal, "10.1.1.1", t2);
+            let (status, differs) = upper_status(&shown, pod, signal, "10.1.1.1", t2, true);
             assert!(differs);
             assert_eq!(condition(&status), None, "{status}");
         }
+    }
+
+    /// A lower pod running the upper pod's generation `recorded`, as the lower apiserver of
+    /// `version` stores it: 1.37 keeps the lower pod's own generation (`own`) in
+    /// `observedGeneration` and the allocated resources; 1.33 drops both (alpha and off there).
+    fn lower_of_version(version: &str, recorded: i64, own: i64) -> Pod {
+        let newest = version == "1.37";
+        let cond = |kind: &str| {
+            let mut c = json!({"type": kind, "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"});
+            if newest {
+                c["observedGeneration"] = json!(own);
+            }
+            c
+        };
+        let mut app = json!({"name": "app", "image": "nginx:1", "imageID": "sha", "ready": true,
+            "started": true, "restartCount": 0, "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}},
+            "resources": {"requests": {"cpu": "250m"}}});
+        let mut status = json!({"phase": "Running", "podIP": "10.0.0.9", "hostIP": "10.9.9.9",
+            "qosClass": "Burstable", "startTime": "2026-01-01T00:00:00Z",
+            "conditions": [cond("PodReadyToStartContainers"), cond("Initialized"), cond("Ready"),
+                           cond("ContainersReady"), cond("PodScheduled")],
+            "containerStatuses": [app.clone()]});
+        if newest {
+            app["allocatedResources"] = json!({"cpu": "250m"});
+            status["containerStatuses"] = json!([app]);
+            status["observedGeneration"] = json!(own);
+            status["resources"] = json!({"requests": {"cpu": "1"}});
+            status["allocatedResources"] = json!({"cpu": "1"});
+        }
+        serde_json::from_value(json!({
+            "metadata": {"name": "web-1", "namespace": "shop", "generation": own,
+                         "annotations": {names::UPPER_GENERATION: recorded.to_string()}},
+            "spec": {"nodeName": "low-0", "containers": [{"name": "app", "image": "nginx:1",
+                     "resources": {"requests": {"cpu": "250m"}}}]},
+            "status": status,
+        }))
+        .unwrap()
+    }
+
+    /// `upper` after the upper apiserver applied `status`, as a version that keeps
+    /// `observedGeneration` (`keeps`) or drops it.
+    fn applied(upper: &Pod, status: &Value, keeps: bool) -> Pod {
+        let mut applied = serde_json::to_value(upper).unwrap();
+        for (k, v) in status.as_object().unwrap() {
+            applied["status"][k] = v.clone();
+        }
+        if !keeps {
+            let s = applied["status"].as_object_mut().unwrap();
+            s.remove("observedGeneration");
+            for c in s["conditions"].as_array_mut().unwrap() {
+                c.as_object_mut().unwrap().remove("observedGeneration");
+            }
+        }
+        serde_json::from_value(applied).unwrap()
+    }
+
+    fn upper_at(generation: i64) -> Pod {
+        let mut up = upper();
+        up.metadata.generation = Some(generation);
+        up.status = Some(
+            serde_json::from_value(json!({"phase": "Pending", "qosClass": "Burstable",
+                "conditions": [{"type": "PodScheduled", "status": "True"}]}))
+            .unwrap(),
+        );
+        up
+    }
+
+    #[test]
+    fn the_upper_generation_the_lower_pod_reflects_is_observed_whatever_the_lower_version_writes() {
+        for version in ["1.37", "1.33"] {
+            // The lower pod's own generation (1) is never what comes up.
+            let lower = lower_of_version(version, 3, 1);
+            let up = upper_at(3);
+            let (status, differs) = upper_status(&up, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH, true);
+            assert!(differs, "{version}");
+            assert_eq!(status["observedGeneration"], 3, "{version}: {status}");
+            for c in status["conditions"].as_array().unwrap() {
+                let kubelets = c["type"] != "PodScheduled";
+                assert_eq!(
+                    c.get("observedGeneration").is_some_and(|g| *g == 3),
+                    kubelets,
+                    "{version}: {c}"
+                );
+            }
+            assert_eq!(status["hostIPs"], json!([{"ip": "10.1.1.1"}]), "{version}");
+            assert!(
+                status.get("qosClass").is_none(),
+                "the upper apiserver's qosClass stays"
+            );
+            let shown = applied(&up, &status, true);
+            let (_, again) = upper_status(&shown, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH, true);
+            assert!(!again, "{version}: no second write");
+        }
+        // Pod-level resize status (1.35+) comes up where the lower cluster writes it.
+        let (status, _) = upper_status(
+            &upper_at(3),
+            &lower_of_version("1.37", 3, 1),
+            None,
+            "10.1.1.1",
+            Timestamp::UNIX_EPOCH,
+            true,
+        );
+        assert_eq!(status["allocatedResources"], json!({"cpu": "1"}));
+        assert_eq!(
+            status["containerStatuses"][0]["allocatedResources"],
+            json!({"cpu": "250m"})
+        );
+    }
+
+    #[test]
+    fn a_status_the_lower_kubelet_has_not_caught_up_with_keeps_the_generation_shown() {
+        // The lower spec (own generation 2) carries upper generation 4; its kubelet still
+        // reports the lower generation 1, so the upper pod keeps saying 3.
+        let mut lower = lower_of_version("1.37", 4, 2);
+        lower.status.as_mut().unwrap().observed_generation = Some(1);
+        let mut up = upper_at(4);
+        up.status.as_mut().unwrap().observed_generation = Some(3);
+        let (status, _) = upper_status(&up, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH, true);
+        assert_eq!(status["observedGeneration"], 3, "{status}");
+        lower.status.as_mut().unwrap().observed_generation = Some(2);
+        let (status, _) = upper_status(&up, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH, true);
+        assert_eq!(status["observedGeneration"], 4, "{status}");
+    }
+
+    #[test]
+    fn an_upper_apiserver_that_drops_observed_generation_is_not_written_it_again() {
+        for version in ["1.37", "1.33"] {
+            let lower = lower_of_version(version, 2, 1);
+            let up = upper_at(2);
+            let (status, _) = upper_status(&up, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH, false);
+            assert!(status.get("observedGeneration").is_none(), "{version}");
+            assert!(
+                status["conditions"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .all(|c| c.get("observedGeneration").is_none()),
+                "{version}: the lower generation never comes up: {status}"
+            );
+            let shown = applied(&up, &status, false);
+            let (_, again) = upper_status(&shown, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH, false);
+            assert!(!again, "{version}: no write loop");
+        }
+    }
+
+    #[test]
+    fn a_resize_goes_below_when_the_upper_generation_moves_naming_only_what_the_upper_pod_asks() {
+        let t = translation();
+        let mut up = upper_at(2);
+        let spec = up.spec.as_mut().unwrap();
+        spec.containers[0].resources = Some(
+            serde_json::from_value(
+                json!({"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "1Gi"}}),
+            )
+            .unwrap(),
+        );
+        spec.resources = Some(serde_json::from_value(json!({"requests": {"cpu": "2"}})).unwrap());
+        let desired = t.lower_pod(&up).unwrap();
+        // Below: cpu as "1000m" (the same quantity), a memory request of another amount, and
+        // an ephemeral-storage request the lower cluster's limit range added.
+        let mut lower: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "web-1", "annotations": {names::UPPER_GENERATION: "1"}},
+            "spec": {"containers": [{"name": "app", "image": "nginx:1", "resources": {
+                "requests": {"cpu": "1000m", "memory": "512Mi", "ephemeral-storage": "1Gi"},
+                "limits": {"memory": "512Mi"}}}],
+                "resources": {"requests": {"cpu": "1"}}}}))
+        .unwrap();
+        assert!(resize_due(&up, &lower));
+        assert_eq!(
+            resize_patch(&desired, &lower),
+            Some(json!({"spec": {
+                "containers": [{"name": "app", "resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "1Gi"}}}],
+                "resources": {"requests": {"cpu": "2"}}}}))
+        );
+        // Once the lower pod records generation 2, nothing is compared: a lower webhook's
+        // change of the resources is not fought.
+        lower
+            .metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert(names::UPPER_GENERATION.into(), "2".into());
+        assert!(!resize_due(&up, &lower));
+        // The generation is recorded with the update that follows the pod down.
+        assert_eq!(
+            desired.metadata.annotations.as_ref().unwrap()[names::UPPER_GENERATION],
+            "2"
+        );
+        // A resize deferred below for this generation is due again; an infeasible one is not.
+        for (reason, due) in [("Deferred", true), ("Infeasible", false)] {
+            let refusal = ResizeRefusal {
+                generation: 2,
+                reason: reason.into(),
+                message: "m".into(),
+            };
+            lower.metadata.annotations.as_mut().unwrap().insert(
+                names::RESIZE_REFUSED.into(),
+                serde_json::to_string(&refusal).unwrap(),
+            );
+            assert_eq!(resize_due(&up, &lower), due, "{reason}");
+        }
+        // An upper pod may not plant the records on its lower pod.
+        let mut planted = up.clone();
+        planted.metadata.annotations.as_mut().unwrap().extend([
+            (names::UPPER_GENERATION.to_owned(), "99".to_owned()),
+            (names::RESIZE_REFUSED.to_owned(), "{}".to_owned()),
+        ]);
+        let made = t.lower_pod(&planted).unwrap();
+        let a = made.metadata.annotations.unwrap();
+        assert_eq!(a[names::UPPER_GENERATION], "2");
+        assert!(!a.contains_key(names::RESIZE_REFUSED));
+    }
+
+    #[test]
+    fn a_resize_the_lower_apiserver_refused_shows_as_the_kubelets_pending_condition_of_its_generation() {
+        assert_eq!(
+            ResizeRefusal::of_answer(3, Some(422), "m".into()).reason,
+            "Infeasible"
+        );
+        assert_eq!(
+            ResizeRefusal::of_answer(3, Some(403), "exceeded quota".into()).reason,
+            "Deferred"
+        );
+        let mut lower = lower_of_version("1.33", 3, 1);
+        let refusal = ResizeRefusal {
+            generation: 3,
+            reason: "Infeasible".into(),
+            message: "lower cluster b refused the resize: limit range".into(),
+        };
+        lower.metadata.annotations.as_mut().unwrap().insert(
+            names::RESIZE_REFUSED.into(),
+            serde_json::to_string(&refusal).unwrap(),
+        );
+        let up = upper_at(3);
+        let (status, _) = upper_status(&up, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH, true);
+        let pending = status["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "PodResizePending")
+            .cloned()
+            .expect("pending");
+        assert_eq!(
+            (
+                &pending["status"],
+                &pending["reason"],
+                &pending["observedGeneration"]
+            ),
+            (&json!("True"), &json!("Infeasible"), &json!(3))
+        );
+        assert!(pending["message"].as_str().unwrap().contains("limit range"));
+        // Once the lower pod reflects a later generation (or the record is gone), the
+        // condition goes.
+        let shown = applied(&up, &status, true);
+        lower
+            .metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert(names::UPPER_GENERATION.into(), "4".into());
+        let (status, differs) = upper_status(&shown, &lower, None, "10.1.1.1", Timestamp::UNIX_EPOCH, true);
+        assert!(differs);
+        assert!(
+            !status["conditions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|c| c["type"] == "PodResizePending"),
+            "{status}"
+        );
+    }
+
+    #[test]
+    fn ready_to_start_is_made_when_the_lower_pod_shows_none() {
+        let unbound: Pod = serde_json::from_value(json!({"metadata": {"name": "web-1"},
+            "status": {"phase": "Pending"}}))
+        .unwrap();
+        let (status, _) = upper_status(
+            &upper_at(1),
+            &unbound,
+            None,
+            "10.1.1.1",
+            Timestamp::UNIX_EPOCH,
+            true,
+        );
+        let ready_to_start = |status: &Value| {
+            status["conditions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["type"] == "PodReadyToStartContainers")
+                .map(|c| c["status"].clone())
+        };
+        assert_eq!(ready_to_start(&status), Some(json!("False")));
+        let mut running = lower_of_version("1.37", 1, 1);
+        running
+            .status
+            .as_mut()
+            .unwrap()
+            .conditions
+            .as_mut()
+            .unwrap()
+            .retain(|c| c.type_ != "PodReadyToStartContainers");
+        let (status, _) = upper_status(
+            &upper_at(1),
+            &running,
+            None,
+            "10.1.1.1",
+            Timestamp::UNIX_EPOCH,
+            true,
+        );
+        assert_eq!(ready_to_start(&status), Some(json!("True")));
     }
 
     fn lower_with_status(status: Value) -> Pod {

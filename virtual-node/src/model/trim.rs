@@ -94,9 +94,10 @@ impl PodLoad {
 tensile_common::kept_as!(PodLoad, Pod, metadata);
 
 /// A lower pod of this node as the pod controller reads it: its metadata and status, and of
-/// its spec what an update follows below (each container's and init container's image,
-/// `activeDeadlineSeconds`, tolerations) and the node it runs on. Volumes, environment,
-/// probes, affinity and the rest were decided when the pod was created and are not read.
+/// its spec what an update follows below (each container's and init container's image and
+/// resources, the pod-level resources, `activeDeadlineSeconds`, tolerations) and the node it
+/// runs on. Volumes, environment, probes, affinity and the rest were decided when the pod was
+/// created and are not read.
 pub fn lower_pod(pod: &mut Pod) {
     let images = |containers: Vec<Container>| -> Vec<Container> {
         containers
@@ -104,6 +105,7 @@ pub fn lower_pod(pod: &mut Pod) {
             .map(|c| Container {
                 name: c.name,
                 image: c.image,
+                resources: c.resources,
                 ..Default::default()
             })
             .collect()
@@ -111,6 +113,7 @@ pub fn lower_pod(pod: &mut Pod) {
     pod.spec = pod.spec.take().map(|s| PodSpec {
         containers: images(s.containers),
         init_containers: s.init_containers.map(images),
+        resources: s.resources,
         active_deadline_seconds: s.active_deadline_seconds,
         tolerations: s.tolerations,
         node_name: s.node_name,
@@ -420,12 +423,15 @@ mod tests {
         let t = crate::decide::translate::tests::translation();
         let upper: Pod = serde_json::from_value(json!({
             "metadata": {"name": "web-1", "namespace": "shop", "uid": "u-1", "labels": {"app": "web"},
+                "generation": 3,
                 "annotations": {"note": "new",
                     "clusterSelector": r#"{"tolerations":[{"key":"gpu","operator":"Exists"}]}"#}},
             "spec": {"nodeName": "vn", "activeDeadlineSeconds": 60,
                 "tolerations": [{"key": "a", "operator": "Exists"}],
                 "containers": [{"name": "app", "image": "nginx:2", "env": [{"name": "X", "value": "1"}],
+                    "resources": {"requests": {"cpu": "500m"}},
                     "volumeMounts": [{"name": "data", "mountPath": "/d"}]}],
+                "resources": {"limits": {"memory": "1Gi"}},
                 "initContainers": [{"name": "init", "image": "busybox:2"}],
                 "volumes": [{"name": "data", "emptyDir": {}}]},
             "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]}
@@ -441,6 +447,9 @@ mod tests {
         actual["metadata"]["managedFields"] =
             json!([{"manager": "tensile-virtual-node", "operation": "Update"}]);
         actual["spec"]["containers"][0]["image"] = json!("nginx:1");
+        actual["spec"]["containers"][0]["resources"] = json!({"requests": {"cpu": "250m"}});
+        actual["spec"]["resources"] = json!({"limits": {"memory": "512Mi"}});
+        actual["metadata"]["annotations"][names::UPPER_GENERATION] = json!("2");
         actual["spec"]["initContainers"][0]["image"] = json!("busybox:1");
         actual["spec"]["activeDeadlineSeconds"] = json!(null);
         actual["spec"]["nodeName"] = json!("low-0");
@@ -474,20 +483,27 @@ mod tests {
             assert!(p.pointer(path).is_some(), "{path} in {p}");
         }
         assert_eq!(t.update_patch(&desired, &small), patch);
+        // A resize is due (generation 3 over the recorded 2) and reads the same resources.
+        assert!(crate::decide::translate::resize_due(&upper, &small));
+        let resize = crate::decide::translate::resize_patch(&desired, &full);
+        assert!(resize.is_some(), "the fixture was resized");
+        assert_eq!(crate::decide::translate::resize_patch(&desired, &small), resize);
         assert_eq!(
             crate::decide::translate::upper_status(
                 &upper,
                 &small,
                 None,
                 "10.1.0.1",
-                jiff::Timestamp::UNIX_EPOCH
+                jiff::Timestamp::UNIX_EPOCH,
+                true
             ),
             crate::decide::translate::upper_status(
                 &upper,
                 &full,
                 None,
                 "10.1.0.1",
-                jiff::Timestamp::UNIX_EPOCH
+                jiff::Timestamp::UNIX_EPOCH,
+                true
             )
         );
         let none = tensile_common::lower::overrides::Compiled::none();
