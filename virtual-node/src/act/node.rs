@@ -19,11 +19,11 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::decide::capacity::{self, Capacity, ShapePublisher};
-use crate::decide::node::EXTEND_WEBSOCKETS_TO_KUBELET;
 use crate::decide::node::Health;
 use crate::decide::node::Heartbeat;
 use crate::decide::node::Observed;
 use crate::decide::node::Periods;
+use crate::decide::node::declared_features;
 use crate::decide::node::metadata_patch;
 use crate::decide::node::resources_patch;
 use crate::decide::node::room_condition;
@@ -483,8 +483,10 @@ impl NodeLoop {
             "daemonEndpoints": {"kubeletEndpoint": {"Port": self.settings.kubelet_port}},
             // The kubelet API takes WebSocket streams itself (crate::serve::streams), so an upper
             // apiserver of 1.36+ proxies a client's WebSocket to it rather than translating it
-            // to SPDY; older apiservers drop the field and translate.
-            "declaredFeatures": [EXTEND_WEBSOCKETS_TO_KUBELET],
+            // to SPDY; older apiservers drop the field and translate. The pod features are
+            // what every usable lower node declares: the upper scheduler keeps a pod needing
+            // another off this node.
+            "declaredFeatures": declared_features(cap),
             "nodeInfo": {
                 "machineID": self.settings.identity.cluster_id, "systemUUID": self.name(), "bootID": started,
                 "kernelVersion": "", "osImage": "tensile virtual node",

@@ -24,6 +24,7 @@ use tensile_common::names;
 use crate::act::copies::Copies;
 use crate::act::ratelimit::Backoff;
 use crate::act::ratelimit::WriteLimit;
+use crate::decide::features;
 use crate::decide::pods::Step;
 use crate::decide::pods::View;
 use crate::decide::pods::decide;
@@ -528,7 +529,7 @@ async fn create_in_namespace(
         }
     }
     ctx.lower_limit.acquire().await;
-    if let Some(msg) = pod_level_dropped(ctx, lower_pods, &desired).await {
+    if let Some(msg) = lower_refusal(ctx, &ns, &desired).await {
         create_failed(ctx, upper, &msg).await?;
         return Ok(Action::requeue(Duration::from_secs(300)));
     }
@@ -588,38 +589,62 @@ async fn create_failed(ctx: &Context, upper: &Pod, msg: &str) -> Result<(), Erro
     Ok(())
 }
 
-/// Why `desired` is not created below when it asks for pod-level resources
-/// (`spec.resources`) the lower apiserver would drop: one that does not serve them (the
-/// PodLevelResources feature, on by default from Kubernetes 1.34, off before) stores the
-/// pod without them, and it would run there charged for its containers alone. Found out
-/// on the lower apiserver itself, by a server-side dry run of the create, for such pods
-/// only; a dry run that fails says nothing, and the create goes on.
-async fn pod_level_dropped(ctx: &Context, lower_pods: &Api<Pod>, desired: &Pod) -> Option<String> {
-    let asks = |p: &Pod| {
-        p.spec
-            .as_ref()
-            .and_then(|s| s.resources.as_ref())
-            .is_some_and(|r| {
-                r.requests.as_ref().is_some_and(|q| !q.is_empty())
-                    || r.limits.as_ref().is_some_and(|q| !q.is_empty())
-            })
-    };
-    if !asks(desired) {
+/// Why `desired` is not created below: it asks for a feature ([`features::asked`]) the
+/// lower apiserver refuses (a field its version does not know, under strict field
+/// validation, or a value it does not accept) or drops (a gate off there), and would run
+/// there without it. Found out on the lower apiserver itself, by a server-side dry run of
+/// the create, for such pods only; a dry run that fails for another reason (a quota, the
+/// namespace, a conflict) says nothing, and the create goes on.
+async fn lower_refusal(ctx: &Context, ns: &str, desired: &Pod) -> Option<String> {
+    let spec = desired.spec.as_ref()?;
+    let asked = features::asked(spec);
+    if asked.is_empty() {
         return None;
     }
-    let dry_run = PostParams {
-        dry_run: true,
-        ..Default::default()
+    let lower_version = || async {
+        match ctx.lower.apiserver_version().await {
+            Ok(v) => format!("Kubernetes {}", v.git_version),
+            Err(_) => "its Kubernetes version unknown".to_owned(),
+        }
     };
-    let stored = lower_pods.create(&dry_run, desired).await.ok()?;
-    (!asks(&stored)).then(|| {
-        format!(
-            "lower cluster {} does not keep the pod's pod-level resources (spec.resources): its apiserver drops them \
-             (the PodLevelResources feature is off there; it is on by default from Kubernetes 1.34), and the pod \
-             would run without its requests; it is not created there",
-            ctx.cluster_name
-        )
-    })
+    let describe =
+        |list: &[&features::Feature]| list.iter().map(|f| f.describe()).collect::<Vec<_>>().join("; ");
+    match dry_run_strict(&ctx.lower, ns, desired).await {
+        Ok(stored) => {
+            let lost = features::dropped(spec, stored.spec.as_ref()?);
+            if lost.is_empty() {
+                return None;
+            }
+            Some(format!(
+                "lower cluster {} ({}) does not keep {}: its apiserver drops it, and the pod would run there \
+                 without it; it is not created there",
+                ctx.cluster_name,
+                lower_version().await,
+                describe(&lost)
+            ))
+        }
+        Err(kube::Error::Api(s)) if s.code == 400 || s.code == 422 => Some(format!(
+            "lower cluster {} ({}) refuses the pod, which asks for {}: {}; it is not created there",
+            ctx.cluster_name,
+            lower_version().await,
+            describe(&asked),
+            s.message
+        )),
+        Err(_) => None,
+    }
+}
+
+/// A server-side dry run of creating `pod` in `namespace`, with strict field validation: a
+/// field the apiserver does not know is an error rather than dropped.
+async fn dry_run_strict(client: &kube::Client, namespace: &str, pod: &Pod) -> Result<Pod, kube::Error> {
+    let body = serde_json::to_vec(pod).map_err(kube::Error::SerdeError)?;
+    let request = http::Request::post(format!(
+        "/api/v1/namespaces/{namespace}/pods?dryRun=All&fieldValidation=Strict"
+    ))
+    .header(http::header::CONTENT_TYPE, "application/json")
+    .body(body)
+    .map_err(kube::Error::HttpError)?;
+    client.request(request).await
 }
 
 /// The answer when the lower cluster has a same-named pod without this node's marks: it is

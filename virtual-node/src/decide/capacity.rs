@@ -45,6 +45,9 @@ pub struct Capacity {
     pub quotas: Option<Vec<String>>,
     pub os: Option<String>,
     pub arch: Option<String>,
+    /// The node features every counted lower node declares ([`crate::decide::features::declared`]);
+    /// none under a namespace scope, which reads no nodes.
+    pub declared_features: Vec<String>,
 }
 
 fn allocatable(node: &Node) -> ResourceMap {
@@ -63,10 +66,12 @@ pub fn compute<'a>(
 ) -> Capacity {
     let mut out = Capacity::default();
     let mut counted: BTreeSet<String> = BTreeSet::new();
+    let mut used = Vec::new();
     for node in nodes {
         if !usable(node) {
             continue;
         }
+        used.push(node);
         out.capacity.add(&allocatable(node));
         out.usable_nodes += 1;
         if out.os.is_none() {
@@ -85,6 +90,7 @@ pub fn compute<'a>(
     }
     out.allocatable = out.capacity.clone();
     out.allocatable.saturating_sub(&foreign);
+    out.declared_features = crate::decide::features::declared(used);
     out
 }
 

@@ -9,6 +9,7 @@
 //! - [`volumes`]: the claims pods mount, made below, and the upper volumes standing for them.
 //! - [`node`]: the heartbeat's judge (register, status, lease) and the Node's metadata.
 //! - [`capacity`]: capacity, allocatable and the capacity shape from lower nodes and pods.
+//! - [`features`]: pod features a lower cluster may lack, and the node features declared.
 //! - [`tokens`]: which upper service-account tokens a pod gets below, and when they renew.
 //!
 //! The override rules themselves (their format, checks and application) are
@@ -16,6 +17,7 @@
 
 pub mod capacity;
 pub mod copies;
+pub mod features;
 pub mod node;
 pub mod pods;
 pub mod tokens;

@@ -316,6 +316,36 @@ const STATED_RESOURCES: [&str; 3] = ["cpu", "memory", "pods"];
 /// exec, attach and port-forward streams from the apiserver.
 pub const EXTEND_WEBSOCKETS_TO_KUBELET: &str = "ExtendWebSocketsToKubelet";
 
+/// The node features of pods the virtual node carries down unchanged, so that it declares
+/// them where its lower nodes do: restart rules that restart every container, resizes of
+/// pod-level resources, of init containers and of pods with memory-backed volumes (made
+/// through the lower pod's `resize` subresource), user namespaces beside the host network,
+/// and bind mounts' options. Not carried: the DRA features (resource claims stay upstream).
+const CARRIED_NODE_FEATURES: [&str; 6] = [
+    "RestartAllContainersOnContainerExits",
+    "InPlacePodLevelResourcesVerticalScaling",
+    "InPlacePodVerticalScalingInitContainers",
+    "InPlacePodVerticalScalingMemoryBackedVolumes",
+    "UserNamespacesHostNetworkSupport",
+    "VolumeBindMountOptions",
+];
+
+/// The virtual node's `status.declaredFeatures`: its own kubelet API's
+/// [`EXTEND_WEBSOCKETS_TO_KUBELET`], and of the features it carries down, those every usable
+/// lower node declares (`cap.declared_features`). Sorted, as a kubelet writes them.
+pub fn declared_features(cap: &crate::decide::capacity::Capacity) -> Vec<String> {
+    let mut out: Vec<String> = cap
+        .declared_features
+        .iter()
+        .filter(|f| CARRIED_NODE_FEATURES.contains(&f.as_str()))
+        .cloned()
+        .chain([EXTEND_WEBSOCKETS_TO_KUBELET.to_owned()])
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// The `capacity` or `allocatable` map of a status patch: `now`, the resources every node
 /// states at zero when absent, and a removal (`null`) for each resource the Node shows that
 /// no lower node offers any more (a strategic merge keeps keys a patch leaves out).
@@ -337,6 +367,30 @@ pub fn resources_patch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_node_declares_its_own_websocket_streams_and_the_carried_features_of_its_lower_nodes() {
+        let cap = |features: &[&str]| crate::decide::capacity::Capacity {
+            declared_features: features.iter().map(|f| f.to_string()).collect(),
+            ..Default::default()
+        };
+        // A 1.33 lower cluster (no declared features): only the node's own.
+        assert_eq!(declared_features(&cap(&[])), [EXTEND_WEBSOCKETS_TO_KUBELET]);
+        // A 1.37 one: what the pods carry, not DRA's.
+        assert_eq!(
+            declared_features(&cap(&[
+                "DRANodeAllocatableResources",
+                "ExtendWebSocketsToKubelet",
+                "RestartAllContainersOnContainerExits",
+                "InPlacePodLevelResourcesVerticalScaling",
+            ])),
+            [
+                EXTEND_WEBSOCKETS_TO_KUBELET,
+                "InPlacePodLevelResourcesVerticalScaling",
+                "RestartAllContainersOnContainerExits"
+            ]
+        );
+    }
 
     #[test]
     fn node_labels_and_taint_follow_the_settings_and_leave_others_alone() {

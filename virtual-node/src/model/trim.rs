@@ -179,7 +179,8 @@ impl<'de> serde::Deserialize<'de> for UpperPod {
 }
 
 /// A lower node as capacity and the capacity shape read it: name, labels, cordon, taints,
-/// allocatable and conditions (no images, addresses, volumes or system information).
+/// allocatable, conditions and declared features (no images, addresses, volumes or system
+/// information).
 pub fn lower_node(node: &mut Node) {
     node.metadata.managed_fields = None;
     node.metadata.annotations = None;
@@ -190,6 +191,7 @@ pub fn lower_node(node: &mut Node) {
     });
     node.status = node.status.take().map(|s| NodeStatus {
         allocatable: s.allocatable,
+        declared_features: s.declared_features,
         conditions: s.conditions.map(|cs| {
             cs.into_iter()
                 .map(|mut c| {
