@@ -158,10 +158,12 @@ fn pod_level_requests(pod: &Pod, containers: &ResourceMap) -> ResourceMap {
 /// * plus the pod overhead; `pods` is always 1.
 ///
 /// A container's limit without a request counts as its request, as the apiserver defaults.
-/// For a pod not yet running this is what its spec asks for. Not read: the pod-level resize
-/// status (`status.allocatedResources` and `status.resources` of the pod, 1.35+), which the
-/// API types this workspace builds on (Kubernetes 1.33) lack; a pod-level resize counts the
-/// pod level's spec.
+/// For a pod not yet running this is what its spec asks for. A pod-level resize
+/// (InPlacePodLevelResourcesVerticalScaling, beta and on from 1.36) is counted as a
+/// container's: once the kubelet reports the pod level's status (`status.resources`, 1.35+),
+/// per resource the largest of the pod level's spec (left out when the resize is
+/// infeasible), what runs (`status.resources.requests`) and what is allocated
+/// (`status.allocatedResources`).
 pub fn pod_requests(pod: &Pod) -> ResourceMap {
     let Some(spec) = &pod.spec else {
         return ResourceMap::default();
@@ -173,7 +175,22 @@ pub fn pod_requests(pod: &Pod) -> ResourceMap {
     if !infeasible {
         total.max_with(&asked);
     }
-    for (k, v) in pod_level_requests(pod, &asked).0 {
+    let mut level = pod_level_requests(pod, &asked);
+    let status = pod.status.as_ref();
+    if !level.0.is_empty()
+        && let Some(running) = status.and_then(|s| s.resources.as_ref())
+    {
+        let mut effective = running.requests.as_ref().map(parse).unwrap_or_default();
+        if let Some(allocated) = status.and_then(|s| s.allocated_resources.as_ref()) {
+            effective.max_with(&parse(allocated));
+        }
+        if !infeasible {
+            effective.max_with(&level);
+        }
+        effective.0.retain(|k, _| pod_level(k));
+        level = effective;
+    }
+    for (k, v) in level.0 {
         total.0.insert(k, v);
     }
     if let Some(overhead) = &spec.overhead {
@@ -229,6 +246,30 @@ mod tests {
         assert_eq!(r.get("memory"), 2 * GI);
         assert_eq!(r.get("ephemeral-storage"), GI);
         assert_eq!(r.get("example.com/gpu"), 1000);
+    }
+
+    #[test]
+    fn during_a_pod_level_resize_the_larger_of_spec_running_and_allocated_counts() {
+        // Resized from 1 to 2 cpu and from 2Gi to 1Gi memory: the kubelet of 1.37 still runs
+        // and allocates the old amounts.
+        let resizing = |reason: &str| {
+            pod(serde_json::json!({"spec": {
+                "resources": {"requests": {"cpu": "2", "memory": "1Gi"}},
+                "containers": [{"name": "a"}]},
+                "status": {"resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
+                           "allocatedResources": {"cpu": "1", "memory": "2Gi"},
+                           "conditions": [{"type": "PodResizePending", "status": "True", "reason": reason}]}}))
+        };
+        let r = pod_requests(&resizing("Deferred"));
+        assert_eq!((r.get("cpu"), r.get("memory")), (2000, 2 * GI));
+        // Infeasible: the spec is left out, what runs counts.
+        let r = pod_requests(&resizing("Infeasible"));
+        assert_eq!((r.get("cpu"), r.get("memory")), (1000, 2 * GI));
+        // A kubelet without pod-level status (before 1.35): the spec alone.
+        let mut old = resizing("Deferred");
+        old.status = None;
+        let r = pod_requests(&old);
+        assert_eq!((r.get("cpu"), r.get("memory")), (2000, GI));
     }
 
     #[test]

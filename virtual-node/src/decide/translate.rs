@@ -352,18 +352,20 @@ pub struct ResizeRefusal {
 }
 
 impl ResizeRefusal {
-    /// The refusal the lower apiserver's answer `code`/`message` to a resize means: a quota
-    /// or an admission plugin that may let it pass later (403, 409, 429, 5xx) defers it,
-    /// as a kubelet defers a resize its node has no room for yet; an invalid one (422, 400:
-    /// a limit range, a resource the lower version cannot resize) is infeasible.
+    /// The refusal the lower apiserver's answer `code`/`message` to a resize means: a
+    /// ResourceQuota it would exceed (403, "exceeded quota"), a conflict, throttling or a
+    /// server error may pass later, and defer it, as a kubelet defers a resize its node has
+    /// no room for yet; anything else (a LimitRange's bound, 403; an invalid resize, 422; a
+    /// lower version without the `resize` subresource, 404) is infeasible there.
     pub fn of_answer(generation: i64, code: Option<u16>, message: String) -> Self {
-        let reason = match code {
-            Some(400) | Some(422) | Some(404) => "Infeasible",
-            _ => "Deferred",
+        let later = match code {
+            Some(403) => message.contains("exceeded quota"),
+            Some(409) | Some(429) | None => true,
+            Some(c) => c >= 500,
         };
         Self {
             generation,
-            reason: reason.into(),
+            reason: if later { "Deferred" } else { "Infeasible" }.into(),
             message,
         }
     }
@@ -1912,8 +1914,18 @@ pub(crate) mod tests {
             "Infeasible"
         );
         assert_eq!(
-            ResizeRefusal::of_answer(3, Some(403), "exceeded quota".into()).reason,
+            ResizeRefusal::of_answer(3, Some(403), "pods \"p\" is forbidden: exceeded quota: q".into())
+                .reason,
             "Deferred"
+        );
+        assert_eq!(
+            ResizeRefusal::of_answer(
+                3,
+                Some(403),
+                "maximum cpu usage per Container is 500m, but limit is 1".into()
+            )
+            .reason,
+            "Infeasible"
         );
         let mut lower = lower_of_version("1.33", 3, 1);
         let refusal = ResizeRefusal {
