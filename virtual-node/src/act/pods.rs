@@ -594,7 +594,8 @@ async fn create_failed(ctx: &Context, upper: &Pod, msg: &str) -> Result<(), Erro
 /// validation, or a value it does not accept) or drops (a gate off there), and would run
 /// there without it. Found out on the lower apiserver itself, by a server-side dry run of
 /// the create, for such pods only; a dry run that fails for another reason (a quota, the
-/// namespace, a conflict) says nothing, and the create goes on.
+/// namespace, a conflict, a lower webhook that takes no dry runs) says nothing, and the
+/// create goes on.
 async fn lower_refusal(ctx: &Context, ns: &str, desired: &Pod) -> Option<String> {
     let spec = desired.spec.as_ref()?;
     let asked = features::asked(spec);
@@ -623,6 +624,9 @@ async fn lower_refusal(ctx: &Context, ns: &str, desired: &Pod) -> Option<String>
                 describe(&lost)
             ))
         }
+        // A lower admission webhook with side effects refuses every dry run: that says
+        // nothing of the pod.
+        Err(kube::Error::Api(s)) if s.message.contains("does not support dry run") => None,
         Err(kube::Error::Api(s)) if s.code == 400 || s.code == 422 => Some(format!(
             "lower cluster {} ({}) refuses the pod, which asks for {}: {}; it is not created there",
             ctx.cluster_name,
