@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use serde_json::json;
+use serde_json::{Value, json};
 
 use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
@@ -15,14 +15,47 @@ struct Bed {
 }
 
 static BED: Shared<Bed> = Shared::new();
+static OLDEST: Shared<Bed> = Shared::new();
 
-/// One cluster with three simulated nodes, shared by the tests of this binary.
+/// One cluster with three simulated nodes, shared by the tests of this binary, and the
+/// resize tests' nodes.
 fn bed() -> &'static Bed {
     BED.bed(|| async {
         let [cluster] = scene::clusters("testbed", ["shared"]).await?;
-        let sim = scene::simulate(&cluster, scene::nodes("node", 3)).await?;
+        let sim = scene::simulate(&cluster, bed_nodes(3)).await?;
         Ok(Bed { cluster, sim })
     })
+}
+
+/// A cluster of the oldest supported version, for the tests of the kubelet contract that
+/// compare a kubelet of that version with the newest: one node, and the resize tests' nodes.
+fn oldest() -> &'static Bed {
+    OLDEST.bed(|| async {
+        let [cluster] =
+            scene::clusters_with([ClusterOptions::new("kubelet-contract", "oldest").version("oldest")])
+                .await?;
+        let sim = scene::simulate(&cluster, bed_nodes(1)).await?;
+        Ok(Bed { cluster, sim })
+    })
+}
+
+/// `node-0` … `node-<count - 1>`, then the nodes of the resize tests, 2 CPUs and 4 GiB each,
+/// tainted so that the scheduler leaves them to the pods those tests bind by name.
+fn bed_nodes(count: usize) -> Vec<NodeConfig> {
+    let resize = |name: &str| {
+        NodeConfig::new(name)
+            .resource("cpu", "2")
+            .resource("memory", "4Gi")
+            .taint("tensile.io/test", "resize", "NoSchedule")
+    };
+    let mut nodes = scene::nodes("node", count);
+    nodes.extend([
+        resize("resize-fits"),
+        resize("resize-small"),
+        resize("resize-static").static_cpu_manager(),
+        resize("resize-busy"),
+    ]);
+    nodes
 }
 
 async fn kubectl(cluster: &TestCluster, args: &[&str]) -> String {
@@ -476,13 +509,7 @@ async fn a_node_without_heartbeat_becomes_unreachable_and_recovers() {
 /// writes it.
 #[tokio::test]
 async fn pod_status_is_written_as_a_kubelet_of_the_clusters_version_writes_it() {
-    let newest = &bed().cluster;
-    let [oldest] =
-        scene::clusters_with([ClusterOptions::new("kubelet-contract", "oldest").version("oldest")])
-            .await
-            .unwrap();
-    let _sim = scene::simulate(&oldest, scene::nodes("node", 1)).await.unwrap();
-    for (cluster, tracks_generation) in [(newest, true), (&oldest, false)] {
+    for (cluster, tracks_generation) in [(&bed().cluster, true), (&oldest().cluster, false)] {
         let version = cluster.version();
         apply(
             cluster,
@@ -561,6 +588,581 @@ spec:
         }
         kubectl(cluster, &["delete", "pod", "sidecar", "--wait=false"]).await;
     }
+}
+
+/// Polls pod `default/name` until `ready` holds of its JSON; returns that JSON.
+async fn pod_until(
+    cluster: &TestCluster,
+    name: &str,
+    what: &str,
+    secs: u64,
+    ready: impl Fn(&Value) -> bool,
+) -> Value {
+    let ready = &ready;
+    tensile_e2e::wait::must(
+        &format!("{what} on {}", cluster.version()),
+        Duration::from_secs(secs),
+        Duration::from_millis(300),
+        || async move {
+            let out = cluster.kubectl(&["get", "pod", name, "-o", "json"]).await;
+            let pod: Value = serde_json::from_str(&out.stdout).map_err(|e| format!("{e}: {}", out.stderr))?;
+            if ready(&pod) {
+                Ok(pod)
+            } else {
+                Err(pod["status"].to_string())
+            }
+        },
+    )
+    .await
+}
+
+/// The condition `kind` of a pod's status.
+fn condition<'a>(pod: &'a Value, kind: &str) -> Option<&'a Value> {
+    pod["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == kind)
+}
+
+/// The status of container `name` in the pod's `list` (`containerStatuses`,
+/// `initContainerStatuses`); null while there is none.
+fn container<'a>(pod: &'a Value, list: &str, name: &str) -> &'a Value {
+    static NONE: Value = Value::Null;
+    pod["status"][list]
+        .as_array()
+        .and_then(|l| l.iter().find(|c| c["name"] == name))
+        .unwrap_or(&NONE)
+}
+
+fn resized(pod: &Value) -> bool {
+    condition(pod, "PodResizePending").is_none() && condition(pod, "PodResizeInProgress").is_none()
+}
+
+/// `kubectl patch pod NAME --subresource resize` with a strategic merge of `patch`.
+async fn resize(cluster: &TestCluster, name: &str, patch: &str) {
+    kubectl(
+        cluster,
+        &["patch", "pod", name, "--subresource", "resize", "-p", patch],
+    )
+    .await;
+}
+
+/// Each condition, and the status, names the pod's generation on a version that tracks it
+/// (1.35+); the oldest supported version's apiserver drops the field.
+fn generation_observed(pod: &Value, newest: bool) {
+    let conditions = pod["status"]["conditions"].as_array().unwrap();
+    if newest {
+        let generation = &pod["metadata"]["generation"];
+        assert_eq!(
+            &pod["status"]["observedGeneration"], generation,
+            "{}",
+            pod["status"]
+        );
+        for c in conditions {
+            assert_eq!(&c["observedGeneration"], generation, "{c}");
+        }
+    } else {
+        assert!(
+            pod["status"].get("observedGeneration").is_none(),
+            "{}",
+            pod["status"]
+        );
+        assert!(
+            conditions.iter().all(|c| c.get("observedGeneration").is_none()),
+            "{conditions:?}"
+        );
+    }
+}
+
+/// An in-place resize that fits (KEP-1287: beta and on in 1.33, GA in 1.35): the kubelet
+/// allocates the new requests at once (`allocatedResources` of the container's status), shows
+/// `PodResizeInProgress` until the container runs with them (`resources`), then drops the
+/// condition; the container whose `resizePolicy` says `RestartContainer` for a changed
+/// resource restarts. A sidecar's status carries its resources too. On 1.37 the pod's
+/// status carries the pod-level totals (`allocatedResources`, `resources`: the pod-level
+/// resize, beta and on from 1.36), and a pod-level resize is allocated the same way; the
+/// 1.33 apiserver drops those fields and `observedGeneration`.
+#[tokio::test]
+async fn a_resize_that_fits_is_allocated_then_actuated_as_the_clusters_kubelet_shows_it() {
+    for (cluster, newest) in [(&bed().cluster, true), (&oldest().cluster, false)] {
+        let version = cluster.version();
+        apply(
+            cluster,
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: resize-fits, namespace: default, annotations: {tensile.io/sim: "resize=3s"}}
+spec:
+  nodeName: resize-fits
+  initContainers:
+  - name: proxy
+    image: envoy
+    restartPolicy: Always
+    resources: {requests: {cpu: 50m, memory: 32Mi}}
+  containers:
+  - name: app
+    image: nginx
+    resizePolicy: [{resourceName: memory, restartPolicy: RestartContainer}]
+    resources: {requests: {cpu: 100m, memory: 64Mi}, limits: {cpu: 200m, memory: 128Mi}}
+"#,
+        )
+        .await;
+        let pod = pod_until(cluster, "resize-fits", "resize-fits Running", 60, |p| {
+            p["status"]["phase"] == "Running"
+        })
+        .await;
+        let app = container(&pod, "containerStatuses", "app");
+        assert_eq!(
+            app["allocatedResources"],
+            json!({"cpu": "100m", "memory": "64Mi"}),
+            "{version}: {app}"
+        );
+        assert_eq!(
+            app["resources"],
+            json!({"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"cpu": "200m", "memory": "128Mi"}}),
+            "{version}: {app}"
+        );
+        let proxy = container(&pod, "initContainerStatuses", "proxy");
+        assert_eq!(
+            proxy["allocatedResources"],
+            json!({"cpu": "50m", "memory": "32Mi"}),
+            "{version}: {proxy}"
+        );
+        if newest {
+            assert_eq!(
+                pod["status"]["allocatedResources"],
+                json!({"cpu": "150m", "memory": "96Mi"}),
+                "{version}"
+            );
+            assert_eq!(
+                pod["status"]["resources"]["requests"],
+                json!({"cpu": "150m", "memory": "96Mi"}),
+                "{version}"
+            );
+        } else {
+            assert!(
+                pod["status"].get("allocatedResources").is_none(),
+                "{version}: {}",
+                pod["status"]
+            );
+            assert!(
+                pod["status"].get("resources").is_none(),
+                "{version}: {}",
+                pod["status"]
+            );
+        }
+
+        resize(
+            cluster,
+            "resize-fits",
+            r#"{"spec":{"containers":[{"name":"app","resources":{"requests":{"cpu":"150m","memory":"96Mi"}}}]}}"#,
+        )
+        .await;
+        let pod = pod_until(cluster, "resize-fits", "the resize in progress", 20, |p| {
+            condition(p, "PodResizeInProgress").is_some()
+        })
+        .await;
+        let app = container(&pod, "containerStatuses", "app");
+        assert_eq!(
+            app["allocatedResources"],
+            json!({"cpu": "150m", "memory": "96Mi"}),
+            "{version}: {app}"
+        );
+        assert_eq!(
+            app["resources"]["requests"],
+            json!({"cpu": "100m", "memory": "64Mi"}),
+            "{version}: {app}"
+        );
+        assert_eq!(
+            condition(&pod, "PodResizeInProgress").unwrap()["status"],
+            "True",
+            "{version}"
+        );
+        generation_observed(&pod, newest);
+
+        let pod = pod_until(cluster, "resize-fits", "the resize done", 20, resized).await;
+        let app = container(&pod, "containerStatuses", "app");
+        assert_eq!(
+            app["resources"],
+            json!({"requests": {"cpu": "150m", "memory": "96Mi"}, "limits": {"cpu": "200m", "memory": "128Mi"}}),
+            "{version}: {app}"
+        );
+        assert_eq!(
+            app["restartCount"], 1,
+            "memory's resizePolicy restarts the container: {version}: {app}"
+        );
+        assert!(app["state"]["running"].is_object(), "{version}: {app}");
+        generation_observed(&pod, newest);
+        if newest {
+            assert_eq!(pod["metadata"]["generation"], 2, "{version}");
+            assert_eq!(
+                pod["status"]["allocatedResources"],
+                json!({"cpu": "200m", "memory": "128Mi"}),
+                "{version}"
+            );
+        }
+        kubectl(cluster, &["delete", "pod", "resize-fits", "--wait=false"]).await;
+    }
+
+    // The pod-level resize (KEP-2837 with KEP-1287, beta and on from 1.36).
+    let cluster = &bed().cluster;
+    apply(
+        cluster,
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: resize-pod-level, namespace: default, annotations: {tensile.io/sim: "resize=0s"}}
+spec:
+  nodeName: resize-fits
+  resources: {requests: {cpu: 200m, memory: 64Mi}, limits: {cpu: 400m, memory: 128Mi}}
+  containers: [{name: app, image: nginx}]
+"#,
+    )
+    .await;
+    pod_until(cluster, "resize-pod-level", "resize-pod-level Running", 60, |p| {
+        p["status"]["allocatedResources"]["cpu"] == "200m"
+    })
+    .await;
+    resize(
+        cluster,
+        "resize-pod-level",
+        r#"{"spec":{"resources":{"requests":{"cpu":"300m"}}}}"#,
+    )
+    .await;
+    let pod = pod_until(
+        cluster,
+        "resize-pod-level",
+        "the pod-level resize done",
+        20,
+        |p| p["status"]["allocatedResources"]["cpu"] == "300m" && resized(p),
+    )
+    .await;
+    assert_eq!(
+        pod["status"]["resources"],
+        json!({"requests": {"cpu": "300m", "memory": "64Mi"}, "limits": {"cpu": "400m", "memory": "128Mi"}}),
+        "{}",
+        pod["status"]
+    );
+    generation_observed(&pod, true);
+    kubectl(cluster, &["delete", "pod", "resize-pod-level", "--wait=false"]).await;
+}
+
+/// A resize the node cannot take. Above the node's allocatable, a 1.33 kubelet finds it
+/// `Infeasible` ("Node didn't have enough capacity: …"); the 1.37 apiserver refuses it before
+/// any kubelet sees it. On a node with the static CPU manager policy, a Guaranteed pod's CPU
+/// resize is `Infeasible` on both, each version in its own words. The allocation stays what
+/// it was.
+#[tokio::test]
+async fn a_resize_beyond_the_node_is_refused_as_the_clusters_kubelet_refuses_it() {
+    for (cluster, newest) in [(&bed().cluster, true), (&oldest().cluster, false)] {
+        let version = cluster.version();
+        apply(
+            cluster,
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: resize-too-big, namespace: default}
+spec:
+  nodeName: resize-small
+  containers: [{name: app, image: nginx, resources: {requests: {cpu: 500m}}}]
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: resize-guaranteed, namespace: default}
+spec:
+  nodeName: resize-static
+  containers: [{name: app, image: nginx, resources: {limits: {cpu: "1", memory: 1Gi}}}]
+"#,
+        )
+        .await;
+        for name in ["resize-too-big", "resize-guaranteed"] {
+            pod_until(cluster, name, &format!("{name} Running"), 60, |p| {
+                p["status"]["phase"] == "Running"
+            })
+            .await;
+        }
+        let patch = r#"{"spec":{"containers":[{"name":"app","resources":{"requests":{"cpu":"3"}}}]}}"#;
+        if newest {
+            // From 1.34 the apiserver refuses it first (admission plugin PodResizeValidator).
+            let refused = cluster
+                .kubectl(&[
+                    "patch",
+                    "pod",
+                    "resize-too-big",
+                    "--subresource",
+                    "resize",
+                    "-p",
+                    patch,
+                ])
+                .await;
+            assert!(!refused.ok, "{version}: {}", refused.stdout);
+            assert!(
+                refused.stderr.contains(
+                    "node didn't have enough allocatable resources: cpu, requested: 3000, allocatable: 2000"
+                ),
+                "{version}: {}",
+                refused.stderr
+            );
+        } else {
+            resize(cluster, "resize-too-big", patch).await;
+            let pod = pod_until(cluster, "resize-too-big", "the resize pending", 20, |p| {
+                condition(p, "PodResizePending").is_some()
+            })
+            .await;
+            let pending = condition(&pod, "PodResizePending").unwrap();
+            assert_eq!(
+                (&pending["status"], &pending["reason"], &pending["message"]),
+                (
+                    &json!("True"),
+                    &json!("Infeasible"),
+                    &json!("Node didn't have enough capacity: cpu, requested: 3000, capacity: 2000")
+                ),
+                "{version}: {pending}"
+            );
+            assert_eq!(
+                container(&pod, "containerStatuses", "app")["allocatedResources"],
+                json!({"cpu": "500m"}),
+                "{version}"
+            );
+            generation_observed(&pod, newest);
+        }
+
+        resize(
+            cluster,
+            "resize-guaranteed",
+            r#"{"spec":{"containers":[{"name":"app","resources":{"requests":{"cpu":"2"},"limits":{"cpu":"2"}}}]}}"#,
+        )
+        .await;
+        let message = if newest {
+            r#"Resize is infeasible for Guaranteed Pods alongside CPU Manager policy "static""#
+        } else {
+            "Resize is infeasible for Guaranteed Pods alongside CPU Manager static policy"
+        };
+        let pod = pod_until(cluster, "resize-guaranteed", "the resize pending", 20, |p| {
+            condition(p, "PodResizePending").is_some()
+        })
+        .await;
+        let pending = condition(&pod, "PodResizePending").unwrap();
+        assert_eq!(
+            (&pending["reason"], &pending["message"]),
+            (&json!("Infeasible"), &json!(message)),
+            "{version}: {pending}"
+        );
+        assert_eq!(
+            container(&pod, "containerStatuses", "app")["allocatedResources"],
+            json!({"cpu": "1", "memory": "1Gi"}),
+            "{version}"
+        );
+        kubectl(
+            cluster,
+            &[
+                "delete",
+                "pod",
+                "resize-too-big",
+                "resize-guaranteed",
+                "--wait=false",
+            ],
+        )
+        .await;
+    }
+}
+
+/// A resize above the room the node's other pods leave is `Deferred`, and the kubelet
+/// allocates it once a pod on the node is gone.
+#[tokio::test]
+async fn a_deferred_resize_completes_once_another_pod_leaves_the_node() {
+    for (cluster, newest) in [(&bed().cluster, true), (&oldest().cluster, false)] {
+        let version = cluster.version();
+        apply(
+            cluster,
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: resize-hog, namespace: default}
+spec:
+  nodeName: resize-busy
+  terminationGracePeriodSeconds: 0
+  containers: [{name: app, image: nginx, resources: {requests: {cpu: 1500m}}}]
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: resize-grower, namespace: default}
+spec:
+  nodeName: resize-busy
+  containers: [{name: app, image: nginx, resources: {requests: {cpu: 200m}}}]
+"#,
+        )
+        .await;
+        for name in ["resize-hog", "resize-grower"] {
+            pod_until(cluster, name, &format!("{name} Running"), 60, |p| {
+                p["status"]["phase"] == "Running"
+            })
+            .await;
+        }
+        resize(
+            cluster,
+            "resize-grower",
+            r#"{"spec":{"containers":[{"name":"app","resources":{"requests":{"cpu":"1"}}}]}}"#,
+        )
+        .await;
+        let pod = pod_until(cluster, "resize-grower", "the resize deferred", 20, |p| {
+            condition(p, "PodResizePending").is_some()
+        })
+        .await;
+        let pending = condition(&pod, "PodResizePending").unwrap();
+        assert_eq!(
+            (&pending["reason"], &pending["message"]),
+            (
+                &json!("Deferred"),
+                &json!("Node didn't have enough resource: cpu, requested: 1000, used: 1500, capacity: 2000")
+            ),
+            "{version}: {pending}"
+        );
+        generation_observed(&pod, newest);
+        kubectl(cluster, &["delete", "pod", "resize-hog"]).await;
+        let pod = pod_until(cluster, "resize-grower", "the deferred resize done", 30, |p| {
+            resized(p) && container(p, "containerStatuses", "app")["resources"]["requests"]["cpu"] == "1"
+        })
+        .await;
+        assert_eq!(
+            container(&pod, "containerStatuses", "app")["allocatedResources"],
+            json!({"cpu": "1"}),
+            "{version}"
+        );
+        generation_observed(&pod, newest);
+        kubectl(cluster, &["delete", "pod", "resize-grower", "--wait=false"]).await;
+    }
+}
+
+/// Container restart rules (KEP-5307, beta and on from 1.35; `RestartAllContainers`,
+/// KEP-5532, beta and on from 1.36): under pod `restartPolicy: Never`, a container whose
+/// rule matches its exit code restarts while its sibling stays terminated, and a
+/// `RestartAllContainers` rule restarts every container of the pod. The 1.33 apiserver
+/// does not know the fields: kubectl's strict field validation refuses the pod.
+#[tokio::test]
+async fn container_restart_rules_restart_a_container_on_1_37_and_1_33_refuses_them() {
+    let manifest = r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: restart-rules, namespace: default, annotations: {tensile.io/sim: "run=1s,exit=42,restarts=1,backoff=200ms"}}
+spec:
+  nodeName: node-0
+  restartPolicy: Never
+  containers:
+  - name: app
+    image: busybox
+    restartPolicy: Never
+    restartPolicyRules: [{action: Restart, exitCodes: {operator: In, values: [42]}}]
+  - {name: sibling, image: busybox}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: restart-all, namespace: default, annotations: {tensile.io/sim: "run=1s,exit=42,restarts=1,backoff=200ms"}}
+spec:
+  nodeName: node-0
+  restartPolicy: Never
+  containers:
+  - name: app
+    image: busybox
+    restartPolicy: Never
+    restartPolicyRules: [{action: RestartAllContainers, exitCodes: {operator: NotIn, values: [0]}}]
+  - {name: sibling, image: busybox}
+"#;
+    let newest = &bed().cluster;
+    apply(newest, manifest).await;
+    let pod = pod_until(
+        newest,
+        "restart-rules",
+        "app restarted once by its rule, then out of restarts",
+        30,
+        |p| {
+            let app = container(p, "containerStatuses", "app");
+            app["restartCount"] == 1 && app["state"]["waiting"]["reason"] == "CrashLoopBackOff"
+        },
+    )
+    .await;
+    let app = container(&pod, "containerStatuses", "app");
+    let sibling = container(&pod, "containerStatuses", "sibling");
+    assert_eq!(app["restartCount"], 1, "{app}");
+    assert_eq!(app["lastState"]["terminated"]["exitCode"], 42, "{app}");
+    assert_eq!(sibling["restartCount"], 0, "{sibling}");
+    assert_eq!(sibling["state"]["terminated"]["exitCode"], 42, "{sibling}");
+    assert_eq!(pod["status"]["phase"], "Running", "a container may still restart");
+
+    let pod = pod_until(newest, "restart-all", "every container restarted", 30, |p| {
+        container(p, "containerStatuses", "sibling")["restartCount"] == 1
+    })
+    .await;
+    assert_eq!(
+        container(&pod, "containerStatuses", "app")["restartCount"],
+        1,
+        "{}",
+        pod["status"]
+    );
+    kubectl(
+        newest,
+        &["delete", "pod", "restart-rules", "restart-all", "--wait=false"],
+    )
+    .await;
+
+    let old = &oldest().cluster;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rules.yaml");
+    std::fs::write(&path, manifest).unwrap();
+    let refused = old.kubectl(&["apply", "-f", path.to_str().unwrap()]).await;
+    assert!(
+        !refused.ok,
+        "{} refused the pod: {}",
+        old.version(),
+        refused.stdout
+    );
+    assert!(
+        refused
+            .stderr
+            .contains(r#"strict decoding error: unknown field "spec.containers[0].restartPolicyRules""#),
+        "{}",
+        refused.stderr
+    );
+    let absent = old.kubectl(&["get", "pod", "restart-rules"]).await;
+    assert!(!absent.ok, "{}", absent.stdout);
+}
+
+/// A simulated 1.37 node declares what a 1.37 kubelet with its default feature gates
+/// declares (`status.declaredFeatures`, GA in 1.37); the 1.33 apiserver drops the field.
+#[tokio::test]
+async fn nodes_declare_the_features_of_a_1_37_kubelet_and_1_33_drops_them() {
+    // The features of the registry whose gates are on by default in 1.37, sorted by name.
+    let want = "ExtendWebSocketsToKubelet InPlacePodLevelResourcesVerticalScaling \
+                InPlacePodVerticalScalingInitContainers RestartAllContainersOnContainerExits";
+    assert_eq!(tensile_e2e::simulator::DECLARED_FEATURES.join(" "), want);
+    eventually(
+        &bed().cluster,
+        "node-0's declared features",
+        30,
+        &[
+            "get",
+            "node",
+            "node-0",
+            "-o",
+            "jsonpath={.status.declaredFeatures[*]}",
+        ],
+        want,
+    )
+    .await;
+    let node: Value =
+        serde_json::from_str(&kubectl(&oldest().cluster, &["get", "node", "node-0", "-o", "json"]).await)
+            .unwrap();
+    assert!(
+        node["status"].get("declaredFeatures").is_none(),
+        "{}",
+        node["status"]
+    );
+    assert!(
+        node["status"]["nodeInfo"]["kubeletVersion"]
+            .as_str()
+            .unwrap()
+            .starts_with("v1.33.")
+    );
 }
 
 #[tokio::test]

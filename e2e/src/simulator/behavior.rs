@@ -13,10 +13,17 @@
 //! | `backoff` | delay before a restart | `500ms` |
 //! | `stop` | how long a container takes to stop after a graceful delete (capped by the grace period) | `0s` |
 //! | `lines` | log lines a container run writes (one a second from its start); then it is quiet | unlimited |
+//! | `resize` | how long an allocated in-place resize is in progress before the containers run with it | `100ms` |
 //!
 //! Durations take `ms`, `s` or `m`. Example: `tensile.io/sim: "run=2s,exit=3,reason=OOMKilled"`.
+//!
+//! Every container of the pod runs with these settings; whether one restarts when it exits
+//! is the kubelet's decision ([`restart_on_exit`]): its own `restartPolicy` and
+//! `restartPolicyRules`, else the pod's `restartPolicy`.
 
 use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Container;
 
 /// A pod's restart policy, as the kubelet reads it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,6 +53,7 @@ pub struct Behavior {
     pub backoff: Duration,
     pub stop: Duration,
     pub log_lines: Option<u64>,
+    pub resize: Duration,
 }
 
 impl Default for Behavior {
@@ -59,17 +67,65 @@ impl Default for Behavior {
             backoff: Duration::from_millis(500),
             stop: Duration::ZERO,
             log_lines: None,
+            resize: Duration::from_millis(100),
         }
+    }
+}
+
+/// What the kubelet restarts when a container exits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Restart {
+    /// The container itself.
+    Container,
+    /// Every container of the pod, init containers again first (the `RestartAllContainers`
+    /// action of a restart rule).
+    AllContainers,
+}
+
+/// What the kubelet restarts when `container` of a pod with `policy` exits with `exit`, as
+/// 1.37 decides it: a container-level `restartPolicy` (container restart rules, KEP-5307,
+/// beta and on from 1.35) overrides the pod's, and the first of its `restartPolicyRules`
+/// whose `exitCodes` match (`In` or `NotIn` the values) decides before it: `Restart`, or
+/// `RestartAllContainers` (KEP-5532, beta and on from 1.36). The apiservers that lack these
+/// fields drop or refuse them, so there they never reach a kubelet.
+pub fn restart_on_exit(container: &Container, policy: RestartPolicy, exit: i32) -> Option<Restart> {
+    let by_policy = |policy: RestartPolicy| match policy {
+        RestartPolicy::Always => Some(Restart::Container),
+        RestartPolicy::OnFailure => (exit != 0).then_some(Restart::Container),
+        RestartPolicy::Never => None,
+    };
+    let Some(own) = container.restart_policy.as_deref() else {
+        return by_policy(policy);
+    };
+    let rule = container.restart_policy_rules.iter().flatten().find(|rule| {
+        rule.exit_codes.as_ref().is_some_and(|codes| {
+            let listed = codes.values.iter().flatten().any(|v| *v == exit);
+            match codes.operator.as_str() {
+                "In" => listed,
+                "NotIn" => !listed,
+                _ => false,
+            }
+        })
+    });
+    match rule.map(|r| r.action.as_str()) {
+        Some("Restart") => return Some(Restart::Container),
+        Some("RestartAllContainers") => return Some(Restart::AllContainers),
+        _ => {}
+    }
+    match own {
+        "Always" | "OnFailure" | "Never" => by_policy(RestartPolicy::parse(Some(own))),
+        _ => by_policy(policy),
     }
 }
 
 /// What happens when a container run ends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AfterExit {
-    /// The pod ends in this phase (`Succeeded` or `Failed`).
-    Terminal { succeeded: bool },
-    /// The container starts again after the backoff.
-    Restart,
+    /// The container stays terminated.
+    Stays,
+    /// It starts again after the backoff (with every container of the pod for
+    /// [`Restart::AllContainers`]).
+    Restart(Restart),
     /// The restart budget is spent: the container waits in CrashLoopBackOff.
     CrashLoop,
 }
@@ -94,9 +150,10 @@ impl Behavior {
                 "backoff" => b.backoff = duration(value).map_err(|e| bad(&e))?,
                 "stop" => b.stop = duration(value).map_err(|e| bad(&e))?,
                 "lines" => b.log_lines = Some(value.parse().map_err(|_| bad("not a count"))?),
+                "resize" => b.resize = duration(value).map_err(|e| bad(&e))?,
                 other => {
                     return Err(format!(
-                        "unknown key {other:?} (known: start, run, exit, reason, restarts, backoff, stop, lines)"
+                        "unknown key {other:?} (known: start, run, exit, reason, restarts, backoff, stop, lines, resize)"
                     ));
                 }
             }
@@ -122,19 +179,15 @@ impl Behavior {
         }
     }
 
-    /// What the kubelet does when a run ends with `exit` after `restarts_so_far` restarts.
-    pub fn after_exit(&self, policy: RestartPolicy, exit: i32, restarts_so_far: u32) -> AfterExit {
-        let wants_restart = match policy {
-            RestartPolicy::Always => true,
-            RestartPolicy::OnFailure => exit != 0,
-            RestartPolicy::Never => false,
+    /// What happens when a run ends, the kubelet wanting `restart` (see [`restart_on_exit`]),
+    /// after `restarts_so_far` restarts.
+    pub fn after_exit(&self, restart: Option<Restart>, restarts_so_far: u32) -> AfterExit {
+        let Some(restart) = restart else {
+            return AfterExit::Stays;
         };
-        if !wants_restart {
-            return AfterExit::Terminal { succeeded: exit == 0 };
-        }
         match self.restarts {
             Some(max) if restarts_so_far >= max => AfterExit::CrashLoop,
-            _ => AfterExit::Restart,
+            _ => AfterExit::Restart(restart),
         }
     }
 }
@@ -170,7 +223,7 @@ mod tests {
     #[test]
     fn every_key_parses() {
         let b = Behavior::parse(
-            "start=2s, run=1.5s,exit=3,reason=OOMKilled,restarts=2,backoff=10ms,stop=1m,lines=4",
+            "start=2s, run=1.5s,exit=3,reason=OOMKilled,restarts=2,backoff=10ms,stop=1m,lines=4,resize=3s",
         )
         .unwrap();
         assert_eq!(b.start, Duration::from_secs(2));
@@ -181,6 +234,7 @@ mod tests {
         assert_eq!(b.backoff, Duration::from_millis(10));
         assert_eq!(b.stop, Duration::from_secs(60));
         assert_eq!(b.log_lines, Some(4));
+        assert_eq!(b.resize, Duration::from_secs(3));
     }
 
     #[test]
@@ -199,33 +253,71 @@ mod tests {
         }
     }
 
+    fn container(value: serde_json::Value) -> Container {
+        serde_json::from_value(value).unwrap()
+    }
+
     #[test]
     fn exits_follow_the_kubelet_rules() {
         let b = Behavior::default();
+        let plain = container(serde_json::json!({"name": "app"}));
+        let after = |policy, exit, restarts| b.after_exit(restart_on_exit(&plain, policy, exit), restarts);
+        assert_eq!(after(RestartPolicy::Never, 0, 0), AfterExit::Stays);
+        assert_eq!(after(RestartPolicy::Never, 3, 0), AfterExit::Stays);
+        assert_eq!(after(RestartPolicy::OnFailure, 0, 5), AfterExit::Stays);
         assert_eq!(
-            b.after_exit(RestartPolicy::Never, 0, 0),
-            AfterExit::Terminal { succeeded: true }
+            after(RestartPolicy::OnFailure, 1, 5),
+            AfterExit::Restart(Restart::Container)
         );
         assert_eq!(
-            b.after_exit(RestartPolicy::Never, 3, 0),
-            AfterExit::Terminal { succeeded: false }
+            after(RestartPolicy::Always, 0, 100),
+            AfterExit::Restart(Restart::Container)
         );
-        assert_eq!(
-            b.after_exit(RestartPolicy::OnFailure, 0, 5),
-            AfterExit::Terminal { succeeded: true }
-        );
-        assert_eq!(b.after_exit(RestartPolicy::OnFailure, 1, 5), AfterExit::Restart);
-        assert_eq!(b.after_exit(RestartPolicy::Always, 0, 100), AfterExit::Restart);
         let limited = Behavior::parse("restarts=2").unwrap();
         assert_eq!(
-            limited.after_exit(RestartPolicy::Always, 1, 1),
-            AfterExit::Restart
+            limited.after_exit(Some(Restart::Container), 1),
+            AfterExit::Restart(Restart::Container)
         );
         assert_eq!(
-            limited.after_exit(RestartPolicy::Always, 1, 2),
+            limited.after_exit(Some(Restart::Container), 2),
             AfterExit::CrashLoop
         );
         assert_eq!(b.reason_for(0), "Completed");
         assert_eq!(b.reason_for(2), "Error");
+    }
+
+    #[test]
+    fn a_containers_own_policy_and_rules_override_the_pods() {
+        let ruled = container(
+            serde_json::json!({"name": "app", "restartPolicy": "Never", "restartPolicyRules": [
+                {"action": "Restart", "exitCodes": {"operator": "In", "values": [42, 43]}},
+                {"action": "RestartAllContainers", "exitCodes": {"operator": "NotIn", "values": [0, 42, 43]}},
+            ]}),
+        );
+        assert_eq!(
+            restart_on_exit(&ruled, RestartPolicy::Never, 42),
+            Some(Restart::Container)
+        );
+        assert_eq!(
+            restart_on_exit(&ruled, RestartPolicy::Never, 43),
+            Some(Restart::Container)
+        );
+        assert_eq!(
+            restart_on_exit(&ruled, RestartPolicy::Never, 1),
+            Some(Restart::AllContainers)
+        );
+        // No rule matches: the container's own policy, not the pod's.
+        assert_eq!(restart_on_exit(&ruled, RestartPolicy::Always, 0), None);
+        let own = container(serde_json::json!({"name": "app", "restartPolicy": "OnFailure"}));
+        assert_eq!(
+            restart_on_exit(&own, RestartPolicy::Never, 1),
+            Some(Restart::Container)
+        );
+        assert_eq!(restart_on_exit(&own, RestartPolicy::Always, 0), None);
+        let always = container(serde_json::json!({"name": "app", "restartPolicy": "Always"}));
+        assert_eq!(
+            restart_on_exit(&always, RestartPolicy::Never, 0),
+            Some(Restart::Container)
+        );
     }
 }

@@ -6,9 +6,11 @@
 //! * Each node renews its Lease in `kube-node-lease` every 10 s and patches its status at
 //!   least every minute; [`NodeSimulator::stop_heartbeat`] silences one node for failure tests.
 //! * Pods bound to a simulated node go Pending → Running with a pod IP from the node's range;
-//!   `restartPolicy: Never`/`OnFailure` pods complete; the `tensile.io/sim` annotation
-//!   ([`Behavior`]) chooses timings, failures and restarts. Graceful deletion ends with a
-//!   delete of grace 0 and a UID precondition, as a kubelet does.
+//!   `restartPolicy: Never`/`OnFailure` pods complete, containers restart by their own
+//!   restart policy and rules; the `tensile.io/sim` annotation ([`Behavior`]) chooses
+//!   timings, failures and restarts. In-place resizes are allocated, deferred or refused as the
+//!   cluster's kubelet decides them. Graceful deletion ends with a delete of grace 0 and a UID
+//!   precondition, as a kubelet does.
 //! * Each node has its own TLS kubelet endpoint serving `containerLogs`, `exec`, `attach`,
 //!   `portForward`, and the node's `/stats/summary` and `/metrics/resource` (every running
 //!   container uses exactly 10m of CPU and 16 MiB, the node 50m and 256 MiB more; see
@@ -21,6 +23,7 @@ pub mod exec;
 mod kubelet;
 mod logs;
 mod pods;
+mod resize;
 pub mod spdy;
 pub mod stats;
 mod streams;
@@ -35,12 +38,28 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
 use tensile_common::api::{now, now_micro};
+use tensile_common::quantity::ResourceMap;
 use tokio::task::JoinHandle;
 
-pub use behavior::{AfterExit, Behavior, RestartPolicy};
+pub use behavior::{AfterExit, Behavior, Restart, RestartPolicy, restart_on_exit};
 pub use logs::{LogOptions, LogSource};
 
 use crate::{Error, Result};
+
+/// What a simulated node declares in `status.declaredFeatures` (NodeDeclaredFeatures: alpha
+/// in 1.35, beta in 1.36, GA in 1.37): as a 1.37 kubelet with its default feature gates, the
+/// features of the registry whose gates are on, sorted by name. Its API takes WebSocket
+/// streams (the apiserver proxies them rather than translating them to SPDY), it resizes
+/// pod-level resources and init containers in place, and it runs `RestartAllContainers`
+/// rules. The registry's others (DRA node-allocatable resources and optional node operations,
+/// memory-backed volume resize, user namespaces with the host network, bind mount options)
+/// sit behind gates off by default. An apiserver older than 1.35 drops the field.
+pub const DECLARED_FEATURES: &[&str] = &[
+    "ExtendWebSocketsToKubelet",
+    "InPlacePodLevelResourcesVerticalScaling",
+    "InPlacePodVerticalScalingInitContainers",
+    "RestartAllContainersOnContainerExits",
+];
 
 /// A simulated node.
 #[derive(Clone, Debug)]
@@ -52,6 +71,8 @@ pub struct NodeConfig {
     pub labels: BTreeMap<String, String>,
     /// Taints as Kubernetes JSON (`{"key":…,"value":…,"effect":…}`).
     pub taints: Vec<serde_json::Value>,
+    /// The kubelet runs the static CPU manager policy (`--cpu-manager-policy=static`).
+    pub static_cpu_manager: bool,
 }
 
 impl NodeConfig {
@@ -72,6 +93,7 @@ impl NodeConfig {
             allocatable: None,
             labels: BTreeMap::new(),
             taints: Vec::new(),
+            static_cpu_manager: false,
         }
     }
 
@@ -96,6 +118,13 @@ impl NodeConfig {
     pub fn taint(mut self, key: &str, value: &str, effect: &str) -> Self {
         self.taints
             .push(json!({"key": key, "value": value, "effect": effect}));
+        self
+    }
+
+    /// The node's kubelet runs the static CPU manager policy, under which it refuses to
+    /// resize the CPU of a Guaranteed pod in place.
+    pub fn static_cpu_manager(mut self) -> Self {
+        self.static_cpu_manager = true;
         self
     }
 }
@@ -150,6 +179,10 @@ pub(crate) struct Inner {
     pods: RwLock<HashMap<(String, String), Pod>>,
     /// Pod IPs in use, per node: the last octet.
     ips: Mutex<HashMap<String, std::collections::BTreeSet<u8>>>,
+    /// What the kubelet admitted of each running pod (by UID): its node and its requests.
+    allocations: RwLock<HashMap<String, (String, ResourceMap)>>,
+    /// Changed whenever an admitted pod leaves its node, so deferred resizes are tried again.
+    freed: tokio::sync::watch::Sender<()>,
     /// Where the readiness probe of a pod is sent, by (namespace, name): the process a test
     /// runs for it ([`NodeSimulator::probe_at`]).
     pub(crate) probes: RwLock<HashMap<(String, String), String>>,
@@ -199,6 +232,8 @@ impl NodeSimulator {
             nodes: RwLock::new(HashMap::new()),
             pods: RwLock::new(HashMap::new()),
             ips: Mutex::new(HashMap::new()),
+            allocations: RwLock::new(HashMap::new()),
+            freed: tokio::sync::watch::Sender::new(()),
             probes: RwLock::new(HashMap::new()),
             tasks: Mutex::new(Vec::new()),
             summaries_served: Default::default(),
@@ -361,6 +396,24 @@ impl Inner {
         self.nodes.read().ok()?.get(node).map(|n| n.index)
     }
 
+    /// The simulated kubelets' minor version: the cluster's (1.`minor`).
+    fn kubelet_minor(&self) -> u32 {
+        self.kubelet_version
+            .trim_start_matches('v')
+            .split('.')
+            .nth(1)
+            .and_then(|m| m.parse().ok())
+            .unwrap_or(tensile_common::versions::NEWEST_MINOR)
+    }
+
+    /// The node's allocatable and whether its kubelet runs the static CPU manager policy.
+    fn node_allocatable(&self, node: &str) -> Option<(ResourceMap, bool)> {
+        let nodes = self.nodes.read().ok()?;
+        let config = &nodes.get(node)?.config;
+        let list = config.allocatable.as_ref().unwrap_or(&config.capacity);
+        Some((ResourceMap::parse(list.iter()).0, config.static_cpu_manager))
+    }
+
     /// The pod CIDR base of node `index`: 10.244.0.0/16 holds 256 nodes, then 10.245…
     fn pod_net(index: u32) -> (u8, u8) {
         let second = 244u32.saturating_add(index / 256).min(255) as u8;
@@ -426,10 +479,7 @@ impl Inner {
             ],
             "addresses": [{"type": "InternalIP", "address": self.node_ip.to_string()}],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": self.node_kubelet_port(&config.name)}},
-            // As a 1.36+ kubelet declares it: its API takes WebSocket streams, so the
-            // apiserver proxies them rather than translating them to SPDY (an older apiserver
-            // drops the field).
-            "declaredFeatures": ["ExtendWebSocketsToKubelet"],
+            "declaredFeatures": DECLARED_FEATURES,
             "nodeInfo": {
                 "machineID": config.name, "systemUUID": config.name, "bootID": self.options.name,
                 "kernelVersion": "simulated", "osImage": "tensile node simulator",

@@ -4,24 +4,34 @@
 //! always sees the latest object through a `watch` channel and resumes correctly from any
 //! status it finds (a simulator restarted mid-run picks its pods up where they are).
 //!
-//! Ready follows Running, except for a container with an HTTP readiness probe: the actor runs
-//! that probe against the process a test runs for the pod ([`super::NodeSimulator::probe_at`])
-//! and the pod is Ready only while it succeeds, as a kubelet would have it.
+//! Each container runs, exits and restarts on its own (its restart policy and rules,
+//! [`super::behavior::restart_on_exit`]); the pod is Running while one runs or will start
+//! again. Ready follows Running, except for a container with an HTTP readiness probe: the actor
+//! runs that probe against the process a test runs for the pod
+//! ([`super::NodeSimulator::probe_at`]) and the pod is Ready only while it succeeds, as a
+//! kubelet would have it. A change of the spec's resources is decided as the kubelet of the
+//! cluster's version decides an in-place resize ([`super::resize`]), the node's room counted
+//! from what the actors of its other pods admitted.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::runtime::watcher;
 use serde_json::{Value, json};
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use super::Inner;
-use super::behavior::{AfterExit, Behavior, RestartPolicy};
+use super::behavior::{AfterExit, Behavior, Restart, RestartPolicy, restart_on_exit};
+use super::resize::{self, Allocation, Verdict};
 use tensile_common::api::now;
+use tensile_common::quantity::ResourceMap;
+use tensile_common::resources::pod_requests;
 
 /// Watches pods bound to any node and hands the simulated ones to their actors.
 pub(super) async fn watch(inner: Arc<Inner>) {
@@ -132,6 +142,8 @@ fn apply(inner: &Arc<Inner>, actors: &mut HashMap<String, watch::Sender<Pod>>, p
 /// What interrupted a wait.
 enum Wake {
     Elapsed,
+    /// The spec changed (a resize), or a pod left the node while a resize waits for room.
+    Changed,
     Deleting,
     Gone,
 }
@@ -150,6 +162,47 @@ struct PodActor {
     probed_ready: bool,
     /// Probe failures in a row.
     failures: u32,
+    /// `status.startTime`.
+    start_time: String,
+    /// The regular containers, in spec order.
+    containers: Vec<Ctr>,
+    /// Restarts of the init containers (they run again when every container restarts).
+    init_restarts: u32,
+    /// When every container restarts (a `RestartAllContainers` rule), until they run again.
+    restarting_all: bool,
+    /// What the kubelet admitted (`allocatedResources`) and what the containers run with
+    /// (`resources`).
+    allocated: Allocation,
+    actuated: Allocation,
+    /// The spec resources and generation last decided on.
+    seen: (Option<i64>, Allocation),
+    /// `PodResizePending`, and when a deferred resize is tried again.
+    pending: Option<(Condition, Option<Instant>)>,
+    /// `PodResizeInProgress`, and when the containers run with the allocation.
+    in_progress: Option<(Condition, Instant)>,
+    /// Wakes when a pod leaves a node (see [`Inner::freed`]).
+    freed: watch::Receiver<()>,
+}
+
+/// A condition the kubelet keeps across status writes: a resize's.
+#[derive(Clone, Debug)]
+struct Condition {
+    kind: &'static str,
+    reason: &'static str,
+    message: String,
+    generation: i64,
+    since: String,
+}
+
+/// One regular container's run.
+#[derive(Clone, Debug)]
+struct Ctr {
+    name: String,
+    state: State,
+    last: Option<State>,
+    restarts: u32,
+    /// When its run ends, or when it starts again after a back-off.
+    next: Option<Instant>,
 }
 
 /// A container's HTTP readiness probe, as the kubelet runs it.
@@ -184,14 +237,6 @@ impl Probe {
     }
 }
 
-/// The status of a running container, as [`PodActor::write_status`] takes it.
-struct Running<'a> {
-    start_time: &'a str,
-    state: &'a State,
-    last: Option<&'a State>,
-    restarts: u32,
-}
-
 /// One container's simulated state.
 #[derive(Clone, Debug)]
 enum State {
@@ -216,7 +261,6 @@ impl PodActor {
         Self {
             uid: pod.metadata.uid.clone().unwrap_or_default(),
             node: node_of(&pod).unwrap_or_default().to_owned(),
-            inner,
             rx,
             namespace,
             name,
@@ -224,6 +268,17 @@ impl PodActor {
             probe: Probe::of(&pod),
             probed_ready: false,
             failures: 0,
+            start_time: String::new(),
+            containers: Vec::new(),
+            init_restarts: 0,
+            restarting_all: false,
+            allocated: Allocation::default(),
+            actuated: Allocation::default(),
+            seen: (None, Allocation::default()),
+            pending: None,
+            in_progress: None,
+            freed: inner.freed.subscribe(),
+            inner,
         }
     }
 
@@ -240,6 +295,7 @@ impl PodActor {
         if let Err(e) = outcome {
             tracing::warn!(pod = %format!("{}/{}", self.namespace, self.name), "simulated pod: {e}");
         }
+        self.release();
         self.release_ip();
     }
 
@@ -271,34 +327,40 @@ impl PodActor {
             return self.until_deleted(&behavior).await;
         }
 
-        let mut restarts: u32 = 0;
-        let mut last: Option<State> = None;
-        let mut started = now();
-        let start_time;
+        let run_for = behavior.run_for(policy);
+        let ends = |from: Instant| run_for.map(|d| from + d);
+        let spec = pod.spec.clone().unwrap_or_default();
         if phase == "Running" && status.pod_ip.is_some() {
-            // Resuming after a simulator restart: keep the IP, count and start time.
+            // Resuming after a simulator restart: keep the IP, the start time, and each
+            // container's count and start.
             self.ip = status.pod_ip.clone();
             self.claim_ip();
-            restarts = status
-                .container_statuses
-                .as_ref()
-                .and_then(|c| c.first())
-                .map(|c| c.restart_count.max(0) as u32)
-                .unwrap_or(0);
-            start_time = status.start_time.map(|t| t.0.to_string()).unwrap_or_else(now);
-            if let Some(s) = status
-                .container_statuses
-                .as_ref()
-                .and_then(|c| c.first())
-                .and_then(|c| c.state.as_ref())
-                .and_then(|s| s.running.as_ref())
-                .and_then(|r| r.started_at.as_ref())
-            {
-                started = s.0.to_string();
-            }
+            self.start_time = status.start_time.map(|t| t.0.to_string()).unwrap_or_else(now);
+            let shown = status.container_statuses.unwrap_or_default();
+            self.containers = spec
+                .containers
+                .iter()
+                .map(|c| {
+                    let seen = shown.iter().find(|s| s.name == c.name);
+                    let started = seen
+                        .and_then(|s| s.state.as_ref())
+                        .and_then(|s| s.running.as_ref())
+                        .and_then(|r| r.started_at.as_ref())
+                        .map(|t| t.0.to_string())
+                        .unwrap_or_else(now);
+                    Ctr {
+                        name: c.name.clone(),
+                        state: State::Running { started },
+                        last: None,
+                        restarts: seen.map_or(0, |s| s.restart_count.max(0) as u32),
+                        next: ends(Instant::now()),
+                    }
+                })
+                .collect();
+            self.admit(&pod);
         } else {
             match self.wait(behavior.start).await {
-                Wake::Elapsed => {}
+                Wake::Elapsed | Wake::Changed => {}
                 Wake::Deleting => return self.finish_deletion(&behavior).await,
                 Wake::Gone => return Ok(()),
             }
@@ -306,82 +368,313 @@ impl PodActor {
                 tracing::warn!(node = %self.node, "no free pod IP on the node; the pod stays Pending");
                 return self.until_deleted(&behavior).await;
             }
-            start_time = now();
-            started = now();
-            self.write_status(
-                &start_time,
-                "Running",
-                &State::Running {
-                    started: started.clone(),
-                },
-                None,
-                restarts,
-            )
-            .await?;
+            self.start_time = now();
+            let started = Instant::now();
+            self.containers = spec
+                .containers
+                .iter()
+                .map(|c| Ctr {
+                    name: c.name.clone(),
+                    state: State::Running { started: now() },
+                    last: None,
+                    restarts: 0,
+                    next: ends(started),
+                })
+                .collect();
+            // Admitted with what the spec asks for now, which may already differ from what
+            // the pod was bound with.
+            let pod = self.pod();
+            self.admit(&pod);
+            self.write_status("Running").await?;
         }
 
         loop {
-            let run_for = behavior.run_for(policy);
-            let state = State::Running {
-                started: started.clone(),
-            };
-            let running = Running {
-                start_time: &start_time,
-                state: &state,
-                last: last.as_ref(),
-                restarts,
-            };
-            let wake = self
-                .wait_running(run_for.unwrap_or(Duration::MAX), &running)
-                .await;
-            match wake {
-                Wake::Elapsed => {}
+            let next = self
+                .containers
+                .iter()
+                .filter_map(|c| c.next)
+                .chain(self.in_progress.as_ref().map(|(_, at)| *at))
+                .chain(self.pending.as_ref().and_then(|(_, at)| *at))
+                .min();
+            let wait = next.map_or(Duration::MAX, |at| at.saturating_duration_since(Instant::now()));
+            let changed = match self.wait_running(wait).await {
+                Wake::Elapsed => false,
+                Wake::Changed => true,
                 Wake::Deleting => return self.finish_deletion(&behavior).await,
                 Wake::Gone => return Ok(()),
-            }
-            // The container run ends.
-            let exit = behavior.exit;
-            let ended = State::Terminated {
-                exit,
-                reason: behavior.reason_for(exit),
-                started: started.clone(),
-                finished: now(),
             };
-            match behavior.after_exit(policy, exit, restarts) {
-                AfterExit::Terminal { succeeded } => {
-                    let phase = if succeeded { "Succeeded" } else { "Failed" };
-                    self.write_status(&start_time, phase, &ended, last.as_ref(), restarts)
-                        .await?;
-                    return self.until_deleted(&behavior).await;
+            let now_at = Instant::now();
+            let retry = self
+                .pending
+                .as_ref()
+                .and_then(|(_, at)| *at)
+                .is_some_and(|at| at <= now_at);
+            if changed || retry {
+                self.resize_decision(behavior.resize);
+            }
+            if self.in_progress.as_ref().is_some_and(|(_, at)| *at <= now_at) {
+                self.actuate(&spec, ends(now_at));
+            }
+            let due: Vec<usize> = (0..self.containers.len())
+                .filter(|i| self.containers[*i].next.is_some_and(|at| at <= now_at))
+                .collect();
+            for i in due {
+                // One container's exit may have stopped the others (`RestartAllContainers`).
+                if self.containers[i].next.is_some_and(|at| at <= now_at) {
+                    self.step(i, &behavior, policy, &spec, ends(now_at));
                 }
-                AfterExit::CrashLoop => {
-                    let waiting = State::Waiting {
-                        reason: "CrashLoopBackOff",
-                    };
-                    self.write_status(&start_time, "Running", &waiting, Some(&ended), restarts)
-                        .await?;
-                    return self.until_deleted(&behavior).await;
-                }
-                AfterExit::Restart => {
-                    let waiting = State::Waiting {
-                        reason: "CrashLoopBackOff",
-                    };
-                    self.write_status(&start_time, "Running", &waiting, Some(&ended), restarts)
-                        .await?;
-                    match self.wait(behavior.backoff).await {
-                        Wake::Elapsed => {}
-                        Wake::Deleting => return self.finish_deletion(&behavior).await,
-                        Wake::Gone => return Ok(()),
+            }
+            let phase = self.phase();
+            self.write_status(phase).await?;
+            if phase != "Running" {
+                self.release();
+                return self.until_deleted(&behavior).await;
+            }
+        }
+    }
+
+    /// A container whose run or back-off is over: it exits, or it starts again.
+    fn step(
+        &mut self,
+        i: usize,
+        behavior: &Behavior,
+        policy: RestartPolicy,
+        spec: &PodSpec,
+        ends: Option<Instant>,
+    ) {
+        let now_at = Instant::now();
+        let ctr = &mut self.containers[i];
+        match &ctr.state {
+            State::Running { started } => {
+                let exit = behavior.exit;
+                let ended = State::Terminated {
+                    exit,
+                    reason: behavior.reason_for(exit),
+                    started: started.clone(),
+                    finished: now(),
+                };
+                let restart = spec
+                    .containers
+                    .iter()
+                    .find(|c| c.name == ctr.name)
+                    .and_then(|c| restart_on_exit(c, policy, exit));
+                match behavior.after_exit(restart, ctr.restarts) {
+                    AfterExit::Stays => {
+                        ctr.state = ended;
+                        ctr.next = None;
                     }
-                    restarts += 1;
-                    started = now();
-                    let running = State::Running {
-                        started: started.clone(),
-                    };
-                    self.write_status(&start_time, "Running", &running, Some(&ended), restarts)
-                        .await?;
-                    last = Some(ended);
+                    AfterExit::CrashLoop => {
+                        ctr.state = State::Waiting {
+                            reason: "CrashLoopBackOff",
+                        };
+                        ctr.last = Some(ended);
+                        ctr.next = None;
+                    }
+                    AfterExit::Restart(Restart::Container) => {
+                        ctr.state = State::Waiting {
+                            reason: "CrashLoopBackOff",
+                        };
+                        ctr.last = Some(ended);
+                        ctr.next = Some(now_at + behavior.backoff);
+                    }
+                    AfterExit::Restart(Restart::AllContainers) => {
+                        ctr.last = Some(ended);
+                        self.restart_all(i, now_at + behavior.backoff);
+                    }
                 }
+            }
+            State::Waiting { .. } | State::Terminated { .. } => {
+                let all = self.restarting_all;
+                if all {
+                    // Every container starts again together, init containers first.
+                    self.restarting_all = false;
+                    self.init_restarts += 1;
+                    for c in &mut self.containers {
+                        c.restarts += 1;
+                        c.state = State::Running { started: now() };
+                        c.next = ends;
+                    }
+                } else {
+                    let ctr = &mut self.containers[i];
+                    ctr.restarts += 1;
+                    ctr.state = State::Running { started: now() };
+                    ctr.next = ends;
+                }
+            }
+        }
+    }
+
+    /// A `RestartAllContainers` rule matched container `trigger`'s exit: the kubelet stops
+    /// every container and starts them all again (init containers first) at `at`. The others
+    /// show the kill as their last termination, as the kubelet writes it.
+    fn restart_all(&mut self, trigger: usize, at: Instant) {
+        self.restarting_all = true;
+        for (i, c) in self.containers.iter_mut().enumerate() {
+            if i != trigger
+                && let State::Running { started } = &c.state
+            {
+                c.last = Some(State::Terminated {
+                    exit: 137,
+                    reason: "RestartingAllContainers".into(),
+                    started: started.clone(),
+                    finished: now(),
+                });
+            } else if i != trigger
+                && let State::Terminated { .. } = &c.state
+            {
+                c.last = Some(c.state.clone());
+            }
+            c.state = State::Waiting {
+                reason: "RestartingAllContainers",
+            };
+            c.next = None;
+        }
+        self.containers[trigger].next = Some(at);
+    }
+
+    /// The pod's phase as the kubelet derives it from its containers: Running while one runs
+    /// or will start again; once all have stopped for good, Failed if one failed, else
+    /// Succeeded.
+    fn phase(&self) -> &'static str {
+        let mut failed = false;
+        for c in &self.containers {
+            match &c.state {
+                State::Terminated { exit, .. } => failed |= *exit != 0,
+                _ => return "Running",
+            }
+        }
+        if failed { "Failed" } else { "Succeeded" }
+    }
+
+    /// The kubelet admits the pod as `pod` asks: its allocation, counted against its node.
+    fn admit(&mut self, pod: &Pod) {
+        self.allocated = Allocation::of(pod);
+        self.actuated = self.allocated.clone();
+        self.seen = (pod.metadata.generation, self.allocated.clone());
+        self.count_allocation(pod);
+    }
+
+    fn count_allocation(&self, pod: &Pod) {
+        let requests = pod_requests(&self.allocated.applied_to(pod));
+        if let Ok(mut all) = self.inner.allocations.write() {
+            all.insert(self.uid.clone(), (self.node.clone(), requests));
+        }
+    }
+
+    /// The pod no longer holds its allocation on the node: the deferred resizes of the
+    /// others there are tried again.
+    fn release(&self) {
+        let held = self
+            .inner
+            .allocations
+            .write()
+            .map(|mut all| all.remove(&self.uid).is_some())
+            .unwrap_or(false);
+        if held {
+            self.inner.freed.send_replace(());
+        }
+    }
+
+    /// The kubelet's decision on the spec's resources (see [`super::resize`]), at a change of
+    /// the pod or when a deferred resize is tried again; an allocated resize is in progress
+    /// for `actuation`.
+    fn resize_decision(&mut self, actuation: Duration) {
+        let pod = self.pod();
+        let wanted = Allocation::of(&pod);
+        let generation = pod.metadata.generation.unwrap_or(1);
+        self.seen = (pod.metadata.generation, wanted.clone());
+        if wanted == self.allocated {
+            self.pending = None;
+            return;
+        }
+        let (used, pods) = self.node_usage();
+        let Some((allocatable, static_cpu_manager)) = self.inner.node_allocatable(&self.node) else {
+            return;
+        };
+        let node = resize::Node {
+            minor: self.inner.kubelet_minor(),
+            allocatable: &allocatable,
+            static_cpu_manager,
+            used: &used,
+            pods,
+        };
+        match resize::decide(&node, &pod, &self.allocated) {
+            Verdict::Allocate => {
+                self.pending = None;
+                self.allocated = wanted;
+                self.count_allocation(&pod);
+                let at = Instant::now() + actuation;
+                self.in_progress = Some((
+                    Condition {
+                        kind: "PodResizeInProgress",
+                        reason: "",
+                        message: String::new(),
+                        generation,
+                        since: now(),
+                    },
+                    at,
+                ));
+            }
+            Verdict::Pending { reason, message } => {
+                // A 1.33 kubelet tries a deferred resize again at each sync of the pod (every
+                // minute), a later one every 3 minutes; both as soon as a pod leaves the node.
+                let period = if self.inner.kubelet_minor() <= 33 { 60 } else { 180 };
+                let retry = (reason == "Deferred").then(|| Instant::now() + Duration::from_secs(period));
+                let since = match &self.pending {
+                    Some((c, _)) if c.reason == reason => c.since.clone(),
+                    _ => now(),
+                };
+                self.pending = Some((
+                    Condition {
+                        kind: "PodResizePending",
+                        reason,
+                        message,
+                        generation,
+                        since,
+                    },
+                    retry,
+                ));
+            }
+        }
+    }
+
+    /// The requests of the other pods the kubelet admitted on this node, and their number.
+    fn node_usage(&self) -> (ResourceMap, usize) {
+        let mut used = ResourceMap::default();
+        let mut pods = 0;
+        if let Ok(all) = self.inner.allocations.read() {
+            for (uid, (node, requests)) in all.iter() {
+                if *node == self.node && *uid != self.uid {
+                    used.add(requests);
+                    pods += 1;
+                }
+            }
+        }
+        used.0.remove("pods");
+        (used, pods)
+    }
+
+    /// The containers run with the allocation now; those whose `resizePolicy` says
+    /// `RestartContainer` for a changed resource restart to take it (their run ends cleanly).
+    fn actuate(&mut self, spec: &PodSpec, ends: Option<Instant>) {
+        self.in_progress = None;
+        let pod = Pod {
+            spec: Some(spec.clone()),
+            ..Pod::default()
+        };
+        let restart = self.allocated.restarts(&self.actuated, &pod);
+        self.actuated = self.allocated.clone();
+        for c in self.containers.iter_mut().filter(|c| restart.contains(&c.name)) {
+            if let State::Running { started } = &c.state {
+                c.last = Some(State::Terminated {
+                    exit: 0,
+                    reason: "Completed".into(),
+                    started: started.clone(),
+                    finished: now(),
+                });
+                c.restarts += 1;
+                c.state = State::Running { started: now() };
+                c.next = ends;
             }
         }
     }
@@ -402,50 +695,55 @@ impl PodActor {
     }
 
     /// As [`PodActor::wait`] while the containers run, probing readiness meanwhile: a change
-    /// of the probe's verdict is written with `running`. As a kubelet's status manager does,
-    /// a Ready condition someone else changed (the node lifecycle controller marks the pods of
-    /// a node it saw go Unknown not ready) is written back once the pod changes.
-    async fn wait_running(&mut self, d: Duration, running: &Running<'_>) -> Wake {
-        let deadline = tokio::time::Instant::now() + d.min(Duration::from_secs(100 * 365 * 24 * 3600));
+    /// of the probe's verdict is written at once. As a kubelet's status manager does, a Ready
+    /// condition someone else changed (the node lifecycle controller marks the pods of a node
+    /// it saw go Unknown not ready) is written back once the pod changes. A change of the
+    /// spec's resources or generation, or a pod leaving the node while a resize is deferred,
+    /// ends the wait with [`Wake::Changed`].
+    async fn wait_running(&mut self, d: Duration) -> Wake {
+        let deadline = Instant::now() + d.min(Duration::from_secs(100 * 365 * 24 * 3600));
         loop {
             let probed = match self.probe.clone() {
                 Some(probe) => self.probe_once(&probe).await,
                 None => false,
             };
-            if probed || self.ready_overwritten(running) {
-                let written = self
-                    .write_status(
-                        running.start_time,
-                        "Running",
-                        running.state,
-                        running.last,
-                        running.restarts,
-                    )
-                    .await;
-                if let Err(e) = written {
+            if probed || self.ready_overwritten() {
+                let phase = self.phase();
+                if let Err(e) = self.write_status(phase).await {
                     tracing::warn!(pod = %format!("{}/{}", self.namespace, self.name), "status: {e}");
                 }
             }
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if self.deleting() {
+                return Wake::Deleting;
+            }
+            if self.spec_changed() {
+                return Wake::Changed;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Wake::Elapsed;
             }
             let step = self.probe.as_ref().map_or(left, |p| p.period.min(left));
-            if self.deleting() {
-                return Wake::Deleting;
-            }
+            let deferred = self.pending.as_ref().is_some_and(|(c, _)| c.reason == "Deferred");
             tokio::select! {
                 _ = tokio::time::sleep(step) => {}
                 changed = self.rx.changed() => if changed.is_err() { return Wake::Gone },
+                _ = self.freed.changed(), if deferred => return Wake::Changed,
             }
         }
     }
 
-    /// Whether the pod's Ready condition is no longer what this kubelet would write for
-    /// `running` (someone else wrote it).
-    fn ready_overwritten(&self, running: &Running<'_>) -> bool {
-        let want =
-            matches!(running.state, State::Running { .. }) && (self.probe.is_none() || self.probed_ready);
+    /// Whether the spec asks for other resources, or moved to another generation, than the
+    /// kubelet last decided on.
+    fn spec_changed(&self) -> bool {
+        let pod = self.rx.borrow();
+        pod.metadata.generation != self.seen.0 || Allocation::of(&pod) != self.seen.1
+    }
+
+    /// Whether the pod's Ready condition is no longer what this kubelet would write (someone
+    /// else wrote it).
+    fn ready_overwritten(&self) -> bool {
+        let want = self.ready();
         let pod = self.pod();
         let seen = pod
             .status
@@ -454,6 +752,16 @@ impl PodActor {
             .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
             .map(|c| c.status == "True");
         seen.is_some_and(|seen| seen != want)
+    }
+
+    /// Ready: every container runs (and the readiness probe, if any, succeeds).
+    fn ready(&self) -> bool {
+        !self.containers.is_empty()
+            && self
+                .containers
+                .iter()
+                .all(|c| matches!(c.state, State::Running { .. }))
+            && (self.probe.is_none() || self.probed_ready)
     }
 
     /// Runs the readiness probe once, at the address registered for this pod; whether its
@@ -571,58 +879,61 @@ impl PodActor {
         }
     }
 
-    async fn write_status(
-        &self,
-        start_time: &str,
-        phase: &str,
-        state: &State,
-        last: Option<&State>,
-        restarts: u32,
-    ) -> Result<(), kube::Error> {
+    /// Writes the pod's status as a 1.37 kubelet writes it, in `phase`.
+    async fn write_status(&self, phase: &str) -> Result<(), kube::Error> {
         let pod = self.pod();
         let spec = pod.spec.clone().unwrap_or_default();
         let now = now();
-        let ready = matches!(state, State::Running { .. }) && (self.probe.is_none() || self.probed_ready);
+        let ready = self.ready();
+        let terminal = phase == "Succeeded" || phase == "Failed";
+        let resources = |name: &str| {
+            (
+                self.actuated.container(name).cloned().unwrap_or_default(),
+                self.allocated.container(name).and_then(|r| r.requests.clone()),
+            )
+        };
         let containers: Vec<Value> = spec
             .containers
             .iter()
             .map(|c| {
-                container_status(
-                    &c.name,
-                    c.image.as_deref(),
-                    &self.uid,
-                    state,
-                    last,
-                    restarts,
-                    ready,
-                )
+                let ctr = self.containers.iter().find(|r| r.name == c.name);
+                let running = State::Running {
+                    started: self.start_time.clone(),
+                };
+                let (state, last, restarts) = match ctr {
+                    Some(r) => (&r.state, r.last.as_ref(), r.restarts),
+                    None => (&running, None, 0),
+                };
+                let c_ready =
+                    matches!(state, State::Running { .. }) && (self.probe.is_none() || self.probed_ready);
+                container_status(c, &self.uid, state, last, restarts, c_ready, resources(&c.name))
             })
             .collect();
         let done = State::Terminated {
             exit: 0,
             reason: "Completed".into(),
-            started: start_time.to_owned(),
-            finished: start_time.to_owned(),
+            started: self.start_time.clone(),
+            finished: self.start_time.clone(),
         };
         // A restartable init container (a sidecar, `restartPolicy: Always`) runs beside the main
         // containers, as the kubelet keeps it; the others ran to completion before them.
         let init: Vec<Value> = spec
             .init_containers
-            .unwrap_or_default()
             .iter()
+            .flatten()
             .map(|c| {
+                let restarts = self.init_restarts;
                 let sidecar = c.restart_policy.as_deref() == Some("Always");
-                if sidecar && !matches!(state, State::Terminated { .. }) {
+                if sidecar && !terminal {
                     let running = State::Running {
-                        started: start_time.to_owned(),
+                        started: self.start_time.clone(),
                     };
-                    container_status(&c.name, c.image.as_deref(), &self.uid, &running, None, 0, true)
+                    container_status(c, &self.uid, &running, None, restarts, true, resources(&c.name))
                 } else {
-                    container_status(&c.name, c.image.as_deref(), &self.uid, &done, None, 0, false)
+                    container_status(c, &self.uid, &done, None, restarts, false, resources(&c.name))
                 }
             })
             .collect();
-        let terminal = phase == "Succeeded" || phase == "Failed";
         let ready_reason = if terminal {
             "PodCompleted"
         } else {
@@ -635,26 +946,81 @@ impl PodActor {
             let mut c = json!({"type": kind, "status": if ok { "True" } else { "False" },
                                "observedGeneration": generation,
                                "lastProbeTime": null, "lastTransitionTime": now});
-            if !ok {
+            if !ok && !reason.is_empty() {
                 c["reason"] = json!(reason);
             }
             c
         };
+        let mut conditions = vec![
+            cond("PodReadyToStartContainers", !terminal, ""),
+            cond("Initialized", true, ""),
+            cond("Ready", ready, ready_reason),
+            cond("ContainersReady", ready, ready_reason),
+            cond("PodScheduled", true, ""),
+        ];
+        // A pod that has a `RestartAllContainers` rule shows whether its containers are
+        // restarting (1.36+).
+        let restart_all = spec
+            .containers
+            .iter()
+            .chain(spec.init_containers.iter().flatten())
+            .flat_map(|c| c.restart_policy_rules.iter().flatten())
+            .any(|r| r.action == "RestartAllContainers");
+        if restart_all {
+            let mut c = cond("AllContainersRestarting", self.restarting_all, "");
+            if self.restarting_all {
+                c["reason"] = json!("RestartAllContainersStarted");
+                c["message"] = json!("container exited with restart policy rule");
+            } else if terminal {
+                c["reason"] = json!(if phase == "Failed" {
+                    "PodFailed"
+                } else {
+                    "PodCompleted"
+                });
+            }
+            conditions.push(c);
+        }
+        // The resize's conditions, each with the generation it was decided at.
+        for c in self
+            .pending
+            .iter()
+            .map(|(c, _)| c)
+            .chain(self.in_progress.iter().map(|(c, _)| c))
+        {
+            let mut shown = json!({"type": c.kind, "status": "True", "observedGeneration": c.generation,
+                                   "lastProbeTime": now, "lastTransitionTime": c.since});
+            if !c.reason.is_empty() {
+                shown["reason"] = json!(c.reason);
+                shown["message"] = json!(c.message);
+            }
+            conditions.push(shown);
+        }
         let mut status = json!({
             "observedGeneration": generation,
             "phase": phase,
             "hostIP": self.inner.node_ip.to_string(),
             "hostIPs": [{"ip": self.inner.node_ip.to_string()}],
-            "startTime": start_time,
-            "conditions": [
-                cond("PodReadyToStartContainers", !terminal, ""),
-                cond("Initialized", true, ""),
-                cond("Ready", ready, ready_reason),
-                cond("ContainersReady", ready, ready_reason),
-                cond("PodScheduled", true, ""),
-            ],
+            "startTime": self.start_time,
+            "conditions": conditions,
             "containerStatuses": containers,
         });
+        // The pod level's totals (the pod-level resize, 1.36+ by default): what is allocated
+        // and what the pod runs with.
+        let allocated = resize::pod_level_requests(&self.allocated.applied_to(&pod));
+        let actuated = self.actuated.applied_to(&pod);
+        if !allocated.0.is_empty() {
+            status["allocatedResources"] = resize::quantities(&allocated);
+        }
+        let mut level = json!({});
+        for (key, list) in [
+            ("requests", resize::pod_level_requests(&actuated)),
+            ("limits", resize::pod_level_limits(&actuated)),
+        ] {
+            if !list.0.is_empty() {
+                level[key] = resize::quantities(&list);
+            }
+        }
+        status["resources"] = level;
         if !init.is_empty() {
             status["initContainerStatuses"] = json!(init);
         }
@@ -705,16 +1071,18 @@ fn state_json(state: &State) -> Value {
     }
 }
 
+/// A container's status; `resources` is what it runs with and what is allocated of its
+/// requests (written for every container, as a kubelet with in-place resize does).
 fn container_status(
-    name: &str,
-    image: Option<&str>,
+    c: &Container,
     uid: &str,
     state: &State,
     last: Option<&State>,
     restarts: u32,
     ready: bool,
+    resources: (ResourceRequirements, Option<BTreeMap<String, Quantity>>),
 ) -> Value {
-    let image = image.unwrap_or_default();
+    let (name, image) = (&c.name, c.image.as_deref().unwrap_or_default());
     let mut s = json!({
         "name": name,
         "image": image,
@@ -725,9 +1093,13 @@ fn container_status(
         "restartCount": restarts,
         "state": state_json(state),
         "lastState": {},
+        "resources": resources.0,
     });
     if let Some(last) = last {
         s["lastState"] = state_json(last);
+    }
+    if let Some(allocated) = resources.1.filter(|r| !r.is_empty()) {
+        s["allocatedResources"] = json!(allocated);
     }
     s
 }
