@@ -332,6 +332,15 @@ impl TestCluster {
         &self.binaries.version
     }
 
+    /// The minor of [`TestCluster::version`] (37 for `v1.37.2`).
+    pub fn minor(&self) -> u32 {
+        self.version()
+            .split('.')
+            .nth(1)
+            .and_then(|m| m.parse().ok())
+            .unwrap_or_default()
+    }
+
     /// A new admin client bound to the calling runtime.
     pub async fn client(&self) -> Result<kube::Client> {
         Ok(tensile_common::kubeconfig::client_from_file(&self.kubeconfig, &Default::default()).await?)

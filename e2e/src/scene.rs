@@ -139,6 +139,23 @@ pub async fn node_ready(kubeconfig: &Path, node: &str, secs: u64) {
     node_shows(kubeconfig, node, READY, "True", secs).await;
 }
 
+/// Waits up to `secs` until `node` is Ready and the node lifecycle controller has taken away
+/// the `node.kubernetes.io/not-ready` taint that admission puts on every new Node (it does so
+/// on its next pass after Ready, so for a moment a Ready node still carries it).
+pub async fn node_untainted(kubeconfig: &Path, node: &str, secs: u64) {
+    let untainted = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status} {.spec.taints[?(@.key=="node.kubernetes.io/not-ready")].effect}"#;
+    node_shows(kubeconfig, node, untainted, "True", secs).await;
+}
+
+/// The jsonpath (`-o` argument) of condition `kind`'s `fields`, joined by `/`.
+pub fn condition(kind: &str, fields: &[&str]) -> String {
+    let parts: Vec<String> = fields
+        .iter()
+        .map(|f| format!(r#"{{.status.conditions[?(@.type=="{kind}")].{f}}}"#))
+        .collect();
+    format!("jsonpath={}", parts.join("/"))
+}
+
 /// Waits up to `secs` until pod `ns/name` is Running.
 pub async fn pod_running(kubeconfig: &Path, ns: &str, name: &str, secs: u64) {
     pod_shows(kubeconfig, ns, name, PHASE, "Running", secs).await;

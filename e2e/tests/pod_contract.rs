@@ -9,6 +9,7 @@ use std::time::Duration;
 use tensile_e2e::check::{apply, kubectl};
 use tensile_e2e::in_process::VirtualNode;
 use tensile_e2e::scene;
+use tensile_e2e::scene::condition;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::{NodeSimulator, TestCluster};
 
@@ -58,9 +59,8 @@ fn up() -> &'static Path {
 /// controller takes it away on its next pass after Ready).
 async fn nodes() -> [(&'static str, &'static TestCluster); 2] {
     let bed = bed();
-    let untainted = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status} {.spec.taints[?(@.key=="node.kubernetes.io/not-ready")].effect}"#;
     for node in [VN_A, VN_B] {
-        scene::node_shows(up(), node, untainted, "True", 60).await;
+        scene::node_untainted(up(), node, 60).await;
     }
     [(VN_A, &bed.lower_a), (VN_B, &bed.lower_b)]
 }
@@ -68,25 +68,6 @@ async fn nodes() -> [(&'static str, &'static TestCluster); 2] {
 /// A namespace of the upper cluster for one test.
 async fn namespace(ns: &str) {
     bed().upper.create_namespace(ns).await.unwrap();
-}
-
-/// The jsonpath of condition `kind`'s `fields`, joined by `/`.
-fn condition(kind: &str, fields: &[&str]) -> String {
-    let parts: Vec<String> = fields
-        .iter()
-        .map(|f| format!(r#"{{.status.conditions[?(@.type=="{kind}")].{f}}}"#))
-        .collect();
-    format!("jsonpath={}", parts.join("/"))
-}
-
-/// The minor version of `cluster` (37 for v1.37.2).
-fn minor(cluster: &TestCluster) -> u32 {
-    cluster
-        .version()
-        .split('.')
-        .nth(1)
-        .and_then(|m| m.parse().ok())
-        .unwrap_or_default()
 }
 
 /// A pod `name` bound to virtual node `node`, its taint tolerated, with `spec` (YAML lines at
@@ -226,7 +207,7 @@ async fn the_upper_generation_is_observed_whatever_the_lower_version_writes() {
         )
         .await;
         scene::pod_shows(up(), ns, &name, observed, "2 2 2", 30).await;
-        if minor(lower) < 35 {
+        if lower.minor() < 35 {
             let own = scene::pod_field(
                 lower.kubeconfig(),
                 ns,
@@ -403,7 +384,7 @@ async fn a_pod_asking_for_a_feature_the_lower_version_lacks_is_refused_there_and
         for (case, spec, kept, want, gate) in cases {
             let name = format!("{case}-{node}");
             apply(up(), &pod(ns, &name, node, "", spec)).await;
-            if minor(lower) >= 36 {
+            if lower.minor() >= 36 {
                 scene::pod_shows(lower.kubeconfig(), ns, &name, kept, want, 60).await;
                 continue;
             }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use tensile_e2e::check::{apply, deployment, eventually, kubectl};
 use tensile_e2e::in_process;
 use tensile_e2e::scene;
+use tensile_e2e::scene::condition;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::{NodeConfig, NodeSimulator, TestCluster, free_port};
 use tensile_virtual_node::{Args, UpperIdentity};
@@ -63,21 +64,9 @@ fn up() -> &'static Path {
     bed().upper.kubeconfig()
 }
 
-/// Waits until `node` is Ready and the node lifecycle controller has taken away the
-/// `node.kubernetes.io/not-ready` taint that admission puts on every new Node (it does so on
-/// its next pass after Ready, so for a moment a Ready node still carries it).
+/// Waits until `node` is Ready without the not-ready taint ([`scene::node_untainted`]).
 async fn wait_ready(node: &str) {
-    let untainted = r#"jsonpath={.status.conditions[?(@.type=="Ready")].status} {.spec.taints[?(@.key=="node.kubernetes.io/not-ready")].effect}"#;
-    scene::node_shows(up(), node, untainted, "True", 60).await;
-}
-
-/// The jsonpath of condition `kind`'s `fields`, joined by `/`.
-fn condition(kind: &str, fields: &[&str]) -> String {
-    let parts: Vec<String> = fields
-        .iter()
-        .map(|f| format!(r#"{{.status.conditions[?(@.type=="{kind}")].{f}}}"#))
-        .collect();
-    format!("jsonpath={}", parts.join("/"))
+    scene::node_untainted(up(), node, 60).await;
 }
 
 fn pod(ns: &str, name: &str, node: &str, restart: &str, annotations: &str, cpu: &str) -> String {
@@ -2400,8 +2389,7 @@ spec:
     };
     apply(up(), &manifest("on-a", "vn-level-a")).await;
     apply(up(), &manifest("on-b", "vn-level-b")).await;
-    let keeps =
-        |c: &TestCluster| c.version().split('.').nth(1).and_then(|m| m.parse::<u32>().ok()) >= Some(34);
+    let keeps = |c: &TestCluster| c.minor() >= 34;
     for (pod, lower) in [("on-a", &bed.lower_a), ("on-b", &bed.lower_b)] {
         let synced = condition("tensile.io/LowerPodSynced", &["status", "reason"]);
         if keeps(lower) {
