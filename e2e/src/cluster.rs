@@ -617,6 +617,10 @@ impl Pki {
         // Two common names: the apiserver reads the last as the user; a kubelet must not
         // read another.
         let two_names = kubelet_ca.client_with_two_names("tensile-log-reader", "tensile-tenant")?;
+        // Callers of a kubelet's API by certificate, whose rights tests grant: only
+        // `nodes/pods`, and only `nodes/proxy`.
+        let pod_lister = kubelet_ca.client("tensile-pod-lister", None)?;
+        let proxy_only = kubelet_ca.client("tensile-proxy-only", None)?;
         let (sa_key, sa_pub) = pki::service_account_keys()?;
         for (file, content) in [
             ("ca.crt", ca.cert_pem()),
@@ -630,6 +634,10 @@ impl Pki {
             ("other-kubelet.key", other_kubelet.key_pem.clone()),
             ("two-names.crt", two_names.cert_pem.clone()),
             ("two-names.key", two_names.key_pem.clone()),
+            ("pod-lister.crt", pod_lister.cert_pem.clone()),
+            ("pod-lister.key", pod_lister.key_pem.clone()),
+            ("proxy-only.crt", proxy_only.cert_pem.clone()),
+            ("proxy-only.key", proxy_only.key_pem.clone()),
             ("sa.key", sa_key),
             ("sa.pub", sa_pub),
         ] {

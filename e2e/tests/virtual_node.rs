@@ -490,6 +490,110 @@ subjects: [{apiGroup: rbac.authorization.k8s.io, kind: User, name: tensile-log-r
     );
 }
 
+/// The kubelet API authorises as a 1.36+ kubelet (fine-grained kubelet authorization): a
+/// caller allowed only `nodes/pods` of the node reads `/pods` (its upper pods, nothing of the
+/// lower cluster) and no logs; a caller allowed only `nodes/proxy` reads `/pods`, `/healthz`
+/// and `/configz` through the fallback; another node's certificate reads none.
+#[tokio::test]
+async fn the_kubelet_api_asks_for_the_fine_grained_subresource_before_nodes_proxy() {
+    let bed = bed();
+    let ns = "fine-grained";
+    bed.upper.create_namespace(ns).await.unwrap();
+    let vn = VirtualNode::ready("vn-fine", &bed.lower_a).await;
+    apply(
+        up(),
+        &format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: listed, namespace: {ns}}}
+spec:
+  nodeName: vn-fine
+  tolerations: [{{key: virtual-kubelet.io/provider, operator: Exists}}]
+  containers: [{{name: app, image: nginx}}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {{name: e2e-pod-lister}}
+rules: [{{apiGroups: [""], resources: [nodes/pods], verbs: [get]}}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {{name: e2e-pod-lister}}
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: e2e-pod-lister}}
+subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: User, name: tensile-pod-lister}}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {{name: e2e-proxy-only}}
+rules: [{{apiGroups: [""], resources: [nodes/proxy], verbs: [get]}}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {{name: e2e-proxy-only}}
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: e2e-proxy-only}}
+subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: User, name: tensile-proxy-only}}]
+"#
+        ),
+    )
+    .await;
+    scene::pod_running(up(), ns, "listed", 60).await;
+    let pki = bed.upper.dir().join("pki");
+    // The body and, on its own last line, the status code of a GET of `path` on the node's
+    // kubelet API with client certificate `name` of the upper pki.
+    let get_as = |name: &str, path: &str| {
+        let (cert, key) = (pki.join(format!("{name}.crt")), pki.join(format!("{name}.key")));
+        let url = format!(
+            "https://{}:{}{path}",
+            tensile_e2e::node_ip().unwrap(),
+            vn.kubelet_port
+        );
+        async move {
+            let out = tokio::process::Command::new("curl")
+                .args(["-sk", "-w", "\n%{http_code}", "--cert"])
+                .arg(cert)
+                .arg("--key")
+                .arg(key)
+                .arg(&url)
+                .output()
+                .await
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        }
+    };
+    let listed = get_as("pod-lister", "/pods").await;
+    let (body, code) = listed.rsplit_once('\n').unwrap();
+    assert_eq!(code, "200", "{listed}");
+    let list: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(list["kind"], "PodList");
+    let names: Vec<&str> = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["metadata"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["listed"], "the pods bound to this node");
+    assert!(
+        !body.contains("tensile.io/upper-uid"),
+        "nothing of the lower pod: {body}"
+    );
+    let logs = get_as("pod-lister", &format!("/containerLogs/{ns}/listed/app")).await;
+    assert!(logs.ends_with("\n403") && logs.contains("nodes/proxy"), "{logs}");
+    let health = get_as("pod-lister", "/healthz").await;
+    assert!(
+        health.ends_with("\n403") && health.contains("nodes/healthz or nodes/proxy"),
+        "{health}"
+    );
+    for path in ["/pods", "/healthz", "/configz"] {
+        let fallback = get_as("proxy-only", path).await;
+        assert!(fallback.ends_with("\n200"), "{path}: {fallback}");
+    }
+    let configz = get_as("proxy-only", "/configz").await;
+    assert!(configz.contains(r#""mode":"Webhook""#), "{configz}");
+    let other = get_as("other-kubelet", "/pods").await;
+    assert!(other.ends_with("\n403") && !other.contains("listed"), "{other}");
+}
+
 /// Idle and slow clients cannot take the kubelet API away from the apiserver: with a cap of
 /// 16, 64 silent connections and 16 trickling an unfinished request leave at most 16 open,
 /// `kubectl logs` keeps working, and the idle deadline closes the flood.

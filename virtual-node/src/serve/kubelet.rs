@@ -10,8 +10,10 @@
 //!
 //! Authorisation is the kubelet's: the caller (certificate CN as user, O as groups) must be
 //! allowed the node's subresource (`nodes/proxy` for `containerLogs`, `exec`, `attach` and
-//! `portForward`, `nodes/stats` for `/stats`, `nodes/metrics` for `/metrics`, the verb from
-//! the method) by a SubjectAccessReview on the upper cluster, cached like the kubelet caches it
+//! `portForward`, `nodes/stats` for `/stats`, `nodes/metrics` for `/metrics`, `nodes/pods`,
+//! `nodes/healthz` or `nodes/configz` and then `nodes/proxy` for `/pods`, `/healthz` and
+//! `/configz`, as a 1.36+ kubelet; the verb from the method) by a SubjectAccessReview on the
+//! upper cluster, cached like the kubelet caches it
 //! (allowed 5 min, denied 30 s). A certificate from the same CA is therefore not enough: on
 //! kubeadm every kubelet has one, and none may read another node's logs.
 //! `--kubelet-authorization=always-allow` skips the review.

@@ -58,38 +58,48 @@ async fn route(state: &KubeletState, peer: &Peer, req: Request<Incoming>) -> Res
     }
     let path = req.uri().path().to_owned();
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    if segments.as_slice() == ["healthz"] {
-        return text(StatusCode::OK, "ok");
-    }
     let (user, groups) = identity.unwrap_or_else(|| {
         (
             "system:anonymous".to_owned(),
             vec!["system:unauthenticated".to_owned()],
         )
     });
-    let attributes = Attributes {
-        user,
-        groups,
-        verb: verb(req.method()),
-        subresource: subresource(&segments),
-    };
-    match state.authorizer.allows(&state.node, &attributes).await {
-        Ok(true) => {}
-        Ok(false) => {
-            return text(
-                StatusCode::FORBIDDEN,
-                format!(
-                    "user {} may not {} nodes/{} of node {}",
-                    attributes.user, attributes.verb, attributes.subresource, state.node
-                ),
-            );
+    // As a 1.36+ kubelet (KubeletFineGrainedAuthz: beta and on from 1.33, GA 1.36): the
+    // fine-grained subresource first, then the one it falls back to.
+    let wanted = subresources(&segments);
+    let mut allowed = false;
+    for subresource in wanted {
+        let attributes = Attributes {
+            user: user.clone(),
+            groups: groups.clone(),
+            verb: verb(req.method()),
+            subresource,
+        };
+        match state.authorizer.allows(&state.node, &attributes).await {
+            Ok(true) => {
+                allowed = true;
+                break;
+            }
+            Ok(false) => {}
+            Err(e) => {
+                return text(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("authorisation failed: {e}"),
+                );
+            }
         }
-        Err(e) => {
-            return text(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("authorisation failed: {e}"),
-            );
-        }
+    }
+    if !allowed {
+        let names: Vec<String> = wanted.iter().map(|s| format!("nodes/{s}")).collect();
+        return text(
+            StatusCode::FORBIDDEN,
+            format!(
+                "user {user} may not {} {} of node {}",
+                verb(req.method()),
+                names.join(" or "),
+                state.node
+            ),
+        );
     }
     if let Some(target) = streams::parse_path(&segments) {
         let target = match target {
@@ -113,14 +123,17 @@ async fn route(state: &KubeletState, peer: &Peer, req: Request<Incoming>) -> Res
         }
         return streams::splice(&state.lower, &state.metrics, &state.sessions, &target, req).await;
     }
+    let get = req.method() == http::Method::GET;
     match segments.as_slice() {
-        ["stats", "summary"] | ["metrics", "resource"] if req.method() == http::Method::GET => {
-            match summary(state).await {
-                Ok(summary) if segments[0] == "stats" => json(&summary),
-                Ok(summary) => text(StatusCode::OK, crate::serve::stats::resource_metrics(&summary)),
-                Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, e),
-            }
-        }
+        ["healthz"] if get => text(StatusCode::OK, "ok"),
+        ["pods"] | ["pods", ""] if get => json(&pods(state, false)),
+        ["runningpods"] | ["runningpods", ""] if get => json(&pods(state, true)),
+        ["configz"] if get => json(&configz(state)),
+        ["stats", "summary"] | ["metrics", "resource"] if get => match summary(state).await {
+            Ok(summary) if segments[0] == "stats" => json(&summary),
+            Ok(summary) => text(StatusCode::OK, crate::serve::stats::resource_metrics(&summary)),
+            Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, e),
+        },
         ["containerLogs", ns, pod, container] if req.method() == http::Method::GET => {
             match LogOptions::from_query(req.uri().query().unwrap_or("")) {
                 Ok(options) => logs(state, ns, pod, container, options).await,
@@ -231,11 +244,78 @@ async fn summary(state: &KubeletState) -> Result<serde_json::Value, String> {
     ))
 }
 
-/// The kubelet's subresource for a path (`nodes/<subresource>` is what is authorised).
-fn subresource(segments: &[&str]) -> &'static str {
-    match segments.first() {
-        Some(&"stats") => "stats",
-        Some(&"metrics") => "metrics",
-        _ => "proxy",
+/// The kubelet's subresources for a path, in the order they are tried (`nodes/<subresource>`
+/// is what is authorised), as a kubelet of 1.36+ names them.
+fn subresources(segments: &[&str]) -> &'static [&'static str] {
+    match segments.first().copied() {
+        Some("pods" | "runningpods") => &["pods", "proxy"],
+        Some("healthz") => &["healthz", "proxy"],
+        Some("configz") => &["configz", "proxy"],
+        Some("flagz") => &["configz"],
+        Some("stats") => &["stats"],
+        Some("metrics") => &["metrics"],
+        Some("logs") => &["log"],
+        Some("checkpoint") => &["checkpoint"],
+        Some("statusz") => &["statusz"],
+        _ => &["proxy"],
+    }
+}
+
+/// The kubelet's `/pods` (or, `running`, `/runningpods`): the upper pods bound to this node,
+/// as a PodList, with the status the node last wrote for them. Nothing of the lower cluster.
+fn pods(state: &KubeletState, running: bool) -> serde_json::Value {
+    let mut items: Vec<serde_json::Value> = state
+        .upper_pods
+        .state()
+        .iter()
+        .filter_map(|p| p.pod().ok())
+        .filter(|p| !running || p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+        .filter_map(|p| serde_json::to_value(p).ok())
+        .collect();
+    items.sort_by(|a, b| {
+        let key = |v: &serde_json::Value| {
+            (
+                v["metadata"]["namespace"].as_str().unwrap_or_default().to_owned(),
+                v["metadata"]["name"].as_str().unwrap_or_default().to_owned(),
+            )
+        };
+        key(a).cmp(&key(b))
+    });
+    serde_json::json!({"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items})
+}
+
+/// The kubelet's `/configz`: what of a KubeletConfiguration this node's kubelet API is.
+fn configz(state: &KubeletState) -> serde_json::Value {
+    let mode = match state.authorizer {
+        crate::serve::kubelet::Authorizer::Webhook { .. } => "Webhook",
+        crate::serve::kubelet::Authorizer::AlwaysAllow => "AlwaysAllow",
+    };
+    serde_json::json!({"kubeletconfig": {
+        "kind": "KubeletConfiguration",
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "authentication": {"anonymous": {"enabled": !state.require_client_cert},
+                           "webhook": {"enabled": false}},
+        "authorization": {"mode": mode},
+    }})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_path_is_authorised_as_a_kubelet_of_1_36_names_it() {
+        let of = |path: &str| subresources(&path.trim_start_matches('/').split('/').collect::<Vec<_>>());
+        assert_eq!(of("/pods"), ["pods", "proxy"]);
+        assert_eq!(of("/runningpods/"), ["pods", "proxy"]);
+        assert_eq!(of("/healthz"), ["healthz", "proxy"]);
+        assert_eq!(of("/configz"), ["configz", "proxy"]);
+        assert_eq!(of("/flagz"), ["configz"]);
+        assert_eq!(of("/stats/summary"), ["stats"]);
+        assert_eq!(of("/metrics/resource"), ["metrics"]);
+        assert_eq!(of("/logs/kubelet.log"), ["log"]);
+        assert_eq!(of("/containerLogs/ns/pod/c"), ["proxy"]);
+        assert_eq!(of("/exec/ns/pod/c"), ["proxy"]);
+        assert_eq!(of("/portForward/ns/pod"), ["proxy"]);
     }
 }
