@@ -481,3 +481,50 @@ spec:
         ""
     );
 }
+
+/// A pod projecting a pod certificate or a ClusterTrustBundle (GA in 1.37) is not run
+/// below, where a lower kubelet would ask the lower cluster's signers and bundles: the upper
+/// pod says which volume and why, and nothing is made in either lower cluster.
+#[tokio::test]
+async fn a_pod_projecting_a_pod_certificate_or_trust_bundle_is_not_run_below() {
+    let ns = "not-carried";
+    namespace(ns).await;
+    let cases = [
+        (
+            "certificate",
+            "podCertificate: {signerName: example.com/issuer, keyType: ED25519, credentialBundlePath: bundle.pem}",
+        ),
+        (
+            "bundle",
+            "clusterTrustBundle: {name: example-roots, path: roots.pem, optional: true}",
+        ),
+    ];
+    for (node, lower) in nodes().await {
+        for (case, source) in cases {
+            let name = format!("{case}-{node}");
+            let spec = format!(
+                "  containers: [{{name: app, image: busybox, volumeMounts: [{{name: projected, mountPath: /p}}]}}]\n  volumes: [{{name: projected, projected: {{sources: [{{{source}}}]}}}}]"
+            );
+            apply(up(), &pod(ns, &name, node, "", &spec)).await;
+            let synced = condition("tensile.io/LowerPodSynced", &["status", "reason"]);
+            scene::pod_shows(up(), ns, &name, &synced, "False/VolumeNotCarried", 60).await;
+            let message = scene::pod_field(
+                up(),
+                ns,
+                &name,
+                &condition("tensile.io/LowerPodSynced", &["message"]),
+            )
+            .await;
+            assert!(
+                message.contains("\"projected\""),
+                "the volume is named: {message}"
+            );
+            let below = kubectl(
+                lower.kubeconfig(),
+                &["-n", ns, "get", "pod", &name, "--ignore-not-found", "-o", "name"],
+            )
+            .await;
+            assert_eq!(below.trim(), "", "nothing made on {}", lower.version());
+        }
+    }
+}
