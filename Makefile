@@ -4,7 +4,7 @@ CARGO ?= cargo
 TESTBED_DIR ?= target/testbed
 DEMO_DIR ?= target/demo
 
-.PHONY: all build test lint fmt deps tools kube-bins bed-net helm testbed bench demo
+.PHONY: all build test lint fmt deps tools kube-bins bed-net helm python-client testbed bench demo
 
 all: build
 
@@ -28,8 +28,8 @@ fmt:
 	$(CARGO) fmt --all
 
 # Everything a fresh machine lacks: rustfmt/clippy, etcd, the control planes and kubectls,
-# the node address, helm.
-deps: kube-bins bed-net helm tools
+# the node address, helm, the Python client's venv.
+deps: kube-bins bed-net helm python-client tools
 	@rustup component list --installed 2>/dev/null | grep -q rustfmt || rustup component add rustfmt
 	@rustup component list --installed 2>/dev/null | grep -q clippy || rustup component add clippy
 
@@ -54,6 +54,11 @@ bed-net: tools
 # Debian has no helm). HELM_BIN selects another helm.
 helm:
 	@bash scripts/helm.sh >/dev/null
+
+# A venv with the official Kubernetes Python client (pinned `kubernetes` from PyPI) in
+# ~/.cache/tensile, for the exec test that runs it (scripts/python-client.sh).
+python-client:
+	@bash scripts/python-client.sh >/dev/null
 
 # An upper cluster and two lower clusters with 3 simulated nodes each, until Ctrl-C; lower-b
 # runs the oldest supported version (KUBE_SKEW_VERSION), the others the newest (KUBE_VERSION).

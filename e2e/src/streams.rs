@@ -329,3 +329,54 @@ pub async fn echo_throughput(port: u16, bytes: u64, within: Duration) -> anyhow:
     drop(written?);
     Ok(took)
 }
+
+/// The interpreter of the venv with the official Kubernetes Python client, which
+/// `scripts/python-client.sh` makes once into the user's cache.
+pub fn python_client_interpreter() -> anyhow::Result<&'static Path> {
+    static PYTHON: std::sync::OnceLock<Result<std::path::PathBuf, String>> = std::sync::OnceLock::new();
+    PYTHON
+        .get_or_init(|| crate::run_script("python-client.sh", &[]).map(Into::into))
+        .as_ref()
+        .map(std::path::PathBuf::as_path)
+        .map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// Runs `e2e/python/client_streams.py` (the official Python client's exec and port-forward on
+/// pod `ns/pod`, through `kubeconfig`'s apiserver) and returns the JSON it prints; fails when
+/// it does not finish within 120 s or prints no JSON.
+pub async fn python_client_streams(
+    kubeconfig: &Path,
+    ns: &str,
+    pod: &str,
+    port: u16,
+) -> anyhow::Result<serde_json::Value> {
+    let python = tokio::task::spawn_blocking(python_client_interpreter)
+        .await
+        .context("installing the Python client")??;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/client_streams.py");
+    let out = tokio::process::Command::new(python)
+        .arg(&script)
+        .arg(kubeconfig)
+        .args([ns, pod, &port.to_string()])
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(120), out)
+        .await
+        .map_err(|_| anyhow::anyhow!("{} did not finish in 120 s", script.display()))?
+        .with_context(|| format!("running {}", script.display()))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    anyhow::ensure!(
+        out.status.success(),
+        "{} {ns}/{pod}: {}; stderr {stderr}",
+        script.display(),
+        out.status
+    );
+    serde_json::from_slice(&out.stdout).with_context(|| {
+        format!(
+            "{} printed no JSON: {}; stderr {stderr}",
+            script.display(),
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}

@@ -1,6 +1,7 @@
 //! `kubectl exec`, `attach` and `port-forward` on pods that run below a virtual node: an upper
 //! cluster, a lower cluster with simulated kubelets (which speak WebSocket and SPDY as real
-//! ones do), a virtual node in process. Every command is the upper cluster's kubectl.
+//! ones do), a virtual node in process. Every command is the upper cluster's kubectl, but for
+//! the official Python client's, which runs against both clusters.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
 
 use std::path::Path;
@@ -12,7 +13,7 @@ use tensile_e2e::in_process::{self, admin_get};
 use tensile_e2e::scene;
 use tensile_e2e::shared::Shared;
 use tensile_e2e::streams::{
-    Cat, Forward, Run, Via, echo, http_get, kubectl_command, kubectl_run, pod_manifest,
+    Cat, Forward, Run, Via, echo, http_get, kubectl_command, kubectl_run, pod_manifest, python_client_streams,
 };
 use tensile_e2e::{NodeSimulator, TestCluster, free_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -267,6 +268,66 @@ async fn kubectl_port_forward_reaches_the_lower_pods_ports() {
         assert!(back == data, "{via:?}: the echo is identical");
         drop(forward);
     }
+}
+
+/// The official Kubernetes Python client (`e2e/python/client_streams.py`) sees the same
+/// through the virtual node as on a pod of the lower cluster itself: its exec (WebSocket v5,
+/// which the upper apiserver turns into SPDY for the kubelet API) with stdout, stderr, stdin
+/// and exit codes, and its port-forward (WebSocket `v4.channel.k8s.io`, which both apiservers
+/// pass to the kubelet as it is) carrying an HTTP request to the pod's port.
+#[tokio::test]
+async fn the_python_client_execs_and_port_forwards_through_the_virtual_node_as_below() {
+    let bed = bed();
+    running_pod(up(), NS, "python", NODE).await;
+    let lower = bed.lower.kubeconfig();
+    bed.lower.create_namespace("direct").await.unwrap();
+    running_pod(lower, "direct", "python", "low-0").await;
+
+    let (via_node, direct) = tokio::join!(
+        python_client_streams(up(), NS, "python", 8080),
+        python_client_streams(lower, "direct", "python", 8080),
+    );
+    let (via_node, direct) = (via_node.unwrap(), direct.unwrap());
+    eprintln!("through the virtual node: {via_node:#}\nbelow: {direct:#}");
+    for (at, seen, ns) in [("virtual node", &via_node, NS), ("lower", &direct, "direct")] {
+        let runs = seen["exec"].as_array().unwrap();
+        let run = |i: usize| &runs[i];
+        assert_eq!(
+            (&run(0)["stdout"], &run(0)["stderr"], &run(0)["code"]),
+            (&"hi\n".into(), &"".into(), &0.into()),
+            "{at}: echo hi: {seen:#}"
+        );
+        let env = run(1)["stdout"].as_str().unwrap_or_default();
+        assert!(
+            env.contains("GREETING=hello-from-below\n") && env.contains("HOSTNAME=python\n"),
+            "{at}: env: {seen:#}"
+        );
+        assert_eq!(run(2)["code"], 3, "{at}: exit 3: {seen:#}");
+        assert_eq!(run(3)["code"], 127, "{at}: ls: {seen:#}");
+        assert!(
+            run(3)["stderr"]
+                .as_str()
+                .is_some_and(|e| e.contains("\"ls\": executable file not found")),
+            "{at}: ls: {seen:#}"
+        );
+        assert_eq!(
+            (&run(4)["stdout"], &run(4)["code"]),
+            (&"line one\nline two\n".into(), &0.into()),
+            "{at}: cat with stdin: {seen:#}"
+        );
+        let forward = &seen["forward"];
+        assert_eq!(
+            (&forward["status"], &forward["body"]),
+            (
+                &"HTTP/1.1 200 OK".into(),
+                &format!("{ns}/python port 8080\n").into()
+            ),
+            "{at}: GET through port-forward: {seen:#}"
+        );
+    }
+    // Everything else is the same, byte for byte.
+    assert_eq!(via_node["exec"], direct["exec"]);
+    assert_eq!(via_node["forward"]["error"], direct["forward"]["error"]);
 }
 
 #[tokio::test]

@@ -7,11 +7,15 @@
 //!   per channel, named by its `streamType` header). kubectl 1.30+ tries WebSocket v5 first
 //!   and falls back to SPDY when the upgrade is refused; older clients speak SPDY only.
 //! * port-forward over SPDY (`portforward.k8s.io`: a data and an error stream per
-//!   connection, named by `port` and `requestID`) and over the WebSocket tunnel kubectl
+//!   connection, named by `port` and `requestID`), over the WebSocket tunnel kubectl
 //!   1.31+ uses (`SPDY/3.1+portforward.k8s.io`: the same SPDY session inside binary
-//!   messages). Every `containerPort` of the pod answers: a connection whose first bytes are
-//!   an HTTP request gets `200` with `<namespace>/<pod> port <port>`, anything else is
-//!   echoed. A port the pod does not declare is refused on the error stream.
+//!   messages) and over WebSocket channels (`v4.channel.k8s.io`, which other clients such as
+//!   the official Python one speak: one connection per `port` of the query, on channels
+//!   `2i` (data) and `2i + 1` (error), each opened by the port number in two little-endian
+//!   bytes; the session closes when every connection has ended). Every `containerPort` of the
+//!   pod answers: a connection whose first bytes are an HTTP request gets `200` with
+//!   `<namespace>/<pod> port <port>`, anything else is echoed. A port the pod does not
+//!   declare is refused on the error stream.
 //!
 //! What runs for exec is [`super::exec`]'s command set; attach follows the container's
 //! simulated log (and echoes stdin when attached with it). The error channel ends every
@@ -45,6 +49,7 @@ use tensile_common::kubelet::{Body, text};
 const CHANNEL_PROTOCOLS: &[&str] = &["v5.channel.k8s.io", "v4.channel.k8s.io"];
 const PORT_FORWARD_SPDY: &str = "portforward.k8s.io";
 const PORT_FORWARD_TUNNEL: &str = "SPDY/3.1+portforward.k8s.io";
+const PORT_FORWARD_CHANNELS: &str = "v4.channel.k8s.io";
 /// How long the streams of a SPDY exec may take to arrive (the kubelet's limit).
 const STREAM_CREATION: Duration = Duration::from_secs(30);
 
@@ -70,6 +75,8 @@ struct Options {
     stdout: bool,
     stderr: bool,
     tty: bool,
+    /// Port-forward over WebSocket channels: the `port` parameters, in order.
+    ports: Vec<String>,
 }
 
 fn options(query: &str) -> Options {
@@ -82,6 +89,7 @@ fn options(query: &str) -> Options {
             "output" | "stdout" => o.stdout = truthy(&v),
             "error" | "stderr" => o.stderr = truthy(&v),
             "tty" => o.tty = truthy(&v),
+            "port" => o.ports.push(v.into_owned()),
             _ => {}
         }
     }
@@ -104,7 +112,10 @@ fn offers(headers: &HeaderMap, name: &str) -> Vec<String> {
 fn negotiate(kind: Kind, headers: &HeaderMap) -> Result<Transport, (StatusCode, String)> {
     let upgrade = offers(headers, "upgrade");
     let (ws_supported, spdy_supported): (&[&str], &[&str]) = match kind {
-        Kind::PortForward => (&[PORT_FORWARD_TUNNEL], &[PORT_FORWARD_SPDY]),
+        Kind::PortForward => (
+            &[PORT_FORWARD_TUNNEL, PORT_FORWARD_CHANNELS],
+            &[PORT_FORWARD_SPDY],
+        ),
         _ => (CHANNEL_PROTOCOLS, CHANNEL_PROTOCOLS),
     };
     let pick = |offered: Vec<String>, supported: &[&str]| {
@@ -205,6 +216,30 @@ fn start(
     if kind == Kind::Exec && opts.command.is_empty() {
         return Err((StatusCode::BAD_REQUEST, "missing command".to_owned()));
     }
+    if transport == Transport::WebSocket(PORT_FORWARD_CHANNELS.to_owned()) {
+        if opts.ports.is_empty() {
+            return Err((
+                StatusCode::BAD_REQUEST,
+                "query parameter \"port\" is required".to_owned(),
+            ));
+        }
+        if let Some(bad) = opts.ports.iter().find(|p| p.parse::<u16>().is_err()) {
+            return Err((
+                StatusCode::BAD_REQUEST,
+                format!("unable to parse \"{bad}\" as a port: invalid port"),
+            ));
+        }
+        // Two channels a port, each numbered by one byte.
+        if opts.ports.len() > 128 {
+            return Err((
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "{} ports asked for, at most 128 fit the channels",
+                    opts.ports.len()
+                ),
+            ));
+        }
+    }
     let mut response = Response::new(text(StatusCode::OK, "").into_body());
     *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
     let h = response.headers_mut();
@@ -247,8 +282,11 @@ fn start(
         match (transport, kind) {
             (Transport::WebSocket(p), Kind::PortForward) => {
                 let ws = WebSocketStream::from_raw_socket(TokioIo::new(io), Role::Server, None).await;
-                let _ = p;
-                port_forward(job, bridge(ws)).await
+                if p == PORT_FORWARD_CHANNELS {
+                    port_forward_channels(job, ws).await
+                } else {
+                    port_forward(job, bridge(ws)).await
+                }
             }
             (Transport::WebSocket(p), _) => ws_session(job, io, p == "v5.channel.k8s.io").await,
             (Transport::Spdy(_), Kind::PortForward) => port_forward(job, TokioIo::new(io)).await,
@@ -380,8 +418,11 @@ async fn ws_session(job: Job, io: Upgraded, close_signal: bool) {
         while let Some(message) = stream.next().await {
             let data = match message {
                 Ok(Message::Binary(b)) => b,
+                // The kubelet reads a text message as the same bytes: the official Python
+                // client sends a `str` written to stdin as one.
+                Ok(Message::Text(t)) => Bytes::from(t),
                 Ok(Message::Close(_)) | Err(_) => break,
-                // Pings are answered by the library; text is not part of the protocol.
+                // Pings are answered by the library.
                 Ok(_) => continue,
             };
             match data.first() {
@@ -587,17 +628,8 @@ where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
 {
     let (mut accepted, writer) = spdy::serve(io);
-    let ports: Vec<u16> = job
-        .pod
-        .spec
-        .iter()
-        .flat_map(|s| s.containers.iter())
-        .flat_map(|c| c.ports.iter().flatten())
-        .filter_map(|p| u16::try_from(p.container_port).ok())
-        .collect();
-    let ns = job.pod.metadata.namespace.clone().unwrap_or_default();
-    let name = job.pod.metadata.name.clone().unwrap_or_default();
-    let uid = job.pod.metadata.uid.clone().unwrap_or_default();
+    let ports = declared_ports(&job.pod);
+    let (ns, name, uid) = pod_names(&job.pod);
     let mut errors: HashMap<String, u32> = HashMap::new();
     while let Some(stream) = accepted.recv().await {
         let h = &stream.headers;
@@ -614,12 +646,22 @@ where
                 let (ns, name, uid) = (ns.clone(), name.clone(), uid.clone());
                 tokio::spawn(async move {
                     match parsed {
-                        Some(p) => serve_port(&writer, stream, &ns, &name, p).await,
+                        Some(p) => {
+                            let id = stream.id;
+                            let (out, mut answer) = mpsc::channel::<Bytes>(16);
+                            let sending = async {
+                                while let Some(chunk) = answer.recv().await {
+                                    if writer.data(id, &chunk, false).await.is_err() {
+                                        return;
+                                    }
+                                }
+                                let _ = writer.fin(id).await;
+                            };
+                            tokio::join!(serve_port(stream.data, out, &ns, &name, p), sending);
+                        }
                         None => {
                             if let Some(e) = error {
-                                let message = format!(
-                                    "error forwarding port {port} to pod {name}, uid {uid}: failed to connect to localhost:{port} inside namespace \"{ns}\": connection refused"
-                                );
+                                let message = refused(&port, &ns, &name, &uid);
                                 let _ = writer.data(e, message.as_bytes(), false).await;
                             }
                             let _ = writer.fin(stream.id).await;
@@ -638,11 +680,134 @@ where
     writer.close().await;
 }
 
-/// One connection to a simulated container port: HTTP when it starts like an HTTP
-/// request, an echo otherwise.
-async fn serve_port(writer: &spdy::Writer, mut stream: spdy::Stream, ns: &str, name: &str, port: u16) {
-    let Some(first) = stream.data.recv().await else {
-        let _ = writer.fin(stream.id).await;
+/// The ports a pod's containers declare.
+fn declared_ports(pod: &Pod) -> Vec<u16> {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.containers.iter())
+        .flat_map(|c| c.ports.iter().flatten())
+        .filter_map(|p| u16::try_from(p.container_port).ok())
+        .collect()
+}
+
+/// A pod's namespace, name and UID.
+fn pod_names(pod: &Pod) -> (String, String, String) {
+    let m = &pod.metadata;
+    (
+        m.namespace.clone().unwrap_or_default(),
+        m.name.clone().unwrap_or_default(),
+        m.uid.clone().unwrap_or_default(),
+    )
+}
+
+/// The error the kubelet reports for a port nothing listens on.
+fn refused(port: &str, ns: &str, name: &str, uid: &str) -> String {
+    format!(
+        "error forwarding port {port} to pod {name}, uid {uid}: failed to connect to localhost:{port} inside namespace \"{ns}\": connection refused"
+    )
+}
+
+/// Port-forward over WebSocket channels (`v4.channel.k8s.io`): one connection per `port` of
+/// the query, port `i` on data channel `2i` and error channel `2i + 1`; the server opens each
+/// channel with the port number (two bytes, little-endian) and closes the session once every
+/// connection has ended, as the kubelet does.
+async fn port_forward_channels(job: Job, ws: WebSocketStream<TokioIo<Upgraded>>) {
+    let declared = declared_ports(&job.pod);
+    let (ns, name, uid) = pod_names(&job.pod);
+    let (mut sink, mut stream) = ws.split();
+    // `start` refused a query with a port that does not parse or too many for the channels.
+    let ports: Vec<u16> = job.opts.ports.iter().filter_map(|p| p.parse().ok()).collect();
+    let channels = |i: usize| (2 * i as u8, 2 * i as u8 + 1);
+    for (i, port) in ports.iter().enumerate() {
+        let (data, error) = channels(i);
+        for channel in [data, error] {
+            let opening = framed(channel, &port.to_le_bytes());
+            if sink.send(Message::Binary(opening)).await.is_err() {
+                return;
+            }
+        }
+    }
+    let (frames, mut outgoing) = mpsc::channel::<Bytes>(16);
+    let mut inputs = Vec::new();
+    let mut connections = Vec::new();
+    for (i, port) in ports.into_iter().enumerate() {
+        let (data, error) = channels(i);
+        let (input, received) = mpsc::channel::<Bytes>(16);
+        inputs.push(input);
+        let frames = frames.clone();
+        let (ns, name, uid) = (ns.clone(), name.clone(), uid.clone());
+        let served = declared.contains(&port).then_some(port);
+        connections.push(tokio::spawn(async move {
+            let Some(p) = served else {
+                let message = refused(&port.to_string(), &ns, &name, &uid);
+                let _ = frames.send(framed(error, message.as_bytes())).await;
+                return;
+            };
+            let (out, mut answer) = mpsc::channel::<Bytes>(16);
+            let sending = async {
+                while let Some(chunk) = answer.recv().await {
+                    if frames.send(framed(data, &chunk)).await.is_err() {
+                        return;
+                    }
+                }
+            };
+            tokio::join!(serve_port(received, out, &ns, &name, p), sending);
+        }));
+    }
+    drop(frames);
+    // Client frames go to their port's connection; a frame on an error channel or on no
+    // channel of this session is ignored, as the kubelet ignores it.
+    let reader = tokio::spawn(async move {
+        while let Some(Ok(message)) = stream.next().await {
+            match message {
+                Message::Binary(b) if b.len() > 1 && b[0] % 2 == 0 => {
+                    if let Some(input) = inputs.get(usize::from(b[0] / 2)) {
+                        let _ = input.send(b.slice(1..)).await;
+                    }
+                }
+                Message::Close(_) => break,
+                _ => {}
+            }
+        }
+    });
+    while let Some(frame) = outgoing.recv().await {
+        if sink.send(Message::Binary(frame)).await.is_err() {
+            break;
+        }
+    }
+    // The client is gone or every connection has ended: nothing more is sent.
+    drop(outgoing);
+    for connection in connections {
+        let _ = connection.await;
+    }
+    let _ = sink
+        .send(Message::Close(Some(CloseFrame {
+            code: CloseCode::Normal,
+            reason: "".into(),
+        })))
+        .await;
+    reader.abort();
+}
+
+/// `data` behind its channel byte.
+fn framed(channel: u8, data: &[u8]) -> Bytes {
+    let mut frame = Vec::with_capacity(data.len() + 1);
+    frame.push(channel);
+    frame.extend_from_slice(data);
+    Bytes::from(frame)
+}
+
+/// One connection to a simulated container port, as what the client sends (`incoming`, ending
+/// when the client closes its side) and what the port answers (`out`, closed at the end): HTTP
+/// when it starts like an HTTP request, an echo otherwise.
+async fn serve_port(
+    mut incoming: mpsc::Receiver<Bytes>,
+    out: mpsc::Sender<Bytes>,
+    ns: &str,
+    name: &str,
+    port: u16,
+) {
+    let Some(first) = incoming.recv().await else {
         return;
     };
     let is_http = ["GET ", "POST ", "HEAD ", "PUT ", "DELETE ", "OPTIONS ", "PATCH "]
@@ -651,17 +816,16 @@ async fn serve_port(writer: &spdy::Writer, mut stream: spdy::Stream, ns: &str, n
     if !is_http {
         let mut chunk = Some(first);
         while let Some(c) = chunk {
-            if writer.data(stream.id, &c, false).await.is_err() {
+            if out.send(c).await.is_err() {
                 return;
             }
-            chunk = stream.data.recv().await;
+            chunk = incoming.recv().await;
         }
-        let _ = writer.fin(stream.id).await;
         return;
     }
     let mut request = first.to_vec();
     while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 64 * 1024 {
-        match stream.data.recv().await {
+        match incoming.recv().await {
             Some(c) => request.extend_from_slice(&c),
             None => break,
         }
@@ -673,7 +837,7 @@ async fn serve_port(writer: &spdy::Writer, mut stream: spdy::Stream, ns: &str, n
         body.len(),
         if head { "" } else { body.as_str() }
     );
-    let _ = writer.data(stream.id, response.as_bytes(), true).await;
+    let _ = out.send(Bytes::from(response)).await;
 }
 
 #[cfg(test)]
@@ -718,6 +882,15 @@ mod tests {
             negotiate(Kind::PortForward, &tunnel),
             Ok(Transport::WebSocket(PORT_FORWARD_TUNNEL.into()))
         );
+        // The official Python client offers the exec protocols for port-forward too.
+        let channels = headers(&[
+            ("Upgrade", "websocket"),
+            ("Sec-WebSocket-Protocol", "v5.channel.k8s.io,v4.channel.k8s.io"),
+        ]);
+        assert_eq!(
+            negotiate(Kind::PortForward, &channels),
+            Ok(Transport::WebSocket(PORT_FORWARD_CHANNELS.into()))
+        );
         let old = headers(&[
             ("Upgrade", "websocket"),
             ("Sec-WebSocket-Protocol", "channel.k8s.io"),
@@ -745,5 +918,6 @@ mod tests {
         let o = options("command=sh&command=-c&command=exit%203&input=1&output=1&tty=1");
         assert_eq!(o.command, vec!["sh", "-c", "exit 3"]);
         assert!(o.stdin && o.stdout && !o.stderr && o.tty);
+        assert_eq!(options("port=8080&port=9090").ports, vec!["8080", "9090"]);
     }
 }
