@@ -438,26 +438,7 @@ async fn kubectl_logs_reach_the_lower_pod_and_callers_are_authenticated() {
     assert_eq!(String::from_utf8_lossy(&anon.stdout), "401");
     // Another node's kubelet certificate (same CA, user system:node:some-other-node) is
     // authenticated but not authorised for nodes/proxy of this node: 403, no logs.
-    let pki = bed.upper.dir().join("pki");
-    // The body and, on its own last line, the status code of a GET of `url` with a client
-    // certificate of the upper pki.
-    let curl_as = |name: &str| {
-        let (cert, key) = (pki.join(format!("{name}.crt")), pki.join(format!("{name}.key")));
-        let url = url.clone();
-        async move {
-            let out = tokio::process::Command::new("curl")
-                .args(["-sk", "-w", "\n%{http_code}", "--cert"])
-                .arg(cert)
-                .arg("--key")
-                .arg(key)
-                .arg(&url)
-                .output()
-                .await
-                .unwrap();
-            String::from_utf8_lossy(&out.stdout).into_owned()
-        }
-    };
-    let other = curl_as("other-kubelet").await;
+    let other = get_as("other-kubelet", &url).await;
     assert!(other.ends_with("\n403"), "{other}");
     assert!(
         other.contains("system:node:some-other-node") && !other.contains("talker app line"),
@@ -482,7 +463,7 @@ subjects: [{apiGroup: rbac.authorization.k8s.io, kind: User, name: tensile-log-r
 "#,
     )
     .await;
-    let two = curl_as("two-names").await;
+    let two = get_as("two-names", &url).await;
     assert!(two.ends_with("\n401"), "{two}");
     assert!(
         two.contains("more than one common name") && !two.contains("talker app line"),
@@ -538,29 +519,8 @@ subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: User, name: tensile-prox
     )
     .await;
     scene::pod_running(up(), ns, "listed", 60).await;
-    let pki = bed.upper.dir().join("pki");
-    // The body and, on its own last line, the status code of a GET of `path` on the node's
-    // kubelet API with client certificate `name` of the upper pki.
-    let get_as = |name: &str, path: &str| {
-        let (cert, key) = (pki.join(format!("{name}.crt")), pki.join(format!("{name}.key")));
-        let url = format!(
-            "https://{}:{}{path}",
-            tensile_e2e::node_ip().unwrap(),
-            vn.kubelet_port
-        );
-        async move {
-            let out = tokio::process::Command::new("curl")
-                .args(["-sk", "-w", "\n%{http_code}", "--cert"])
-                .arg(cert)
-                .arg("--key")
-                .arg(key)
-                .arg(&url)
-                .output()
-                .await
-                .unwrap();
-            String::from_utf8_lossy(&out.stdout).into_owned()
-        }
-    };
+    let kubelet = format!("https://{}:{}", tensile_e2e::node_ip().unwrap(), vn.kubelet_port);
+    let get_as = |name: &'static str, path: &str| get_as(name, format!("{kubelet}{path}"));
     let listed = get_as("pod-lister", "/pods").await;
     let (body, code) = listed.rsplit_once('\n').unwrap();
     assert_eq!(code, "200", "{listed}");
@@ -592,6 +552,23 @@ subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: User, name: tensile-prox
     assert!(configz.contains(r#""mode":"Webhook""#), "{configz}");
     let other = get_as("other-kubelet", "/pods").await;
     assert!(other.ends_with("\n403") && !other.contains("listed"), "{other}");
+}
+
+/// The body and, on its own last line, the status code of a GET of `url` with client
+/// certificate `name` of the upper pki (written by the bed: `other-kubelet`, `two-names`,
+/// `pod-lister`, `proxy-only`).
+async fn get_as(name: &str, url: impl AsRef<std::ffi::OsStr>) -> String {
+    let pki = bed().upper.dir().join("pki");
+    let out = tokio::process::Command::new("curl")
+        .args(["-sk", "-w", "\n%{http_code}", "--cert"])
+        .arg(pki.join(format!("{name}.crt")))
+        .arg("--key")
+        .arg(pki.join(format!("{name}.key")))
+        .arg(url)
+        .output()
+        .await
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Idle and slow clients cannot take the kubelet API away from the apiserver: with a cap of

@@ -135,13 +135,16 @@ pub fn decide(upper: &Pod, lower: Option<&Pod>, view: &View<'_>) -> Step {
     // key turned on or rotated later); nothing of such a stash goes below.
     // The override rules in force apply to a pod made now; a pod that runs is followed
     // through the rules it was made with.
-    let not_carried = upper.spec.as_ref().and_then(crate::decide::features::not_carried);
     match (lower, view.translation.lower_pod(upper)) {
-        (None, Ok(_)) if let Some(message) = not_carried => Step::Refuse {
-            reason: "VolumeNotCarried",
-            event: "VolumeNotCarried",
-            message,
-        },
+        (None, Ok(_))
+            if let Some(message) = upper.spec.as_ref().and_then(crate::decide::features::not_carried) =>
+        {
+            Step::Refuse {
+                reason: "VolumeNotCarried",
+                event: "VolumeNotCarried",
+                message,
+            }
+        }
         (None, Ok(mut desired)) => match view.overrides.apply(upper, &mut desired) {
             Ok(overrides) => Step::Create {
                 desired: Box::new(desired),
