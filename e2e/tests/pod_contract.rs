@@ -283,6 +283,16 @@ async fn a_resize_upstream_is_made_below_and_a_refused_one_shows_as_the_kubelets
             30,
         )
         .await;
+        // What the lower kubelet runs and allocated comes up, from either version.
+        scene::pod_shows(
+            up(),
+            "resize",
+            &name,
+            "jsonpath={.status.containerStatuses[0].resources.requests.cpu} {.status.containerStatuses[0].allocatedResources.cpu}",
+            "200m 200m",
+            30,
+        )
+        .await;
 
         // Refused for good: a LimitRange below bounds a container's cpu at 500m.
         let name = format!("limited-{node}");
