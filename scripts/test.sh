@@ -32,7 +32,7 @@ for line in sys.stdin:
 ') || { echo "test.sh: building the tests failed" >&2; exit 101; }
 
 # The slowest binaries first, so that the lanes end together.
-slow=(descheduler virtual_node clusters chart copies failback isolation multi_scheduler demo runtime rebalance overrides exec deploy_docs webhook testbed)
+slow=(pod_contract descheduler virtual_node clusters chart copies failback isolation multi_scheduler demo runtime rebalance overrides exec deploy_docs webhook testbed)
 ordered=()
 for name in "${slow[@]}"; do
   while IFS=$'\t' read -r exe dir target; do

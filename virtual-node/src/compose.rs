@@ -152,7 +152,6 @@ pub(crate) async fn compose(
         system_services: args.reflection.reflect_system_services,
         upper_reads_per_second: args.reflection.upper_reads_per_second,
         lower: scope.clone(),
-        tokens: tokens.is_some(),
     };
     let (world, watches, signals) = World::build(&upper, &clients.lower, &identity, &world_scope);
     for (name, feed) in watches.feeds {
@@ -313,6 +312,7 @@ impl Parts<'_> {
             reconcile_timeout: Duration::from_secs(args.reconcile_timeout),
             lower_health,
             tokens_changed: self.signals.tokens_changed.clone(),
+            certificates: Arc::default(),
             scale_ups,
             upper_tracks_generation: std::sync::atomic::AtomicBool::new(true),
         })
@@ -494,10 +494,26 @@ impl Parts<'_> {
             });
     }
 
-    /// The token keeper (with upper tokens), and the copy and volume resyncs, once this
-    /// replica leads.
+    /// The token keeper (with upper tokens), the certificate keeper, and the copy and volume
+    /// resyncs, once this replica leads.
     fn start_resyncs(&self, running: &mut Running, ctx: &Arc<Context>, tokens: Option<&Settings>) {
         let (world, leads) = (&self.world, &running.candidacy);
+        let certificates = crate::act::certificates::Keeper::new(
+            self.upper.clone(),
+            self.lower.clone(),
+            self.identity.clone(),
+            world.upper_pods.clone(),
+            world.lower_pods.clone(),
+            world.upper_node.clone(),
+            world.lower_tokens.clone(),
+            ctx.certificates.clone(),
+            ctx.lower_limit.clone(),
+            ctx.events.clone(),
+            self.metrics.clone(),
+        );
+        running
+            .tasks
+            .spawn("the certificate keeper", leads.when_leading(certificates.run()));
         if let Some(settings) = tokens {
             let keeper = Keeper {
                 upper: self.upper.clone(),

@@ -6,9 +6,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use crate::names;
 
-/// Label of the lower Secrets that hold a pod's upper service-account tokens: the upper
-/// cluster's id (beside the node mark, never the copy mark that copies carry: they are not
-/// copies).
+/// Label of the lower Secrets that hold a pod's upper credentials (its upper service-account
+/// tokens; its pod certificates and trust bundles): the upper cluster's id (beside the node
+/// mark, never the copy mark that copies carry: they are not copies).
 pub const TOKEN_LABEL: &str = "tensile.io/upper-token";
 
 /// Who we are: every lower object we create carries these marks.
@@ -48,6 +48,16 @@ impl Identity {
             names::MARK_NODE,
             self.node
         )
+    }
+
+    /// True when `meta` is this node's Secret of upper credentials of the pod whose upper UID
+    /// is `uid` (what a Secret of that name must be before it is overwritten).
+    pub fn holds_credentials(&self, meta: &ObjectMeta, uid: &str) -> bool {
+        let labels = meta.labels.as_ref();
+        let get = |k: &str| labels.and_then(|l| l.get(k)).map(String::as_str);
+        get(TOKEN_LABEL) == Some(self.cluster_id.as_str())
+            && get(names::MARK_NODE) == Some(self.node.as_str())
+            && get(names::MARK_UPPER_UID) == Some(uid)
     }
 
     /// Our marks as labels.

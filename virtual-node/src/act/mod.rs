@@ -1,13 +1,14 @@
 //! What a virtual node writes. The planners of [`crate::decide`] say what should change;
 //! this layer performs it: the pod controller performs a pod's `Step` ([`pods`]), the node
 //! loop its `Round` ([`node`]), the copy and volume resyncs ([`copies`], [`volumes`]) and
-//! the upper-token keeper ([`tokens`]) their plans, through one executor ([`act`]) that
+//! the upper-token keeper ([`tokens`]) and the certificate keeper ([`certificates`]) their plans, through one executor ([`act`]) that
 //! performs every write of a pass a bounded number at once, counting and logging each
 //! failure (the next pass plans again from the world; nothing is retried in place).
 //! Writes are paced ([`ratelimit`]); events on upper objects are sent off the reconcile path
 //! ([`events`]); lower namespaces are made and checked before anything goes in
 //! ([`lower_namespaces`]).
 
+pub mod certificates;
 pub mod controller;
 pub mod copies;
 pub mod events;

@@ -78,6 +78,8 @@ pub struct Context {
     pub lower_health: Arc<crate::act::node::LowerHealth>,
     /// Told when a lower pod is made (its upper tokens are then issued).
     pub tokens_changed: Arc<tokio::sync::Notify>,
+    /// The lower pods the certificate keeper follows.
+    pub certificates: Arc<crate::act::certificates::Tracked>,
     /// The lower cluster's scale-up signals on unbound lower pods.
     pub scale_ups: Arc<crate::world::scale_ups::ScaleUps>,
     /// Whether the upper apiserver keeps a pod's `status.observedGeneration`: assumed until
@@ -537,6 +539,14 @@ async fn create_in_namespace(
         Ok(_) => {
             ctx.metrics.created();
             ctx.tokens_changed.notify_one();
+            let reads_certificates = desired
+                .metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key(crate::decide::certificates::SECRET_ANNOTATION));
+            if reads_certificates {
+                ctx.certificates.track(&ns, &upper.name_any());
+            }
             let mut said = format!("created in lower cluster {}", ctx.cluster_name);
             if !overrides.is_empty() {
                 said.push_str(&format!(" with override rules {}", overrides.join(", ")));

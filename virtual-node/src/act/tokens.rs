@@ -12,7 +12,6 @@ use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 use kube::runtime::reflector::ObjectRef;
 use tensile_common::cache::Cache;
-use tensile_common::names;
 use tokio::sync::Notify;
 
 use crate::act::ratelimit::WriteLimit;
@@ -28,7 +27,6 @@ use crate::decide::tokens::wanted;
 use crate::model::refs::service_account;
 use crate::model::trim::{LowerPod, UpperPod};
 use tensile_common::lower::identity::Identity;
-use tensile_common::lower::identity::TOKEN_LABEL;
 use tensile_common::lower::identity::upper_uid;
 
 /// Issues and renews the upper tokens of this node's pods (see the module).
@@ -213,7 +211,9 @@ impl Keeper {
             Some(h) => h.metadata.resource_version.clone(),
             None => match api.get_opt(&name).await {
                 Ok(None) => None,
-                Ok(Some(found)) if self.ours(&found, &uid) => found.metadata.resource_version,
+                Ok(Some(found)) if self.identity.holds_credentials(&found.metadata, &uid) => {
+                    found.metadata.resource_version
+                }
                 Ok(Some(_)) => {
                     return Err((
                         "lower",
@@ -264,13 +264,5 @@ impl Keeper {
         written.map_err(|e| ("lower", format!("writing Secret {ns}/{name}: {e}")))?;
         tracing::info!(pod = %format!("{ns}/{}", upper.name_any()), %renew, "upper service-account tokens issued");
         Ok(())
-    }
-
-    /// Whether `found` is this node's Secret of the pod whose upper UID is `uid`.
-    fn ours(&self, found: &Secret, uid: &str) -> bool {
-        let labels = found.labels();
-        labels.get(TOKEN_LABEL) == Some(&self.identity.cluster_id)
-            && labels.get(names::MARK_NODE) == Some(&self.identity.node)
-            && labels.get(names::MARK_UPPER_UID).map(String::as_str) == Some(uid)
     }
 }

@@ -164,32 +164,6 @@ pub fn dropped(sent: &PodSpec, stored: &PodSpec) -> Vec<&'static Feature> {
     asked(sent).into_iter().filter(|f| !(f.asks)(stored)).collect()
 }
 
-/// Why the pod of `spec` is not run below, when a projected volume of it asks for what
-/// only the upper cluster can give and the virtual node does not carry down: a pod
-/// certificate (`podCertificate`, through PodCertificateRequests of the upper cluster's
-/// signers) or a ClusterTrustBundle. Sent as they are, a lower kubelet would ask the lower
-/// cluster's signers and bundles for them, of another trust domain, or wait for ever.
-pub fn not_carried(spec: &PodSpec) -> Option<String> {
-    spec.volumes.iter().flatten().find_map(|v| {
-        let sources = v.projected.iter().flat_map(|p| p.sources.iter().flatten());
-        let what = sources.into_iter().find_map(|s| {
-            if s.pod_certificate.is_some() {
-                Some("a pod certificate (podCertificate)")
-            } else if s.cluster_trust_bundle.is_some() {
-                Some("a ClusterTrustBundle (clusterTrustBundle)")
-            } else {
-                None
-            }
-        })?;
-        Some(format!(
-            "volume {:?} projects {what}, which the virtual node does not carry to the lower \
-             cluster: a lower kubelet would ask the lower cluster's signers and bundles, of \
-             another trust domain",
-            v.name
-        ))
-    })
-}
-
 /// The node features the virtual node declares from `nodes`, the usable lower nodes (their
 /// `status.declaredFeatures`, 1.35+): those every one of them declares, sorted. A node that
 /// declares none (an older kubelet) leaves nothing; no lower node, nothing.
@@ -295,26 +269,6 @@ mod tests {
         assert!(FEATURES[0].describe().contains("spec.resources") && FEATURES[0].describe().contains("1.34"));
         // As 1.37 stores it: everything kept.
         assert!(dropped(&sent, &sent).is_empty());
-    }
-
-    #[test]
-    fn a_pod_certificate_or_trust_bundle_projection_is_named_as_not_carried() {
-        let plain = spec(json!({"containers": [{"name": "app", "image": "x"}],
-            "volumes": [{"name": "cfg", "projected": {"sources": [{"configMap": {"name": "c"}}]}}]}));
-        assert_eq!(not_carried(&plain), None);
-        let certificate = spec(json!({"containers": [{"name": "app", "image": "x"}],
-            "volumes": [{"name": "identity", "projected": {"sources": [
-                {"podCertificate": {"signerName": "example.com/s", "keyType": "ED25519",
-                                    "credentialBundlePath": "bundle.pem"}}]}}]}));
-        let said = not_carried(&certificate).unwrap();
-        assert!(
-            said.contains("\"identity\"") && said.contains("podCertificate"),
-            "{said}"
-        );
-        let bundle = spec(json!({"containers": [{"name": "app", "image": "x"}],
-            "volumes": [{"name": "roots", "projected": {"sources": [
-                {"clusterTrustBundle": {"name": "b", "path": "ca.pem"}}]}}]}));
-        assert!(not_carried(&bundle).unwrap().contains("ClusterTrustBundle"));
     }
 
     #[test]

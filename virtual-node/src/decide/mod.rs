@@ -11,11 +11,14 @@
 //! - [`capacity`]: capacity, allocatable and the capacity shape from lower nodes and pods.
 //! - [`features`]: pod features a lower cluster may lack, and the node features declared.
 //! - [`tokens`]: which upper service-account tokens a pod gets below, and when they renew.
+//! - [`certificates`]: pod certificates and trust bundles a pod gets below, and when they
+//!   refresh.
 //!
 //! The override rules themselves (their format, checks and application) are
 //! `tensile_common::lower::overrides`, shared with the cluster controller.
 
 pub mod capacity;
+pub mod certificates;
 pub mod copies;
 pub mod features;
 pub mod node;

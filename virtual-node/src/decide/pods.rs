@@ -136,15 +136,11 @@ pub fn decide(upper: &Pod, lower: Option<&Pod>, view: &View<'_>) -> Step {
     // The override rules in force apply to a pod made now; a pod that runs is followed
     // through the rules it was made with.
     match (lower, view.translation.lower_pod(upper)) {
-        (None, Ok(_))
-            if let Some(message) = upper.spec.as_ref().and_then(crate::decide::features::not_carried) =>
-        {
-            Step::Refuse {
-                reason: "VolumeNotCarried",
-                event: "VolumeNotCarried",
-                message,
-            }
-        }
+        (None, Ok(_)) if let Some(message) = view.translation.not_carried(upper) => Step::Refuse {
+            reason: "VolumeNotCarried",
+            event: "VolumeNotCarried",
+            message,
+        },
         (None, Ok(mut desired)) => match view.overrides.apply(upper, &mut desired) {
             Ok(overrides) => Step::Create {
                 desired: Box::new(desired),

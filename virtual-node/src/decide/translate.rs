@@ -103,6 +103,7 @@ impl Translation {
                     names::COPIED_LABELS,
                     names::COPIED_ANNOTATIONS,
                     crate::decide::tokens::TOKEN_SECRET_ANNOTATION,
+                    crate::decide::certificates::SECRET_ANNOTATION,
                     names::OVERRIDES,
                     names::UPPER_GENERATION,
                     names::RESIZE_REFUSED,
@@ -111,6 +112,16 @@ impl Translation {
             })
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect()
+    }
+
+    /// Why `upper` is not run below, when it projects a pod certificate this node does not
+    /// carry to its namespace ([`crate::decide::certificates::not_carried`]).
+    pub fn not_carried(&self, upper: &Pod) -> Option<String> {
+        crate::decide::certificates::not_carried(
+            upper.spec.as_ref()?,
+            upper.metadata.namespace.as_deref().unwrap_or_default(),
+            self.tokens.as_deref(),
+        )
     }
 
     /// The pod to create below for `upper`.
@@ -161,6 +172,10 @@ impl Translation {
                     t,
                 )
             });
+        // Pod certificates and trust bundles read the pod's lower Secret of them (a pod whose
+        // certificates are not carried is refused before it is made: `Translation::not_carried`).
+        let certificates =
+            crate::decide::certificates::rewrite(&mut spec, &crate::decide::certificates::secret_name(uid));
         spec.service_account_name = None;
         spec.service_account = None;
         spec.automount_service_account_token = Some(false);
@@ -214,6 +229,12 @@ impl Translation {
             annotations.insert(
                 crate::decide::tokens::TOKEN_SECRET_ANNOTATION.to_owned(),
                 crate::decide::tokens::secret_name(uid),
+            );
+        }
+        if certificates {
+            annotations.insert(
+                crate::decide::certificates::SECRET_ANNOTATION.to_owned(),
+                crate::decide::certificates::secret_name(uid),
             );
         }
         if let Some(generation) = upper.metadata.generation {

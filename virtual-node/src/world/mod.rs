@@ -63,7 +63,8 @@ pub struct World {
     /// Upper volumes and lower claims carrying this node's marks.
     pub upper_volumes: Cache<PersistentVolume>,
     pub lower_claims: Cache<PersistentVolumeClaim>,
-    /// The lower Secrets of upper tokens of this node's pods (empty when pods get none).
+    /// The lower Secrets of upper credentials of this node's pods: their upper tokens, pod
+    /// certificates and trust bundles.
     pub lower_tokens: Cache<Secret>,
 }
 
@@ -98,8 +99,6 @@ pub struct Scope {
     pub upper_reads_per_second: u32,
     /// The lower namespaces read and written: every one, or the served ones.
     pub lower: Namespaces,
-    /// Pods get upper service-account tokens (`--upper-service-account-tokens`).
-    pub tokens: bool,
 }
 
 impl World {
@@ -235,19 +234,13 @@ impl World {
             .boxed(),
         ));
 
-        let lower_tokens = match scope.tokens {
-            true => {
-                let (cache, watch) = watched_in::<Secret>(
-                    lower,
-                    below,
-                    watcher::Config::default().labels(&identity.token_selector()),
-                    &signals.tokens_changed,
-                );
-                feeds.push(("the token Secret watch", watch));
-                cache
-            }
-            false => cache::empty(),
-        };
+        let (lower_tokens, watch) = watched_in::<Secret>(
+            lower,
+            below,
+            watcher::Config::default().labels(&identity.token_selector()),
+            &signals.tokens_changed,
+        );
+        feeds.push(("the Secret watch of upper credentials", watch));
         let world = World {
             upper_pods,
             lower_pods,
