@@ -48,6 +48,10 @@ pub struct ClusterOptions {
     /// (`--kube-api-qps`, `--kube-api-burst`); `None` keeps their defaults (50 and 100).
     /// Benchmarks raise it so a 50-qps queue in the test bed is not what they measure.
     pub kube_api_qps: Option<(u32, u32)>,
+    /// kube-apiserver's `--feature-gates`, each `Name=true` or `Name=false`; empty keeps the
+    /// version's defaults. An apiserver that does not know a gate refuses to start, and the
+    /// start-up error carries its log.
+    pub apiserver_feature_gates: Vec<String>,
 }
 
 impl ClusterOptions {
@@ -66,7 +70,14 @@ impl ClusterOptions {
             audit_users: Vec::new(),
             kube_api_qps: None,
             version: crate::bins::version_for(name),
+            apiserver_feature_gates: Vec::new(),
         }
+    }
+
+    /// Sets kube-apiserver's feature `gates` (`["ExtendWebSocketsToKubelet=false"]`).
+    pub fn apiserver_feature_gates(mut self, gates: &[&str]) -> Self {
+        self.apiserver_feature_gates = gates.iter().map(|&g| g.to_owned()).collect();
+        self
     }
 
     /// Runs Kubernetes `version` instead of the default for its name.
@@ -182,6 +193,12 @@ impl TestCluster {
             format!("--kubelet-client-key={}", p("kubelet-client.key")),
             "--kubelet-preferred-address-types=InternalIP".into(),
         ];
+        if !options.apiserver_feature_gates.is_empty() {
+            apiserver_args.push(format!(
+                "--feature-gates={}",
+                options.apiserver_feature_gates.join(",")
+            ));
+        }
         if options.audit_writes {
             let policy = dir.join("audit-policy.yaml");
             let users = match options.audit_users.as_slice() {

@@ -1,9 +1,15 @@
 //! `kubectl exec`, `attach` and `port-forward` on pods that run below a virtual node: an upper
 //! cluster, a lower cluster with simulated kubelets (which speak WebSocket and SPDY as real
-//! ones do), a virtual node in process. Every command is the upper cluster's kubectl, but for
+//! ones do), a virtual node in process. Every command is an upper cluster's kubectl, but for
 //! the official Python client's, which runs against both clusters.
+//!
+//! The upper apiserver (1.37) passes kubectl's WebSocket to the virtual node as it came
+//! (`ExtendWebSocketsToKubelet`, on by default); a second upper cluster over the same lower
+//! cluster has that gate off, so its apiserver translates every stream into SPDY/3.1 toward
+//! the kubelet API, as 1.35 and older apiservers do.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
 
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -15,7 +21,7 @@ use tensile_e2e::shared::Shared;
 use tensile_e2e::streams::{
     Cat, Forward, Run, Via, echo, http_get, kubectl_command, kubectl_run, pod_manifest, python_client_streams,
 };
-use tensile_e2e::{NodeSimulator, TestCluster, free_port};
+use tensile_e2e::{ClusterOptions, Error, NodeSimulator, TestCluster, free_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 struct Bed {
@@ -30,9 +36,21 @@ static BED: Shared<Bed> = Shared::new();
 const NODE: &str = "vn-exec";
 const NS: &str = "streams";
 
+/// The lower account every virtual node of the bed acts as below ([`in_process::options`]
+/// gives them the chart's lower identity): the lower apiserver audits each of its calls.
+const LOWER_USER: &str = "system:serviceaccount:tensile-e2e-lower:e2e-tensile-lower";
+
 fn bed() -> &'static Bed {
     BED.bed(|| async {
-        let [upper, lower] = scene::clusters("exec", ["upper", "lower"]).await?;
+        let [upper, lower] = scene::clusters_with([
+            ClusterOptions::new("exec", "upper"),
+            ClusterOptions {
+                audit_writes: true,
+                audit_users: vec![LOWER_USER.into()],
+                ..ClusterOptions::new("exec", "lower")
+            },
+        ])
+        .await?;
         let sim = scene::simulate(&lower, scene::nodes("low", 2)).await?;
         let node = scene::virtual_node(&upper, NODE, &lower, |_| {})?;
         upper.create_namespace(NS).await?;
@@ -49,6 +67,42 @@ fn up() -> &'static Path {
     bed().upper.kubeconfig()
 }
 
+/// An upper cluster whose apiserver has `ExtendWebSocketsToKubelet` off, with a virtual node
+/// over the bed's lower cluster: whatever kubectl speaks, the kubelet API is reached over SPDY.
+struct SpdyUpper {
+    upper: TestCluster,
+    node: in_process::VirtualNode,
+}
+
+static SPDY_UPPER: Shared<SpdyUpper> = Shared::new();
+
+const SPDY_NODE: &str = "vn-exec-spdy";
+/// Its pods' namespace: another than [`NS`], since both virtual nodes make their lower pods
+/// in the same lower cluster under the upper pods' namespaces and names.
+const SPDY_NS: &str = "streams-spdy";
+
+fn spdy_upper() -> &'static SpdyUpper {
+    SPDY_UPPER.bed(|| async {
+        let options = ClusterOptions::new("exec", "upper-spdy")
+            .apiserver_feature_gates(&["ExtendWebSocketsToKubelet=false"]);
+        // The bed's clusters start meanwhile, if no other test has started them.
+        let (upper, lower) = tokio::join!(
+            TestCluster::start(options),
+            tokio::task::spawn_blocking(|| &bed().lower)
+        );
+        let (upper, lower) = (
+            upper?,
+            lower.map_err(|e| Error::Cluster {
+                cluster: "lower".into(),
+                message: format!("the shared bed did not start: {e}"),
+            })?,
+        );
+        let node = scene::virtual_node(&upper, SPDY_NODE, lower, |_| {})?;
+        upper.create_namespace(SPDY_NS).await?;
+        Ok(SpdyUpper { upper, node })
+    })
+}
+
 /// Creates pod `name` on the shared virtual node and waits until it runs.
 async fn running_pod(kubeconfig: &Path, ns: &str, name: &str, node: &str) {
     apply(kubeconfig, &pod_manifest(ns, name, node)).await;
@@ -56,14 +110,36 @@ async fn running_pod(kubeconfig: &Path, ns: &str, name: &str, node: &str) {
 }
 
 async fn exec(via: Via, pod: &str, command: &[&str], stdin: Option<Vec<u8>>) -> Run {
-    let mut args = vec!["-n", NS, "exec"];
+    exec_at(up(), NS, via, pod, command, stdin).await
+}
+
+/// `kubectl -n NS exec [-i] POD -- COMMAND…` through the apiserver of `kubeconfig`.
+async fn exec_at(
+    kubeconfig: &Path,
+    ns: &str,
+    via: Via,
+    pod: &str,
+    command: &[&str],
+    stdin: Option<Vec<u8>>,
+) -> Run {
+    let mut args = vec!["-n", ns, "exec"];
     if stdin.is_some() {
         args.push("-i");
     }
     args.push(pod);
     args.push("--");
     args.extend_from_slice(command);
-    kubectl_run(up(), via, &args, stdin).await.unwrap()
+    kubectl_run(kubeconfig, via, &args, stdin).await.unwrap()
+}
+
+/// The value of the first sample in a Prometheus text `body` whose line starts with
+/// `line_prefix` (0 without one).
+fn sample(body: &str, line_prefix: &str) -> f64 {
+    body.lines()
+        .find(|l| l.starts_with(line_prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
 }
 
 /// A gauge or counter value from the virtual node's admin `/metrics`.
@@ -71,11 +147,7 @@ async fn metric(admin: &str, line_prefix: &str) -> f64 {
     let (_, body) = admin_get(admin, "/metrics")
         .await
         .expect("admin endpoint answers");
-    body.lines()
-        .find(|l| l.starts_with(line_prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
+    sample(&body, line_prefix)
 }
 
 const OPEN_EXEC: &str = r#"tensile_virtual_node_stream_sessions{kind="exec"} "#;
@@ -151,31 +223,38 @@ async fn kubectl_exec_runs_the_command_below_over_websocket_and_spdy() {
 async fn kubectl_exec_with_a_tty_gets_a_terminal() {
     bed();
     running_pod(up(), NS, "terminal", NODE).await;
-    let line = format!(
-        "kubectl --kubeconfig {} -n {NS} exec -it terminal -- env",
-        up().display()
-    );
-    for via in [Via::WebSocket, Via::Spdy] {
-        let out = tokio::time::timeout(
-            Duration::from_secs(60),
-            tokio::process::Command::new("script")
-                .args(["-qec", &line, "/dev/null"])
-                .env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", via.websockets_env())
-                .stdin(Stdio::null())
-                .kill_on_drop(true)
-                .output(),
-        )
-        .await
-        .unwrap()
-        .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{via:?}: {text}");
-        assert!(
-            text.contains("TERM=xterm\r\n"),
-            "{via:?}: a tty, in cooked mode: {text:?}"
-        );
-        assert!(!text.contains("Unable to use a TTY"), "{via:?}: {text}");
+    for via in Via::BOTH {
+        terminal_works(up(), NS, via, "terminal").await;
     }
+}
+
+/// `kubectl exec -it POD -- env` in a terminal (`script`'s): the container gets a terminal,
+/// in cooked mode.
+async fn terminal_works(kubeconfig: &Path, ns: &str, via: Via, pod: &str) {
+    let line = format!(
+        "{} --kubeconfig {} -n {ns} exec -it {pod} -- env",
+        tensile_e2e::kubectl::binary_for(kubeconfig).display(),
+        kubeconfig.display()
+    );
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new("script")
+            .args(["-qec", &line, "/dev/null"])
+            .env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", via.websockets_env())
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{via:?}: {text}");
+    assert!(
+        text.contains("TERM=xterm\r\n"),
+        "{via:?}: a tty, in cooked mode: {text:?}"
+    );
+    assert!(!text.contains("Unable to use a TTY"), "{via:?}: {text}");
 }
 
 #[tokio::test]
@@ -200,35 +279,36 @@ async fn twenty_concurrent_execs_all_complete() {
 async fn kubectl_attach_follows_the_lower_container() {
     bed();
     running_pod(up(), NS, "attached", NODE).await;
-    for via in [Via::WebSocket, Via::Spdy] {
-        let mut cmd = kubectl_command(up(), via, &["-n", NS, "attach", "attached", "-c", "app"]);
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = cmd.spawn().unwrap();
-        let mut stdout = child.stdout.take().unwrap();
-        let mut seen = String::new();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let mut buf = [0u8; 4096];
-        while seen
-            .lines()
-            .filter(|l| l.starts_with("streams/attached app line "))
-            .count()
-            < 2
-        {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match tokio::time::timeout(left, stdout.read(&mut buf)).await {
-                Ok(Ok(n)) if n > 0 => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
-                _ => {
-                    let _ = child.kill().await;
-                    let mut err = String::new();
-                    let _ = child.stderr.take().unwrap().read_to_string(&mut err).await;
-                    panic!("{via:?}: attach showed {seen:?}; stderr {err}");
-                }
+    for via in Via::BOTH {
+        attach_follows(up(), NS, via, "attached").await;
+    }
+}
+
+/// `kubectl attach` to `pod`'s container shows two of its lines within 30 s.
+async fn attach_follows(kubeconfig: &Path, ns: &str, via: Via, pod: &str) {
+    let mut cmd = kubectl_command(kubeconfig, via, &["-n", ns, "attach", pod, "-c", "app"]);
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let line = format!("{ns}/{pod} app line ");
+    let mut seen = String::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut buf = [0u8; 4096];
+    while seen.lines().filter(|l| l.starts_with(&line)).count() < 2 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, stdout.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
+            _ => {
+                let _ = child.kill().await;
+                let mut err = String::new();
+                let _ = child.stderr.take().unwrap().read_to_string(&mut err).await;
+                panic!("{via:?}: attach showed {seen:?}; stderr {err}");
             }
         }
-        child.kill().await.unwrap();
     }
+    child.kill().await.unwrap();
 }
 
 #[tokio::test]
@@ -270,9 +350,177 @@ async fn kubectl_port_forward_reaches_the_lower_pods_ports() {
     }
 }
 
+/// With `ExtendWebSocketsToKubelet` off the upper apiserver reaches the kubelet API over SPDY
+/// whatever kubectl speaks, and everything works as with the gate on: exec's output, stdin
+/// (1 MiB, ended over WebSocket by kubectl's close signal), exit codes, a terminal, attach,
+/// and execs side by side.
+#[tokio::test]
+async fn with_websockets_to_the_kubelet_off_exec_and_attach_reach_the_lower_pod_over_spdy() {
+    let spdy = spdy_upper();
+    let upper = spdy.upper.kubeconfig();
+    running_pod(upper, SPDY_NS, "runner", SPDY_NODE).await;
+    let data: Vec<u8> = (0..(1 << 20))
+        .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    for via in Via::BOTH {
+        let (hi, exit, unknown, cat) = tokio::join!(
+            exec_at(upper, SPDY_NS, via, "runner", &["echo", "hi"], None),
+            exec_at(upper, SPDY_NS, via, "runner", &["sh", "-c", "exit 3"], None),
+            exec_at(upper, SPDY_NS, via, "runner", &["ls"], None),
+            exec_at(upper, SPDY_NS, via, "runner", &["cat"], Some(data.clone())),
+        );
+        assert_eq!(
+            (hi.code, hi.out().as_str()),
+            (0, "hi\n"),
+            "{via:?}: {}",
+            hi.stderr
+        );
+        assert!(
+            exit.code == 3 && exit.stderr.contains("command terminated with exit code 3"),
+            "{via:?}: kubectl exits with the command's code: {} {}",
+            exit.code,
+            exit.stderr
+        );
+        assert_eq!(unknown.code, 127, "{via:?}: {}", unknown.stderr);
+        assert_eq!(cat.code, 0, "{via:?}: {}", cat.stderr);
+        assert!(
+            cat.stdout == data,
+            "{via:?}: 1 MiB through cat comes back identical ({} bytes back)",
+            cat.stdout.len()
+        );
+        terminal_works(upper, SPDY_NS, via, "runner").await;
+        attach_follows(upper, SPDY_NS, via, "runner").await;
+    }
+    let runs = futures::future::join_all((0..10).map(|i| async move {
+        let via = Via::BOTH[i % 2];
+        let word = format!("exec-{i}");
+        let run = exec_at(upper, SPDY_NS, via, "runner", &["echo", &word], None).await;
+        (word, run)
+    }))
+    .await;
+    for (word, run) in runs {
+        assert_eq!((run.code, run.out()), (0, format!("{word}\n")), "{}", run.stderr);
+    }
+    tensile_e2e::wait::within("every exec session released", 10, || async {
+        match metric(&spdy.node.admin_addr, OPEN_EXEC).await {
+            0.0 => Ok(()),
+            open => Err(format!("{open} open")),
+        }
+    })
+    .await;
+}
+
+/// With `ExtendWebSocketsToKubelet` off port-forward is tunnelled to the kubelet API over
+/// SPDY: two ports at once, each carrying four connections side by side (HTTP on one, 64 KiB
+/// echoes on the other).
+#[tokio::test]
+async fn with_websockets_to_the_kubelet_off_port_forward_carries_concurrent_streams_over_spdy() {
+    let spdy = spdy_upper();
+    let upper = spdy.upper.kubeconfig();
+    running_pod(upper, SPDY_NS, "server", SPDY_NODE).await;
+    let sent: Vec<Vec<u8>> = (0..4u32)
+        .map(|k| (0..64 * 1024u32).map(|i| ((i + k) % 251) as u8).collect())
+        .collect();
+    for via in Via::BOTH {
+        let (a, b) = (free_port().unwrap(), free_port().unwrap());
+        let mappings = [format!("{a}:8080"), format!("{b}:9090")];
+        let forward = Forward::start(upper, via, SPDY_NS, "server", &mappings)
+            .await
+            .unwrap();
+        let (answers, backs) = tokio::join!(
+            futures::future::join_all((0..4).map(|_| http_get(a))),
+            futures::future::join_all(sent.iter().map(|data| echo(b, data))),
+        );
+        for answer in answers {
+            let answer = answer.unwrap();
+            assert!(
+                answer.starts_with("HTTP/1.1 200 OK") && answer.ends_with("streams-spdy/server port 8080\n"),
+                "{via:?}: {answer:?}"
+            );
+        }
+        for (back, data) in backs.into_iter().zip(&sent) {
+            assert!(back.unwrap() == *data, "{via:?}: the echo is identical");
+        }
+        drop(forward);
+    }
+}
+
+/// Which protocol reaches the virtual node, seen twice: by the upper apiserver's own counters
+/// of the streams it translated (`apiserver_stream_translator_requests_total` for exec,
+/// `apiserver_stream_tunnel_requests_total` for port-forward), and by what the virtual node
+/// opened below, where it passes on the method and upgrade it was handed: a WebSocket
+/// handshake is always a GET (audited `get`), SPDY from an apiserver a POST (`create`).
+/// kubectl speaks WebSocket to both upper apiservers; with the gate on (1.37's default) the
+/// virtual node gets it as it is, with the gate off it gets SPDY.
+#[tokio::test]
+async fn the_upper_apiserver_reaches_the_virtual_node_over_websocket_and_over_spdy_with_the_gate_off() {
+    let (bed, spdy) = (bed(), spdy_upper());
+    // (upper, namespace, virtual node, the verb the lower apiserver audits)
+    let uppers = [
+        (up(), NS, NODE, "get"),
+        (spdy.upper.kubeconfig(), SPDY_NS, SPDY_NODE, "create"),
+    ];
+    for (upper, ns, node, _) in uppers {
+        running_pod(upper, ns, "protocol", node).await;
+        let hi = exec_at(upper, ns, Via::WebSocket, "protocol", &["echo", "hi"], None).await;
+        assert_eq!((hi.code, hi.out().as_str()), (0, "hi\n"), "{ns}: {}", hi.stderr);
+        let port = free_port().unwrap();
+        let forward = Forward::start(upper, Via::WebSocket, ns, "protocol", &[format!("{port}:8080")])
+            .await
+            .unwrap();
+        let answer = http_get(port).await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200 OK"), "{ns}: {answer:?}");
+        drop(forward);
+    }
+
+    for (upper, ns, _, verb) in uppers {
+        let what = format!("the virtual node's exec and port-forward of {ns}/protocol audited below");
+        let verbs = tensile_e2e::wait::within(&what, 15, || async {
+            let calls = bed.lower.audited_writes().map_err(|e| e.to_string())?;
+            let verbs = |sub: &str| -> BTreeSet<String> {
+                let path = format!("/api/v1/namespaces/{ns}/pods/protocol/{sub}?");
+                calls
+                    .iter()
+                    .filter(|c| c.user == LOWER_USER && c.uri.starts_with(&path))
+                    .map(|c| c.verb.clone())
+                    .collect()
+            };
+            let seen = (verbs("exec"), verbs("portforward"));
+            if seen.0.is_empty() || seen.1.is_empty() {
+                Err(format!("{seen:?}"))
+            } else {
+                Ok(seen)
+            }
+        })
+        .await;
+        let only = BTreeSet::from([verb.to_owned()]);
+        assert_eq!(verbs, (only.clone(), only), "{ns}: exec and port-forward below");
+
+        let metrics = tensile_e2e::check::kubectl(upper, &["get", "--raw", "/metrics"]).await;
+        let translated = sample(
+            &metrics,
+            r#"apiserver_stream_translator_requests_total{code="200"} "#,
+        );
+        let tunnelled = sample(&metrics, r#"apiserver_stream_tunnel_requests_total{code="101"} "#);
+        if verb == "get" {
+            assert_eq!(
+                (translated, tunnelled),
+                (0.0, 0.0),
+                "{ns}: the gate on, the upper apiserver translates nothing"
+            );
+        } else {
+            assert!(
+                translated >= 1.0 && tunnelled >= 1.0,
+                "{ns}: the gate off, the upper apiserver translates exec ({translated}) and \
+                 tunnels port-forward ({tunnelled}) into SPDY"
+            );
+        }
+    }
+}
+
 /// The official Kubernetes Python client (`e2e/python/client_streams.py`) sees the same
 /// through the virtual node as on a pod of the lower cluster itself: its exec (WebSocket v5,
-/// which the upper apiserver turns into SPDY for the kubelet API) with stdout, stderr, stdin
+/// which the 1.37 apiservers pass to the kubelet API as it is) with stdout, stderr, stdin
 /// and exit codes, and its port-forward (WebSocket `v4.channel.k8s.io`, which both apiservers
 /// pass to the kubelet as it is) carrying an HTTP request to the pod's port.
 #[tokio::test]
