@@ -829,6 +829,58 @@ fn r3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
+/// The processes a stream crosses, whose CPU the streams bench tallies per side: the upper
+/// control plane (its apiserver does the work), the virtual node, the lower control plane,
+/// and this process (the simulated kubelets and the clients that read and write).
+struct StreamHops {
+    groups: [(&'static str, Vec<u32>); 4],
+}
+
+impl StreamHops {
+    fn new(upper: &TestCluster, lower: &TestCluster, virtual_node: Option<u32>) -> Self {
+        StreamHops {
+            groups: [
+                ("upper_control_plane", upper.pids()),
+                ("virtual_node", virtual_node.into_iter().collect()),
+                ("lower_control_plane", lower.pids()),
+                ("bench_and_simulated_kubelets", vec![std::process::id()]),
+            ],
+        }
+    }
+
+    /// CPU seconds of each group so far.
+    fn cpu(&self) -> [f64; 4] {
+        self.groups.each_ref().map(|(_, pids)| group_cpu(pids))
+    }
+
+    /// Per side (through, direct), CPU seconds of each group.
+    fn tally(&self) -> [[f64; 4]; 2] {
+        [[0.0; 4]; 2]
+    }
+
+    /// Adds what each group used since `before` to `into`.
+    fn add(&self, into: &mut [f64; 4], before: &[f64; 4]) {
+        for ((sum, now), then) in into.iter_mut().zip(self.cpu()).zip(before) {
+            *sum += now - then;
+        }
+    }
+
+    /// Each side's CPU milliseconds per one of `units`, by group. The kernel counts CPU in
+    /// 10 ms ticks, so a figure is good to about 10 ms over all the units.
+    fn per(&self, tally: &[[f64; 4]; 2], units: f64) -> serde_json::Value {
+        let side = |t: &[f64; 4]| {
+            let by: serde_json::Map<String, serde_json::Value> = self
+                .groups
+                .iter()
+                .zip(t)
+                .map(|((name, _), secs)| ((*name).to_owned(), json!(round3(secs * 1000.0 / units.max(1.0)))))
+                .collect();
+            serde_json::Value::Object(by)
+        };
+        json!({"through": side(&tally[0]), "direct": side(&tally[1])})
+    }
+}
+
 /// `through / direct`, rounded.
 fn ratio(through: f64, direct: f64) -> f64 {
     r3(through / direct)
@@ -935,6 +987,8 @@ pub async fn streams(bench: &StreamsBench) -> anyhow::Result<serde_json::Value> 
     let sides = [&through, &direct];
     // Alternate which side goes first, so neither always runs right after the other.
     let order = |i: usize| if i.is_multiple_of(2) { [0, 1] } else { [1, 0] };
+    // Where the CPU of each side goes, process by process: what each hop costs.
+    let hops = StreamHops::new(&upper, &lower, vn.service.pid());
 
     let mut per_transport = serde_json::Map::new();
     let mut ratios = serde_json::Map::new();
@@ -952,12 +1006,15 @@ pub async fn streams(bench: &StreamsBench) -> anyhow::Result<serde_json::Value> 
             }
         }
         let mut round_trips: [Vec<f64>; 2] = Default::default();
+        let mut round_trip_cpu = hops.tally();
         for i in 0..bench.round_trips {
             for side in order(i) {
+                let before = hops.cpu();
                 let took = cats[side]
                     .round_trip(format!("line-{i:05}\n").as_bytes(), within)
                     .await
                     .with_context(|| format!("{via:?} round trip {i}, side {side}"))?;
+                hops.add(&mut round_trip_cpu[side], &before);
                 round_trips[side].push(ms(took));
             }
         }
@@ -1016,11 +1073,14 @@ pub async fn streams(bench: &StreamsBench) -> anyhow::Result<serde_json::Value> 
             echo_throughput(echo, 1024 * 1024, forward_within).await?;
         }
         let mut rates: [Vec<f64>; 2] = Default::default();
+        let mut forward_cpu = hops.tally();
         for round in 0..bench.forward_rounds {
             for side in order(round) {
+                let before = hops.cpu();
                 let took = echo_throughput(ports[side].1, bytes, forward_within)
                     .await
                     .with_context(|| format!("{via:?} port-forward round {round}, side {side}"))?;
+                hops.add(&mut forward_cpu[side], &before);
                 rates[side].push(r3(bytes as f64 / 1e6 / took.as_secs_f64()));
             }
         }
@@ -1054,6 +1114,8 @@ pub async fn streams(bench: &StreamsBench) -> anyhow::Result<serde_json::Value> 
                     "mib_per_round": bench.forward_mib,
                 },
                 "port_forward_http_ms": {"through": summary_ms(&http_through), "direct": summary_ms(&http_direct)},
+                "cpu_ms_per_round_trip": hops.per(&round_trip_cpu, bench.round_trips as f64),
+                "cpu_ms_per_mib_forwarded": hops.per(&forward_cpu, bench.forward_mib as f64 * bench.forward_rounds as f64),
             }),
         );
         ratios.insert(
@@ -1096,7 +1158,8 @@ pub async fn streams(bench: &StreamsBench) -> anyhow::Result<serde_json::Value> 
         "sessions_gauge_at_end": open,
         "note": "through = the upper cluster's kubectl, upper apiserver, virtual-node process, lower apiserver, \
                  simulated kubelet; direct = the lower cluster's kubectl against the same lower pod (lower \
-                 apiserver, simulated kubelet). Ratios are through/direct: above 1 is slower through for \
+                 apiserver, simulated kubelet). cpu_ms_per_round_trip and cpu_ms_per_mib_forwarded: the CPU \
+                 each process group used while that side ran (kubectl aside), per line or per MiB. Ratios are through/direct: above 1 is slower through for \
                  latencies, below 1 is slower through for MB/s. exec_round_trip_ms: one line written to an \
                  open `kubectl exec -i -- cat` and read back, after 10 warm-up lines (kubectl's stdin and \
                  stdout pipes included, no process start). exec_command_ms: the wall time of a whole \
