@@ -822,11 +822,97 @@ pub struct StreamsBench {
     pub forward_rounds: usize,
     /// HTTP requests on the forwarded port 8080, per side and transport.
     pub http_requests: usize,
+    /// exec sessions open at once through the virtual node, for its memory under load.
+    pub sessions: usize,
+    /// MiB through one port-forward, for its memory under load.
+    pub load_mib: u64,
 }
 
 /// Rounded to 3 decimals, for the figures.
 fn r3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
+}
+
+/// The virtual node's memory under stream load: `bench.sessions` `kubectl exec -i -- cat`
+/// sessions open at once through it (each answering a line), then `bench.load_mib` MiB
+/// through one port-forward. Its RSS before, with all open (and the high-water mark), and
+/// once they closed; the open-session gauge at each step.
+async fn stream_load(
+    vn: &crate::in_process::VirtualNodeProcess,
+    through: &Side<'_>,
+    bench: &StreamsBench,
+) -> anyhow::Result<serde_json::Value> {
+    use crate::streams::{Cat, Forward, Via, echo_throughput};
+    let pid = vn.service.pid().context("the virtual node has no pid")?;
+    let mib = |b: u64| round3(b as f64 / (1024.0 * 1024.0));
+    let gauge = || async {
+        crate::in_process::admin_get(&vn.admin_addr, "/metrics")
+            .await
+            .map(|(_, body)| {
+                body.lines()
+                    .filter(|l| l.starts_with("tensile_virtual_node_stream_sessions{"))
+                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                    .sum::<f64>()
+            })
+            .unwrap_or(-1.0)
+    };
+    let settle = || tokio::time::sleep(Duration::from_secs(3));
+    settle().await;
+    let before = rss(pid)?;
+    let high_before = proc_memory(pid, "VmHWM")?;
+    let started = Instant::now();
+    let opened = futures::future::join_all(
+        (0..bench.sessions).map(|_| Cat::start(through.kubeconfig, Via::WebSocket, through.ns, through.pod)),
+    )
+    .await;
+    let mut cats = opened.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+    for (i, cat) in cats.iter_mut().enumerate() {
+        cat.round_trip(format!("session-{i:04}\n").as_bytes(), Duration::from_secs(60))
+            .await
+            .with_context(|| format!("session {i}"))?;
+    }
+    let all_open = started.elapsed();
+    let open_gauge = gauge().await;
+    let with_sessions = rss(pid)?;
+    drop(cats);
+    settle().await;
+    let after_sessions = rss(pid)?;
+    let closed_gauge = gauge().await;
+
+    let port = free_port()?;
+    let forward = Forward::start(
+        through.kubeconfig,
+        Via::WebSocket,
+        through.ns,
+        through.pod,
+        &[format!("{port}:9090")],
+    )
+    .await?;
+    echo_throughput(port, 1024 * 1024, Duration::from_secs(60)).await?;
+    let before_forward = rss(pid)?;
+    let bytes = bench.load_mib * 1024 * 1024;
+    let took = echo_throughput(port, bytes, Duration::from_secs(600)).await?;
+    let during_forward = rss(pid)?;
+    drop(forward);
+    settle().await;
+    let after_forward = rss(pid)?;
+    let high = proc_memory(pid, "VmHWM")?;
+    Ok(json!({
+        "sessions": bench.sessions,
+        "sessions_open_and_answered_secs": round3(all_open.as_secs_f64()),
+        "sessions_gauge": {"all_open": open_gauge, "after_close": closed_gauge},
+        "rss_mib": {
+            "before": mib(before),
+            "sessions_open": mib(with_sessions),
+            "sessions_closed": mib(after_sessions),
+            "before_forward": mib(before_forward),
+            "end_of_forward": mib(during_forward),
+            "forward_closed": mib(after_forward),
+        },
+        "high_water_mib": {"before": mib(high_before), "end": mib(high)},
+        "forward_mib": bench.load_mib,
+        "forward_mb_per_sec": round3(bytes as f64 / 1e6 / took.as_secs_f64()),
+    }))
 }
 
 /// The processes a stream crosses, whose CPU the streams bench tallies per side: the upper
@@ -1129,6 +1215,7 @@ pub async fn streams(bench: &StreamsBench) -> anyhow::Result<serde_json::Value> 
             }),
         );
     }
+    let load = stream_load(&vn, &through, bench).await?;
     let kubectl = crate::kubectl::run(upper.kubeconfig(), &["version", "--client", "-o", "json"]).await;
     let kubectl = serde_json::from_str::<serde_json::Value>(&kubectl.stdout)
         .ok()
@@ -1156,6 +1243,7 @@ pub async fn streams(bench: &StreamsBench) -> anyhow::Result<serde_json::Value> 
         "spdy": per_transport.get("spdy"),
         "ratios": ratios,
         "sessions_gauge_at_end": open,
+        "load": load,
         "note": "through = the upper cluster's kubectl, upper apiserver, virtual-node process, lower apiserver, \
                  simulated kubelet; direct = the lower cluster's kubectl against the same lower pod (lower \
                  apiserver, simulated kubelet). cpu_ms_per_round_trip and cpu_ms_per_mib_forwarded: the CPU \

@@ -120,6 +120,12 @@ struct Cli {
     /// Port-forward rounds per side and transport.
     #[arg(long, env = "BENCH_STREAMS_FORWARD_ROUNDS", default_value_t = 3)]
     streams_forward_rounds: usize,
+    /// exec sessions open at once through the virtual node (its memory under load).
+    #[arg(long, env = "BENCH_STREAMS_SESSIONS", default_value_t = 100)]
+    streams_sessions: usize,
+    /// MiB through one port-forward (the virtual node's memory under load).
+    #[arg(long, env = "BENCH_STREAMS_LOAD_MIB", default_value_t = 1024)]
+    streams_load_mib: u64,
     /// Seconds of the extender's HTTPS run.
     #[arg(long, env = "BENCH_EXTENDER_SECS", default_value_t = 5)]
     extender_secs: u64,
@@ -231,6 +237,8 @@ fn main() -> anyhow::Result<()> {
                 forward_mib: cli.streams_forward_mib.max(1),
                 forward_rounds: cli.streams_forward_rounds.max(1),
                 http_requests: 50,
+                sessions: cli.streams_sessions.max(1),
+                load_mib: cli.streams_load_mib.max(1),
             },
         ))?;
         write_figures(&cli.out, "streams.json", &figures)?;
