@@ -174,8 +174,10 @@ impl Keeper {
             let (ns, name) = &key;
             let (up, down) = (ObjectRef::new(name).within(ns), ObjectRef::new(name).within(ns));
             let (Some(kept), Some(below)) = (self.upper_pods.get(&up), self.lower_pods.get(&down)) else {
-                if self.upper_pods.get(&up).is_none() {
-                    self.tracked.forget(&key);
+                match self.upper_pods.get(&up) {
+                    None => self.tracked.forget(&key),
+                    // A lower pod just made, not in the cache yet: looked at again soon.
+                    Some(_) => waiting = true,
                 }
                 continue;
             };
