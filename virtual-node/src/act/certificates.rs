@@ -22,6 +22,7 @@ use tensile_common::cache::Cache;
 use tensile_common::lower::identity::{Identity, upper_uid};
 use tokio::sync::Notify;
 
+use crate::act::credentials::{Failure, store, version};
 use crate::act::events::Events;
 use crate::act::ratelimit::{Backoff, WriteLimit};
 use crate::decide::certificates::{
@@ -99,8 +100,6 @@ pub struct Keeper {
     retries: Backoff,
     failures: Mutex<HashMap<String, tokio::time::Instant>>,
 }
-
-type Failure = (&'static str, String);
 
 impl Keeper {
     #[allow(clippy::too_many_arguments)]
@@ -477,34 +476,14 @@ impl Keeper {
         let uid = upper.metadata.uid.clone().unwrap_or_default();
         let name = secret_name(&uid);
         let api = Api::<Secret>::namespaced(self.lower.clone(), &ns);
-        let version = match cached {
-            Some(c) => c.metadata.resource_version.clone(),
-            None => match api.get_opt(&name).await {
-                Ok(None) => None,
-                Ok(Some(found)) if self.identity.holds_credentials(&found.metadata, &uid) => {
-                    found.metadata.resource_version
-                }
-                Ok(Some(_)) => {
-                    return Err((
-                        "lower",
-                        format!(
-                            "Secret {ns}/{name} exists and is not this node's: the pod gets nothing there until it is gone"
-                        ),
-                    ));
-                }
-                Err(e) => return Err(("lower", format!("reading Secret {ns}/{name}: {e}"))),
-            },
-        };
-        let mut desired = secret(upper, lower, &self.identity, data, refresh);
-        self.limit.acquire().await;
-        let written = match version {
-            None => api.create(&PostParams::default(), &desired).await,
-            Some(v) => {
-                desired.metadata.resource_version = Some(v);
-                api.replace(&name, &PostParams::default(), &desired).await
-            }
-        };
-        written.map_err(|e| ("lower", format!("writing Secret {ns}/{name}: {e}")))?;
+        let version = version(&api, &self.identity, cached, (&ns, &name, &uid), "no certificate").await?;
+        store(
+            &api,
+            &self.limit,
+            secret(upper, lower, &self.identity, data, refresh),
+            version,
+        )
+        .await?;
         tracing::info!(pod = %format!("{ns}/{}", upper.name_any()), "pod certificates and trust bundles written below");
         Ok(())
     }

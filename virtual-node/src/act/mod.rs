@@ -1,7 +1,8 @@
 //! What a virtual node writes. The planners of [`crate::decide`] say what should change;
 //! this layer performs it: the pod controller performs a pod's `Step` ([`pods`]), the node
 //! loop its `Round` ([`node`]), the copy and volume resyncs ([`copies`], [`volumes`]) and
-//! the upper-token keeper ([`tokens`]) and the certificate keeper ([`certificates`]) their plans, through one executor ([`act`]) that
+//! the upper-token keeper ([`tokens`]) and the certificate keeper ([`certificates`]) their plans
+//! (both write a pod's Secret of upper credentials through [`credentials`]), through one executor ([`act`]) that
 //! performs every write of a pass a bounded number at once, counting and logging each
 //! failure (the next pass plans again from the world; nothing is retried in place).
 //! Writes are paced ([`ratelimit`]); events on upper objects are sent off the reconcile path
@@ -11,6 +12,7 @@
 pub mod certificates;
 pub mod controller;
 pub mod copies;
+pub mod credentials;
 pub mod events;
 pub mod lower_namespaces;
 pub mod node;

@@ -9,11 +9,12 @@ use std::time::Duration;
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequestSpec};
 use k8s_openapi::api::core::v1::Secret;
 use kube::ResourceExt;
-use kube::api::{Api, PostParams};
+use kube::api::Api;
 use kube::runtime::reflector::ObjectRef;
 use tensile_common::cache::Cache;
 use tokio::sync::Notify;
 
+use crate::act::credentials::{store, version};
 use crate::act::ratelimit::WriteLimit;
 use crate::decide::tokens::Settings;
 use crate::decide::tokens::TOKEN_SECRET_ANNOTATION;
@@ -204,27 +205,8 @@ impl Keeper {
         let uid = upper.metadata.uid.clone().unwrap_or_default();
         let name = secret_name(&uid);
         let api = Api::<Secret>::namespaced(self.lower.clone(), &ns);
-        // The version to replace: the cache's, or (a Secret the cache does not show yet)
-        // what is there, when it is this node's for this pod; someone else's is never
-        // overwritten, and no token is asked for it.
-        let version = match held {
-            Some(h) => h.metadata.resource_version.clone(),
-            None => match api.get_opt(&name).await {
-                Ok(None) => None,
-                Ok(Some(found)) if self.identity.holds_credentials(&found.metadata, &uid) => {
-                    found.metadata.resource_version
-                }
-                Ok(Some(_)) => {
-                    return Err((
-                        "lower",
-                        format!(
-                            "Secret {ns}/{name} exists and is not this node's: the pod gets no upper token until it is gone"
-                        ),
-                    ));
-                }
-                Err(e) => return Err(("lower", format!("reading Secret {ns}/{name}: {e}"))),
-            },
-        };
+        // Someone else's Secret is never overwritten, and no token is asked for it.
+        let version = version(&api, &self.identity, held, (&ns, &name, &uid), "no upper token").await?;
         let spec = upper.spec.as_ref().ok_or(("upper", "no spec".to_owned()))?;
         let account = service_account(spec);
         let issued_at = jiff::Timestamp::now();
@@ -250,18 +232,8 @@ impl Keeper {
                 .push(expires.unwrap_or(issued_at + Duration::from_secs(w.expiration_seconds.max(0) as u64)));
         }
         let renew = renew_time(issued_at, &expirations, self.settings.renew_at);
-        let mut desired = secret(upper, lower, &self.identity, tokens, &self.settings, renew);
-        self.limit.acquire().await;
-        // Created, or replaced at the version seen (a conflict is tried again): the verbs a
-        // copy needs, nothing more.
-        let written = match version {
-            None => api.create(&PostParams::default(), &desired).await,
-            Some(v) => {
-                desired.metadata.resource_version = Some(v);
-                api.replace(&name, &PostParams::default(), &desired).await
-            }
-        };
-        written.map_err(|e| ("lower", format!("writing Secret {ns}/{name}: {e}")))?;
+        let desired = secret(upper, lower, &self.identity, tokens, &self.settings, renew);
+        store(&api, &self.limit, desired, version).await?;
         tracing::info!(pod = %format!("{ns}/{}", upper.name_any()), %renew, "upper service-account tokens issued");
         Ok(())
     }

@@ -24,10 +24,9 @@ use std::collections::BTreeSet;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::certificates::v1::{ClusterTrustBundle, PodCertificateRequest};
 use k8s_openapi::api::core::v1::{KeyToPath, Pod, PodSpec, Secret, SecretProjection, VolumeProjection};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::ResourceExt;
-use tensile_common::lower::identity::{Identity, TOKEN_LABEL};
-use tensile_common::names;
+use tensile_common::lower::identity::Identity;
 
 use crate::decide::tokens::Settings;
 
@@ -338,34 +337,11 @@ pub fn secret(
     refresh: BTreeMap<String, String>,
 ) -> Secret {
     let uid = upper.metadata.uid.clone().unwrap_or_default();
-    Secret {
-        metadata: ObjectMeta {
-            name: Some(secret_name(&uid)),
-            namespace: upper.namespace(),
-            labels: Some(BTreeMap::from([
-                (TOKEN_LABEL.to_owned(), identity.cluster_id.clone()),
-                (names::MARK_NODE.to_owned(), identity.node.clone()),
-                (names::MARK_UPPER_UID.to_owned(), uid),
-            ])),
-            annotations: (!refresh.is_empty()).then_some(refresh),
-            owner_references: Some(vec![OwnerReference {
-                api_version: "v1".into(),
-                kind: "Pod".into(),
-                name: lower.name_any(),
-                uid: lower.metadata.uid.clone().unwrap_or_default(),
-                controller: None,
-                block_owner_deletion: None,
-            }]),
-            ..Default::default()
-        },
-        data: Some(
-            data.into_iter()
-                .map(|(k, v)| (k, ByteString(v.into_bytes())))
-                .collect(),
-        ),
-        type_: Some("Opaque".into()),
-        ..Default::default()
-    }
+    let data = data
+        .into_iter()
+        .map(|(k, v)| (k, ByteString(v.into_bytes())))
+        .collect();
+    crate::decide::credentials::secret(upper, lower, identity, secret_name(&uid), refresh, data)
 }
 
 /// The contents of `held` (key → text) and its refresh annotations.
@@ -642,7 +618,13 @@ mod tests {
             written.metadata.name.as_deref(),
             Some("tensile-upper-certificates-u1")
         );
-        assert_eq!(written.labels().get(TOKEN_LABEL).map(String::as_str), Some("c1"));
+        assert_eq!(
+            written
+                .labels()
+                .get(tensile_common::lower::identity::TOKEN_LABEL)
+                .map(String::as_str),
+            Some("c1")
+        );
         let (data, refresh) = held(&written);
         assert_eq!(data[&c.bundle_key()], "pem");
         assert_eq!(refresh.len(), 1);

@@ -13,6 +13,7 @@
 //! - [`tokens`]: which upper service-account tokens a pod gets below, and when they renew.
 //! - [`certificates`]: pod certificates and trust bundles a pod gets below, and when they
 //!   refresh.
+//! - [`credentials`]: the lower Secret of a pod's upper credentials, either kind.
 //!
 //! The override rules themselves (their format, checks and application) are
 //! `tensile_common::lower::overrides`, shared with the cluster controller.
@@ -20,6 +21,7 @@
 pub mod capacity;
 pub mod certificates;
 pub mod copies;
+pub mod credentials;
 pub mod features;
 pub mod node;
 pub mod pods;

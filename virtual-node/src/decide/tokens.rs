@@ -20,14 +20,11 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{
     EnvVar, KeyToPath, PodSpec, Secret, SecretProjection, SecretVolumeSource, Volume, VolumeProjection,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::ResourceExt;
-use tensile_common::names;
 
 use crate::model::refs::ROOT_CA_CONFIG_MAP;
 use crate::model::refs::is_upper_token_volume;
 use tensile_common::lower::identity::Identity;
-use tensile_common::lower::identity::TOKEN_LABEL;
 
 /// Prefix of the lower Secret of a pod's upper tokens; the upper pod's UID follows.
 pub const SECRET_PREFIX: &str = "tensile-upper-token-";
@@ -321,30 +318,8 @@ pub fn secret(
         .collect();
     data.insert(CA_KEY.to_owned(), ByteString(settings.ca.clone().into_bytes()));
     data.insert(NAMESPACE_KEY.to_owned(), ByteString(ns.clone().into_bytes()));
-    Secret {
-        metadata: ObjectMeta {
-            name: Some(secret_name(&uid)),
-            namespace: Some(ns),
-            labels: Some(BTreeMap::from([
-                (TOKEN_LABEL.to_owned(), identity.cluster_id.clone()),
-                (names::MARK_NODE.to_owned(), identity.node.clone()),
-                (names::MARK_UPPER_UID.to_owned(), uid),
-            ])),
-            annotations: Some(BTreeMap::from([(RENEW_AT.to_owned(), renew.to_string())])),
-            owner_references: Some(vec![OwnerReference {
-                api_version: "v1".into(),
-                kind: "Pod".into(),
-                name: lower.name_any(),
-                uid: lower.metadata.uid.clone().unwrap_or_default(),
-                controller: None,
-                block_owner_deletion: None,
-            }]),
-            ..Default::default()
-        },
-        data: Some(data),
-        type_: Some("Opaque".into()),
-        ..Default::default()
-    }
+    let annotations = BTreeMap::from([(RENEW_AT.to_owned(), renew.to_string())]);
+    crate::decide::credentials::secret(upper, lower, identity, secret_name(&uid), annotations, data)
 }
 
 /// When the Secret `held` is due for renewal, as it says.
