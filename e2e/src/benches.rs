@@ -833,6 +833,147 @@ fn r3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
+/// One open `exec` of `cat` over WebSocket (`v5.channel.k8s.io`) that this process speaks
+/// itself, to a kubelet API or an apiserver, with a client certificate: no kubectl, so two
+/// of them differ only by the path behind their first hop.
+struct RawCat {
+    ws: tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>,
+}
+
+impl RawCat {
+    async fn open(
+        (host, port): (std::net::IpAddr, u16),
+        path: &str,
+        (cert, key): (&str, &str),
+    ) -> anyhow::Result<RawCat> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+        let certs = CertificateDer::pem_slice_iter(cert.as_bytes()).collect::<Result<Vec<_>, _>>()?;
+        let key = PrivateKeyDer::from_pem_slice(key.as_bytes())?;
+        let config =
+            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()?
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(crate::flood::AnyCertificate))
+                .with_client_auth_cert(certs, key)?;
+        let tcp = tokio::net::TcpStream::connect((host, port))
+            .await
+            .with_context(|| format!("connecting to {host}:{port}"))?;
+        tcp.set_nodelay(true)?;
+        let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+            .connect(ServerName::try_from("127.0.0.1")?.to_owned(), tcp)
+            .await?;
+        let mut request = format!("wss://127.0.0.1:{port}{path}").into_client_request()?;
+        request
+            .headers_mut()
+            .insert("Sec-WebSocket-Protocol", "v5.channel.k8s.io".parse()?);
+        let (ws, _) = tokio_tungstenite::client_async(request, tls)
+            .await
+            .with_context(|| format!("WebSocket exec on port {port} {path}"))?;
+        Ok(RawCat { ws })
+    }
+
+    /// Writes `line` on stdin and waits until stdout gave it back.
+    async fn round_trip(&mut self, line: &str) -> anyhow::Result<Duration> {
+        use futures::{SinkExt, StreamExt};
+        use tokio_tungstenite::tungstenite::Message;
+        let started = Instant::now();
+        let mut frame = vec![0u8];
+        frame.extend_from_slice(line.as_bytes());
+        self.ws.send(Message::Binary(frame.into())).await?;
+        let mut out = Vec::new();
+        while !out.ends_with(line.as_bytes()) {
+            match tokio::time::timeout(Duration::from_secs(10), self.ws.next()).await {
+                Ok(Some(Ok(Message::Binary(b)))) if b.first() == Some(&1) => out.extend_from_slice(&b[1..]),
+                Ok(Some(Ok(_))) => {}
+                Ok(Some(Err(e))) => anyhow::bail!("the exec stream: {e}"),
+                Ok(None) => anyhow::bail!("the exec stream closed"),
+                Err(_) => anyhow::bail!("no echo of {line:?} within 10 s"),
+            }
+        }
+        Ok(started.elapsed())
+    }
+}
+
+/// The admin client certificate and key (PEM) of a cluster's kubeconfig.
+fn admin_credentials(cluster: &TestCluster) -> anyhow::Result<(String, String)> {
+    use base64::Engine as _;
+    let config: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(cluster.kubeconfig())?)?;
+    let user = &config["users"][0]["user"];
+    let decode = |field: &str| -> anyhow::Result<String> {
+        let data = user[field]
+            .as_str()
+            .with_context(|| format!("the kubeconfig has no {field}"))?;
+        Ok(String::from_utf8(
+            base64::engine::general_purpose::STANDARD.decode(data)?,
+        )?)
+    };
+    Ok((decode("client-certificate-data")?, decode("client-key-data")?))
+}
+
+/// What the virtual node's own hop costs a line round trip: this process execs `cat` over
+/// WebSocket once on the node's kubelet API (as the upper apiserver does, with its kubelet
+/// client certificate) and once on the lower apiserver (as the node does, as the lower
+/// admin), alternating, `rounds` lines each. The first path is the second behind one more hop,
+/// the node's, so the difference is that hop; what kubectl's through and direct paths differ
+/// by beyond it is the upper apiserver's hop.
+async fn virtual_node_hop(
+    upper: &TestCluster,
+    lower: &TestCluster,
+    vn: &crate::in_process::VirtualNodeProcess,
+    (lower_ns, lower_pod): (&str, &str),
+    rounds: usize,
+) -> anyhow::Result<serde_json::Value> {
+    let pki = upper.dir().join("pki");
+    let kubelet_client = (
+        std::fs::read_to_string(pki.join("kubelet-client.crt"))?,
+        std::fs::read_to_string(pki.join("kubelet-client.key"))?,
+    );
+    let admin = admin_credentials(lower)?;
+    let lower_port: u16 = lower
+        .url()
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .context("the lower apiserver's port")?;
+    let mut cats = [
+        RawCat::open(
+            (crate::node_ip()?, vn.kubelet_port),
+            "/exec/streams/bench/app?command=cat&input=1&output=1",
+            (&kubelet_client.0, &kubelet_client.1),
+        )
+        .await?,
+        RawCat::open(
+            (std::net::Ipv4Addr::LOCALHOST.into(), lower_port),
+            &format!("/api/v1/namespaces/{lower_ns}/pods/{lower_pod}/exec?command=cat&stdin=true&stdout=true&container=app"),
+            (&admin.0, &admin.1),
+        )
+        .await?,
+    ];
+    for i in 0..10 {
+        for cat in &mut cats {
+            cat.round_trip(&format!("warm-{i:05}\n")).await?;
+        }
+    }
+    let mut took: [Vec<f64>; 2] = Default::default();
+    for i in 0..rounds {
+        let order = if i.is_multiple_of(2) { [0, 1] } else { [1, 0] };
+        for side in order {
+            took[side].push(ms(cats[side].round_trip(&format!("line-{i:05}\n")).await?));
+        }
+    }
+    let [node, lower_only] = took.map(Samples::new);
+    Ok(json!({
+        "via_virtual_node_kubelet_api_ms": summary_ms(&node),
+        "via_lower_apiserver_ms": summary_ms(&lower_only),
+        "virtual_node_hop_p50_ms": r3(node.percentile(0.5) - lower_only.percentile(0.5)),
+        "note": "this process's own WebSocket exec of cat, a line out and back: on the virtual node's kubelet API \
+                 (virtual node, lower apiserver, simulated kubelet) and on the lower apiserver (lower apiserver, \
+                 simulated kubelet), alternating; the difference of the medians is the virtual node's hop",
+    }))
+}
+
 /// The virtual node's memory under stream load: `bench.sessions` `kubectl exec -i -- cat`
 /// sessions open at once through it (each answering a line), then `bench.load_mib` MiB
 /// through one port-forward. Its RSS before, with all open (and the high-water mark), and
@@ -1215,6 +1356,7 @@ pub async fn streams(bench: &StreamsBench) -> anyhow::Result<serde_json::Value> 
             }),
         );
     }
+    let hop = virtual_node_hop(&upper, &lower, &vn, (&lower_ns, &lower_name), bench.round_trips).await?;
     let load = stream_load(&vn, &through, bench).await?;
     let kubectl = crate::kubectl::run(upper.kubeconfig(), &["version", "--client", "-o", "json"]).await;
     let kubectl = serde_json::from_str::<serde_json::Value>(&kubectl.stdout)
@@ -1244,6 +1386,7 @@ pub async fn streams(bench: &StreamsBench) -> anyhow::Result<serde_json::Value> 
         "ratios": ratios,
         "sessions_gauge_at_end": open,
         "load": load,
+        "virtual_node_hop": hop,
         "note": "through = the upper cluster's kubectl, upper apiserver, virtual-node process, lower apiserver, \
                  simulated kubelet; direct = the lower cluster's kubectl against the same lower pod (lower \
                  apiserver, simulated kubelet). cpu_ms_per_round_trip and cpu_ms_per_mib_forwarded: the CPU \
