@@ -228,19 +228,23 @@ async fn kubectl_exec_with_a_tty_gets_a_terminal() {
     }
 }
 
-/// `kubectl exec -it POD -- env` in a terminal (`script`'s): the container gets a terminal,
-/// in cooked mode.
+/// `kubectl exec -it POD` in a terminal (`script`'s) of 132×43 that shrinks to 100×30 four
+/// seconds in: the container gets a terminal, in cooked mode, of the size kubectl's terminal
+/// has, and follows its resize (kubectl sends it on `SIGWINCH`, the kernel's signal of a
+/// changed terminal size).
 async fn terminal_works(kubeconfig: &Path, ns: &str, via: Via, pod: &str) {
-    let line = format!(
-        "{} --kubeconfig {} -n {ns} exec -it {pod} -- env",
+    let kubectl = format!(
+        "{} --kubeconfig {} -n {ns} exec -it {pod} -- sh -c 'env; stty size; sleep 7; stty size'",
         tensile_e2e::kubectl::binary_for(kubeconfig).display(),
         kubeconfig.display()
     );
+    let line = format!("stty cols 132 rows 43; (sleep 4; stty cols 100 rows 30 </dev/tty) & exec {kubectl}");
     let out = tokio::time::timeout(
         Duration::from_secs(60),
         tokio::process::Command::new("script")
             .args(["-qec", &line, "/dev/null"])
             .env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", via.websockets_env())
+            .env("SHELL", "/bin/sh")
             .stdin(Stdio::null())
             .kill_on_drop(true)
             .output(),
@@ -255,6 +259,15 @@ async fn terminal_works(kubeconfig: &Path, ns: &str, via: Via, pod: &str) {
         "{via:?}: a tty, in cooked mode: {text:?}"
     );
     assert!(!text.contains("Unable to use a TTY"), "{via:?}: {text}");
+    let sizes: Vec<&str> = text
+        .split("\r\n")
+        .filter(|l| l.split(' ').count() == 2 && l.split(' ').all(|w| w.parse::<u16>().is_ok()))
+        .collect();
+    assert_eq!(
+        sizes,
+        ["43 132", "30 100"],
+        "{via:?}: the terminal's size, then its size after the resize: {text:?}"
+    );
 }
 
 #[tokio::test]

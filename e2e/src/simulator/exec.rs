@@ -7,9 +7,9 @@
 //! | `cat` | copies stdin to stdout until stdin ends |
 //! | `env` | prints `PATH`, `HOSTNAME`, the container's literal `env` entries and, with a tty, `TERM=xterm` |
 //! | `hostname` | prints the pod's hostname (`spec.hostname` or its name) |
-//! | `sh -c 'exit N'` | exits with N; `sh -c 'CMD ARGS…'` runs one command of this set |
+//! | `sh -c 'exit N'` | exits with N; `sh -c 'CMD ARGS…; CMD ARGS…'` runs commands of this set in turn, `exit N` ending the script |
 //! | `sleep N` | waits N seconds (fractions allowed) |
-//! | `stty size` | prints the terminal's `rows cols` from the last resize event (`0 0` without one) |
+//! | `stty size` | prints the terminal's `rows cols` from the last resize event; with a tty, waits up to 2 s for the first (as a runtime sizes a terminal from the first event), else `0 0` |
 //! | `true`, `false` | exit 0, exit 1 |
 //!
 //! Anything else fails with exit code 127 and `exec: "X": executable file not found in
@@ -91,21 +91,27 @@ pub async fn run(command: &[String], ctx: &mut Context) -> i32 {
             ctx.print(STDOUT, format!("{}\n", ctx.hostname)).await;
             0
         }
-        ("sh", [c, script]) if c == "-c" => match script_exit(script) {
-            Some(Ok(code)) => code,
-            Some(Err(e)) => {
-                ctx.print(STDERR, format!("sh: {e}\n")).await;
-                2
-            }
-            None => {
-                let words: Vec<String> = script.split_whitespace().map(str::to_owned).collect();
-                if words.first().is_some_and(|w| w == "sh") {
-                    ctx.print(STDERR, "sh: nested shells are not simulated\n").await;
-                    return 2;
+        ("sh", [c, script]) if c == "-c" => {
+            let mut code = 0;
+            for line in script.split(';').map(str::trim).filter(|l| !l.is_empty()) {
+                match script_exit(line) {
+                    Some(Ok(exit)) => return exit,
+                    Some(Err(e)) => {
+                        ctx.print(STDERR, format!("sh: {e}\n")).await;
+                        return 2;
+                    }
+                    None => {
+                        let words: Vec<String> = line.split_whitespace().map(str::to_owned).collect();
+                        if words.first().is_some_and(|w| w == "sh") {
+                            ctx.print(STDERR, "sh: nested shells are not simulated\n").await;
+                            return 2;
+                        }
+                        code = Box::pin(run(&words, ctx)).await;
+                    }
                 }
-                Box::pin(run(&words, ctx)).await
             }
-        },
+            code
+        }
         ("sleep", [secs]) => match secs
             .parse::<f64>()
             .ok()
@@ -124,6 +130,10 @@ pub async fn run(command: &[String], ctx: &mut Context) -> i32 {
             }
         },
         ("stty", [size]) if size == "size" => {
+            if ctx.tty && ctx.size.borrow().is_none() {
+                let first = ctx.size.wait_for(Option::is_some);
+                let _ = tokio::time::timeout(Duration::from_secs(2), first).await;
+            }
             let (cols, rows) = ctx.size.borrow().unwrap_or((0, 0));
             ctx.print(STDOUT, format!("{rows} {cols}\n")).await;
             0
@@ -270,12 +280,44 @@ mod tests {
         assert_eq!(exec(&["sh", "-c", "exit"], None, false).await.0, 0);
         assert_eq!(exec(&["sh", "-c", "echo a b"], None, false).await.1, "a b\n");
         assert_eq!(exec(&["sh", "-c", "exit x"], None, false).await.0, 2);
+        assert_eq!(
+            exec(&["sh", "-c", "echo a; false; echo b"], None, false).await,
+            (0, "a\nb\n".into(), "".into())
+        );
+        assert_eq!(
+            exec(&["sh", "-c", "echo a; exit 4; echo b"], None, false).await,
+            (4, "a\n".into(), "".into())
+        );
         assert_eq!(exec(&["sleep", "0.01"], None, false).await.0, 0);
         assert_eq!(exec(&["stty", "size"], None, true).await.1, "24 80\n");
         let (code, _, err) = exec(&["ls"], None, false).await;
         assert_eq!(code, 127);
         assert!(err.contains("\"ls\": executable file not found"));
         assert_eq!(exec(&["false"], None, false).await.0, 1);
+    }
+
+    #[tokio::test]
+    async fn stty_size_under_a_tty_waits_for_the_first_resize() {
+        let (out, mut printed) = mpsc::channel(4);
+        let (sized, size) = watch::channel(None);
+        let mut ctx = Context {
+            stdin: None,
+            out,
+            size,
+            tty: true,
+            env: Vec::new(),
+            hostname: "pod-1".into(),
+            gone: CancellationToken::new(),
+        };
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let _ = sized.send(Some((132, 43)));
+        });
+        assert_eq!(run(&strings(&["stty", "size"]), &mut ctx).await, 0);
+        assert_eq!(
+            printed.recv().await.map(|(_, b)| b),
+            Some(Bytes::from("43 132\n"))
+        );
     }
 
     #[test]
