@@ -895,6 +895,46 @@ async fn a_pod_certificate_is_issued_upstream_for_the_pod_and_reaches_it_below_w
         )
         .await;
     }
+    // A lower admin who deletes the Secret gets it back as it was: the same certificate and
+    // key, and no new request upstream.
+    for (lower, secret, first, key) in &issued {
+        kubectl(lower.kubeconfig(), &["-n", ns, "delete", "secret", secret]).await;
+        let chain = secret_key_until(
+            lower,
+            ns,
+            secret,
+            "certificate-0-chain",
+            30,
+            "the certificate written again after a lower admin deleted it",
+            |v| !v.is_empty(),
+        )
+        .await;
+        assert_eq!(
+            ders(&chain),
+            *first,
+            "the same certificate on {}",
+            lower.version()
+        );
+        assert_eq!(&secret_key(lower, ns, secret, "certificate-0-key").await, key);
+        let uid = secret.trim_start_matches("tensile-upper-certificates-");
+        let requests = kubectl(
+            up(),
+            &[
+                "-n",
+                ns,
+                "get",
+                "podcertificaterequests",
+                "-o",
+                "jsonpath={.items[*].spec.podUID}",
+            ],
+        )
+        .await;
+        assert_eq!(
+            requests.split_whitespace().filter(|u| *u == uid).count(),
+            1,
+            "no new request for {uid}: {requests}"
+        );
+    }
     // Refreshed from beginRefreshAt on (about 315 s from the issue), with a new key.
     for (lower, secret, first, key) in &issued {
         let chain = secret_key_until(

@@ -526,7 +526,6 @@ impl Parts<'_> {
                 limit: ctx.lower_limit.clone(),
                 metrics: self.metrics.clone(),
                 tokenless: Default::default(),
-                failures: Default::default(),
                 retries: Default::default(),
                 unseen: Default::default(),
             };

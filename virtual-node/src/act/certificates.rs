@@ -24,7 +24,7 @@ use tokio::sync::Notify;
 
 use crate::act::credentials::{Failure, store, version};
 use crate::act::events::Events;
-use crate::act::ratelimit::{Backoff, WriteLimit};
+use crate::act::ratelimit::{Deferred, WriteLimit};
 use crate::decide::certificates::{
     Certificate, SECRET_ANNOTATION, Sources, held, issued_chain, key_and_request, refresh_due, refusal,
     secret, secret_name, sources, trust_anchors,
@@ -73,6 +73,15 @@ enum Asked {
     Refused,
 }
 
+/// A certificate as written into the pod's Secret: its entries (bundle, key, chain) and its
+/// refresh annotation.
+#[derive(Clone)]
+struct Written {
+    begins: jiff::Timestamp,
+    entries: [(String, String); 3],
+    refresh: (String, String),
+}
+
 /// How long bundles listed upstream are used before they are listed again: how soon a
 /// change of a bundle reaches the pods that project it.
 const BUNDLES_FRESH: Duration = Duration::from_secs(5);
@@ -93,12 +102,12 @@ pub struct Keeper {
     pub events: Events,
     pub metrics: Arc<crate::metrics::Metrics>,
     asked: Mutex<HashMap<(String, String), Asked>>,
-    /// When each certificate written lately begins its refresh, by (pod UID, key): the
-    /// Secret cache may not show the write yet.
-    written: Mutex<HashMap<(String, String), jiff::Timestamp>>,
+    /// Each certificate written, by (pod UID, key), until its refresh begins: a Secret the
+    /// cache does not show yet, or one a lower admin deleted or edited, is written again
+    /// from here without a new request (a kubelet keeps them in memory too).
+    written: Mutex<HashMap<(String, String), Written>>,
     bundles: Mutex<Option<(tokio::time::Instant, Arc<Vec<ClusterTrustBundle>>)>>,
-    retries: Backoff,
-    failures: Mutex<HashMap<String, tokio::time::Instant>>,
+    retries: Deferred,
 }
 
 impl Keeper {
@@ -131,8 +140,7 @@ impl Keeper {
             asked: Mutex::default(),
             written: Mutex::default(),
             bundles: Mutex::default(),
-            retries: Backoff::default(),
-            failures: Mutex::default(),
+            retries: Deferred::default(),
         }
     }
 
@@ -194,11 +202,7 @@ impl Keeper {
             {
                 continue;
             }
-            if self
-                .failures
-                .lock()
-                .is_ok_and(|f| f.get(&uid).is_some_and(|next| *next > instant))
-            {
+            if self.retries.waits(&uid, instant) {
                 continue;
             }
             let (Ok(upper), Ok(lower)) = (kept.pod(), below.unpack()) else {
@@ -211,16 +215,10 @@ impl Keeper {
             match self.keep(&upper, &lower, &wanted).await {
                 Ok(w) => {
                     waiting |= w;
-                    self.retries.forget(&uid);
-                    if let Ok(mut f) = self.failures.lock() {
-                        f.remove(&uid);
-                    }
+                    self.retries.succeeded(&uid);
                 }
                 Err((cluster, message)) => {
-                    let delay = self.retries.next_delay(&uid);
-                    if let Ok(mut f) = self.failures.lock() {
-                        f.insert(uid.clone(), instant + delay);
-                    }
+                    let delay = self.retries.failed(&uid, instant);
                     self.metrics.api_error(cluster, "certificate");
                     tracing::warn!(pod = %format!("{ns}/{name}"), retry_in = ?delay, "pod certificates and trust bundles: {message}");
                 }
@@ -235,7 +233,7 @@ impl Keeper {
         let remembered = [
             self.asked.lock().map_or(0, |a| a.len()),
             self.written.lock().map_or(0, |w| w.len()),
-            self.failures.lock().map_or(0, |f| f.len()),
+            self.retries.len(),
         ];
         if remembered.iter().all(|n| *n == 0) {
             return;
@@ -246,9 +244,6 @@ impl Keeper {
         }
         if let Ok(mut written) = self.written.lock() {
             written.retain(|(uid, _), _| live.contains(uid));
-        }
-        if let Ok(mut f) = self.failures.lock() {
-            f.retain(|uid, _| live.contains(uid));
         }
         self.retries.retain(|uid| live.contains(uid));
     }
@@ -282,11 +277,13 @@ impl Keeper {
         let mut issued = Vec::new();
         for c in &wanted.certificates {
             let at = (uid.clone(), c.key.clone());
-            let fresh = self
-                .written
-                .lock()
-                .is_ok_and(|w| w.get(&at).is_some_and(|r| *r > now));
-            if fresh || !refresh_due(cached.as_deref(), c, now) {
+            let kept = self.written.lock().ok().and_then(|w| w.get(&at).cloned());
+            if let Some(kept) = kept.filter(|k| k.begins > now) {
+                data.extend(kept.entries);
+                refresh.insert(kept.refresh.0, kept.refresh.1);
+                continue;
+            }
+            if !refresh_due(cached.as_deref(), c, now) {
                 continue;
             }
             let asked = self.asked.lock().ok().and_then(|a| a.get(&at).cloned());
@@ -331,11 +328,18 @@ impl Keeper {
                             .and_then(|s| s.begin_refresh_at.as_ref())
                             .map(|t| t.0)
                             .unwrap_or(now);
-                        data.insert(c.bundle_key(), format!("{key}{chain}"));
-                        data.insert(c.key_key(), key.clone());
-                        data.insert(c.chain_key(), chain);
-                        refresh.insert(c.refresh_annotation(), begins.to_string());
-                        issued.push((at, begins));
+                        let written = Written {
+                            begins,
+                            entries: [
+                                (c.bundle_key(), format!("{key}{chain}")),
+                                (c.key_key(), key.clone()),
+                                (c.chain_key(), chain),
+                            ],
+                            refresh: (c.refresh_annotation(), begins.to_string()),
+                        };
+                        data.extend(written.entries.clone());
+                        refresh.insert(written.refresh.0.clone(), written.refresh.1.clone());
+                        issued.push((at, written));
                     } else if let Some((type_, reason, message)) = refusal(&found) {
                         self.events.publish(
                             upper.object_ref(&()),
@@ -358,12 +362,12 @@ impl Keeper {
         if (&data, &refresh) != (&before.0, &before.1) {
             self.write(upper, lower, cached.as_deref(), data, refresh).await?;
         }
-        for (at, begins) in issued {
+        for (at, written) in issued {
             if let Ok(mut a) = self.asked.lock() {
                 a.remove(&at);
             }
             if let Ok(mut w) = self.written.lock() {
-                w.insert(at, begins);
+                w.insert(at, written);
             }
         }
         Ok(waiting)

@@ -90,6 +90,56 @@ impl Backoff {
     }
 }
 
+/// Per-key retries for a keeper that passes over its keys on a timer: a key that failed is
+/// passed by until its [`Backoff`] delay is over, and starts over at 1 s after a success.
+#[derive(Debug, Default)]
+pub struct Deferred {
+    delays: Backoff,
+    until: std::sync::Mutex<std::collections::HashMap<String, tokio::time::Instant>>,
+}
+
+impl Deferred {
+    /// Whether `key` failed and its delay is not over at `now`.
+    pub fn waits(&self, key: &str, now: tokio::time::Instant) -> bool {
+        self.until
+            .lock()
+            .is_ok_and(|u| u.get(key).is_some_and(|next| *next > now))
+    }
+
+    /// `key` failed at `now`: the delay before it is tried again.
+    pub fn failed(&self, key: &str, now: tokio::time::Instant) -> Duration {
+        let delay = self.delays.next_delay(key);
+        if let Ok(mut u) = self.until.lock() {
+            u.insert(key.to_owned(), now + delay);
+        }
+        delay
+    }
+
+    pub fn succeeded(&self, key: &str) {
+        if let Ok(mut u) = self.until.lock() {
+            u.remove(key);
+        }
+        self.delays.forget(key);
+    }
+
+    /// How many keys wait.
+    pub fn len(&self) -> usize {
+        self.until.lock().map_or(0, |u| u.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Keeps only the keys `keep` says are still live.
+    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
+        if let Ok(mut u) = self.until.lock() {
+            u.retain(|key, _| keep(key));
+        }
+        self.delays.retain(keep);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,6 +177,22 @@ mod tests {
         assert_eq!(b.next_delay("other").as_secs(), 1, "each pod has its own count");
         b.forget("p");
         assert_eq!(b.next_delay("p").as_secs(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_key_waits_its_delay_and_a_success_starts_it_over() {
+        let d = Deferred::default();
+        let now = tokio::time::Instant::now();
+        assert!(!d.waits("p", now));
+        assert_eq!(d.failed("p", now), Duration::from_secs(1));
+        assert!(d.waits("p", now) && !d.waits("q", now));
+        assert!(!d.waits("p", now + Duration::from_secs(1)));
+        assert_eq!(d.failed("p", now), Duration::from_secs(2));
+        d.succeeded("p");
+        assert!(!d.waits("p", now) && d.is_empty());
+        assert_eq!(d.failed("p", now), Duration::from_secs(1));
+        d.retain(|k| k != "p");
+        assert!(d.is_empty() && !d.waits("p", now));
     }
 
     #[test]

@@ -44,10 +44,9 @@ pub struct Keeper {
     pub metrics: Arc<crate::metrics::Metrics>,
     /// Upper pods (by UID) that mount no token.
     pub tokenless: std::sync::Mutex<std::collections::HashSet<String>>,
-    /// Pods (by UID) whose tokens failed, and when to try again: the pod controller's
-    /// per-pod delays (1 s doubling to 5 minutes).
-    pub failures: std::sync::Mutex<std::collections::HashMap<String, tokio::time::Instant>>,
-    pub retries: crate::act::ratelimit::Backoff,
+    /// Pods (by UID) whose tokens failed: the pod controller's per-pod delays (1 s doubling
+    /// to 5 minutes).
+    pub retries: crate::act::ratelimit::Deferred,
     /// Pods (by UID) whose lower pod is not seen yet, and since when.
     pub unseen: std::sync::Mutex<std::collections::HashMap<String, tokio::time::Instant>>,
 }
@@ -90,11 +89,7 @@ impl Keeper {
             if !self.settings.applies(&ns) || self.tokenless.lock().is_ok_and(|t| t.contains(&uid)) {
                 continue;
             }
-            if self
-                .failures
-                .lock()
-                .is_ok_and(|f| f.get(&uid).is_some_and(|next| *next > instant))
-            {
+            if self.retries.waits(&uid, instant) {
                 continue;
             }
             // A Secret not due is passed by without reading the pod.
@@ -148,17 +143,9 @@ impl Keeper {
                 continue;
             }
             match self.issue(&upper, &lower, &wanted, held.as_deref()).await {
-                Ok(()) => {
-                    if let Ok(mut f) = self.failures.lock() {
-                        f.remove(&uid);
-                    }
-                    self.retries.forget(&uid);
-                }
+                Ok(()) => self.retries.succeeded(&uid),
                 Err(e) => {
-                    let delay = self.retries.next_delay(&uid);
-                    if let Ok(mut f) = self.failures.lock() {
-                        f.insert(uid.clone(), instant + delay);
-                    }
+                    let delay = self.retries.failed(&uid, instant);
                     self.metrics.api_error(e.0, "token");
                     tracing::warn!(
                         pod = %format!("{ns}/{}", upper.name_any()),
@@ -172,7 +159,7 @@ impl Keeper {
         // Forget pods that are gone.
         let remembered = [
             self.tokenless.lock().map_or(0, |t| t.len()),
-            self.failures.lock().map_or(0, |f| f.len()),
+            self.retries.len(),
             self.unseen.lock().map_or(0, |u| u.len()),
         ];
         if remembered.iter().any(|n| *n > 0) {
@@ -180,9 +167,6 @@ impl Keeper {
                 self.upper_pods.state().iter().filter_map(|p| p.uid()).collect();
             if let Ok(mut t) = self.tokenless.lock() {
                 t.retain(|uid| live.contains(uid));
-            }
-            if let Ok(mut f) = self.failures.lock() {
-                f.retain(|uid, _| live.contains(uid));
             }
             if let Ok(mut u) = self.unseen.lock() {
                 u.retain(|uid, _| live.contains(uid));
