@@ -974,6 +974,47 @@ async fn virtual_node_hop(
     }))
 }
 
+/// The best ratios a virtual node could reach on this bed, from this run's figures: the
+/// round trip with the node's own hop (`hop`, measured over WebSocket) taken out of the
+/// through median, and port-forward throughput with the node's CPU per MiB taken out of the
+/// through side's (the forwarding is CPU-bound: every process shares the cores).
+fn bounds_without_the_node(
+    per_transport: &serde_json::Map<String, serde_json::Value>,
+    hop: &serde_json::Value,
+) -> serde_json::Value {
+    let node_hop = hop["virtual_node_hop_p50_ms"].as_f64().unwrap_or(0.0);
+    let bound = |figures: &serde_json::Value| {
+        let (through, direct) = (
+            &figures["exec_round_trip_ms"]["through"]["p50"],
+            &figures["exec_round_trip_ms"]["direct"]["p50"],
+        );
+        let cpu = &figures["cpu_ms_per_mib_forwarded"];
+        let total = |side: &serde_json::Value| {
+            side.as_object()
+                .map(|groups| groups.values().filter_map(serde_json::Value::as_f64).sum::<f64>())
+                .unwrap_or(0.0)
+        };
+        let node_cpu = cpu["through"]["virtual_node"].as_f64().unwrap_or(0.0);
+        json!({
+            "exec_round_trip_p50": ratio(through.as_f64().unwrap_or(0.0) - node_hop, direct.as_f64().unwrap_or(1.0)),
+            "port_forward_mb_per_sec": ratio(total(&cpu["direct"]), total(&cpu["through"]) - node_cpu),
+        })
+    };
+    let mut bounds: serde_json::Map<String, serde_json::Value> = per_transport
+        .iter()
+        .map(|(via, figures)| (via.clone(), bound(figures)))
+        .collect();
+    bounds.insert(
+        "note".into(),
+        json!(
+            "ratios through/direct as in `ratios`, had the virtual node cost nothing: the round trip \
+               less virtual_node_hop_p50_ms, and port-forward MB/s as direct CPU per MiB over through CPU \
+               per MiB less the virtual node's (the forwarding is CPU-bound on this machine)"
+        ),
+    );
+    serde_json::Value::Object(bounds)
+}
+
 /// The virtual node's memory under stream load: `bench.sessions` `kubectl exec -i -- cat`
 /// sessions open at once through it (each answering a line), then `bench.load_mib` MiB
 /// through one port-forward. Its RSS before, with all open (and the high-water mark), and
@@ -1357,6 +1398,7 @@ pub async fn streams(bench: &StreamsBench) -> anyhow::Result<serde_json::Value> 
         );
     }
     let hop = virtual_node_hop(&upper, &lower, &vn, (&lower_ns, &lower_name), bench.round_trips).await?;
+    let bounds = bounds_without_the_node(&per_transport, &hop);
     let load = stream_load(&vn, &through, bench).await?;
     let kubectl = crate::kubectl::run(upper.kubeconfig(), &["version", "--client", "-o", "json"]).await;
     let kubectl = serde_json::from_str::<serde_json::Value>(&kubectl.stdout)
@@ -1387,6 +1429,7 @@ pub async fn streams(bench: &StreamsBench) -> anyhow::Result<serde_json::Value> 
         "sessions_gauge_at_end": open,
         "load": load,
         "virtual_node_hop": hop,
+        "bounds_if_the_virtual_node_cost_nothing": bounds,
         "note": "through = the upper cluster's kubectl, upper apiserver, virtual-node process, lower apiserver, \
                  simulated kubelet; direct = the lower cluster's kubectl against the same lower pod (lower \
                  apiserver, simulated kubelet). cpu_ms_per_round_trip and cpu_ms_per_mib_forwarded: the CPU \
