@@ -3,11 +3,16 @@
 //!
 //! kube's own `Store::wait_until_ready` wakes only the waiter that polled last; a [`Cache`]
 //! broadcasts instead, so any number of components can wait on the same cache.
+//!
+//! Every watch here is [`retried`]: its delays grow across failed attempts and start over
+//! only when it lists or sees a change, and its failures are said once per spell, then at
+//! most once a minute. A kind the apiserver does not serve (a CRD of the suite not installed)
+//! is said as such, with the file that installs it, and retried 5 s to 60 s apart.
 
 use std::borrow::Cow;
 use std::marker::PhantomData;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use futures::{FutureExt, Stream, StreamExt, TryStreamExt};
@@ -89,7 +94,8 @@ pub fn reflect<K: Watched>(
     Cache<K>,
     impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
 ) {
-    cache_of(watcher(api, config).modify(without_managed_fields))
+    let namespace = api.namespace().map(str::to_owned);
+    cache_of(watcher(api, config).modify(without_managed_fields), namespace)
 }
 
 fn without_managed_fields<K: kube::Resource>(object: &mut K) {
@@ -106,10 +112,12 @@ pub fn reflect_trimmed<K: Watched>(
     Cache<K>,
     impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
 ) {
-    cache_of(watcher(api, config).modify(move |object: &mut K| {
+    let namespace = api.namespace().map(str::to_owned);
+    let events = watcher(api, config).modify(move |object: &mut K| {
         without_managed_fields(object);
         trim(object);
-    }))
+    });
+    cache_of(events, namespace)
 }
 
 /// As [`reflect`], with each object replaced by what `summary` makes of it before the cache
@@ -122,26 +130,29 @@ pub fn reflect_summaries<K: Watched, S: Stored>(
     Cache<S>,
     impl Stream<Item = Result<S, watcher::Error>> + Send + 'static,
 ) {
-    cache_of(watcher(api, config).map_ok(move |event| match event {
+    let namespace = api.namespace().map(str::to_owned);
+    let events = watcher(api, config).map_ok(move |event| match event {
         watcher::Event::Apply(o) => watcher::Event::Apply(summary(o)),
         watcher::Event::Delete(o) => watcher::Event::Delete(summary(o)),
         watcher::Event::Init => watcher::Event::Init,
         watcher::Event::InitApply(o) => watcher::Event::InitApply(summary(o)),
         watcher::Event::InitDone => watcher::Event::InitDone,
-    }))
+    });
+    cache_of(events, namespace)
 }
 
-/// A cache kept by the watch `events`, and the stream of objects they touch.
+/// A cache kept by the watch `events` (of `namespace`; `None`: every namespace, or a
+/// cluster-scoped kind), [`retried`], and the stream of objects they touch.
 fn cache_of<K: Stored>(
     events: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    namespace: Option<String>,
 ) -> (
     Cache<K>,
     impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
 ) {
     let (store, writer) = reflector::store::<K>();
     let (tx, synced) = watch::channel(false);
-    let stream = reflector(writer, events)
-        .backoff(watch_backoff())
+    let stream = reflector(writer, retried(events, namespace))
         .inspect_ok(move |event| {
             if matches!(event, watcher::Event::InitDone) {
                 tx.send_replace(true);
@@ -197,32 +208,16 @@ pub fn reflect_summaries_in<K: Watched, S: Stored>(
     let namespaces: Vec<Option<String>> = apis.iter().map(|a| a.namespace().map(str::to_owned)).collect();
     let namespaces_of = namespaces.clone();
     let sources = apis.into_iter().enumerate().map(|(i, api)| {
-        watcher(api, config.clone())
-            .map_ok(move |event| match event {
-                watcher::Event::Apply(o) => watcher::Event::Apply(summary(o)),
-                watcher::Event::Delete(o) => watcher::Event::Delete(summary(o)),
-                watcher::Event::Init => watcher::Event::Init,
-                watcher::Event::InitApply(o) => watcher::Event::InitApply(summary(o)),
-                watcher::Event::InitDone => watcher::Event::InitDone,
-            })
-            .backoff(watch_backoff())
-            .inspect({
-                // A namespace whose watch keeps failing (no Role there, say) holds the whole
-                // cache unsynced: said once per failing spell, with the namespace.
-                let mut failing = false;
-                let ns = namespaces_of[i].clone().unwrap_or_else(|| "every namespace".into());
-                move |r| match r {
-                    Err(e) if !failing => {
-                        failing = true;
-                        tracing::warn!(namespace = %ns, kind = K::kind(&()).as_ref(), "watch failing (retried): {e}");
-                    }
-                    Ok(_) if failing => {
-                        failing = false;
-                        tracing::info!(namespace = %ns, kind = K::kind(&()).as_ref(), "watch back");
-                    }
-                    _ => {}
-                }
-            })
+        let events = watcher(api, config.clone()).map_ok(move |event| match event {
+            watcher::Event::Apply(o) => watcher::Event::Apply(summary(o)),
+            watcher::Event::Delete(o) => watcher::Event::Delete(summary(o)),
+            watcher::Event::Init => watcher::Event::Init,
+            watcher::Event::InitApply(o) => watcher::Event::InitApply(summary(o)),
+            watcher::Event::InitDone => watcher::Event::InitDone,
+        });
+        // A namespace whose watch keeps failing (no Role there, say) holds the whole cache
+        // unsynced: said once per failing spell, with the namespace.
+        retried(events, namespaces_of[i].clone())
             .map(move |r| (i, r))
             .boxed()
     });
@@ -632,7 +627,7 @@ impl<'de> serde::Deserialize<'de> for LeanPod {
 }
 
 /// Retry delays of a failed watch: 200 ms doubling to 2 s (`backon`'s exponential backoff),
-/// from the start again after a success. kube's default grows to 30 s, which leaves a
+/// from the start again once the watch lists or sees a change ([`Retries`]). kube's default grows to 30 s, which leaves a
 /// recovered cluster unseen for that long; a daemon must notice recovery as quickly as it
 /// notices loss.
 pub fn watch_backoff() -> kube::runtime::watcher::ExponentialBackoff {
@@ -642,6 +637,274 @@ pub fn watch_backoff() -> kube::runtime::watcher::ExponentialBackoff {
         .with_factor(2.0)
         .without_max_times()
         .into()
+}
+
+/// Retry delays of a watch of a kind the apiserver does not serve (for a kind of the suite,
+/// its CRD is not installed): 5 s doubling to 60 s. Installing a definition is an
+/// operator's step of minutes, not a blip; asking every 2 s would only fill the log and load
+/// the apiserver, and a minute at most after the step the watch lists.
+pub fn unserved_backoff() -> kube::runtime::watcher::ExponentialBackoff {
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_secs(5))
+        .with_max_delay(Duration::from_secs(60))
+        .with_factor(2.0)
+        .without_max_times()
+        .into()
+}
+
+/// How long a failing watch goes between two warnings about it; the attempts between are
+/// logged at debug level.
+pub const WATCH_REMINDER: Duration = Duration::from_secs(60);
+
+/// Why a watch attempt failed, as far as its retries and its log tell it apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// The apiserver does not serve the kind: a 404 on its list or watch (a plain
+    /// `404 page not found` when the group or version is unknown). For a kind of the suite,
+    /// its CRD is not installed.
+    Unserved,
+    /// Anything else: the apiserver unreachable, a refused credential, an expired version.
+    Other,
+}
+
+impl Failure {
+    pub fn of(error: &watcher::Error) -> Self {
+        let status = match error {
+            watcher::Error::InitialListFailed(e)
+            | watcher::Error::WatchStartFailed(e)
+            | watcher::Error::WatchFailed(e) => match e {
+                kube::Error::Api(status) => Some(status.as_ref()),
+                _ => None,
+            },
+            watcher::Error::WatchError(status) => Some(status.as_ref()),
+            watcher::Error::NoResourceVersion => None,
+        };
+        match status {
+            Some(status) if status.code == 404 => Failure::Unserved,
+            _ => Failure::Other,
+        }
+    }
+}
+
+/// What one item of a watch is to its retries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// A list starting or under way (`Init`, `InitApply`). kube's watcher says `Init` again
+    /// before every attempt to list, failed ones included, so it is no sign of health.
+    Listing,
+    /// A list finished, or a change seen (`InitDone`, `Apply`, `Delete`).
+    Progress,
+    Failed(Failure),
+}
+
+impl Step {
+    pub fn of<K>(item: &Result<watcher::Event<K>, watcher::Error>) -> Self {
+        match item {
+            Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => Step::Listing,
+            Ok(watcher::Event::InitDone | watcher::Event::Apply(_) | watcher::Event::Delete(_)) => {
+                Step::Progress
+            }
+            Err(e) => Step::Failed(Failure::of(e)),
+        }
+    }
+}
+
+/// What to say of one step of a watch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Say {
+    Nothing,
+    /// The first failure of a spell, or the first of another kind within it: in full.
+    Failing,
+    /// A failure within [`WATCH_REMINDER`] of the last one said: at debug level.
+    Again,
+    /// A failure [`WATCH_REMINDER`] or more after the last one said: a reminder, with the
+    /// attempts of the spell so far and how long it has lasted.
+    Still {
+        attempts: u32,
+        lasted: Duration,
+    },
+    /// Progress after a spell of failures that lasted this long.
+    Back(Duration),
+}
+
+/// A watch's spell of failures.
+struct Spell {
+    since: Instant,
+    failure: Failure,
+    said: Instant,
+    attempts: u32,
+}
+
+/// The retries of one watch and what is said of its failures (pure: [`retried`] drives it).
+///
+/// Its delays grow across failed attempts and start over only on [`Step::Progress`]. kube's
+/// `StreamBackoff` starts over on any item that is not an error, and the watcher's `Init`
+/// before each new attempt to list is one: a list that kept failing (a CRD not installed)
+/// was retried at the first delay, five times a second, for ever.
+pub struct Retries {
+    quick: kube::runtime::watcher::ExponentialBackoff,
+    slow: kube::runtime::watcher::ExponentialBackoff,
+    spell: Option<Spell>,
+}
+
+impl Default for Retries {
+    fn default() -> Self {
+        Self {
+            quick: watch_backoff(),
+            slow: unserved_backoff(),
+            spell: None,
+        }
+    }
+}
+
+impl Retries {
+    /// What to say of `step`, seen at `now`, and how long to wait before the watch is polled
+    /// again: [`watch_backoff`] after a failure, [`unserved_backoff`] after a kind not
+    /// served.
+    pub fn step(&mut self, step: Step, now: Instant) -> (Say, Option<Duration>) {
+        use kube::runtime::utils::Backoff as _;
+        match step {
+            Step::Listing => (Say::Nothing, None),
+            Step::Progress => {
+                self.quick.reset();
+                self.slow.reset();
+                match self.spell.take() {
+                    Some(spell) => (Say::Back(now.saturating_duration_since(spell.since)), None),
+                    None => (Say::Nothing, None),
+                }
+            }
+            Step::Failed(failure) => {
+                let pause = match failure {
+                    Failure::Unserved => self.slow.next(),
+                    Failure::Other => self.quick.next(),
+                };
+                let say = match &mut self.spell {
+                    Some(spell) if spell.failure == failure => {
+                        spell.attempts += 1;
+                        if now.saturating_duration_since(spell.said) >= WATCH_REMINDER {
+                            spell.said = now;
+                            Say::Still {
+                                attempts: spell.attempts,
+                                lasted: now.saturating_duration_since(spell.since),
+                            }
+                        } else {
+                            Say::Again
+                        }
+                    }
+                    Some(spell) => {
+                        (spell.failure, spell.said) = (failure, now);
+                        spell.attempts += 1;
+                        Say::Failing
+                    }
+                    None => {
+                        self.spell = Some(Spell {
+                            since: now,
+                            failure,
+                            said: now,
+                            attempts: 1,
+                        });
+                        Say::Failing
+                    }
+                };
+                (say, pause)
+            }
+        }
+    }
+}
+
+/// A sentence saying why watching `K` fails with `error`; for a kind of the suite the
+/// apiserver does not serve, which CRD is missing and the file that installs it (the
+/// chart's `crds/` holds each definition as `<plural>.yaml`).
+pub fn failing<K: kube::Resource<DynamicType = ()>>(error: &watcher::Error) -> String {
+    let (kind, plural, group) = (K::kind(&()), K::plural(&()), K::group(&()));
+    match Failure::of(error) {
+        Failure::Unserved if group == crate::names::API_GROUP => format!(
+            "the {kind} CRD ({plural}.{group}) is not installed: install it with \
+             `kubectl apply -f deploy/helm/tensile/crds/{plural}.yaml` (the chart's crds/, which \
+             `helm upgrade` does not apply)"
+        ),
+        Failure::Unserved => format!(
+            "the apiserver does not serve {kind} ({}): {error}",
+            K::api_version(&())
+        ),
+        Failure::Other => format!("watching {kind} fails: {error}"),
+    }
+}
+
+/// `events`, a watch of `K` in `namespace` (`None`: every namespace, or a cluster-scoped
+/// kind), paused after each failure and its failures said as [`Retries`] decides: the first
+/// of a spell in full (an error for a CRD not installed, else a warning), a reminder at most
+/// every [`WATCH_REMINDER`], the attempts between at debug level, and the watch's return.
+pub fn retried<K, S>(events: S, namespace: Option<String>) -> impl Stream<Item = S::Item> + Send + 'static
+where
+    K: kube::Resource<DynamicType = ()> + Send + 'static,
+    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+{
+    struct State<S> {
+        events: std::pin::Pin<Box<S>>,
+        retries: Retries,
+        pause: Option<Duration>,
+        namespace: Option<String>,
+    }
+    let state = State {
+        events: Box::pin(events),
+        retries: Retries::default(),
+        pause: None,
+        namespace,
+    };
+    futures::stream::unfold(state, |mut state| async move {
+        if let Some(pause) = state.pause.take() {
+            tokio::time::sleep(pause).await;
+        }
+        let item = state.events.next().await?;
+        let (say, pause) = state.retries.step(Step::of(&item), Instant::now());
+        state.pause = pause;
+        tell::<K>(say, &item, state.namespace.as_deref(), pause);
+        Some((item, state))
+    })
+}
+
+/// Logs what [`Retries`] decided to say of `item`.
+fn tell<K: kube::Resource<DynamicType = ()>>(
+    say: Say,
+    item: &Result<watcher::Event<K>, watcher::Error>,
+    namespace: Option<&str>,
+    retry_in: Option<Duration>,
+) {
+    let kind = K::kind(&());
+    let kind = kind.as_ref();
+    let retry_in = retry_in.unwrap_or_default();
+    match (say, item) {
+        (Say::Failing, Err(e)) if Failure::of(e) == Failure::Unserved => {
+            tracing::error!(kind, namespace, retry_in = ?retry_in, error = %e, "{}", failing::<K>(e));
+        }
+        (Say::Failing, Err(e)) => {
+            tracing::warn!(kind, namespace, retry_in = ?retry_in, "{} (retried)", failing::<K>(e));
+        }
+        (Say::Again, Err(e)) => {
+            tracing::debug!(kind, namespace, retry_in = ?retry_in, "{}", failing::<K>(e));
+        }
+        (Say::Still { attempts, lasted }, Err(e)) => {
+            tracing::warn!(
+                kind,
+                namespace,
+                attempts,
+                retry_in = ?retry_in,
+                "still, for {}s: {}",
+                lasted.as_secs(),
+                failing::<K>(e)
+            );
+        }
+        (Say::Back(lasted), _) => {
+            tracing::info!(
+                kind,
+                namespace,
+                "watching {kind} again after {}s of failures",
+                lasted.as_secs()
+            );
+        }
+        _ => {}
+    }
 }
 
 #[cfg(test)]
@@ -826,6 +1089,147 @@ mod tests {
         assert_eq!(ms, [200, 400, 800, 1600, 2000, 2000, 2000]);
         b.reset();
         assert_eq!(b.next(), Some(Duration::from_millis(200)));
+    }
+
+    fn list_failed(code: u16) -> watcher::Error {
+        let status =
+            kube::core::Status::failure("404 page not found", "Failed to parse error data").with_code(code);
+        watcher::Error::InitialListFailed(kube::Error::Api(status.boxed()))
+    }
+
+    /// Feeds `steps` to `retries`, each seen when the pause before it has passed, as
+    /// [`retried`] does: what was said and each pause, in milliseconds.
+    fn run(retries: &mut Retries, start: Instant, steps: &[Step]) -> (Vec<Say>, Vec<u128>, Instant) {
+        let (mut said, mut pauses, mut now) = (Vec::new(), Vec::new(), start);
+        for step in steps {
+            let (say, pause) = retries.step(*step, now);
+            said.push(say);
+            if let Some(pause) = pause {
+                pauses.push(pause.as_millis());
+                now += pause;
+            }
+        }
+        (said, pauses, now)
+    }
+
+    /// A list that keeps failing as the watcher shows it: `Init`, then the failure.
+    fn failing_lists(failure: Failure, n: usize) -> Vec<Step> {
+        [Step::Listing, Step::Failed(failure)].repeat(n)
+    }
+
+    #[test]
+    fn a_kind_not_served_is_a_404_on_its_list_and_anything_else_is_another_failure() {
+        assert_eq!(Failure::of(&list_failed(404)), Failure::Unserved);
+        assert_eq!(Failure::of(&list_failed(403)), Failure::Other);
+        assert_eq!(Failure::of(&watcher::Error::NoResourceVersion), Failure::Other);
+        let gone = kube::core::Status::failure("too old", "Expired")
+            .with_code(410)
+            .boxed();
+        assert_eq!(Failure::of(&watcher::Error::WatchError(gone)), Failure::Other);
+        use watcher::Event::*;
+        let cm = k8s_openapi::api::core::v1::ConfigMap::default;
+        let steps: Vec<Step> = [Init, InitApply(cm()), InitDone, Apply(cm()), Delete(cm())]
+            .into_iter()
+            .map(|e| Step::of(&Ok(e)))
+            .collect();
+        assert_eq!(
+            steps,
+            [
+                Step::Listing,
+                Step::Listing,
+                Step::Progress,
+                Step::Progress,
+                Step::Progress
+            ]
+        );
+    }
+
+    #[test]
+    fn a_missing_crd_is_said_once_then_retried_five_seconds_doubling_to_a_minute_with_a_reminder_a_minute_apart()
+     {
+        let mut retries = Retries::default();
+        let (said, pauses, _) = run(&mut retries, Instant::now(), &failing_lists(Failure::Unserved, 8));
+        assert_eq!(
+            pauses,
+            [5000, 10_000, 20_000, 40_000, 60_000, 60_000, 60_000, 60_000]
+        );
+        let failures: Vec<Say> = said.into_iter().filter(|s| *s != Say::Nothing).collect();
+        assert_eq!(failures[0], Say::Failing);
+        // At 5, 15, 35 s: quietly; at 75 s (a minute after the first): a reminder; at 135,
+        // 195, 255 s: one each, a minute apart.
+        assert_eq!(failures[1..4], [Say::Again, Say::Again, Say::Again]);
+        let reminders: Vec<(u32, u64)> = failures[4..]
+            .iter()
+            .map(|s| match s {
+                Say::Still { attempts, lasted } => (*attempts, lasted.as_secs()),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(reminders, [(5, 75), (6, 135), (7, 195), (8, 255)]);
+    }
+
+    #[test]
+    fn the_watchers_init_before_each_new_list_does_not_start_the_delays_over() {
+        // kube's StreamBackoff started over on it: 200 ms, five lists a second, for ever.
+        let mut retries = Retries::default();
+        let (said, pauses, _) = run(&mut retries, Instant::now(), &failing_lists(Failure::Other, 7));
+        assert_eq!(pauses, [200, 400, 800, 1600, 2000, 2000, 2000]);
+        assert_eq!(said.iter().filter(|s| **s == Say::Failing).count(), 1);
+        assert!(!said.iter().any(|s| matches!(s, Say::Still { .. })), "{said:?}");
+    }
+
+    #[test]
+    fn progress_starts_the_delays_over_and_ends_the_spell_which_is_said() {
+        let mut retries = Retries::default();
+        let start = Instant::now();
+        let (_, _, now) = run(&mut retries, start, &failing_lists(Failure::Unserved, 3));
+        // The CRD is applied: the next list succeeds.
+        let (said, pauses, now) = run(&mut retries, now, &[Step::Listing, Step::Listing, Step::Progress]);
+        assert!(pauses.is_empty());
+        assert_eq!(said[2], Say::Back(Duration::from_secs(35)));
+        let (said, pauses, _) = run(&mut retries, now, &failing_lists(Failure::Unserved, 2));
+        assert_eq!(pauses, [5000, 10_000], "from the first delay again");
+        assert_eq!(said[1], Say::Failing, "a new spell is said in full");
+    }
+
+    #[test]
+    fn a_failure_of_another_kind_within_a_spell_is_said_in_full_and_keeps_its_own_delays() {
+        let mut retries = Retries::default();
+        // The apiserver unreachable for a while, then up without the CRD.
+        let (said, pauses, now) = run(&mut retries, Instant::now(), &failing_lists(Failure::Other, 3));
+        assert_eq!(pauses, [200, 400, 800]);
+        assert_eq!(said[1], Say::Failing);
+        let (said, pauses, _) = run(&mut retries, now, &failing_lists(Failure::Unserved, 2));
+        assert_eq!(pauses, [5000, 10_000]);
+        assert_eq!(
+            said[1],
+            Say::Failing,
+            "the missing CRD is said at once, not a minute later"
+        );
+        assert_eq!(said[3], Say::Again);
+    }
+
+    #[test]
+    fn a_missing_crd_of_the_suite_is_named_with_the_chart_file_that_installs_it() {
+        let said = failing::<crate::exclusion::ExclusionRecord>(&list_failed(404));
+        assert!(
+            said.contains("ExclusionRecord CRD (exclusionrecords.tensile.io) is not installed"),
+            "{said}"
+        );
+        let file = "deploy/helm/tensile/crds/exclusionrecords.yaml";
+        assert!(said.contains(&format!("kubectl apply -f {file}")), "{said}");
+        let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        assert!(repo.join(file).is_file(), "the file named is the chart's");
+        let other = failing::<Pod>(&list_failed(404));
+        assert!(
+            other.starts_with("the apiserver does not serve Pod (v1)"),
+            "{other}"
+        );
+        let refused = failing::<Pod>(&list_failed(403));
+        assert!(
+            refused.starts_with("watching Pod fails: failed to perform initial object list"),
+            "{refused}"
+        );
     }
 
     #[test]

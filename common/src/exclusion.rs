@@ -47,9 +47,11 @@ use jiff::Timestamp;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::Api;
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
+
+use crate::cache;
 
 pub use index::Index;
 
@@ -429,30 +431,67 @@ impl Exclusions {
 }
 
 /// Waits until a reader has its first full view of the records (the objects, and the old
-/// ConfigMap).
+/// ConfigMap), and says why it cannot have it while a watch of them fails.
 #[derive(Clone)]
-pub struct Synced(watch::Receiver<bool>);
+pub struct Synced {
+    synced: watch::Receiver<bool>,
+    trouble: watch::Receiver<Option<String>>,
+}
 
 impl Synced {
     /// Waits until both lists are in (forever if they never come).
     pub async fn synced(&self) {
-        let mut rx = self.0.clone();
+        let mut rx = self.synced.clone();
         if rx.wait_for(|s| *s).await.is_err() {
             futures::future::pending::<()>().await;
+        }
+    }
+
+    /// Why the records cannot be read now, while a watch of them fails: for example that the
+    /// `ExclusionRecord` CRD is not installed, and how to install it ([`cache::failing`]).
+    pub fn trouble(&self) -> Option<String> {
+        self.trouble.borrow().clone()
+    }
+
+    /// Keeps what `standing`'s `/readyz` says current with [`Synced::trouble`], after
+    /// `note` (what the daemon says anyway, such as `dry run`); runs for ever. A daemon that
+    /// waits for the records is then not ready *and says why*: "caches syncing" alone left
+    /// an operator guessing.
+    pub async fn report_to(self, standing: crate::leader::Standing, note: Option<String>) {
+        let mut trouble = self.trouble;
+        loop {
+            let said = {
+                let trouble = trouble.borrow_and_update();
+                [note.as_deref(), trouble.as_deref()]
+                    .into_iter()
+                    .flatten()
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            };
+            // `with_note` sets the note of every clone: they share one standing.
+            standing.clone().with_note(said);
+            if trouble.changed().await.is_err() {
+                futures::future::pending::<()>().await;
+            }
         }
     }
 }
 
 /// What one of the two watches of [`follow`] showed.
 enum Seen {
-    Record(watcher::Event<ExclusionRecord>),
-    Legacy(watcher::Event<ConfigMap>),
+    Record(Result<watcher::Event<ExclusionRecord>, watcher::Error>),
+    Legacy(Result<watcher::Event<ConfigMap>, watcher::Error>),
 }
 
 /// Watches the record objects in `api`'s namespace and the old ConfigMap `name` there.
-/// Returns a handle that says when both are read, a channel holding every record after
-/// every change, and the future that keeps it current. Each change costs a reader the
-/// record it changes (see [`Records`]), not the whole set.
+/// Returns a handle that says when both are read (and why not, while a watch fails), a
+/// channel holding every record after every change, and the future that keeps it current.
+/// Each change costs a reader the record it changes (see [`Records`]), not the whole set.
+///
+/// Both watches are [`cache::retried`]: without the `ExclusionRecord` CRD (a binary run by
+/// hand, an upgrade that has not applied it yet) the reader says once which definition is
+/// missing and how to install it, asks again 5 s to 60 s apart, and reads the records
+/// within a minute of its installation, without a restart.
 pub fn follow(
     api: Api<ConfigMap>,
     name: &str,
@@ -464,77 +503,97 @@ pub fn follow(
     let namespace = api.namespace().unwrap_or("default").to_owned();
     let client = kube::Client::from(api.clone());
     let records: Api<ExclusionRecord> = Api::namespaced(client, &namespace);
-    let records = watcher(records, watcher::Config::default())
-        .backoff(crate::cache::watch_backoff())
-        .map(|e| e.map(Seen::Record));
-    let legacy = watcher(
-        api,
-        watcher::Config::default().fields(&format!("metadata.name={name}")),
+    let records = cache::retried(
+        watcher(records, watcher::Config::default()),
+        Some(namespace.clone()),
     )
-    .backoff(crate::cache::watch_backoff())
-    .map(|e| e.map(Seen::Legacy));
+    .map(Seen::Record);
+    let legacy = cache::retried(
+        watcher(
+            api,
+            watcher::Config::default().fields(&format!("metadata.name={name}")),
+        ),
+        Some(namespace.clone()),
+    )
+    .map(Seen::Legacy);
     let (tx, rx) = watch::channel(Arc::new(Exclusions::default()));
     let (synced_tx, synced_rx) = watch::channel(false);
-    let name = name.to_owned();
+    let (trouble_tx, trouble_rx) = watch::channel(None);
     let feed = async move {
         let mut index = Index::default();
         let mut events = std::pin::pin!(futures::stream::select(records, legacy));
         let mut legacy_staged: Option<ConfigMap> = None;
         let mut listed = (false, false);
+        // Why each watch fails, while it does (said by `cache::retried`, shown by `Synced`).
+        let mut failing: (Option<String>, Option<String>) = (None, None);
         let mut unreadable = 0;
         while let Some(event) = events.next().await {
             let changed = match event {
-                Ok(Seen::Record(event)) => match event {
-                    watcher::Event::Init => {
-                        index.restart();
-                        false
+                Seen::Record(event) => {
+                    if !matches!(cache::Step::of(&event), cache::Step::Listing) {
+                        failing.0 = event.as_ref().err().map(cache::failing::<ExclusionRecord>);
                     }
-                    watcher::Event::InitApply(object) => {
-                        index.stage(&object);
-                        false
+                    match event {
+                        Ok(watcher::Event::Init) => {
+                            index.restart();
+                            false
+                        }
+                        Ok(watcher::Event::InitApply(object)) => {
+                            index.stage(&object);
+                            false
+                        }
+                        Ok(watcher::Event::InitDone) => {
+                            index.listed();
+                            listed.0 = true;
+                            true
+                        }
+                        Ok(watcher::Event::Apply(object)) => {
+                            index.apply(&object);
+                            true
+                        }
+                        Ok(watcher::Event::Delete(object)) => {
+                            index.delete(&object);
+                            true
+                        }
+                        Err(_) => false,
                     }
-                    watcher::Event::InitDone => {
-                        index.listed();
-                        listed.0 = true;
-                        true
+                }
+                Seen::Legacy(event) => {
+                    if !matches!(cache::Step::of(&event), cache::Step::Listing) {
+                        failing.1 = event.as_ref().err().map(cache::failing::<ConfigMap>);
                     }
-                    watcher::Event::Apply(object) => {
-                        index.apply(&object);
-                        true
+                    match event {
+                        Ok(watcher::Event::Init) => {
+                            legacy_staged = None;
+                            false
+                        }
+                        Ok(watcher::Event::InitApply(cm)) => {
+                            legacy_staged = Some(cm);
+                            false
+                        }
+                        Ok(watcher::Event::InitDone) => {
+                            index.legacy(legacy_staged.take().as_ref());
+                            listed.1 = true;
+                            true
+                        }
+                        Ok(watcher::Event::Apply(cm)) => {
+                            index.legacy(Some(&cm));
+                            true
+                        }
+                        Ok(watcher::Event::Delete(_)) => {
+                            index.legacy(None);
+                            true
+                        }
+                        Err(_) => false,
                     }
-                    watcher::Event::Delete(object) => {
-                        index.delete(&object);
-                        true
-                    }
-                },
-                Ok(Seen::Legacy(event)) => match event {
-                    watcher::Event::Init => {
-                        legacy_staged = None;
-                        false
-                    }
-                    watcher::Event::InitApply(cm) => {
-                        legacy_staged = Some(cm);
-                        false
-                    }
-                    watcher::Event::InitDone => {
-                        index.legacy(legacy_staged.take().as_ref());
-                        listed.1 = true;
-                        true
-                    }
-                    watcher::Event::Apply(cm) => {
-                        index.legacy(Some(&cm));
-                        true
-                    }
-                    watcher::Event::Delete(_) => {
-                        index.legacy(None);
-                        true
-                    }
-                },
-                Err(e) => {
-                    tracing::warn!(namespace = %namespace, configmap = %name, "watching the exclusion records: {e}");
-                    false
                 }
             };
+            let trouble = failing.0.clone().or_else(|| failing.1.clone());
+            trouble_tx.send_if_modified(|t| {
+                let modified = *t != trouble;
+                *t = trouble;
+                modified
+            });
             if changed && listed.0 && listed.1 {
                 let current = index.exclusions();
                 if current.unreadable != unreadable {
@@ -546,7 +605,11 @@ pub fn follow(
             }
         }
     };
-    (Synced(synced_rx), rx, feed)
+    let synced = Synced {
+        synced: synced_rx,
+        trouble: trouble_rx,
+    };
+    (synced, rx, feed)
 }
 
 mod time {

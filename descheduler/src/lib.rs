@@ -20,7 +20,9 @@
 //! What qualifies and what to do is decided by pure functions ([`decide`], [`fit`]); the
 //! loop ([`rounds`]) runs them on every pod or node change, when a refusal reaches the
 //! threshold, and every `--descheduling-interval`, within caps that hold per interval.
-//! `--dry-run` writes nothing and logs and counts what it would do.
+//! `--dry-run` writes nothing and logs and counts what it would do. Until the exclusion
+//! records are read (their CRD installed), the replica is not ready, `/readyz` says why, and
+//! nothing moves.
 //!
 //! Only pods the suite is responsible for are touched: opted in with `--pod-label`, outside
 //! `--exclude-namespaces` (the webhook's flags of the same names and defaults). Pods that a
@@ -452,6 +454,14 @@ fn compose(
         "starting"
     );
     let (standing, candidacy) = (running.standing.clone(), running.candidacy.clone());
+    // Not ready while the records cannot be read, and `/readyz` says why (the
+    // ExclusionRecord CRD not installed, say): without them a move could send a pod back to
+    // a node that refused it, so nothing moves until they are read.
+    let note = args.dry_run.then(|| "dry run".to_owned());
+    running.tasks.spawn(
+        "the exclusion records on /readyz",
+        caches.exclusions.clone().report_to(standing.clone(), note),
+    );
     running
         .tasks
         .spawn_graceful("the descheduling loop", move |stop| async move {

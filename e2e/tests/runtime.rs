@@ -1,6 +1,7 @@
 //! The daemon runtime end to end, with the real binaries as child processes: SIGTERM, a
-//! frozen upper apiserver, and leader election between two virtual nodes for one lower
-//! cluster. Every assertion is what kubectl (or the upper apiserver's audit log) shows.
+//! frozen upper apiserver, leader election between two virtual nodes for one lower
+//! cluster, and a CRD of the suite not installed. Every assertion is what kubectl, the
+//! upper apiserver's audit log, or a daemon's log and admin endpoint shows.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
 
 use std::collections::BTreeSet;
@@ -8,7 +9,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use tensile_e2e::check::{apply, eventually, kubectl};
-use tensile_e2e::descheduler::metric_sum;
+use tensile_e2e::descheduler::{DeschedulerProcess, metric_sum};
 use tensile_e2e::in_process::{VirtualNodeProcess, admin_get};
 use tensile_e2e::partition::Partition;
 use tensile_e2e::scene::{self, UpperAndLower};
@@ -540,5 +541,115 @@ async fn a_leader_paused_past_its_lease_writes_nothing_once_resumed() {
     assert!(
         late.is_empty(),
         "writes from the old leader after it resumed: {late:#?}"
+    );
+}
+
+/// The lines of `log` about the exclusion records (their kind, their CRD, their location)
+/// that an operator sees by default (info and above).
+fn exclusion_lines(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|l| l.to_ascii_lowercase().contains("exclusion") && !l.contains("DEBUG"))
+        .collect()
+}
+
+/// Started without the chart's CRDs (a binary run by hand, an upgrade that has not applied
+/// them yet), the descheduler and the webhook say once which definition is missing and how
+/// to install it, then ask again seconds apart (not five times a second). The descheduler
+/// stays not ready, saying why; the webhook, whose failurePolicy is Fail, serves without the
+/// records and says so. Once the definition is applied both read the records, without a
+/// restart: the descheduler turns ready, the webhook drops its warning.
+#[tokio::test]
+async fn a_missing_exclusion_record_crd_is_said_once_and_the_descheduler_turns_ready_once_it_is_applied() {
+    // Its own upper cluster: the shared one must keep running without the definition.
+    let upper = TestCluster::start(ClusterOptions::new("runtime", "no-crd").apiserver_only())
+        .await
+        .unwrap();
+    // Each attempt of its watch at debug level: the log counts them.
+    let attempts = ["--log-level=info,tensile_common::cache=debug".to_owned()];
+    let mut descheduler = DeschedulerProcess::start(&upper, &attempts, "no-crd").unwrap();
+    let webhook_admin = format!("127.0.0.1:{}", free_port().unwrap());
+    let args = vec![
+        "--address=127.0.0.1".to_owned(),
+        format!("--port={}", free_port().unwrap()),
+        format!("--admin-addr={webhook_admin}"),
+        format!("--kubeconfig={}", upper.kubeconfig().display()),
+    ];
+    let program = tensile_e2e::bins::suite_binary("webhook").unwrap();
+    let log = upper.dir().join("webhook-no-crd.log");
+    let mut webhook = tensile_e2e::process::Service::start("webhook", &program, &args, &log).unwrap();
+    let pids = (descheduler.service.pid(), webhook.pid());
+
+    // Past the webhook's wait for the records (10 s): each has said what it will say.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let crd = "exclusionrecords.tensile.io";
+    let hint = "kubectl apply -f deploy/helm/tensile/crds/exclusionrecords.yaml";
+    let descheduler_log = descheduler.log();
+    for (name, log) in [
+        ("descheduler", descheduler_log.as_str()),
+        ("webhook", &webhook.log_tail(200_000)),
+    ] {
+        let lines = exclusion_lines(log);
+        assert!(
+            lines.len() <= 4,
+            "{name}: {} lines about the exclusion records in 12 s:\n{}",
+            lines.len(),
+            lines.join("\n")
+        );
+        let errors: Vec<_> = lines
+            .iter()
+            .filter(|l| {
+                l.contains("ERROR") && l.contains("ExclusionRecord") && l.contains(crd) && l.contains(hint)
+            })
+            .collect();
+        assert_eq!(
+            errors.len(),
+            1,
+            "{name}: one error names the missing CRD and how to install it:\n{log}"
+        );
+    }
+    // Asked again 5 s later, then 10 s after that: twice in 12 s (five times a second
+    // before).
+    let asked = descheduler_log.lines().filter(|l| l.contains(crd)).count();
+    assert!(
+        asked <= 3,
+        "the descheduler asked for the records {asked} times in 12 s:\n{descheduler_log}"
+    );
+    match descheduler.readyz().await {
+        Some((503, body)) if body.contains(crd) => {}
+        seen => panic!(
+            "the descheduler should be not ready, naming the missing CRD: {seen:?}; log:\n{}",
+            descheduler.log()
+        ),
+    }
+    match admin_get(&webhook_admin, "/readyz").await {
+        Some((200, body)) if body.contains(crd) => {}
+        seen => panic!(
+            "the webhook should serve without the records, naming the missing CRD: {seen:?}; log:\n{}",
+            webhook.log_tail(5000)
+        ),
+    }
+
+    tensile_e2e::chart::install_exclusion_records(upper.kubeconfig())
+        .await
+        .unwrap();
+    let applied = Instant::now();
+    // Asked at most a minute apart once the definition has been missing a while.
+    descheduler.wait_ready(Duration::from_secs(90)).await.unwrap();
+    eprintln!(
+        "figure: ExclusionRecord CRD applied to the descheduler ready: {:?}",
+        applied.elapsed()
+    );
+    within("the webhook reading the exclusion records", 90, || async {
+        match admin_get(&webhook_admin, "/readyz").await {
+            Some((200, body)) if !body.contains("exclusion") => Ok(()),
+            seen => Err(format!("{seen:?}")),
+        }
+    })
+    .await;
+    assert!(descheduler.service.exited().is_none() && webhook.exited().is_none());
+    assert_eq!(
+        (descheduler.service.pid(), webhook.pid()),
+        pids,
+        "neither was restarted"
     );
 }

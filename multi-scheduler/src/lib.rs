@@ -299,6 +299,12 @@ fn compose_extender(
         forget_deleted(state.clone(), nodes.clone(), changed),
     );
     let standing = running.standing.clone();
+    // Not ready while the exclusion records cannot be read, and `/readyz` says why (the
+    // ExclusionRecord CRD not installed, say).
+    tasks.spawn(
+        "the exclusion records on /readyz",
+        exclusions_cache.clone().report_to(standing.clone(), None),
+    );
     tasks.spawn("readiness", async move {
         nodes.synced().await;
         pods.synced().await;
@@ -395,6 +401,13 @@ fn compose_scheduler(
     tasks.spawn("the node watch", nodes_watch);
     tasks.spawn("the exclusions watch", exclusions_watch);
     let (standing, leads) = (running.standing.clone(), running.candidacy.clone());
+    // Not ready while the exclusion records cannot be read, and `/readyz` says why (the
+    // ExclusionRecord CRD not installed, say): a pod placed without them could go back to
+    // a node that refused its workload.
+    tasks.spawn(
+        "the exclusion records on /readyz",
+        exclusions_cache.clone().report_to(standing.clone(), None),
+    );
     tasks.spawn_graceful("the scheduling loop", move |stop| async move {
         let synced = async {
             pods.synced().await;

@@ -480,9 +480,16 @@ async fn serving_certificate(
 }
 
 /// Ready when the certificate is trusted and the exclusion records are read, so that a
-/// replica just started does not admit a moved pod's replacement without them. Records that
-/// cannot be read (no permission, no ConfigMap API) delay readiness by at most
-/// [`EXCLUSIONS_SYNC`], then the webhook serves without them and says so.
+/// replica just started does not admit a moved pod's replacement without them.
+///
+/// Records that cannot be read (no permission; the `ExclusionRecord` CRD not installed, by
+/// an upgrade that has not applied it yet or a binary run by hand) delay readiness by at
+/// most [`EXCLUSIONS_SYNC`]; the webhook then serves without them, warns once and says why
+/// in the `/readyz` body, until they are read (the watch retries on its own, a minute apart
+/// at most, and the body turns to a plain `ok`). This is on purpose, unlike the
+/// descheduler, which stays not ready: the registration's failurePolicy is Fail, so a
+/// webhook that is never ready would refuse every opted-in pod, while one without the
+/// records only loses the exclusions (the descheduler, not ready meanwhile, writes none).
 fn await_readiness(
     ready: tensile_common::admin::Readiness,
     exclusions: Option<(
@@ -500,19 +507,26 @@ fn await_readiness(
                     .await
                     .is_err()
             {
+                let why = cache.trouble().unwrap_or_else(|| {
+                    format!("the exclusion records in {} are not read yet", location.namespace)
+                });
                 tracing::warn!(
-                    configmap = %location,
-                    "the exclusion records could not be read within {EXCLUSIONS_SYNC:?}; serving without them until they can"
+                    namespace = %location.namespace,
+                    "serving without the exclusion records after {EXCLUSIONS_SYNC:?}, until they are read: {why}"
                 );
-                degraded = Some(format!(
-                    "serving; the exclusion records ({location}) are not read yet"
-                ));
+                degraded = Some((format!("serving without the exclusion records: {why}"), cache));
             }
             bundle_seen.wait_for(|written| *written).await.ok()?;
             Some(degraded)
         };
         match stop.run_until_cancelled(wait).await {
-            Some(Some(Some(why))) => ready.say(true, why),
+            Some(Some(Some((why, cache)))) => {
+                ready.say(true, why);
+                if stop.run_until_cancelled(cache.synced()).await.is_some() {
+                    tracing::info!("the exclusion records are read: serving with them");
+                    ready.say(true, "");
+                }
+            }
             Some(Some(None)) => ready.set(true),
             _ => {}
         }
