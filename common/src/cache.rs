@@ -819,9 +819,9 @@ pub fn failing<K: kube::Resource<DynamicType = ()>>(error: &watcher::Error) -> S
     let (kind, plural, group) = (K::kind(&()), K::plural(&()), K::group(&()));
     match Failure::of(error) {
         Failure::Unserved if group == crate::names::API_GROUP => format!(
-            "the {kind} CRD ({plural}.{group}) is not installed: install it with \
-             `kubectl apply -f deploy/helm/tensile/crds/{plural}.yaml` (the chart's crds/, which \
-             `helm upgrade` does not apply)"
+            "the {kind} CRD ({plural}.{group}) is not installed: install it with `tensilectl crds` \
+             (this release's definitions), or `kubectl apply -f deploy/helm/tensile/crds/{plural}.yaml` \
+             (the chart's crds/, which `helm upgrade` does not apply)"
         ),
         Failure::Unserved => format!(
             "the apiserver does not serve {kind} ({}): {error}",

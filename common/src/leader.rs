@@ -75,6 +75,10 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     if rest.is_empty() {
         return Err(bad());
     }
+    // Zero needs no unit, as in Go's time.ParseDuration.
+    if rest == "0" {
+        return Ok(Duration::ZERO);
+    }
     while !rest.is_empty() {
         let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
         if digits == 0 {
@@ -821,6 +825,8 @@ mod tests {
     #[test]
     fn durations_read_as_client_go_writes_them() {
         assert_eq!(parse_duration("15s"), Ok(Duration::from_secs(15)));
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO), "zero needs no unit");
+        assert!(parse_duration("5").is_err(), "any other number does");
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
         assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));

@@ -167,6 +167,38 @@ pub async fn deny_unanswered(
     Ok(denied)
 }
 
+/// Deletes every certificate request `account` made (once its node is stopped and the account
+/// gone, none is read again: a node stopped while it waited leaves its request behind).
+/// Deleting a request revokes nothing: a certificate issued ends with its lifetime.
+pub async fn delete_requests(
+    api: &Api<CertificateSigningRequest>,
+    account: &str,
+) -> Result<usize, kube::Error> {
+    let mut deleted = 0;
+    for csr in api.list(&kube::api::ListParams::default()).await?.items {
+        if csr.spec.username.as_deref() != Some(account) {
+            continue;
+        }
+        let only_that = kube::api::DeleteParams {
+            preconditions: Some(kube::api::Preconditions {
+                uid: csr.metadata.uid.clone(),
+                resource_version: None,
+            }),
+            ..Default::default()
+        };
+        match api
+            .delete(csr.metadata.name.as_deref().unwrap_or_default(), &only_that)
+            .await
+        {
+            Ok(_) => deleted += 1,
+            // Deleted meanwhile.
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(deleted)
+}
+
 /// Answers the certificate requests of virtual nodes as they come, for ever.
 pub async fn run(upper: kube::Client, settings: Settings) {
     let api: Api<CertificateSigningRequest> = Api::all(upper.clone());

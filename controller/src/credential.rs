@@ -39,6 +39,8 @@ pub enum Error {
     Kubeconfig(String),
     #[error("the kubeconfig names no cluster to use")]
     NoCluster,
+    #[error("the kubeconfig has no context {name:?} (it has: {known})")]
+    NoContext { name: String, known: String },
     #[error("the kubeconfig's cluster has no server")]
     NoServer,
     #[error("reading {path}: {source}")]
@@ -113,12 +115,27 @@ pub struct Endpoint {
     pub ca_data: Option<String>,
     pub insecure: bool,
     pub proxy_url: Option<String>,
+    /// The name the apiserver's certificate is checked against, when not the server's host.
+    pub tls_server_name: Option<String>,
 }
 
 impl Endpoint {
     /// The current context's cluster of `kubeconfig` (or of `context`), the CA read from its
     /// file when the kubeconfig names one, so the result stands on its own (`--flatten`).
     pub fn of(kubeconfig: &kube::config::Kubeconfig, context: Option<&str>) -> Result<Self, Error> {
+        if let Some(name) = context
+            && !kubeconfig.contexts.iter().any(|c| c.name == name)
+        {
+            let known: Vec<&str> = kubeconfig.contexts.iter().map(|c| c.name.as_str()).collect();
+            return Err(Error::NoContext {
+                name: name.to_owned(),
+                known: if known.is_empty() {
+                    "none".into()
+                } else {
+                    known.join(", ")
+                },
+            });
+        }
         let cluster = tensile_common::kubeconfig::cluster_of(kubeconfig, context).ok_or(Error::NoCluster)?;
         let server = cluster.server.clone().ok_or(Error::NoServer)?;
         // Inline as written, or the file's PEM inlined.
@@ -136,6 +153,7 @@ impl Endpoint {
             ca_data,
             insecure: cluster.insecure_skip_tls_verify.unwrap_or(false),
             proxy_url: cluster.proxy_url.clone(),
+            tls_server_name: cluster.tls_server_name.clone(),
         })
     }
 
@@ -151,6 +169,9 @@ impl Endpoint {
         }
         if let Some(proxy) = &self.proxy_url {
             cluster["proxy-url"] = proxy.clone().into();
+        }
+        if let Some(name) = &self.tls_server_name {
+            cluster["tls-server-name"] = name.clone().into();
         }
         let config = serde_json::json!({
             "apiVersion": "v1",
@@ -268,6 +289,7 @@ pub(crate) mod tests {
             ca_data: Some("Q0E=".into()),
             insecure: false,
             proxy_url: Some("http://proxy.example:3128".into()),
+            tls_server_name: Some("lower-a.internal".into()),
         };
         let text = endpoint.kubeconfig("lower-a");
         let dir = tempfile::tempdir().unwrap();
@@ -280,6 +302,15 @@ pub(crate) mod tests {
             Some(dir.path().join("token").as_path()),
             "relative to the kubeconfig, so the Secret's two keys mounted as one directory work"
         );
-        assert_eq!(Endpoint::of(&parsed, None).unwrap(), endpoint);
+        assert_eq!(
+            Endpoint::of(&parsed, None).unwrap(),
+            endpoint,
+            "the TLS server name is kept"
+        );
+        let wrong = Endpoint::of(&parsed, Some("lower-b")).unwrap_err().to_string();
+        assert_eq!(
+            wrong,
+            "the kubeconfig has no context \"lower-b\" (it has: lower-a)"
+        );
     }
 }

@@ -15,12 +15,13 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Namespace, Secret, ServiceAccount};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Namespace, Node, Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{
     ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use tensile_common::api::{code, message};
 use tensile_common::kubeconfig::ClientOptions;
 use tensile_common::lower::identity::Identity;
@@ -28,7 +29,7 @@ use tensile_common::lower::teardown;
 use tensile_common::names;
 
 use crate::credential::{self, Endpoint};
-use crate::resource::{Credential, LowerCluster, LowerClusterSpec, condition};
+use crate::resource::{Credential, LowerCluster, LowerClusterSpec, condition, record};
 
 /// The rights of a virtual node in a lower cluster, as the chart renders them: every
 /// namespace, and namespace scope (one served namespace).
@@ -38,6 +39,7 @@ const LOWER_NAMESPACE_RBAC: &str = include_str!("../../deploy/lower-namespace-rb
 #[derive(Debug, clap::Parser)]
 #[command(
     name = "tensilectl",
+    version,
     about = "Joins lower clusters to a tensile fleet and removes them"
 )]
 pub struct Cli {
@@ -54,6 +56,70 @@ pub enum Command {
     Leave(LeaveArgs),
     /// Prints the fleet.
     Status(StatusArgs),
+    /// Applies this release's CustomResourceDefinitions to the upper cluster: helm installs
+    /// its crds/ on a first install only, and never upgrades them.
+    Crds(CrdsArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CrdsArgs {
+    #[command(flatten)]
+    pub clusters: Clusters,
+}
+
+/// The CustomResourceDefinitions of this release (the chart's crds/).
+const CRDS: [&str; 2] = [
+    include_str!("../../deploy/helm/tensile/crds/lowerclusters.yaml"),
+    include_str!("../../deploy/helm/tensile/crds/exclusionrecords.yaml"),
+];
+
+/// `tensilectl crds`: applies [`CRDS`] and waits until each is established; says of each
+/// whether it was made, changed or already so.
+pub async fn crds(args: &CrdsArgs) -> Result<String, Error> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let upper = upper_client(&args.clusters).await?;
+    let api: Api<CustomResourceDefinition> = Api::all(upper);
+    let mut out = String::new();
+    for text in CRDS {
+        let value: serde_json::Value = serde_yaml::from_str(text).map_err(|e| {
+            Error::Refused(format!(
+                "a CustomResourceDefinition of this release does not parse: {e}"
+            ))
+        })?;
+        let name = value["metadata"]["name"].as_str().unwrap_or_default().to_owned();
+        let what = format!("CustomResourceDefinition {name}");
+        let before = api
+            .get_opt(&name)
+            .await
+            .map_err(api_error("upper", "get", what.clone()))?;
+        let applied = api
+            .patch(&name, &ssa(), &Patch::Apply(&value))
+            .await
+            .map_err(api_error("upper", "apply", what.clone()))?;
+        let said = match before {
+            None => "made",
+            Some(b) if b.metadata.resource_version != applied.metadata.resource_version => "updated",
+            Some(_) => "already current",
+        };
+        let started = Instant::now();
+        loop {
+            let established = api
+                .get_opt(&name)
+                .await
+                .map_err(api_error("upper", "get", what.clone()))?
+                .and_then(|c| c.status?.conditions)
+                .is_some_and(|c| c.iter().any(|c| c.type_ == "Established" && c.status == "True"));
+            if established {
+                break;
+            }
+            if started.elapsed() > Duration::from_secs(60) {
+                return Err(Error::Timeout(format!("{what} is not established after 60 s")));
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let _ = writeln!(out, "{what}: {said}");
+    }
+    Ok(out)
 }
 
 /// The two clusters and where tensile lives in each.
@@ -131,8 +197,24 @@ pub struct LeaveArgs {
     pub name: String,
     #[command(flatten)]
     pub clusters: Clusters,
-    #[command(flatten)]
-    pub lower: Lower,
+    /// Kubeconfig of an admin of the lower cluster.
+    #[arg(
+        long = "lower-kubeconfig",
+        env = "TENSILE_LOWER_KUBECONFIG",
+        required_unless_present = "lower_unreachable"
+    )]
+    pub lower_kubeconfig: Option<PathBuf>,
+    /// Context of the lower kubeconfig (default: its current one).
+    #[arg(long = "lower-context", env = "TENSILE_LOWER_CONTEXT")]
+    pub lower_context: Option<String>,
+    /// The lower namespace of the virtual node's account (default: the one join recorded on
+    /// the LowerCluster, else `tensile`).
+    #[arg(long = "lower-namespace", env = "TENSILE_LOWER_NAMESPACE")]
+    pub lower_namespace: Option<String>,
+    /// The lower cluster is gone for good: remove the LowerCluster and its virtual node
+    /// without touching it, and print what stays there.
+    #[arg(long = "lower-unreachable", conflicts_with = "lower_kubeconfig")]
+    pub lower_unreachable: bool,
     /// How long to wait for each removal.
     #[arg(long, default_value = "5m", value_parser = tensile_common::leader::parse_duration)]
     pub wait: Duration,
@@ -142,6 +224,12 @@ pub struct LeaveArgs {
 pub struct StatusArgs {
     #[command(flatten)]
     pub clusters: Clusters,
+    /// The lower clusters of every release, not only those of `-n`'s.
+    #[arg(long = "all-namespaces", short = 'A')]
+    pub all_namespaces: bool,
+    /// Output format: `text` (a line each) or `json`.
+    #[arg(long, short = 'o', default_value = "text", value_parser = ["text", "json"])]
+    pub output: String,
 }
 
 /// What went wrong, naming the cluster, the step and the object.
@@ -163,6 +251,16 @@ pub enum Error {
     Refused(String),
     #[error("{0}")]
     Timeout(String),
+    /// The status, printed as it is: some lower cluster is not Ready.
+    #[error("{0}")]
+    NotReady(String),
+    /// A step failed after others made objects: which, and how to remove them.
+    #[error("{source}\nmade before that: {made}; `tensilectl leave {name}` removes them, or run join again")]
+    Partial {
+        name: String,
+        made: String,
+        source: Box<Error>,
+    },
 }
 
 fn api_error(
@@ -213,10 +311,37 @@ fn labels(cluster: &str, upper_id: &str) -> BTreeMap<String, String> {
     ])
 }
 
-fn ours(meta: &ObjectMeta, cluster: &str) -> bool {
+/// Whether tensilectl made `meta`'s object for lower cluster `cluster` of the upper cluster
+/// `upper_id`: an object of another fleet (another upper cluster's join) is never touched.
+fn ours(meta: &ObjectMeta, cluster: &str, upper_id: &str) -> bool {
     let l = meta.labels.as_ref();
-    l.and_then(|l| l.get(names::MANAGED_BY)).map(String::as_str) == Some(names::TENSILECTL)
-        && l.and_then(|l| l.get(names::LOWER_CLUSTER)).map(String::as_str) == Some(cluster)
+    let label = |key: &str| l.and_then(|l| l.get(key)).map(String::as_str);
+    label(names::MANAGED_BY) == Some(names::TENSILECTL)
+        && label(names::LOWER_CLUSTER) == Some(cluster)
+        && label(names::MARK_CLUSTER) == Some(upper_id)
+}
+
+/// `what`, named `name`, when it exists and tensilectl did not make it for `cluster` of the
+/// upper cluster `upper_id`.
+async fn foreign<K>(
+    api: &Api<K>,
+    side: &'static str,
+    name: &str,
+    cluster: &str,
+    upper_id: &str,
+) -> Result<Option<String>, Error>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let what = match api.namespace() {
+        Some(ns) => format!("{} {ns}/{name}", K::kind(&())),
+        None => format!("{} {name}", K::kind(&())),
+    };
+    let found = api
+        .get_opt(name)
+        .await
+        .map_err(api_error(side, "get", what.clone()))?;
+    Ok(found.filter(|f| !ours(f.meta(), cluster, upper_id)).map(|_| what))
 }
 
 /// The rules of the first `kind` named `name` in the chart's lower rendering `rendered`.
@@ -333,12 +458,23 @@ pub fn lower_objects(name: &str, namespace: &str, upper_id: &str, served: &[Stri
     }
 }
 
-/// The upper objects of cluster `name`: the credential Secret and the `LowerCluster`.
+/// Which lower cluster join made its objects in: recorded on the `LowerCluster`.
+#[derive(Clone, Debug, Default)]
+pub struct Joined {
+    /// The lower cluster's id (its kube-system namespace's UID).
+    pub lower_uid: String,
+    pub server: String,
+    pub namespace: String,
+}
+
+/// The upper objects of cluster `name`: the credential Secret and the `LowerCluster`, with
+/// the record of `joined`.
 pub fn upper_objects(
     args: &JoinArgs,
     upper_id: &str,
     kubeconfig: &str,
     token: &str,
+    joined: &Joined,
 ) -> (Secret, LowerCluster) {
     let name = args.name.as_str();
     let secret = Secret {
@@ -371,6 +507,11 @@ pub fn upper_objects(
         args.clusters.namespace.clone(),
     );
     cluster.metadata.labels = Some(cluster_labels);
+    cluster.metadata.annotations = Some(BTreeMap::from([
+        (record::LOWER_UID.to_owned(), joined.lower_uid.clone()),
+        (record::LOWER_SERVER.to_owned(), joined.server.clone()),
+        (record::LOWER_NAMESPACE.to_owned(), joined.namespace.clone()),
+    ]));
     (secret, cluster)
 }
 
@@ -392,31 +533,33 @@ async fn upper_client(clusters: &Clusters) -> Result<kube::Client, Error> {
     Ok(tensile_common::kubeconfig::client(path.as_deref(), &options).await?)
 }
 
-async fn lower_client(lower: &Lower) -> Result<kube::Client, Error> {
+async fn lower_client(kubeconfig: &Path, context: Option<&str>) -> Result<kube::Client, Error> {
     let options = ClientOptions {
-        context: lower.lower_context.clone(),
+        context: context.map(str::to_owned),
         user_agent: Some(names::TENSILECTL.into()),
         ..Default::default()
     };
-    Ok(tensile_common::kubeconfig::client_from_file(&lower.lower_kubeconfig, &options).await?)
+    Ok(tensile_common::kubeconfig::client_from_file(kubeconfig, &options).await?)
 }
 
 async fn upper_id(client: &kube::Client, clusters: &Clusters) -> Result<String, Error> {
-    if let Some(id) = &clusters.cluster_id {
-        return Ok(id.clone());
+    match &clusters.cluster_id {
+        Some(id) => Ok(id.clone()),
+        None => cluster_uid(client, "upper").await,
     }
+}
+
+/// A cluster's id: its kube-system namespace's UID.
+async fn cluster_uid(client: &kube::Client, side: &'static str) -> Result<String, Error> {
     let ns = Api::<Namespace>::all(client.clone())
         .get("kube-system")
         .await
-        .map_err(api_error(
-            "upper",
-            "get",
-            "namespace kube-system (the cluster's id)",
-        ))?;
+        .map_err(api_error(side, "get", "namespace kube-system (the cluster's id)"))?;
     Ok(ns.metadata.uid.unwrap_or_default())
 }
 
-async fn apply<K>(api: &Api<K>, cluster: &'static str, object: &K) -> Result<(), Error>
+/// Applies `object`; what it is, to say it was made.
+async fn apply<K>(api: &Api<K>, cluster: &'static str, object: &K) -> Result<String, Error>
 where
     K: kube::Resource<DynamicType = ()>
         + Clone
@@ -435,8 +578,145 @@ where
     value["kind"] = K::kind(&()).into();
     api.patch(&name, &ssa(), &Patch::Apply(&value))
         .await
-        .map_err(api_error(cluster, "apply", what))?;
-    Ok(())
+        .map_err(api_error(cluster, "apply", what.clone()))?;
+    Ok(format!("{cluster} {what}"))
+}
+
+/// `e`, saying what was `made` before it when anything was.
+fn partial(name: &str, made: &[String], e: Error) -> Error {
+    if made.is_empty() {
+        return e;
+    }
+    Error::Partial {
+        name: name.to_owned(),
+        made: made.join(", "),
+        source: Box::new(e),
+    }
+}
+
+/// What join checks upstream before it makes anything: that NAME fits the chart's names,
+/// and that nothing of the upper cluster already answers to it but a LowerCluster of that
+/// name (whose lower cluster is checked once reached). Returns that LowerCluster.
+async fn check_upper(
+    upper: &kube::Client,
+    args: &JoinArgs,
+    upper_id: &str,
+) -> Result<Option<LowerCluster>, Error> {
+    let name = args.name.as_str();
+    let upper_ns = args.clusters.namespace.as_str();
+    // The chart's name prefix is in its cluster controller's flags; an account that may not
+    // list Deployments leaves the length to the controller's own check.
+    let controllers = Api::<Deployment>::namespaced(upper.clone(), upper_ns)
+        .list(&ListParams::default().labels("app.kubernetes.io/component=cluster-controller"))
+        .await;
+    let prefix = controllers.ok().and_then(|list| {
+        list.items
+            .iter()
+            .filter_map(|d| d.spec.template.spec.as_ref())
+            .flat_map(|spec| &spec.containers)
+            .flat_map(|c| c.args.iter().flatten())
+            .find_map(|a| a.strip_prefix("--name-prefix=").map(str::to_owned))
+    });
+    if let Some(prefix) = prefix {
+        crate::plan::name_fits(&prefix, name).map_err(|why| Error::Refused(format!("{name}: {why}")))?;
+    }
+    let all = Api::<LowerCluster>::all(upper.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(api_error("upper", "list", "lowerclusters"))?;
+    if let Some(other) = all
+        .items
+        .iter()
+        .find(|c| c.name() != name && c.node_name() == name)
+    {
+        return Err(Error::Refused(format!(
+            "upper cluster: LowerCluster {} has the virtual node {name}: choose another name",
+            other.name()
+        )));
+    }
+    let existing = all.items.into_iter().find(|c| c.name() == name);
+    match &existing {
+        Some(e) if e.metadata.deletion_timestamp.is_some() => {
+            return Err(Error::Refused(format!(
+                "upper cluster: LowerCluster {name} is being removed: join again once it is gone \
+                 (kubectl get lowercluster {name})"
+            )));
+        }
+        Some(e) if !ours(&e.metadata, name, upper_id) => {
+            return Err(Error::Refused(format!(
+                "upper cluster: LowerCluster {name} exists and was not made by tensilectl join: it is \
+                 left alone; choose another name, or delete it first"
+            )));
+        }
+        Some(_) => {}
+        None => {
+            if Api::<Node>::all(upper.clone())
+                .get_opt(name)
+                .await
+                .map_err(api_error("upper", "get", format!("Node {name}")))?
+                .is_some()
+            {
+                return Err(Error::Refused(format!(
+                    "upper cluster: Node {name} exists and is no LowerCluster's virtual node: the \
+                     virtual node would take its name; choose another name"
+                )));
+            }
+        }
+    }
+    if let Some(what) = foreign(
+        &Api::<Secret>::namespaced(upper.clone(), upper_ns),
+        "upper",
+        &secret_name(name),
+        name,
+        upper_id,
+    )
+    .await?
+    {
+        return Err(Error::Refused(format!(
+            "upper cluster: {what} exists and was not made by tensilectl for {name}: it is left \
+             alone; choose another name"
+        )));
+    }
+    Ok(existing)
+}
+
+/// A join of `existing`'s name again: only of the lower cluster and namespace it was
+/// joined with (renewing its grants and credential); another one would take its entry
+/// over and orphan what runs below.
+fn check_rejoin(existing: &LowerCluster, joined: &Joined) -> Result<(), Error> {
+    let name = existing.name();
+    let recorded = |key: &str| {
+        existing
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(key))
+            .cloned()
+    };
+    match recorded(record::LOWER_UID) {
+        Some(uid) if uid == joined.lower_uid => {}
+        Some(_) => {
+            return Err(Error::Refused(format!(
+                "LowerCluster {name} is joined to another lower cluster ({}): join would take its \
+                 entry over and orphan what runs there; `tensilectl leave {name}` first, or choose \
+                 another name",
+                recorded(record::LOWER_SERVER).unwrap_or_else(|| "its server is not recorded".into())
+            )));
+        }
+        None => {
+            return Err(Error::Refused(format!(
+                "LowerCluster {name} exists and records no lower cluster: `tensilectl leave {name}` \
+                 first, or choose another name"
+            )));
+        }
+    }
+    match recorded(record::LOWER_NAMESPACE) {
+        Some(ns) if ns != joined.namespace => Err(Error::Refused(format!(
+            "LowerCluster {name} was joined with --lower-namespace {ns}: join again with it, or \
+             `tensilectl leave {name}` first"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 fn yaml<K: serde::Serialize + kube::Resource<DynamicType = ()>>(out: &mut String, object: &K) {
@@ -447,6 +727,13 @@ fn yaml<K: serde::Serialize + kube::Resource<DynamicType = ()>>(out: &mut String
 /// `tensilectl join`: returns what to print.
 pub async fn join(args: &JoinArgs) -> Result<String, Error> {
     let name = args.name.as_str();
+    if !names::is_dns_label(name) {
+        return Err(Error::Refused(format!(
+            "{name:?} is not a DNS label (at most 63 lowercase letters, digits and '-', starting \
+             and ending with a letter or digit): it names the virtual node and objects in both \
+             clusters"
+        )));
+    }
     if let Some(bad) = args
         .namespaces
         .iter()
@@ -494,7 +781,12 @@ pub async fn join(args: &JoinArgs) -> Result<String, Error> {
         }
         yaml(&mut out, &lower_objects.token_role);
         yaml(&mut out, &lower_objects.token_binding);
-        let (mut secret, cluster) = upper_objects(args, &upper_id, &credential_kubeconfig, "");
+        let joined = Joined {
+            lower_uid: "<the lower kube-system namespace's UID>".into(),
+            server: endpoint.server.clone(),
+            namespace: ns.to_owned(),
+        };
+        let (mut secret, cluster) = upper_objects(args, &upper_id, &credential_kubeconfig, "", &joined);
         secret.data = None;
         secret.string_data = Some(BTreeMap::from([
             (
@@ -542,26 +834,100 @@ pub async fn join(args: &JoinArgs) -> Result<String, Error> {
         });
     }
 
-    let lower = lower_client(&args.lower).await?;
-    let accounts: Api<ServiceAccount> = Api::namespaced(lower.clone(), ns);
-    if let Some(existing) = accounts.get_opt(&account_name(name)).await.map_err(api_error(
-        "lower",
-        "get",
-        format!("ServiceAccount {ns}/{}", account_name(name)),
-    ))? {
-        let other = existing
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(names::MARK_CLUSTER))
-            .cloned();
-        if !ours(&existing.metadata, name) || other.as_deref() != Some(upper_id.as_str()) {
-            return Err(Error::Refused(format!(
-                "lower cluster: ServiceAccount {ns}/{} exists and was not made by tensilectl for this upper cluster \
-                 ({upper_id}): it is left alone; choose another name",
-                account_name(name)
-            )));
-        }
+    let existing = check_upper(&upper, args, &upper_id).await?;
+
+    let lower = lower_client(&args.lower.lower_kubeconfig, args.lower.lower_context.as_deref()).await?;
+    let joined = Joined {
+        lower_uid: cluster_uid(&lower, "lower").await?,
+        server: endpoint.server.clone(),
+        namespace: ns.to_owned(),
+    };
+    if let Some(existing) = &existing {
+        check_rejoin(existing, &joined)?;
+    }
+    let account = account_name(name);
+    let token_objects = format!("{account}-token");
+    let mut taken = Vec::new();
+    taken.extend(
+        foreign(
+            &Api::<ServiceAccount>::namespaced(lower.clone(), ns),
+            "lower",
+            &account,
+            name,
+            &upper_id,
+        )
+        .await?,
+    );
+    if lower_objects.role.is_some() {
+        taken.extend(
+            foreign(
+                &Api::<ClusterRole>::all(lower.clone()),
+                "lower",
+                &account,
+                name,
+                &upper_id,
+            )
+            .await?,
+        );
+        taken.extend(
+            foreign(
+                &Api::<ClusterRoleBinding>::all(lower.clone()),
+                "lower",
+                &account,
+                name,
+                &upper_id,
+            )
+            .await?,
+        );
+    }
+    for served in &args.namespaces {
+        taken.extend(
+            foreign(
+                &Api::<Role>::namespaced(lower.clone(), served),
+                "lower",
+                &account,
+                name,
+                &upper_id,
+            )
+            .await?,
+        );
+        taken.extend(
+            foreign(
+                &Api::<RoleBinding>::namespaced(lower.clone(), served),
+                "lower",
+                &account,
+                name,
+                &upper_id,
+            )
+            .await?,
+        );
+    }
+    taken.extend(
+        foreign(
+            &Api::<Role>::namespaced(lower.clone(), ns),
+            "lower",
+            &token_objects,
+            name,
+            &upper_id,
+        )
+        .await?,
+    );
+    taken.extend(
+        foreign(
+            &Api::<RoleBinding>::namespaced(lower.clone(), ns),
+            "lower",
+            &token_objects,
+            name,
+            &upper_id,
+        )
+        .await?,
+    );
+    if !taken.is_empty() {
+        return Err(Error::Refused(format!(
+            "lower cluster: {} exist and were not made by tensilectl for {name} of this upper cluster \
+             ({upper_id}): they are left alone; remove them or choose another name",
+            taken.join(", ")
+        )));
     }
     let namespaces: Api<Namespace> = Api::all(lower.clone());
     // A served namespace is the lower admin's: it must be there, and join makes none.
@@ -577,47 +943,84 @@ pub async fn join(args: &JoinArgs) -> Result<String, Error> {
             )));
         }
     }
+
+    // Everything checked: from here on, what is made is said if a later step fails.
+    let mut made = Vec::new();
     if namespaces
         .get_opt(ns)
         .await
         .map_err(api_error("lower", "get", format!("namespace {ns}")))?
         .is_none()
     {
-        apply(&namespaces, "lower", &lower_objects.namespace).await?;
+        made.push(apply(&namespaces, "lower", &lower_objects.namespace).await?);
     }
-    apply(&accounts, "lower", &lower_objects.account).await?;
+    let accounts: Api<ServiceAccount> = Api::namespaced(lower.clone(), ns);
+    made.push(
+        apply(&accounts, "lower", &lower_objects.account)
+            .await
+            .map_err(|e| partial(name, &made, e))?,
+    );
     if let (Some(role), Some(binding)) = (&lower_objects.role, &lower_objects.binding) {
-        apply(&Api::all(lower.clone()), "lower", role).await?;
-        apply(&Api::all(lower.clone()), "lower", binding).await?;
+        made.push(
+            apply(&Api::all(lower.clone()), "lower", role)
+                .await
+                .map_err(|e| partial(name, &made, e))?,
+        );
+        made.push(
+            apply(&Api::all(lower.clone()), "lower", binding)
+                .await
+                .map_err(|e| partial(name, &made, e))?,
+        );
     }
     for (role, binding) in &lower_objects.namespace_grants {
         let served = role.metadata.namespace.as_deref().unwrap_or_default();
-        apply(&Api::namespaced(lower.clone(), served), "lower", role).await?;
-        apply(&Api::namespaced(lower.clone(), served), "lower", binding).await?;
+        made.push(
+            apply(&Api::namespaced(lower.clone(), served), "lower", role)
+                .await
+                .map_err(|e| partial(name, &made, e))?,
+        );
+        made.push(
+            apply(&Api::namespaced(lower.clone(), served), "lower", binding)
+                .await
+                .map_err(|e| partial(name, &made, e))?,
+        );
     }
-    apply(
-        &Api::namespaced(lower.clone(), ns),
-        "lower",
-        &lower_objects.token_role,
-    )
-    .await?;
-    apply(
-        &Api::namespaced(lower.clone(), ns),
-        "lower",
-        &lower_objects.token_binding,
-    )
-    .await?;
-    let token = credential::request_token(&lower, ns, &account_name(name), args.token_lifetime)
+    made.push(
+        apply(
+            &Api::namespaced(lower.clone(), ns),
+            "lower",
+            &lower_objects.token_role,
+        )
+        .await
+        .map_err(|e| partial(name, &made, e))?,
+    );
+    made.push(
+        apply(
+            &Api::namespaced(lower.clone(), ns),
+            "lower",
+            &lower_objects.token_binding,
+        )
+        .await
+        .map_err(|e| partial(name, &made, e))?,
+    );
+    let token = credential::request_token(&lower, ns, &account, args.token_lifetime)
         .await
         .map_err(api_error(
             "lower",
             "request a token of",
-            format!("ServiceAccount {ns}/{}", account_name(name)),
-        ))?;
+            format!("ServiceAccount {ns}/{account}"),
+        ))
+        .map_err(|e| partial(name, &made, e))?;
 
-    let (secret, cluster) = upper_objects(args, &upper_id, &credential_kubeconfig, &token);
-    apply(&Api::namespaced(upper.clone(), upper_ns), "upper", &secret).await?;
-    apply(&clusters, "upper", &cluster).await?;
+    let (secret, cluster) = upper_objects(args, &upper_id, &credential_kubeconfig, &token, &joined);
+    made.push(
+        apply(&Api::namespaced(upper.clone(), upper_ns), "upper", &secret)
+            .await
+            .map_err(|e| partial(name, &made, e))?,
+    );
+    apply(&clusters, "upper", &cluster)
+        .await
+        .map_err(|e| partial(name, &made, e))?;
 
     let mut out = String::new();
     let grants = match args.namespaces.as_slice() {
@@ -660,6 +1063,16 @@ async fn wait_ready(api: &Api<LowerCluster>, name: &str, wait: Duration) -> Resu
                 .is_some_and(|c| c.status == "True")
             {
                 return Ok(found);
+            }
+            // Refused by the controller: no wait makes it Ready.
+            if let Some(refused) = found
+                .condition(condition::ACCEPTED)
+                .filter(|c| c.status == "False")
+            {
+                return Err(Error::Refused(format!(
+                    "LowerCluster {name} is not accepted: {}: {}",
+                    refused.reason, refused.message
+                )));
             }
             last = found
                 .condition(condition::READY)
@@ -706,24 +1119,61 @@ pub fn describe(cluster: &LowerCluster) -> String {
     )
 }
 
-/// `tensilectl status`.
+/// `tensilectl status`: the lower clusters of the release of `-n` (or of all, `-A`); a
+/// [`Error::NotReady`] holding the same output when one is not Ready.
 pub async fn status(args: &StatusArgs) -> Result<String, Error> {
     let upper = upper_client(&args.clusters).await?;
+    let mut params = ListParams::default();
+    if !args.all_namespaces {
+        params = params.labels(&format!(
+            "{}={}",
+            names::CONTROLLER_NAMESPACE,
+            args.clusters.namespace
+        ));
+    }
     let list = Api::<LowerCluster>::all(upper)
-        .list(&Default::default())
+        .list(&params)
         .await
         .map_err(api_error("upper", "list", "lowerclusters"))?;
-    if list.items.is_empty() {
-        return Ok("no lower clusters: add one with tensilectl join\n".into());
+    let ready = |c: &LowerCluster| c.condition(condition::READY).is_some_and(|r| r.status == "True");
+    let out = match args.output.as_str() {
+        "json" => {
+            let items: Vec<serde_json::Value> = list.items.iter().map(summary).collect();
+            serde_json::to_string_pretty(&items).unwrap_or_default() + "\n"
+        }
+        _ if list.items.is_empty() => "no lower clusters: add one with tensilectl join\n".into(),
+        _ => list.items.iter().map(|c| describe(c) + "\n").collect(),
+    };
+    if list.items.iter().all(ready) {
+        Ok(out)
+    } else {
+        Err(Error::NotReady(out))
     }
-    Ok(list.items.iter().map(|c| describe(c) + "\n").collect())
+}
+
+/// A lower cluster as `status -o json` prints it.
+fn summary(cluster: &LowerCluster) -> serde_json::Value {
+    let status = cluster.status.clone().unwrap_or_default();
+    let ready = cluster.condition(condition::READY);
+    serde_json::json!({
+        "name": cluster.name(),
+        "node": cluster.node_name(),
+        "ready": ready.map(|c| c.status.as_str()).unwrap_or("Unknown"),
+        "reason": ready.map(|c| c.reason.as_str()),
+        "message": ready.map(|c| c.message.as_str()),
+        "version": status.lower_version,
+        "nodes": status.lower_nodes,
+        "allocatable": status.allocatable,
+        "heartbeat": status.last_heartbeat,
+        "conditions": status.conditions,
+    })
 }
 
 async fn delete_ours<K>(
     api: &Api<K>,
     cluster_side: &'static str,
     name: &str,
-    cluster: &str,
+    (cluster, upper_id): (&str, &str),
 ) -> Result<bool, Error>
 where
     K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
@@ -736,7 +1186,7 @@ where
     else {
         return Ok(false);
     };
-    if !ours(found.meta(), cluster) {
+    if !ours(found.meta(), cluster, upper_id) {
         return Ok(false);
     }
     match api.delete(name, &DeleteParams::default()).await {
@@ -752,15 +1202,73 @@ pub async fn leave(args: &LeaveArgs) -> Result<String, Error> {
     let mut out = String::new();
     let upper = upper_client(&args.clusters).await?;
     let upper_id = upper_id(&upper, &args.clusters).await?;
+    let mine = (name, upper_id.as_str());
     let clusters: Api<LowerCluster> = Api::all(upper.clone());
-    let mut node = name.to_owned();
-    if let Some(found) =
-        clusters
-            .get_opt(name)
+    // A cluster that serves no LowerClusters has none of that name.
+    let found = match clusters.get(name).await {
+        Ok(found) => Some(found),
+        Err(e) if code(&e) == Some(404) => None,
+        Err(e) => return Err(api_error("upper", "get", format!("lowercluster {name}"))(e)),
+    };
+    let recorded = |key: &str| {
+        found
+            .as_ref()
+            .and_then(|f| f.metadata.annotations.as_ref()?.get(key).cloned())
+    };
+    let server = recorded(record::LOWER_SERVER).unwrap_or_else(|| "not recorded".into());
+    let ns = match (&args.lower_namespace, recorded(record::LOWER_NAMESPACE)) {
+        (Some(given), Some(joined)) if *given != joined => {
+            return Err(Error::Refused(format!(
+                "LowerCluster {name} was joined with --lower-namespace {joined}, not {given}: nothing was removed"
+            )));
+        }
+        (Some(given), _) => given.clone(),
+        (None, Some(joined)) => joined,
+        (None, None) => "tensile".to_owned(),
+    };
+    // The lower cluster is checked to be the one joined before anything is removed.
+    let lower = match &args.lower_kubeconfig {
+        Some(path) => {
+            let lower = lower_client(path, args.lower_context.as_deref()).await?;
+            let uid = cluster_uid(&lower, "lower").await?;
+            if let Some(joined) = recorded(record::LOWER_UID).filter(|joined| *joined != uid) {
+                return Err(Error::Refused(format!(
+                    "LowerCluster {name} was joined to lower cluster {server} (kube-system {joined}); the lower \
+                     kubeconfig reaches another (kube-system {uid}): nothing was removed"
+                )));
+            }
+            Some(lower)
+        }
+        None => None,
+    };
+    let upper_ns = args.clusters.namespace.as_str();
+    // Without its credential Secret the controller cannot clean below; leave does that with
+    // the admin's kubeconfig.
+    let credential = match &found {
+        Some(f) => Api::<Secret>::namespaced(upper.clone(), upper_ns)
+            .get_opt(&f.spec.credential.secret_name)
             .await
-            .map_err(api_error("upper", "get", format!("lowercluster {name}")))?
-    {
+            .map_err(api_error(
+                "upper",
+                "get",
+                format!("Secret {upper_ns}/{}", f.spec.credential.secret_name),
+            ))?
+            .filter(|s| s.metadata.deletion_timestamp.is_none()),
+        None => None,
+    };
+    let mut node = name.to_owned();
+    if let Some(found) = &found {
         node = found.node_name().to_owned();
+        if lower.is_none() || credential.is_none() {
+            // Gone for good, or no credential to reach it with: the controller removes the node
+            // and leaves the lower side be (to leave, when it reaches it).
+            let orphan =
+                serde_json::json!({"metadata": {"annotations": {crate::reconcile::ORPHAN_LOWER: "true"}}});
+            clusters
+                .patch(name, &PatchParams::default(), &Patch::Merge(&orphan))
+                .await
+                .map_err(api_error("upper", "annotate", format!("lowercluster {name}")))?;
+        }
         match clusters.delete(name, &DeleteParams::default()).await {
             Ok(_) => {}
             Err(e) if code(&e) == Some(404) => {}
@@ -795,25 +1303,38 @@ pub async fn leave(args: &LeaveArgs) -> Result<String, Error> {
             "upper cluster: LowerCluster {name} removed, with its virtual node {node}"
         );
     }
-    let upper_ns = args.clusters.namespace.as_str();
-    if delete_ours(
+    let secret_deleted = delete_ours(
         &Api::<Secret>::namespaced(upper.clone(), upper_ns),
         "upper",
         &secret_name(name),
-        name,
+        mine,
     )
-    .await?
-    {
+    .await?;
+    if secret_deleted {
         let _ = writeln!(
             out,
             "upper cluster: Secret {upper_ns}/{} deleted",
             secret_name(name)
         );
     }
+    let account = account_name(name);
+    let Some(lower) = lower else {
+        let _ = writeln!(
+            out,
+            "lower cluster {server}: not reached (--lower-unreachable); left there: ServiceAccount \
+             {ns}/{account} with its ClusterRole or Roles and Role {ns}/{account}-token (labelled \
+             {}={name}), and what the virtual node made (labelled {}={upper_id}, {}={node}); \
+             the credential's token expires by itself",
+            names::LOWER_CLUSTER,
+            names::MARK_CLUSTER,
+            names::MARK_NODE,
+        );
+        return Ok(out);
+    };
+    let found = found.is_some();
 
     // Below: what the virtual node made and its credential could not remove (a namespace
     // it made, say), then what join made.
-    let lower = lower_client(&args.lower).await?;
     let identity = Identity {
         cluster_id: upper_id.clone(),
         node,
@@ -835,34 +1356,33 @@ pub async fn leave(args: &LeaveArgs) -> Result<String, Error> {
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    let ns = args.lower.lower_namespace.as_str();
-    let account = account_name(name);
+    let ns = ns.as_str();
     let token = format!("{account}-token");
     let mut gone = Vec::new();
     if delete_ours(
         &Api::<RoleBinding>::namespaced(lower.clone(), ns),
         "lower",
         &token,
-        name,
+        mine,
     )
     .await?
     {
         gone.push(format!("RoleBinding {ns}/{token}"));
     }
-    if delete_ours(&Api::<Role>::namespaced(lower.clone(), ns), "lower", &token, name).await? {
+    if delete_ours(&Api::<Role>::namespaced(lower.clone(), ns), "lower", &token, mine).await? {
         gone.push(format!("Role {ns}/{token}"));
     }
     if delete_ours(
         &Api::<ClusterRoleBinding>::all(lower.clone()),
         "lower",
         &account,
-        name,
+        mine,
     )
     .await?
     {
         gone.push(format!("ClusterRoleBinding {account}"));
     }
-    if delete_ours(&Api::<ClusterRole>::all(lower.clone()), "lower", &account, name).await? {
+    if delete_ours(&Api::<ClusterRole>::all(lower.clone()), "lower", &account, mine).await? {
         gone.push(format!("ClusterRole {account}"));
     }
     // Namespace scope: the Role and binding join made in each served namespace.
@@ -887,7 +1407,7 @@ pub async fn leave(args: &LeaveArgs) -> Result<String, Error> {
             &Api::<RoleBinding>::namespaced(lower.clone(), &served),
             "lower",
             &account,
-            name,
+            mine,
         )
         .await?
         {
@@ -897,7 +1417,7 @@ pub async fn leave(args: &LeaveArgs) -> Result<String, Error> {
             &Api::<Role>::namespaced(lower.clone(), &served),
             "lower",
             &account,
-            name,
+            mine,
         )
         .await?
         {
@@ -908,7 +1428,7 @@ pub async fn leave(args: &LeaveArgs) -> Result<String, Error> {
         &Api::<ServiceAccount>::namespaced(lower.clone(), ns),
         "lower",
         &account,
-        name,
+        mine,
     )
     .await?
     {
@@ -917,11 +1437,12 @@ pub async fn leave(args: &LeaveArgs) -> Result<String, Error> {
     // The namespace join made goes only when it holds nothing of anyone's (a second
     // LowerCluster's account, a lower admin's objects keep it).
     let namespaces: Api<Namespace> = Api::all(lower.clone());
+    let mut namespace_kept = false;
     let made_by_join = namespaces
         .get_opt(ns)
         .await
         .map_err(api_error("lower", "get", format!("namespace {ns}")))?
-        .is_some_and(|found| ours(&found.metadata, name));
+        .is_some_and(|found| ours(&found.metadata, name, &upper_id));
     if made_by_join {
         let kinds = tensile_common::lower::objects::namespaced_kinds(&lower)
             .await
@@ -930,8 +1451,9 @@ pub async fn leave(args: &LeaveArgs) -> Result<String, Error> {
             .await
             .map_err(api_error("lower", "list", format!("what namespace {ns} holds")))?;
         if !empty {
+            namespace_kept = true;
             let _ = writeln!(out, "lower cluster: namespace {ns} holds objects of others: kept");
-        } else if delete_ours(&namespaces, "lower", ns, name).await? {
+        } else if delete_ours(&namespaces, "lower", ns, mine).await? {
             gone.push(format!("namespace {ns}"));
             let started = Instant::now();
             while namespaces
@@ -953,7 +1475,76 @@ pub async fn leave(args: &LeaveArgs) -> Result<String, Error> {
     if !gone.is_empty() {
         let _ = writeln!(out, "lower cluster: deleted {}", gone.join(", "));
     }
-    let _ = writeln!(out, "{name} has left: nothing of it is left in either cluster");
+    // What answers to join's names and was not made by it for this fleet stays, and is said.
+    let mut kept = Vec::new();
+    kept.extend(
+        foreign(
+            &Api::<ServiceAccount>::namespaced(lower.clone(), ns),
+            "lower",
+            &account,
+            name,
+            &upper_id,
+        )
+        .await?,
+    );
+    kept.extend(
+        foreign(
+            &Api::<ClusterRole>::all(lower.clone()),
+            "lower",
+            &account,
+            name,
+            &upper_id,
+        )
+        .await?,
+    );
+    kept.extend(
+        foreign(
+            &Api::<ClusterRoleBinding>::all(lower.clone()),
+            "lower",
+            &account,
+            name,
+            &upper_id,
+        )
+        .await?,
+    );
+    kept.extend(
+        foreign(
+            &Api::<Role>::namespaced(lower.clone(), ns),
+            "lower",
+            &token,
+            name,
+            &upper_id,
+        )
+        .await?,
+    );
+    kept.extend(
+        foreign(
+            &Api::<RoleBinding>::namespaced(lower.clone(), ns),
+            "lower",
+            &token,
+            name,
+            &upper_id,
+        )
+        .await?,
+    );
+    if !kept.is_empty() {
+        let _ = writeln!(
+            out,
+            "lower cluster: kept {}: not made by tensilectl for {name} of this upper cluster ({upper_id})",
+            kept.join(", ")
+        );
+    }
+    if !found && !secret_deleted && gone.is_empty() {
+        let _ = writeln!(
+            out,
+            "nothing of {name} was found: no LowerCluster {name} upstream, and nothing join made for it \
+             in namespace {ns} below"
+        );
+    } else if kept.is_empty() && !namespace_kept {
+        let _ = writeln!(out, "{name} has left: nothing of it is left in either cluster");
+    } else {
+        let _ = writeln!(out, "{name} has left; what is kept is said above");
+    }
     Ok(out)
 }
 
@@ -993,8 +1584,12 @@ mod tests {
             &objects.account.metadata,
             &role.metadata,
         ] {
-            assert!(ours(meta, "lower-a"), "leave finds what join made");
-            assert!(!ours(meta, "lower-b"), "and only that cluster's");
+            assert!(ours(meta, "lower-a", "upper-uid"), "leave finds what join made");
+            assert!(!ours(meta, "lower-b", "upper-uid"), "and only that cluster's");
+            assert!(
+                !ours(meta, "lower-a", "another-upper"),
+                "and only what this fleet's join made"
+            );
         }
     }
 
@@ -1011,7 +1606,10 @@ mod tests {
             assert_eq!(role.metadata.namespace.as_deref(), Some(ns.as_str()));
             assert_eq!(binding.metadata.namespace.as_deref(), Some(ns.as_str()));
             assert_eq!(binding.role_ref.kind, "Role");
-            assert!(ours(&role.metadata, "lower-a") && ours(&binding.metadata, "lower-a"));
+            assert!(
+                ours(&role.metadata, "lower-a", "upper-uid")
+                    && ours(&binding.metadata, "lower-a", "upper-uid")
+            );
             let rules = role.rules.as_ref().unwrap();
             let granted = |resource: &str| {
                 rules.iter().any(|r| {
@@ -1044,7 +1642,35 @@ mod tests {
         let Command::Join(join) = cli.command else {
             panic!("join")
         };
-        let (secret, cluster) = upper_objects(&join, "upper-uid", "kubeconfig text", "token");
+        let joined = Joined {
+            lower_uid: "lower-uid".into(),
+            server: "https://lower:6443".into(),
+            namespace: "tensile".into(),
+        };
+        let (secret, cluster) = upper_objects(&join, "upper-uid", "kubeconfig text", "token", &joined);
+        assert!(ours(&cluster.metadata, "lower-a", "upper-uid"));
+        check_rejoin(&cluster, &joined).unwrap();
+        let other = Joined {
+            lower_uid: "other-uid".into(),
+            ..joined.clone()
+        };
+        let refused = check_rejoin(&cluster, &other).unwrap_err().to_string();
+        assert!(
+            refused.contains("joined to another lower cluster (https://lower:6443)"),
+            "{refused}"
+        );
+        let elsewhere = Joined {
+            namespace: "other".into(),
+            ..joined.clone()
+        };
+        let refused = check_rejoin(&cluster, &elsewhere).unwrap_err().to_string();
+        assert!(refused.contains("--lower-namespace tensile"), "{refused}");
+        let mut unrecorded = cluster.clone();
+        unrecorded.metadata.annotations = None;
+        assert!(
+            check_rejoin(&unrecorded, &joined).is_err(),
+            "no record, no take-over"
+        );
         assert_eq!(secret.metadata.namespace.as_deref(), Some("fleet"));
         let labels = cluster.metadata.labels.unwrap_or_default();
         assert_eq!(
@@ -1079,6 +1705,28 @@ mod tests {
         assert!(
             Cli::try_parse_from(["tensilectl", "join", "a"]).is_err(),
             "the lower kubeconfig is required"
+        );
+        assert!(
+            Cli::try_parse_from(["tensilectl", "leave", "a"]).is_err(),
+            "leave needs the lower kubeconfig"
+        );
+        let Command::Leave(gone) = Cli::try_parse_from(["tensilectl", "leave", "a", "--lower-unreachable"])
+            .unwrap()
+            .command
+        else {
+            panic!("leave")
+        };
+        assert!(gone.lower_unreachable && gone.lower_kubeconfig.is_none());
+        assert!(
+            Cli::try_parse_from([
+                "tensilectl",
+                "leave",
+                "a",
+                "--lower-unreachable",
+                "--lower-kubeconfig=k"
+            ])
+            .is_err(),
+            "a lower cluster is reached or gone, not both"
         );
         assert!(
             Cli::try_parse_from([

@@ -14,6 +14,7 @@
 pub mod approve;
 pub mod credential;
 pub mod ctl;
+pub mod metrics;
 pub mod plan;
 pub mod reconcile;
 pub mod resource;
@@ -26,7 +27,7 @@ use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::Api;
-use kube::runtime::{Controller, watcher};
+use kube::runtime::{Controller, WatchStreamExt, watcher};
 use tensile_common::admin::{self, AdminArgs};
 use tensile_common::kubeconfig::{self, ClientArgs};
 use tensile_common::leader::LeaderArgs;
@@ -42,6 +43,7 @@ use crate::resource::LowerCluster;
 #[derive(Clone, Debug, clap::Parser)]
 #[command(
     name = "cluster-controller",
+    version,
     about = "Runs one virtual node per LowerCluster and removes every trace of one deleted"
 )]
 pub struct Args {
@@ -175,6 +177,7 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
             .unwrap_or_default(),
     };
     daemon.bind_admin(args.admin.admin_addr).await?;
+    let metrics = Arc::new(metrics::Metrics::new(daemon.registry()));
     let ctx = Arc::new(Context {
         upper: upper.clone(),
         settings: Settings {
@@ -195,6 +198,14 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         drain_timeout: args.drain_timeout,
         crash_at: daemon.crash_points(args.crash_at),
         applied: Default::default(),
+        metrics,
+        events: kube::runtime::events::Recorder::new(
+            upper.clone(),
+            kube::runtime::events::Reporter {
+                controller: names::CONTROLLER_MANAGER.into(),
+                instance: std::env::var("HOSTNAME").ok(),
+            },
+        ),
     });
     let mut running = daemon.start();
     compose(&args, upper, ctx, &mut running);
@@ -228,7 +239,15 @@ fn compose(args: &Args, upper: kube::Client, ctx: Arc<Context>, running: &mut Ru
             }
             let clusters: Api<LowerCluster> = Api::all(upper.clone());
             let ours = format!("{}={}", names::CONTROLLER_NAMESPACE, namespace);
-            Controller::new(clusters, watcher::Config::default().labels(&ours))
+            // The suite's retries: a kind not served (the chart's CRDs not applied) is said
+            // once, naming it, and asked for again 5 s doubling to a minute apart.
+            let (reader, writer) = kube::runtime::reflector::store();
+            let events = tensile_common::cache::retried::<LowerCluster, _>(
+                watcher(clusters, watcher::Config::default().labels(&ours)),
+                None,
+            );
+            let clusters = kube::runtime::reflector::reflector(writer, events).applied_objects();
+            Controller::for_stream(clusters, reader)
                 .graceful_shutdown_on(stop.cancelled_owned())
                 .run(reconcile::reconcile, error_policy, ctx)
                 .for_each(|outcome| async move {
@@ -243,8 +262,12 @@ fn compose(args: &Args, upper: kube::Client, ctx: Arc<Context>, running: &mut Ru
 fn error_policy(
     cluster: Arc<LowerCluster>,
     error: &reconcile::Error,
-    _: Arc<Context>,
+    ctx: Arc<Context>,
 ) -> kube::runtime::controller::Action {
     tracing::warn!(cluster = %cluster.name(), "{error}");
+    ctx.metrics
+        .reconcile_errors
+        .get_or_create(&metrics::Metrics::cluster(cluster.name()))
+        .inc();
     kube::runtime::controller::Action::requeue(Duration::from_secs(5))
 }

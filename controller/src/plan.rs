@@ -137,24 +137,30 @@ pub fn leader_lease(node: &str) -> String {
     format!("tensile-virtual-node-{node}")
 }
 
-/// Checks what the schema cannot: names that must fit in a label value and a Deployment's
-/// pod names.
-pub fn validate(settings: &Settings, cluster: &LowerCluster) -> Result<(), Invalid> {
-    let name = object_name(settings, cluster.name());
+/// Whether the objects of a cluster named `cluster` fit their names under the name prefix
+/// `prefix` (the chart's `--name-prefix`); why not.
+pub fn name_fits(prefix: &str, cluster: &str) -> Result<(), String> {
+    let name = format!("{prefix}-vn-{cluster}");
     // A Deployment's pods are named `<name>-<10>-<5>`; labels and pod names stop at 63.
     if name.len() > 47 {
-        return Err(Invalid(format!(
+        return Err(format!(
             "the virtual node's Deployment would be named {name:?} ({} characters): with its pods' \
              suffixes it must stay within 47; choose a shorter LowerCluster name",
             name.len()
-        )));
+        ));
     }
-    if cluster.name().len() > 63 {
-        return Err(Invalid(format!(
-            "the name {:?} is longer than 63 characters, the most a label value holds",
-            cluster.name()
-        )));
+    if cluster.len() > 63 {
+        return Err(format!(
+            "the name {cluster:?} is longer than 63 characters, the most a label value holds"
+        ));
     }
+    Ok(())
+}
+
+/// Checks what the schema cannot: names that must fit in a label value and a Deployment's
+/// pod names.
+pub fn validate(settings: &Settings, cluster: &LowerCluster) -> Result<(), Invalid> {
+    name_fits(&settings.prefix, cluster.name()).map_err(Invalid)?;
     if cluster.spec.credential.secret_name.is_empty() {
         return Err(Invalid("spec.credential.secretName is empty".into()));
     }
@@ -216,6 +222,44 @@ fn rule(group: &str, resources: &[&str], names: &[&str], verbs: &[&str]) -> Poli
         verbs: strings(verbs),
         non_resource_urls: None,
     }
+}
+
+/// The annotation of a virtual node's pod template holding the digest of its credential
+/// Secret: a changed server, CA or inline token rolls the node, which reads its kubeconfig
+/// once; a renewed token (key `token`, which the node reads again from its file) does not.
+pub const CREDENTIAL_DIGEST: &str = "tensile.io/credential-digest";
+
+/// The digest of `secret`'s data but its renewed token.
+pub fn credential_digest(secret: &k8s_openapi::api::core::v1::Secret) -> String {
+    let mut context = ring::digest::Context::new(&ring::digest::SHA256);
+    for (key, value) in secret.data.iter().flatten() {
+        if key != names::CREDENTIAL_TOKEN_KEY {
+            context.update(key.as_bytes());
+            context.update(&[0]);
+            context.update(&value.0);
+            context.update(&[0]);
+        }
+    }
+    context
+        .finish()
+        .as_ref()
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Sets the credential digest `digest` on the virtual node's pod template.
+pub fn with_credential(objects: &mut Objects, digest: &str) {
+    objects
+        .deployment
+        .spec
+        .template
+        .metadata
+        .get_or_insert_with(Default::default)
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(CREDENTIAL_DIGEST.to_owned(), digest.to_owned());
 }
 
 /// Everything that runs `cluster`'s virtual node.
@@ -499,14 +543,18 @@ pub struct Observed {
     pub overrides: Option<Result<String, String>>,
 }
 
+/// A condition's status values.
+const TRUE: &str = "True";
+const FALSE: &str = "False";
+const UNKNOWN: &str = "Unknown";
+
 fn set(
     conditions: &mut Vec<Condition>,
     before: &[Condition],
     generation: Option<i64>,
-    c: (&str, bool, &str, &str),
+    c: (&str, &str, &str, &str),
 ) {
-    let (type_, ok, reason, message) = c;
-    let status = if ok { "True" } else { "False" };
+    let (type_, status, reason, message) = c;
     // A message is always said: v1.20's apiserver turns an empty one in a merge patch into
     // null, which the condition schema refuses.
     let message = if message.is_empty() { reason } else { message };
@@ -542,8 +590,8 @@ pub fn status(cluster: &LowerCluster, observed: &Observed) -> LowerClusterStatus
         before,
         generation,
         match &observed.invalid {
-            None => (condition::ACCEPTED, true, "Accepted", "the spec can be acted on"),
-            Some(why) => (condition::ACCEPTED, false, "Invalid", why),
+            None => (condition::ACCEPTED, TRUE, "Accepted", "the spec can be acted on"),
+            Some(why) => (condition::ACCEPTED, FALSE, "Invalid", why),
         },
     );
     let (credential_ok, credential) = match &observed.credential {
@@ -551,7 +599,7 @@ pub fn status(cluster: &LowerCluster, observed: &Observed) -> LowerClusterStatus
             true,
             (
                 condition::CREDENTIAL_VALID,
-                true,
+                TRUE,
                 "Accepted",
                 "the lower cluster accepts the credential",
             ),
@@ -560,7 +608,7 @@ pub fn status(cluster: &LowerCluster, observed: &Observed) -> LowerClusterStatus
             false,
             (
                 condition::CREDENTIAL_VALID,
-                false,
+                FALSE,
                 reason.as_str(),
                 message.as_str(),
             ),
@@ -569,7 +617,7 @@ pub fn status(cluster: &LowerCluster, observed: &Observed) -> LowerClusterStatus
             false,
             (
                 condition::CREDENTIAL_VALID,
-                false,
+                UNKNOWN,
                 "NotChecked",
                 "the lower cluster could not be asked",
             ),
@@ -579,13 +627,13 @@ pub fn status(cluster: &LowerCluster, observed: &Observed) -> LowerClusterStatus
     let (reachable, lower) = match &observed.lower {
         Some(Ok(version)) => (
             true,
-            (condition::LOWER_REACHABLE, true, "Reachable", version.as_str()),
+            (condition::LOWER_REACHABLE, TRUE, "Reachable", version.as_str()),
         ),
         Some(Err((reason, message))) => (
             false,
             (
                 condition::LOWER_REACHABLE,
-                false,
+                FALSE,
                 reason.as_str(),
                 message.as_str(),
             ),
@@ -594,7 +642,7 @@ pub fn status(cluster: &LowerCluster, observed: &Observed) -> LowerClusterStatus
             false,
             (
                 condition::LOWER_REACHABLE,
-                false,
+                UNKNOWN,
                 "NotChecked",
                 "the credential gives no client to ask with",
             ),
@@ -604,28 +652,37 @@ pub fn status(cluster: &LowerCluster, observed: &Observed) -> LowerClusterStatus
     let (node_ok, node) = match &observed.node_ready {
         Some((status, reason, message)) if status == "True" => (
             true,
-            (condition::NODE_READY, true, reason.as_str(), message.as_str()),
+            (condition::NODE_READY, TRUE, reason.as_str(), message.as_str()),
         ),
         Some((_, reason, message)) => (
             false,
-            (condition::NODE_READY, false, reason.as_str(), message.as_str()),
+            (condition::NODE_READY, FALSE, reason.as_str(), message.as_str()),
         ),
         None => (
             false,
             (
                 condition::NODE_READY,
-                false,
+                FALSE,
                 "NotRegistered",
                 "the virtual node has not registered its Node yet",
             ),
         ),
     };
     set(&mut conditions, before, generation, node);
-    let first_false = conditions.iter().find(|c| c.status != "True").cloned();
-    let ready = accepted && credential_ok && reachable && node_ok;
+    // The first False condition says why not Ready; else the first Unknown leaves it Unknown.
+    let first_false = conditions
+        .iter()
+        .find(|c| c.status == FALSE)
+        .or_else(|| conditions.iter().find(|c| c.status != TRUE))
+        .cloned();
+    let ready = match (accepted && credential_ok && reachable && node_ok, &first_false) {
+        (true, _) => TRUE,
+        (false, Some(c)) if c.status == UNKNOWN => UNKNOWN,
+        (false, _) => FALSE,
+    };
     let ready_message = first_false
         .as_ref()
-        .map(|c| format!("{} is False: {}", c.type_, c.message))
+        .map(|c| format!("{} is {}: {}", c.type_, c.status, c.message))
         .unwrap_or_else(|| "pods bound to the virtual node run in the lower cluster".into());
     let ready_reason = first_false
         .as_ref()
@@ -644,8 +701,8 @@ pub fn status(cluster: &LowerCluster, observed: &Observed) -> LowerClusterStatus
             before,
             generation,
             match overrides {
-                Ok(said) => (condition::OVERRIDES_ACCEPTED, true, "Accepted", said.as_str()),
-                Err(why) => (condition::OVERRIDES_ACCEPTED, false, "Invalid", why.as_str()),
+                Ok(said) => (condition::OVERRIDES_ACCEPTED, TRUE, "Accepted", said.as_str()),
+                Err(why) => (condition::OVERRIDES_ACCEPTED, FALSE, "Invalid", why.as_str()),
             },
         );
     }
@@ -822,6 +879,31 @@ pub(crate) mod tests {
                 "True".to_owned(),
                 "0 rule(s) and 0 StorageClass name(s) in force".to_owned()
             )
+        );
+    }
+
+    #[test]
+    fn a_changed_kubeconfig_rolls_the_virtual_node_and_a_renewed_token_does_not() {
+        use k8s_openapi::ByteString;
+        let secret = |kubeconfig: &str, token: &str| k8s_openapi::api::core::v1::Secret {
+            data: Some(BTreeMap::from([
+                (
+                    names::CREDENTIAL_KUBECONFIG_KEY.to_owned(),
+                    ByteString(kubeconfig.into()),
+                ),
+                (names::CREDENTIAL_TOKEN_KEY.to_owned(), ByteString(token.into())),
+            ])),
+            ..Default::default()
+        };
+        let first = credential_digest(&secret("server: https://a:6443", "t1"));
+        assert_eq!(first, credential_digest(&secret("server: https://a:6443", "t2")));
+        assert_ne!(first, credential_digest(&secret("server: https://b:6443", "t1")));
+        let mut objects = objects(&settings(), &cluster("lower-a"));
+        with_credential(&mut objects, &first);
+        let template = objects.deployment.spec.template.metadata.unwrap_or_default();
+        assert_eq!(
+            template.annotations.unwrap_or_default().get(CREDENTIAL_DIGEST),
+            Some(&first)
         );
     }
 
@@ -1091,6 +1173,20 @@ pub(crate) mod tests {
         assert_eq!(
             ready.message,
             "CredentialValid is False: the lower cluster refused the token"
+        );
+        // What could not be asked is Unknown, not False, and so is Ready when nothing is False.
+        let unasked = Observed {
+            node_ready: Some(("True".into(), "Ready".into(), "ready".into())),
+            ..Default::default()
+        };
+        assert_eq!(status_of(&c, &unasked, condition::CREDENTIAL_VALID).0, "Unknown");
+        assert_eq!(status_of(&c, &unasked, condition::LOWER_REACHABLE).0, "Unknown");
+        assert_eq!(
+            status_of(&c, &unasked, condition::READY),
+            (
+                "Unknown".to_owned(),
+                "CredentialValid is Unknown: the lower cluster could not be asked".to_owned()
+            )
         );
     }
 

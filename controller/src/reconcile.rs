@@ -8,10 +8,13 @@ use std::time::Duration;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, PersistentVolume, Secret, ServiceAccount};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Node, ObjectReference, PersistentVolume, Secret, ServiceAccount,
+};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PropagationPolicy};
 use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType};
 use serde_json::json;
 use tensile_common::api::{ApiError, code};
 use tensile_common::kubeconfig::ClientOptions;
@@ -53,6 +56,9 @@ pub struct Context {
     /// What was last applied for each cluster, and when: an unchanged plan is applied again
     /// only every [`REAPPLY`] (to repair edits), not every pass.
     pub applied: std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
+    pub metrics: std::sync::Arc<crate::metrics::Metrics>,
+    /// Events on the LowerClusters: Ready gained or lost.
+    pub events: kube::runtime::events::Recorder,
 }
 
 /// A step of a cluster's removal, each ended by writes a restart must find done or redo.
@@ -87,6 +93,7 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
     let name = cluster.name().to_owned();
     let api: Api<LowerCluster> = Api::all(ctx.upper.clone());
     if cluster.metadata.deletion_timestamp.is_some() {
+        ctx.metrics.forget(&name);
         return remove(&cluster, &ctx, &api).await;
     }
     if set_finalizer(&api, cluster.as_ref(), &format!("lowercluster {name}"), true).await? {
@@ -105,7 +112,7 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
     };
     if let Some(why) = invalid {
         observed.invalid = Some(why);
-        write_status(&api, &cluster, plan::status(&cluster, &observed)).await?;
+        report(&ctx, &api, &cluster, &observed).await?;
         return Ok(Action::requeue(ctx.resync * 6));
     }
     observed.overrides = match plan::checked_overrides(&cluster) {
@@ -120,7 +127,7 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
             if !in_force {
                 // Nothing to keep: the virtual node waits for overrides that pass.
                 observed.invalid = Some(plan::none_in_force(&why));
-                write_status(&api, &cluster, plan::status(&cluster, &observed)).await?;
+                report(&ctx, &api, &cluster, &observed).await?;
                 return Ok(Action::requeue(ctx.resync * 6));
             }
             Some(Err(plan::kept_in_force(&why)))
@@ -142,6 +149,20 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
             )));
             None
         }
+        // Deleted while the cluster is in use: let go, so it goes, and said. The virtual node
+        // keeps the credential it has read until it restarts or the token expires.
+        Some(deleting) if deleting.metadata.deletion_timestamp.is_some() => {
+            release_credential(secret_name, &cluster, &others.items, &ctx).await?;
+            observed.credential = Some(Err((
+                "SecretMissing".into(),
+                format!(
+                    "Secret {}/{secret_name} was deleted: make it again (tensilectl join {name} renews it) for the \
+                     virtual node to reach the lower cluster past its current token",
+                    ctx.settings.namespace
+                ),
+            )));
+            None
+        }
         Some(secret) => match lower_client(secret, cluster.spec.credential.key(), &ctx, &name).await {
             Ok(client) => Some(client),
             Err(message) => {
@@ -150,6 +171,7 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
             }
         },
     };
+    let secret = secret.filter(|s| s.metadata.deletion_timestamp.is_none());
     if let Some(secret) = &secret {
         hold(&secrets, secret).await?;
     }
@@ -167,10 +189,64 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
         }
     }
 
-    apply(&ctx, &cluster).await?;
+    apply(&ctx, &cluster, secret.as_ref().map(plan::credential_digest)).await?;
     observe_node(&ctx, cluster.node_name(), &mut observed).await?;
-    write_status(&api, &cluster, plan::status(&cluster, &observed)).await?;
+    report(&ctx, &api, &cluster, &observed).await?;
     Ok(Action::requeue(ctx.resync))
+}
+
+/// Writes the status of `cluster` from `observed`; its metrics say it too, and an event says
+/// when it became Ready or stopped being so.
+async fn report(
+    ctx: &Context,
+    api: &Api<LowerCluster>,
+    cluster: &LowerCluster,
+    observed: &Observed,
+) -> Result<(), Error> {
+    let status = plan::status(cluster, observed);
+    let ready = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == condition::READY)
+        .cloned();
+    let was = cluster.condition(condition::READY).map(|c| c.status.clone());
+    ctx.metrics.report(
+        cluster.name(),
+        ready.as_ref().is_some_and(|r| r.status == "True"),
+        status.credential_expires.as_deref(),
+    );
+    write_status(api, cluster, status).await?;
+    if let Some(ready) = ready
+        && was.as_deref() != Some(ready.status.as_str())
+    {
+        let (type_, reason) = match ready.status.as_str() {
+            "True" => (EventType::Normal, "Ready".to_owned()),
+            _ => (EventType::Warning, format!("NotReady{}", ready.reason)),
+        };
+        announce(ctx, cluster, type_, &reason, &ready.message).await;
+    }
+    Ok(())
+}
+
+/// An event on `cluster`; one that cannot be written is logged, never an error.
+async fn announce(ctx: &Context, cluster: &LowerCluster, type_: EventType, reason: &str, note: &str) {
+    let reference = ObjectReference {
+        api_version: Some(format!("{}/{}", names::API_GROUP, crate::resource::VERSION)),
+        kind: Some(crate::resource::KIND.to_owned()),
+        name: Some(cluster.name().to_owned()),
+        uid: cluster.metadata.uid.clone(),
+        ..Default::default()
+    };
+    let event = Event {
+        type_,
+        reason: reason.chars().take(128).collect(),
+        note: Some(note.chars().take(1000).collect()),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.events.publish(&event, &reference).await {
+        tracing::debug!(cluster = %cluster.name(), "an event on the LowerCluster: {e}");
+    }
 }
 
 /// The label selector of the LowerClusters this controller acts on.
@@ -356,6 +432,10 @@ async fn renew(lower: &kube::Client, secret: &Secret, ctx: &Context, cluster: &s
     {
         Ok(fresh) => fresh,
         Err(e) => {
+            ctx.metrics
+                .renewal_failures
+                .get_or_create(&crate::metrics::Metrics::cluster(cluster))
+                .inc();
             tracing::warn!(
                 cluster,
                 account = %format!("{}/{}", claims.namespace, claims.service_account),
@@ -381,14 +461,39 @@ async fn renew(lower: &kube::Client, secret: &Secret, ctx: &Context, cluster: &s
             Some(tensile_common::api::time(expires))
         }
         Err(e) => {
+            ctx.metrics
+                .renewal_failures
+                .get_or_create(&crate::metrics::Metrics::cluster(cluster))
+                .inc();
             tracing::warn!(cluster, "writing the renewed token into Secret {name}: {e}");
             Some(tensile_common::api::time(claims.expires))
         }
     }
 }
 
-async fn apply(ctx: &Context, cluster: &LowerCluster) -> Result<(), Error> {
-    let objects = plan::objects(&ctx.settings, cluster);
+/// Applies what runs `cluster`'s virtual node, its pods rolled by a changed credential
+/// (`credential`: the digest of the Secret; without one, the digest in force is kept, so a
+/// missing Secret rolls nothing).
+async fn apply(ctx: &Context, cluster: &LowerCluster, credential: Option<String>) -> Result<(), Error> {
+    let mut objects = plan::objects(&ctx.settings, cluster);
+    let ns = ctx.settings.namespace.as_str();
+    let credential = match credential {
+        Some(digest) => Some(digest),
+        None => Api::<Deployment>::namespaced(ctx.upper.clone(), ns)
+            .get_opt(objects.deployment.metadata.name.as_deref().unwrap_or_default())
+            .await
+            .map_err(ApiError::on("upper", "get", "the virtual node's Deployment"))?
+            .and_then(|d| {
+                d.spec
+                    .template
+                    .metadata?
+                    .annotations?
+                    .remove(plan::CREDENTIAL_DIGEST)
+            }),
+    };
+    if let Some(digest) = &credential {
+        plan::with_credential(&mut objects, digest);
+    }
     let digest = format!("{objects:?}");
     let fresh = ctx.applied.lock().ok().and_then(|applied| {
         applied
@@ -398,7 +503,6 @@ async fn apply(ctx: &Context, cluster: &LowerCluster) -> Result<(), Error> {
     if fresh == Some(true) {
         return Ok(());
     }
-    let ns = ctx.settings.namespace.as_str();
     let c = &ctx.upper;
     apply_one(Api::<ServiceAccount>::namespaced(c.clone(), ns), &objects.account).await?;
     apply_one(Api::<ClusterRole>::all(c.clone()), &objects.node_role).await?;
@@ -762,7 +866,7 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
     )
     .await?;
     // With the account gone it asks for nothing more; what it asked that is unanswered is
-    // denied, so no one approves it later. A certificate issued before cannot be revoked: it
+    // denied, so no one approves it later, and then deleted. A certificate issued before cannot be revoked: it
     // ends within the lifetime the approver bounds (a day at most).
     if ctx.settings.node_identity {
         let account = approve::account(&ctx.settings, &name);
@@ -777,6 +881,14 @@ async fn remove(cluster: &LowerCluster, ctx: &Context, api: &Api<LowerCluster>) 
         if denied > 0 {
             tracing::info!(cluster = %name, denied, "unanswered certificate requests of its account denied");
         }
+        // Then none of them is left: a node stopped while it waited leaves its request.
+        approve::delete_requests(&requests, &account)
+            .await
+            .map_err(ApiError::on(
+                "upper",
+                "delete",
+                format!("certificatesigningrequests of {account}"),
+            ))?;
     }
     delete_made(
         &Api::<ConfigMap>::namespaced(c.clone(), ns),

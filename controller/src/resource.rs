@@ -32,6 +32,18 @@ pub mod condition {
     pub const OVERRIDES_ACCEPTED: &str = "OverridesAccepted";
 }
 
+/// What `tensilectl join` records on a `LowerCluster` of the lower cluster it joined, so a
+/// second join and `leave` know which lower cluster it is: annotations, which no stale
+/// definition of the kind prunes.
+pub mod record {
+    /// The lower cluster's id: its kube-system namespace's UID.
+    pub const LOWER_UID: &str = "tensile.io/lower-cluster-uid";
+    /// The lower apiserver's address, as the credential names it.
+    pub const LOWER_SERVER: &str = "tensile.io/lower-server";
+    /// The lower namespace of the virtual node's account.
+    pub const LOWER_NAMESPACE: &str = "tensile.io/lower-namespace";
+}
+
 /// One lower cluster as the API stores it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LowerCluster {

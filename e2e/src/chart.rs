@@ -284,14 +284,14 @@ pub async fn run_cluster_controller(
             "the controller's flags name no template: {args:?}"
         )));
     }
-    let mut set = vec![
+    let defaults = vec![
         format!("--kubeconfig={}", account.display()),
         format!("--virtual-node-template={}", template.display()),
         format!("--admin-addr=127.0.0.1:{}", crate::free_port()?),
         "--log-format=plain".to_owned(),
     ];
-    set.extend(extra.iter().cloned());
-    let args = with_flags(&args, &set);
+    // A flag of `extra` replaces the default of that name.
+    let args = with_flags(&args, &with_flags(&defaults, extra));
     let bin = crate::bins::suite_binary("cluster-controller")?;
     let log = cluster.dir().join(format!("{full}-cluster-controller.log"));
     let _ = std::fs::remove_file(&log);

@@ -7,7 +7,9 @@
 //! ServiceAccount token, and each Secret or ConfigMap volume (the credential, the stash keys,
 //! the overrides) as a directory of files in place of its mount path, kept in step with its
 //! object (written whole and renamed into place, as the kubelet swaps such a volume). A Deployment that is deleted, or being deleted, has its process stopped
-//! as a kubelet stops a pod: SIGTERM, then SIGKILL after the grace period.
+//! as a kubelet stops a pod: SIGTERM, then SIGKILL after the grace period. A Deployment whose
+//! pod template changed is rolled as its controller would: the process stopped, a new one
+//! started from the new template (counted in [`Seen::rollouts`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -83,6 +85,8 @@ impl Source {
 struct Running {
     service: Service,
     volumes: Vec<ObjectVolume>,
+    /// The pod template it was started from.
+    template: String,
 }
 
 /// What the runner has run, for a test to look at.
@@ -92,6 +96,8 @@ pub struct Seen {
     pub logs: BTreeMap<String, PathBuf>,
     /// How many times each Deployment's credential directory was rewritten after the start.
     pub credential_updates: BTreeMap<String, u32>,
+    /// How many times each Deployment was rolled for a changed pod template.
+    pub rollouts: BTreeMap<String, u32>,
 }
 
 /// Runs the controller's virtual nodes until dropped.
@@ -179,6 +185,15 @@ async fn run(
                 }
             }
             for (name, deployment) in &live {
+                let template = serde_json::to_string(&deployment.spec.template).unwrap_or_default();
+                if running.get(name).is_some_and(|r| r.template != template)
+                    && let Some(r) = running.remove(name)
+                {
+                    terminate(r.service).await;
+                    if let Ok(mut seen) = seen.lock() {
+                        *seen.rollouts.entry(name.clone()).or_default() += 1;
+                    }
+                }
                 if let Some(r) = running.get(name) {
                     for v in &r.volumes {
                         if let Ok(data) = v.source.read(&client, &namespace).await
@@ -342,5 +357,10 @@ async fn start(
     let log = upper.dir().join("runner").join(format!("{name}.log"));
     let service =
         Service::start(&format!("virtual-node {name}"), binary, &args, &log).map_err(|e| e.to_string())?;
-    Ok(Running { service, volumes })
+    let template = serde_json::to_string(&deployment.spec.template).unwrap_or_default();
+    Ok(Running {
+        service,
+        volumes,
+        template,
+    })
 }

@@ -1767,6 +1767,139 @@ fn container_args(deployment: &serde_json::Value) -> Vec<String> {
         .collect()
 }
 
+/// With `prometheusRule.enabled` the chart ships alerts on the fleet (a credential about to
+/// expire, failing renewals, a lower cluster not Ready, no cluster controller leading), and
+/// with `serviceMonitor.enabled` a monitor per component; each only where the cluster serves
+/// its kind, so an install before the prometheus-operator's CRDs does not fail.
+#[tokio::test]
+async fn the_fleet_alerts_and_monitors_are_rendered_only_where_their_kinds_are_served() {
+    let up = &bed().upper;
+    let on = [
+        "--set",
+        "prometheusRule.enabled=true",
+        "--set",
+        "serviceMonitor.enabled=true",
+    ];
+    let without = rendered(up, "watched", &on).await;
+    assert!(
+        !without
+            .iter()
+            .any(|o| o["kind"] == "PrometheusRule" || o["kind"] == "ServiceMonitor"),
+        "neither kind is served"
+    );
+    let mut served = on.to_vec();
+    served.extend([
+        "--api-versions",
+        "monitoring.coreos.com/v1/PrometheusRule",
+        "--api-versions",
+        "monitoring.coreos.com/v1/ServiceMonitor",
+    ]);
+    let with = rendered(up, "watched", &served).await;
+    let rule = object(&with, "PrometheusRule", "watched-tensile");
+    let rules = rule["spec"]["groups"][0]["rules"].as_array().unwrap();
+    let alerts: Vec<&str> = rules.iter().filter_map(|r| r["alert"].as_str()).collect();
+    assert_eq!(
+        alerts,
+        [
+            "TensileCredentialExpiresSoon",
+            "TensileCredentialRenewalFailing",
+            "TensileLowerClusterNotReady",
+            "TensileClusterControllerDown"
+        ]
+    );
+    assert_eq!(
+        rules[0]["expr"],
+        "min by (cluster) (tensile_controller_credential_expiry_timestamp_seconds{namespace=\"tensile\"}) - time() < 7200"
+    );
+    assert!(
+        rules[0]["annotations"]["description"]
+            .as_str()
+            .is_some_and(|d| d.contains("tensilectl join {{ $labels.cluster }}")),
+        "says how to recover: {rule}"
+    );
+    assert!(
+        with.iter().any(|o| o["kind"] == "ServiceMonitor"
+            && o["metadata"]["name"] == "watched-tensile-cluster-controller"),
+        "the controller's metrics are scraped"
+    );
+}
+
+/// With `networkPolicy.enabled` the release's pods take their HTTPS ports from anyone (the
+/// apiserver calls them) and their admin port, which serves `/metrics` without
+/// authentication, only from the peers `networkPolicy.metricsFrom` names.
+#[tokio::test]
+async fn a_network_policy_opens_the_admin_port_only_to_the_metrics_peers() {
+    let up = &bed().upper;
+    let none = rendered(up, "fenced", &[]).await;
+    assert!(
+        !none.iter().any(|o| o["kind"] == "NetworkPolicy"),
+        "off by default"
+    );
+    let objects = rendered(
+        up,
+        "fenced",
+        &[
+            "--set",
+            "networkPolicy.enabled=true",
+            "--set",
+            "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=observability",
+        ],
+    )
+    .await;
+    let policy = object(&objects, "NetworkPolicy", "fenced-tensile");
+    assert_eq!(
+        policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"],
+        "fenced"
+    );
+    let ingress = policy["spec"]["ingress"].as_array().unwrap();
+    assert_eq!(
+        ingress[0],
+        serde_json::json!({"ports": [{"port": "https"}, {"port": "kubelet"}]}),
+        "{policy}"
+    );
+    assert_eq!(ingress[1]["ports"], serde_json::json!([{"port": "admin"}]));
+    assert_eq!(
+        ingress[1]["from"][0]["namespaceSelector"]["matchLabels"]["team"],
+        "observability"
+    );
+    // Every pod it selects names the ports it opens.
+    for deployment in objects.iter().filter(|o| o["kind"] == "Deployment") {
+        let ports = deployment["spec"]["template"]["spec"]["containers"][0]["ports"].to_string();
+        assert!(ports.contains("\"admin\""), "{ports}");
+    }
+}
+
+/// The webhook's replicas spread over nodes by default, so one node's loss leaves one to
+/// answer (its failurePolicy is Fail); a spread given in values replaces the default.
+#[tokio::test]
+async fn the_webhooks_replicas_spread_over_nodes() {
+    let up = &bed().upper;
+    let objects = rendered(up, "spread", &[]).await;
+    let spread = &object(&objects, "Deployment", "spread-tensile-webhook")["spec"]["template"]["spec"]["topologySpreadConstraints"];
+    assert_eq!(spread[0]["topologyKey"], "kubernetes.io/hostname", "{spread}");
+    assert_eq!(spread[0]["whenUnsatisfiable"], "ScheduleAnyway", "{spread}");
+    assert_eq!(
+        spread[0]["labelSelector"]["matchLabels"]["app.kubernetes.io/component"],
+        "webhook"
+    );
+    let objects = rendered(
+        up,
+        "spread",
+        &[
+            "--set",
+            "webhook.topologySpreadConstraints[0].maxSkew=1",
+            "--set",
+            "webhook.topologySpreadConstraints[0].topologyKey=topology.kubernetes.io/zone",
+            "--set",
+            "webhook.topologySpreadConstraints[0].whenUnsatisfiable=DoNotSchedule",
+        ],
+    )
+    .await;
+    let spread = &object(&objects, "Deployment", "spread-tensile-webhook")["spec"]["template"]["spec"]["topologySpreadConstraints"];
+    assert_eq!(spread.as_array().map(Vec::len), Some(1), "{spread}");
+    assert_eq!(spread[0]["topologyKey"], "topology.kubernetes.io/zone");
+}
+
 /// The descheduler may create pods only when it moves bare pods (a move creates the
 /// replacement first): `descheduler.barePods` is passed as `--bare-pods`, `off` (the
 /// default, also when written unquoted, which YAML reads as false) grants no `create`.

@@ -16,6 +16,7 @@ use crate::decide::{capacity, tokens};
 #[derive(Clone, Debug, clap::Parser)]
 #[command(
     name = "virtual-node",
+    version,
     about = "Registers a lower cluster as one node of the upper cluster"
 )]
 pub struct Args {

@@ -18,12 +18,18 @@ fn main() -> ExitCode {
             Command::Join(args) => ctl::join(args).await,
             Command::Leave(args) => ctl::leave(args).await,
             Command::Status(args) => ctl::status(args).await,
+            Command::Crds(args) => ctl::crds(args).await,
         }
     });
     match outcome {
         Ok(out) => {
             print!("{out}");
             ExitCode::SUCCESS
+        }
+        // The status as asked, and an exit code scripts can test.
+        Err(ctl::Error::NotReady(out)) => {
+            print!("{out}");
+            ExitCode::from(3)
         }
         Err(e) => {
             eprintln!("tensilectl: {e}");

@@ -150,7 +150,7 @@ spec:
 
 {{/* A ServiceMonitor of the admin port. */}}
 {{- define "tensile.serviceMonitor" -}}
-{{- if .root.Values.serviceMonitor.enabled }}
+{{- if and .root.Values.serviceMonitor.enabled (.root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/ServiceMonitor") }}
 ---
 apiVersion: monitoring.coreos.com/v1
 kind: ServiceMonitor
