@@ -35,6 +35,41 @@ use crate::resource::{Credential, LowerCluster, LowerClusterSpec, condition, rec
 /// namespace, and namespace scope (one served namespace).
 const LOWER_RBAC: &str = include_str!("../../deploy/lower-cluster-rbac.yaml");
 const LOWER_NAMESPACE_RBAC: &str = include_str!("../../deploy/lower-namespace-rbac.yaml");
+/// The rights of every namespace with the features that need more on (reflectServices,
+/// gcNamespaces): where join takes those from.
+const LOWER_FEATURES_RBAC: &str = include_str!("../../deploy/lower-cluster-features-rbac.yaml");
+
+/// `rules` with what `features` need besides: Services and Endpoints copied
+/// (reflectServices), namespaces listed and deleted and every kind listed to see one is empty
+/// (gcNamespaces, never under a namespace scope), as the chart renders them.
+fn with_features(
+    mut rules: Vec<PolicyRule>,
+    features: crate::plan::Features,
+    cluster_wide: bool,
+) -> Vec<PolicyRule> {
+    let has = |rule: &PolicyRule, resource: &str| {
+        rule.resources
+            .as_ref()
+            .is_some_and(|r| r.iter().any(|x| x == resource))
+    };
+    let rendered = chart_rules(LOWER_FEATURES_RBAC, "ClusterRole", CHART_ACCOUNT);
+    let from_rendered = |resource: &str| rendered.iter().find(|r| has(r, resource)).cloned();
+    if features.reflect_services
+        && let Some(copies) = rules.iter_mut().find(|r| has(r, "configmaps"))
+        && let Some(wanted) = from_rendered("configmaps")
+    {
+        copies.resources = wanted.resources;
+    }
+    if features.gc_namespaces && cluster_wide {
+        if let Some(namespaces) = rules.iter_mut().find(|r| has(r, "namespaces"))
+            && let Some(wanted) = from_rendered("namespaces")
+        {
+            namespaces.verbs = wanted.verbs;
+        }
+        rules.extend(rendered.iter().filter(|r| r.verbs == ["list"]).cloned());
+    }
+    rules
+}
 
 #[derive(Debug, clap::Parser)]
 #[command(
@@ -321,6 +356,43 @@ fn ours(meta: &ObjectMeta, cluster: &str, upper_id: &str) -> bool {
         && label(names::MARK_CLUSTER) == Some(upper_id)
 }
 
+/// The lower objects of join's names for `cluster` (its account in `namespace` and its
+/// token Role and binding, its ClusterRole and binding when `cluster_wide`, its Role and
+/// binding in each of `served`) that exist and that tensilectl did not make for it of the
+/// upper cluster `upper_id`.
+async fn foreign_below(
+    lower: &kube::Client,
+    (namespace, served): (&str, &[String]),
+    cluster_wide: bool,
+    cluster: &str,
+    upper_id: &str,
+) -> Result<Vec<String>, Error> {
+    let account = account_name(cluster);
+    let token = format!("{account}-token");
+    let mut found = Vec::new();
+    let (sa, roles, bindings) = (
+        Api::<ServiceAccount>::namespaced(lower.clone(), namespace),
+        Api::<Role>::namespaced(lower.clone(), namespace),
+        Api::<RoleBinding>::namespaced(lower.clone(), namespace),
+    );
+    found.extend(foreign(&sa, "lower", &account, cluster, upper_id).await?);
+    found.extend(foreign(&roles, "lower", &token, cluster, upper_id).await?);
+    found.extend(foreign(&bindings, "lower", &token, cluster, upper_id).await?);
+    if cluster_wide {
+        let role = Api::<ClusterRole>::all(lower.clone());
+        found.extend(foreign(&role, "lower", &account, cluster, upper_id).await?);
+        let binding = Api::<ClusterRoleBinding>::all(lower.clone());
+        found.extend(foreign(&binding, "lower", &account, cluster, upper_id).await?);
+    }
+    for ns in served {
+        let role = Api::<Role>::namespaced(lower.clone(), ns);
+        found.extend(foreign(&role, "lower", &account, cluster, upper_id).await?);
+        let binding = Api::<RoleBinding>::namespaced(lower.clone(), ns);
+        found.extend(foreign(&binding, "lower", &account, cluster, upper_id).await?);
+    }
+    Ok(found)
+}
+
 /// `what`, named `name`, when it exists and tensilectl did not make it for `cluster` of the
 /// upper cluster `upper_id`.
 async fn foreign<K>(
@@ -378,8 +450,14 @@ pub struct LowerObjects {
 }
 
 /// The lower objects of cluster `name`, in `namespace`, for the upper cluster `upper_id`;
-/// rights in every namespace, or in those of `served` only.
-pub fn lower_objects(name: &str, namespace: &str, upper_id: &str, served: &[String]) -> LowerObjects {
+/// rights in every namespace, or in those of `served` only, with what `features` need.
+pub fn lower_objects(
+    name: &str,
+    namespace: &str,
+    upper_id: &str,
+    served: &[String],
+    features: crate::plan::Features,
+) -> LowerObjects {
     let account = account_name(name);
     let meta = |ns: Option<&str>, object: &str| ObjectMeta {
         name: Some(object.to_owned()),
@@ -411,7 +489,11 @@ pub fn lower_objects(name: &str, namespace: &str, upper_id: &str, served: &[Stri
         },
         role: served.is_empty().then(|| ClusterRole {
             metadata: meta(None, &account),
-            rules: Some(chart_rules(LOWER_RBAC, "ClusterRole", CHART_ACCOUNT)),
+            rules: Some(with_features(
+                chart_rules(LOWER_RBAC, "ClusterRole", CHART_ACCOUNT),
+                features,
+                true,
+            )),
             aggregation_rule: None,
         }),
         binding: served.is_empty().then(|| ClusterRoleBinding {
@@ -428,7 +510,11 @@ pub fn lower_objects(name: &str, namespace: &str, upper_id: &str, served: &[Stri
             .map(|ns| {
                 let role = Role {
                     metadata: meta(Some(ns), &account),
-                    rules: Some(chart_rules(LOWER_NAMESPACE_RBAC, "Role", CHART_ACCOUNT)),
+                    rules: Some(with_features(
+                        chart_rules(LOWER_NAMESPACE_RBAC, "Role", CHART_ACCOUNT),
+                        features,
+                        false,
+                    )),
                 };
                 let binding = RoleBinding {
                     metadata: meta(Some(ns), &account),
@@ -582,6 +668,28 @@ where
     Ok(format!("{cluster} {what}"))
 }
 
+/// Applies `object` and notes it in `made`; a failure says what `made` holds.
+async fn make<K>(
+    made: &mut Vec<String>,
+    name: &str,
+    api: &Api<K>,
+    cluster: &'static str,
+    object: &K,
+) -> Result<(), Error>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let what = apply(api, cluster, object)
+        .await
+        .map_err(|e| partial(name, made, e))?;
+    made.push(what);
+    Ok(())
+}
+
 /// `e`, saying what was `made` before it when anything was.
 fn partial(name: &str, made: &[String], e: Error) -> Error {
     if made.is_empty() {
@@ -594,18 +702,19 @@ fn partial(name: &str, made: &[String], e: Error) -> Error {
     }
 }
 
-/// What join checks upstream before it makes anything: that NAME fits the chart's names,
-/// and that nothing of the upper cluster already answers to it but a LowerCluster of that
-/// name (whose lower cluster is checked once reached). Returns that LowerCluster.
-async fn check_upper(
-    upper: &kube::Client,
-    args: &JoinArgs,
-    upper_id: &str,
-) -> Result<Option<LowerCluster>, Error> {
-    let name = args.name.as_str();
-    let upper_ns = args.clusters.namespace.as_str();
-    // The chart's name prefix is in its cluster controller's flags; an account that may not
-    // list Deployments leaves the length to the controller's own check.
+/// What join reads of the release it joins a cluster to.
+#[derive(Debug, Default)]
+pub struct Release {
+    /// The name prefix, from its cluster controller's flags.
+    pub prefix: Option<String>,
+    /// What its virtual nodes do below beyond the base, from their template.
+    pub features: crate::plan::Features,
+}
+
+/// The release of namespace `upper_ns`, as far as the upper kubeconfig may read it (an
+/// account that may not read Deployments or ConfigMaps there leaves the name's length to the
+/// controller and joins with the base rights, which the controller then reports short).
+async fn release(upper: &kube::Client, upper_ns: &str) -> Release {
     let controllers = Api::<Deployment>::namespaced(upper.clone(), upper_ns)
         .list(&ListParams::default().labels("app.kubernetes.io/component=cluster-controller"))
         .await;
@@ -617,8 +726,38 @@ async fn check_upper(
             .flat_map(|c| c.args.iter().flatten())
             .find_map(|a| a.strip_prefix("--name-prefix=").map(str::to_owned))
     });
-    if let Some(prefix) = prefix {
-        crate::plan::name_fits(&prefix, name).map_err(|why| Error::Refused(format!("{name}: {why}")))?;
+    let template = match &prefix {
+        Some(prefix) => Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(upper.clone(), upper_ns)
+            .get_opt(&format!("{prefix}-virtual-node-template"))
+            .await
+            .ok()
+            .flatten()
+            .and_then(|c| c.data?.remove("deployment.yaml"))
+            .and_then(|text| serde_yaml::from_str::<Deployment>(&text).ok()),
+        None => None,
+    };
+    Release {
+        prefix,
+        features: template
+            .as_ref()
+            .map(crate::plan::Features::of_template)
+            .unwrap_or_default(),
+    }
+}
+
+/// What join checks upstream before it makes anything: that NAME fits the chart's names,
+/// and that nothing of the upper cluster already answers to it but a LowerCluster of that
+/// name (whose lower cluster is checked once reached). Returns that LowerCluster.
+async fn check_upper(
+    upper: &kube::Client,
+    args: &JoinArgs,
+    upper_id: &str,
+    release: &Release,
+) -> Result<Option<LowerCluster>, Error> {
+    let name = args.name.as_str();
+    let upper_ns = args.clusters.namespace.as_str();
+    if let Some(prefix) = &release.prefix {
+        crate::plan::name_fits(prefix, name).map_err(|why| Error::Refused(format!("{name}: {why}")))?;
     }
     let all = Api::<LowerCluster>::all(upper.clone())
         .list(&ListParams::default())
@@ -765,7 +904,8 @@ pub async fn join(args: &JoinArgs) -> Result<String, Error> {
     let upper = upper_client(&args.clusters).await?;
     let upper_id = upper_id(&upper, &args.clusters).await?;
     let ns = args.lower.lower_namespace.as_str();
-    let lower_objects = lower_objects(name, ns, &upper_id, &args.namespaces);
+    let release = release(&upper, &args.clusters.namespace).await;
+    let lower_objects = lower_objects(name, ns, &upper_id, &args.namespaces, release.features);
     if args.dry_run {
         let mut out = String::new();
         let _ = writeln!(out, "# In the lower cluster ({}):", endpoint.server);
@@ -834,7 +974,7 @@ pub async fn join(args: &JoinArgs) -> Result<String, Error> {
         });
     }
 
-    let existing = check_upper(&upper, args, &upper_id).await?;
+    let existing = check_upper(&upper, args, &upper_id, &release).await?;
 
     let lower = lower_client(&args.lower.lower_kubeconfig, args.lower.lower_context.as_deref()).await?;
     let joined = Joined {
@@ -846,82 +986,14 @@ pub async fn join(args: &JoinArgs) -> Result<String, Error> {
         check_rejoin(existing, &joined)?;
     }
     let account = account_name(name);
-    let token_objects = format!("{account}-token");
-    let mut taken = Vec::new();
-    taken.extend(
-        foreign(
-            &Api::<ServiceAccount>::namespaced(lower.clone(), ns),
-            "lower",
-            &account,
-            name,
-            &upper_id,
-        )
-        .await?,
-    );
-    if lower_objects.role.is_some() {
-        taken.extend(
-            foreign(
-                &Api::<ClusterRole>::all(lower.clone()),
-                "lower",
-                &account,
-                name,
-                &upper_id,
-            )
-            .await?,
-        );
-        taken.extend(
-            foreign(
-                &Api::<ClusterRoleBinding>::all(lower.clone()),
-                "lower",
-                &account,
-                name,
-                &upper_id,
-            )
-            .await?,
-        );
-    }
-    for served in &args.namespaces {
-        taken.extend(
-            foreign(
-                &Api::<Role>::namespaced(lower.clone(), served),
-                "lower",
-                &account,
-                name,
-                &upper_id,
-            )
-            .await?,
-        );
-        taken.extend(
-            foreign(
-                &Api::<RoleBinding>::namespaced(lower.clone(), served),
-                "lower",
-                &account,
-                name,
-                &upper_id,
-            )
-            .await?,
-        );
-    }
-    taken.extend(
-        foreign(
-            &Api::<Role>::namespaced(lower.clone(), ns),
-            "lower",
-            &token_objects,
-            name,
-            &upper_id,
-        )
-        .await?,
-    );
-    taken.extend(
-        foreign(
-            &Api::<RoleBinding>::namespaced(lower.clone(), ns),
-            "lower",
-            &token_objects,
-            name,
-            &upper_id,
-        )
-        .await?,
-    );
+    let taken = foreign_below(
+        &lower,
+        (ns, &args.namespaces),
+        lower_objects.role.is_some(),
+        name,
+        &upper_id,
+    )
+    .await?;
     if !taken.is_empty() {
         return Err(Error::Refused(format!(
             "lower cluster: {} exist and were not made by tensilectl for {name} of this upper cluster \
@@ -952,57 +1024,49 @@ pub async fn join(args: &JoinArgs) -> Result<String, Error> {
         .map_err(api_error("lower", "get", format!("namespace {ns}")))?
         .is_none()
     {
-        made.push(apply(&namespaces, "lower", &lower_objects.namespace).await?);
+        make(&mut made, name, &namespaces, "lower", &lower_objects.namespace).await?;
     }
     let accounts: Api<ServiceAccount> = Api::namespaced(lower.clone(), ns);
-    made.push(
-        apply(&accounts, "lower", &lower_objects.account)
-            .await
-            .map_err(|e| partial(name, &made, e))?,
-    );
+    make(&mut made, name, &accounts, "lower", &lower_objects.account).await?;
     if let (Some(role), Some(binding)) = (&lower_objects.role, &lower_objects.binding) {
-        made.push(
-            apply(&Api::all(lower.clone()), "lower", role)
-                .await
-                .map_err(|e| partial(name, &made, e))?,
-        );
-        made.push(
-            apply(&Api::all(lower.clone()), "lower", binding)
-                .await
-                .map_err(|e| partial(name, &made, e))?,
-        );
+        make(&mut made, name, &Api::all(lower.clone()), "lower", role).await?;
+        make(&mut made, name, &Api::all(lower.clone()), "lower", binding).await?;
     }
     for (role, binding) in &lower_objects.namespace_grants {
         let served = role.metadata.namespace.as_deref().unwrap_or_default();
-        made.push(
-            apply(&Api::namespaced(lower.clone(), served), "lower", role)
-                .await
-                .map_err(|e| partial(name, &made, e))?,
-        );
-        made.push(
-            apply(&Api::namespaced(lower.clone(), served), "lower", binding)
-                .await
-                .map_err(|e| partial(name, &made, e))?,
-        );
+        make(
+            &mut made,
+            name,
+            &Api::namespaced(lower.clone(), served),
+            "lower",
+            role,
+        )
+        .await?;
+        make(
+            &mut made,
+            name,
+            &Api::namespaced(lower.clone(), served),
+            "lower",
+            binding,
+        )
+        .await?;
     }
-    made.push(
-        apply(
-            &Api::namespaced(lower.clone(), ns),
-            "lower",
-            &lower_objects.token_role,
-        )
-        .await
-        .map_err(|e| partial(name, &made, e))?,
-    );
-    made.push(
-        apply(
-            &Api::namespaced(lower.clone(), ns),
-            "lower",
-            &lower_objects.token_binding,
-        )
-        .await
-        .map_err(|e| partial(name, &made, e))?,
-    );
+    make(
+        &mut made,
+        name,
+        &Api::namespaced(lower.clone(), ns),
+        "lower",
+        &lower_objects.token_role,
+    )
+    .await?;
+    make(
+        &mut made,
+        name,
+        &Api::namespaced(lower.clone(), ns),
+        "lower",
+        &lower_objects.token_binding,
+    )
+    .await?;
     let token = credential::request_token(&lower, ns, &account, args.token_lifetime)
         .await
         .map_err(api_error(
@@ -1013,20 +1077,37 @@ pub async fn join(args: &JoinArgs) -> Result<String, Error> {
         .map_err(|e| partial(name, &made, e))?;
 
     let (secret, cluster) = upper_objects(args, &upper_id, &credential_kubeconfig, &token, &joined);
-    made.push(
-        apply(&Api::namespaced(upper.clone(), upper_ns), "upper", &secret)
-            .await
-            .map_err(|e| partial(name, &made, e))?,
-    );
+    make(
+        &mut made,
+        name,
+        &Api::namespaced(upper.clone(), upper_ns),
+        "upper",
+        &secret,
+    )
+    .await?;
     apply(&clusters, "upper", &cluster)
         .await
         .map_err(|e| partial(name, &made, e))?;
 
     let mut out = String::new();
-    let grants = match args.namespaces.as_slice() {
+    let mut grants = match args.namespaces.as_slice() {
         [] => format!("ClusterRole {}", account_name(name)),
         served => format!("a Role in namespace(s) {}", served.join(", ")),
     };
+    let features = release.features;
+    let wanted: Vec<&str> = [
+        (features.reflect_services, "reflectServices"),
+        (
+            features.gc_namespaces && args.namespaces.is_empty(),
+            "gcNamespaces",
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(on, what)| on.then_some(what))
+    .collect();
+    if !wanted.is_empty() {
+        grants = format!("{grants} (with the rights of {})", wanted.join(", "));
+    }
     let _ = writeln!(
         out,
         "lower cluster ({}): ServiceAccount {ns}/{account} with {grants} and Role {account}-token; \
@@ -1476,57 +1557,7 @@ pub async fn leave(args: &LeaveArgs) -> Result<String, Error> {
         let _ = writeln!(out, "lower cluster: deleted {}", gone.join(", "));
     }
     // What answers to join's names and was not made by it for this fleet stays, and is said.
-    let mut kept = Vec::new();
-    kept.extend(
-        foreign(
-            &Api::<ServiceAccount>::namespaced(lower.clone(), ns),
-            "lower",
-            &account,
-            name,
-            &upper_id,
-        )
-        .await?,
-    );
-    kept.extend(
-        foreign(
-            &Api::<ClusterRole>::all(lower.clone()),
-            "lower",
-            &account,
-            name,
-            &upper_id,
-        )
-        .await?,
-    );
-    kept.extend(
-        foreign(
-            &Api::<ClusterRoleBinding>::all(lower.clone()),
-            "lower",
-            &account,
-            name,
-            &upper_id,
-        )
-        .await?,
-    );
-    kept.extend(
-        foreign(
-            &Api::<Role>::namespaced(lower.clone(), ns),
-            "lower",
-            &token,
-            name,
-            &upper_id,
-        )
-        .await?,
-    );
-    kept.extend(
-        foreign(
-            &Api::<RoleBinding>::namespaced(lower.clone(), ns),
-            "lower",
-            &token,
-            name,
-            &upper_id,
-        )
-        .await?,
-    );
+    let kept = foreign_below(&lower, (ns, &[]), true, name, &upper_id).await?;
     if !kept.is_empty() {
         let _ = writeln!(
             out,
@@ -1555,7 +1586,7 @@ mod tests {
 
     #[test]
     fn join_grants_below_exactly_the_rights_the_chart_renders_and_its_own_token() {
-        let objects = lower_objects("lower-a", "tensile", "upper-uid", &[]);
+        let objects = lower_objects("lower-a", "tensile", "upper-uid", &[], Default::default());
         assert!(objects.namespace_grants.is_empty());
         let role = objects.role.clone().unwrap();
         let rules = role.rules.as_ref().unwrap();
@@ -1594,9 +1625,69 @@ mod tests {
     }
 
     #[test]
+    fn join_grants_what_the_releases_features_need_as_the_chart_renders_them() {
+        let both = crate::plan::Features {
+            reflect_services: true,
+            gc_namespaces: true,
+        };
+        let objects = lower_objects("lower-a", "tensile", "upper-uid", &[], both);
+        assert_eq!(
+            objects.role.unwrap().rules.unwrap(),
+            chart_rules(LOWER_FEATURES_RBAC, "ClusterRole", CHART_ACCOUNT),
+            "the chart's rendering with both on"
+        );
+        let services = crate::plan::Features {
+            reflect_services: true,
+            gc_namespaces: false,
+        };
+        let scoped = lower_objects("lower-a", "tensile", "upper-uid", &["team-a".to_owned()], both);
+        let rules = scoped.namespace_grants[0].0.rules.clone().unwrap();
+        let copies = rules
+            .iter()
+            .find(|r| {
+                r.resources
+                    .as_ref()
+                    .is_some_and(|x| x.iter().any(|x| x == "configmaps"))
+            })
+            .unwrap();
+        assert!(
+            copies
+                .resources
+                .as_ref()
+                .unwrap()
+                .contains(&"services".to_owned())
+        );
+        assert!(
+            !rules.iter().any(|r| r.verbs == ["list"]
+                && r.api_groups
+                    .as_ref()
+                    .is_some_and(|g| g.contains(&"apps".to_owned()))),
+            "no namespace collection under a namespace scope"
+        );
+        let only = lower_objects("lower-a", "tensile", "upper-uid", &[], services)
+            .role
+            .unwrap()
+            .rules
+            .unwrap();
+        let namespaces = only
+            .iter()
+            .find(|r| {
+                r.resources
+                    .as_ref()
+                    .is_some_and(|x| x == &["namespaces".to_owned()])
+            })
+            .unwrap();
+        assert_eq!(
+            namespaces.verbs,
+            ["get", "create"],
+            "no delete without gcNamespaces"
+        );
+    }
+
+    #[test]
     fn join_with_namespaces_grants_the_charts_namespace_role_in_each_and_nothing_cluster_wide() {
         let served = ["team-a".to_owned(), "team-b".to_owned()];
-        let objects = lower_objects("lower-a", "tensile", "upper-uid", &served);
+        let objects = lower_objects("lower-a", "tensile", "upper-uid", &served, Default::default());
         assert!(
             objects.role.is_none() && objects.binding.is_none(),
             "nothing cluster-wide"

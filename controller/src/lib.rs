@@ -27,7 +27,7 @@ use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::Api;
-use kube::runtime::{Controller, WatchStreamExt, watcher};
+use kube::runtime::{Controller, watcher};
 use tensile_common::admin::{self, AdminArgs};
 use tensile_common::kubeconfig::{self, ClientArgs};
 use tensile_common::leader::LeaderArgs;
@@ -198,6 +198,7 @@ pub async fn run_until(args: Args, shutdown: CancellationToken) -> Result<(), Er
         drain_timeout: args.drain_timeout,
         crash_at: daemon.crash_points(args.crash_at),
         applied: Default::default(),
+        rights: Default::default(),
         metrics,
         events: kube::runtime::events::Recorder::new(
             upper.clone(),
@@ -239,15 +240,7 @@ fn compose(args: &Args, upper: kube::Client, ctx: Arc<Context>, running: &mut Ru
             }
             let clusters: Api<LowerCluster> = Api::all(upper.clone());
             let ours = format!("{}={}", names::CONTROLLER_NAMESPACE, namespace);
-            // The suite's retries: a kind not served (the chart's CRDs not applied) is said
-            // once, naming it, and asked for again 5 s doubling to a minute apart.
-            let (reader, writer) = kube::runtime::reflector::store();
-            let events = tensile_common::cache::retried::<LowerCluster, _>(
-                watcher(clusters, watcher::Config::default().labels(&ours)),
-                None,
-            );
-            let clusters = kube::runtime::reflector::reflector(writer, events).applied_objects();
-            Controller::for_stream(clusters, reader)
+            Controller::new(clusters, watcher::Config::default().labels(&ours))
                 .graceful_shutdown_on(stop.cancelled_owned())
                 .run(reconcile::reconcile, error_policy, ctx)
                 .for_each(|outcome| async move {

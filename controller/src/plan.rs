@@ -50,6 +50,129 @@ pub struct Settings {
     pub node_identity: bool,
 }
 
+/// What a virtual node does below beyond the base (the chart's `virtualNodes.reflectServices`
+/// and `gcNamespaces`, as flags of its container or of the cluster's `extraArgs`): rights
+/// its lower credential must hold too.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Features {
+    pub reflect_services: bool,
+    pub gc_namespaces: bool,
+}
+
+impl Features {
+    /// The features the flags `args` turn on.
+    pub fn of_args<'a>(args: impl IntoIterator<Item = &'a String>) -> Features {
+        let mut features = Features::default();
+        for arg in args {
+            if let Some(list) = arg.strip_prefix("--enable-controllers=") {
+                features.reflect_services |= list.split(',').any(|c| c.trim() == "ServiceControllers");
+            }
+            if arg == "--gc-namespaces" || arg == "--gc-namespaces=true" {
+                features.gc_namespaces = true;
+            }
+        }
+        features
+    }
+
+    /// The features of the virtual node container of the Deployment `template`.
+    pub fn of_template(template: &Deployment) -> Features {
+        Features::of_args(
+            template
+                .spec
+                .template
+                .spec
+                .iter()
+                .flat_map(|pod| &pod.containers)
+                .filter(|c| c.name == CONTAINER)
+                .flat_map(|c| c.args.iter().flatten()),
+        )
+    }
+
+    /// The features of `cluster`'s virtual node: its template's and its `extraArgs`'.
+    pub fn of(settings: &Settings, cluster: &LowerCluster) -> Features {
+        let (template, extra) = (
+            Features::of_template(&settings.template),
+            Features::of_args(&cluster.spec.extra_args),
+        );
+        Features {
+            reflect_services: template.reflect_services || extra.reflect_services,
+            gc_namespaces: template.gc_namespaces || extra.gc_namespaces,
+        }
+    }
+}
+
+/// A right the lower credential must hold: `verb` on `resource` (`group`, `subresource`),
+/// and what needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Right {
+    pub verb: &'static str,
+    pub group: &'static str,
+    pub resource: &'static str,
+    pub subresource: &'static str,
+    pub why: &'static str,
+}
+
+impl std::fmt::Display for Right {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let group = if self.group.is_empty() {
+            String::new()
+        } else {
+            format!(".{}", self.group)
+        };
+        let sub = if self.subresource.is_empty() {
+            String::new()
+        } else {
+            format!("/{}", self.subresource)
+        };
+        write!(f, "{} {}{group}{sub} ({})", self.verb, self.resource, self.why)
+    }
+}
+
+/// The rights checked of a lower credential: one of each thing the virtual node does below
+/// (not every verb of its role; a credential short of one shows here), and those `features`
+/// add; `cluster_wide`: the credential is not namespace-scoped.
+pub fn required_rights(features: Features, cluster_wide: bool) -> Vec<Right> {
+    let right = |verb, group, resource, subresource, why| Right {
+        verb,
+        group,
+        resource,
+        subresource,
+        why,
+    };
+    let mut rights = vec![
+        right("create", "", "pods", "", "pods"),
+        right("delete", "", "pods", "", "pods"),
+        right("watch", "", "pods", "", "pods"),
+        right("patch", "", "pods", "resize", "in-place resize"),
+        right("create", "", "pods", "exec", "exec"),
+        right("get", "", "pods", "log", "logs"),
+        right("create", "", "configmaps", "", "copies"),
+        right("create", "", "secrets", "", "copies"),
+        right("create", "", "persistentvolumeclaims", "", "volumes"),
+    ];
+    if cluster_wide {
+        rights.push(right(
+            "create",
+            "",
+            "namespaces",
+            "",
+            "namespaces of the upper pods",
+        ));
+        rights.push(right("list", "", "nodes", "", "capacity"));
+    } else {
+        rights.push(right("list", "", "resourcequotas", "", "capacity"));
+    }
+    if features.reflect_services {
+        rights.push(right("create", "", "services", "", "reflectServices"));
+        rights.push(right("create", "", "endpoints", "", "reflectServices"));
+    }
+    if features.gc_namespaces && cluster_wide {
+        rights.push(right("delete", "", "namespaces", "", "gcNamespaces"));
+        rights.push(right("list", "apps", "deployments", "", "gcNamespaces"));
+    }
+    rights
+}
+
 /// Why a `LowerCluster` cannot be acted on.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -879,6 +1002,56 @@ pub(crate) mod tests {
                 "True".to_owned(),
                 "0 rule(s) and 0 StorageClass name(s) in force".to_owned()
             )
+        );
+    }
+
+    #[test]
+    fn the_rights_checked_follow_the_features_the_flags_turn_on() {
+        let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        assert_eq!(
+            Features::of_args(&args(&["--kubelet-port=10250"])),
+            Features::default()
+        );
+        let both = Features::of_args(&args(&[
+            "--enable-controllers=PodControllers,ServiceControllers",
+            "--gc-namespaces",
+        ]));
+        assert_eq!(
+            both,
+            Features {
+                reflect_services: true,
+                gc_namespaces: true
+            }
+        );
+        let said = |rights: Vec<Right>| rights.iter().map(ToString::to_string).collect::<Vec<_>>();
+        let base = said(required_rights(Features::default(), true));
+        assert!(base.contains(&"list nodes (capacity)".to_owned()), "{base:?}");
+        assert!(
+            base.contains(&"patch pods/resize (in-place resize)".to_owned()),
+            "{base:?}"
+        );
+        assert!(!base.iter().any(|r| r.contains("services")), "{base:?}");
+        let all = said(required_rights(both, true));
+        assert!(
+            all.contains(&"create services (reflectServices)".to_owned()),
+            "{all:?}"
+        );
+        assert!(
+            all.contains(&"list deployments.apps (gcNamespaces)".to_owned()),
+            "{all:?}"
+        );
+        let scoped = said(required_rights(both, false));
+        assert!(
+            !scoped
+                .iter()
+                .any(|r| r.contains("nodes") || r.contains("namespaces")),
+            "nothing cluster-wide under a namespace scope: {scoped:?}"
+        );
+        let mut c = cluster("lower-a");
+        c.spec.extra_args = args(&["--gc-namespaces"]);
+        assert!(
+            Features::of(&settings(), &c).gc_namespaces,
+            "a cluster's own flags count"
         );
     }
 

@@ -57,6 +57,11 @@ pub struct Context {
     /// only every [`REAPPLY`] (to repair edits), not every pass.
     pub applied: std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
     pub metrics: std::sync::Arc<crate::metrics::Metrics>,
+    /// The rights each cluster's credential was last found to lack, with what they were
+    /// asked for (Secret version, features) and when.
+    #[allow(clippy::type_complexity)]
+    pub rights:
+        std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant, Vec<String>)>>,
     /// Events on the LowerClusters: Ready gained or lost.
     pub events: kube::runtime::events::Recorder,
 }
@@ -94,6 +99,9 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
     let api: Api<LowerCluster> = Api::all(ctx.upper.clone());
     if cluster.metadata.deletion_timestamp.is_some() {
         ctx.metrics.forget(&name);
+        if let Ok(mut rights) = ctx.rights.lock() {
+            rights.remove(&name);
+        }
         return remove(&cluster, &ctx, &api).await;
     }
     if set_finalizer(&api, cluster.as_ref(), &format!("lowercluster {name}"), true).await? {
@@ -186,6 +194,17 @@ pub async fn reconcile(cluster: Arc<LowerCluster>, ctx: Arc<Context>) -> Result<
         observe_lower(lower, &mut observed, cluster.spec.namespaces.is_empty()).await;
         if observed.credential == Some(Ok(())) {
             observed.credential_expires = renew(lower, secret, &ctx, &name).await;
+            let missing = missing_rights(lower, &cluster, secret, &ctx).await;
+            if !missing.is_empty() {
+                observed.credential = Some(Err((
+                    "InsufficientRights".into(),
+                    format!(
+                        "the credential may not {}: run tensilectl join {name} again with the lower admin's \
+                         kubeconfig, which grants what this release's virtual nodes need",
+                        missing.join(", ")
+                    ),
+                )));
+            }
         }
     }
 
@@ -410,6 +429,76 @@ async fn observe_lower(lower: &kube::Client, observed: &mut Observed, nodes: boo
         Ok(list) => observed.lower_nodes = Some(list.items.len() as i64),
         Err(e) => tracing::debug!("listing lower nodes: {e}"),
     }
+}
+
+/// The rights of [`plan::required_rights`] the credential of `cluster` (Secret `secret`)
+/// lacks, as the lower cluster answers its own access reviews (which every authenticated
+/// user may ask), in each served namespace under a namespace scope. Asked again when the
+/// Secret or the features change, else every [`REAPPLY`]; nothing is said when the lower
+/// cluster cannot tell.
+async fn missing_rights(
+    lower: &kube::Client,
+    cluster: &LowerCluster,
+    secret: &Secret,
+    ctx: &Context,
+) -> Vec<String> {
+    use k8s_openapi::api::authorization::v1::{
+        ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
+    };
+    let features = plan::Features::of(&ctx.settings, cluster);
+    let key = format!(
+        "{:?} {features:?} {:?}",
+        secret.metadata.resource_version, cluster.spec.namespaces
+    );
+    if let Ok(checked) = ctx.rights.lock()
+        && let Some((last, at, missing)) = checked.get(cluster.name())
+        && *last == key
+        && at.elapsed() < REAPPLY
+    {
+        return missing.clone();
+    }
+    let scopes: Vec<Option<String>> = match cluster.spec.namespaces.as_slice() {
+        [] => vec![None],
+        served => served.iter().cloned().map(Some).collect(),
+    };
+    let api = Api::<SelfSubjectAccessReview>::all(lower.clone());
+    let mut missing = Vec::new();
+    for right in plan::required_rights(features, scopes == [None]) {
+        for namespace in &scopes {
+            let review = SelfSubjectAccessReview {
+                spec: SelfSubjectAccessReviewSpec {
+                    resource_attributes: Some(ResourceAttributes {
+                        namespace: namespace.clone(),
+                        verb: Some(right.verb.into()),
+                        group: Some(right.group.into()),
+                        resource: Some(right.resource.into()),
+                        subresource: (!right.subresource.is_empty()).then(|| right.subresource.into()),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            match api.create(&kube::api::PostParams::default(), &review).await {
+                Ok(answer) if answer.status.as_ref().is_some_and(|s| s.allowed) => {}
+                Ok(_) => missing.push(match namespace {
+                    Some(ns) => format!("{right} in namespace {ns}"),
+                    None => right.to_string(),
+                }),
+                Err(e) => {
+                    tracing::debug!(cluster = %cluster.name(), "asking the lower cluster what the credential may do: {e}");
+                    return Vec::new();
+                }
+            }
+        }
+    }
+    if let Ok(mut checked) = ctx.rights.lock() {
+        checked.insert(
+            cluster.name().to_owned(),
+            (key, std::time::Instant::now(), missing.clone()),
+        );
+    }
+    missing
 }
 
 /// Renews the credential's token when it is due; returns when the token in force expires.

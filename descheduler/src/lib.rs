@@ -65,6 +65,7 @@ use crate::rounds::{Caps, Descheduler};
 #[derive(Clone, Debug, clap::Parser)]
 #[command(
     name = "descheduler",
+    version,
     about = "Moves pods a lower cluster cannot place to another virtual node"
 )]
 pub struct Args {

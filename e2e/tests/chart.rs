@@ -364,6 +364,17 @@ async fn the_lower_role_file_is_what_the_chart_renders() {
             "lower-namespace-rbac.yaml",
             true,
         ),
+        // What join takes the rights of the features from.
+        (
+            vec![
+                "--set",
+                "virtualNodes.reflectServices=true",
+                "--set",
+                "virtualNodes.gcNamespaces=true",
+            ],
+            "lower-cluster-features-rbac.yaml",
+            false,
+        ),
     ] {
         let chart = chart();
         let mut args = vec![

@@ -743,6 +743,7 @@ spec: {hard: {requests.cpu: "12", requests.memory: 24Gi, pods: "10"}}
         cluster_event_until(up, cluster, "Normal Ready").await;
     }
     join_and_leave_refuse_to_take_over_or_reach_past_their_fleet(up, low_a, low_b).await;
+    a_right_the_credential_lacks_is_named_and_join_grants_it_again(up, low_a).await;
     eventually(
         up.kubeconfig(),
         "each virtual node with the labels it joined with",
@@ -1500,6 +1501,62 @@ async fn credential_rotation_rolls_the_node_and_a_deleted_secret_goes<F, Fut>(
     assert!(ok && said.contains("lower-a node=lower-a ready=True"), "{said}");
 }
 
+/// A lower admin trims lower-a's ClusterRole of a right its virtual node needs (in-place
+/// resize): the LowerCluster says which right its credential lacks, and join, again of the
+/// same cluster, grants it back.
+async fn a_right_the_credential_lacks_is_named_and_join_grants_it_again(
+    up: &TestCluster,
+    low_a: &TestCluster,
+) {
+    let role = kubectl(
+        low_a.kubeconfig(),
+        &["get", "clusterrole", "tensile-lower-a", "-o", "json"],
+    )
+    .await;
+    let mut role: serde_json::Value = serde_json::from_str(&role).unwrap();
+    let rules = role["rules"].as_array_mut().unwrap();
+    let before = rules.len();
+    rules.retain(|r| r["resources"] != serde_json::json!(["pods/resize"]));
+    assert_eq!(rules.len(), before - 1, "{role}");
+    let file = up.dir().join("trimmed-role.json");
+    std::fs::write(&file, role.to_string()).unwrap();
+    kubectl(low_a.kubeconfig(), &["replace", "-f", &path(&file)]).await;
+    let credential = || {
+        kubectl(
+            up.kubeconfig(),
+            &[
+                "get",
+                "lowercluster",
+                "lower-a",
+                "-o",
+                r#"jsonpath={.status.conditions[?(@.type=="CredentialValid")].reason}: {.status.conditions[?(@.type=="CredentialValid")].message}"#,
+            ],
+        )
+    };
+    tensile_e2e::wait::within("the missing right named", 120, || async {
+        let said = credential().await;
+        match said
+            .starts_with("InsufficientRights: the credential may not patch pods/resize (in-place resize)")
+        {
+            true => Ok(()),
+            false => Err(said),
+        }
+    })
+    .await;
+    let (ok, said) = tensilectl(&[
+        "join",
+        "lower-a",
+        &format!("--lower-kubeconfig={}", path(low_a.kubeconfig())),
+        &format!("--upper-kubeconfig={}", path(up.kubeconfig())),
+        &format!("-n={NS}"),
+        "--node-labels=region=a",
+        "--token-lifetime=10m",
+    ])
+    .await;
+    assert!(ok && said.contains("lower-a node=lower-a ready=True"), "{said}");
+    assert!(credential().await.starts_with("Accepted: "));
+}
+
 /// With lower-a and lower-b joined: a join that would take an entry, a name or an object
 /// over is refused before anything is made, and a leave reaches nothing of another fleet
 /// or another lower cluster. Each leaves both clusters as it found them.
@@ -1702,7 +1759,14 @@ async fn join_refuses_what_it_cannot_do_with_the_reason_and_makes_nothing() {
     let (ok, said) = tensilectl(&args.iter().map(String::as_str).collect::<Vec<_>>()).await;
     assert!(!ok && said.contains("has no context \"nope\""), "{said}");
     // Every binary says its version.
-    for binary in ["tensilectl", "cluster-controller", "virtual-node"] {
+    for binary in [
+        "tensilectl",
+        "cluster-controller",
+        "virtual-node",
+        "webhook",
+        "descheduler",
+        "multi-scheduler",
+    ] {
         let out = tokio::process::Command::new(tensile_e2e::bins::suite_binary(binary).unwrap())
             .arg("--version")
             .output()

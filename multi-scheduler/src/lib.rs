@@ -69,6 +69,7 @@ pub enum Mode {
 #[derive(Clone, Debug, clap::Parser)]
 #[command(
     name = "multi-scheduler",
+    version,
     about = "Filters virtual nodes by whether some lower node fits the pod (a kube-scheduler extender)"
 )]
 pub struct Args {

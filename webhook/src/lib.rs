@@ -80,6 +80,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Clone, Debug, clap::Parser)]
 #[command(
     name = "webhook",
+    version,
     about = "Mutating admission webhook that stashes lower-cluster constraints"
 )]
 pub struct Args {
