@@ -66,6 +66,47 @@ async fn release_objects(cluster: &TestCluster, release: &str) -> Vec<String> {
     found
 }
 
+/// Every object of namespace `namespace`, and every cluster-wide object whose name holds
+/// `release`, of every kind the cluster lists (events aside), as `kind namespace/name`: what
+/// an uninstall must leave as it found it, labelled or not.
+async fn around_the_release(
+    cluster: &TestCluster,
+    namespace: &str,
+    release: &str,
+) -> std::collections::BTreeSet<String> {
+    let kinds = kubectl(
+        cluster.kubeconfig(),
+        &["api-resources", "--verbs=list", "-o", "name"],
+    )
+    .await;
+    let kinds: Vec<&str> = kinds
+        .lines()
+        .filter(|k| {
+            !k.is_empty() && *k != "events" && *k != "events.events.k8s.io" && *k != "componentstatuses"
+        })
+        .collect();
+    let out = kubectl(
+        cluster.kubeconfig(),
+        &[
+            "get",
+            &kinds.join(","),
+            "-A",
+            "--no-headers",
+            "-o",
+            "custom-columns=K:.kind,NS:.metadata.namespace,N:.metadata.name",
+        ],
+    )
+    .await;
+    out.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() == 3).then(|| (f[0], f[1], f[2]))
+        })
+        .filter(|(_, ns, name)| *ns == namespace || (*ns == "<none>" && name.contains(release)))
+        .map(|(kind, ns, name)| format!("{kind} {ns}/{name}"))
+        .collect()
+}
+
 #[tokio::test]
 async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only_its_work() {
     let started = Instant::now();
@@ -97,6 +138,27 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
         "the message names the value: {}",
         out.stderr
     );
+
+    // What the namespace holds before (its account and root CA, once made).
+    scene::shows(
+        up.kubeconfig(),
+        "tensile-life",
+        "serviceaccount/default",
+        "name",
+        "serviceaccount/default",
+        30,
+    )
+    .await;
+    scene::shows(
+        up.kubeconfig(),
+        "tensile-life",
+        "configmap/kube-root-ca.crt",
+        "name",
+        "configmap/kube-root-ca.crt",
+        30,
+    )
+    .await;
+    let before = around_the_release(up, "tensile-life", release).await;
 
     let mut install = vec!["install", release, &chart, "-n", "tensile-life"];
     install.extend_from_slice(&sets);
@@ -346,6 +408,23 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
     helm_ok(up, &["uninstall", release, "-n", "tensile-life", "--wait"]).await;
     let left = release_objects(up, release).await;
     assert!(left.is_empty(), "left behind: {left:#?}");
+    // Nor anything unlabelled, in its namespace or named after it cluster-wide.
+    tensile_e2e::wait::within(
+        "the namespace and the cluster as before the release",
+        60,
+        || async {
+            let now = around_the_release(up, "tensile-life", release).await;
+            match now == before {
+                true => Ok(()),
+                false => Err(format!(
+                    "left behind: {:?}; missing: {:?}",
+                    now.difference(&before).collect::<Vec<_>>(),
+                    before.difference(&now).collect::<Vec<_>>()
+                )),
+            }
+        },
+    )
+    .await;
     let list = helm_ok(up, &["list", "-A", "-q"]).await;
     assert!(!list.lines().any(|l| l == release), "{list}");
     eprintln!("install, upgrade, can-i and uninstall: {:?}", started.elapsed());

@@ -744,6 +744,7 @@ spec: {hard: {requests.cpu: "12", requests.memory: 24Gi, pods: "10"}}
     }
     join_and_leave_refuse_to_take_over_or_reach_past_their_fleet(up, low_a, low_b).await;
     a_right_the_credential_lacks_is_named_and_join_grants_it_again(up, low_a).await;
+    a_lower_cluster_gone_for_good_leaves_saying_what_stays_below(up, low_b).await;
     eventually(
         up.kubeconfig(),
         "each virtual node with the labels it joined with",
@@ -1499,6 +1500,82 @@ async fn credential_rotation_rolls_the_node_and_a_deleted_secret_goes<F, Fut>(
     ])
     .await;
     assert!(ok && said.contains("lower-a node=lower-a ready=True"), "{said}");
+}
+
+/// A lower cluster gone for good leaves without being reached (`--lower-unreachable`): its
+/// LowerCluster, virtual node and credential go upstream, and what stays below is said; it is
+/// there, and its admin removes it by the labels named.
+async fn a_lower_cluster_gone_for_good_leaves_saying_what_stays_below(up: &TestCluster, low_b: &TestCluster) {
+    let upper_now = listing(up, Some("fleet")).await;
+    let lower_now = listing(low_b, None).await;
+    let (ok, said) = tensilectl(&[
+        "join",
+        "spare",
+        &format!("--lower-kubeconfig={}", path(low_b.kubeconfig())),
+        &format!("--upper-kubeconfig={}", path(up.kubeconfig())),
+        &format!("-n={NS}"),
+        "--token-lifetime=10m",
+    ])
+    .await;
+    assert!(ok && said.contains("spare node=spare ready=True"), "{said}");
+    let (ok, said) = tensilectl(&[
+        "leave",
+        "spare",
+        "--lower-unreachable",
+        &format!("--upper-kubeconfig={}", path(up.kubeconfig())),
+        &format!("-n={NS}"),
+    ])
+    .await;
+    assert!(
+        ok && said.contains("LowerCluster spare removed")
+            && said.contains(
+                "not reached (--lower-unreachable); left there: ServiceAccount tensile/tensile-spare"
+            ),
+        "{said}"
+    );
+    listing_returns_to(up, Some("fleet"), &upper_now, "the upper cluster without spare").await;
+    let stays = kubectl(
+        low_b.kubeconfig(),
+        &[
+            "get",
+            "serviceaccounts,clusterroles",
+            "-A",
+            "-l",
+            "tensile.io/lower-cluster=spare",
+            "-o",
+            "name",
+        ],
+    )
+    .await;
+    assert!(
+        stays.contains("serviceaccount/tensile-spare")
+            && stays.contains("clusterrole.rbac.authorization.k8s.io/tensile-spare"),
+        "what was said to stay is there: {stays}"
+    );
+    for kinds in [
+        "serviceaccounts,roles,rolebindings",
+        "clusterroles,clusterrolebindings",
+    ] {
+        kubectl(
+            low_b.kubeconfig(),
+            &[
+                "delete",
+                kinds,
+                "-A",
+                "-l",
+                "tensile.io/lower-cluster=spare",
+                "--wait=true",
+            ],
+        )
+        .await;
+    }
+    listing_returns_to(
+        low_b,
+        None,
+        &lower_now,
+        "lower-b once its admin removed what stayed",
+    )
+    .await;
 }
 
 /// A lower admin trims lower-a's ClusterRole of a right its virtual node needs (in-place
