@@ -188,6 +188,9 @@ async fn follow(
     let mut failing = false;
     while let Some(next) = watch.next().await {
         match next {
+            // The watcher says Init before each list, a failed one's retry too: only what it
+            // lists or sees is progress.
+            Ok(watcher::Event::Init) => {}
             Ok(event) => {
                 if failing {
                     failing = false;
@@ -238,6 +241,38 @@ mod tests {
     use super::*;
     use crate::model::scale_ups::tests::{key, pod, signal};
     use crate::model::scale_ups::{NOMINATED, NOT_TRIGGERED, TRIGGERED};
+
+    /// kube's watcher says `Init` before each new list, after a failed one too: a watch whose
+    /// list keeps failing waits longer each time (200 ms doubling), not 200 ms for ever.
+    #[tokio::test(start_paused = true)]
+    async fn a_list_that_keeps_failing_is_retried_ever_later() {
+        let (wake, _woken) = mpsc::channel(1);
+        let taker = Arc::new(Taker {
+            signals: Arc::default(),
+            lower_pods: tensile_common::cache::empty(),
+            wake,
+        });
+        let down = || {
+            kube::core::Status::failure("the apiserver is down", "ServiceUnavailable")
+                .with_code(503)
+                .boxed()
+        };
+        let events = futures::stream::iter((0..4).flat_map(move |_| {
+            [
+                Ok(watcher::Event::Init),
+                Err(watcher::Error::InitialListFailed(kube::Error::Api(down()))),
+            ]
+        }))
+        .boxed();
+        let started = tokio::time::Instant::now();
+        follow(events, "ns".into(), Arc::default(), taker).await;
+        // The timer rounds each pause up to its next millisecond.
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(200 + 400 + 800 + 1600) && waited < Duration::from_millis(3050),
+            "four failed lists: {waited:?}"
+        );
+    }
 
     #[test]
     fn only_a_refused_credential_waits_minutes_before_the_watch_is_tried_again() {
