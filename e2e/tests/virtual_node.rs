@@ -1019,15 +1019,35 @@ async fn a_restart_mid_rollout_converges_without_duplicates_or_losses() {
     assert_eq!(u, l, "one lower pod per upper pod");
 }
 
+/// A lower cluster of its own for the outage test, which stops its apiserver: the lower
+/// clusters the other tests use meanwhile stay up.
+struct OutageLower {
+    lower: TestCluster,
+    _sim: NodeSimulator,
+}
+
+static OUTAGE: Shared<OutageLower> = Shared::new();
+
+fn outage_lower() -> &'static TestCluster {
+    &OUTAGE
+        .bed(|| async {
+            let lower =
+                TestCluster::start(tensile_e2e::ClusterOptions::new("virtual_node", "lower-outage")).await?;
+            let sim = scene::simulate(&lower, scene::nodes("o", 2)).await?;
+            Ok(OutageLower { lower, _sim: sim })
+        })
+        .lower
+}
+
 #[tokio::test]
 async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resumes_status() {
-    let bed = bed();
-    let _vn = VirtualNode::ready("vn-outage", &bed.lower_b).await;
+    let lower = outage_lower();
+    let _vn = VirtualNode::ready("vn-outage", lower).await;
     namespace("outage").await;
     apply(up(), &pod("outage", "survivor", "vn-outage", "Always", "", "10m")).await;
     scene::pod_running(up(), "outage", "survivor", 60).await;
 
-    bed.lower_b.stop_apiserver();
+    lower.stop_apiserver();
     let started = Instant::now();
     scene::node_shows(up(), "vn-outage", scene::READY, "False", 30).await;
     let took = started.elapsed();
@@ -1071,7 +1091,7 @@ async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resu
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 
-    bed.lower_b.start_apiserver().await.unwrap();
+    lower.start_apiserver().await.unwrap();
     wait_ready("vn-outage").await;
     scene::pod_shows(up(), "outage", "survivor", pod_ready, "True", 60).await;
     // Statuses resume: a new pod runs and an existing one keeps reporting.
@@ -1102,12 +1122,11 @@ async fn an_unreachable_lower_cluster_turns_the_node_not_ready_and_recovery_resu
         // What the lower cluster made of it, to tell a stuck lower scheduler or kubelet
         // from a virtual node that never wrote.
         let below = tensile_e2e::kubectl::run(
-            bed.lower_b.kubeconfig(),
+            lower.kubeconfig(),
             &["-n", "outage", "get", "pod,events", "-o", "wide"],
         )
         .await;
-        let nodes =
-            tensile_e2e::kubectl::run(bed.lower_b.kubeconfig(), &["get", "nodes", "-o", "wide"]).await;
+        let nodes = tensile_e2e::kubectl::run(lower.kubeconfig(), &["get", "nodes", "-o", "wide"]).await;
         // And upstream: whether the upper scheduler placed it, and what the node offered.
         let upstream = tensile_e2e::kubectl::run(
             up(),
