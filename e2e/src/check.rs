@@ -182,3 +182,39 @@ fn webhook_entry(
 "#
     )
 }
+
+/// Every object of the cluster of `kubeconfig`, of every kind it lists (events aside, which
+/// outlive what they are about), as `kind namespace/name` (`<none>` for a cluster-wide one),
+/// those `keep(kind, namespace, name)` keeps.
+pub async fn listing(
+    kubeconfig: &Path,
+    keep: impl Fn(&str, &str, &str) -> bool,
+) -> std::collections::BTreeSet<String> {
+    let kinds = kubectl(kubeconfig, &["api-resources", "--verbs=list", "-o", "name"]).await;
+    let kinds: Vec<&str> = kinds
+        .lines()
+        .filter(|k| {
+            !k.is_empty() && *k != "events" && *k != "events.events.k8s.io" && *k != "componentstatuses"
+        })
+        .collect();
+    let out = kubectl(
+        kubeconfig,
+        &[
+            "get",
+            &kinds.join(","),
+            "-A",
+            "--no-headers",
+            "-o",
+            "custom-columns=K:.kind,NS:.metadata.namespace,N:.metadata.name",
+        ],
+    )
+    .await;
+    out.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() == 3).then(|| (f[0], f[1], f[2]))
+        })
+        .filter(|(kind, ns, name)| keep(kind, ns, name))
+        .map(|(kind, ns, name)| format!("{kind} {ns}/{name}"))
+        .collect()
+}

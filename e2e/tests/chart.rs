@@ -74,37 +74,10 @@ async fn around_the_release(
     namespace: &str,
     release: &str,
 ) -> std::collections::BTreeSet<String> {
-    let kinds = kubectl(
-        cluster.kubeconfig(),
-        &["api-resources", "--verbs=list", "-o", "name"],
-    )
-    .await;
-    let kinds: Vec<&str> = kinds
-        .lines()
-        .filter(|k| {
-            !k.is_empty() && *k != "events" && *k != "events.events.k8s.io" && *k != "componentstatuses"
-        })
-        .collect();
-    let out = kubectl(
-        cluster.kubeconfig(),
-        &[
-            "get",
-            &kinds.join(","),
-            "-A",
-            "--no-headers",
-            "-o",
-            "custom-columns=K:.kind,NS:.metadata.namespace,N:.metadata.name",
-        ],
-    )
-    .await;
-    out.lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() == 3).then(|| (f[0], f[1], f[2]))
-        })
-        .filter(|(_, ns, name)| *ns == namespace || (*ns == "<none>" && name.contains(release)))
-        .map(|(kind, ns, name)| format!("{kind} {ns}/{name}"))
-        .collect()
+    tensile_e2e::check::listing(cluster.kubeconfig(), |_, ns, name| {
+        ns == namespace || (ns == "<none>" && name.contains(release))
+    })
+    .await
 }
 
 #[tokio::test]

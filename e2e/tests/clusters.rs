@@ -89,42 +89,10 @@ fn path(p: &Path) -> String {
 /// Every object of the cluster (but events, which outlive what they are about), as
 /// `kind namespace/name`.
 async fn listing(cluster: &TestCluster, leave_out_namespace: Option<&str>) -> BTreeSet<String> {
-    let kinds = kubectl(
-        cluster.kubeconfig(),
-        &["api-resources", "--verbs=list", "-o", "name"],
-    )
-    .await;
-    let kinds: Vec<&str> = kinds
-        .lines()
-        .filter(|k| {
-            !k.is_empty() && *k != "events" && *k != "events.events.k8s.io" && *k != "componentstatuses"
-        })
-        .collect();
-    let all = kinds.join(",");
-    let out = kubectl(
-        cluster.kubeconfig(),
-        &[
-            "get",
-            &all,
-            "-A",
-            "--no-headers",
-            "-o",
-            "custom-columns=K:.kind,NS:.metadata.namespace,N:.metadata.name",
-        ],
-    )
-    .await;
-    out.lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() == 3).then(|| (f[0].to_owned(), f[1].to_owned(), f[2].to_owned()))
-        })
-        .filter(|(kind, ns, name)| {
-            let in_left_out =
-                leave_out_namespace.is_some_and(|l| ns == l || (kind == "Namespace" && name == l));
-            !in_left_out
-        })
-        .map(|(kind, ns, name)| format!("{kind} {ns}/{name}"))
-        .collect()
+    tensile_e2e::check::listing(cluster.kubeconfig(), |kind, ns, name| {
+        !leave_out_namespace.is_some_and(|l| ns == l || (kind == "Namespace" && name == l))
+    })
+    .await
 }
 
 /// Waits until `cluster`'s listing is `want` again; panics with the difference.
