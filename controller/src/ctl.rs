@@ -94,6 +94,18 @@ pub enum Command {
     /// Applies this release's CustomResourceDefinitions to the upper cluster: helm installs
     /// its crds/ on a first install only, and never upgrades them.
     Crds(CrdsArgs),
+    /// Refuses (exit 1) while a LowerCluster of the release still holds a virtual node, whose
+    /// removal needs the release's controller; the chart's pre-delete hook runs it.
+    UninstallCheck(UninstallCheckArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct UninstallCheckArgs {
+    #[command(flatten)]
+    pub clusters: Clusters,
+    /// How long to wait for removals already under way to end (0: do not wait).
+    #[arg(long, default_value = "2m", value_parser = tensile_common::leader::parse_duration)]
+    pub wait: Duration,
 }
 
 #[derive(Debug, clap::Args)]
@@ -1229,6 +1241,79 @@ pub async fn status(args: &StatusArgs) -> Result<String, Error> {
         Ok(out)
     } else {
         Err(Error::NotReady(out))
+    }
+}
+
+/// `tensilectl uninstall-check`: the release of `-n` may go when none of its LowerClusters
+/// carries the controller's finalizer (one that never got it made nothing). Removals already
+/// under way are waited for, up to `--wait`; any other is named with the way to remove it.
+pub async fn uninstall_check(args: &UninstallCheckArgs) -> Result<String, Error> {
+    let upper = upper_client(&args.clusters).await?;
+    let namespace = args.clusters.namespace.as_str();
+    let api = Api::<LowerCluster>::all(upper);
+    let params = ListParams::default().labels(&format!("{}={namespace}", names::CONTROLLER_NAMESPACE));
+    let started = Instant::now();
+    loop {
+        let items = match api.list(&params).await {
+            Ok(list) => list.items,
+            // Without the kind served there is no LowerCluster.
+            Err(e) if code(&e) == Some(404) => Vec::new(),
+            Err(e) => return Err(api_error("upper", "list", "lowerclusters")(e)),
+        };
+        let held: Vec<&LowerCluster> = items
+            .iter()
+            .filter(|c| {
+                c.metadata
+                    .finalizers
+                    .as_ref()
+                    .is_some_and(|f| f.iter().any(|f| f == names::LOWER_CLUSTER_FINALIZER))
+            })
+            .collect();
+        let (leaving, staying): (Vec<&LowerCluster>, Vec<&LowerCluster>) = held
+            .into_iter()
+            .partition(|c| c.metadata.deletion_timestamp.is_some());
+        if leaving.is_empty() && staying.is_empty() {
+            return Ok(format!(
+                "no lower cluster of the release in namespace {namespace} holds a virtual node: \
+                 it may be uninstalled\n"
+            ));
+        }
+        if staying.is_empty() && started.elapsed() < args.wait {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            continue;
+        }
+        let mut out = format!(
+            "the release in namespace {namespace} still runs lower clusters; uninstalling it \
+             now would strand their virtual nodes and what those made below, since their \
+             removal needs the release's cluster controller:"
+        );
+        for cluster in &staying {
+            let name = cluster.name();
+            let label = |key: &str| cluster.metadata.labels.as_ref().and_then(|l| l.get(key));
+            let how = match label(names::MANAGED_BY).map(String::as_str) {
+                Some(names::TENSILECTL) => format!("tensilectl leave {name} -n {namespace}"),
+                Some("Helm") => format!(
+                    "kubectl delete lowercluster {name} --wait (the chart's virtualNodes.nodes \
+                     makes it: drop it there before any later helm upgrade)"
+                ),
+                _ => format!("kubectl delete lowercluster {name} --wait"),
+            };
+            let _ = write!(out, "\n  {name}: {how}");
+        }
+        for cluster in &leaving {
+            let _ = write!(
+                out,
+                "\n  {}: still being removed after {}s",
+                cluster.name(),
+                started.elapsed().as_secs()
+            );
+        }
+        out.push_str(
+            "\nthen uninstall again (helm keeps the release as it is, listed as uninstalling; \
+             `helm rollback` to its last revision makes it deployed again); `helm uninstall --no-hooks` goes \
+             regardless and leaves them to be let go by hand (docs/deploy.md, Uninstall)",
+        );
+        return Err(Error::Refused(out));
     }
 }
 

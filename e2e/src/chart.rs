@@ -186,6 +186,11 @@ pub async fn service_account_kubeconfig_with(
         },
     )
     .await?;
+    token_kubeconfig(cluster, &format!("{namespace}-{name}"), &token, path).await
+}
+
+/// Writes a kubeconfig for `user` with bearer `token` on the cluster `cluster` reaches to `path`.
+async fn token_kubeconfig(cluster: &Access, user: &str, token: &str, path: &Path) -> Result<PathBuf> {
     let ca = cluster
         .kubectl(&[
             "config",
@@ -206,14 +211,14 @@ clusters:
     server: {server}
     certificate-authority-data: {ca}
 users:
-- name: {namespace}-{name}
+- name: {user}
   user:
     token: {token}
 contexts:
 - name: {cluster_name}
   context:
     cluster: {cluster_name}
-    user: {namespace}-{name}
+    user: {user}
 current-context: {cluster_name}
 ",
         server = cluster.server,
@@ -221,6 +226,211 @@ current-context: {cluster_name}
     );
     std::fs::write(path, text).map_err(io_err(path))?;
     Ok(path.to_owned())
+}
+
+/// `helm uninstall RELEASE -n NAMESPACE --wait` while the bed stands in for the kubelet of
+/// the release's hook pods ([`run_hook_pods`]): helm runs the chart's pre-delete hook as in a
+/// cluster, and fails the uninstall when the hook fails.
+pub async fn uninstall(cluster: &Access, release: &str, namespace: &str) -> Result<crate::kubectl::Output> {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let hooks = tokio::spawn(run_hook_pods(cluster.clone(), namespace.to_owned(), stop.clone()));
+    let out = helm_with(cluster, &["uninstall", release, "-n", namespace, "--wait"]).await;
+    stop.cancel();
+    let ran = hooks
+        .await
+        .map_err(|e| Error::Demo(format!("the hook pods' runner: {e}")))?;
+    let mut out = out?;
+    // What ran, for the test's log and its assertions on helm's answer.
+    for line in ran? {
+        out.stderr.push_str(&format!("\n(bed) {line}"));
+    }
+    Ok(out)
+}
+
+/// The node name hook pods are bound to: no Node has it, as no kubelet of the bed runs them.
+const HOOK_NODE: &str = "bed-hook-runner";
+
+/// Stands in for the kubelet of every Job pod of `namespace` until `stop`: binds a pending
+/// one, runs its container's command (a binary of the suite, by its file name) here with a
+/// token of the pod's ServiceAccount as its kubeconfig, and reports the end in the pod's
+/// status as a kubelet does (the exit code, and under `FallbackToLogsOnError` the output's
+/// tail as the termination message), so the Job controller completes or fails the Job.
+/// Returns a line for each pod run: its name, exit code and output.
+async fn run_hook_pods(
+    cluster: Access,
+    namespace: String,
+    stop: tokio_util::sync::CancellationToken,
+) -> Result<Vec<String>> {
+    let mut ran = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    while !stop.is_cancelled() {
+        let out = cluster
+            .kubectl(&[
+                "-n",
+                &namespace,
+                "get",
+                "pods",
+                "-l",
+                "batch.kubernetes.io/job-name",
+                "-o",
+                "json",
+            ])
+            .await;
+        let pods: serde_json::Value = serde_json::from_str(&out.stdout).unwrap_or_default();
+        for pod in pods["items"].as_array().into_iter().flatten() {
+            let uid = pod["metadata"]["uid"].as_str().unwrap_or_default().to_owned();
+            if pod["status"]["phase"] != "Pending" || !seen.insert(uid) {
+                continue;
+            }
+            ran.push(run_hook_pod(&cluster, &namespace, pod).await?);
+        }
+        tokio::select! {
+            () = stop.cancelled() => break,
+            () = tokio::time::sleep(Duration::from_millis(300)) => {}
+        }
+    }
+    Ok(ran)
+}
+
+/// One pod of [`run_hook_pods`].
+async fn run_hook_pod(cluster: &Access, namespace: &str, pod: &serde_json::Value) -> Result<String> {
+    let name = pod["metadata"]["name"].as_str().unwrap_or_default();
+    let container = &pod["spec"]["containers"][0];
+    let strings = |v: &serde_json::Value| -> Vec<String> {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|s| s.as_str().map(str::to_owned))
+            .collect()
+    };
+    let command = strings(&container["command"]);
+    let args = strings(&container["args"]);
+    let binary = command
+        .first()
+        .and_then(|c| Path::new(c).file_name())
+        .and_then(|f| f.to_str())
+        .ok_or_else(|| Error::Demo(format!("hook pod {name} names no command")))?;
+    let binary = crate::bins::suite_binary(binary)?;
+    let account = pod["spec"]["serviceAccountName"].as_str().unwrap_or("default");
+
+    let binding = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Binding",
+        "metadata": {"name": name, "namespace": namespace},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": HOOK_NODE},
+    });
+    let file = cluster.dir.join(format!("{name}-binding.json"));
+    std::fs::write(&file, binding.to_string()).map_err(io_err(&file))?;
+    let bound = cluster
+        .kubectl(&["create", "-f", &file.display().to_string()])
+        .await;
+    if !bound.ok {
+        return Err(Error::Demo(format!("binding hook pod {name}: {}", bound.stderr)));
+    }
+    let token = cluster
+        .kubectl(&["-n", namespace, "create", "token", account, "--duration=10m"])
+        .await;
+    if !token.ok {
+        return Err(Error::Demo(format!("a token of {account}: {}", token.stderr)));
+    }
+    let kubeconfig = token_kubeconfig(
+        cluster,
+        &format!("{namespace}-{account}"),
+        token.stdout.trim(),
+        &cluster.dir.join(format!("{name}.kubeconfig")),
+    )
+    .await?;
+    let started = now();
+    let status = |phase: &str, state: serde_json::Value| {
+        serde_json::json!({"status": {
+            "phase": phase,
+            "startTime": started,
+            "containerStatuses": [{
+                "name": container["name"],
+                "image": container["image"],
+                "imageID": "",
+                "ready": false,
+                "restartCount": 0,
+                "state": state,
+            }],
+        }})
+    };
+    let patch = |body: serde_json::Value| async move {
+        let out = cluster
+            .kubectl(&[
+                "-n",
+                namespace,
+                "patch",
+                "pod",
+                name,
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                &body.to_string(),
+            ])
+            .await;
+        match out.ok {
+            true => Ok(()),
+            false => Err(Error::Demo(format!("status of hook pod {name}: {}", out.stderr))),
+        }
+    };
+    patch(status(
+        "Running",
+        serde_json::json!({"running": {"startedAt": started}}),
+    ))
+    .await?;
+    let output = tokio::process::Command::new(&binary)
+        .args(&args)
+        .env("KUBECONFIG", &kubeconfig)
+        .output()
+        .await
+        .map_err(io_err(&binary))?;
+    let code = output.status.code().unwrap_or(128);
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // FallbackToLogsOnError: the last 80 lines, 2048 bytes at most, of a failed container.
+    let message = if code != 0 && container["terminationMessagePolicy"] == "FallbackToLogsOnError" {
+        let lines: Vec<&str> = log.lines().collect();
+        let tail = lines[lines.len().saturating_sub(80)..].join("\n");
+        let cut = tail.len().saturating_sub(2048);
+        let cut = (cut..=tail.len())
+            .find(|i| tail.is_char_boundary(*i))
+            .unwrap_or(tail.len());
+        tail[cut..].to_owned()
+    } else {
+        String::new()
+    };
+    let (phase, reason) = match code {
+        0 => ("Succeeded", "Completed"),
+        _ => ("Failed", "Error"),
+    };
+    patch(status(
+        phase,
+        serde_json::json!({"terminated": {
+            "exitCode": code,
+            "reason": reason,
+            "message": message,
+            "startedAt": started,
+            "finishedAt": now(),
+        }}),
+    ))
+    .await?;
+    Ok(format!(
+        "hook pod {name} ran {} {args:?}: exit {code}: {}",
+        binary.display(),
+        log.trim()
+    ))
+}
+
+/// The time now as the API writes it.
+fn now() -> String {
+    jiff::Timestamp::now()
+        .round(jiff::Unit::Second)
+        .unwrap_or_else(|_| jiff::Timestamp::now())
+        .to_string()
 }
 
 /// The arguments of the first container of Deployment `namespace/name`, as the chart wrote them.

@@ -46,6 +46,22 @@ async fn can_i(cluster: &TestCluster, sa: &str, args: &[&str]) -> bool {
     }
 }
 
+/// `helm uninstall --wait` of `release` in `ns`, the bed running its hook pods; helm's output.
+async fn uninstall_ok(cluster: &TestCluster, release: &str, ns: &str) -> String {
+    let out = chart::uninstall(&chart::Access::of(cluster), release, ns)
+        .await
+        .unwrap();
+    assert!(out.ok, "helm uninstall {release}: {}", out.stderr);
+    out.stdout
+}
+
+/// The status helm gives release `release` in `ns` (`deployed`, `uninstalling`, …).
+async fn release_status(cluster: &TestCluster, release: &str, ns: &str) -> String {
+    let status = helm_ok(cluster, &["status", release, "-n", ns, "-o", "json"]).await;
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    status["info"]["status"].as_str().unwrap_or_default().to_owned()
+}
+
 /// Every object of release `release`, cluster-wide, as `kind/name` lines.
 async fn release_objects(cluster: &TestCluster, release: &str) -> Vec<String> {
     let selector = format!("app.kubernetes.io/instance={release}");
@@ -378,7 +394,7 @@ async fn the_chart_installs_upgrades_and_uninstalls_and_each_account_may_do_only
         2
     );
 
-    helm_ok(up, &["uninstall", release, "-n", "tensile-life", "--wait"]).await;
+    uninstall_ok(up, release, "tensile-life").await;
     let left = release_objects(up, release).await;
     assert!(left.is_empty(), "left behind: {left:#?}");
     // Nor anything unlabelled, in its namespace or named after it cluster-wide.
@@ -1211,6 +1227,82 @@ items:
         assert!(w.exited().is_none(), "a webhook exited: {}", w.log_tail(3000));
     }
     assert!(controller.exited().is_none(), "{}", controller.log_tail(3000));
+
+    // While its LowerCluster holds a virtual node, the release does not go: the chart's
+    // pre-delete hook fails helm uninstall before anything is deleted, and its log names the
+    // cluster and how to remove it.
+    let refused = chart::uninstall(&chart::Access::of(up), release, ns)
+        .await
+        .unwrap();
+    let check = format!("{full}-cluster-controller-uninstall-check");
+    assert!(
+        !refused.ok
+            && refused
+                .stderr
+                .contains(&format!("job {check} failed: BackoffLimitExceeded")),
+        "helm uninstall with a LowerCluster left: {} {}",
+        refused.stdout,
+        refused.stderr
+    );
+    let failed = kubectl(
+        up.kubeconfig(),
+        &[
+            "-n",
+            ns,
+            "get",
+            "job",
+            &check,
+            "-o",
+            "jsonpath={.status.conditions[?(@.type==\"Failed\")].reason}",
+        ],
+    )
+    .await;
+    assert_eq!(failed, "BackoffLimitExceeded");
+    let said = kubectl(
+        up.kubeconfig(),
+        &[
+            "-n",
+            ns,
+            "get",
+            "pods",
+            "-l",
+            &format!("batch.kubernetes.io/job-name={check}"),
+            "-o",
+            "jsonpath={.items[0].status.containerStatuses[0].state.terminated.message}",
+        ],
+    )
+    .await;
+    assert!(
+        said.contains(&format!(
+            "{node}: kubectl delete lowercluster {node} --wait (the chart's virtualNodes.nodes makes it"
+        )),
+        "the hook's message: {said}"
+    );
+    // helm lists the release as uninstalling, everything in place; a rollback makes it
+    // deployed again.
+    assert_eq!(release_status(up, release, ns).await, "uninstalling");
+    helm_ok(up, &["rollback", release, "1", "-n", ns]).await;
+    assert_eq!(release_status(up, release, ns).await, "deployed");
+    let kept = kubectl(
+        up.kubeconfig(),
+        &[
+            "get",
+            &format!("lowercluster/{node}"),
+            &format!("deployment/{full}-cluster-controller"),
+            &format!("deployment/{full}-vn-{node}"),
+            "-n",
+            ns,
+            "-o",
+            "jsonpath={range .items[*]}{.kind}:{.metadata.deletionTimestamp};{end}",
+        ],
+    )
+    .await;
+    assert_eq!(
+        kept, "LowerCluster:;Deployment:;Deployment:;",
+        "what the refused uninstall kept"
+    );
+    assert!(controller.exited().is_none(), "{}", controller.log_tail(3000));
+
     // Before the release goes, its lower clusters (docs/deploy.md): the controller removes
     // their virtual nodes and what they made.
     kubectl(
@@ -1221,8 +1313,8 @@ items:
     runner.shutdown().await;
     drop(controller);
     drop(webhooks);
-    helm_ok(up, &["uninstall", release, "-n", ns, "--wait"]).await;
-    helm_ok(low, &["uninstall", "lower", "-n", ns, "--wait"]).await;
+    uninstall_ok(up, release, ns).await;
+    uninstall_ok(low, "lower", ns).await;
     eprintln!("daemons under the chart's accounts: {:?}", started.elapsed());
 }
 
@@ -1763,7 +1855,7 @@ async fn the_releases_identities_change_only_the_nodes_and_volumes_the_suite_mad
     assert_no_denied("cluster-controller", &controller);
     assert!(controller.exited().is_none(), "{}", controller.log_tail(3000));
     drop(controller);
-    helm_ok(up, &["uninstall", release, "-n", ns, "--wait"]).await;
+    uninstall_ok(up, release, ns).await;
     kubectl(
         up.kubeconfig(),
         &[
@@ -2638,7 +2730,7 @@ async fn with_two_replicas_the_descheduler_deployment_is_available_with_one_lead
         assert_no_denied(pod, replica);
     }
     drop(replicas);
-    helm_ok(up, &["uninstall", release, "-n", ns, "--wait"]).await;
+    uninstall_ok(up, release, ns).await;
     drop(host);
     kubectl(
         up.kubeconfig(),
@@ -2916,4 +3008,179 @@ spec: {{containers: [{{name: app, image: nginx}}]}}
         &["delete", "namespace", "replay", "--wait=false"],
     )
     .await;
+}
+
+/// A LowerCluster manifest named `name`, of the release in `ns`, its credential in Secret
+/// `secret`, with `spec` fields besides.
+fn lower_cluster(name: &str, ns: &str, secret: &str, spec: &str) -> String {
+    format!(
+        "apiVersion: tensile.io/v1alpha1\nkind: LowerCluster\nmetadata:\n  name: {name}\n  labels: {{tensile.io/controller-namespace: {ns}}}\n\
+         spec:\n  credential: {{secretName: {secret}}}\n{spec}"
+    )
+}
+
+/// On an upper cluster of the oldest supported version, as on the bed's newest: `tensilectl
+/// crds` applies the definitions, whose CEL rules refuse a name that is not a DNS label, a
+/// virtual node name changed once made, and an override rule named against its schema; the
+/// controller reports on a LowerCluster with Events; the chart's pre-delete hook refuses the
+/// uninstall while the LowerCluster holds its virtual node, and lets it go once it left.
+#[tokio::test]
+async fn on_the_oldest_supported_upper_the_fleet_is_checked_events_are_written_and_uninstall_is_guarded() {
+    let started = Instant::now();
+    let version = tensile_e2e::bins::version_for(tensile_e2e::bins::SKEWED_CLUSTER);
+    let options = tensile_e2e::ClusterOptions::new("chart", "upper-oldest").version(&version);
+    let up = TestCluster::start(options).await.unwrap();
+    let (ns, release, full) = ("tensile-old", "old", "old-tensile");
+    eprintln!("upper cluster {}", up.version());
+
+    let ctl = tensile_e2e::bins::suite_binary("tensilectl").unwrap();
+    let crds = tokio::process::Command::new(&ctl)
+        .args([
+            "crds",
+            &format!("--upper-kubeconfig={}", up.kubeconfig().display()),
+        ])
+        .env_remove("KUBECONFIG")
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&crds.stdout);
+    assert!(
+        crds.status.success() && said.contains("CustomResourceDefinition lowerclusters.tensile.io: made"),
+        "tensilectl crds on {}: {said} {}",
+        up.version(),
+        String::from_utf8_lossy(&crds.stderr)
+    );
+
+    // What the definition's rules refuse, the apiserver refuses, saying why.
+    let upper = &up;
+    let refused = |name: &str, spec: &str| {
+        let manifest = lower_cluster(name, ns, "none", spec);
+        let file = upper.dir().join(format!("{name}-refused.yaml"));
+        std::fs::write(&file, manifest).unwrap();
+        let file = file.display().to_string();
+        async move { upper.kubectl(&["create", "-f", &file]).await }
+    };
+    let out = refused("with.dot", "").await;
+    assert!(
+        !out.ok && out.stderr.contains("the name must be a DNS label"),
+        "{}",
+        out.stderr
+    );
+    let out = refused(
+        "badrule",
+        "  overrides:\n    rules: [{name: Region, labels: {region: c}}]\n",
+    )
+    .await;
+    assert!(
+        !out.ok && out.stderr.contains("spec.overrides.rules[0].name") && out.stderr.contains("Region"),
+        "{}",
+        out.stderr
+    );
+    apply(
+        up.kubeconfig(),
+        &lower_cluster("fixed", ns, "none", "  nodeName: fixed-node\n"),
+    )
+    .await;
+    kubectl(
+        up.kubeconfig(),
+        &[
+            "patch",
+            "lowercluster",
+            "fixed",
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            r#"{"status":{"nodeName":"fixed-node"}}"#,
+        ],
+    )
+    .await;
+    let out = up
+        .kubectl(&[
+            "patch",
+            "lowercluster",
+            "fixed",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"nodeName":"elsewhere"}}"#,
+        ])
+        .await;
+    assert!(
+        !out.ok && out.stderr.contains("cannot change once the node is made"),
+        "{}",
+        out.stderr
+    );
+    kubectl(
+        up.kubeconfig(),
+        &["delete", "lowercluster", "fixed", "--wait=true"],
+    )
+    .await;
+
+    // The release, and its controller with the chart's account and flags.
+    up.create_namespace(ns).await.unwrap();
+    helm_ok(&up, &["install", release, &chart(), "-n", ns]).await;
+    let mut controller = chart::run_cluster_controller(&up, ns, full, &[]).await.unwrap();
+    apply(up.kubeconfig(), &lower_cluster("held", ns, "held-credential", "")).await;
+    let selector = "involvedObject.kind=LowerCluster,involvedObject.name=held";
+    tensile_e2e::wait::within("a NotReady event on LowerCluster held", 60, || async {
+        let events = kubectl(
+            up.kubeconfig(),
+            &[
+                "get",
+                "events",
+                "-A",
+                "--field-selector",
+                selector,
+                "-o",
+                "jsonpath={range .items[*]}{.type} {.reason}: {.message}{\"\\n\"}{end}",
+            ],
+        )
+        .await;
+        match events
+            .lines()
+            .any(|l| l.starts_with("Warning NotReady") && l.contains("held-credential does not exist"))
+        {
+            true => Ok(()),
+            false => Err(events),
+        }
+    })
+    .await;
+
+    let refused = chart::uninstall(&chart::Access::of(&up), release, ns)
+        .await
+        .unwrap();
+    assert!(
+        !refused.ok
+            && refused.stderr.contains(&format!(
+                "job {full}-cluster-controller-uninstall-check failed: BackoffLimitExceeded"
+            ))
+            && refused
+                .stderr
+                .contains("held: kubectl delete lowercluster held --wait"),
+        "helm uninstall with a LowerCluster left: {}",
+        refused.stderr
+    );
+    assert_eq!(release_status(&up, release, ns).await, "uninstalling");
+
+    // It leaves (nothing below to reach: its lower objects given up), and the release goes.
+    kubectl(
+        up.kubeconfig(),
+        &[
+            "annotate",
+            "lowercluster",
+            "held",
+            "tensile.io/orphan-lower-objects=true",
+        ],
+    )
+    .await;
+    kubectl(
+        up.kubeconfig(),
+        &["delete", "lowercluster", "held", "--wait=true", "--timeout=60s"],
+    )
+    .await;
+    assert!(controller.exited().is_none(), "{}", controller.log_tail(3000));
+    assert_no_denied("cluster-controller", &controller);
+    controller.stop();
+    let out = uninstall_ok(&up, release, ns).await;
+    eprintln!("{out}");
+    eprintln!("the fleet on {}: {:?}", up.version(), started.elapsed());
 }

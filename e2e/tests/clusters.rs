@@ -706,6 +706,21 @@ spec: {hard: {requests.cpu: "12", requests.memory: 24Gi, pods: "10"}}
         ]),
         "{json}"
     );
+    // The release may not be uninstalled now (the check its pre-delete hook runs): each
+    // joined cluster is named with the command that removes it.
+    let uninstall_check = [
+        "uninstall-check",
+        "--wait=0",
+        &format!("--upper-kubeconfig={}", path(up.kubeconfig())),
+        &format!("-n={NS}"),
+    ];
+    let (ok, said) = tensilectl(&uninstall_check).await;
+    assert!(
+        !ok && ["lower-a", "lower-b"]
+            .iter()
+            .all(|c| said.contains(&format!("{c}: tensilectl leave {c} -n {NS}"))),
+        "uninstall-check with two clusters joined: {said}"
+    );
     // Each became Ready, and says so in an event on its LowerCluster.
     for cluster in ["lower-a", "lower-b"] {
         cluster_event_until(up, cluster, "Normal Ready").await;
@@ -1262,6 +1277,8 @@ spec:
         "{said}"
     );
     listing_returns_to(low_b, None, &lower_b_before, "lower-b as it was before it joined").await;
+    let (ok, said) = tensilectl(&uninstall_check).await;
+    assert!(ok, "uninstall-check with every cluster gone: {said}");
 
     assert!(controller.exited().is_none(), "{}", controller.log_tail(4000));
     let log = controller.log_tail(4_000_000);

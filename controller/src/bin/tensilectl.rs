@@ -19,6 +19,7 @@ fn main() -> ExitCode {
             Command::Leave(args) => ctl::leave(args).await,
             Command::Status(args) => ctl::status(args).await,
             Command::Crds(args) => ctl::crds(args).await,
+            Command::UninstallCheck(args) => ctl::uninstall_check(args).await,
         }
     });
     match outcome {
