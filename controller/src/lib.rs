@@ -27,7 +27,7 @@ use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::Api;
-use kube::runtime::{Controller, watcher};
+use kube::runtime::{Controller, WatchStreamExt, reflector, watcher};
 use tensile_common::admin::{self, AdminArgs};
 use tensile_common::kubeconfig::{self, ClientArgs};
 use tensile_common::leader::LeaderArgs;
@@ -240,7 +240,15 @@ fn compose(args: &Args, upper: kube::Client, ctx: Arc<Context>, running: &mut Ru
             }
             let clusters: Api<LowerCluster> = Api::all(upper.clone());
             let ours = format!("{}={}", names::CONTROLLER_NAMESPACE, namespace);
-            Controller::new(clusters, watcher::Config::default().labels(&ours))
+            // The watch paused and its failures said as every watch of the suite's are (a
+            // missing CRD named once, retried 5 s doubling to 60 s), its delays reset only
+            // by what it lists or sees.
+            let (reader, writer) = reflector::store();
+            let events = tensile_common::cache::retried::<LowerCluster, _>(
+                watcher(clusters, watcher::Config::default().labels(&ours)),
+                None,
+            );
+            Controller::for_stream(reflector(writer, events).applied_objects(), reader)
                 .graceful_shutdown_on(stop.cancelled_owned())
                 .run(reconcile::reconcile, error_policy, ctx)
                 .for_each(|outcome| async move {

@@ -653,3 +653,94 @@ async fn a_missing_exclusion_record_crd_is_said_once_and_the_descheduler_turns_r
         "neither was restarted"
     );
 }
+
+/// The cluster controller started without the LowerCluster definition says once which is
+/// missing and how to install it, asks again seconds apart, and once the definition is
+/// applied takes the clusters made after it, without a restart.
+#[tokio::test]
+async fn a_missing_lower_cluster_crd_is_said_once_and_the_cluster_controller_takes_clusters_once_it_is_applied()
+ {
+    let upper = TestCluster::start(ClusterOptions::new("runtime", "no-lowercluster-crd").apiserver_only())
+        .await
+        .unwrap();
+    kubectl(upper.kubeconfig(), &["create", "namespace", "tensile"]).await;
+    // The smallest template a virtual node's Deployment is made from.
+    let template = upper.dir().join("virtual-node-template.yaml");
+    std::fs::write(
+        &template,
+        "apiVersion: apps/v1\nkind: Deployment\nspec:\n  template:\n    spec:\n      containers:\n      \
+         - name: virtual-node\n        image: tensile\n",
+    )
+    .unwrap();
+    let args = vec![
+        format!("--kubeconfig={}", upper.kubeconfig().display()),
+        "--namespace=tensile".to_owned(),
+        format!("--virtual-node-template={}", template.display()),
+        format!("--admin-addr=127.0.0.1:{}", free_port().unwrap()),
+        "--log-format=plain".to_owned(),
+        // Each attempt of its watch at debug level: the log counts them.
+        "--log-level=info,tensile_common::cache=debug".to_owned(),
+    ];
+    let program = tensile_e2e::bins::suite_binary("cluster-controller").unwrap();
+    let log = upper.dir().join("cluster-controller.log");
+    let mut controller =
+        tensile_e2e::process::Service::start("cluster-controller", &program, &args, &log).unwrap();
+
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let crd = "lowerclusters.tensile.io";
+    let said = controller.log_tail(200_000);
+    let lines: Vec<&str> = said.lines().filter(|l| l.contains(crd)).collect();
+    let errors = lines
+        .iter()
+        .filter(|l| l.contains("ERROR") && l.contains("LowerCluster") && l.contains("tensilectl crds"))
+        .count();
+    assert_eq!(
+        errors, 1,
+        "one error names the missing CRD and how to install it:\n{said}"
+    );
+    // Asked 5 s later, then 10 s after that: at most three times in 12 s.
+    assert!(
+        lines.len() <= 3,
+        "the controller asked for its LowerClusters {} times in 12 s:\n{}",
+        lines.len(),
+        lines.join("\n")
+    );
+
+    let ctl = tensile_e2e::bins::suite_binary("tensilectl").unwrap();
+    let out = tokio::process::Command::new(&ctl)
+        .args([
+            "crds",
+            &format!("--upper-kubeconfig={}", upper.kubeconfig().display()),
+        ])
+        .env_remove("KUBECONFIG")
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let applied = Instant::now();
+    apply(
+        upper.kubeconfig(),
+        "apiVersion: tensile.io/v1alpha1\nkind: LowerCluster\nmetadata:\n  name: late\n  labels: {tensile.io/controller-namespace: tensile}\n\
+         spec:\n  credential: {secretName: late-credential}\n",
+    )
+    .await;
+    eventually(
+        upper.kubeconfig(),
+        "the controller taking the LowerCluster made after its definition",
+        90,
+        &[
+            "get",
+            "lowercluster",
+            "late",
+            "-o",
+            r#"jsonpath={.status.conditions[?(@.type=="CredentialValid")].reason}"#,
+        ],
+        "SecretMissing",
+    )
+    .await;
+    eprintln!(
+        "figure: LowerCluster CRD applied to its first cluster taken: {:?}",
+        applied.elapsed()
+    );
+    assert!(controller.exited().is_none(), "{}", controller.log_tail(3000));
+}
