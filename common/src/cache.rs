@@ -12,6 +12,7 @@
 use std::borrow::Cow;
 use std::marker::PhantomData;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
@@ -29,6 +30,7 @@ use tokio::sync::{Notify, watch};
 pub struct Cache<K: kube::Resource<DynamicType = ()> + 'static> {
     store: Store<K>,
     synced: watch::Receiver<bool>,
+    changes: Arc<AtomicU64>,
 }
 
 impl<K: kube::Resource<DynamicType = ()> + 'static> Clone for Cache<K> {
@@ -36,6 +38,7 @@ impl<K: kube::Resource<DynamicType = ()> + 'static> Clone for Cache<K> {
         Self {
             store: self.store.clone(),
             synced: self.synced.clone(),
+            changes: self.changes.clone(),
         }
     }
 }
@@ -46,6 +49,13 @@ where
 {
     pub fn store(&self) -> &Store<K> {
         &self.store
+    }
+
+    /// How many changes the store has taken (an object applied or deleted, a list finished):
+    /// a pass over the cache whose count is the one it last saw would find what it found.
+    /// Counted after the store holds the change.
+    pub fn changes(&self) -> u64 {
+        self.changes.load(Ordering::Acquire)
     }
 
     /// Waits until the first full list is in (forever if the watch never lists).
@@ -66,6 +76,35 @@ where
 
     fn deref(&self) -> &Store<K> {
         &self.store
+    }
+}
+
+/// A value worked out from caches, kept until the change count of one of them moves: the
+/// work is done again only after a change (see [`Cache::changes`]).
+pub struct Memo<T>(std::sync::Mutex<Option<(Vec<u64>, T)>>);
+
+impl<T> Default for Memo<T> {
+    fn default() -> Self {
+        Self(std::sync::Mutex::new(None))
+    }
+}
+
+impl<T: Clone> Memo<T> {
+    /// The value for inputs whose change counts are `inputs` (read before the inputs are):
+    /// the kept one when they are those it was worked out at, else `work()`'s, then kept.
+    pub fn get(&self, inputs: Vec<u64>, work: impl FnOnce() -> T) -> T {
+        let mut kept = match self.0.lock() {
+            Ok(k) => k,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        match kept.as_ref() {
+            Some((at, value)) if *at == inputs => value.clone(),
+            _ => {
+                let value = work();
+                *kept = Some((inputs, value.clone()));
+                value
+            }
+        }
     }
 }
 
@@ -95,7 +134,11 @@ pub fn reflect<K: Watched>(
     impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
 ) {
     let namespace = api.namespace().map(str::to_owned);
-    cache_of(watcher(api, config).modify(without_managed_fields), namespace)
+    cache_of(
+        watcher(api, config).modify(without_managed_fields),
+        namespace,
+        None,
+    )
 }
 
 fn without_managed_fields<K: kube::Resource>(object: &mut K) {
@@ -103,8 +146,9 @@ fn without_managed_fields<K: kube::Resource>(object: &mut K) {
 }
 
 /// As [`reflect`], with every object cut down by `trim` before the cache or the stream sees
-/// it: for caches whose readers need only part of each object.
-pub fn reflect_trimmed<K: Watched>(
+/// it: for caches whose readers need only part of each object. An object whose only changes
+/// were trimmed away (a node's heartbeat) counts as no change.
+pub fn reflect_trimmed<K: Watched + PartialEq>(
     api: Api<K>,
     config: watcher::Config,
     trim: fn(&mut K),
@@ -117,7 +161,7 @@ pub fn reflect_trimmed<K: Watched>(
         without_managed_fields(object);
         trim(object);
     });
-    cache_of(events, namespace)
+    cache_of(events, namespace, Some(same_but_version::<K>))
 }
 
 /// As [`reflect`], with each object replaced by what `summary` makes of it before the cache
@@ -138,28 +182,68 @@ pub fn reflect_summaries<K: Watched, S: Stored>(
         watcher::Event::InitApply(o) => watcher::Event::InitApply(summary(o)),
         watcher::Event::InitDone => watcher::Event::InitDone,
     });
-    cache_of(events, namespace)
+    cache_of(events, namespace, None)
 }
 
 /// A cache kept by the watch `events` (of `namespace`; `None`: every namespace, or a
 /// cluster-scoped kind), [`retried`], and the stream of objects they touch.
+/// What a cache's feed does with each event its reflector has applied: counts the changes
+/// (every event but the start of a list) and says it is synced at the end of the first list.
+fn counted<K>(
+    synced: watch::Sender<bool>,
+    changes: Arc<AtomicU64>,
+    unchanged: Arc<AtomicBool>,
+) -> impl FnMut(&watcher::Event<K>) {
+    move |event| {
+        if !matches!(event, watcher::Event::Init) && !unchanged.swap(false, Ordering::AcqRel) {
+            changes.fetch_add(1, Ordering::AcqRel);
+        }
+        if matches!(event, watcher::Event::InitDone) {
+            synced.send_replace(true);
+        }
+    }
+}
+
+/// Whether `old` and `new` differ in nothing but their resourceVersion: a trimmed object
+/// whose only changes were in the parts trimmed away.
+fn same_but_version<K: Stored + PartialEq>(old: &K, new: &K) -> bool {
+    let mut old = old.clone();
+    old.meta_mut().resource_version = new.meta().resource_version.clone();
+    old == *new
+}
+
+/// A cache fed by `events`. With `same`, an object applied that `same` finds equal to the one
+/// stored is stored but not counted as a change (and wakes no reader of [`watched`]).
 fn cache_of<K: Stored>(
     events: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
     namespace: Option<String>,
+    same: Option<fn(&K, &K) -> bool>,
 ) -> (
     Cache<K>,
     impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
 ) {
     let (store, writer) = reflector::store::<K>();
     let (tx, synced) = watch::channel(false);
-    let stream = reflector(writer, retried(events, namespace))
-        .inspect_ok(move |event| {
-            if matches!(event, watcher::Event::InitDone) {
-                tx.send_replace(true);
-            }
-        })
+    let changes = Arc::new(AtomicU64::new(0));
+    let unchanged = Arc::new(AtomicBool::new(false));
+    let (reader, seen_unchanged) = (store.clone(), unchanged.clone());
+    let events = retried(events, namespace).inspect_ok(move |event| {
+        if let (Some(same), watcher::Event::Apply(new)) = (same, event) {
+            let old = reader.get(&reflector::ObjectRef::from_obj(new));
+            seen_unchanged.store(old.is_some_and(|old| same(&old, new)), Ordering::Release);
+        }
+    });
+    let stream = reflector(writer, events)
+        .inspect_ok(counted(tx, changes.clone(), unchanged))
         .touched_objects();
-    (Cache { store, synced }, stream)
+    (
+        Cache {
+            store,
+            synced,
+            changes,
+        },
+        stream,
+    )
 }
 
 /// Where a cache lists its objects: every namespace (one watch), or each namespace of a list
@@ -230,14 +314,18 @@ pub fn reflect_summaries_in<K: Watched, S: Stored>(
         })
         .flat_map(futures::stream::iter);
     let (tx, synced) = watch::channel(false);
+    let changes = Arc::new(AtomicU64::new(0));
     let stream = reflector(writer, events)
-        .inspect_ok(move |event| {
-            if matches!(event, watcher::Event::InitDone) {
-                tx.send_replace(true);
-            }
-        })
+        .inspect_ok(counted(tx, changes.clone(), Arc::default()))
         .touched_objects();
-    (Cache { store, synced }, stream)
+    (
+        Cache {
+            store,
+            synced,
+            changes,
+        },
+        stream,
+    )
 }
 
 /// As [`watched_summaries`] over the APIs of `namespaces` ([`reflect_summaries_in`] when
@@ -380,7 +468,11 @@ impl<K: kube::Resource<DynamicType = ()> + Clone + 'static> Merge<K> {
 pub fn empty<K: Stored>() -> Cache<K> {
     let (store, _writer) = reflector::store::<K>();
     let (_tx, synced) = watch::channel(true);
-    Cache { store, synced }
+    Cache {
+        store,
+        synced,
+        changes: Arc::default(),
+    }
 }
 
 /// A cache of `api` narrowed by `config` whose every event wakes `changed`, and the future
@@ -407,7 +499,7 @@ pub fn watched_summaries<K: Watched, S: Stored>(
 }
 
 /// As [`watched`], with every object cut down by `trim` (see [`reflect_trimmed`]).
-pub fn watched_trimmed<K: Watched>(
+pub fn watched_trimmed<K: Watched + PartialEq>(
     api: Api<K>,
     config: watcher::Config,
     trim: fn(&mut K),
@@ -416,7 +508,7 @@ pub fn watched_trimmed<K: Watched>(
     feeding(reflect_trimmed(api, config, trim), changed)
 }
 
-/// The future that polls a cache's stream, waking `changed` on every object it touches.
+/// The future that polls a cache's stream, waking `changed` on every change it counts.
 fn feeding<K: Stored>(
     (cache, stream): (
         Cache<K>,
@@ -425,8 +517,14 @@ fn feeding<K: Stored>(
     changed: &Arc<Notify>,
 ) -> (Cache<K>, impl Future<Output = ()> + Send + 'static) {
     let changed = changed.clone();
+    let (counts, mut woken_at) = (cache.clone(), None);
     let feed = stream.for_each(move |_| {
-        changed.notify_one();
+        // Only a change wakes (not an object applied as it was stored).
+        let changes = counts.changes();
+        if woken_at != Some(changes) {
+            woken_at = Some(changes);
+            changed.notify_one();
+        }
         futures::future::ready(())
     });
     (cache, feed)
@@ -1275,5 +1373,37 @@ mod tests {
         assert!(packed.packed_len() < 200, "{} bytes", packed.packed_len());
         let read: Packed<Pod> = serde_json::from_value(serde_json::to_value(&expected).unwrap()).unwrap();
         assert_eq!(read.unpack().unwrap(), expected);
+    }
+
+    #[test]
+    fn a_trimmed_object_whose_only_change_was_trimmed_away_is_the_same() {
+        let node = |version: &str, unschedulable: bool| k8s_openapi::api::core::v1::Node {
+            metadata: ObjectMeta {
+                name: Some("n".into()),
+                resource_version: Some(version.into()),
+                ..Default::default()
+            },
+            spec: Some(k8s_openapi::api::core::v1::NodeSpec {
+                unschedulable: Some(unschedulable),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert!(same_but_version(&node("1", false), &node("2", false)));
+        assert!(!same_but_version(&node("1", false), &node("2", true)));
+    }
+
+    #[test]
+    fn a_memo_works_out_again_only_when_an_input_moved() {
+        let memo = Memo::default();
+        let mut works = 0;
+        for (inputs, want) in [(vec![1, 1], 1), (vec![1, 1], 1), (vec![1, 2], 2), (vec![1, 2], 2)] {
+            let value = memo.get(inputs, || {
+                works += 1;
+                works
+            });
+            assert_eq!(value, want);
+        }
+        assert_eq!(works, 2);
     }
 }

@@ -68,10 +68,19 @@ pub(crate) async fn create_all(
     api: &Api<Pod>,
     pods: usize,
     in_flight: usize,
+    rate: Option<u32>,
     seen: &Arc<Mutex<Seen>>,
     template: impl Fn(usize) -> serde_json::Value,
 ) -> anyhow::Result<()> {
+    // Paced: the i-th create is not sent before i/rate seconds from the start.
+    let start = tokio::time::Instant::now();
     futures::stream::iter(0..pods)
+        .then(move |i| async move {
+            if let Some(rate) = rate.filter(|r| *r > 0) {
+                tokio::time::sleep_until(start + Duration::from_secs_f64(i as f64 / f64::from(rate))).await;
+            }
+            i
+        })
         .map(|i| {
             let (api, seen) = (api.clone(), seen.clone());
             let pod: Result<Pod, _> = serde_json::from_value(template(i));
@@ -158,7 +167,7 @@ async fn burst_into(
 ) -> anyhow::Result<serde_json::Value> {
     let watch = tokio::spawn(observe(api.clone(), seen.clone()));
     let start = Instant::now();
-    create_all(&api, pods, 32, &seen, template).await?;
+    create_all(&api, pods, 32, None, &seen, template).await?;
     let created_secs = start.elapsed().as_secs_f64();
     let deadline = Instant::now() + Duration::from_secs(600);
     while seen.lock().map(|s| s.running.len()).unwrap_or(0) < pods && Instant::now() < deadline {

@@ -46,6 +46,26 @@ pub async fn install_exclusion_records(kubeconfig: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Runs `tensilectl crds` against the cluster of `kubeconfig`: this release's definitions
+/// applied and established. Its output, or why it failed.
+pub async fn apply_crds(kubeconfig: &Path) -> Result<String> {
+    let ctl = crate::bins::suite_binary("tensilectl")?;
+    let out = tokio::process::Command::new(&ctl)
+        .arg("crds")
+        .arg(format!("--upper-kubeconfig={}", kubeconfig.display()))
+        .env_remove("KUBECONFIG")
+        .output()
+        .await
+        .map_err(io_err(&ctl))?;
+    match out.status.success() {
+        true => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
+        false => Err(Error::Demo(format!(
+            "tensilectl crds: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ))),
+    }
+}
+
 /// The helm binary: `HELM_BIN`, or what `scripts/helm.sh` installed (installing it first).
 pub fn helm_binary() -> Result<&'static Path> {
     static HELM: OnceLock<Result<PathBuf, String>> = OnceLock::new();

@@ -218,3 +218,25 @@ pub async fn listing(
         .map(|(kind, ns, name)| format!("{kind} {ns}/{name}"))
         .collect()
 }
+
+/// Asserts that the apiserver of `kubeconfig` refuses to change the virtual node name of
+/// LowerCluster `name` (the definition's rule, once `status.nodeName` is set), saying why.
+pub async fn node_name_change_refused(kubeconfig: &Path, name: &str) {
+    let refused = crate::kubectl::run(
+        kubeconfig,
+        &[
+            "patch",
+            "lowercluster",
+            name,
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"nodeName":"elsewhere"}}"#,
+        ],
+    )
+    .await;
+    assert!(
+        !refused.ok && refused.stderr.contains("cannot change once the node is made"),
+        "the virtual node's name is kept for life: {}",
+        refused.stderr
+    );
+}

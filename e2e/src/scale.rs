@@ -41,9 +41,25 @@ pub struct Scale {
     pub clients: usize,
     /// `--kube-api-qps`/`--kube-api-burst` of the test bed's scheduler and controller-manager.
     pub test_bed_qps: Option<(u32, u32)>,
+    /// Arrival rates (creates per second) of the paced runs, each `pods` pods through a
+    /// virtual node of its own after the unpaced one.
+    pub rates: Vec<u32>,
+    /// Seconds of the idle window after each run settled, CPU measured over it.
+    pub idle_secs: u64,
 }
 
 const NODE: &str = "vn-scale";
+
+/// Pod `p-I` bound to virtual node `node` (its taint tolerated), with `container`.
+fn bound_pod(i: usize, node: &str, container: &Value) -> Value {
+    json!({"metadata": {"name": format!("p-{i}")}, "spec": {
+        "nodeName": node,
+        "tolerations": [{"key": "virtual-kubelet.io/provider", "operator": "Exists"}],
+        "containers": container}})
+}
+
+/// Pods a lower node added for a paced run holds (below the simulator's 253 addresses).
+const PACED_PODS_PER_NODE: usize = 240;
 
 pub async fn scale(s: &Scale) -> anyhow::Result<Value> {
     let pods = pods(s).await?;
@@ -75,12 +91,13 @@ async fn created_to_running(
     api: Api<Pod>,
     pods: usize,
     clients: usize,
+    rate: Option<u32>,
     seen: Arc<Mutex<Seen>>,
     template: impl Fn(usize) -> Value,
 ) -> anyhow::Result<Value> {
     let watch = tokio::spawn(observe(api.clone(), seen.clone()));
     let start = Instant::now();
-    create_all(&api, pods, clients, &seen, template).await?;
+    create_all(&api, pods, clients, rate, &seen, template).await?;
     let created_secs = start.elapsed().as_secs_f64();
     let deadline = Instant::now() + Duration::from_secs(900);
     while seen.lock().map(|s| s.running.len()).unwrap_or(0) < pods {
@@ -96,6 +113,7 @@ async fn created_to_running(
     Ok(json!({
         "pods": pods,
         "creates_in_flight": clients,
+        "arrivals_per_sec_asked": rate,
         "created_secs": round3(created_secs),
         "creates_per_sec": round3(pods as f64 / created_secs),
         "created_to_all_running_secs": round3(all_running_secs),
@@ -138,7 +156,8 @@ fn writes_between(
 
 async fn pods(s: &Scale) -> anyhow::Result<Value> {
     let (upper, lower) = clusters("bench-scale", s.test_bed_qps, |o| o).await?;
-    // Room for both runs: the direct pods stay, as other tenants' pods would.
+    // Room for both runs: the direct pods stay, as other tenants' pods would (each paced run
+    // brings nodes of its own).
     let per_node = (2 * s.pods).div_ceil(s.lower_nodes.max(1)) + 10;
     let sim = NodeSimulator::start(
         lower.client().await?,
@@ -165,6 +184,7 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
         Api::namespaced(lower.client().await?, "direct"),
         s.pods,
         s.clients,
+        None,
         Arc::default(),
         |i| json!({"metadata": {"name": format!("p-{i}")}, "spec": {"containers": container}}),
     )
@@ -191,13 +211,9 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
         Api::namespaced(upper.client().await?, "virtual"),
         s.pods,
         s.clients,
+        None,
         upper_seen.clone(),
-        |i| {
-            json!({"metadata": {"name": format!("p-{i}")}, "spec": {
-                "nodeName": NODE,
-                "tolerations": [{"key": "virtual-kubelet.io/provider", "operator": "Exists"}],
-                "containers": container}})
-        },
+        |i| bound_pod(i, NODE, &container),
     )
     .await?;
     let cpu_at_running = cpu_secs(pid)? - cpu_before;
@@ -211,6 +227,7 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
     let peak = peak_rss(pid)?;
     let cpu_settled = cpu_secs(pid)? - cpu_before;
     let settled_wall = started.elapsed();
+    let idle_cpu = idle_cpu(pid, s.idle_secs).await?;
 
     // A restart with nothing changed.
     let (upper_client, lower_client) = (upper.client().await?, lower.client().await?);
@@ -247,6 +264,21 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
     let (upper_after, lower_after) = (api_writes(&upper_client).await?, api_writes(&lower_client).await?);
     let profile = heap_profile_of(&upper, &lower).await?;
     drop(vn);
+    let mut paced = Vec::new();
+    for &rate in &s.rates {
+        // Nodes for the run's pods: a simulated node has 253 pod addresses.
+        futures::stream::iter(0..s.pods.div_ceil(PACED_PODS_PER_NODE))
+            .map(|i| {
+                sim.add_node(
+                    NodeConfig::new(&format!("paced-{rate}-{i}"))
+                        .resource("pods", &PACED_PODS_PER_NODE.to_string()),
+                )
+            })
+            .buffer_unordered(16)
+            .try_collect::<()>()
+            .await?;
+        paced.push(paced_run(s, &upper, &lower, rate, &container).await?);
+    }
     drop(sim);
 
     let ratio = through["created_to_all_running_secs"]
@@ -273,6 +305,7 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
                          "settled_after_secs": round3(settled_wall.as_secs_f64())},
             "cpu_ms_per_pod": round3(cpu_settled * 1000.0 / s.pods as f64),
             "all_running_after_secs": round3(at_running.as_secs_f64()),
+            "idle_with_every_pod_settled": idle_cpu,
         },
         "restart_with_nothing_changed": {
             "every_pod_reconciled_after_secs": round3(caught_up.as_secs_f64()),
@@ -283,6 +316,68 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
             "note": "writes from SIGTERM until 15 s after every pod was reconciled once; node status and lease writes are the heartbeat's",
         },
         "heap_by_component": profile,
+        "paced": paced,
+    }))
+}
+
+/// The virtual node's CPU over `secs` seconds of nothing changing: ms per second.
+async fn idle_cpu(pid: u32, secs: u64) -> anyhow::Result<Value> {
+    let before = cpu_secs(pid)?;
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    let used = cpu_secs(pid)? - before;
+    Ok(json!({
+        "window_secs": secs,
+        "cpu_ms_per_sec": round3(used * 1000.0 / secs.max(1) as f64),
+        "rss_mib": mib(rss(pid)?),
+    }))
+}
+
+/// `s.pods` pods created at `rate` a second, bound to a virtual node of their own (started
+/// for the run, over the same lower cluster): its CPU per pod, RSS and idle CPU once they
+/// all run.
+async fn paced_run(
+    s: &Scale,
+    upper: &TestCluster,
+    lower: &TestCluster,
+    rate: u32,
+    container: &Value,
+) -> anyhow::Result<Value> {
+    let node = format!("vn-paced-{rate}");
+    let namespace = format!("paced-{rate}");
+    let vn = VirtualNodeProcess::start(upper, &node, lower, &[], &format!("scale-paced-{rate}"))?;
+    node_ready(upper, &node).await?;
+    upper.create_namespace(&namespace).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let pid = vn.pid().context("virtual-node exited")?;
+    let idle = rss(pid)?;
+    let cpu_before = cpu_secs(pid)?;
+    let started = Instant::now();
+    let run = created_to_running(
+        Api::namespaced(upper.client().await?, &namespace),
+        s.pods,
+        s.clients,
+        Some(rate),
+        Arc::default(),
+        |i| bound_pod(i, &node, &container),
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let cpu_settled = cpu_secs(pid)? - cpu_before;
+    let settled_wall = started.elapsed();
+    let steady = rss(pid)?;
+    let peak = peak_rss(pid)?;
+    let idle_cpu = idle_cpu(pid, s.idle_secs).await?;
+    drop(vn);
+    Ok(json!({
+        "arrivals_per_sec_asked": rate,
+        "run": run,
+        "virtual_node": {
+            "rss_mib": {"idle": mib(idle), "peak": mib(peak), "steady": mib(steady)},
+            "cpu_secs_settled": round3(cpu_settled),
+            "settled_after_secs": round3(settled_wall.as_secs_f64()),
+            "cpu_ms_per_pod": round3(cpu_settled * 1000.0 / s.pods as f64),
+            "idle_with_every_pod_settled": idle_cpu,
+        },
     }))
 }
 

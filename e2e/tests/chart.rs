@@ -3033,22 +3033,11 @@ async fn on_the_oldest_supported_upper_the_fleet_is_checked_events_are_written_a
     let (ns, release, full) = ("tensile-old", "old", "old-tensile");
     eprintln!("upper cluster {}", up.version());
 
-    let ctl = tensile_e2e::bins::suite_binary("tensilectl").unwrap();
-    let crds = tokio::process::Command::new(&ctl)
-        .args([
-            "crds",
-            &format!("--upper-kubeconfig={}", up.kubeconfig().display()),
-        ])
-        .env_remove("KUBECONFIG")
-        .output()
-        .await
-        .unwrap();
-    let said = String::from_utf8_lossy(&crds.stdout);
+    let said = chart::apply_crds(up.kubeconfig()).await.unwrap();
     assert!(
-        crds.status.success() && said.contains("CustomResourceDefinition lowerclusters.tensile.io: made"),
-        "tensilectl crds on {}: {said} {}",
-        up.version(),
-        String::from_utf8_lossy(&crds.stderr)
+        said.contains("CustomResourceDefinition lowerclusters.tensile.io: made"),
+        "tensilectl crds on {}: {said}",
+        up.version()
     );
 
     // What the definition's rules refuse, the apiserver refuses, saying why.
@@ -3094,21 +3083,7 @@ async fn on_the_oldest_supported_upper_the_fleet_is_checked_events_are_written_a
         ],
     )
     .await;
-    let out = up
-        .kubectl(&[
-            "patch",
-            "lowercluster",
-            "fixed",
-            "--type=merge",
-            "-p",
-            r#"{"spec":{"nodeName":"elsewhere"}}"#,
-        ])
-        .await;
-    assert!(
-        !out.ok && out.stderr.contains("cannot change once the node is made"),
-        "{}",
-        out.stderr
-    );
+    tensile_e2e::check::node_name_change_refused(up.kubeconfig(), "fixed").await;
     kubectl(
         up.kubeconfig(),
         &["delete", "lowercluster", "fixed", "--wait=true"],

@@ -986,23 +986,7 @@ spec:
         "{}",
         refused.stderr
     );
-    let refused = tensile_e2e::kubectl::run(
-        up.kubeconfig(),
-        &[
-            "patch",
-            "lowercluster",
-            "lower-b",
-            "--type=merge",
-            "-p",
-            r#"{"spec":{"nodeName":"elsewhere"}}"#,
-        ],
-    )
-    .await;
-    assert!(
-        !refused.ok && refused.stderr.contains("cannot change once the node is made"),
-        "the virtual node's name is kept for life: {}",
-        refused.stderr
-    );
+    tensile_e2e::check::node_name_change_refused(up.kubeconfig(), "lower-b").await;
     // What only the controller can check, it refuses, and the rules in force stay.
     set_overrides(r#"{"rules":[{"name":"region","image":{"regex":{"pattern":"(","replacement":"x"}}}]}"#)
         .await;

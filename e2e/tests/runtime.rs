@@ -706,17 +706,7 @@ async fn a_missing_lower_cluster_crd_is_said_once_and_the_cluster_controller_tak
         lines.join("\n")
     );
 
-    let ctl = tensile_e2e::bins::suite_binary("tensilectl").unwrap();
-    let out = tokio::process::Command::new(&ctl)
-        .args([
-            "crds",
-            &format!("--upper-kubeconfig={}", upper.kubeconfig().display()),
-        ])
-        .env_remove("KUBECONFIG")
-        .output()
-        .await
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    tensile_e2e::chart::apply_crds(upper.kubeconfig()).await.unwrap();
     let applied = Instant::now();
     apply(
         upper.kubeconfig(),

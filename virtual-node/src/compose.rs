@@ -340,6 +340,7 @@ impl Parts<'_> {
             services: world.services.clone(),
             namespaces: namespaces.clone(),
             events,
+            last_pass: Default::default(),
         })
     }
 
@@ -365,6 +366,7 @@ impl Parts<'_> {
             refused_expansions: Default::default(),
             overrides: self.overrides.clone(),
             namespaces: namespaces.clone(),
+            last_pass: Default::default(),
         })
     }
 
@@ -401,6 +403,7 @@ impl Parts<'_> {
             lower_health,
             taint_told: Default::default(),
             overrides: self.overrides.clone(),
+            worked_out: Default::default(),
         })
     }
 

@@ -135,13 +135,20 @@ struct Cli {
     /// Simulated lower nodes under the scale benchmark's pods.
     #[arg(long, env = "BENCH_SCALE_LOWER_NODES", default_value_t = 100)]
     scale_lower_nodes: usize,
-    /// Lower cluster sizes of the scale benchmark's capacity part (comma-separated; none
-    /// skips it).
-    #[arg(long, env = "BENCH_SCALE_CAPACITY_NODES", value_delimiter = ',', default_values_t = [2000, 5000])]
+    /// Lower cluster sizes of the scale benchmark's capacity part (comma-separated; the flag
+    /// without a value skips it).
+    #[arg(long, env = "BENCH_SCALE_CAPACITY_NODES", value_delimiter = ',', num_args = 0.., default_values_t = [2000, 5000])]
     scale_capacity_nodes: Vec<usize>,
     /// Creates in flight at once in the scale benchmark.
     #[arg(long, env = "BENCH_SCALE_CLIENTS", default_value_t = 64)]
     scale_clients: usize,
+    /// Arrival rates (creates per second) of the scale benchmark's paced runs, each through a
+    /// virtual node of its own (comma-separated; the flag without a value skips them).
+    #[arg(long, env = "BENCH_SCALE_RATES", value_delimiter = ',', num_args = 0.., default_values_t = [50, 400])]
+    scale_rates: Vec<u32>,
+    /// Seconds of the scale benchmark's idle windows (CPU with every pod settled).
+    #[arg(long, env = "BENCH_SCALE_IDLE_SECS", default_value_t = 120)]
+    scale_idle_secs: u64,
     /// Spread Deployments of the failback benchmark.
     #[arg(long, env = "BENCH_FAILBACK_DEPLOYMENTS", default_value_t = 10)]
     failback_deployments: usize,
@@ -291,6 +298,8 @@ fn main() -> anyhow::Result<()> {
             capacity_nodes: cli.scale_capacity_nodes.clone(),
             clients: cli.scale_clients.max(1),
             test_bed_qps,
+            rates: cli.scale_rates.clone(),
+            idle_secs: cli.scale_idle_secs,
         };
         let figures = rt.block_on(tensile_e2e::scale::scale(&scale))?;
         write_figures(&cli.out, "scale.json", &figures)?;

@@ -130,9 +130,26 @@ impl Collection {
         world.pods_synced().await;
         let mut empty_before = Default::default();
         let mut namespaces_due = tokio::time::Instant::now();
+        // What the last pass that failed nothing read: a pass over the same pods finds no
+        // orphan it did not find then, so it is skipped.
+        let mut clean_at: Option<[u64; 3]> = None;
         loop {
-            let collected = pods::collect_orphans(ctx).await;
-            pods::forget_stale_holds(ctx);
+            let inputs = [
+                ctx.lower_pods.changes(),
+                ctx.upper_pods.changes(),
+                u64::from(ctx.lower_health.reachable()),
+            ];
+            let collected = if clean_at == Some(inputs) {
+                pods::forget_stale_holds(ctx, false);
+                pods::Collected::default()
+            } else {
+                let collected = pods::collect_orphans(ctx).await;
+                pods::forget_stale_holds(ctx, true);
+                // A pass cut short by the lower cluster's loss is not clean.
+                let whole = u64::from(ctx.lower_health.reachable()) == inputs[2];
+                clean_at = (collected.failed == 0 && whole).then_some(inputs);
+                collected
+            };
             let now = tokio::time::Instant::now();
             if self.namespaces && now >= namespaces_due {
                 pods::collect_namespaces(ctx, &mut empty_before).await;

@@ -22,6 +22,7 @@ use kube::runtime::reflector::ObjectRef;
 use tensile_common::api::ApiError as Error;
 use tensile_common::api::{Deleted, code, delete_exact};
 
+use crate::act::LastPass;
 use crate::act::ratelimit::WriteLimit;
 use crate::decide::copies::Key;
 use crate::decide::copies::Model;
@@ -67,6 +68,8 @@ pub struct Copies {
     pub services: Option<ServiceStores>,
     /// Lower namespaces the pod path judged usable (shared with it).
     pub namespaces: Arc<crate::act::lower_namespaces::LowerNamespaces>,
+    /// What the last quiet pass read.
+    pub last_pass: LastPass,
     /// Reports conflicts found by the resync on the upper object.
     pub events: crate::act::events::Events,
 }
@@ -261,8 +264,34 @@ impl Copies {
         Ok(Ok(absent))
     }
 
-    /// One resync pass: the plan of every kind, then its writes, 16 at a time.
+    /// The change counts of what a pass reads.
+    fn inputs(&self) -> Vec<u64> {
+        let mut inputs = vec![
+            self.upper_pods.changes(),
+            self.lower_pods.changes(),
+            self.upper_config_maps.changes(),
+            self.upper_secrets.changes(),
+            self.lower_config_maps.changes(),
+            self.lower_secrets.changes(),
+        ];
+        if let Some(s) = &self.services {
+            inputs.extend([
+                s.upper_services.changes(),
+                s.upper_endpoints.changes(),
+                s.lower_services.changes(),
+                s.lower_endpoints.changes(),
+            ]);
+        }
+        inputs
+    }
+
+    /// One resync pass: the plan of every kind, then its writes, 16 at a time. Skipped while
+    /// nothing it reads changed since a pass that planned nothing ([`LastPass`]).
     pub async fn sync(&self) {
+        let inputs = self.inputs();
+        if self.last_pass.unchanged(&inputs, Instant::now()) {
+            return;
+        }
         let upper_services = self.services.as_ref().map(|s| s.upper_services.state());
         let (needed, used_below) = needs(
             &self.cluster_id,
@@ -328,6 +357,10 @@ impl Copies {
                     &mut work,
                 );
             }
+            // Quiet: no write, and no copy waiting out its collection delay or a conflict
+            // its retry.
+            let quiet = work.is_empty() && since.is_empty() && conflicts.is_empty();
+            self.last_pass.record(inputs, quiet, now);
         }
         let mut copies = self.lower_config_maps.len() + self.lower_secrets.len();
         if let Some(s) = &self.services {

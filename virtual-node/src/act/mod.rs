@@ -22,6 +22,7 @@ pub mod tokens;
 pub mod volumes;
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use futures::future::BoxFuture;
@@ -67,6 +68,39 @@ pub async fn resync<F, Fut>(
     }
 }
 
+/// How often a resync pass runs in full though its inputs show no change: the safety net for
+/// what no counter follows (a lower namespace judged usable or forgotten).
+const FULL_PASS_EVERY: Duration = Duration::from_secs(60);
+
+/// What the last quiet pass of a resync read: the change counts of its inputs, and when.
+/// A pass over the same counts would plan what it planned, nothing, so it is skipped: with
+/// every pod settled, a pass costs a comparison instead of a walk over every pod.
+#[derive(Default)]
+pub struct LastPass(std::sync::Mutex<Option<(Vec<u64>, Instant)>>);
+
+impl LastPass {
+    /// Whether a pass over inputs whose change counts are `inputs` would find what the last
+    /// quiet pass found (and it ran less than [`FULL_PASS_EVERY`] ago).
+    pub fn unchanged(&self, inputs: &[u64], now: Instant) -> bool {
+        let last = match self.0.lock() {
+            Ok(l) => l,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        last.as_ref()
+            .is_some_and(|(seen, at)| seen == inputs && now.duration_since(*at) < FULL_PASS_EVERY)
+    }
+
+    /// After a pass over `inputs` (counted before it read them): `quiet` when it planned no
+    /// write and waits for no deadline of its own.
+    pub fn record(&self, inputs: Vec<u64>, quiet: bool, now: Instant) {
+        let mut last = match self.0.lock() {
+            Ok(l) => l,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        *last = quiet.then_some((inputs, now));
+    }
+}
+
 /// One planned write being performed; `true` when it learnt something the next pass needs
 /// at once.
 pub type Act<'a> = BoxFuture<'a, Result<bool, tensile_common::api::ApiError>>;
@@ -98,4 +132,28 @@ pub async fn act(
         })
         .await;
     learned.into_inner()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pass_is_skipped_only_after_a_quiet_one_over_the_same_inputs_within_a_minute() {
+        let last = LastPass::default();
+        let now = Instant::now();
+        assert!(!last.unchanged(&[1, 2], now), "no pass yet");
+        last.record(vec![1, 2], true, now);
+        assert!(last.unchanged(&[1, 2], now + Duration::from_secs(1)));
+        assert!(
+            !last.unchanged(&[1, 3], now + Duration::from_secs(1)),
+            "an input moved"
+        );
+        assert!(
+            !last.unchanged(&[1, 2], now + FULL_PASS_EVERY),
+            "a full pass at least every {FULL_PASS_EVERY:?}"
+        );
+        last.record(vec![1, 2], false, now);
+        assert!(!last.unchanged(&[1, 2], now), "the last pass planned writes");
+    }
 }

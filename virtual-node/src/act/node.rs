@@ -141,6 +141,15 @@ pub struct NodeLoop {
     pub taint_told: std::sync::atomic::AtomicBool,
     /// The override rules in force: their placement part is published on the Node.
     pub overrides: crate::world::overrides::Current,
+    /// The capacity and shape last worked out, and from what.
+    pub worked_out: WorkedOut,
+}
+
+/// What the node loop works out from every lower node and pod, kept until one changes.
+#[derive(Default)]
+pub struct WorkedOut {
+    capacity: tensile_common::cache::Memo<Capacity>,
+    shape: tensile_common::cache::Memo<Shape>,
 }
 
 /// When each condition of the node last changed (RFC 3339).
@@ -218,7 +227,18 @@ impl NodeLoop {
         Some(ready.status == "True")
     }
 
+    /// The lower cluster's capacity, worked out again only after a lower node, pod or quota
+    /// changed.
     fn capacity(&self) -> Capacity {
+        let inputs = vec![
+            self.lower_nodes.changes(),
+            self.lower_pods.changes(),
+            self.lower_quotas.changes(),
+        ];
+        self.worked_out.capacity.get(inputs, || self.work_out_capacity())
+    }
+
+    fn work_out_capacity(&self) -> Capacity {
         let pods = self.lower_pods.state();
         if let tensile_common::cache::Namespaces::Only(served) = &self.served {
             let quotas = self.lower_quotas.state();
@@ -296,7 +316,9 @@ impl NodeLoop {
             return;
         }
         let wall = jiff::Timestamp::now();
-        let computed = {
+        // Built again only after a lower node or pod changed; dated now either way.
+        let inputs = vec![self.lower_nodes.changes(), self.lower_pods.changes()];
+        let mut computed = self.worked_out.shape.get(inputs, || {
             let nodes = self.lower_nodes.state();
             let pods = self.lower_pods.state();
             shape::build(
@@ -308,7 +330,8 @@ impl NodeLoop {
                 shape::DEFAULT_GROUP_CAP,
                 wall,
             )
-        };
+        });
+        computed.at = Some(tensile_common::api::time(wall));
         let upper = self
             .upper_node
             .get(&kube::runtime::reflector::ObjectRef::new(self.name()));

@@ -884,11 +884,14 @@ fn first_status_wait(ctx: &Context, upper: &Pod, lower: &Pod) -> Option<Duration
 }
 
 /// Forgets held-back first writes of pods that went away before they were written.
-/// Also forgets the failure counts of pods no longer bound here (deleted without a last
-/// successful reconcile).
-pub fn forget_stale_holds(ctx: &Context) {
+/// Also forgets, when the upper pods may have changed (`pods_changed`), the failure counts
+/// of pods no longer bound here (deleted without a last successful reconcile).
+pub fn forget_stale_holds(ctx: &Context, pods_changed: bool) {
     if let Ok(mut held) = ctx.first_status_held.lock() {
         held.retain(|_, since| since.elapsed() < 10 * FIRST_STATUS_DELAY);
+    }
+    if !pods_changed {
+        return;
     }
     let bound: std::collections::HashSet<String> =
         ctx.upper_pods.state().iter().map(|p| retry_key(&**p)).collect();

@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
+use std::time::Instant;
 
 use futures::FutureExt;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
@@ -60,6 +61,8 @@ pub struct Volumes {
     pub refused_expansions: std::sync::Mutex<BTreeSet<String>>,
     /// The lower namespaces claims may go into: those pods may.
     pub namespaces: Arc<crate::act::lower_namespaces::LowerNamespaces>,
+    /// What the last quiet pass read.
+    pub last_pass: crate::act::LastPass,
 }
 
 impl Volumes {
@@ -120,6 +123,21 @@ impl Volumes {
 
     /// One resync pass; true when it learnt a StorageClass's binding mode.
     pub async fn sync(&self) -> bool {
+        let overrides = self.overrides.get();
+        let inputs = vec![
+            self.upper_pods.changes(),
+            self.upper_claims.changes(),
+            self.upper_volumes.changes(),
+            self.lower_claims.changes(),
+            self.lower_pods.changes(),
+            self.upper_classes.changes(),
+            // The overrides in force, by identity: a change swaps them whole.
+            Arc::as_ptr(&overrides).addr() as u64,
+        ];
+        let now = Instant::now();
+        if self.last_pass.unchanged(&inputs, now) {
+            return false;
+        }
         let classes = self.classes.lock().map(|c| c.clone()).unwrap_or_default();
         let (upper_pods, upper_claims, upper_volumes, lower_claims, lower_pods, upper_classes) = (
             self.upper_pods.state(),
@@ -129,7 +147,6 @@ impl Volumes {
             self.lower_pods.state(),
             self.upper_classes.state(),
         );
-        let overrides = self.overrides.get();
         let writes = plan(&View {
             identity: &self.identity,
             upper_pods: &upper_pods,
@@ -141,6 +158,7 @@ impl Volumes {
             upper_classes: &upper_classes,
             overrides: &overrides,
         });
+        self.last_pass.record(inputs, writes.is_empty(), now);
         let planned = writes.into_iter().map(|w| self.perform(w).boxed()).collect();
         crate::act::act(planned, 8, "volume", &self.metrics).await
     }

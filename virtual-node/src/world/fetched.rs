@@ -11,6 +11,7 @@
 //! is seen within a second, with more the period grows in proportion.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -57,6 +58,8 @@ struct Inner<K> {
     failures: std::sync::Mutex<HashMap<Key, (Instant, u32)>>,
     synced: watch::Receiver<bool>,
     changed: Arc<Notify>,
+    /// How many differences the entries have taken (see [`Fetched::changes`]).
+    changes: AtomicU64,
 }
 
 /// The followed upper objects of kind `K` (metadata only).
@@ -146,6 +149,7 @@ impl<K: Reflected + Default> Fetched<K> {
         );
         drop(entries);
         if before != after {
+            self.inner.changes.fetch_add(1, Ordering::AcqRel);
             self.inner.changed.notify_one();
         }
         Ok(object)
@@ -193,7 +197,17 @@ impl<K: Reflected + Default> Fetched<K> {
             Ok(e) => e,
             Err(poisoned) => poisoned.into_inner(),
         };
+        let before = entries.len();
         entries.retain(|key, _| wanted.contains(key));
+        if entries.len() != before {
+            self.inner.changes.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// How many differences the followed objects have shown (one read, appeared, changed or
+    /// gone; one unfollowed): as [`tensile_common::cache::Cache::changes`].
+    pub fn changes(&self) -> u64 {
+        self.inner.changes.load(Ordering::Acquire)
     }
 
     /// The followed names read longest ago, due within `period`, never-read ones first.
@@ -216,7 +230,7 @@ impl<K: Reflected + Default> Fetched<K> {
 /// The names of kind `K` that non-terminal `pods` reference.
 pub fn wanted<K: Reflected>(pods: &[Arc<UpperPod>]) -> HashSet<Key> {
     pods.iter()
-        .filter(|p| !p.terminal)
+        .filter(|p| !p.terminal && p.references.iter().any(|(kind, _)| *kind == K::KIND))
         .flat_map(|p| {
             let ns = p.namespace().unwrap_or_default();
             p.references
@@ -258,6 +272,7 @@ pub fn fetched<K: Reflected + Default>(
             failures: Default::default(),
             synced,
             changed: changed.clone(),
+            changes: AtomicU64::new(0),
         }),
     };
     let feed = {
@@ -265,9 +280,15 @@ pub fn fetched<K: Reflected + Default>(
         async move {
             const TICK: Duration = Duration::from_millis(250);
             upper_pods.synced().await;
+            // What the pods reference, worked out again only after the pods changed.
+            let (mut wanted_at, mut wanted) = (None, HashSet::new());
             loop {
-                let wanted = wanted::<K>(&upper_pods.state());
-                cache.keep_only(&wanted);
+                let changes = upper_pods.changes();
+                if wanted_at != Some(changes) {
+                    wanted = self::wanted::<K>(&upper_pods.state());
+                    cache.keep_only(&wanted);
+                    wanted_at = Some(changes);
+                }
                 let now = Instant::now();
                 let due = cache.due(&wanted, period(wanted.len(), per_second), now);
                 let never_read = due
