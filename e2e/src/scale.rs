@@ -358,7 +358,7 @@ async fn paced_run(
         s.clients,
         Some(rate),
         Arc::default(),
-        |i| bound_pod(i, &node, &container),
+        |i| bound_pod(i, &node, container),
     )
     .await?;
     tokio::time::sleep(Duration::from_secs(15)).await;
