@@ -10,7 +10,6 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::Api;
-use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use tensile_common::cache::Namespaces;
 use tensile_common::kubeconfig::ClientSource;
@@ -162,11 +161,7 @@ pub(crate) async fn compose(
     running
         .tasks
         .spawn("the lower scale-up signal watch", scale_up_watch);
-    let reporter = Reporter {
-        controller: "tensile-virtual-node".into(),
-        instance: Some(identity.node.clone()),
-    };
-    let (events, events_run) = Events::new(Recorder::new(upper.clone(), reporter), metrics.clone());
+    let (events, events_run) = Events::new(upper.clone(), identity.node.clone(), metrics.clone());
     let parts = Parts {
         args,
         upper,

@@ -31,8 +31,10 @@ use tokio::sync::Notify;
 use crate::world::World;
 
 /// The one resync loop of the copy and volume passes: once the world has listed, `pass` runs
-/// on every `changed` wake-up (50 ms later, so a burst of events is one pass) and at least
-/// every second; a pass stuck past `deadline` is dropped (counted as an API error of `side`
+/// on every `changed` wake-up (50 ms later, so a burst of events is one pass, and at least
+/// [`RESYNC_MIN_SPACING`] after the previous pass began: each pass reads every pod, and a
+/// stream of pod events would otherwise run one every 50 ms) and at least every second; a
+/// pass stuck past `deadline` is dropped (counted as an API error of `side`
 /// and `timeout`) and the next begins. A pass that returns `true` learnt something the next
 /// pass needs at once.
 pub async fn resync<F, Fut>(
@@ -48,6 +50,7 @@ pub async fn resync<F, Fut>(
 {
     world.synced().await;
     loop {
+        let began = tokio::time::Instant::now();
         let again = match tokio::time::timeout(deadline, pass()).await {
             Ok(again) => again,
             Err(_) => {
@@ -62,11 +65,19 @@ pub async fn resync<F, Fut>(
             continue;
         }
         tokio::select! {
-            _ = changed.notified() => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
-            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+            _ = changed.notified() => {
+                let debounced = tokio::time::Instant::now() + Duration::from_millis(50);
+                tokio::time::sleep_until(debounced.max(began + RESYNC_MIN_SPACING)).await
+            }
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
     }
 }
+
+/// Least time from the start of one resync pass to the start of the next that a change woke
+/// (the pod controller makes a new pod's copies and claims itself; the resync follows later
+/// changes of the objects and collects what nothing references).
+pub const RESYNC_MIN_SPACING: Duration = Duration::from_millis(500);
 
 /// How often a resync pass runs in full though its inputs show no change: the safety net for
 /// what no counter follows (a lower namespace judged usable or forgotten).

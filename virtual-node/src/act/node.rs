@@ -18,7 +18,7 @@ use tensile_common::shape::{self, Shape};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::decide::capacity::{self, Capacity, ShapePublisher};
+use crate::decide::capacity::{self, Capacity, NodeLoads, ShapePublisher};
 use crate::decide::node::Health;
 use crate::decide::node::Heartbeat;
 use crate::decide::node::Observed;
@@ -69,6 +69,11 @@ impl LowerHealth {
         })
     }
 }
+
+/// How long a round woken by a lower change waits for more changes to come with it.
+const CHANGED_DEBOUNCE: Duration = Duration::from_millis(300);
+/// Least time from one round's start to the start of a round woken by a lower change.
+const CHANGED_ROUND_MIN_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Settings of the node loop.
 #[derive(Clone, Debug)]
@@ -148,6 +153,7 @@ pub struct NodeLoop {
 /// What the node loop works out from every lower node and pod, kept until one changes.
 #[derive(Default)]
 pub struct WorkedOut {
+    loads: tensile_common::cache::Memo<Arc<NodeLoads>>,
     capacity: tensile_common::cache::Memo<Capacity>,
     shape: tensile_common::cache::Memo<Shape>,
 }
@@ -239,8 +245,8 @@ impl NodeLoop {
     }
 
     fn work_out_capacity(&self) -> Capacity {
-        let pods = self.lower_pods.state();
         if let tensile_common::cache::Namespaces::Only(served) = &self.served {
+            let pods = self.lower_pods.state();
             let quotas = self.lower_quotas.state();
             return capacity::compute_from_quotas(
                 served,
@@ -250,11 +256,19 @@ impl NodeLoop {
             );
         }
         let nodes = self.lower_nodes.state();
-        capacity::compute(
-            nodes.iter().map(|n| n.as_ref()),
-            pods.iter().map(|p| p.as_ref()),
-            &self.settings.identity,
-        )
+        capacity::compute(nodes.iter().map(|n| n.as_ref()), &self.loads())
+    }
+
+    /// What the lower pods request on each lower node, summed again only after a lower pod
+    /// changed (one walk over the pods for both the capacity and the shape).
+    fn loads(&self) -> Arc<NodeLoads> {
+        self.worked_out.loads.get(vec![self.lower_pods.changes()], || {
+            let pods = self.lower_pods.state();
+            Arc::new(NodeLoads::of(
+                pods.iter().map(|p| p.as_ref()),
+                &self.settings.identity,
+            ))
+        })
     }
 
     fn labels(&self, cap: &Capacity) -> BTreeMap<String, String> {
@@ -315,17 +329,18 @@ impl NodeLoop {
             self.withdraw_shape().await;
             return;
         }
+        if !publisher.may_write(Instant::now()) {
+            return;
+        }
         let wall = jiff::Timestamp::now();
         // Built again only after a lower node or pod changed; dated now either way.
         let inputs = vec![self.lower_nodes.changes(), self.lower_pods.changes()];
         let mut computed = self.worked_out.shape.get(inputs, || {
             let nodes = self.lower_nodes.state();
-            let pods = self.lower_pods.state();
+            let loads = self.loads();
             shape::build(
                 nodes.iter().map(|n| n.as_ref()),
-                pods.iter()
-                    .filter(|p| !p.terminal)
-                    .filter_map(|p| Some((p.node.as_deref()?, &p.requests))),
+                loads.all.iter().map(|(node, held)| (node.as_str(), held)),
                 &self.settings.shape_label_keys,
                 shape::DEFAULT_GROUP_CAP,
                 wall,
@@ -594,6 +609,7 @@ impl NodeLoop {
         let mut version = String::new();
         let mut state = Heartbeat::default();
         loop {
+            let round_started = Instant::now();
             let probe = match self.probe().await {
                 Ok(v) => {
                     if !v.is_empty() && v != version {
@@ -689,7 +705,9 @@ impl NodeLoop {
                     }
                 }
             }
-            // Wake on lower changes (debounced) or after the probe period, sooner while the
+            // Wake on lower changes (debounced, and a round at most every
+            // CHANGED_ROUND_MIN_INTERVAL: under a stream of pod events each round works the
+            // capacity out over every lower pod) or after the probe period, sooner while the
             // lower cluster does not answer; stop between rounds, never inside one.
             let next_probe = if ready {
                 self.settings.probe_period
@@ -698,7 +716,11 @@ impl NodeLoop {
             };
             tokio::select! {
                 _ = tokio::time::sleep(next_probe) => {}
-                _ = self.changed.notified() => tokio::time::sleep(Duration::from_millis(300)).await,
+                _ = self.changed.notified() => {
+                    let debounced = Instant::now() + CHANGED_DEBOUNCE;
+                    let spaced = round_started + CHANGED_ROUND_MIN_INTERVAL;
+                    tokio::time::sleep_until(debounced.max(spaced)).await
+                }
                 _ = stop.cancelled() => return,
             }
         }

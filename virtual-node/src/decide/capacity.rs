@@ -9,10 +9,8 @@
 //!   tell "fits in aggregate" from "fits on one node". When it is published is decided by
 //!   [`ShapePublisher`].
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
-
-use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Node, ResourceQuota};
 use tensile_common::quantity::ResourceMap;
@@ -58,14 +56,45 @@ fn allocatable(node: &Node) -> ResourceMap {
         .unwrap_or_default()
 }
 
-/// Computes the capacity from the lower nodes and the load of every lower pod.
-pub fn compute<'a>(
-    nodes: impl IntoIterator<Item = &'a Node>,
-    pods: impl IntoIterator<Item = &'a PodLoad>,
-    identity: &Identity,
-) -> Capacity {
+/// What the unfinished lower pods request on each lower node, summed once per change of the
+/// pods for both readers: every pod's (the shape charges each node with it) and the pods'
+/// this node does not manage (the capacity: its own pods are counted by the upper scheduler).
+/// Worked out again whole from the cache each time, never kept up by deltas.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NodeLoads {
+    pub all: HashMap<String, ResourceMap>,
+    pub foreign: HashMap<String, ResourceMap>,
+}
+
+impl NodeLoads {
+    /// The sums over `pods`; a finished pod, or one bound to no node, holds nothing.
+    pub fn of<'a>(pods: impl IntoIterator<Item = &'a PodLoad>, identity: &Identity) -> Self {
+        fn charge(sums: &mut HashMap<String, ResourceMap>, node: &str, requests: &ResourceMap) {
+            match sums.get_mut(node) {
+                Some(sum) => sum.add(requests),
+                None => {
+                    sums.insert(node.to_owned(), requests.clone());
+                }
+            }
+        }
+        let mut out = NodeLoads::default();
+        for pod in pods {
+            let Some(node) = pod.node.as_deref().filter(|_| !pod.terminal) else {
+                continue;
+            };
+            charge(&mut out.all, node, &pod.requests);
+            if !identity.owns(&pod.metadata) {
+                charge(&mut out.foreign, node, &pod.requests);
+            }
+        }
+        out
+    }
+}
+
+/// Computes the capacity from the lower nodes and what the lower pods request on each.
+pub fn compute<'a>(nodes: impl IntoIterator<Item = &'a Node>, loads: &NodeLoads) -> Capacity {
     let mut out = Capacity::default();
-    let mut counted: BTreeSet<String> = BTreeSet::new();
+    let mut foreign = ResourceMap::default();
     let mut used = Vec::new();
     for node in nodes {
         if !usable(node) {
@@ -79,13 +108,11 @@ pub fn compute<'a>(
             out.os = labels.and_then(|l| l.get("kubernetes.io/os")).cloned();
             out.arch = labels.and_then(|l| l.get("kubernetes.io/arch")).cloned();
         }
-        counted.insert(node.metadata.name.clone().unwrap_or_default());
-    }
-    let mut foreign = ResourceMap::default();
-    for pod in pods {
-        let on_usable = pod.node.as_ref().is_some_and(|n| counted.contains(n));
-        if on_usable && !pod.terminal && !identity.owns(&pod.metadata) {
-            foreign.add(&pod.requests);
+        if let Some(held) = loads
+            .foreign
+            .get(node.metadata.name.as_deref().unwrap_or_default())
+        {
+            foreign.add(held);
         }
     }
     out.allocatable = out.capacity.clone();
@@ -249,6 +276,14 @@ fn without_time(shape: &Shape) -> Shape {
 }
 
 impl ShapePublisher {
+    /// Whether a round at `now` could write the annotation at all: not within
+    /// [`SHAPE_MIN_INTERVAL`] of the last write. Until then the shape is not worth working
+    /// out (a growth it would show is noticed at the next round that may write).
+    pub fn may_write(&self, now: Instant) -> bool {
+        self.last_write
+            .is_none_or(|t| now.duration_since(t) >= SHAPE_MIN_INTERVAL)
+    }
+
     /// The decision for `computed` (whose `at` is now, `wall`), given what the upper Node
     /// shows (`published`), at monotonic time `now`.
     pub fn round(
@@ -429,7 +464,7 @@ mod tests {
             pod("down", "5", false, "Running"),
             pod("", "7", false, "Pending"),
         ];
-        let c = compute(&nodes, &pods, &id());
+        let c = compute(&nodes, &NodeLoads::of(&pods, &id()));
         assert_eq!(c.usable_nodes, 2);
         assert_eq!(
             c.capacity.get("cpu"),
@@ -454,7 +489,8 @@ mod tests {
     fn the_same_state_gives_the_same_answer() {
         let nodes = [node("a", "4", true, false)];
         let pods = [pod("a", "1", false, "Running")];
-        assert_eq!(compute(&nodes, &pods, &id()), compute(&nodes, &pods, &id()));
+        let loads = || NodeLoads::of(&pods, &id());
+        assert_eq!(compute(&nodes, &loads()), compute(&nodes, &loads()));
     }
 
     fn shape_of(cpus: &[&str]) -> Shape {
@@ -509,8 +545,10 @@ mod tests {
             p.round(&later, Some(&a), after(1), wall(1)),
             ShapeWrite::default()
         );
-        // A change within the minimum interval waits; after it, it is written.
+        // A change within the minimum interval waits (the shape need not even be worked
+        // out); after it, it is written.
         let b = shape_of(&["2"]);
+        assert!(!p.may_write(after(2)) && p.may_write(after(5)));
         assert!(!p.round(&b, Some(&a), after(2), wall(2)).annotation);
         assert_eq!(
             p.round(&b, Some(&a), after(5), wall(5)),

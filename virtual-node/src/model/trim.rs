@@ -390,8 +390,9 @@ mod tests {
             })
             .collect();
         let loads: Vec<PodLoad> = pods.iter().cloned().map(PodLoad::of).collect();
-        let full = crate::decide::capacity::compute(&nodes, &loads, &identity());
-        let small = crate::decide::capacity::compute(&small_nodes, &loads, &identity());
+        let sums = crate::decide::capacity::NodeLoads::of(&loads, &identity());
+        let full = crate::decide::capacity::compute(&nodes, &sums);
+        let small = crate::decide::capacity::compute(&small_nodes, &sums);
         assert_eq!(small, full);
         assert_eq!(full.usable_nodes, 2);
         // One foreign unfinished pod on a usable node: 500m + 250m, raised to the init
@@ -414,9 +415,17 @@ mod tests {
             .iter()
             .filter(|l| !l.terminal)
             .map(|l| (l.node.as_deref().unwrap(), &l.requests));
+        let summed = sums.all.iter().map(|(n, r)| (n.as_str(), r));
+        let from_whole =
+            tensile_common::shape::build(&nodes, whole.iter().map(|(n, r)| (n.as_str(), r)), &keys, 5, at);
         assert_eq!(
             tensile_common::shape::build(&small_nodes, kept, &keys, 5, at),
-            tensile_common::shape::build(&nodes, whole.iter().map(|(n, r)| (n.as_str(), r)), &keys, 5, at)
+            from_whole
+        );
+        assert_eq!(
+            tensile_common::shape::build(&small_nodes, summed, &keys, 5, at),
+            from_whole,
+            "charging each node its pods' sum is charging it each pod"
         );
     }
 
