@@ -339,6 +339,20 @@ impl VirtualNodeProcess {
         extra: &[&str],
         log_name: &str,
     ) -> anyhow::Result<Self> {
+        let program = crate::bins::suite_binary("virtual-node")?;
+        Self::start_binary(&program, upper, name, lower, extra, log_name)
+    }
+
+    /// [`Self::start`] with the `virtual-node` binary at `program` (another build, to
+    /// compare two in one run).
+    pub fn start_binary(
+        program: &std::path::Path,
+        upper: &TestCluster,
+        name: &str,
+        lower: &TestCluster,
+        extra: &[&str],
+        log_name: &str,
+    ) -> anyhow::Result<Self> {
         let kubelet_port = free_port()?;
         let admin_addr = format!("127.0.0.1:{}", free_port()?);
         // A flag in `extra` replaces the default of the same name.
@@ -352,11 +366,10 @@ impl VirtualNodeProcess {
                 .filter(|f| !overridden(f))
                 .collect();
         args.extend(extra.iter().map(|s| s.to_string()));
-        let program = crate::bins::suite_binary("virtual-node")?;
         let log = upper.dir().join(format!("virtual-node-{log_name}.log"));
         let _ = std::fs::remove_file(&log);
         let service =
-            crate::process::Service::start(&format!("virtual-node {log_name}"), &program, &args, &log)?;
+            crate::process::Service::start(&format!("virtual-node {log_name}"), program, &args, &log)?;
         Ok(Self {
             service,
             admin_addr,

@@ -8,6 +8,10 @@
 //!   all Running, as a ratio. The virtual node's idle, peak and steady RSS and its CPU seconds
 //!   per pod. Then a restart with nothing changed: the writes each apiserver served meanwhile,
 //!   from its own `apiserver_request_total`.
+//! * **Paced**: for each arrival rate in `rates`, `pods` pods created at that rate through a
+//!   virtual node of their own: its CPU per pod, RSS, and idle CPU once they all run. With
+//!   `baseline`, each rate is run with that other build first, on the same lower cluster, so
+//!   two builds are compared in one run (the second run's node meets 10,000 more lower pods).
 //! * **Capacity**: for each size in `capacity_nodes`, a virtual node started over a lower
 //!   cluster of that many nodes: seconds until its allocatable upstream counts them all, then
 //!   seconds until a cordon of a tenth of them shows, and its RSS.
@@ -46,6 +50,9 @@ pub struct Scale {
     pub rates: Vec<u32>,
     /// Seconds of the idle window after each run settled, CPU measured over it.
     pub idle_secs: u64,
+    /// Another build of `virtual-node` (a directory holding it): each paced run is made with
+    /// it too, first, on the same lower cluster, so two builds are compared in one run.
+    pub baseline: Option<std::path::PathBuf>,
 }
 
 const NODE: &str = "vn-scale";
@@ -266,18 +273,15 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
     drop(vn);
     let mut paced = Vec::new();
     for &rate in &s.rates {
-        // Nodes for the run's pods: a simulated node has 253 pod addresses.
-        futures::stream::iter(0..s.pods.div_ceil(PACED_PODS_PER_NODE))
-            .map(|i| {
-                sim.add_node(
-                    NodeConfig::new(&format!("paced-{rate}-{i}"))
-                        .resource("pods", &PACED_PODS_PER_NODE.to_string()),
-                )
-            })
-            .buffer_unordered(16)
-            .try_collect::<()>()
-            .await?;
-        paced.push(paced_run(s, &upper, &lower, rate, &container).await?);
+        let baseline = match &s.baseline {
+            Some(dir) => Some(paced_run(s, &upper, &lower, &sim, rate, &container, Some(dir)).await?),
+            None => None,
+        };
+        let mut run = paced_run(s, &upper, &lower, &sim, rate, &container, None).await?;
+        if let Some(baseline) = baseline {
+            run["baseline"] = baseline;
+        }
+        paced.push(run);
     }
     drop(sim);
 
@@ -333,18 +337,38 @@ async fn idle_cpu(pid: u32, secs: u64) -> anyhow::Result<Value> {
 }
 
 /// `s.pods` pods created at `rate` a second, bound to a virtual node of their own (started
-/// for the run, over the same lower cluster): its CPU per pod, RSS and idle CPU once they
-/// all run.
+/// for the run, over the same lower cluster, from the build in `build` if given, on lower
+/// nodes added for it): its CPU per pod, RSS and idle CPU once they all run. The pods stay,
+/// as other tenants' would: a later run's node holds 10,000 more lower pods.
 async fn paced_run(
     s: &Scale,
     upper: &TestCluster,
     lower: &TestCluster,
+    sim: &NodeSimulator,
     rate: u32,
     container: &Value,
+    build: Option<&std::path::Path>,
 ) -> anyhow::Result<Value> {
-    let node = format!("vn-paced-{rate}");
-    let namespace = format!("paced-{rate}");
-    let vn = VirtualNodeProcess::start(upper, &node, lower, &[], &format!("scale-paced-{rate}"))?;
+    let suffix = if build.is_some() { "-baseline" } else { "" };
+    // Nodes for the run's pods: a simulated node has 253 pod addresses.
+    futures::stream::iter(0..s.pods.div_ceil(PACED_PODS_PER_NODE))
+        .map(|i| {
+            sim.add_node(
+                NodeConfig::new(&format!("paced-{rate}{suffix}-{i}"))
+                    .resource("pods", &PACED_PODS_PER_NODE.to_string()),
+            )
+        })
+        .buffer_unordered(16)
+        .try_collect::<()>()
+        .await?;
+    let node = format!("vn-paced-{rate}{suffix}");
+    let namespace = format!("paced-{rate}{suffix}");
+    let log = format!("scale-paced-{rate}{suffix}");
+    let program = match build {
+        Some(dir) => dir.join("virtual-node"),
+        None => crate::bins::suite_binary("virtual-node")?,
+    };
+    let vn = VirtualNodeProcess::start_binary(&program, upper, &node, lower, &[], &log)?;
     node_ready(upper, &node).await?;
     upper.create_namespace(&namespace).await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -370,6 +394,7 @@ async fn paced_run(
     drop(vn);
     Ok(json!({
         "arrivals_per_sec_asked": rate,
+        "virtual_node_binary": program.display().to_string(),
         "run": run,
         "virtual_node": {
             "rss_mib": {"idle": mib(idle), "peak": mib(peak), "steady": mib(steady)},

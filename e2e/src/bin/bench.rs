@@ -149,6 +149,10 @@ struct Cli {
     /// Seconds of the scale benchmark's idle windows (CPU with every pod settled).
     #[arg(long, env = "BENCH_SCALE_IDLE_SECS", default_value_t = 120)]
     scale_idle_secs: u64,
+    /// A directory holding another build of `virtual-node`: the scale benchmark's paced runs
+    /// are made with it too, first, in the same run, for a comparison of like with like.
+    #[arg(long, env = "BENCH_SCALE_BASELINE_BIN_DIR")]
+    scale_baseline_bin_dir: Option<PathBuf>,
     /// Spread Deployments of the failback benchmark.
     #[arg(long, env = "BENCH_FAILBACK_DEPLOYMENTS", default_value_t = 10)]
     failback_deployments: usize,
@@ -300,6 +304,7 @@ fn main() -> anyhow::Result<()> {
             test_bed_qps,
             rates: cli.scale_rates.clone(),
             idle_secs: cli.scale_idle_secs,
+            baseline: cli.scale_baseline_bin_dir.clone(),
         };
         let figures = rt.block_on(tensile_e2e::scale::scale(&scale))?;
         write_figures(&cli.out, "scale.json", &figures)?;
