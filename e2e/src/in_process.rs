@@ -326,6 +326,16 @@ pub struct VirtualNodeProcess {
     pub service: crate::process::Service,
     pub admin_addr: String,
     pub kubelet_port: u16,
+    /// Under a node identity: the approver of its certificate requests, ended on drop.
+    approver: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for VirtualNodeProcess {
+    fn drop(&mut self) {
+        if let Some(approver) = self.approver.take() {
+            approver.abort();
+        }
+    }
 }
 
 impl VirtualNodeProcess {
@@ -374,7 +384,36 @@ impl VirtualNodeProcess {
             service,
             admin_addr,
             kubelet_port,
+            approver: None,
         })
+    }
+
+    /// [`Self::start_binary`] acting as the chart makes a node act: upstream as
+    /// `system:node:<name>` (`--upper-identity=node`, its account holding what the chart's
+    /// grants give, its certificate requests approved while it runs), below as the chart's
+    /// lower account.
+    pub async fn start_as_node(
+        program: &std::path::Path,
+        upper: &TestCluster,
+        name: &str,
+        lower: &TestCluster,
+        extra: &[&str],
+        log_name: &str,
+    ) -> anyhow::Result<Self> {
+        let account = upper.dir().join(format!("vn-{name}.account.kubeconfig"));
+        let below = lower.dir().join(format!("vn-{name}.lower-account.kubeconfig"));
+        lower_account(&Access::of(lower), &below).await?;
+        let approver = node_identity(&Access::of(upper), name, &account).await?;
+        let identity = [
+            format!("--kubeconfig={}", account.display()),
+            format!("--client-kubeconfig={}", below.display()),
+            "--upper-identity=node".to_owned(),
+        ];
+        let mut args: Vec<&str> = identity.iter().map(String::as_str).collect();
+        args.extend_from_slice(extra);
+        let mut process = Self::start_binary(program, upper, name, lower, &args, log_name)?;
+        process.approver = Some(tokio::spawn(approver));
+        Ok(process)
     }
 
     pub fn pid(&self) -> Option<u32> {

@@ -18,6 +18,7 @@ pub mod demo;
 pub mod descheduler;
 pub mod etcd;
 pub mod failback;
+pub mod fleet;
 pub mod flood;
 pub mod in_process;
 pub mod kubectl;

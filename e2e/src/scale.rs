@@ -12,6 +12,9 @@
 //!   virtual node of their own: its CPU per pod, RSS, and idle CPU once they all run. With
 //!   `baseline`, each rate is run with that other build first, on the same lower cluster, so
 //!   two builds are compared in one run (the second run's node meets 10,000 more lower pods).
+//! * **Paced with references**: for each rate in `refs_rates`, the same with every pod
+//!   mounting a ConfigMap and a Secret of its own and the node acting upstream as
+//!   `system:node:<name>`: also its reads of them and its open connections.
 //! * **Capacity**: for each size in `capacity_nodes`, a virtual node started over a lower
 //!   cluster of that many nodes: seconds until its allocatable upstream counts them all, then
 //!   seconds until a cordon of a tenth of them shows, and its RSS.
@@ -53,12 +56,18 @@ pub struct Scale {
     /// Another build of `virtual-node` (a directory holding it): each paced run is made with
     /// it too, first, on the same lower cluster, so two builds are compared in one run.
     pub baseline: Option<std::path::PathBuf>,
+    /// Arrival rates of the paced runs in which every pod references a ConfigMap and a Secret
+    /// of its own, the virtual node acting upstream as `system:node:<name>`.
+    pub refs_rates: Vec<u32>,
+    /// Whether the burst against the direct path, the restart and the heap profile run
+    /// (otherwise only the paced runs).
+    pub unpaced: bool,
 }
 
 const NODE: &str = "vn-scale";
 
 /// Pod `p-I` bound to virtual node `node` (its taint tolerated), with `container`.
-fn bound_pod(i: usize, node: &str, container: &Value) -> Value {
+pub(crate) fn bound_pod(i: usize, node: &str, container: &Value) -> Value {
     json!({"metadata": {"name": format!("p-{i}")}, "spec": {
         "nodeName": node,
         "tolerations": [{"key": "virtual-kubelet.io/provider", "operator": "Exists"}],
@@ -94,7 +103,7 @@ fn mib(bytes: u64) -> f64 {
 /// Creates `pods` pods from `template` with `clients` creates in flight and waits until a
 /// watch shows them all Running: created → all Running, and per pod. `seen` records what the
 /// watch saw, per pod.
-async fn created_to_running(
+pub(crate) async fn created_to_running(
     api: Api<Pod>,
     pods: usize,
     clients: usize,
@@ -130,7 +139,7 @@ async fn created_to_running(
 }
 
 /// A gauge or counter from the virtual node's admin `/metrics`, summed over its label sets.
-async fn metric_sum(admin: &str, name: &str) -> Option<f64> {
+pub(crate) async fn metric_sum(admin: &str, name: &str) -> Option<f64> {
     let (_, body) = admin_get(admin, "/metrics").await?;
     let sum = body
         .lines()
@@ -141,7 +150,7 @@ async fn metric_sum(admin: &str, name: &str) -> Option<f64> {
 }
 
 /// Writes an apiserver served between two readings, by kind, and those on pods.
-fn writes_between(
+pub(crate) fn writes_between(
     before: &std::collections::HashMap<String, f64>,
     after: &std::collections::HashMap<String, f64>,
 ) -> Value {
@@ -179,10 +188,51 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
         .await?;
     let container =
         json!([{"name": "c", "image": "x", "resources": {"requests": {"cpu": "1m", "memory": "1Mi"}}}]);
+    let mut figures = if s.unpaced {
+        unpaced(s, &upper, &lower, &container).await?
+    } else {
+        json!({"kubernetes": upper.version(), "pods": s.pods, "lower_nodes": s.lower_nodes})
+    };
+    let bed = Bed {
+        s,
+        upper: &upper,
+        lower: &lower,
+        sim: &sim,
+        container: &container,
+    };
+    let mut paced = Vec::new();
+    for &rate in &s.rates {
+        let baseline = match &s.baseline {
+            Some(dir) => Some(paced_run(&bed, rate, Some(dir), false).await?),
+            None => None,
+        };
+        let mut run = paced_run(&bed, rate, None, false).await?;
+        if let Some(baseline) = baseline {
+            run["baseline"] = baseline;
+        }
+        paced.push(run);
+    }
+    figures["paced"] = json!(paced);
+    let mut with_refs = Vec::new();
+    for &rate in &s.refs_rates {
+        with_refs.push(paced_run(&bed, rate, None, true).await?);
+    }
+    figures["paced_with_a_configmap_and_a_secret_per_pod_under_the_node_identity"] = json!(with_refs);
+    drop(sim);
+    Ok(figures)
+}
 
+/// The burst through the virtual node against the same pods directly below, the restart
+/// with nothing changed, and the heap by component.
+async fn unpaced(
+    s: &Scale,
+    upper: &TestCluster,
+    lower: &TestCluster,
+    container: &Value,
+) -> anyhow::Result<Value> {
     lower.create_namespace("direct").await?;
     let groups = |vn: Option<u32>| {
-        let mut g = cpu_groups(&upper, &lower, "bench_clients_watches_and_simulated_kubelets");
+        let mut g = cpu_groups(upper, lower, "bench_clients_watches_and_simulated_kubelets");
         g.extend(vn.map(|pid| ("virtual_node", vec![pid])));
         g
     };
@@ -198,8 +248,8 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
     .await?;
     let direct_cpu = direct_cpu.report()?;
 
-    let vn = VirtualNodeProcess::start(&upper, NODE, &lower, &[], "scale")?;
-    node_ready(&upper, NODE).await?;
+    let vn = VirtualNodeProcess::start(upper, NODE, lower, &[], "scale")?;
+    node_ready(upper, NODE).await?;
     upper.create_namespace("virtual").await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let pid = vn.pid().context("virtual-node exited")?;
@@ -220,7 +270,7 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
         s.clients,
         None,
         upper_seen.clone(),
-        |i| bound_pod(i, NODE, &container),
+        |i| bound_pod(i, NODE, container),
     )
     .await?;
     let cpu_at_running = cpu_secs(pid)? - cpu_before;
@@ -246,7 +296,7 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
         .context("virtual-node did not stop within 60 s of SIGTERM")?;
     drop(vn);
     let restarted_at = Instant::now();
-    let vn = VirtualNodeProcess::start(&upper, NODE, &lower, &[], "scale-restart")?;
+    let vn = VirtualNodeProcess::start(upper, NODE, lower, &[], "scale-restart")?;
     let pid = vn.pid().context("virtual-node exited")?;
     // Caught up: every pod reconciled once since the start.
     let deadline = Instant::now() + Duration::from_secs(300);
@@ -269,21 +319,8 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
     let restart_rss = rss(pid)?;
     let restart_peak = peak_rss(pid)?;
     let (upper_after, lower_after) = (api_writes(&upper_client).await?, api_writes(&lower_client).await?);
-    let profile = heap_profile_of(&upper, &lower).await?;
+    let profile = heap_profile_of(upper, lower).await?;
     drop(vn);
-    let mut paced = Vec::new();
-    for &rate in &s.rates {
-        let baseline = match &s.baseline {
-            Some(dir) => Some(paced_run(s, &upper, &lower, &sim, rate, &container, Some(dir)).await?),
-            None => None,
-        };
-        let mut run = paced_run(s, &upper, &lower, &sim, rate, &container, None).await?;
-        if let Some(baseline) = baseline {
-            run["baseline"] = baseline;
-        }
-        paced.push(run);
-    }
-    drop(sim);
 
     let ratio = through["created_to_all_running_secs"]
         .as_f64()
@@ -320,7 +357,6 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
             "note": "writes from SIGTERM until 15 s after every pod was reconciled once; node status and lease writes are the heartbeat's",
         },
         "heap_by_component": profile,
-        "paced": paced,
     }))
 }
 
@@ -336,20 +372,132 @@ async fn idle_cpu(pid: u32, secs: u64) -> anyhow::Result<Value> {
     }))
 }
 
+/// What the paced runs share: the benchmark, its clusters, the lower nodes' simulator and
+/// the pods' container.
+struct Bed<'a> {
+    s: &'a Scale,
+    upper: &'a TestCluster,
+    lower: &'a TestCluster,
+    sim: &'a NodeSimulator,
+    container: &'a Value,
+}
+
+/// Pod `p-I` of [`bound_pod`] mounting ConfigMap `cm-I` and Secret `s-I`.
+fn pod_with_refs(i: usize, node: &str, container: &Value) -> Value {
+    let mut pod = bound_pod(i, node, container);
+    pod["spec"]["volumes"] = json!([
+        {"name": "config", "configMap": {"name": format!("cm-{i}")}},
+        {"name": "secret", "secret": {"secretName": format!("s-{i}")}},
+    ]);
+    if let Some(containers) = pod["spec"]["containers"].as_array_mut() {
+        for c in containers {
+            c["volumeMounts"] = json!([
+                {"name": "config", "mountPath": "/config"},
+                {"name": "secret", "mountPath": "/secret"},
+            ]);
+        }
+    }
+    pod
+}
+
+/// Creates ConfigMap `cm-I` and Secret `s-I` for every pod of a run in `namespace`.
+async fn create_refs(client: kube::Client, namespace: &str, pods: usize) -> anyhow::Result<()> {
+    use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+    let (maps, secrets): (Api<ConfigMap>, Api<Secret>) = (
+        Api::namespaced(client.clone(), namespace),
+        Api::namespaced(client, namespace),
+    );
+    futures::stream::iter(0..pods)
+        .map(|i| {
+            let (maps, secrets) = (maps.clone(), secrets.clone());
+            async move {
+                let map: ConfigMap = serde_json::from_value(
+                    json!({"metadata": {"name": format!("cm-{i}")}, "data": {"settings": format!("pod {i}")}}),
+                )?;
+                let secret: Secret = serde_json::from_value(
+                    json!({"metadata": {"name": format!("s-{i}")}, "stringData": {"token": format!("secret of pod {i}")}}),
+                )?;
+                maps.create(&Default::default(), &map).await?;
+                secrets.create(&Default::default(), &secret).await?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<()>()
+        .await
+}
+
+/// The reads of ConfigMaps and Secrets by name an apiserver served so far, from its own
+/// `apiserver_request_total`.
+async fn refs_reads(client: &kube::Client) -> anyhow::Result<f64> {
+    let request = http::Request::get("/metrics").body(Vec::new())?;
+    let text = client.request_text(request).await?;
+    let reads = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("apiserver_request_total{")?.rsplit_once("} "))
+        .filter(|(labels, _)| {
+            labels.contains("verb=\"GET\"")
+                && (labels.contains("resource=\"configmaps\"") || labels.contains("resource=\"secrets\""))
+                && labels.contains("subresource=\"\"")
+        })
+        .filter_map(|(_, value)| value.parse::<f64>().ok())
+        .sum();
+    Ok(reads)
+}
+
+/// The TCP connections process `pid` holds open.
+fn open_connections(pid: u32) -> anyhow::Result<usize> {
+    let mut inodes = std::collections::HashSet::new();
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+        if let Ok(target) = std::fs::read_link(fd?.path())
+            && let Some(inode) = target
+                .to_str()
+                .and_then(|t| t.strip_prefix("socket:["))
+                .and_then(|t| t.strip_suffix(']'))
+        {
+            inodes.insert(inode.to_owned());
+        }
+    }
+    let mut open = 0;
+    for table in ["tcp", "tcp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
+        open += text
+            .lines()
+            .skip(1)
+            .filter(|l| {
+                let fields: Vec<&str> = l.split_whitespace().collect();
+                // State 01 is ESTABLISHED; field 9 is the socket's inode.
+                fields.get(3) == Some(&"01") && fields.get(9).is_some_and(|i| inodes.contains(*i))
+            })
+            .count();
+    }
+    Ok(open)
+}
+
 /// `s.pods` pods created at `rate` a second, bound to a virtual node of their own (started
 /// for the run, over the same lower cluster, from the build in `build` if given, on lower
-/// nodes added for it): its CPU per pod, RSS and idle CPU once they all run. The pods stay,
-/// as other tenants' would: a later run's node holds 10,000 more lower pods.
+/// nodes added for it): its CPU per pod, RSS and idle CPU once they all run. With `refs`,
+/// every pod mounts a ConfigMap and a Secret of its own (made before the run) and the node
+/// acts upstream as `system:node:<name>`: its reads of them and its open connections too.
+/// The pods stay, as other tenants' would: a later run's node holds 10,000 more lower pods.
 async fn paced_run(
-    s: &Scale,
-    upper: &TestCluster,
-    lower: &TestCluster,
-    sim: &NodeSimulator,
+    bed: &Bed<'_>,
     rate: u32,
-    container: &Value,
     build: Option<&std::path::Path>,
+    refs: bool,
 ) -> anyhow::Result<Value> {
-    let suffix = if build.is_some() { "-baseline" } else { "" };
+    let Bed {
+        s,
+        upper,
+        lower,
+        sim,
+        container,
+    } = *bed;
+    let suffix = match (build.is_some(), refs) {
+        (true, _) => "-baseline",
+        (false, true) => "-refs",
+        (false, false) => "",
+    };
     // Nodes for the run's pods: a simulated node has 253 pod addresses.
     futures::stream::iter(0..s.pods.div_ceil(PACED_PODS_PER_NODE))
         .map(|i| {
@@ -368,31 +516,51 @@ async fn paced_run(
         Some(dir) => dir.join("virtual-node"),
         None => crate::bins::suite_binary("virtual-node")?,
     };
-    let vn = VirtualNodeProcess::start_binary(&program, upper, &node, lower, &[], &log)?;
-    node_ready(upper, &node).await?;
     upper.create_namespace(&namespace).await?;
+    let upper_client = upper.client().await?;
+    if refs {
+        create_refs(upper_client.clone(), &namespace, s.pods).await?;
+    }
+    let vn = if refs {
+        VirtualNodeProcess::start_as_node(&program, upper, &node, lower, &[], &log).await?
+    } else {
+        VirtualNodeProcess::start_binary(&program, upper, &node, lower, &[], &log)?
+    };
+    node_ready(upper, &node).await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let pid = vn.pid().context("virtual-node exited")?;
     let idle = rss(pid)?;
+    let connections_idle = open_connections(pid)?;
     let cpu_before = cpu_secs(pid)?;
+    let reads_before = refs_reads(&upper_client).await?;
     let started = Instant::now();
     let run = created_to_running(
-        Api::namespaced(upper.client().await?, &namespace),
+        Api::namespaced(upper_client.clone(), &namespace),
         s.pods,
         s.clients,
         Some(rate),
         Arc::default(),
-        |i| bound_pod(i, &node, container),
+        |i| {
+            if refs {
+                pod_with_refs(i, &node, container)
+            } else {
+                bound_pod(i, &node, container)
+            }
+        },
     )
     .await?;
+    let connections_running = open_connections(pid)?;
     tokio::time::sleep(Duration::from_secs(15)).await;
     let cpu_settled = cpu_secs(pid)? - cpu_before;
     let settled_wall = started.elapsed();
+    let reads_settled = refs_reads(&upper_client).await?;
     let steady = rss(pid)?;
     let peak = peak_rss(pid)?;
     let idle_cpu = idle_cpu(pid, s.idle_secs).await?;
+    let reads_idle = refs_reads(&upper_client).await?;
+    let connections_settled = open_connections(pid)?;
     drop(vn);
-    Ok(json!({
+    let mut figures = json!({
         "arrivals_per_sec_asked": rate,
         "virtual_node_binary": program.display().to_string(),
         "run": run,
@@ -402,8 +570,20 @@ async fn paced_run(
             "settled_after_secs": round3(settled_wall.as_secs_f64()),
             "cpu_ms_per_pod": round3(cpu_settled * 1000.0 / s.pods as f64),
             "idle_with_every_pod_settled": idle_cpu,
+            "open_connections": {"before_the_pods": connections_idle, "all_running": connections_running,
+                                 "settled": connections_settled},
         },
-    }))
+    });
+    if refs {
+        let settled_secs = settled_wall.as_secs_f64();
+        figures["upper_reads_of_configmaps_and_secrets"] = json!({
+            "until_settled": reads_settled - reads_before,
+            "per_sec_until_settled": round3((reads_settled - reads_before) / settled_secs),
+            "per_sec_while_idle": round3((reads_idle - reads_settled) / s.idle_secs.max(1) as f64),
+            "note": "every GET of a ConfigMap or Secret the upper apiserver served, whoever asked; each pod's own two are read once when it arrives, then re-read within --upper-reads-per-second",
+        });
+    }
+    Ok(figures)
 }
 
 /// Sum of the `pods` allocatable the upper cluster shows for the virtual node.

@@ -153,6 +153,24 @@ struct Cli {
     /// are made with it too, first, in the same run, for a comparison of like with like.
     #[arg(long, env = "BENCH_SCALE_BASELINE_BIN_DIR")]
     scale_baseline_bin_dir: Option<PathBuf>,
+    /// Arrival rates of the scale benchmark's paced runs in which every pod references a
+    /// ConfigMap and a Secret of its own and the virtual node acts as `system:node:<name>`
+    /// (comma-separated; the flag without a value skips them).
+    #[arg(long, env = "BENCH_SCALE_REFS_RATES", value_delimiter = ',', num_args = 0.., default_values_t = [50])]
+    scale_refs_rates: Vec<u32>,
+    /// Only the scale benchmark's paced runs: not the burst against the direct path, the
+    /// restart and the heap profile.
+    #[arg(long, env = "BENCH_SCALE_PACED_ONLY")]
+    scale_paced_only: bool,
+    /// Lower clusters of the fleet benchmark, each under a virtual node of its own.
+    #[arg(long, env = "BENCH_FLEET_CLUSTERS", default_value_t = 10)]
+    fleet_clusters: usize,
+    /// Pods bound to each virtual node of the fleet benchmark.
+    #[arg(long, env = "BENCH_FLEET_PODS_PER_NODE", default_value_t = 1000)]
+    fleet_pods_per_node: usize,
+    /// Creates per second over all of the fleet benchmark's nodes (0: unpaced).
+    #[arg(long, env = "BENCH_FLEET_RATE", default_value_t = 200)]
+    fleet_rate: u32,
     /// Spread Deployments of the failback benchmark.
     #[arg(long, env = "BENCH_FAILBACK_DEPLOYMENTS", default_value_t = 10)]
     failback_deployments: usize,
@@ -180,6 +198,7 @@ enum Which {
     Copies,
     Streams,
     Scale,
+    Fleet,
     Exclusions,
     Rounds,
     Failback,
@@ -305,9 +324,24 @@ fn main() -> anyhow::Result<()> {
             rates: cli.scale_rates.clone(),
             idle_secs: cli.scale_idle_secs,
             baseline: cli.scale_baseline_bin_dir.clone(),
+            refs_rates: cli.scale_refs_rates.clone(),
+            unpaced: !cli.scale_paced_only,
         };
         let figures = rt.block_on(tensile_e2e::scale::scale(&scale))?;
         write_figures(&cli.out, "scale.json", &figures)?;
+    }
+    if matches!(cli.bench, Which::Fleet | Which::All) {
+        let rt = tokio::runtime::Runtime::new().context("async runtime")?;
+        let fleet = tensile_e2e::fleet::Fleet {
+            clusters: cli.fleet_clusters.max(1),
+            pods_per_node: cli.fleet_pods_per_node.max(1),
+            rate: cli.fleet_rate,
+            clients: cli.scale_clients.max(1),
+            test_bed_qps,
+            idle_secs: cli.scale_idle_secs,
+        };
+        let figures = rt.block_on(tensile_e2e::fleet::fleet(&fleet))?;
+        write_figures(&cli.out, "fleet.json", &figures)?;
     }
     Ok(())
 }

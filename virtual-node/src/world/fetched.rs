@@ -51,9 +51,25 @@ struct Entry<K> {
     read_at: Instant,
 }
 
+/// The objects read, and their names in the order they were last read: a tick takes its
+/// due reads from the front instead of looking at every followed name.
+struct Known<K> {
+    entries: HashMap<Key, Entry<K>>,
+    by_read: std::collections::BTreeSet<(Instant, Key)>,
+}
+
+impl<K> Default for Known<K> {
+    fn default() -> Self {
+        Self {
+            entries: HashMap::new(),
+            by_read: Default::default(),
+        }
+    }
+}
+
 struct Inner<K> {
     client: kube::Client,
-    entries: RwLock<HashMap<Key, Entry<K>>>,
+    entries: RwLock<Known<K>>,
     /// Names whose last read failed: when to read them again, and how many failed in a row.
     failures: std::sync::Mutex<HashMap<Key, (Instant, u32)>>,
     synced: watch::Receiver<bool>,
@@ -98,7 +114,7 @@ impl<K: Reflected + Default> Fetched<K> {
             Ok(e) => e,
             Err(poisoned) => poisoned.into_inner(),
         };
-        match entries.get(&(ns.to_owned(), name.to_owned())) {
+        match entries.entries.get(&(ns.to_owned(), name.to_owned())) {
             Some(Entry { object: Some(o), .. }) => Upper::Present(o.clone()),
             Some(Entry { object: None, .. }) => Upper::Gone,
             None => Upper::Unknown,
@@ -136,18 +152,21 @@ impl<K: Reflected + Default> Fetched<K> {
             Ok(e) => e,
             Err(poisoned) => poisoned.into_inner(),
         };
-        let before = entries
-            .get(key)
-            .map(|e| e.object.as_ref().map(|o| o.resource_version()));
-        let after = Some(object.as_ref().map(|o| o.resource_version()));
-        entries.insert(
+        let read_at = Instant::now();
+        let before = entries.entries.insert(
             key.clone(),
             Entry {
                 object: object.clone(),
-                read_at: Instant::now(),
+                read_at,
             },
         );
+        if let Some(before) = &before {
+            entries.by_read.remove(&(before.read_at, key.clone()));
+        }
+        entries.by_read.insert((read_at, key.clone()));
         drop(entries);
+        let before = before.map(|e| e.object.as_ref().map(|o| o.resource_version()));
+        let after = Some(object.as_ref().map(|o| o.resource_version()));
         if before != after {
             self.inner.changes.fetch_add(1, Ordering::AcqRel);
             self.inner.changed.notify_one();
@@ -197,11 +216,25 @@ impl<K: Reflected + Default> Fetched<K> {
             Ok(e) => e,
             Err(poisoned) => poisoned.into_inner(),
         };
-        let before = entries.len();
-        entries.retain(|key, _| wanted.contains(key));
-        if entries.len() != before {
+        let before = entries.entries.len();
+        entries.entries.retain(|key, _| wanted.contains(key));
+        if entries.entries.len() != before {
+            entries.by_read.retain(|(_, key)| wanted.contains(key));
             self.inner.changes.fetch_add(1, Ordering::AcqRel);
         }
+    }
+
+    /// Of `wanted`, the names never read yet (or whose reads all failed).
+    fn unread(&self, wanted: &HashSet<Key>) -> HashSet<Key> {
+        let entries = match self.inner.entries.read() {
+            Ok(e) => e,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        wanted
+            .iter()
+            .filter(|key| !entries.entries.contains_key(*key))
+            .cloned()
+            .collect()
     }
 
     /// How many differences the followed objects have shown (one read, appeared, changed or
@@ -210,20 +243,28 @@ impl<K: Reflected + Default> Fetched<K> {
         self.inner.changes.load(Ordering::Acquire)
     }
 
-    /// The followed names read longest ago, due within `period`, never-read ones first.
-    fn due(&self, wanted: &HashSet<Key>, period: Duration, now: Instant) -> Vec<Key> {
+    /// The reads of one tick: every name of `unread` whose last failure's delay passed, then
+    /// up to `share` of the followed names read longest ago, last read at least `period` ago.
+    /// Costs what it reads (and what waits out a failure), not what is followed.
+    fn due(&self, unread: &HashSet<Key>, period: Duration, share: usize, now: Instant) -> Vec<Key> {
+        let mut due: Vec<Key> = unread
+            .iter()
+            .filter(|key| !self.held(key, now))
+            .cloned()
+            .collect();
         let entries = match self.inner.entries.read() {
             Ok(e) => e,
             Err(poisoned) => poisoned.into_inner(),
         };
-        let mut due: Vec<(Option<Instant>, &Key)> = wanted
+        let stale = entries
+            .by_read
             .iter()
-            .map(|key| (entries.get(key).map(|e| e.read_at), key))
-            .filter(|(at, _)| at.is_none_or(|at| now.duration_since(at) >= period))
+            .take_while(|(at, _)| now.saturating_duration_since(*at) >= period)
             .filter(|(_, key)| !self.held(key, now))
-            .collect();
-        due.sort();
-        due.into_iter().map(|(_, key)| key.clone()).collect()
+            .take(share)
+            .map(|(_, key)| key.clone());
+        due.extend(stale);
+        due
     }
 }
 
@@ -248,12 +289,10 @@ pub fn period(followed: usize, per_second: u32) -> Duration {
     Duration::from_secs_f64((followed as f64 / per_second).max(1.0))
 }
 
-/// The reads of one tick: everything never read, plus what is due within the tick's share of
-/// the budget.
-fn budget(due: Vec<Key>, never_read: usize, per_second: u32, tick: Duration) -> Vec<Key> {
-    let share = (f64::from(per_second) * tick.as_secs_f64()).ceil() as usize;
-    let take = never_read.max(share.max(1));
-    due.into_iter().take(take).collect()
+/// How many re-reads one tick of `tick` may make at `per_second` reads a second (one at
+/// least).
+fn share(per_second: u32, tick: Duration) -> usize {
+    ((f64::from(per_second) * tick.as_secs_f64()).ceil() as usize).max(1)
 }
 
 /// A [`Fetched`] cache of the `K`s the pods of `upper_pods` reference, read through `client`,
@@ -268,7 +307,7 @@ pub fn fetched<K: Reflected + Default>(
     let cache = Fetched {
         inner: Arc::new(Inner {
             client,
-            entries: RwLock::new(HashMap::new()),
+            entries: RwLock::new(Known::default()),
             failures: Default::default(),
             synced,
             changed: changed.clone(),
@@ -280,31 +319,40 @@ pub fn fetched<K: Reflected + Default>(
         async move {
             const TICK: Duration = Duration::from_millis(250);
             upper_pods.synced().await;
-            // What the pods reference, worked out again only after the pods changed.
-            let (mut wanted_at, mut wanted) = (None, HashSet::new());
+            // What the pods reference, and which of it was never read, worked out again only
+            // after the pods changed.
+            let (mut wanted_at, mut wanted, mut unread) = (None, HashSet::new(), HashSet::new());
             loop {
                 let changes = upper_pods.changes();
                 if wanted_at != Some(changes) {
                     wanted = self::wanted::<K>(&upper_pods.state());
                     cache.keep_only(&wanted);
+                    unread = cache.unread(&wanted);
                     wanted_at = Some(changes);
                 }
                 let now = Instant::now();
-                let due = cache.due(&wanted, period(wanted.len(), per_second), now);
-                let never_read = due
-                    .iter()
-                    .filter(|key| matches!(cache.get(&key.0, &key.1), Upper::Unknown))
-                    .count();
-                let reads = budget(due, never_read, per_second, TICK);
-                futures::stream::iter(reads)
-                    .for_each_concurrent(8, |key| {
+                let reads = cache.due(
+                    &unread,
+                    period(wanted.len(), per_second),
+                    share(per_second, TICK),
+                    now,
+                );
+                let done: Vec<Key> = futures::stream::iter(reads)
+                    .map(|key| {
                         let cache = cache.clone();
                         async move {
                             let read = cache.refresh(&key).await;
                             cache.record(&key, read.as_ref().err());
+                            read.is_ok().then_some(key)
                         }
                     })
+                    .buffer_unordered(8)
+                    .filter_map(futures::future::ready)
+                    .collect()
                     .await;
+                for key in &done {
+                    unread.remove(key);
+                }
                 // After the first round: what failed stays unknown and is read again.
                 if !*tx.borrow() {
                     tx.send_replace(true);
@@ -336,12 +384,83 @@ mod tests {
         );
     }
 
+    /// A cache of ConfigMaps over a client that is never used.
+    fn cache() -> Fetched<k8s_openapi::api::core::v1::ConfigMap> {
+        let config = kube::Config::new("http://127.0.0.1:9".parse().expect("a URL"));
+        let client = kube::Client::try_from(config).expect("a client");
+        let (_, synced) = watch::channel(false);
+        Fetched {
+            inner: Arc::new(Inner {
+                client,
+                entries: RwLock::new(Known::default()),
+                failures: Default::default(),
+                synced,
+                changed: Arc::default(),
+                changes: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    fn read_at(cache: &Fetched<k8s_openapi::api::core::v1::ConfigMap>, name: &str, at: Instant) {
+        let mut known = cache.inner.entries.write().expect("not poisoned");
+        known.entries.insert(
+            key(name),
+            Entry {
+                object: None,
+                read_at: at,
+            },
+        );
+        known.by_read.insert((at, key(name)));
+    }
+
+    #[tokio::test]
+    async fn a_tick_reads_the_unread_then_its_share_of_the_longest_unread_due_ones() {
+        let cache = cache();
+        let now = Instant::now();
+        let period = Duration::from_secs(10);
+        for (name, ago) in [
+            ("fresh", 1),
+            ("old", 30),
+            ("older", 40),
+            ("oldest", 50),
+            ("due", 10),
+        ] {
+            read_at(&cache, name, now - Duration::from_secs(ago));
+        }
+        let unread: HashSet<Key> = [key("new")].into();
+        assert_eq!(
+            cache.due(&unread, period, 2, now),
+            vec![key("new"), key("oldest"), key("older")],
+            "what was never read, then the share, longest unread first"
+        );
+        assert_eq!(
+            cache.due(&HashSet::new(), period, 10, now),
+            vec![key("oldest"), key("older"), key("old"), key("due")],
+            "nothing read within the period"
+        );
+        cache.record(
+            &key("oldest"),
+            Some(&kube::Error::LinesCodecMaxLineLengthExceeded),
+        );
+        cache.record(&key("new"), Some(&kube::Error::LinesCodecMaxLineLengthExceeded));
+        assert_eq!(
+            cache.due(&unread, period, 2, now),
+            vec![key("older"), key("old")],
+            "a failed read waits out its delay"
+        );
+        cache.keep_only(&[key("old"), key("fresh")].into());
+        assert_eq!(cache.due(&HashSet::new(), period, 10, now), vec![key("old")]);
+        assert_eq!(
+            cache.unread(&[key("old"), key("new")].into()),
+            [key("new")].into(),
+            "what was never read is read"
+        );
+    }
+
     #[test]
-    fn a_tick_reads_everything_never_read_and_otherwise_its_share_of_the_budget() {
-        let due: Vec<Key> = (0..50).map(|i| key(&i.to_string())).collect();
-        assert_eq!(budget(due.clone(), 0, 20, Duration::from_millis(250)).len(), 5);
-        assert_eq!(budget(due.clone(), 30, 20, Duration::from_millis(250)).len(), 30);
-        assert_eq!(budget(due, 0, 0, Duration::from_millis(250)).len(), 1);
+    fn a_tick_has_its_share_of_the_budget_and_at_least_one_read() {
+        assert_eq!(share(20, Duration::from_millis(250)), 5);
+        assert_eq!(share(0, Duration::from_millis(250)), 1);
     }
 
     #[test]
