@@ -401,6 +401,14 @@ impl<K: kube::Resource<DynamicType = ()> + Clone + 'static> Merge<K> {
             .is_none_or(|ns| object.meta().namespace.as_deref() == Some(ns))
     }
 
+    /// The object of `key` the cache holds or, before every watch has listed, will hold.
+    fn held(&self, key: &reflector::ObjectRef<K>) -> Option<K> {
+        match &self.gathered {
+            Some(gathered) => gathered.get(key).cloned(),
+            None => self.store.get(key).map(|o| o.as_ref().clone()),
+        }
+    }
+
     /// The cache's events for watch `source`'s `event`.
     pub fn step(&mut self, source: usize, event: watcher::Event<K>) -> Vec<watcher::Event<K>> {
         if let Some(gathered) = self.gathered.as_mut() {
@@ -462,6 +470,177 @@ impl<K: kube::Resource<DynamicType = ()> + Clone + 'static> Merge<K> {
             live => vec![live],
         }
     }
+}
+
+/// What a cache's feed does with each event its reflector has applied ([`counted`]).
+type Counting<S> = Box<dyn FnMut(&watcher::Event<S>) + Send>;
+
+/// What a [`Split`] makes of each object for its two caches.
+type SplitFn<K, A, B> = Box<dyn FnMut(K) -> (Option<A>, Option<B>) + Send>;
+
+/// One side of a [`Split`]: a cache, and what keeps it.
+struct Side<S: Stored> {
+    writer: reflector::store::Writer<S>,
+    merge: Merge<S>,
+    count: Counting<S>,
+    changes: Arc<AtomicU64>,
+}
+
+impl<S: Stored> Side<S> {
+    fn new(namespaces: Vec<Option<String>>) -> (Self, Cache<S>) {
+        let (store, writer) = reflector::store::<S>();
+        let (tx, synced) = watch::channel(false);
+        let changes = Arc::new(AtomicU64::new(0));
+        let side = Side {
+            writer,
+            merge: Merge::new(namespaces, store.clone()),
+            count: Box::new(counted(tx, changes.clone(), Arc::default())),
+            changes: changes.clone(),
+        };
+        (
+            side,
+            Cache {
+                store,
+                synced,
+                changes,
+            },
+        )
+    }
+
+    /// What the cache holds (or will hold) under the name and namespace of `meta`.
+    fn held(&self, meta: &ObjectMeta) -> Option<S> {
+        let mut key = reflector::ObjectRef::<S>::new(meta.name.as_deref().unwrap_or_default());
+        key.namespace = meta.namespace.clone();
+        self.merge.held(&key)
+    }
+
+    /// Applies `event` of watch `source` (`None`: nothing for this cache); the objects it
+    /// touched, in `touched` when given.
+    fn apply(&mut self, source: usize, event: Option<watcher::Event<S>>, mut touched: Option<&mut Vec<S>>) {
+        let Some(event) = event else { return };
+        for event in self.merge.step(source, event) {
+            self.writer.apply_watcher_event(&event);
+            (self.count)(&event);
+            if let Some(touched) = touched.as_deref_mut() {
+                match event {
+                    watcher::Event::Apply(o) | watcher::Event::InitApply(o) | watcher::Event::Delete(o) => {
+                        touched.push(o)
+                    }
+                    watcher::Event::Init | watcher::Event::InitDone => {}
+                }
+            }
+        }
+    }
+}
+
+/// One watch kept as two caches, each in the form its readers need, where a watch for each
+/// would have the apiserver send, and this process decode, every object they share twice
+/// (every lower pod as a summary of the load it puts on its node, and a node's own lower pods
+/// among them, packed). `split` makes of each object what each cache keeps of it; `None`
+/// keeps nothing there, and deletes what that cache held under its name (an object that
+/// stopped matching). A delete costs no `split`.
+pub struct Split<K, A: Stored, B: Stored> {
+    split: SplitFn<K, A, B>,
+    first: Side<A>,
+    second: Side<B>,
+}
+
+impl<K: kube::Resource<DynamicType = ()>, A: Stored, B: Stored> Split<K, A, B> {
+    /// For watches of `namespaces` (see [`Merge`]).
+    pub fn new(
+        namespaces: Vec<Option<String>>,
+        split: impl FnMut(K) -> (Option<A>, Option<B>) + Send + 'static,
+    ) -> (Self, Cache<A>, Cache<B>) {
+        let (first, a) = Side::new(namespaces.clone());
+        let (second, b) = Side::new(namespaces);
+        let split = Split {
+            split: Box::new(split),
+            first,
+            second,
+        };
+        (split, a, b)
+    }
+
+    /// Applies watch `source`'s `event` to both caches; the objects of the second cache it
+    /// touched (as a cache's stream of touched objects yields them), and whether the first
+    /// cache's content changed.
+    pub fn step(&mut self, source: usize, event: watcher::Event<K>) -> (Vec<B>, bool) {
+        use watcher::Event::{Apply, Delete, Init, InitApply, InitDone};
+        let (a, b) = match event {
+            Init => (Some(Init), Some(Init)),
+            InitDone => (Some(InitDone), Some(InitDone)),
+            InitApply(o) => {
+                let (a, b) = (self.split)(o);
+                (a.map(InitApply), b.map(InitApply))
+            }
+            Apply(o) => {
+                let meta = ObjectMeta {
+                    name: o.meta().name.clone(),
+                    namespace: o.meta().namespace.clone(),
+                    ..Default::default()
+                };
+                let (a, b) = (self.split)(o);
+                (
+                    a.map(Apply).or_else(|| self.first.held(&meta).map(Delete)),
+                    b.map(Apply).or_else(|| self.second.held(&meta).map(Delete)),
+                )
+            }
+            Delete(o) => (
+                self.first.held(o.meta()).map(Delete),
+                self.second.held(o.meta()).map(Delete),
+            ),
+        };
+        let before = self.first.changes.load(Ordering::Acquire);
+        self.first.apply(source, a, None);
+        let mut touched = Vec::new();
+        self.second.apply(source, b, Some(&mut touched));
+        (touched, self.first.changes.load(Ordering::Acquire) != before)
+    }
+}
+
+/// The caches of a [`Split`] of the watches of `apis` narrowed by `config`, and the stream of
+/// the second cache's touched objects, which keeps both current (it must be polled); every
+/// change of the first wakes `first_changed`.
+pub fn reflect_split<K, A, B>(
+    apis: Vec<Api<K>>,
+    config: watcher::Config,
+    split: impl FnMut(K) -> (Option<A>, Option<B>) + Send + 'static,
+    first_changed: &Arc<Notify>,
+) -> (
+    Cache<A>,
+    Cache<B>,
+    impl Stream<Item = Result<B, watcher::Error>> + Send + 'static,
+)
+where
+    K: Watched,
+    A: Stored,
+    B: Stored,
+{
+    let namespaces: Vec<Option<String>> = apis.iter().map(|a| a.namespace().map(str::to_owned)).collect();
+    let (mut split, first, second) = Split::new(namespaces.clone(), split);
+    let sources = apis
+        .into_iter()
+        .zip(namespaces)
+        .enumerate()
+        .map(|(i, (api, namespace))| {
+            retried(watcher(api, config.clone()), namespace)
+                .map(move |r| (i, r))
+                .boxed()
+        });
+    let changed = first_changed.clone();
+    let stream = futures::stream::select_all(sources)
+        .map(move |(i, r)| match r {
+            Ok(event) => {
+                let (touched, first_changed) = split.step(i, event);
+                if first_changed {
+                    changed.notify_one();
+                }
+                touched.into_iter().map(Ok).collect::<Vec<_>>()
+            }
+            Err(e) => vec![Err(e)],
+        })
+        .flat_map(futures::stream::iter);
+    (first, second, stream)
 }
 
 /// A cache that never holds anything and counts as synced: for what a scope does not read.
@@ -1405,5 +1584,153 @@ mod tests {
             assert_eq!(value, want);
         }
         assert_eq!(works, 2);
+    }
+
+    /// A split of ConfigMaps: the first cache keeps those not marked done, the second those
+    /// labelled `mine`.
+    fn split_of(
+        namespaces: Vec<Option<String>>,
+    ) -> (
+        Split<
+            k8s_openapi::api::core::v1::ConfigMap,
+            k8s_openapi::api::core::v1::ConfigMap,
+            k8s_openapi::api::core::v1::ConfigMap,
+        >,
+        Cache<k8s_openapi::api::core::v1::ConfigMap>,
+        Cache<k8s_openapi::api::core::v1::ConfigMap>,
+    ) {
+        Split::new(namespaces, |cm: k8s_openapi::api::core::v1::ConfigMap| {
+            let done = cm.data.as_ref().is_some_and(|d| d.contains_key("done"));
+            let mine = cm
+                .metadata
+                .labels
+                .as_ref()
+                .is_some_and(|l| l.contains_key("mine"));
+            ((!done).then(|| cm.clone()), mine.then_some(cm))
+        })
+    }
+
+    fn marked(
+        mut cm: k8s_openapi::api::core::v1::ConfigMap,
+        mine: bool,
+        done: bool,
+    ) -> k8s_openapi::api::core::v1::ConfigMap {
+        if mine {
+            cm.metadata.labels = Some([("mine".to_owned(), String::new())].into());
+        }
+        if done {
+            cm.data = Some([("done".to_owned(), String::new())].into());
+        }
+        cm
+    }
+
+    fn touched_names(touched: &[k8s_openapi::api::core::v1::ConfigMap]) -> Vec<String> {
+        touched
+            .iter()
+            .map(|o| o.metadata.name.clone().unwrap_or_default())
+            .collect()
+    }
+
+    #[test]
+    fn one_watch_split_in_two_caches_keeps_each_as_its_own_watch_would() {
+        use watcher::Event::{Apply, Delete, Init, InitApply, InitDone};
+        let (mut split, first, second) = split_of(vec![None]);
+        let (mut touched, mut changed) = (Vec::new(), false);
+        for event in [
+            Init,
+            InitApply(marked(config_map("a", "p1", "1"), true, false)),
+            InitApply(marked(config_map("a", "p2", "1"), false, false)),
+            InitApply(marked(config_map("a", "p3", "1"), true, true)),
+            InitDone,
+        ] {
+            let (t, c) = split.step(0, event);
+            touched.extend(t);
+            changed |= c;
+        }
+        assert_eq!(
+            names(first.store()),
+            ["a/p1@1", "a/p2@1"],
+            "the done one is not kept first"
+        );
+        assert_eq!(names(second.store()), ["a/p1@1", "a/p3@1"]);
+        let mut yielded = touched_names(&touched);
+        yielded.sort();
+        assert_eq!(
+            yielded,
+            ["p1", "p3"],
+            "only the second cache's objects are yielded"
+        );
+        assert!(changed && *first.synced.borrow() && *second.synced.borrow());
+
+        // Labelled later: now in the second cache too.
+        let (t, c) = split.step(0, Apply(marked(config_map("a", "p2", "2"), true, false)));
+        assert_eq!((touched_names(&t), c), (vec!["p2".to_owned()], true));
+        assert_eq!(names(second.store()), ["a/p1@1", "a/p2@2", "a/p3@1"]);
+
+        // A label taken off: gone from the second cache (yielded, as a deleted object is), kept first.
+        let (t, _) = split.step(0, Apply(config_map("a", "p1", "2")));
+        assert_eq!(touched_names(&t), ["p1"]);
+        assert_eq!(names(second.store()), ["a/p2@2", "a/p3@1"]);
+        assert_eq!(names(first.store()), ["a/p1@2", "a/p2@2"]);
+
+        // Done: out of the first cache only.
+        let before = first.changes();
+        let (_, c) = split.step(0, Apply(marked(config_map("a", "p2", "3"), true, true)));
+        assert!(c && first.changes() > before);
+        assert_eq!(names(first.store()), ["a/p1@2"]);
+        assert_eq!(names(second.store()), ["a/p2@3", "a/p3@1"]);
+
+        // Deleted while only the second held it: the first does not change.
+        let before = first.changes();
+        let (t, c) = split.step(0, Delete(config_map("a", "p3", "2")));
+        assert_eq!(
+            (touched_names(&t), c, first.changes()),
+            (vec!["p3".to_owned()], false, before)
+        );
+        assert_eq!(names(second.store()), ["a/p2@3"]);
+
+        // Neither cache keeps it, nor held it: nothing happens anywhere.
+        let (t, c) = split.step(0, Apply(marked(config_map("a", "p9", "1"), false, true)));
+        assert!(t.is_empty() && !c);
+        assert_eq!(names(first.store()), ["a/p1@2"]);
+        assert_eq!(names(second.store()), ["a/p2@3"]);
+    }
+
+    #[test]
+    fn a_split_over_several_namespaces_forgets_what_stopped_matching_before_every_watch_listed() {
+        use watcher::Event::{Apply, Init, InitApply, InitDone};
+        let (mut split, first, second) = split_of(vec![Some("a".into()), Some("b".into())]);
+        for event in [
+            Init,
+            InitApply(marked(config_map("a", "p1", "1"), true, false)),
+            InitDone,
+        ] {
+            split.step(0, event);
+        }
+        // Namespace b has not listed: nothing is in either cache yet, and p1 stops matching
+        // the second one meanwhile.
+        assert!(names(second.store()).is_empty());
+        split.step(0, Apply(marked(config_map("a", "p1", "2"), false, false)));
+        for event in [
+            Init,
+            InitApply(marked(config_map("b", "q1", "1"), true, false)),
+            InitDone,
+        ] {
+            split.step(1, event);
+        }
+        assert_eq!(names(first.store()), ["a/p1@2", "b/q1@1"]);
+        assert_eq!(
+            names(second.store()),
+            ["b/q1@1"],
+            "p1 is not kept as it was listed"
+        );
+        assert!(*first.synced.borrow() && *second.synced.borrow());
+
+        // Namespace b lists again without q1: gone from both caches; a is untouched.
+        for event in [Init, InitDone] {
+            split.step(1, event);
+        }
+        assert_eq!(names(first.store()), ["a/p1@2"]);
+        assert!(names(second.store()).is_empty());
     }
 }

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
 
 use crate::benches::{
@@ -445,6 +445,22 @@ async fn refs_reads(client: &kube::Client) -> anyhow::Result<f64> {
     Ok(reads)
 }
 
+/// Pod watch events the apiserver of `client` has sent, to every watcher.
+async fn pod_watch_events(client: &kube::Client) -> anyhow::Result<f64> {
+    let request = http::Request::get("/metrics").body(Vec::new())?;
+    let text = client.request_text(request).await?;
+    let sent = text
+        .lines()
+        .filter_map(|line| {
+            line.strip_prefix("apiserver_watch_events_total{")?
+                .rsplit_once("} ")
+        })
+        .filter(|(labels, _)| labels.contains("resource=\"pods\"") || labels.contains("kind=\"Pod\""))
+        .filter_map(|(_, value)| value.parse::<f64>().ok())
+        .sum();
+    Ok(sent)
+}
+
 /// The TCP connections process `pid` holds open.
 fn open_connections(pid: u32) -> anyhow::Result<usize> {
     let mut inodes = std::collections::HashSet::new();
@@ -533,6 +549,9 @@ async fn paced_run(
     let connections_idle = open_connections(pid)?;
     let cpu_before = cpu_secs(pid)?;
     let reads_before = refs_reads(&upper_client).await?;
+    let lower_client = lower.client().await?;
+    let writes_before = (api_writes(&upper_client).await?, api_writes(&lower_client).await?);
+    let lower_events_before = pod_watch_events(&lower_client).await?;
     let started = Instant::now();
     let run = created_to_running(
         Api::namespaced(upper_client.clone(), &namespace),
@@ -554,12 +573,18 @@ async fn paced_run(
     let cpu_settled = cpu_secs(pid)? - cpu_before;
     let settled_wall = started.elapsed();
     let reads_settled = refs_reads(&upper_client).await?;
+    let writes_settled = (api_writes(&upper_client).await?, api_writes(&lower_client).await?);
+    let lower_events = pod_watch_events(&lower_client).await? - lower_events_before;
+    let reconciles = metric_sum(&vn.admin_addr, "tensile_virtual_node_reconcile_seconds_count")
+        .await
+        .context("the virtual node's metrics do not answer")?;
     let steady = rss(pid)?;
     let peak = peak_rss(pid)?;
     let idle_cpu = idle_cpu(pid, s.idle_secs).await?;
     let reads_idle = refs_reads(&upper_client).await?;
     let connections_settled = open_connections(pid)?;
     drop(vn);
+    clear_run(&upper_client, &lower_client, &namespace, &node).await?;
     let mut figures = json!({
         "arrivals_per_sec_asked": rate,
         "virtual_node_binary": program.display().to_string(),
@@ -572,6 +597,16 @@ async fn paced_run(
             "idle_with_every_pod_settled": idle_cpu,
             "open_connections": {"before_the_pods": connections_idle, "all_running": connections_running,
                                  "settled": connections_settled},
+            "pod_reconciles_per_pod": round3(reconciles / s.pods as f64),
+        },
+        "writes_until_settled": {
+            "note": "every write each apiserver served from the first create until settled, whoever wrote (the bench's creates, the lower scheduler's bindings and the simulated kubelets' status writes included)",
+            "upper": writes_between(&writes_before.0, &writes_settled.0),
+            "lower": writes_between(&writes_before.1, &writes_settled.1),
+        },
+        "lower_pod_watch_events_per_pod": {
+            "note": "pod watch events the lower apiserver sent until settled, to every watcher (the lower scheduler and the simulated kubelets too), per pod of the run",
+            "sent": round3(lower_events / s.pods as f64),
         },
     });
     if refs {
@@ -584,6 +619,49 @@ async fn paced_run(
         });
     }
     Ok(figures)
+}
+
+/// Removes what a paced run left once its virtual node has stopped: its pods in both clusters
+/// (at once, no kubelet being there to confirm) and its upper node. Left in place, the next
+/// run of the bed would share its apiservers with the node lifecycle controller marking every
+/// one of those pods not ready and its lower pod watch would carry them all: two builds
+/// compared one after the other would not be measured alike.
+async fn clear_run(
+    upper: &kube::Client,
+    lower: &kube::Client,
+    namespace: &str,
+    node: &str,
+) -> anyhow::Result<()> {
+    let now = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    for client in [upper, lower] {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+        let deadline = Instant::now() + Duration::from_secs(300);
+        // A collection of thousands outlasts one request's deadline: each try deletes what it
+        // reaches, and the next takes the rest.
+        while !pods
+            .list_metadata(&ListParams::default().limit(1))
+            .await?
+            .items
+            .is_empty()
+        {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the pods of {namespace} were not gone within 300 s"
+            );
+            if let Err(e) = pods.delete_collection(&now, &ListParams::default()).await {
+                tracing::info!("deleting the pods of {namespace} (going on): {e}");
+            }
+        }
+    }
+    let nodes: Api<Node> = Api::all(upper.clone());
+    nodes
+        .delete(node, &DeleteParams::default())
+        .await
+        .with_context(|| format!("deleting node {node}"))?;
+    Ok(())
 }
 
 /// Sum of the `pods` allocatable the upper cluster shows for the virtual node.
@@ -858,7 +936,7 @@ pub async fn heap_profile(
         kept(cache::watched_summaries(
             lean_pods(&lower_client),
             load(),
-            |pod| trim::PodLoad::of(pod.0),
+            |pod| trim::PodLoad::of(&pod.0),
             &changed,
         )),
     )

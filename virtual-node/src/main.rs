@@ -11,7 +11,11 @@ fn main() -> ExitCode {
         eprintln!("virtual-node: {e}");
         return ExitCode::from(2);
     }
-    let runtime = match tokio::runtime::Runtime::new() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(usize::from(args.worker_threads))
+        .enable_all()
+        .build();
+    let runtime = match runtime {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("virtual-node: cannot start the async runtime: {e}");

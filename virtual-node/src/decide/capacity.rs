@@ -364,7 +364,7 @@ mod tests {
             json!({})
         };
         PodLoad::of(
-            serde_json::from_value(json!({
+            &serde_json::from_value(json!({
                 "metadata": {"name": "p", "labels": labels},
                 "spec": {"nodeName": node, "containers": [{"name": "c", "resources": {"requests": {"cpu": cpu}}}]},
                 "status": {"phase": phase},

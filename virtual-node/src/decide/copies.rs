@@ -667,8 +667,8 @@ mod tests {
             "c1",
             &[upper_pod, Arc::new(UpperPod::of(finished))],
             &[
-                Arc::new(PodLoad::of(lower_pod)),
-                Arc::new(PodLoad::of(foreign_pod)),
+                Arc::new(PodLoad::of(&lower_pod)),
+                Arc::new(PodLoad::of(&foreign_pod)),
             ],
             Some((&services, false)),
             |ns| ns != "refused",

@@ -887,7 +887,7 @@ mod tests {
     fn a_lower_claim_whose_upper_claim_is_gone_is_deleted_once_no_lower_pod_uses_it() {
         let mut world = World {
             lower_claims: vec![lower_claim_made(bound("1Gi"))],
-            lower_pods: vec![Arc::new(PodLoad::of(pod_using_data("Running").pod().unwrap()))],
+            lower_pods: vec![Arc::new(PodLoad::of(&pod_using_data("Running").pod().unwrap()))],
             ..Default::default()
         };
         assert_eq!(world.plan(), [], "a running lower pod keeps its data");

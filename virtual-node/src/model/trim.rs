@@ -45,9 +45,7 @@ pub struct PodLoad {
 }
 
 impl PodLoad {
-    pub fn of(pod: Pod) -> Self {
-        let requests = pod_requests(&pod);
-        let terminal = is_terminal(&pod);
+    pub fn of(pod: &Pod) -> Self {
         // What its upper pod referenced, as recorded at create; a lower pod made before the
         // record existed counts what its spec names.
         let recorded = pod
@@ -64,27 +62,30 @@ impl PodLoad {
                         .map(|r| (r.kind, r.name))
                         .collect()
                 }),
-                refs::claims(&pod),
+                refs::claims(pod),
             ),
             None => Default::default(),
         };
-        let meta = pod.metadata;
-        let labels = meta.labels.map(|mut labels| {
-            labels.retain(|k, _| k == names::MARK_CLUSTER || k == names::MARK_NODE);
+        let meta = &pod.metadata;
+        let labels = meta.labels.as_ref().map(|labels| {
             labels
+                .iter()
+                .filter(|(k, _)| *k == names::MARK_CLUSTER || *k == names::MARK_NODE)
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect::<std::collections::BTreeMap<_, _>>()
         });
         PodLoad {
             metadata: ObjectMeta {
-                name: meta.name,
-                namespace: meta.namespace,
-                uid: meta.uid,
+                name: meta.name.clone(),
+                namespace: meta.namespace.clone(),
+                uid: meta.uid.clone(),
                 labels: labels.filter(|l| !l.is_empty()),
-                deletion_timestamp: meta.deletion_timestamp,
+                deletion_timestamp: meta.deletion_timestamp.clone(),
                 ..Default::default()
             },
-            node: pod.spec.and_then(|s| s.node_name),
-            requests,
-            terminal,
+            node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+            requests: pod_requests(pod),
+            terminal: is_terminal(pod),
             references,
             claims,
         }
@@ -286,7 +287,7 @@ mod tests {
             ("Failed", "", false),
         ] {
             let full = rich_pod(phase, node, ours);
-            let load = PodLoad::of(full.clone());
+            let load = PodLoad::of(&full);
             assert_eq!(load.requests, pod_requests(&full), "{phase}");
             assert_eq!(load.terminal, is_terminal(&full), "{phase}");
             assert_eq!(identity().owns(&load.metadata), identity().owns(&full.metadata));
@@ -323,7 +324,7 @@ mod tests {
             )]
             .into(),
         );
-        let load = PodLoad::of(full);
+        let load = PodLoad::of(&full);
         assert_eq!(
             load.references,
             [
@@ -389,7 +390,7 @@ mod tests {
                 n
             })
             .collect();
-        let loads: Vec<PodLoad> = pods.iter().cloned().map(PodLoad::of).collect();
+        let loads: Vec<PodLoad> = pods.iter().map(PodLoad::of).collect();
         let sums = crate::decide::capacity::NodeLoads::of(&loads, &identity());
         let full = crate::decide::capacity::compute(&nodes, &sums);
         let small = crate::decide::capacity::compute(&small_nodes, &sums);

@@ -32,6 +32,7 @@ use tokio::sync::Notify;
 use crate::model::trim::{self, LowerPod, PodLoad, UpperPod};
 use crate::world::fetched::{Fetched, fetched};
 use tensile_common::lower::identity::Identity;
+use tensile_common::resources::is_terminal;
 
 /// Every cache of one virtual node.
 #[derive(Clone)]
@@ -84,7 +85,8 @@ pub struct Watches {
     pub feeds: Vec<(&'static str, BoxFuture<'static, ()>)>,
     /// Upper pods bound to this node, as they change.
     pub upper_pod_events: BoxStream<'static, Result<UpperPod, watcher::Error>>,
-    /// This node's lower pods, as they change.
+    /// This node's lower pods, as they change. Polling it keeps `lower_pods` and
+    /// `lower_load` current: one watch feeds both.
     pub lower_pod_events: BoxStream<'static, Result<LowerPod, watcher::Error>>,
 }
 
@@ -135,32 +137,28 @@ impl World {
                 (cache::empty(), quotas)
             }
         };
-        let (lower_load, watch) = cache::watched_summaries_in(
-            lower,
-            below,
-            watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
-            |pod: LeanPod| PodLoad::of(pod.0),
+        // One watch of every lower pod keeps both the load on the lower nodes (the unfinished
+        // pods, other tenants' too) and this node's own lower pods (in every phase: a finished
+        // one is what its upper pod is told): each pod is sent and decoded once, where a watch
+        // for each would carry this node's pods twice.
+        let mine = identity.clone();
+        let (lower_load, lower_pods, lower_pod_events) = cache::reflect_split(
+            below.apis::<LeanPod>(lower),
+            watcher::Config::default(),
+            move |pod: LeanPod| {
+                let pod = pod.0;
+                let load = (!is_terminal(&pod)).then(|| PodLoad::of(&pod));
+                let own = mine.owns(&pod.metadata).then(|| trim::packed_lower_pod(pod));
+                (load, own)
+            },
             &signals.lower_changed,
         );
-        feeds.push(("the lower pod watch", watch));
         let (upper_node, watch) = watched::<Node>(
             Api::all(upper.clone()),
             watcher::Config::default().fields(&format!("metadata.name={}", identity.node)),
             &signals.lower_changed,
         );
         feeds.push(("the upper node watch", watch.boxed()));
-        let ours = watcher::Config::default().labels(&identity.selector());
-        let summary = |pod: LeanPod| trim::packed_lower_pod(pod.0);
-        let (lower_pods, lower_pod_events) = match below {
-            Namespaces::All => {
-                let (c, s) = cache::reflect_summaries(Api::<LeanPod>::all(lower.clone()), ours, summary);
-                (c, s.boxed())
-            }
-            Namespaces::Only(_) => {
-                let (c, s) = cache::reflect_summaries_in(below.apis::<LeanPod>(lower), ours, summary);
-                (c, s.boxed())
-            }
-        };
         let (upper_pods, upper_pod_events) = cache::reflect_summaries(
             Api::<LeanPod>::all(upper.clone()),
             watcher::Config::default().fields(&format!("spec.nodeName={}", identity.node)),
