@@ -427,38 +427,42 @@ async fn create_refs(client: kube::Client, namespace: &str, pods: usize) -> anyh
         .await
 }
 
+/// The sum of counter `name` of the apiserver of `client` over the label sets `labels` holds
+/// (the text between the braces).
+async fn apiserver_counter(
+    client: &kube::Client,
+    name: &str,
+    labels: impl Fn(&str) -> bool,
+) -> anyhow::Result<f64> {
+    let request = http::Request::get("/metrics").body(Vec::new())?;
+    let text = client.request_text(request).await?;
+    let prefix = format!("{name}{{");
+    let sum = text
+        .lines()
+        .filter_map(|line| line.strip_prefix(prefix.as_str())?.rsplit_once("} "))
+        .filter(|(set, _)| labels(set))
+        .filter_map(|(_, value)| value.parse::<f64>().ok())
+        .sum();
+    Ok(sum)
+}
+
 /// The reads of ConfigMaps and Secrets by name an apiserver served so far, from its own
 /// `apiserver_request_total`.
 async fn refs_reads(client: &kube::Client) -> anyhow::Result<f64> {
-    let request = http::Request::get("/metrics").body(Vec::new())?;
-    let text = client.request_text(request).await?;
-    let reads = text
-        .lines()
-        .filter_map(|line| line.strip_prefix("apiserver_request_total{")?.rsplit_once("} "))
-        .filter(|(labels, _)| {
-            labels.contains("verb=\"GET\"")
-                && (labels.contains("resource=\"configmaps\"") || labels.contains("resource=\"secrets\""))
-                && labels.contains("subresource=\"\"")
-        })
-        .filter_map(|(_, value)| value.parse::<f64>().ok())
-        .sum();
-    Ok(reads)
+    apiserver_counter(client, "apiserver_request_total", |labels| {
+        labels.contains("verb=\"GET\"")
+            && (labels.contains("resource=\"configmaps\"") || labels.contains("resource=\"secrets\""))
+            && labels.contains("subresource=\"\"")
+    })
+    .await
 }
 
 /// Pod watch events the apiserver of `client` has sent, to every watcher.
 async fn pod_watch_events(client: &kube::Client) -> anyhow::Result<f64> {
-    let request = http::Request::get("/metrics").body(Vec::new())?;
-    let text = client.request_text(request).await?;
-    let sent = text
-        .lines()
-        .filter_map(|line| {
-            line.strip_prefix("apiserver_watch_events_total{")?
-                .rsplit_once("} ")
-        })
-        .filter(|(labels, _)| labels.contains("resource=\"pods\"") || labels.contains("kind=\"Pod\""))
-        .filter_map(|(_, value)| value.parse::<f64>().ok())
-        .sum();
-    Ok(sent)
+    apiserver_counter(client, "apiserver_watch_events_total", |labels| {
+        labels.contains("resource=\"pods\"") || labels.contains("kind=\"Pod\"")
+    })
+    .await
 }
 
 /// The TCP connections process `pid` holds open.
