@@ -1,7 +1,8 @@
 //! The one shape of an API failure in the suite, the one delete that can only hit the object
-//! it names, and the timestamps written into API objects.
+//! it names, writes whose answer is read for the stored version only, and the timestamps
+//! written into API objects.
 
-use kube::api::{Api, DeleteParams, Preconditions};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 
 /// An API call that failed: where, what, and the apiserver's (or the client's) reason.
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +83,61 @@ where
         Err(e) if matches!(code(&e), Some(404) | Some(409)) => Ok(Deleted::AlreadyGone),
         Err(e) => Err(e),
     }
+}
+
+/// What an apiserver's answer to a write says of the object it stored, read without building
+/// the object: its version and, for a status, `status.observedGeneration`. A pod's answer is
+/// several kilobytes of JSON and a decoded `Pod` many more; a writer that only needs to know
+/// the write took (and at which version) reads this instead.
+#[derive(Debug, Default, serde::Deserialize)]
+pub struct Stored {
+    #[serde(default)]
+    pub metadata: StoredMeta,
+    #[serde(default)]
+    pub status: Option<StoredStatus>,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StoredMeta {
+    #[serde(default)]
+    pub resource_version: Option<String>,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StoredStatus {
+    #[serde(default)]
+    pub observed_generation: Option<i64>,
+}
+
+/// `api.create(params, object)`, answered as [`Stored`].
+pub async fn create_stored<K>(api: &Api<K>, params: &PostParams, object: &K) -> Result<Stored, kube::Error>
+where
+    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let body = serde_json::to_vec(object).map_err(kube::Error::SerdeError)?;
+    let request = kube::core::Request::new(api.resource_url())
+        .create(params, body)
+        .map_err(kube::Error::BuildRequest)?;
+    api.clone().into_client().request::<Stored>(request).await
+}
+
+/// `api.patch_status(name, params, patch)`, answered as [`Stored`].
+pub async fn patch_status_stored<K, P>(
+    api: &Api<K>,
+    name: &str,
+    params: &PatchParams,
+    patch: &Patch<P>,
+) -> Result<Stored, kube::Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    P: serde::Serialize + std::fmt::Debug,
+{
+    let request = kube::core::Request::new(api.resource_url())
+        .patch_subresource("status", name, params, patch)
+        .map_err(kube::Error::BuildRequest)?;
+    api.clone().into_client().request::<Stored>(request).await
 }
 
 /// A token of ServiceAccount `namespace/name` as `spec` asks for it (TokenRequest API), and

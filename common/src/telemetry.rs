@@ -29,10 +29,27 @@ pub enum Error {
     AlreadySet,
 }
 
+/// What the filter adds unless it names `kube_runtime` itself: kube's controller opens an
+/// info span around every reconcile (its object and reason, formatted), which costs each
+/// reconcile an allocation and every poll of it a span entry and exit, and says nothing the
+/// suite's own messages (which name the object) do not.
+const QUIET_KUBE_CONTROLLER: &str = "kube_runtime::controller=warn";
+
+/// The filter of `level`: [`QUIET_KUBE_CONTROLLER`] added unless `level` names `kube_runtime`.
+fn filter_of(level: &str) -> Result<EnvFilter, Error> {
+    let wanted = if level.contains("kube_runtime") {
+        level.to_owned()
+    } else if level.trim().is_empty() {
+        QUIET_KUBE_CONTROLLER.to_owned()
+    } else {
+        format!("{level},{QUIET_KUBE_CONTROLLER}")
+    };
+    EnvFilter::try_new(wanted).map_err(|e| Error::Filter(level.to_owned(), e.to_string()))
+}
+
 /// Installs the global subscriber; logs go to standard error.
 pub fn init(args: &LogArgs) -> Result<(), Error> {
-    let filter =
-        EnvFilter::try_new(&args.level).map_err(|e| Error::Filter(args.level.clone(), e.to_string()))?;
+    let filter = filter_of(&args.level)?;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -55,5 +72,26 @@ mod tests {
         };
         let err = init(&args).unwrap_err();
         assert!(err.to_string().contains("--log-level"), "{err}");
+    }
+
+    #[test]
+    fn kubes_reconcile_spans_are_off_unless_the_filter_names_kube_runtime() {
+        use tracing_subscriber::layer::SubscriberExt;
+        // Whether, under the filter of `level`, kube's reconcile span (its target and level)
+        // is made, and an info event of the suite is logged.
+        let enabled = |level: &str| {
+            let subscriber = tracing_subscriber::registry().with(filter_of(level).unwrap());
+            tracing::subscriber::with_default(subscriber, || {
+                let span = tracing::info_span!(target: "kube_runtime::controller", "reconciling object");
+                let ours = tracing::info_span!(target: "tensile_virtual_node::act::pods", "ours");
+                (!span.is_disabled(), !ours.is_disabled())
+            })
+        };
+        assert_eq!(enabled("info"), (false, true));
+        assert_eq!(enabled("debug"), (false, true));
+        assert_eq!(enabled(""), (false, false));
+        // A filter that names kube_runtime is taken as written.
+        assert_eq!(enabled("info,kube_runtime=info"), (true, true));
+        assert_eq!(enabled("warn,kube_runtime::controller=debug"), (true, false));
     }
 }

@@ -91,27 +91,44 @@ pub fn pod_controller(
     // Pods refused by the rules before are looked at again under new ones.
     let overridden = ctx.overrides.changes();
     let (upper_pods, identity) = (world.upper_pods.clone(), ctx.translation.identity.clone());
-    Controller::for_stream(objects_only(upper_events), world.upper_pods.store().clone())
-        .with_config(controller::Config::default().concurrency(workers))
-        .watches_stream(objects_only(lower_events), move |lower: trim::LowerPod| {
-            let ns = lower.metadata.namespace.clone().unwrap_or_default();
-            let at = ObjectRef::new(lower.metadata.name.as_deref()?).within(&ns);
-            let upper = upper_pods.get(&at);
-            if crate::decide::pods::orphaned(
-                &lower.metadata,
-                upper.as_ref().map(|u| kube::Resource::meta(&**u)),
-                &identity,
-            ) {
-                orphans_suspected.notify_one();
-            }
-            Some(at)
-        })
-        // A scale-up signal below changes the status the pod should show.
-        .reconcile_on(scale_ups)
-        .reconcile_all_on(futures::stream::select(
-            futures::stream::select(resync, recovered),
-            overridden,
-        ))
+    // An upper pod at the version a status write of this node stored, its lower pod
+    // unchanged since, is settled: the event of that write is not worth a reconcile when it
+    // comes after the write's answer (when the watch brings it first, its reconcile ends at
+    // the same check, in the reconcile).
+    let unsettled = {
+        let ctx = ctx.clone();
+        move |event: &Result<trim::UpperPod, kube::runtime::watcher::Error>| {
+            futures::future::ready(
+                event
+                    .as_ref()
+                    .is_ok_and(|upper| !ctx.settled_now(upper, ctx.lower_of(upper).as_deref())),
+            )
+        }
+    };
+    Controller::for_stream(
+        objects_only(upper_events).filter(unsettled),
+        world.upper_pods.store().clone(),
+    )
+    .with_config(controller::Config::default().concurrency(workers))
+    .watches_stream(objects_only(lower_events), move |lower: trim::LowerPod| {
+        let ns = lower.metadata.namespace.clone().unwrap_or_default();
+        let at = ObjectRef::new(lower.metadata.name.as_deref()?).within(&ns);
+        let upper = upper_pods.get(&at);
+        if crate::decide::pods::orphaned(
+            &lower.metadata,
+            upper.as_ref().map(|u| kube::Resource::meta(&**u)),
+            &identity,
+        ) {
+            orphans_suspected.notify_one();
+        }
+        Some(at)
+    })
+    // A scale-up signal below changes the status the pod should show.
+    .reconcile_on(scale_ups)
+    .reconcile_all_on(futures::stream::select(
+        futures::stream::select(resync, recovered),
+        overridden,
+    ))
 }
 
 /// Orphan collection ([`pods::collect_orphans`]): every `period` (the collection delay, 1 to

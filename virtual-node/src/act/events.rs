@@ -175,7 +175,7 @@ impl Publisher {
             "reportingInstance": self.instance,
         }))
         .map_err(kube::Error::SerdeError)?;
-        events.create(&PostParams::default(), &body).await?;
+        tensile_common::api::create_stored(&events, &PostParams::default(), &body).await?;
         self.recent().record(key, name, 1, now);
         Ok(())
     }

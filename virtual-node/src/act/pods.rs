@@ -115,9 +115,22 @@ impl Settled {
 
     /// Remembers that `upper` and `lower` agree.
     pub fn record(&self, upper: &impl Resource, lower: &impl Resource) {
-        if let (Some(uid), Some(versions)) = (upper.uid(), Self::versions(upper, lower))
-            && let Ok(mut settled) = self.0.lock()
-        {
+        if let (Some(uid), Some(versions)) = (upper.uid(), Self::versions(upper, lower)) {
+            self.insert(uid, versions);
+        }
+    }
+
+    /// Remembers that `upper` agrees with `lower` at `upper_version`: the version a status
+    /// write made conditional on `upper`'s own version stored, so the pod differs from
+    /// `upper` by that status alone.
+    pub fn record_written(&self, upper: &impl Resource, upper_version: String, lower: &impl Resource) {
+        if let (Some(uid), Some(lower_version)) = (upper.uid(), lower.meta().resource_version.clone()) {
+            self.insert(uid, (upper_version, lower_version));
+        }
+    }
+
+    fn insert(&self, uid: String, versions: (String, String)) {
+        if let Ok(mut settled) = self.0.lock() {
             settled.insert(uid, versions);
         }
     }
@@ -198,24 +211,38 @@ pub fn error_policy(pod: Arc<UpperPod>, err: &Error, ctx: Arc<Context>) -> Actio
     Action::requeue(ctx.retries.next_delay(&retry_key(&*pod)))
 }
 
+impl Context {
+    /// The lower pod of `upper` in the cache, if it carries this node's marks.
+    pub fn lower_of(&self, upper: &UpperPod) -> Option<Arc<LowerPod>> {
+        let at = ObjectRef::new(&upper.name_any()).within(&upper.namespace().unwrap_or_default());
+        self.lower_pods
+            .get(&at)
+            .filter(|l| self.translation.identity.owns(&l.metadata))
+    }
+
+    /// Whether a reconcile of `upper` (its lower pod `lower`) would find nothing to do, known
+    /// without decoding either pod: both are at the versions last found settled. While the
+    /// lower cluster does not answer, its cache is stale: the status it implies is not
+    /// written (it would undo the node lifecycle controller's marking of the pods not ready),
+    /// nor is a settled pod taken as current. A scale-up signal below changes the status
+    /// without changing either pod.
+    pub fn settled_now(&self, upper: &UpperPod, lower: Option<&LowerPod>) -> bool {
+        self.lower_health.reachable()
+            && lower.is_some_and(|l| self.settled.holds(upper, l))
+            && !self
+                .scale_ups
+                .holds(&upper.namespace().unwrap_or_default(), &upper.name_any())
+    }
+}
+
 /// Performs the step [`decide`] chose.
 async fn reconcile_inner(kept: &UpperPod, ctx: &Context) -> Result<Action, Error> {
     ctx.lower_pods.synced().await;
     let ns = kept.namespace().unwrap_or_default();
     let name = kept.name_any();
-    let lower = ctx
-        .lower_pods
-        .get(&ObjectRef::new(&name).within(&ns))
-        .filter(|l| ctx.translation.identity.owns(&l.metadata));
-    // While the lower cluster does not answer, its cache is stale: the status it implies is
-    // not written (it would undo the node lifecycle controller's marking of the pods not
-    // ready), nor is a settled pod taken as current; the pod is looked at again shortly.
+    let lower = ctx.lower_of(kept);
     let reachable = ctx.lower_health.reachable();
-    // A scale-up signal below changes the status without changing either pod.
-    if reachable
-        && lower.as_ref().is_some_and(|l| ctx.settled.holds(kept, &**l))
-        && !ctx.scale_ups.holds(&ns, &name)
-    {
+    if ctx.settled_now(kept, lower.as_deref()) {
         return Ok(Action::requeue(STATUS_RECHECK));
     }
     let upper = &kept.pod().map_err(|e| Error::Cache("upper pod", e))?;
@@ -330,8 +357,10 @@ async fn reconcile_inner(kept: &UpperPod, ctx: &Context) -> Result<Action, Error
                 }
             }
             let (action, written) = write_status(ctx, upper, &l).await?;
-            if agree && !written {
-                ctx.settled.record(upper, &l);
+            match written {
+                Written::Current if agree => ctx.settled.record(upper, &l),
+                Written::Stored(version) if agree => ctx.settled.record_written(upper, version, &l),
+                _ => {}
             }
             Ok(retry.map_or(action, Action::requeue))
         }
@@ -535,7 +564,7 @@ async fn create_in_namespace(
         create_failed(ctx, upper, &msg).await?;
         return Ok(Action::requeue(Duration::from_secs(300)));
     }
-    match lower_pods.create(&PostParams::default(), &desired).await {
+    match tensile_common::api::create_stored(lower_pods, &PostParams::default(), &desired).await {
         Ok(_) => {
             ctx.metrics.created();
             ctx.tokens_changed.notify_one();
@@ -753,16 +782,19 @@ async fn release_upper(ctx: &Context, upper: &Pod) -> Result<(), Error> {
 /// strategic merge patch, as the kubelet does: conditions merge by `type`, and only the
 /// changed ones are sent.
 async fn patch_upper_status(ctx: &Context, upper: &Pod, status: serde_json::Value) -> Result<(), Error> {
-    write_upper_status(ctx, upper, status).await.map(drop)
+    write_upper_status(ctx, upper, status, false).await.map(drop)
 }
 
-/// As [`patch_upper_status`], and the pod as the upper apiserver stored it (`None` when the
-/// pod is gone or another one now).
+/// As [`patch_upper_status`], and what the upper apiserver stored (`None` when the pod is
+/// gone or another one now). With `at_version` the write is also conditional on the pod
+/// being at the version read (`None` when it is not, as for a pod that is gone): the pod
+/// stored is then the one read with this status, nothing else.
 async fn write_upper_status(
     ctx: &Context,
     upper: &Pod,
     mut status: serde_json::Value,
-) -> Result<Option<Pod>, Error> {
+    at_version: bool,
+) -> Result<Option<tensile_common::api::Stored>, Error> {
     let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
     if let Some(wanted) = status.get("conditions").and_then(|c| c.as_array()) {
         let changed = translate::changed_conditions(upper, wanted);
@@ -774,16 +806,20 @@ async fn write_upper_status(
             }
         }
     }
-    // The uid in the body makes the write conditional on the pod being the one we read.
-    let patch = json!({"metadata": {"uid": upper.uid()}, "status": status});
+    // The uid in the body makes the write conditional on the pod being the one we read; a
+    // resourceVersion, on its being at that version.
+    let mut patch = json!({"metadata": {"uid": upper.uid()}, "status": status});
+    if at_version {
+        patch["metadata"]["resourceVersion"] = json!(upper.resource_version());
+    }
     ctx.upper_limit.acquire().await;
-    match api
-        .patch_status(
-            &upper.name_any(),
-            &PatchParams::default(),
-            &Patch::Strategic(&patch),
-        )
-        .await
+    match tensile_common::api::patch_status_stored(
+        &api,
+        &upper.name_any(),
+        &PatchParams::default(),
+        &Patch::Strategic(&patch),
+    )
+    .await
     {
         Ok(stored) => Ok(Some(stored)),
         Err(e) if matches!(tensile_common::api::code(&e), Some(404) | Some(409)) => Ok(None),
@@ -804,9 +840,20 @@ const UNREACHABLE_RECHECK: Duration = Duration::from_secs(5);
 /// How often a pod whose status is current is looked at again without any event.
 const STATUS_RECHECK: Duration = Duration::from_secs(300);
 
+/// What [`write_status`] did with the status the lower pod implies.
+enum Written {
+    /// The upper pod showed it already.
+    Current,
+    /// Not written: it may still wait, or the pod changed since it was read.
+    NotYet,
+    /// Written, and the upper pod now stored at this version shows it.
+    Stored(String),
+}
+
 /// Writes the upper status the lower pod implies, unless it is the first and may still wait;
-/// says when to look again, and whether the status was not yet current (written or held).
-async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(Action, bool), Error> {
+/// says when to look again, and what became of the status. The write is conditional on the
+/// upper pod's version: one that changed since it was read is reconciled again on its event.
+async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(Action, Written), Error> {
     let again = Action::requeue(STATUS_RECHECK);
     let scale_up = ctx.scale_ups.of(lower);
     let tracks_generation = ctx
@@ -821,10 +868,10 @@ async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(Action
         tracks_generation,
     );
     if !differs {
-        return Ok((again, false));
+        return Ok((again, Written::Current));
     }
     if let Some(wait) = first_status_wait(ctx, upper, lower) {
-        return Ok((Action::requeue(wait), true));
+        return Ok((Action::requeue(wait), Written::NotYet));
     }
     // The lower pod exists and is ours: the sync condition says so.
     if let Some(conds) = status.get_mut("conditions").and_then(|c| c.as_array_mut()) {
@@ -840,16 +887,17 @@ async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(Action
         }
     }
     let sent_generation = status.get("observedGeneration").is_some();
-    let stored = write_upper_status(ctx, upper, status).await?;
+    let Some(stored) = write_upper_status(ctx, upper, status, true).await? else {
+        return Ok((again, Written::NotYet));
+    };
     // An upper apiserver without PodObservedGenerationTracking (off before 1.34) drops the
     // field: it is then no longer written, or every reconcile would find it missing and
     // write the status again.
     if sent_generation
-        && let Some(stored) = stored
         && stored
             .status
             .as_ref()
-            .is_some_and(|s| s.observed_generation.is_none())
+            .is_none_or(|s| s.observed_generation.is_none())
     {
         ctx.upper_tracks_generation
             .store(false, std::sync::atomic::Ordering::Relaxed);
@@ -857,8 +905,15 @@ async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(Action
             "the upper apiserver does not keep a pod's status.observedGeneration \
              (PodObservedGenerationTracking is off there): it is no longer written"
         );
+        return Ok((again, Written::NotYet));
     }
-    Ok((again, true))
+    Ok((
+        again,
+        stored
+            .metadata
+            .resource_version
+            .map_or(Written::NotYet, Written::Stored),
+    ))
 }
 
 /// How much longer the first status write for `upper` may wait: only while the lower pod is
@@ -1116,5 +1171,10 @@ mod tests {
         );
         settled.retain(|uid| uid != "u");
         assert!(!settled.holds(&upper, &lower), "no longer bound here");
+        // A status written on the version read, stored as version 14: settled at 14 only.
+        settled.record_written(&upper, "14".into(), &lower);
+        assert!(settled.holds(&at("u", "14"), &lower), "the pod as the write stored it");
+        assert!(!settled.holds(&upper, &lower), "the pod as read, before its status");
+        assert!(!settled.holds(&at("u", "15"), &lower), "a change after the write");
     }
 }
