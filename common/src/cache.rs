@@ -749,6 +749,12 @@ where
         Ok(object)
     }
 
+    /// What `T` reads of the packed part (the object without its metadata): a reader of a
+    /// few fields decodes those, and skips the rest without building it.
+    pub fn unpack_as<T: serde::de::DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
+        serde_json::from_slice(&self.body)
+    }
+
     /// Bytes of the packed part.
     pub fn packed_len(&self) -> usize {
         self.body.len()

@@ -90,7 +90,11 @@ pub fn pod_controller(
     };
     // Pods refused by the rules before are looked at again under new ones.
     let overridden = ctx.overrides.changes();
-    let (upper_pods, identity) = (world.upper_pods.clone(), ctx.translation.identity.clone());
+    let (upper_pods, identity, held) = (
+        world.upper_pods.clone(),
+        ctx.translation.identity.clone(),
+        ctx.clone(),
+    );
     // An upper pod at the version a status write of this node stored, its lower pod
     // unchanged since, is settled: the event of that write is not worth a reconcile when it
     // comes after the write's answer (when the watch brings it first, its reconcile ends at
@@ -120,6 +124,11 @@ pub fn pod_controller(
             &identity,
         ) {
             orphans_suspected.notify_one();
+        }
+        // A new lower pod passes through steps (bound, containers being created) that its
+        // held-back first status does not show.
+        if upper.is_some_and(|upper| held.held_quiet(&upper, &lower)) {
+            return None;
         }
         Some(at)
     })

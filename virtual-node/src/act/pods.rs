@@ -60,8 +60,9 @@ pub struct Context {
     pub started: Instant,
     pub lost_grace: Duration,
     pub cluster_name: String,
-    /// Upper pods (by UID) whose first status write is held back, and since when.
-    pub first_status_held: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
+    /// Upper pods (by UID) whose first status write is held back, since when, and for which
+    /// lower pod (its UID).
+    pub first_status_held: std::sync::Mutex<std::collections::HashMap<String, (Instant, String)>>,
     /// The lower namespaces this node may use, and making them.
     pub namespaces: Arc<crate::act::lower_namespaces::LowerNamespaces>,
     /// The lower namespaces served (`--lower-namespaces`).
@@ -232,6 +233,40 @@ impl Context {
             && !self
                 .scale_ups
                 .holds(&upper.namespace().unwrap_or_default(), &upper.name_any())
+    }
+
+    /// Whether an event of `lower`, the lower pod of `upper`, would find the first status of
+    /// `upper` still held back for it ([`first_status_wait`]): held within its wait, for this
+    /// lower pod, neither pod being deleted, and the lower pod at this version merely pending.
+    /// The reconcile that held it back comes again when the wait ends (its requeue); until
+    /// then one more such event is not worth a reconcile. Only the lower pod's status is
+    /// decoded, and only while a hold is on.
+    pub fn held_quiet(&self, upper: &UpperPod, lower: &LowerPod) -> bool {
+        #[derive(serde::Deserialize)]
+        struct StatusOnly {
+            status: Option<k8s_openapi::api::core::v1::PodStatus>,
+        }
+        if upper.packed.metadata.deletion_timestamp.is_some()
+            || lower.metadata.deletion_timestamp.is_some()
+            || !self.lower_health.reachable()
+        {
+            return false;
+        }
+        let (Some(uid), Some(lower_uid)) = (upper.uid(), lower.uid()) else {
+            return false;
+        };
+        let holding = self.first_status_held.lock().is_ok_and(|held| {
+            held.get(&uid).is_some_and(|(since, held_for)| {
+                *held_for == lower_uid && since.elapsed() < FIRST_STATUS_DELAY
+            })
+        });
+        holding
+            && lower.unpack_as::<StatusOnly>().is_ok_and(|only| {
+                translate::merely_pending(&Pod {
+                    status: only.status,
+                    ..Default::default()
+                })
+            })
     }
 }
 
@@ -852,7 +887,8 @@ enum Written {
 
 /// Writes the upper status the lower pod implies, unless it is the first and may still wait;
 /// says when to look again, and what became of the status. The write is conditional on the
-/// upper pod's version: one that changed since it was read is reconciled again on its event.
+/// upper pod's version first, so that the version stored is known to be the pod read plus
+/// this status.
 async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(Action, Written), Error> {
     let again = Action::requeue(STATUS_RECHECK);
     let scale_up = ctx.scale_ups.of(lower);
@@ -887,7 +923,14 @@ async fn write_status(ctx: &Context, upper: &Pod, lower: &Pod) -> Result<(Action
         }
     }
     let sent_generation = status.get("observedGeneration").is_some();
-    let Some(stored) = write_upper_status(ctx, upper, status, true).await? else {
+    let Some(stored) = write_upper_status(ctx, upper, status.clone(), true).await? else {
+        // The pod changed since it was read, or is gone. Most often the change is this
+        // node's own status write that the watch has not brought yet: waiting for its event
+        // would hold the status back by the watch's lag (seconds when the upper apiserver is
+        // busy, and more first statuses then wait out their hold and take two writes). The
+        // status goes up as the kubelet writes it, onto the pod as stored, and that version
+        // is not taken as settled: its event is reconciled in full.
+        write_upper_status(ctx, upper, status, false).await?;
         return Ok((again, Written::NotYet));
     };
     // An upper apiserver without PodObservedGenerationTracking (off before 1.34) drops the
@@ -928,7 +971,14 @@ fn first_status_wait(ctx: &Context, upper: &Pod, lower: &Pod) -> Option<Duration
         held.remove(&uid);
         return None;
     }
-    let since = *held.entry(uid.clone()).or_insert_with(Instant::now);
+    let lower_uid = lower.uid().unwrap_or_default();
+    let since = match held.get(&uid) {
+        Some((since, held_for)) if *held_for == lower_uid => *since,
+        _ => {
+            held.insert(uid.clone(), (Instant::now(), lower_uid));
+            Instant::now()
+        }
+    };
     match FIRST_STATUS_DELAY.checked_sub(since.elapsed()) {
         Some(wait) if !wait.is_zero() => Some(wait),
         _ => {
@@ -943,7 +993,7 @@ fn first_status_wait(ctx: &Context, upper: &Pod, lower: &Pod) -> Option<Duration
 /// of pods no longer bound here (deleted without a last successful reconcile).
 pub fn forget_stale_holds(ctx: &Context, pods_changed: bool) {
     if let Ok(mut held) = ctx.first_status_held.lock() {
-        held.retain(|_, since| since.elapsed() < 10 * FIRST_STATUS_DELAY);
+        held.retain(|_, (since, _)| since.elapsed() < 10 * FIRST_STATUS_DELAY);
     }
     if !pods_changed {
         return;
@@ -1173,8 +1223,14 @@ mod tests {
         assert!(!settled.holds(&upper, &lower), "no longer bound here");
         // A status written on the version read, stored as version 14: settled at 14 only.
         settled.record_written(&upper, "14".into(), &lower);
-        assert!(settled.holds(&at("u", "14"), &lower), "the pod as the write stored it");
-        assert!(!settled.holds(&upper, &lower), "the pod as read, before its status");
+        assert!(
+            settled.holds(&at("u", "14"), &lower),
+            "the pod as the write stored it"
+        );
+        assert!(
+            !settled.holds(&upper, &lower),
+            "the pod as read, before its status"
+        );
         assert!(!settled.holds(&at("u", "15"), &lower), "a change after the write");
     }
 }
