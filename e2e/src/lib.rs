@@ -20,6 +20,7 @@ pub mod etcd;
 pub mod failback;
 pub mod fleet;
 pub mod flood;
+pub mod floor;
 pub mod in_process;
 pub mod kubectl;
 pub mod multi_scheduler;

@@ -14,7 +14,8 @@
 //!   two builds are compared in one run (the second run's node meets 10,000 more lower pods).
 //! * **Paced with references**: for each rate in `refs_rates`, the same with every pod
 //!   mounting a ConfigMap and a Secret of its own and the node acting upstream as
-//!   `system:node:<name>`: also its reads of them and its open connections.
+//!   `system:node:<name>`: also its reads of them and its open connections; with `baseline`,
+//!   made with that build first too.
 //! * **Capacity**: for each size in `capacity_nodes`, a virtual node started over a lower
 //!   cluster of that many nodes: seconds until its allocatable upstream counts them all, then
 //!   seconds until a cordon of a tenth of them shows, and its RSS.
@@ -24,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
 
@@ -215,7 +216,15 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
     figures["paced"] = json!(paced);
     let mut with_refs = Vec::new();
     for &rate in &s.refs_rates {
-        with_refs.push(paced_run(&bed, rate, None, true).await?);
+        let baseline = match &s.baseline {
+            Some(dir) => Some(paced_run(&bed, rate, Some(dir), true).await?),
+            None => None,
+        };
+        let mut run = paced_run(&bed, rate, None, true).await?;
+        if let Some(baseline) = baseline {
+            run["baseline"] = baseline;
+        }
+        with_refs.push(run);
     }
     figures["paced_with_a_configmap_and_a_secret_per_pod_under_the_node_identity"] = json!(with_refs);
     drop(sim);
@@ -514,7 +523,8 @@ async fn paced_run(
         container,
     } = *bed;
     let suffix = match (build.is_some(), refs) {
-        (true, _) => "-baseline",
+        (true, true) => "-refs-baseline",
+        (true, false) => "-baseline",
         (false, true) => "-refs",
         (false, false) => "",
     };
@@ -547,6 +557,12 @@ async fn paced_run(
         VirtualNodeProcess::start_binary(&program, upper, &node, lower, &[], &log)?
     };
     node_ready(upper, &node).await?;
+    let floor = crate::floor::Floor::start(crate::floor::Target {
+        upper_kubeconfig: upper.kubeconfig().to_owned(),
+        lower_kubeconfig: lower.kubeconfig().to_owned(),
+        node: node.clone(),
+    })
+    .await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let pid = vn.pid().context("virtual-node exited")?;
     let idle = rss(pid)?;
@@ -556,6 +572,9 @@ async fn paced_run(
     let lower_client = lower.client().await?;
     let writes_before = (api_writes(&upper_client).await?, api_writes(&lower_client).await?);
     let lower_events_before = pod_watch_events(&lower_client).await?;
+    let mut groups = cpu_groups(upper, lower, "bench_clients_watches_and_simulated_kubelets");
+    groups.push(("virtual_node", vec![pid]));
+    let machine_cpu = CpuUse::start(groups)?;
     let started = Instant::now();
     let run = created_to_running(
         Api::namespaced(upper_client.clone(), &namespace),
@@ -576,6 +595,7 @@ async fn paced_run(
     tokio::time::sleep(Duration::from_secs(15)).await;
     let cpu_settled = cpu_secs(pid)? - cpu_before;
     let settled_wall = started.elapsed();
+    let machine_cpu = machine_cpu.report()?;
     let reads_settled = refs_reads(&upper_client).await?;
     let writes_settled = (api_writes(&upper_client).await?, api_writes(&lower_client).await?);
     let lower_events = pod_watch_events(&lower_client).await? - lower_events_before;
@@ -585,6 +605,7 @@ async fn paced_run(
     let steady = rss(pid)?;
     let peak = peak_rss(pid)?;
     let idle_cpu = idle_cpu(pid, s.idle_secs).await?;
+    let floor = floor.figures(s.pods).await?;
     let reads_idle = refs_reads(&upper_client).await?;
     let connections_settled = open_connections(pid)?;
     drop(vn);
@@ -609,9 +630,11 @@ async fn paced_run(
             "lower": writes_between(&writes_before.1, &writes_settled.1),
         },
         "lower_pod_watch_events_per_pod": {
-            "note": "pod watch events the lower apiserver sent until settled, to every watcher (the lower scheduler and the simulated kubelets too), per pod of the run",
+            "note": "pod watch events the lower apiserver sent until settled, to every watcher (the lower scheduler, the simulated kubelets and the floor's watch too), per pod of the run",
             "sent": round3(lower_events / s.pods as f64),
         },
+        "traffic_floor": floor,
+        "cpu_until_settled": machine_cpu,
     });
     if refs {
         let settled_secs = settled_wall.as_secs_f64();
@@ -625,8 +648,8 @@ async fn paced_run(
     Ok(figures)
 }
 
-/// Removes what a paced run left once its virtual node has stopped: its pods in both clusters
-/// (at once, no kubelet being there to confirm) and its upper node. Left in place, the next
+/// Removes what a paced run left once its virtual node has stopped: its copies below, its
+/// pods in both clusters (at once, no kubelet being there to confirm) and its upper node. Left in place, the next
 /// run of the bed would share its apiservers with the node lifecycle controller marking every
 /// one of those pods not ready and its lower pod watch would carry them all: two builds
 /// compared one after the other would not be measured alike.
@@ -640,6 +663,13 @@ async fn clear_run(
         grace_period_seconds: Some(0),
         ..Default::default()
     };
+    // The run's copies below: the next run's node, of the same upper cluster, would
+    // otherwise collect them all while it is measured.
+    let marked = ListParams::default().labels(tensile_common::names::MARK_CLUSTER);
+    let config_maps: Api<ConfigMap> = Api::namespaced(lower.clone(), namespace);
+    config_maps.delete_collection(&now, &marked).await?;
+    let secrets: Api<Secret> = Api::namespaced(lower.clone(), namespace);
+    secrets.delete_collection(&now, &marked).await?;
     for client in [upper, lower] {
         let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
         let deadline = Instant::now() + Duration::from_secs(300);

@@ -332,6 +332,7 @@ impl Parts<'_> {
             gc_delay: Duration::from_secs(self.args.reflection.copy_collection_delay),
             unreferenced_since: Default::default(),
             conflicts: Default::default(),
+            digested: Default::default(),
             services: world.services.clone(),
             namespaces: namespaces.clone(),
             events,
@@ -540,10 +541,7 @@ impl Parts<'_> {
             self.metrics.clone(),
             move || {
                 let copies = copies.clone();
-                async move {
-                    copies.sync().await;
-                    false
-                }
+                async move { copies.sync().await }
             },
         ));
         let volumes = ctx.volumes.clone();

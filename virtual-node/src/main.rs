@@ -6,6 +6,7 @@ use clap::Parser;
 static ALLOCATOR: tensile_common::Allocator = tensile_common::Allocator;
 
 fn main() -> ExitCode {
+    tensile_common::small_pages_only();
     let args = tensile_virtual_node::Args::parse();
     if let Err(e) = tensile_common::telemetry::init(&args.log) {
         eprintln!("virtual-node: {e}");

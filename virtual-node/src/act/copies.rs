@@ -24,6 +24,7 @@ use tensile_common::api::{Deleted, code, delete_exact};
 
 use crate::act::LastPass;
 use crate::act::ratelimit::WriteLimit;
+use crate::decide::copies::Digested;
 use crate::decide::copies::Key;
 use crate::decide::copies::Model;
 use crate::decide::copies::Verdict;
@@ -37,7 +38,7 @@ use crate::model::reflected::Reflected;
 use crate::model::refs::{Absent, Blocked, Kind, upper_references};
 use crate::model::trim::{PodLoad, UpperPod};
 use crate::world::ServiceStores;
-use crate::world::fetched::{Fetched, Upper};
+use crate::world::fetched::{Fetched, Read, Upper};
 
 /// The reflection of ConfigMaps, Secrets, Services and Endpoints for one virtual node.
 pub struct Copies {
@@ -64,6 +65,8 @@ pub struct Copies {
     pub unreferenced_since: Mutex<HashMap<Key, Instant>>,
     /// Copies a foreign lower object blocks, and since when.
     pub conflicts: Mutex<HashMap<Key, Instant>>,
+    /// The ConfigMap and Secret copies found to digest as written, by version.
+    pub digested: Mutex<(Digested, Digested)>,
     /// Services and their Endpoints, when their reflection is enabled.
     pub services: Option<ServiceStores>,
     /// Lower namespaces the pod path judged usable (shared with it).
@@ -117,25 +120,26 @@ impl Copies {
     /// lower watch shows under that name (ours only). Of a fetched kind, `upper` is metadata
     /// and the content is read first.
     async fn ensure<K: Reflected>(&self, upper: &K, cached: Option<Arc<K>>) -> Result<Ensured, Error> {
+        if !K::FETCHED {
+            return self.ensure_whole(upper, cached).await;
+        }
+        let ns = upper.namespace().unwrap_or_default();
+        let name = upper.name_any();
+        match Api::<K>::namespaced(self.upper.clone(), &ns)
+            .get_opt(&name)
+            .await
+            .map_err(Error::on("upper", "get", format!("{} {ns}/{name}", K::KIND)))?
+        {
+            Some(whole) => self.ensure_whole(&whole, cached).await,
+            None => Ok(Ensured::UpperGone),
+        }
+    }
+
+    /// [`Copies::ensure`] of an upper object read whole, its content with it.
+    async fn ensure_whole<K: Reflected>(&self, upper: &K, cached: Option<Arc<K>>) -> Result<Ensured, Error> {
         let ns = upper.namespace().unwrap_or_default();
         let name = upper.name_any();
         let what = format!("{} {ns}/{name}", K::KIND);
-        let fetched;
-        let upper = if K::FETCHED {
-            match Api::<K>::namespaced(self.upper.clone(), &ns)
-                .get_opt(&name)
-                .await
-                .map_err(Error::on("upper", "get", what.clone()))?
-            {
-                Some(full) => {
-                    fetched = full;
-                    &fetched
-                }
-                None => return Ok(Ensured::UpperGone),
-            }
-        } else {
-            upper
-        };
         let desired = desired(&self.cluster_id, upper);
         let api: Api<K> = Api::namespaced(self.lower.clone(), &ns);
         let actual = match cached {
@@ -221,8 +225,12 @@ impl Copies {
                     let at = ObjectRef::new(&r.name).within(&ns);
                     let read = self.upper_config_maps.read(&ns, &r.name).await;
                     match read.map_err(Error::on("upper", "get", format!("{} {ns}/{}", r.kind, r.name)))? {
-                        Some(upper) => self
+                        Some(Read::Known(upper)) => self
                             .ensure(&*upper, self.lower_config_maps.get(&at))
+                            .await?
+                            .found(),
+                        Some(Read::Whole(upper)) => self
+                            .ensure_whole(&upper, self.lower_config_maps.get(&at))
                             .await?
                             .found(),
                         None => None,
@@ -232,7 +240,13 @@ impl Copies {
                     let at = ObjectRef::new(&r.name).within(&ns);
                     let read = self.upper_secrets.read(&ns, &r.name).await;
                     match read.map_err(Error::on("upper", "get", format!("{} {ns}/{}", r.kind, r.name)))? {
-                        Some(upper) => self.ensure(&*upper, self.lower_secrets.get(&at)).await?.found(),
+                        Some(Read::Known(upper)) => {
+                            self.ensure(&*upper, self.lower_secrets.get(&at)).await?.found()
+                        }
+                        Some(Read::Whole(upper)) => self
+                            .ensure_whole(&upper, self.lower_secrets.get(&at))
+                            .await?
+                            .found(),
                         None => None,
                     }
                 }
@@ -287,10 +301,11 @@ impl Copies {
 
     /// One resync pass: the plan of every kind, then its writes, 16 at a time. Skipped while
     /// nothing it reads changed since a pass that planned nothing ([`LastPass`]).
-    pub async fn sync(&self) {
+    pub async fn sync(&self) -> crate::act::Pass {
+        let began = Instant::now();
         let inputs = self.inputs();
-        if self.last_pass.unchanged(&inputs, Instant::now()) {
-            return;
+        if self.last_pass.unchanged(&inputs, began) {
+            return crate::act::Pass::default();
         }
         let upper_services = self.services.as_ref().map(|s| s.upper_services.state());
         let (needed, used_below) = needs(
@@ -323,12 +338,17 @@ impl Copies {
                 conflicts: &conflicts,
                 gc_delay: self.gc_delay,
             };
+            let mut digested = match self.digested.lock() {
+                Ok(d) => d,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+            let (config_maps, secrets) = &mut *digested;
             self.schedule(
                 &model,
                 followed(&self.upper_config_maps),
                 &self.lower_config_maps,
                 false,
-                &mut since,
+                (&mut since, config_maps),
                 &mut work,
             );
             self.schedule(
@@ -336,16 +356,18 @@ impl Copies {
                 followed(&self.upper_secrets),
                 &self.lower_secrets,
                 false,
-                &mut since,
+                (&mut since, secrets),
                 &mut work,
             );
             if let Some(s) = &self.services {
+                // Copied whole, never digested.
+                let mut unused = Digested::default();
                 self.schedule(
                     &model,
                     watched(&s.upper_services),
                     &s.lower_services,
                     true,
-                    &mut since,
+                    (&mut since, &mut unused),
                     &mut work,
                 );
                 self.schedule(
@@ -353,7 +375,7 @@ impl Copies {
                     watched(&s.upper_endpoints),
                     &s.lower_endpoints,
                     true,
-                    &mut since,
+                    (&mut since, &mut unused),
                     &mut work,
                 );
             }
@@ -367,7 +389,13 @@ impl Copies {
             copies += s.lower_services.len() + s.lower_endpoints.len();
         }
         self.metrics.copies.set(copies.try_into().unwrap_or(i64::MAX));
+        let planned_in = began.elapsed();
+        // A copy's write never teaches the next pass anything.
         crate::act::act(work, 16, "copy", &self.metrics).await;
+        crate::act::Pass {
+            again: false,
+            planned_in,
+        }
     }
 
     /// Plans the copies of kind `K` and queues their writes.
@@ -377,10 +405,10 @@ impl Copies {
         upper: impl Fn(&str, &str) -> Upper<K>,
         lower: &Cache<K>,
         create_needed: bool,
-        since: &mut HashMap<Key, Instant>,
+        (since, digested): (&mut HashMap<Key, Instant>, &mut Digested),
         work: &mut Vec<Pending<'a>>,
     ) {
-        let writes = plan(model, upper, &lower.state(), create_needed, since);
+        let writes = plan(model, upper, &lower.state(), create_needed, since, digested);
         // A copy's write never teaches the next pass anything: `false`.
         work.extend(
             writes

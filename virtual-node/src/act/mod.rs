@@ -32,11 +32,10 @@ use crate::world::World;
 
 /// The one resync loop of the copy and volume passes: once the world has listed, `pass` runs
 /// on every `changed` wake-up (50 ms later, so a burst of events is one pass, and at least
-/// [`RESYNC_MIN_SPACING`] after the previous pass began: each pass reads every pod, and a
-/// stream of pod events would otherwise run one every 50 ms) and at least every second; a
-/// pass stuck past `deadline` is dropped (counted as an API error of `side`
-/// and `timeout`) and the next begins. A pass that returns `true` learnt something the next
-/// pass needs at once.
+/// [`spacing`] after the previous pass began: each pass reads every pod, and a stream of pod
+/// events would otherwise run one every 50 ms) and at least every second or that spacing;
+/// a pass stuck past `deadline` is dropped (counted as an API error of `side` and `timeout`)
+/// and the next begins. A pass that says `again` learnt something the next pass needs at once.
 pub async fn resync<F, Fut>(
     (side, timeout): (&'static str, &'static str),
     world: World,
@@ -46,38 +45,65 @@ pub async fn resync<F, Fut>(
     mut pass: F,
 ) where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
+    Fut: std::future::Future<Output = Pass>,
 {
     world.synced().await;
     loop {
         let began = tokio::time::Instant::now();
-        let again = match tokio::time::timeout(deadline, pass()).await {
-            Ok(again) => again,
+        let done = match tokio::time::timeout(deadline, pass()).await {
+            Ok(done) => done,
             Err(_) => {
                 metrics.api_error(side, timeout);
                 tracing::warn!(
                     "a resync pass ({timeout}) took longer than {deadline:?}; the next one goes on"
                 );
-                false
+                Pass::default()
             }
         };
-        if again {
+        if done.again {
             continue;
         }
+        let next = began + spacing(done.planned_in);
         tokio::select! {
             _ = changed.notified() => {
                 let debounced = tokio::time::Instant::now() + Duration::from_millis(50);
-                tokio::time::sleep_until(debounced.max(began + RESYNC_MIN_SPACING)).await
+                tokio::time::sleep_until(debounced.max(next)).await
             }
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = tokio::time::sleep_until((tokio::time::Instant::now() + Duration::from_secs(1)).max(next)) => {}
         }
     }
+}
+
+/// What one resync pass did.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Pass {
+    /// It learnt something the next pass needs at once.
+    pub again: bool,
+    /// How long working out its plan took (reading every pod and object), its writes aside.
+    pub planned_in: Duration,
 }
 
 /// Least time from the start of one resync pass to the start of the next that a change woke
 /// (the pod controller makes a new pod's copies and claims itself; the resync follows later
 /// changes of the objects and collects what nothing references).
 pub const RESYNC_MIN_SPACING: Duration = Duration::from_millis(500);
+
+/// Most time between two passes, however long planning takes.
+pub const RESYNC_MAX_SPACING: Duration = Duration::from_secs(10);
+
+/// Time between the starts of two passes per unit of the first one's planning time.
+const RESYNC_SPACING_PER_PLANNING: u32 = 50;
+
+/// How long after a pass began the next one may begin: [`RESYNC_MIN_SPACING`], or fifty
+/// times what the pass took to plan when that is longer (up to [`RESYNC_MAX_SPACING`]). A
+/// pass reads every pod and object it keeps, so with thousands of them a stream of pod
+/// events would keep one running back to back; spaced by their cost, the passes take about
+/// a fiftieth of a core at any size, and a change is still followed within a second or two.
+pub fn spacing(planned_in: Duration) -> Duration {
+    planned_in
+        .saturating_mul(RESYNC_SPACING_PER_PLANNING)
+        .clamp(RESYNC_MIN_SPACING, RESYNC_MAX_SPACING)
+}
 
 /// How often a resync pass runs in full though its inputs show no change: the safety net for
 /// what no counter follows (a lower namespace judged usable or forgotten).
@@ -148,6 +174,15 @@ pub async fn act(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn passes_are_spaced_by_fifty_times_their_planning_between_half_a_second_and_ten() {
+        let ms = Duration::from_millis;
+        assert_eq!(spacing(Duration::ZERO), ms(500), "a skipped pass");
+        assert_eq!(spacing(ms(8)), ms(500), "a small node");
+        assert_eq!(spacing(ms(40)), ms(2_000), "a pass over thousands of pods");
+        assert_eq!(spacing(ms(900)), ms(10_000), "capped");
+    }
 
     #[test]
     fn a_pass_is_skipped_only_after_a_quiet_one_over_the_same_inputs_within_a_minute() {

@@ -121,8 +121,8 @@ impl Volumes {
         }
     }
 
-    /// One resync pass; true when it learnt a StorageClass's binding mode.
-    pub async fn sync(&self) -> bool {
+    /// One resync pass; `again` when it learnt a StorageClass's binding mode.
+    pub async fn sync(&self) -> crate::act::Pass {
         let overrides = self.overrides.get();
         let inputs = vec![
             self.upper_pods.changes(),
@@ -136,7 +136,7 @@ impl Volumes {
         ];
         let now = Instant::now();
         if self.last_pass.unchanged(&inputs, now) {
-            return false;
+            return crate::act::Pass::default();
         }
         let classes = self.classes.lock().map(|c| c.clone()).unwrap_or_default();
         let (upper_pods, upper_claims, upper_volumes, lower_claims, lower_pods, upper_classes) = (
@@ -159,8 +159,12 @@ impl Volumes {
             overrides: &overrides,
         });
         self.last_pass.record(inputs, writes.is_empty(), now);
+        let planned_in = now.elapsed();
         let planned = writes.into_iter().map(|w| self.perform(w).boxed()).collect();
-        crate::act::act(planned, 8, "volume", &self.metrics).await
+        crate::act::Pass {
+            again: crate::act::act(planned, 8, "volume", &self.metrics).await,
+            planned_in,
+        }
     }
 
     /// Performs one write; true when it learnt a StorageClass's binding mode.

@@ -18,7 +18,7 @@
 //! against the copy wanted there) and [`plan`] (the writes: create, update, delete by UID
 //! with a reason). The copy resync performs it. Values are never logged.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -134,15 +134,47 @@ pub fn digest<K: Reflected>(copy: &K) -> String {
     sum.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The copies of one kind found to digest as written, by UID and the version the lower
+/// cluster gave them: a copy nobody changed since is not digested again. Each pass keeps
+/// what it found, so a copy that is gone or changed is forgotten by the next.
+#[derive(Debug, Default)]
+pub struct Digested {
+    /// Found by the previous pass.
+    before: HashSet<(String, String)>,
+    /// Found by this pass.
+    now: HashSet<(String, String)>,
+}
+
+impl Digested {
+    /// A new pass begins: what the previous one found is what is known.
+    fn begin(&mut self) {
+        self.before = std::mem::take(&mut self.now);
+    }
+
+    /// Whether `copy` digests as written: known for its version, or digested now.
+    fn as_written<K: Reflected>(&mut self, copy: &K, written: Option<&String>) -> bool {
+        let version = copy.meta().uid.clone().zip(copy.meta().resource_version.clone());
+        if let Some(version) = version.as_ref().filter(|v| self.before.contains(*v)) {
+            self.now.insert(version.clone());
+            return true;
+        }
+        let as_written = written == Some(&digest(copy));
+        if let Some(version) = version.filter(|_| as_written) {
+            self.now.insert(version);
+        }
+        as_written
+    }
+}
+
 /// Whether `copy` (ours) holds what `upper` holds now. Of a fetched kind only the upper
 /// metadata is at hand: the copy is current when it was made from this version of the upper
-/// object and still digests as written.
-pub fn is_current<K: Reflected>(cluster_id: &str, upper: &K, copy: &K) -> bool {
+/// object and still digests as written (known from `digested` while its version is the same).
+pub fn is_current<K: Reflected>(cluster_id: &str, upper: &K, copy: &K, digested: &mut Digested) -> bool {
     if K::FETCHED {
         let annotation = |key: &str| copy.meta().annotations.as_ref().and_then(|a| a.get(key));
         upper.meta().resource_version.is_some()
             && annotation(names::COPY_UPPER_VERSION) == upper.meta().resource_version.as_ref()
-            && annotation(names::COPY_DIGEST) == Some(&digest(copy))
+            && digested.as_written(copy, annotation(names::COPY_DIGEST))
     } else {
         judge(cluster_id, &desired(cluster_id, upper), copy) == Verdict::Current
     }
@@ -249,8 +281,10 @@ pub fn plan<K: Reflected>(
     lower: &[Arc<K>],
     create_needed: bool,
     since: &mut HashMap<Key, Instant>,
+    digested: &mut Digested,
 ) -> Vec<Write<K>> {
     let mut writes = Vec::new();
+    digested.begin();
     for copy in lower {
         if !owns(model.cluster_id, copy.meta()) || copy.meta().deletion_timestamp.is_some() {
             continue;
@@ -270,7 +304,7 @@ pub fn plan<K: Reflected>(
             }
             Upper::Present(source) if model.needed.contains(&key) => {
                 since.remove(&key);
-                if !is_current(model.cluster_id, &*source, copy) {
+                if !is_current(model.cluster_id, &*source, copy, digested) {
                     writes.push(Write::Update {
                         upper: source,
                         copy: copy.clone(),
@@ -382,6 +416,7 @@ mod tests {
         conflicts: HashMap<Key, Instant>,
         now: Instant,
         since: HashMap<Key, Instant>,
+        digested: Digested,
         /// Upper names this node does not follow.
         unknown: BTreeSet<String>,
     }
@@ -394,6 +429,7 @@ mod tests {
                 conflicts: HashMap::new(),
                 now: Instant::now(),
                 since: HashMap::new(),
+                digested: Digested::default(),
                 unknown: BTreeSet::new(),
             }
         }
@@ -414,7 +450,7 @@ mod tests {
                 None if self.unknown.contains(name) => Upper::Unknown,
                 None => Upper::Gone,
             };
-            plan(&model, lookup, lower, false, &mut self.since)
+            plan(&model, lookup, lower, false, &mut self.since, &mut self.digested)
         }
     }
 
@@ -489,7 +525,12 @@ mod tests {
         read["metadata"]["managedFields"] =
             json!([{"manager": "tensile-virtual-node", "operation": "Update"}]);
         let read: ConfigMap = serde_json::from_value(read).unwrap();
-        assert!(is_current("c1", &*header(&upper), &read));
+        assert!(is_current(
+            "c1",
+            &*header(&upper),
+            &read,
+            &mut Digested::default()
+        ));
         // A label edited below no longer digests as written.
         let mut relabelled = read.clone();
         relabelled
@@ -497,7 +538,42 @@ mod tests {
             .labels
             .get_or_insert_default()
             .insert("app".into(), "other".into());
-        assert!(!is_current("c1", &*header(&upper), &relabelled));
+        assert!(!is_current(
+            "c1",
+            &*header(&upper),
+            &relabelled,
+            &mut Digested::default()
+        ));
+    }
+
+    #[test]
+    fn a_copy_is_digested_again_only_once_the_lower_cluster_changed_its_version() {
+        let upper = upper_cfg(json!({"k": "v"}));
+        let mut read = (*copy_of(&upper)).clone();
+        read.metadata.uid = Some("low".into());
+        read.metadata.resource_version = Some("99".into());
+        let mut digested = Digested::default();
+        digested.begin();
+        assert!(is_current("c1", &*header(&upper), &read, &mut digested));
+        // The same version again: known, not digested (a change below always comes with a
+        // new version, which this stands in for).
+        let mut relabelled = read.clone();
+        relabelled
+            .metadata
+            .labels
+            .get_or_insert_default()
+            .insert("app".into(), "other".into());
+        digested.begin();
+        assert!(is_current("c1", &*header(&upper), &relabelled, &mut digested));
+        // Its new version: digested, and found edited.
+        relabelled.metadata.resource_version = Some("100".into());
+        digested.begin();
+        assert!(!is_current("c1", &*header(&upper), &relabelled, &mut digested));
+        // A pass that did not meet the copy forgets it.
+        digested.begin();
+        digested.begin();
+        relabelled.metadata.resource_version = Some("99".into());
+        assert!(!is_current("c1", &*header(&upper), &relabelled, &mut digested));
     }
 
     #[test]

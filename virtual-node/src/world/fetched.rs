@@ -46,6 +46,16 @@ impl<K> Upper<K> {
 
 type Key = (String, String);
 
+/// What [`Fetched::read`] found of an object that exists and may travel.
+#[derive(Debug)]
+pub enum Read<K> {
+    /// Followed already: its metadata as last read (its content is read when it is needed).
+    Known(Arc<K>),
+    /// Not followed until now, read whole: the content with it, so a copy made from it needs
+    /// no second read.
+    Whole(K),
+}
+
 struct Entry<K> {
     object: Option<Arc<K>>,
     read_at: Instant,
@@ -100,7 +110,7 @@ fn travels<K: Reflected>(object: &K) -> bool {
 }
 
 /// The metadata of `object`, its content and `managedFields` dropped.
-fn header<K: Reflected + Default>(object: K) -> K {
+fn header<K: Reflected + Default>(object: &K) -> K {
     let mut kept = K::default();
     *kept.meta_mut() = object.meta().clone();
     kept.meta_mut().managed_fields = None;
@@ -132,22 +142,26 @@ impl<K: Reflected + Default> Fetched<K> {
 
     /// `ns/name` as known, read now when it is not followed yet (a pod that was just bound
     /// names it): `None` when it does not exist or may not travel.
-    pub async fn read(&self, ns: &str, name: &str) -> Result<Option<Arc<K>>, kube::Error> {
+    pub async fn read(&self, ns: &str, name: &str) -> Result<Option<Read<K>>, kube::Error> {
         match self.get(ns, name) {
-            Upper::Present(o) => Ok(Some(o)),
+            Upper::Present(o) => Ok(Some(Read::Known(o))),
             Upper::Gone => Ok(None),
-            Upper::Unknown => self.refresh(&(ns.to_owned(), name.to_owned())).await,
+            Upper::Unknown => Ok(self
+                .refresh(&(ns.to_owned(), name.to_owned()))
+                .await?
+                .map(Read::Whole)),
         }
     }
 
     /// Reads `key` and records what it found; wakes the readers when that differs from what
-    /// was known.
-    async fn refresh(&self, key: &Key) -> Result<Option<Arc<K>>, kube::Error> {
+    /// was known. Returns the whole object read (the record keeps its metadata).
+    async fn refresh(&self, key: &Key) -> Result<Option<K>, kube::Error> {
         let (ns, name) = key;
         let read = Api::<K>::namespaced(self.inner.client.clone(), ns)
             .get_opt(name)
             .await?;
-        let object = read.filter(travels).map(|o| Arc::new(header(o)));
+        let whole = read.filter(travels);
+        let object = whole.as_ref().map(|o| Arc::new(header(o)));
         let mut entries = match self.inner.entries.write() {
             Ok(e) => e,
             Err(poisoned) => poisoned.into_inner(),
@@ -171,7 +185,7 @@ impl<K: Reflected + Default> Fetched<K> {
             self.inner.changes.fetch_add(1, Ordering::AcqRel);
             self.inner.changed.notify_one();
         }
-        Ok(object)
+        Ok(whole)
     }
 
     /// Records the outcome of a read of `key`: a failure is read again after a delay that
@@ -282,6 +296,9 @@ pub fn wanted<K: Reflected>(pods: &[Arc<UpperPod>]) -> HashSet<Key> {
         .collect()
 }
 
+/// Least time between two workings out of what the pods reference.
+const WANTED_EVERY: Duration = Duration::from_secs(1);
+
 /// How long one round over `followed` objects takes at `per_second` reads a second (a
 /// second at least).
 pub fn period(followed: usize, per_second: u32) -> Duration {
@@ -320,11 +337,14 @@ pub fn fetched<K: Reflected + Default>(
             const TICK: Duration = Duration::from_millis(250);
             upper_pods.synced().await;
             // What the pods reference, and which of it was never read, worked out again only
-            // after the pods changed.
+            // after the pods changed, and at most once a second: it walks every pod, and a
+            // pod that was just bound has its own names read by the pod path.
             let (mut wanted_at, mut wanted, mut unread) = (None, HashSet::new(), HashSet::new());
+            let mut worked_out: Option<Instant> = None;
             loop {
                 let changes = upper_pods.changes();
-                if wanted_at != Some(changes) {
+                if wanted_at != Some(changes) && worked_out.is_none_or(|at| at.elapsed() >= WANTED_EVERY) {
+                    worked_out = Some(Instant::now());
                     wanted = self::wanted::<K>(&upper_pods.state());
                     cache.keep_only(&wanted);
                     unread = cache.unread(&wanted);
