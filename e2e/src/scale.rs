@@ -203,32 +203,30 @@ async fn pods(s: &Scale) -> anyhow::Result<Value> {
     };
     let mut paced = Vec::new();
     for &rate in &s.rates {
-        let baseline = match &s.baseline {
-            Some(dir) => Some(paced_run(&bed, rate, Some(dir), false).await?),
-            None => None,
-        };
-        let mut run = paced_run(&bed, rate, None, false).await?;
-        if let Some(baseline) = baseline {
-            run["baseline"] = baseline;
-        }
-        paced.push(run);
+        paced.push(both_builds(&bed, rate, false).await?);
     }
     figures["paced"] = json!(paced);
     let mut with_refs = Vec::new();
     for &rate in &s.refs_rates {
-        let baseline = match &s.baseline {
-            Some(dir) => Some(paced_run(&bed, rate, Some(dir), true).await?),
-            None => None,
-        };
-        let mut run = paced_run(&bed, rate, None, true).await?;
-        if let Some(baseline) = baseline {
-            run["baseline"] = baseline;
-        }
-        with_refs.push(run);
+        with_refs.push(both_builds(&bed, rate, true).await?);
     }
     figures["paced_with_a_configmap_and_a_secret_per_pod_under_the_node_identity"] = json!(with_refs);
     drop(sim);
     Ok(figures)
+}
+
+/// A paced run at `rate` of the build under test, with the baseline build's run of the same
+/// kind made first (under `baseline`) when there is one.
+async fn both_builds(bed: &Bed<'_>, rate: u32, refs: bool) -> anyhow::Result<Value> {
+    let baseline = match &bed.s.baseline {
+        Some(dir) => Some(paced_run(bed, rate, Some(dir), refs).await?),
+        None => None,
+    };
+    let mut run = paced_run(bed, rate, None, refs).await?;
+    if let Some(baseline) = baseline {
+        run["baseline"] = baseline;
+    }
+    Ok(run)
 }
 
 /// The burst through the virtual node against the same pods directly below, the restart
@@ -659,42 +657,50 @@ async fn clear_run(
     namespace: &str,
     node: &str,
 ) -> anyhow::Result<()> {
-    let now = DeleteParams {
-        grace_period_seconds: Some(0),
-        ..Default::default()
-    };
     // The run's copies below: the next run's node, of the same upper cluster, would
     // otherwise collect them all while it is measured.
     let marked = ListParams::default().labels(tensile_common::names::MARK_CLUSTER);
-    let config_maps: Api<ConfigMap> = Api::namespaced(lower.clone(), namespace);
-    config_maps.delete_collection(&now, &marked).await?;
-    let secrets: Api<Secret> = Api::namespaced(lower.clone(), namespace);
-    secrets.delete_collection(&now, &marked).await?;
+    emptied(Api::<ConfigMap>::namespaced(lower.clone(), namespace), &marked).await?;
+    emptied(Api::<Secret>::namespaced(lower.clone(), namespace), &marked).await?;
     for client in [upper, lower] {
-        let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-        let deadline = Instant::now() + Duration::from_secs(300);
-        // A collection of thousands outlasts one request's deadline: each try deletes what it
-        // reaches, and the next takes the rest.
-        while !pods
-            .list_metadata(&ListParams::default().limit(1))
-            .await?
-            .items
-            .is_empty()
-        {
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "the pods of {namespace} were not gone within 300 s"
-            );
-            if let Err(e) = pods.delete_collection(&now, &ListParams::default()).await {
-                tracing::info!("deleting the pods of {namespace} (going on): {e}");
-            }
-        }
+        emptied(
+            Api::<Pod>::namespaced(client.clone(), namespace),
+            &ListParams::default(),
+        )
+        .await?;
     }
     let nodes: Api<Node> = Api::all(upper.clone());
     nodes
         .delete(node, &DeleteParams::default())
         .await
         .with_context(|| format!("deleting node {node}"))?;
+    Ok(())
+}
+
+/// Deletes every object of `api` that `selected` selects, at once (no grace period), and
+/// waits until none is left. A collection of thousands outlasts one request's deadline: each
+/// try deletes what it reaches, and the next takes the rest.
+async fn emptied<K>(api: Api<K>, selected: &ListParams) -> anyhow::Result<()>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let now = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    let what = format!("{} {}", K::plural(&()), api.resource_url());
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !api
+        .list_metadata(&selected.clone().limit(1))
+        .await?
+        .items
+        .is_empty()
+    {
+        anyhow::ensure!(Instant::now() < deadline, "the {what} were not gone within 300 s");
+        if let Err(e) = api.delete_collection(&now, selected).await {
+            tracing::info!("deleting the {what} (going on): {e}");
+        }
+    }
     Ok(())
 }
 

@@ -510,6 +510,17 @@ mod tests {
         );
     }
 
+    /// `copy` with its `app` label edited, as a lower admin would.
+    fn relabelled(copy: &ConfigMap) -> ConfigMap {
+        let mut edited = copy.clone();
+        edited
+            .metadata
+            .labels
+            .get_or_insert_default()
+            .insert("app".into(), "other".into());
+        edited
+    }
+
     #[test]
     fn a_copy_read_back_from_the_apiserver_digests_as_written() {
         // Written with an empty `binaryData` and read back with server fields and without
@@ -532,12 +543,7 @@ mod tests {
             &mut Digested::default()
         ));
         // A label edited below no longer digests as written.
-        let mut relabelled = read.clone();
-        relabelled
-            .metadata
-            .labels
-            .get_or_insert_default()
-            .insert("app".into(), "other".into());
+        let relabelled = relabelled(&read);
         assert!(!is_current(
             "c1",
             &*header(&upper),
@@ -557,12 +563,7 @@ mod tests {
         assert!(is_current("c1", &*header(&upper), &read, &mut digested));
         // The same version again: known, not digested (a change below always comes with a
         // new version, which this stands in for).
-        let mut relabelled = read.clone();
-        relabelled
-            .metadata
-            .labels
-            .get_or_insert_default()
-            .insert("app".into(), "other".into());
+        let mut relabelled = relabelled(&read);
         digested.begin();
         assert!(is_current("c1", &*header(&upper), &relabelled, &mut digested));
         // Its new version: digested, and found edited.
