@@ -368,6 +368,7 @@ impl Elector {
     pub async fn acquire(&self, mut standby: impl FnMut(&str)) {
         let mut last_holder = String::new();
         loop {
+            let started = Instant::now();
             match self.try_acquire_or_renew().await {
                 Attempt::Leading => {
                     tracing::info!(lease = %self.lease_name(), identity = %self.config.identity, "acquired the leader Lease");
@@ -384,8 +385,33 @@ impl Elector {
                     tracing::warn!(lease = %self.lease_name(), "acquiring the leader Lease: {e}")
                 }
             }
-            tokio::time::sleep(self.config.retry_period).await;
+            tokio::time::sleep_until(self.next_attempt(started)).await;
         }
+    }
+
+    /// When a candidate that does not hold the Lease tries again: a retry period after its
+    /// last attempt began (a slow apiserver does not push every later attempt back by its
+    /// answers), or when the Lease it watches expires if that is sooner; never sooner than
+    /// a fifth of a retry period from now.
+    fn next_attempt(&self, started: Instant) -> Instant {
+        let mut next = started + self.config.retry_period;
+        if let Some(expires) = self.observed_expiry() {
+            next = next.min(expires);
+        }
+        next.max(Instant::now() + self.config.retry_period / 5)
+    }
+
+    /// When the Lease as last observed expires: a lease duration after this candidate saw
+    /// it change.
+    fn observed_expiry(&self) -> Option<Instant> {
+        let observed = self.observed.lock().ok()?;
+        let lease = observed
+            .spec
+            .as_ref()?
+            .lease_duration_seconds
+            .map(|s| Duration::from_secs(s.max(0) as u64))
+            .unwrap_or(self.config.lease_duration);
+        Some(observed.at + lease)
     }
 
     /// Renews every retry period while leading; returns [`Error::Lost`] once no renewal
@@ -1148,6 +1174,42 @@ mod tests {
         assert!(leadership.may_write(), "still leading");
         shutdown.cancel();
         run.await.unwrap().unwrap();
+    }
+
+    /// An apiserver whose Lease is held by `other`, who stopped renewing it: reads show the
+    /// same record; a write takes it.
+    fn abandoned_lease_server() -> kube::Client {
+        let service = tower::service_fn(move |req: Request<kube::client::Body>| async move {
+            let lease = |holder: &str, rv: &str| {
+                serde_json::json!({
+                    "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": "tensile-test", "namespace": "ns", "resourceVersion": rv},
+                    "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15,
+                             "renewTime": "2024-05-01T10:00:00.000000Z"},
+                })
+            };
+            let body = match *req.method() {
+                Method::GET => lease("other", "1"),
+                _ => lease("me", "2"),
+            };
+            http::Response::builder()
+                .status(200)
+                .header("content-type", "application/json")
+                .body(kube::client::Body::from(
+                    serde_json::to_vec(&body).unwrap_or_default(),
+                ))
+                .map_err(|e| Box::new(e) as BoxError)
+        });
+        kube::Client::new(service, "ns")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_standby_takes_an_abandoned_lease_when_it_expires_not_at_a_later_retry() {
+        let elector = Elector::new(abandoned_lease_server(), election(), Leadership::elected());
+        let began = Instant::now();
+        elector.acquire(|_| {}).await;
+        // Seen first at 0 s with a 15 s duration; retries every 2 s would take it at 16 s.
+        assert_eq!(began.elapsed(), Duration::from_secs(15));
     }
 
     #[tokio::test(start_paused = true)]

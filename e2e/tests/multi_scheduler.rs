@@ -658,9 +658,9 @@ async fn a_pod_no_lower_node_holds_waits_with_the_reason_and_schedules_once_a_lo
     })
     .await;
     let bound_after = added.elapsed();
-    // kube-scheduler may retry the pod on the node's allocatable change before the label
-    // moves: a bump within 10 s of the previous one is owed and made with a later write
-    // (the next shape, at most 5 s on), so the label is given that long.
+    // kube-scheduler may retry the pod on the shape's own write before the label moves: the
+    // bump follows the shape by a second, and one within 10 s of the previous bump is owed
+    // until then, so the label is given that long.
     let after = within("the shape grew, so the generation label moved", 20, || async {
         let after = generation(&nodes.get(VN_B).await.map_err(|e| e.to_string())?);
         if after > before {

@@ -179,10 +179,11 @@ impl NodeLoop {
     }
 
     /// After a heartbeat failed without an answer from the apiserver: a fresh client, so the
-    /// next heartbeat does not wait on another dead pooled connection.
-    fn reconnect_after(&self, e: &kube::Error) {
+    /// next heartbeat does not wait on another dead pooled connection. True when it was
+    /// unanswered.
+    fn reconnect_after(&self, e: &kube::Error) -> bool {
         if matches!(e, kube::Error::Api(_)) {
-            return;
+            return false;
         }
         match self.upper_source.client() {
             Ok(fresh) => {
@@ -192,6 +193,7 @@ impl NodeLoop {
             }
             Err(e) => tracing::warn!(node = self.name(), "a fresh upper client: {e}"),
         }
+        true
     }
 
     async fn probe(&self) -> Result<String, String> {
@@ -322,8 +324,8 @@ impl NodeLoop {
         }
     }
 
-    /// Writes the capacity shape annotation when [`ShapePublisher`] says so, bumping the
-    /// generation label in the same patch when the shape grew.
+    /// Writes the capacity shape annotation and bumps the generation label when
+    /// [`ShapePublisher`] says so (one merge patch of the Node's metadata).
     async fn publish_shape(&self, publisher: &mut ShapePublisher) {
         if self.served != tensile_common::cache::Namespaces::All {
             self.withdraw_shape().await;
@@ -355,17 +357,21 @@ impl NodeLoop {
             .and_then(|n| Shape::from_annotations(n.metadata.annotations.as_ref()))
             .and_then(Result::ok);
         let write = publisher.round(&computed, published.as_ref(), Instant::now(), wall);
-        if !write.annotation {
+        if !write.any() {
             return;
         }
-        let text = match computed.encode() {
-            Ok(t) => t,
-            Err(e) => {
-                tracing::warn!(node = self.name(), "encoding the capacity shape: {e}");
-                return;
+        let mut meta = json!({"metadata": {}});
+        if write.annotation {
+            match computed.encode() {
+                Ok(text) => {
+                    meta["metadata"]["annotations"] = json!({names::NODE_CAPACITY_SHAPE: text});
+                }
+                Err(e) => {
+                    tracing::warn!(node = self.name(), "encoding the capacity shape: {e}");
+                    return;
+                }
             }
-        };
-        let mut meta = json!({"metadata": {"annotations": {names::NODE_CAPACITY_SHAPE: text}}});
+        }
         let generation = write.bump.then(|| {
             let shown = upper
                 .as_ref()
@@ -382,9 +388,13 @@ impl NodeLoop {
             .await
         {
             Ok(_) => {
-                publisher.written(&computed, generation, Instant::now(), wall);
+                publisher.written(write, &computed, generation, Instant::now(), wall);
                 if let Some(g) = generation {
-                    tracing::debug!(node = self.name(), generation = g, "the capacity shape grew");
+                    tracing::debug!(
+                        node = self.name(),
+                        generation = g,
+                        "announced a grown capacity shape"
+                    );
                 }
             }
             Err(e) => tracing::warn!(node = self.name(), "capacity shape annotation: {e}"),
@@ -692,16 +702,20 @@ impl NodeLoop {
                     }
                     Err(e) => {
                         tracing::warn!(node = self.name(), "node status: {e}");
-                        self.reconnect_after(&e);
+                        if self.reconnect_after(&e) {
+                            state.heartbeat_failed();
+                        }
                     }
                 }
             }
             if state.registered && round.renew_lease {
                 match self.renew_lease().await {
-                    Ok(()) => state.last_lease = Some(Instant::now()),
+                    Ok(()) => state.lease_renewed(Instant::now()),
                     Err(e) => {
                         tracing::warn!(node = self.name(), "lease: {e}");
-                        self.reconnect_after(&e);
+                        if self.reconnect_after(&e) {
+                            state.heartbeat_failed();
+                        }
                     }
                 }
             }
@@ -709,13 +723,19 @@ impl NodeLoop {
             // CHANGED_ROUND_MIN_INTERVAL: under a stream of pod events each round works the
             // capacity out over every lower pod) or after the probe period, sooner while the
             // lower cluster does not answer; stop between rounds, never inside one.
-            let next_probe = if ready {
+            let idle = if ready {
                 self.settings.probe_period
             } else {
                 self.settings.recovery_probe_period
             };
+            let next = state.sleep(
+                Instant::now(),
+                idle,
+                self.settings.recovery_probe_period,
+                &periods,
+            );
             tokio::select! {
-                _ = tokio::time::sleep(next_probe) => {}
+                _ = tokio::time::sleep(next) => {}
                 _ = self.changed.notified() => {
                     let debounced = Instant::now() + CHANGED_DEBOUNCE;
                     let spaced = round_started + CHANGED_ROUND_MIN_INTERVAL;

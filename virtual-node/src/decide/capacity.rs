@@ -211,6 +211,11 @@ pub const SHAPE_REFRESH: Duration = Duration::from_secs(300);
 /// Least time between two bumps of the shape generation label: each bump sends every
 /// unschedulable pod of the upper scheduler back to its queue.
 pub const GENERATION_MIN_INTERVAL: Duration = Duration::from_secs(10);
+/// Least time between the write of a grown shape and the bump that announces it. The
+/// upper scheduler retries its pods on the bump and asks the extender at once, which reads
+/// Nodes from a watch of its own: in the same write, the retry could meet the extender
+/// before its watch shows the shape, and fail with nothing left to wake the pod.
+pub const BUMP_AFTER_SHAPE: Duration = Duration::from_secs(1);
 
 /// True when `new` can hold some pod `old` could not: a group appeared, some frontier
 /// vector of a group is covered by no vector of the same group before, or a group's
@@ -244,26 +249,36 @@ fn reach(group: &Group, frontier: &[ResourceMap]) -> Result<ResourceMap, tensile
     Ok(out)
 }
 
-/// What one round writes of the shape: the annotation, and whether the generation label is
-/// bumped with it (one patch).
+/// What one round writes of the shape: the annotation, the generation label, or both in
+/// one patch.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ShapeWrite {
     pub annotation: bool,
     pub bump: bool,
+    /// The annotation written shows a shape that grew: a bump is owed for it.
+    pub grows: bool,
+}
+
+impl ShapeWrite {
+    pub fn any(&self) -> bool {
+        self.annotation || self.bump
+    }
 }
 
 /// When the shape is written, apart from the API calls. The shape is compared without its
 /// `at` with the one last written (or, before the first write, the one the Node shows), so
 /// the annotation changes only when the lower nodes do, at most every
-/// [`SHAPE_MIN_INTERVAL`], and otherwise every [`SHAPE_REFRESH`].
+/// [`SHAPE_MIN_INTERVAL`], and otherwise every [`SHAPE_REFRESH`]. A shape that grew is
+/// announced by a later bump of the generation label, at least [`BUMP_AFTER_SHAPE`] after
+/// it and [`GENERATION_MIN_INTERVAL`] after the previous bump.
 #[derive(Debug, Default)]
 pub struct ShapePublisher {
     /// The last shape written, without its `at`, and when (wall clock of its `at`).
     last: Option<(Shape, jiff::Timestamp)>,
     last_write: Option<Instant>,
     last_bump: Option<Instant>,
-    /// The shape grew but the label could not be bumped yet.
-    bump_pending: bool,
+    /// When the last grown shape not yet announced by a bump was written.
+    grown_at: Option<Instant>,
     /// The generation label's value last written.
     generation: u64,
 }
@@ -275,13 +290,31 @@ fn without_time(shape: &Shape) -> Shape {
     }
 }
 
+fn since(t: Option<Instant>, now: Instant, min: Duration) -> bool {
+    t.is_none_or(|t| now.duration_since(t) >= min)
+}
+
 impl ShapePublisher {
-    /// Whether a round at `now` could write the annotation at all: not within
-    /// [`SHAPE_MIN_INTERVAL`] of the last write. Until then the shape is not worth working
-    /// out (a growth it would show is noticed at the next round that may write).
+    /// Whether a round at `now` could write anything: the annotation, not within
+    /// [`SHAPE_MIN_INTERVAL`] of the last write, or an owed bump. Until then the shape is
+    /// not worth working out (a growth it would show is noticed at the next round that may
+    /// write).
     pub fn may_write(&self, now: Instant) -> bool {
-        self.last_write
-            .is_none_or(|t| now.duration_since(t) >= SHAPE_MIN_INTERVAL)
+        since(self.last_write, now, SHAPE_MIN_INTERVAL) || self.bump_due(now)
+    }
+
+    fn bump_due(&self, now: Instant) -> bool {
+        self.grown_at
+            .is_some_and(|g| now.duration_since(g) >= BUMP_AFTER_SHAPE)
+            && since(self.last_bump, now, GENERATION_MIN_INTERVAL)
+    }
+
+    /// How long until an owed bump may be written (`None`: none owed).
+    pub fn bump_due_in(&self, now: Instant) -> Option<Duration> {
+        let grown = self.grown_at?;
+        let at =
+            (grown + BUMP_AFTER_SHAPE).max(self.last_bump.map_or(grown, |b| b + GENERATION_MIN_INTERVAL));
+        Some(at.saturating_duration_since(now))
     }
 
     /// The decision for `computed` (whose `at` is now, `wall`), given what the upper Node
@@ -300,22 +333,22 @@ impl ShapePublisher {
                 (without_time(p), at.unwrap_or(jiff::Timestamp::UNIX_EPOCH))
             })
         });
-        let (changed, stale) = match &baseline {
-            None => (true, true),
+        let (changed, stale, grows) = match &baseline {
+            None => (true, true, false),
             Some((shape, at)) => {
-                if grew(shape, &content) {
-                    self.bump_pending = true;
-                }
                 let refresh = jiff::SignedDuration::from_secs(SHAPE_REFRESH.as_secs() as i64);
-                (*shape != content, wall.duration_since(*at) >= refresh)
+                (
+                    *shape != content,
+                    wall.duration_since(*at) >= refresh,
+                    grew(shape, &content),
+                )
             }
         };
-        let since = |t: Option<Instant>, min: Duration| t.is_none_or(|t| now.duration_since(t) >= min);
-        let bump = self.bump_pending && since(self.last_bump, GENERATION_MIN_INTERVAL);
-        let annotation = since(self.last_write, SHAPE_MIN_INTERVAL) && (changed || stale || bump);
+        let annotation = since(self.last_write, now, SHAPE_MIN_INTERVAL) && (changed || stale);
         ShapeWrite {
             annotation,
-            bump: bump && annotation,
+            bump: self.bump_due(now),
+            grows: annotation && grows,
         }
     }
 
@@ -326,14 +359,27 @@ impl ShapePublisher {
         shown.max(self.generation) + 1
     }
 
-    /// `computed` was written at `now`, with the generation label set to `bumped` if given.
-    pub fn written(&mut self, computed: &Shape, bumped: Option<u64>, now: Instant, wall: jiff::Timestamp) {
-        self.last = Some((without_time(computed), wall));
-        self.last_write = Some(now);
+    /// `write` was made at `now`: with `computed` as the annotation when it says so, and the
+    /// generation label set to `bumped` if given.
+    pub fn written(
+        &mut self,
+        write: ShapeWrite,
+        computed: &Shape,
+        bumped: Option<u64>,
+        now: Instant,
+        wall: jiff::Timestamp,
+    ) {
         if let Some(generation) = bumped {
             self.generation = generation;
             self.last_bump = Some(now);
-            self.bump_pending = false;
+            self.grown_at = None;
+        }
+        if write.annotation {
+            self.last = Some((without_time(computed), wall));
+            self.last_write = Some(now);
+        }
+        if write.grows {
+            self.grown_at = Some(now);
         }
     }
 }
@@ -523,6 +569,12 @@ mod tests {
         assert!(grew(&small, &both), "a new group");
     }
 
+    const WRITE: ShapeWrite = ShapeWrite {
+        annotation: true,
+        bump: false,
+        grows: false,
+    };
+
     #[test]
     fn the_shape_is_written_on_change_at_most_every_few_seconds_and_refreshed_rarely() {
         let t0 = Instant::now();
@@ -530,14 +582,8 @@ mod tests {
         let mut p = ShapePublisher::default();
         let a = shape_of(&["2", "2"]);
         let first = p.round(&a, None, t0, wall(0));
-        assert_eq!(
-            first,
-            ShapeWrite {
-                annotation: true,
-                bump: false
-            }
-        );
-        p.written(&a, None, t0, wall(0));
+        assert_eq!(first, WRITE);
+        p.written(first, &a, None, t0, wall(0));
         // The same content a second later, only `at` moved: nothing to write.
         let mut later = a.clone();
         later.at = Some(tensile_common::api::time(wall(1)));
@@ -550,14 +596,10 @@ mod tests {
         let b = shape_of(&["2"]);
         assert!(!p.may_write(after(2)) && p.may_write(after(5)));
         assert!(!p.round(&b, Some(&a), after(2), wall(2)).annotation);
-        assert_eq!(
-            p.round(&b, Some(&a), after(5), wall(5)),
-            ShapeWrite {
-                annotation: true,
-                bump: false
-            }
-        );
-        p.written(&b, None, after(5), wall(5));
+        let shrunk = p.round(&b, Some(&a), after(5), wall(5));
+        assert_eq!(shrunk, WRITE, "a shrinking shape owes no bump");
+        p.written(shrunk, &b, None, after(5), wall(5));
+        assert_eq!(p.bump_due_in(after(5)), None);
         // Quiet: the next write is the refresh.
         let quiet = SHAPE_REFRESH.as_secs() as i64;
         assert!(!p.round(&b, Some(&b), after(5 + 60), wall(5 + 60)).annotation);
@@ -568,44 +610,57 @@ mod tests {
     }
 
     #[test]
-    fn a_grown_shape_bumps_the_generation_at_most_every_ten_seconds_and_never_loses_a_bump() {
+    fn a_grown_shape_is_announced_by_a_later_bump_at_most_every_ten_seconds_and_never_lost() {
         let t0 = Instant::now();
-        let after = |s: u64| t0 + Duration::from_secs(s);
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
         let mut p = ShapePublisher::default();
         let (small, big, bigger) = (shape_of(&["2"]), shape_of(&["4"]), shape_of(&["8"]));
-        p.written(&small, None, t0, wall(0));
-        let grown = p.round(&big, None, after(5), wall(5));
+        let first = p.round(&small, None, t0, wall(0));
+        p.written(first, &small, None, t0, wall(0));
+        // It grows: the annotation alone, the bump owed for a second later.
+        let grown = p.round(&big, None, at(5_000), wall(5));
         assert_eq!(
             grown,
             ShapeWrite {
                 annotation: true,
-                bump: true
+                bump: false,
+                grows: true
             }
         );
-        p.written(&big, Some(1), after(5), wall(5));
-        // Grows again 5 s later: the annotation is written, the bump waits for its interval.
-        let again = p.round(&bigger, None, after(10), wall(10));
-        assert_eq!(
-            again,
-            ShapeWrite {
-                annotation: true,
-                bump: false
-            }
+        p.written(grown, &big, None, at(5_000), wall(5));
+        assert_eq!(p.bump_due_in(at(5_000)), Some(BUMP_AFTER_SHAPE));
+        assert!(!p.may_write(at(5_500)) && !p.round(&big, None, at(5_500), wall(5)).any());
+        assert!(
+            p.may_write(at(6_000)),
+            "the owed bump wakes a round within the interval"
         );
-        p.written(&bigger, None, after(10), wall(10));
-        assert!(!p.round(&bigger, None, after(12), wall(12)).bump);
-        let owed = p.round(&bigger, None, after(15), wall(15));
+        let bump = p.round(&big, None, at(6_000), wall(6));
         assert_eq!(
-            owed,
+            bump,
             ShapeWrite {
-                annotation: true,
-                bump: true
+                annotation: false,
+                bump: true,
+                grows: false
             },
-            "the bump still owed"
+            "the label alone, the shape already written"
         );
+        assert_eq!(p.next_generation(None), 1);
+        p.written(bump, &big, Some(1), at(6_000), wall(6));
+        assert_eq!(p.bump_due_in(at(6_000)), None);
+        // Grows again 4 s later: written, and its bump waits for the ten seconds.
+        let again = p.round(&bigger, None, at(11_000), wall(11));
+        assert!(again.annotation && again.grows && !again.bump);
+        p.written(again, &bigger, None, at(11_000), wall(11));
+        assert_eq!(p.bump_due_in(at(11_000)), Some(Duration::from_secs(5)));
+        assert!(!p.round(&bigger, None, at(15_000), wall(15)).any());
+        let owed = p.round(&bigger, None, at(16_000), wall(16));
+        assert!(owed.bump && !owed.annotation, "the bump still owed");
         assert_eq!(p.next_generation(Some("1")), 2);
-        p.written(&bigger, Some(2), after(15), wall(15));
-        assert_eq!(p.round(&bigger, None, after(30), wall(30)), ShapeWrite::default());
+        p.written(owed, &bigger, Some(2), at(16_000), wall(16));
+        assert_eq!(
+            p.round(&bigger, None, at(30_000), wall(30)),
+            ShapeWrite::default()
+        );
         assert_eq!(
             p.next_generation(Some("1")),
             3,

@@ -158,6 +158,9 @@ pub struct Heartbeat {
     pub last_sent: Option<(Capacity, Health)>,
     pub last_status: Option<Instant>,
     pub last_lease: Option<Instant>,
+    /// The last heartbeat write (status or Lease) got no answer: rounds come at the
+    /// recovery period until a Lease renewal is taken.
+    pub heartbeat_failing: bool,
     pub registered: bool,
     /// Set once the Node shows in the watch; its absence afterwards means it was deleted.
     pub seen_in_watch: bool,
@@ -229,6 +232,36 @@ impl Heartbeat {
     pub fn status_written(&mut self, capacity: Capacity, health: Health, at: Instant) {
         self.last_sent = Some((capacity, health));
         self.last_status = Some(at);
+    }
+
+    pub fn lease_renewed(&mut self, at: Instant) {
+        self.last_lease = Some(at);
+        self.heartbeat_failing = false;
+    }
+
+    /// A status write or Lease renewal went unanswered. The status is owed whatever it
+    /// last said: the node controller may have marked the node Unknown meanwhile, and a
+    /// watch left on a connection that died with the outage would not show it.
+    pub fn heartbeat_failed(&mut self) {
+        self.last_sent = None;
+        self.heartbeat_failing = true;
+    }
+
+    /// How long the loop may sleep after a round: the recovery period while heartbeats
+    /// fail, else `idle` (the probe period, or the recovery period while the lower cluster
+    /// is not Ready) but not past the Lease's renewal or an owed bump of the shape
+    /// generation; never less than the recovery period (a write refused at once is not
+    /// made again at once).
+    pub fn sleep(&self, now: Instant, idle: Duration, recovery: Duration, periods: &Periods) -> Duration {
+        if self.heartbeat_failing {
+            return recovery;
+        }
+        let bump = self.shape.bump_due_in(now).unwrap_or(idle);
+        let lease = match self.last_lease {
+            Some(t) if self.registered => (t + periods.lease).saturating_duration_since(now),
+            _ => idle,
+        };
+        idle.min(bump).min(lease).max(recovery.min(idle))
     }
 }
 
@@ -551,7 +584,7 @@ mod tests {
         assert!(first.register && first.write_status && first.renew_lease && first.ready_changed);
         state.registered = true;
         state.status_written(seen(Ok(()), 3, false, t0).capacity, first.health, t0);
-        state.last_lease = Some(t0);
+        state.lease_renewed(t0);
         state
     }
 
@@ -565,6 +598,35 @@ mod tests {
         assert!(lease.renew_lease && !lease.write_status);
         let status = state.round(&seen(Ok(()), 3, true, t0 + STATUS), &PERIODS);
         assert!(status.write_status);
+    }
+
+    #[test]
+    fn an_unanswered_heartbeat_is_retried_at_the_recovery_period_with_the_status_owed() {
+        let t0 = Instant::now();
+        let (idle, recovery) = (PERIODS.probe, Duration::from_secs(1));
+        let mut state = registered(t0);
+        assert_eq!(state.sleep(t0, idle, recovery, &PERIODS), idle);
+        // The Lease falls due before the next probe: the loop wakes for it.
+        let t = t0 + Duration::from_secs(7);
+        assert_eq!(state.sleep(t, idle, recovery, &PERIODS), Duration::from_secs(3));
+        let t = t0 + LEASE;
+        assert!(state.round(&seen(Ok(()), 3, true, t), &PERIODS).renew_lease);
+        state.heartbeat_failed();
+        assert_eq!(state.sleep(t, idle, recovery, &PERIODS), recovery);
+        let t = t + Duration::from_secs(3);
+        let retry = state.round(&seen(Ok(()), 3, true, t), &PERIODS);
+        assert!(
+            retry.renew_lease && retry.write_status,
+            "the Lease again, and the status whatever it last said"
+        );
+        state.lease_renewed(t);
+        state.status_written(seen(Ok(()), 3, true, t).capacity, retry.health, t);
+        assert_eq!(state.sleep(t, idle, recovery, &PERIODS), idle);
+        let quiet = state.round(&seen(Ok(()), 3, true, t + Duration::from_secs(1)), &PERIODS);
+        assert!(!quiet.renew_lease && !quiet.write_status);
+        // A failure while the Lease is not yet due: one recovery period, not a probe period.
+        state.heartbeat_failed();
+        assert_eq!(state.sleep(t, idle, recovery, &PERIODS), recovery);
     }
 
     #[test]
