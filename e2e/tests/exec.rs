@@ -231,14 +231,19 @@ async fn kubectl_exec_with_a_tty_gets_a_terminal() {
 /// `kubectl exec -it POD` in a terminal (`script`'s) of 132×43 that shrinks to 100×30 four
 /// seconds in: the container gets a terminal, in cooked mode, of the size kubectl's terminal
 /// has, and follows its resize (kubectl sends it on `SIGWINCH`, the kernel's signal of a
-/// changed terminal size).
+/// changed terminal size). A `SIGWINCH` that reaches kubectl before it listens for it is
+/// lost in kubectl (seen once on a loaded machine: the size never changed), so the terminal
+/// then widens by a column and narrows back, two seconds apart: the container must end at
+/// 100×30 whichever of the three signals kubectl saw first.
 async fn terminal_works(kubeconfig: &Path, ns: &str, via: Via, pod: &str) {
     let kubectl = format!(
-        "{} --kubeconfig {} -n {ns} exec -it {pod} -- sh -c 'env; stty size; sleep 7; stty size'",
+        "{} --kubeconfig {} -n {ns} exec -it {pod} -- sh -c 'env; stty size; sleep 10; stty size'",
         tensile_e2e::kubectl::binary_for(kubeconfig).display(),
         kubeconfig.display()
     );
-    let line = format!("stty cols 132 rows 43; (sleep 4; stty cols 100 rows 30 </dev/tty) & exec {kubectl}");
+    let resize = "sleep 4; stty cols 100 rows 30 </dev/tty; sleep 2; stty cols 101 rows 30 </dev/tty; \
+                  sleep 2; stty cols 100 rows 30 </dev/tty";
+    let line = format!("stty cols 132 rows 43; ({resize}) & exec {kubectl}");
     let out = tokio::time::timeout(
         Duration::from_secs(60),
         tokio::process::Command::new("script")
