@@ -391,11 +391,12 @@ impl Elector {
 
     /// When a candidate that does not hold the Lease tries again: a retry period after its
     /// last attempt began (a slow apiserver does not push every later attempt back by its
-    /// answers), or when the Lease it watches expires if that is sooner; never sooner than
-    /// a fifth of a retry period from now.
+    /// answers), or when the Lease it watches expires if that is sooner and was still ahead
+    /// when the attempt began (a Lease found expired whose write failed is tried again a
+    /// retry period on); never sooner than a fifth of a retry period from now.
     fn next_attempt(&self, started: Instant) -> Instant {
         let mut next = started + self.config.retry_period;
-        if let Some(expires) = self.observed_expiry() {
+        if let Some(expires) = self.observed_expiry().filter(|e| *e > started) {
             next = next.min(expires);
         }
         next.max(Instant::now() + self.config.retry_period / 5)
@@ -1210,6 +1211,54 @@ mod tests {
         elector.acquire(|_| {}).await;
         // Seen first at 0 s with a 15 s duration; retries every 2 s would take it at 16 s.
         assert_eq!(began.elapsed(), Duration::from_secs(15));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_standby_whose_write_of_an_expired_lease_fails_tries_again_a_retry_period_on() {
+        let (client, calls) = refusing_lease_server();
+        let elector = Elector::new(client, election(), Leadership::elected());
+        let _ = tokio::time::timeout(Duration::from_secs(21), elector.acquire(|_| {})).await;
+        // Seen at 0 s, expired at 15 s: reads at 0, 2, .. 14, then a read and a refused write
+        // at 15, 17 and 19 s, not every 0.4 s.
+        let calls = calls.lock().unwrap().clone();
+        assert_eq!(calls.iter().filter(|m| *m == "PUT").count(), 3, "{calls:?}");
+    }
+
+    /// An abandoned Lease (as [`abandoned_lease_server`]) whose every write fails with a 500,
+    /// and the methods it was called with.
+    fn refusing_lease_server() -> (kube::Client, Calls) {
+        let calls: Calls = Arc::default();
+        let seen = calls.clone();
+        let service = tower::service_fn(move |req: Request<kube::client::Body>| {
+            let seen = seen.clone();
+            async move {
+                seen.lock().unwrap().push(req.method().to_string());
+                let (code, body) = match *req.method() {
+                    Method::GET => (
+                        200,
+                        serde_json::json!({
+                            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                            "metadata": {"name": "tensile-test", "namespace": "ns", "resourceVersion": "1"},
+                            "spec": {"holderIdentity": "other", "leaseDurationSeconds": 15,
+                                     "renewTime": "2024-05-01T10:00:00.000000Z"},
+                        }),
+                    ),
+                    _ => (
+                        500,
+                        serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                           "reason": "InternalError", "code": 500}),
+                    ),
+                };
+                http::Response::builder()
+                    .status(code)
+                    .header("content-type", "application/json")
+                    .body(kube::client::Body::from(
+                        serde_json::to_vec(&body).unwrap_or_default(),
+                    ))
+                    .map_err(|e| Box::new(e) as BoxError)
+            }
+        });
+        (kube::Client::new(service, "ns"), calls)
     }
 
     #[tokio::test(start_paused = true)]
