@@ -1,10 +1,12 @@
 //! Deadlines on API calls: a tower layer every client of the suite carries.
 //!
 //! A call must be answered, headers and body, within its deadline; a call that is not fails
-//! with [`Exceeded`] and its connection is dropped, so a half-open connection to an
-//! apiserver frees the task that waits on it instead of holding it (and, for the node's
-//! Lease, the node's health) forever. Watches and followed log streams are exempt: they are
-//! meant to stay open, and kube's watcher guards them with its own idle timeout.
+//! with [`Exceeded`] and its request is dropped (an HTTP/1.1 connection with it; an HTTP/2
+//! stream is reset), so a half-open connection to an apiserver frees the task that waits on
+//! it instead of holding it (and, for the node's Lease, the node's health) forever. Watches
+//! and followed log streams are exempt: they are meant to stay open. An HTTP/2 connection
+//! that stops answering is closed by its ping ([`crate::kubeconfig::PING_TIMEOUT`]), with the
+//! watches on it, which are then made again.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -10,7 +10,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use kube::client::ClientBuilder;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
 use crate::deadline::DeadlineLayer;
@@ -232,17 +231,7 @@ fn tune(config: &mut kube::Config, options: &ClientOptions) {
 }
 
 fn build(config: kube::Config, options: &ClientOptions) -> Result<kube::Client, kube::Error> {
-    let builder = ClientBuilder::try_from(config)?.with_layer(&DeadlineLayer {
-        deadline: options.request_timeout,
-    });
-    Ok(match &options.fence {
-        Some(leadership) => builder
-            .with_layer(&FenceLayer {
-                leadership: leadership.clone(),
-            })
-            .build(),
-        None => builder.build(),
-    })
+    client_of(&config, options, Protocols::Negotiated)
 }
 
 /// The proxy a client of `server` goes through when its kubeconfig names none: `HTTPS_PROXY`
@@ -346,27 +335,117 @@ fn in_range(ip: std::net::IpAddr, net: std::net::IpAddr, bits: u32) -> bool {
     }
 }
 
-fn stream_client(config: &kube::Config, options: &ClientOptions) -> Result<kube::Client, kube::Error> {
+/// Which HTTP versions a client's connections may speak.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Protocols {
+    /// HTTP/2 when the apiserver offers it in the TLS handshake (ALPN), else HTTP/1.1.
+    /// Every call and watch of the client then shares one connection per apiserver.
+    Negotiated,
+    /// HTTP/1.1 only: an upgrade (exec, attach, port-forward) takes a connection of its own.
+    Http1,
+}
+
+/// How long an HTTP/2 connection may bring nothing before the client pings the apiserver,
+/// and how long it then waits for the answer before it closes the connection with every
+/// call and watch on it (which then fail, and are retried or restarted on a new one). A
+/// connection a partition left half-open is so found dead within their sum; HTTP/1.1 has no
+/// such check, and a watch on a dead HTTP/1.1 connection waits for the kernel.
+pub const PING_AFTER_IDLE: Duration = Duration::from_secs(10);
+pub const PING_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The flow-control windows an HTTP/2 client offers: a watch whose reader falls behind holds
+/// at most its stream's window of the connection's, so a few slow readers never stall the
+/// other calls on the connection (client-go offers 4 MiB a stream too).
+const STREAM_WINDOW: u32 = 4 << 20;
+const CONNECTION_WINDOW: u32 = 64 << 20;
+
+/// A client of `config` with `options`: through the proxy the configuration names (HTTP,
+/// or HTTPS to the proxy), connections that send every write at once (`TCP_NODELAY`: a
+/// small write is not held for the peer's delayed acknowledgement), the connect timeout,
+/// kube's server retry when `options` ask for it (not for upgrades), the per-call deadline,
+/// the fence, and its connections as lanes ([`crate::lanes`]).
+fn client_of(
+    config: &kube::Config,
+    options: &ClientOptions,
+    protocols: Protocols,
+) -> Result<kube::Client, kube::Error> {
+    use hyper_util::client::legacy::connect::proxy::Tunnel;
+    use kube::client::ConfigExt as _;
     let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_connect_timeout(config.connect_timeout);
     match config.proxy_url.as_ref() {
-        // Through an HTTP proxy's tunnel (CONNECT), as the main client goes.
         Some(proxy) if proxy.scheme_str() == Some("http") => {
-            let tunnel = hyper_util::client::legacy::connect::proxy::Tunnel::new(proxy.clone(), http);
-            stream_client_over(config, options, tunnel)
+            let tunnel = with_proxy_authorization(proxy, Tunnel::new(proxy.clone(), http));
+            client_over(config, options, protocols, tunnel)
+        }
+        Some(proxy) if proxy.scheme_str() == Some("https") => {
+            let to_proxy = config.rustls_https_connector_with_connector(http)?;
+            let tunnel = with_proxy_authorization(proxy, Tunnel::new(proxy.clone(), to_proxy));
+            client_over(config, options, protocols, tunnel)
         }
         Some(proxy) => Err(kube::Error::ProxyProtocolUnsupported {
             proxy_url: Box::new(proxy.clone()),
         }),
-        None => stream_client_over(config, options, http),
+        None => client_over(config, options, protocols, http),
     }
 }
 
-fn stream_client_over<C>(
+/// `tunnel` presenting the credentials the proxy's address carries, if any.
+fn with_proxy_authorization<C>(
+    proxy: &http::Uri,
+    tunnel: hyper_util::client::legacy::connect::proxy::Tunnel<C>,
+) -> hyper_util::client::legacy::connect::proxy::Tunnel<C> {
+    match proxy_authorization(proxy) {
+        Some(header) => tunnel.with_auth(header),
+        None => tunnel,
+    }
+}
+
+/// The `Proxy-Authorization` (`Basic`) of the credentials a proxy's address carries
+/// (`http://user:password@host:port`, percent-escaped), `None` when it carries none.
+fn proxy_authorization(proxy: &http::Uri) -> Option<http::HeaderValue> {
+    use base64::Engine as _;
+    let (userinfo, _) = proxy.authority()?.as_str().split_once('@')?;
+    let (user, password) = userinfo.split_once(':').unwrap_or((userinfo, ""));
+    let plain = format!("{}:{}", percent_decoded(user), percent_decoded(password));
+    let value = format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(plain)
+    );
+    http::HeaderValue::from_str(&value).ok()
+}
+
+/// `part` with its `%XX` escapes decoded (an escape that is not one is kept as written).
+fn percent_decoded(part: &str) -> String {
+    let bytes = part.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let escaped = (bytes[i] == b'%')
+            .then(|| bytes.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|hex| std::str::from_utf8(hex).ok())
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match escaped {
+            Some(byte) => {
+                out.push(byte);
+                i += 3;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn client_over<C>(
     config: &kube::Config,
     options: &ClientOptions,
+    protocols: Protocols,
     connector: C,
 ) -> Result<kube::Client, kube::Error>
 where
@@ -376,19 +455,45 @@ where
     C::Future: Send + 'static,
     C::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    use hyper_util::rt::{TokioExecutor, TokioTimer};
     use kube::client::ConfigExt as _;
-    let https = config.rustls_https_connector_with_connector(connector)?;
-    let hyper =
-        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build(https);
+    let tls = config.rustls_client_config()?;
+    let mut https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http();
+    if let Some(name) = &config.tls_server_name {
+        let name = rustls::pki_types::ServerName::try_from(name.clone())
+            .map_err(|e| kube::Error::RustlsTls(kube::client::RustlsTlsError::InvalidServerName(e)))?;
+        https = https.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name));
+    }
+    let https = match protocols {
+        Protocols::Negotiated => https.enable_all_versions().wrap_connector(connector),
+        Protocols::Http1 => https.enable_http1().wrap_connector(connector),
+    };
+    let mut lane = hyper_util::client::legacy::Client::builder(TokioExecutor::new());
+    lane.timer(TokioTimer::new())
+        .pool_timer(TokioTimer::new())
+        .http2_keep_alive_interval(PING_AFTER_IDLE)
+        .http2_keep_alive_timeout(PING_TIMEOUT)
+        .http2_keep_alive_while_idle(true)
+        .http2_initial_stream_window_size(STREAM_WINDOW)
+        .http2_initial_connection_window_size(CONNECTION_WINDOW);
+    let lanes = crate::lanes::Lanes::new(move || lane.build(https.clone()));
+    // An upgrade is not repeated: its caller (a user's exec, attach or port-forward) sees
+    // the refusal.
+    let retry = (config.default_retry && protocols == Protocols::Negotiated)
+        .then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry()));
     let service = tower::ServiceBuilder::new()
-        .layer(config.base_uri_layer())
-        .option_layer(config.auth_layer()?)
-        .layer(config.extra_headers_layer()?)
         .option_layer(options.fence.clone().map(|leadership| FenceLayer { leadership }))
         .layer(DeadlineLayer {
             deadline: options.request_timeout,
         })
-        .service(hyper);
+        .layer(config.base_uri_layer())
+        .option_layer(retry)
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .map_err(tower::BoxError::from)
+        .service(lanes);
     Ok(kube::Client::new(service, config.default_namespace.clone()))
 }
 
@@ -582,7 +687,7 @@ impl ClientSource {
         if self.identity.is_some() {
             return Err(Error::StreamWithIdentity);
         }
-        stream_client(&self.config, &self.options).map_err(|source| self.client_error(source))
+        client_of(&self.config, &self.options, Protocols::Http1).map_err(|source| self.client_error(source))
     }
 
     /// A new client, sharing no connection with any other.
@@ -613,6 +718,24 @@ mod tests {
                 .find(|(k, _)| *k == name)
                 .map(|(_, v)| (*v).to_owned())
         }
+    }
+
+    #[test]
+    fn a_proxy_address_with_credentials_is_answered_with_basic_authorization() {
+        let proxy: http::Uri = "http://alice:p%40ss%3Aword@proxy:3128".parse().unwrap();
+        // base64 of "alice:p@ss:word"
+        assert_eq!(proxy_authorization(&proxy).unwrap(), "Basic YWxpY2U6cEBzczp3b3Jk");
+        let bare: http::Uri = "http://bob@proxy:3128".parse().unwrap();
+        assert_eq!(proxy_authorization(&bare).unwrap(), "Basic Ym9iOg==");
+        let none: http::Uri = "http://proxy:3128".parse().unwrap();
+        assert_eq!(proxy_authorization(&none), None);
+    }
+
+    #[test]
+    fn a_stray_percent_sign_is_kept_as_written() {
+        assert_eq!(percent_decoded("a%2"), "a%2");
+        assert_eq!(percent_decoded("%zz%41"), "%zzA");
+        assert_eq!(percent_decoded("%"), "%");
     }
 
     #[test]

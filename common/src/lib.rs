@@ -29,6 +29,7 @@ pub mod fit;
 pub mod kubeconfig;
 pub mod kubelet;
 pub mod label_selector;
+pub mod lanes;
 pub mod leader;
 pub mod lower;
 pub mod names;

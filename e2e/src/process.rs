@@ -189,6 +189,41 @@ pub fn pid_alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
 
+/// The TCP connections process `pid` holds open (established), to port `to` only if given.
+pub fn open_connections(pid: u32, to: Option<u16>) -> std::io::Result<usize> {
+    let mut inodes = std::collections::HashSet::new();
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+        if let Ok(target) = std::fs::read_link(fd?.path())
+            && let Some(inode) = target
+                .to_str()
+                .and_then(|t| t.strip_prefix("socket:["))
+                .and_then(|t| t.strip_suffix(']'))
+        {
+            inodes.insert(inode.to_owned());
+        }
+    }
+    let to = to.map(|port| format!(":{port:04X}"));
+    let mut open = 0;
+    for table in ["tcp", "tcp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
+        open += text
+            .lines()
+            .skip(1)
+            .filter(|l| {
+                let fields: Vec<&str> = l.split_whitespace().collect();
+                // Field 2 is the remote address (hex, `ADDR:PORT`), state 01 is ESTABLISHED,
+                // field 9 the socket's inode.
+                fields.get(3) == Some(&"01")
+                    && fields.get(9).is_some_and(|i| inodes.contains(*i))
+                    && to
+                        .as_ref()
+                        .is_none_or(|port| fields.get(2).is_some_and(|r| r.ends_with(port.as_str())))
+            })
+            .count();
+    }
+    Ok(open)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -472,35 +472,6 @@ async fn pod_watch_events(client: &kube::Client) -> anyhow::Result<f64> {
     .await
 }
 
-/// The TCP connections process `pid` holds open.
-fn open_connections(pid: u32) -> anyhow::Result<usize> {
-    let mut inodes = std::collections::HashSet::new();
-    for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
-        if let Ok(target) = std::fs::read_link(fd?.path())
-            && let Some(inode) = target
-                .to_str()
-                .and_then(|t| t.strip_prefix("socket:["))
-                .and_then(|t| t.strip_suffix(']'))
-        {
-            inodes.insert(inode.to_owned());
-        }
-    }
-    let mut open = 0;
-    for table in ["tcp", "tcp6"] {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
-        open += text
-            .lines()
-            .skip(1)
-            .filter(|l| {
-                let fields: Vec<&str> = l.split_whitespace().collect();
-                // State 01 is ESTABLISHED; field 9 is the socket's inode.
-                fields.get(3) == Some(&"01") && fields.get(9).is_some_and(|i| inodes.contains(*i))
-            })
-            .count();
-    }
-    Ok(open)
-}
-
 /// `s.pods` pods created at `rate` a second, bound to a virtual node of their own (started
 /// for the run, over the same lower cluster, from the build in `build` if given, on lower
 /// nodes added for it): its CPU per pod, RSS and idle CPU once they all run. With `refs`,
@@ -564,7 +535,7 @@ async fn paced_run(
     tokio::time::sleep(Duration::from_secs(3)).await;
     let pid = vn.pid().context("virtual-node exited")?;
     let idle = rss(pid)?;
-    let connections_idle = open_connections(pid)?;
+    let connections_idle = crate::process::open_connections(pid, None)?;
     let cpu_before = cpu_secs(pid)?;
     let reads_before = refs_reads(&upper_client).await?;
     let lower_client = lower.client().await?;
@@ -589,7 +560,7 @@ async fn paced_run(
         },
     )
     .await?;
-    let connections_running = open_connections(pid)?;
+    let connections_running = crate::process::open_connections(pid, None)?;
     tokio::time::sleep(Duration::from_secs(15)).await;
     let cpu_settled = cpu_secs(pid)? - cpu_before;
     let settled_wall = started.elapsed();
@@ -605,7 +576,7 @@ async fn paced_run(
     let idle_cpu = idle_cpu(pid, s.idle_secs).await?;
     let floor = floor.figures(s.pods).await?;
     let reads_idle = refs_reads(&upper_client).await?;
-    let connections_settled = open_connections(pid)?;
+    let connections_settled = crate::process::open_connections(pid, None)?;
     drop(vn);
     clear_run(&upper_client, &lower_client, &namespace, &node).await?;
     let mut figures = json!({

@@ -368,6 +368,117 @@ async fn a_partition_that_leaves_connections_half_open_stalls_no_lease_renewal()
     // whose calls stayed stuck on the lost connections would be Unknown by now.
     tokio::time::sleep(Duration::from_secs(15).saturating_sub(healed.elapsed())).await;
     renewed_and_ready(up(), "vn-cut", before).await.unwrap();
+
+    // The node's watches of the upper cluster were on connections the partition lost for
+    // good. A pod made now is run below and reported Running upstream only if the node found
+    // those connections dead and watched again, without waiting out a watch's timeout.
+    bed.upper.create_namespace("cut").await.unwrap();
+    apply(up(), &deployment("cut", "web", "vn-cut", 1)).await;
+    let made = Instant::now();
+    must(
+        "the pod made after the heal Running upstream",
+        Duration::from_secs(45),
+        Duration::from_millis(500),
+        || async {
+            match running_upstream("cut").await.len() {
+                1 => Ok(()),
+                n => Err(format!("{n} Running")),
+            }
+        },
+    )
+    .await;
+    eprintln!(
+        "figure: a pod made {:?} after the heal Running upstream {:?} after it was made",
+        healed.elapsed() - made.elapsed(),
+        made.elapsed()
+    );
+}
+
+/// The port of apiserver address `url` (`https://host:port`).
+fn port_of(url: &str) -> u16 {
+    url.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// A burst of pods has the pod controller make dozens of calls at once to both apiservers.
+/// Over HTTP/1.1 each call in flight held a connection of its own, and the node kept them
+/// open; over HTTP/2 the calls and watches of a client share one connection, so the burst
+/// opens none.
+#[tokio::test]
+async fn a_burst_of_pods_opens_no_connection_to_either_apiserver() {
+    let bed = bed();
+    bed.upper.create_namespace("conns").await.unwrap();
+    let vn = VirtualNodeProcess::start(&bed.upper, "vn-conns", &bed.lower, &[], "conns").unwrap();
+    scene::node_ready(up(), "vn-conns", 60).await;
+    let pid = vn.pid().unwrap();
+    let (upper, lower) = (port_of(&bed.upper.url()), port_of(&bed.lower.url()));
+    let open = || {
+        (
+            tensile_e2e::process::open_connections(pid, Some(upper)).unwrap(),
+            tensile_e2e::process::open_connections(pid, Some(lower)).unwrap(),
+        )
+    };
+    // The node's first rounds (its node status, Lease, capacity) are done by now.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = open();
+    apply(up(), &deployment("conns", "web", "vn-conns", 120)).await;
+    must(
+        "120 pods Running upstream",
+        Duration::from_secs(180),
+        Duration::from_millis(500),
+        || async {
+            match running_upstream("conns").await.len() {
+                120 => Ok(()),
+                n => Err(format!("{n} Running")),
+            }
+        },
+    )
+    .await;
+    let after = open();
+    eprintln!(
+        "figure: connections to the upper and lower apiservers, before the pods {before:?}, 120 Running {after:?}"
+    );
+    assert!(
+        after.0 <= before.0 && after.1 <= before.1,
+        "connections (upper, lower) grew with the pods: {before:?} before, {after:?} with 120 Running"
+    );
+}
+
+/// An apiserver lets one HTTP/2 connection carry 100 streams at once by default, and a
+/// client that reached the limit holds every further call until a stream ends; a watch's
+/// never does. A client of the suite with more watches open than that (a namespace-scoped
+/// credential watches each namespace apart) still has its calls answered: it opens another
+/// connection first, as client-go does.
+#[tokio::test]
+async fn a_client_with_more_watches_open_than_a_connection_carries_has_its_calls_answered() {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::{Api, ListParams, WatchParams};
+    let client = tensile_common::kubeconfig::client_from_file(up(), &Default::default())
+        .await
+        .unwrap();
+    let api: Api<ConfigMap> = Api::namespaced(client, "default");
+    let opened = tokio::time::timeout(Duration::from_secs(60), async {
+        let mut watches = Vec::new();
+        for i in 0..150 {
+            let params = WatchParams::default().labels(&format!("tensile-test-watch={i}"));
+            watches.push(api.watch(&params, "0").await.unwrap());
+        }
+        watches
+    })
+    .await
+    .expect("150 watches opened within 60 s");
+    let started = Instant::now();
+    let answered =
+        tokio::time::timeout(Duration::from_secs(10), api.list(&ListParams::default().limit(1))).await;
+    assert!(
+        matches!(answered, Ok(Ok(_))),
+        "a list made with {} watches open: {answered:?}",
+        opened.len()
+    );
+    eprintln!(
+        "figure: a list answered {:?} after it was made, {} watches open on the client",
+        started.elapsed(),
+        opened.len()
+    );
 }
 
 /// Two replicas of one virtual node started at the same instant, each acting as the node:
