@@ -527,10 +527,11 @@ pub async fn client(path: Option<&Path>, options: &ClientOptions) -> Result<kube
 }
 
 /// What a client is built from, kept so that a fresh client (with fresh connections) can be
-/// built after a failure. A call that outlived its deadline leaves its connection dead, and
-/// the pool may hold more dead ones (after a partition, every idle connection is); a fresh
-/// client is how a heartbeat stops drawing them one by one, as the kubelet closes all its
-/// connections when a heartbeat fails.
+/// built after a failure. A call that outlived its deadline may have met a dead connection:
+/// over HTTP/2 every call of the client shares it until its ping goes unanswered (up to
+/// [`PING_AFTER_IDLE`] and [`PING_TIMEOUT`]), over HTTP/1.1 the pool may hold more dead ones
+/// (after a partition, every idle connection is). A fresh client is how a heartbeat stops
+/// waiting on them, as the kubelet closes all its connections when a heartbeat fails.
 #[derive(Clone)]
 pub struct ClientSource {
     path: Option<PathBuf>,
