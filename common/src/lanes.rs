@@ -61,7 +61,8 @@ impl<S> Lanes<S> {
 
     /// How many lanes are open (each holds its connection while a stream or its pool keeps
     /// it).
-    pub fn lanes(&self) -> usize {
+    #[cfg(test)]
+    fn lanes(&self) -> usize {
         self.lanes
             .lock()
             .map(|l| l.len())
