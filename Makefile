@@ -16,6 +16,9 @@ build:
 # cargo builds a package's binaries for tests only when that package has tests of its own.
 # scripts/test.sh runs what `cargo test --workspace --all-targets` runs, three test binaries
 # at once (TEST_JOBS).
+# A test run builds each crate once: no incremental state, which took a quarter of the disk
+# of a cold run (docs/testbed.md, "What `make test` takes").
+test lint: export CARGO_INCREMENTAL ?= 0
 test: deps lint
 	$(CARGO) build --workspace --bins
 	bash scripts/test.sh

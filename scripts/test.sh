@@ -29,7 +29,10 @@ for line in sys.stdin:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
         print(m["executable"] + "\t" + os.path.dirname(m["manifest_path"]) + "\t" + m["target"]["name"])
-') || { echo "test.sh: building the tests failed" >&2; exit 101; }
+') || {
+  echo "test.sh: building the tests failed; disk free under target/: $(df -h --output=avail target | tail -1 | tr -d ' ')" >&2
+  exit 101
+}
 
 # The slowest binaries first, so that the lanes end together.
 slow=(pod_contract descheduler virtual_node clusters chart copies failback isolation multi_scheduler demo runtime rebalance overrides exec deploy_docs webhook testbed)
